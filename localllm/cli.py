@@ -1,0 +1,100 @@
+"""The ``localllm`` command. Each subcommand lives in ``localllm/commands/<name>.py`` and is imported
+only when used, so ``localllm --help`` and ``localllm list`` start fast.
+
+A face: it parses and prints; work goes through the engine and the services.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+# name -> (module, one-line help). The help is here so `--help` needs no imports.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "pull": ("localllm.commands.pull", "Download a model (resumable, sha256-verified)."),
+    "run": ("localllm.commands.run", "Run a model: one-shot with a prompt, else an interactive chat."),
+    "chat": ("localllm.commands.chat", "Open the terminal app (chat + model manager)."),
+    "list": ("localllm.commands.list", "List installed models."),
+    "ps": ("localllm.commands.ps", "List loaded models."),
+    "show": ("localllm.commands.show", "Show a model's details."),
+    "rm": ("localllm.commands.rm", "Remove models."),
+    "cp": ("localllm.commands.cp", "Copy a model to a new name."),
+    "stop": ("localllm.commands.stop", "Unload a running model."),
+    "serve": ("localllm.commands.serve", "Serve the Ollama and OpenAI APIs."),
+    "probe": ("localllm.commands.probe", "Show this machine's hardware and the backend localllm picks."),
+    "bench": ("localllm.commands.bench", "Benchmark a model: prompt/generation speed, TTFT, drafts, KV types."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module_name, _ = COMMANDS[name]
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name == module_name:
+                return None
+            raise
+        return module.command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, help_) for name, (_, help_) in COMMANDS.items()]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def invoke(self, ctx: click.Context):  # one sentence and exit 1 for errors a user can cause
+        from localllm.errors import LocalLLMError
+
+        try:
+            return super().invoke(ctx)
+        except LocalLLMError as e:
+            click.echo(f"Error: {e}", err=True)
+            ctx.exit(1)
+        except _backend_errors() as e:
+            click.echo(f"Error: {e}", err=True)
+            ctx.exit(1)
+
+
+def _backend_errors() -> tuple[type[BaseException], ...]:
+    mod = sys.modules.get("backends.base")  # only loaded if a backend was used
+    return (mod.BackendError,) if mod else ()
+
+
+@click.group(cls=LazyGroup, invoke_without_command=True,
+             context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="localllm", prog_name="localllm")
+@click.pass_context
+def cli(ctx: click.Context) -> None:
+    """Run quantized LLMs on this machine.
+
+    \b
+    Examples:
+      localllm run smollm2:135m "Why is the sky blue?"
+      localllm pull qwen2.5:0.5b
+      localllm serve            # Ollama + OpenAI APIs on 127.0.0.1:11434
+      localllm                  # the terminal app
+
+    Environment: LOCALLLM_HOME, LOCALLLM_HOST, LOCALLLM_KEEP_ALIVE, ... (see the README).
+    """
+    if ctx.invoked_subcommand is None:
+        if sys.stdin.isatty() and sys.stdout.isatty() and "chat" in COMMANDS:
+            cmd = ctx.command.get_command(ctx, "chat")  # type: ignore[union-attr]
+            if cmd is not None:
+                ctx.invoke(cmd)
+                return
+        click.echo(ctx.get_help())
+
+
+def main() -> None:
+    cli(prog_name="localllm")
+
+
+if __name__ == "__main__":
+    main()

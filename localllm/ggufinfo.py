@@ -1,0 +1,175 @@
+"""Read and validate GGUF metadata with the ``gguf`` package (ggml's own reader).
+
+``read_gguf(path)`` returns a :class:`GGUFInfo` or raises :class:`InvalidModelFileError` with one
+sentence. A file whose header, tensor offsets or tensor sizes do not fit its length is refused
+here, before any backend sees it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localllm.errors import InvalidModelFileError
+
+GGUF_MAGIC = b"GGUF"
+
+# general.file_type → name (llama_ftype in llama.h)
+FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
+    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M",
+    30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4",
+}
+
+# architectures whose state is recurrent (no partial KV rollback → no speculative decoding,
+# no prefix reuse beyond an exact match)
+RECURRENT_ARCHS = {"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"}
+HYBRID_ARCHS = {"jamba", "falcon-h1", "granitehybrid", "plamo2", "lfm2", "nemotron_h", "qwen3next",
+                "qwen35", "qwen3_5"}
+
+
+@dataclass
+class GGUFInfo:
+    path: str
+    file_size: int
+    architecture: str
+    name: str | None
+    n_layers: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    context_length: int
+    vocab_size: int
+    file_type: str  # quantization, e.g. "Q4_K_M"
+    parameters: int  # parameter count (sum of tensor elements)
+    chat_template: str | None
+    license: str | None
+    sliding_window: int | None = None
+    tokenizer_model: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_recurrent(self) -> bool:
+        return self.architecture in RECURRENT_ARCHS
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.architecture in HYBRID_ARCHS
+
+    @property
+    def parameter_label(self) -> str:
+        p = self.parameters
+        if p >= 1e9:
+            return f"{p / 1e9:.1f}B"
+        return f"{p / 1e6:.0f}M"
+
+    def kv_bytes_per_token(self, kv_type: str = "f16") -> float:
+        """Bytes of K+V cache per context token for all layers."""
+        per_elem = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}[kv_type]
+        elems = self.n_layers * self.n_head_kv * (self.head_dim_k + self.head_dim_v)
+        return elems * per_elem
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _scalar(fields: dict, key: str, default: Any = None) -> Any:
+    f = fields.get(key)
+    if f is None:
+        return default
+    try:
+        value = f.contents()
+    except Exception:
+        return default
+    return value
+
+
+def read_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
+    """Parse and validate ``path``. Raises :class:`InvalidModelFileError` on anything wrong."""
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidModelFileError(f"{p} is not a file.")
+    size = p.stat().st_size
+    with open(p, "rb") as fh:
+        magic = fh.read(4)
+    if magic != GGUF_MAGIC:
+        raise InvalidModelFileError(f"{p.name} is not a GGUF file (it does not start with the GGUF magic).")
+
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(p, "r")
+    except Exception as e:  # truncated header/tensor table: numpy memmap or struct errors
+        raise InvalidModelFileError(
+            f"{p.name} is corrupt or truncated: its GGUF header cannot be read ({type(e).__name__})."
+        ) from None
+
+    end = 0
+    n_params = 0
+    for t in reader.tensors:
+        stop = int(t.data_offset) + int(t.n_bytes)
+        if stop > size:
+            raise InvalidModelFileError(
+                f"{p.name} is truncated: tensor {t.name} ends at byte {stop:,} but the file has {size:,} bytes."
+            )
+        end = max(end, stop)
+        n_params += int(t.n_elements)
+    if not reader.tensors:
+        raise InvalidModelFileError(f"{p.name} holds no tensors.")
+
+    f = reader.fields
+    arch = _scalar(f, "general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise InvalidModelFileError(f"{p.name} has no general.architecture in its metadata.")
+
+    def a(key: str, default: Any = None) -> Any:
+        return _scalar(f, f"{arch}.{key}", default)
+
+    n_embd = int(a("embedding_length", 0) or 0)
+    n_head = a("attention.head_count", 0) or 0
+    n_head_kv = a("attention.head_count_kv", n_head) or n_head
+    # per-layer arrays (some archs vary heads by layer): take the max as the conservative figure
+    if isinstance(n_head, list):
+        n_head = max(n_head) if n_head else 0
+    if isinstance(n_head_kv, list):
+        n_head_kv = max(n_head_kv) if n_head_kv else 0
+    n_head, n_head_kv = int(n_head), int(n_head_kv)
+    default_hd = n_embd // n_head if n_head else 0
+    head_k = int(a("attention.key_length", default_hd) or default_hd)
+    head_v = int(a("attention.value_length", default_hd) or default_hd)
+    vocab = a("vocab_size")
+    if vocab is None:
+        tokens = f.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else 0
+    ftype = _scalar(f, "general.file_type")
+    sw = a("attention.sliding_window")
+    return GGUFInfo(
+        path=str(p),
+        file_size=size,
+        architecture=arch,
+        name=_scalar(f, "general.name"),
+        n_layers=int(a("block_count", 0) or 0),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim_k=head_k,
+        head_dim_v=head_v,
+        context_length=int(a("context_length", 0) or 0),
+        vocab_size=int(vocab),
+        file_type=FILE_TYPES.get(int(ftype), f"type {ftype}") if ftype is not None else "unknown",
+        parameters=n_params,
+        chat_template=_scalar(f, "tokenizer.chat_template"),
+        license=_scalar(f, "general.license"),
+        sliding_window=int(sw) if isinstance(sw, int | float) else None,
+        tokenizer_model=_scalar(f, "tokenizer.ggml.model"),
+        bos_token_id=_scalar(f, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_scalar(f, "tokenizer.ggml.eos_token_id"),
+    )
