@@ -1,0 +1,271 @@
+"""Conversations and messages of the terminal app, in SQLite (``paths().chats_db``).
+
+The database runs in WAL mode; every write commits at once, so a process killed mid-answer loses
+only the answer it was generating (the TUI commits the user's message before it generates and the
+answer when it is done). The schema is versioned with ``PRAGMA user_version`` and upgraded by the
+forward migrations in :data:`MIGRATIONS`, applied in order on open; a database written by a newer
+localllm is refused rather than damaged.
+
+    >>> store = ChatStore(":memory:")
+    >>> conv = store.create(title="Sky", model="smollm2:135m")
+    >>> _ = store.add_message(conv.id, "user", "Why is the sky blue?")
+    >>> [m.role for m in store.messages(conv.id)]
+    ['user']
+    >>> print(store.export_markdown(conv.id).splitlines()[0])
+    # Sky
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localllm.errors import LocalLLMError
+
+DEFAULT_TITLE = "New chat"
+
+
+def _script(db: sqlite3.Connection, sql: str) -> None:
+    """Run ``;``-separated statements inside the caller's transaction (``executescript`` would commit)."""
+    for statement in sql.split(";"):
+        if statement.strip():
+            db.execute(statement)
+
+
+def _v1(db: sqlite3.Connection) -> None:
+    _script(
+        db,
+        """
+        CREATE TABLE conversation (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            title TEXT NOT NULL,
+            model TEXT,
+            system TEXT NOT NULL DEFAULT '',
+            params TEXT NOT NULL DEFAULT '{}',
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        );
+        CREATE TABLE message (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            conversation_id INTEGER NOT NULL REFERENCES conversation(id) ON DELETE CASCADE,
+            role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+            content TEXT NOT NULL,
+            created_at REAL NOT NULL
+        );
+        CREATE INDEX message_conversation ON message(conversation_id, id);
+        """
+    )
+
+
+def _v2(db: sqlite3.Connection) -> None:
+    """Answers keep the stats they were generated with (model, tokens/s, TTFT, draft acceptance)."""
+    db.execute("ALTER TABLE message ADD COLUMN stats TEXT")
+    db.execute("CREATE INDEX conversation_updated ON conversation(updated_at)")
+
+
+# Index i upgrades a database from user_version i to i + 1. Append only; never edit a released step.
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+@dataclass
+class Conversation:
+    id: int
+    title: str
+    model: str | None = None
+    system: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+@dataclass
+class Message:
+    id: int
+    conversation_id: int
+    role: str
+    content: str
+    created_at: float = 0.0
+    stats: dict[str, Any] | None = None
+
+
+class ChatStore:
+    """Thread-safe access to the chats database (one connection, one lock; writes commit at once)."""
+
+    def __init__(self, path: str | Path | None = None):
+        if path is None:
+            from localllm.config import paths
+
+            path = paths().chats_db
+        if str(path) != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.path = str(path)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._migrate()
+
+    # ------------------------------------------------------------------ schema
+
+    @property
+    def version(self) -> int:
+        return self._db.execute("PRAGMA user_version").fetchone()[0]
+
+    def _migrate(self) -> None:
+        with self._lock:
+            current = self.version
+            if current > SCHEMA_VERSION:
+                raise LocalLLMError(
+                    f"The chats database {self.path} was written by a newer localllm "
+                    f"(schema {current}, this one knows {SCHEMA_VERSION}); upgrade localllm to open it."
+                )
+            for version in range(current, SCHEMA_VERSION):
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    MIGRATIONS[version](self._db)
+                    self._db.execute(f"PRAGMA user_version = {version + 1}")
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+
+    # ------------------------------------------------------------------ conversations
+
+    @staticmethod
+    def _conv(row: sqlite3.Row) -> Conversation:
+        return Conversation(
+            id=row["id"], title=row["title"], model=row["model"], system=row["system"],
+            params=json.loads(row["params"] or "{}"), created_at=row["created_at"], updated_at=row["updated_at"],
+        )
+
+    def create(self, title: str = DEFAULT_TITLE, model: str | None = None, system: str = "",
+               params: dict[str, Any] | None = None) -> Conversation:
+        now = time.time()
+        with self._lock:
+            cur = self._db.execute(
+                "INSERT INTO conversation (title, model, system, params, created_at, updated_at) VALUES (?,?,?,?,?,?)",
+                (title, model, system, json.dumps(params or {}), now, now),
+            )
+            return self.get(cur.lastrowid)  # type: ignore[arg-type]
+
+    def get(self, conversation_id: int) -> Conversation:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM conversation WHERE id = ?", (conversation_id,)).fetchone()
+        if row is None:
+            raise LocalLLMError(f"There is no conversation {conversation_id}.")
+        return self._conv(row)
+
+    def conversations(self) -> list[Conversation]:
+        """Every conversation, most recently used first."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM conversation ORDER BY updated_at DESC, id DESC").fetchall()
+        return [self._conv(r) for r in rows]
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        title = " ".join(title.split())
+        if not title:
+            raise LocalLLMError("A conversation needs a title that is not empty.")
+        with self._lock:
+            self._db.execute("UPDATE conversation SET title = ? WHERE id = ?", (title[:200], conversation_id))
+
+    def update(self, conversation_id: int, *, model: str | None = None, system: str | None = None,
+               params: dict[str, Any] | None = None) -> Conversation:
+        """Change the model, system prompt or parameters (``None`` leaves a field as it is)."""
+        sets, args = [], []
+        for column, value in (("model", model), ("system", system)):
+            if value is not None:
+                sets.append(f"{column} = ?")
+                args.append(value)
+        if params is not None:
+            sets.append("params = ?")
+            args.append(json.dumps(params))
+        if sets:
+            with self._lock:
+                self._db.execute(f"UPDATE conversation SET {', '.join(sets)} WHERE id = ?", (*args, conversation_id))
+        return self.get(conversation_id)
+
+    def delete(self, conversation_id: int) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM conversation WHERE id = ?", (conversation_id,))
+
+    # ------------------------------------------------------------------ messages
+
+    @staticmethod
+    def _msg(row: sqlite3.Row) -> Message:
+        stats = row["stats"]
+        return Message(id=row["id"], conversation_id=row["conversation_id"], role=row["role"],
+                       content=row["content"], created_at=row["created_at"],
+                       stats=json.loads(stats) if stats else None)
+
+    def add_message(self, conversation_id: int, role: str, content: str,
+                    stats: dict[str, Any] | None = None) -> Message:
+        """Append a message and commit it (the conversation moves to the top of the list)."""
+        now = time.time()
+        with self._lock:
+            cur = self._db.execute(
+                "INSERT INTO message (conversation_id, role, content, created_at, stats) VALUES (?,?,?,?,?)",
+                (conversation_id, role, content, now, json.dumps(stats) if stats else None),
+            )
+            self._db.execute("UPDATE conversation SET updated_at = ? WHERE id = ?", (now, conversation_id))
+            row = self._db.execute("SELECT * FROM message WHERE id = ?", (cur.lastrowid,)).fetchone()
+        return self._msg(row)
+
+    def messages(self, conversation_id: int) -> list[Message]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM message WHERE conversation_id = ? ORDER BY id", (conversation_id,)
+            ).fetchall()
+        return [self._msg(r) for r in rows]
+
+    def delete_message(self, message_id: int) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM message WHERE id = ?", (message_id,))
+
+    def prompt_history(self, limit: int = 200) -> list[str]:
+        """The user's earlier prompts across conversations, oldest first, without repeats."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT content FROM message WHERE role = 'user' ORDER BY id DESC LIMIT ?", (limit * 2,)
+            ).fetchall()
+        seen: set[str] = set()
+        out: list[str] = []
+        for (content,) in rows:
+            if content not in seen:
+                seen.add(content)
+                out.append(content)
+        return list(reversed(out[:limit]))
+
+    # ------------------------------------------------------------------ export
+
+    def export_markdown(self, conversation_id: int) -> str:
+        """The conversation as a Markdown document (title, settings, then one section per message)."""
+        conv = self.get(conversation_id)
+        lines = [f"# {conv.title}", ""]
+        if conv.model:
+            lines.append(f"- model: `{conv.model}`")
+        for key, value in sorted(conv.params.items()):
+            lines.append(f"- {key}: `{value}`")
+        if conv.system:
+            lines += ["", "## System", "", conv.system]
+        for msg in self.messages(conversation_id):
+            lines += ["", f"## {msg.role.capitalize()}", "", msg.content]
+        return "\n".join(lines).rstrip() + "\n"
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> ChatStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
