@@ -1,0 +1,414 @@
+"""The interactive ``>>>`` prompt of ``localllm run`` (Ollama's ``cmd/interactive.go``).
+
+    >>> Why is the sky blue?
+    >>> \"\"\"A message
+    ... over several lines\"\"\"
+    >>> /set parameter temperature 0
+    >>> /show info
+    >>> /bye
+
+Ctrl+C stops the answer being written (the prompt comes back); Ctrl+D or ``/bye`` exits. Input
+history lives in ``<data>/history`` unless ``LOCALLLM_NOHISTORY`` is set. A face: generation goes
+through the engine, never a backend.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import threading
+from dataclasses import replace
+from typing import IO, Any
+
+from localllm.commands.run import RunSettings, ensure_model, overflow_note, print_stats, stream_answer
+from localllm.engine import BackendError
+from localllm.errors import LocalLLMError
+
+HELP = """Available Commands:
+  /set            Set session variables
+  /show           Show model information
+  /load <model>   Load a session or model
+  /clear          Clear session context
+  /bye            Exit
+  /?, /help       Help for a command
+  /? shortcuts    Help for keyboard shortcuts
+
+Use \"\"\" to begin a multi-line message.
+"""
+
+SET_HELP = """Available Commands:
+  /set parameter ...     Set a parameter
+  /set system <string>   Set system message
+  /set history           Enable history
+  /set nohistory         Disable history
+  /set format json       Enable JSON mode
+  /set noformat          Disable formatting
+  /set verbose           Show LLM stats
+  /set quiet             Disable LLM stats
+"""
+
+PARAM_HELP = """Available Parameters:
+  /set parameter seed <int>             Random number seed
+  /set parameter num_predict <int>      Max number of tokens to predict
+  /set parameter top_k <int>            Pick from top k num of tokens
+  /set parameter top_p <float>          Pick token based on sum of probabilities
+  /set parameter min_p <float>          Pick token based on top token probability * min_p
+  /set parameter num_ctx <int>          Set the context size
+  /set parameter temperature <float>    Set creativity level
+  /set parameter repeat_penalty <float> How strongly to penalize repetitions
+  /set parameter repeat_last_n <int>    Set how far back to look for repetitions
+  /set parameter stop <string> <string> ...   Set the stop parameters
+"""
+
+SHOW_HELP = """Available Commands:
+  /show info         Show details for this model
+  /show license      Show model license
+  /show parameters   Show parameters for this model
+  /show system       Show system message
+  /show template     Show prompt template
+"""
+
+SHORTCUTS = """Available keyboard shortcuts:
+  Ctrl + a            Move to the beginning of the line (Home)
+  Ctrl + e            Move to the end of the line (End)
+  Ctrl + k            Delete the sentence after the cursor
+  Ctrl + u            Delete the sentence before the cursor
+  Ctrl + w            Delete the word before the cursor
+  Ctrl + l            Clear the screen
+  Ctrl + c            Stop the model from responding
+  Ctrl + d            Exit localllm (/bye)
+"""
+
+# name -> (Sampling attribute or LoadOptions attribute, type); num_ctx lives on the load options.
+PARAMETERS: dict[str, tuple[str, type]] = {
+    "seed": ("seed", int),
+    "num_predict": ("max_tokens", int),
+    "top_k": ("top_k", int),
+    "top_p": ("top_p", float),
+    "min_p": ("min_p", float),
+    "temperature": ("temperature", float),
+    "repeat_penalty": ("repeat_penalty", float),
+    "repeat_last_n": ("repeat_last_n", int),
+    "num_ctx": ("num_ctx", int),
+    "stop": ("stop", list),
+}
+
+
+class Repl:
+    """One interactive session on one model.
+
+    ``read`` returns the next line (raising EOFError at the end); by default it is :func:`input`
+    with readline editing and history when stdin is a terminal.
+    """
+
+    def __init__(self, engine: Any, model: str, settings: RunSettings, *,
+                 out: IO[str] | None = None, err: IO[str] | None = None, read: Any = None):
+        self.engine = engine
+        self.model = model
+        self.settings = replace(settings, sampling=replace(settings.sampling))
+        self.messages: list[dict[str, Any]] = []
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self._read = read or input
+        self._history_file: str | None = None
+        self.history = os.environ.get("LOCALLLM_NOHISTORY", "") in ("", "0")
+
+    # -------------------------------------------------------------------------------- main loop
+
+    def run(self) -> None:
+        """Load the model, then read and answer until /bye or Ctrl+D."""
+        self.engine.load(self.model, self.settings.load, keep_alive=self.settings.keep_alive)
+        self._setup_readline()
+        try:
+            while True:
+                try:
+                    line = self._read_message()
+                except EOFError:
+                    self.out.write("\n")
+                    break
+                except KeyboardInterrupt:  # Ctrl+C at the prompt: a fresh line, as Ollama does
+                    self.out.write("\nUse Ctrl + d or /bye to exit.\n")
+                    continue
+                if line is None:
+                    continue
+                if line.startswith("/"):
+                    if self.command(line) == "exit":
+                        break
+                    continue
+                self.ask(line)
+        finally:
+            self._save_history()
+
+    def _read_message(self) -> str | None:
+        """One message: a line, or a \"\"\"-delimited block. None for a blank line."""
+        line = self._read(">>> ")
+        stripped = line.strip()
+        if not stripped:
+            return None
+        if not stripped.startswith('"""'):
+            return stripped
+        body = stripped[3:]
+        if body.endswith('"""') and len(body) >= 3:
+            return body[:-3].strip() or None
+        lines = [body] if body else []
+        while True:
+            more = self._read("... ")
+            if more.rstrip().endswith('"""'):
+                lines.append(more.rstrip()[:-3])
+                break
+            lines.append(more)
+        text = "\n".join(lines).strip()
+        return text or None
+
+    # -------------------------------------------------------------------------------- answering
+
+    def ask(self, text: str) -> None:
+        """Send ``text`` as the next user turn and stream the answer."""
+        from localllm.engine import GenerateRequest
+
+        s = self.settings
+        messages = [{"role": "system", "content": s.system}] if s.system else []
+        messages += self.messages + [{"role": "user", "content": text}]
+        request = GenerateRequest(messages=messages, sampling=replace(s.sampling), format=s.format)
+        cancel = threading.Event()
+        try:
+            answer = stream_answer(self.engine, self.model, request, s.load, out=self.out,
+                                   cancel=cancel, keep_alive=s.keep_alive)
+        except (LocalLLMError, BackendError) as e:  # one sentence; the session goes on
+            self.err.write(f"Error: {e}\n")
+            return
+        done = answer.done
+        if done is not None and done.finish_reason == "error":
+            self.err.write(f"Error: {done.error}\n")
+            return
+        self.out.write("\n\n" if not answer.cancelled else "\n")
+        self.out.flush()
+        if answer.cancelled:  # the question and its partial answer are left out of the history
+            return
+        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.text}]
+        if done is not None:
+            dropped = done.stats.dropped_messages
+            if dropped:
+                note = overflow_note(done.stats)
+                self.err.write(note + "\n")
+                del self.messages[:dropped]  # the backend left them out; keep our copy in step
+            if s.verbose:
+                print_stats(done.stats, self.err)
+
+    # -------------------------------------------------------------------------------- commands
+
+    def command(self, line: str) -> str | None:
+        """Run a /command; returns "exit" for /bye."""
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            words = line.split()
+        cmd, args = words[0].lower(), words[1:]
+        if cmd in ("/bye", "/exit"):
+            return "exit"
+        if cmd in ("/?", "/help"):
+            if args and args[0] == "shortcuts":
+                self._say(SHORTCUTS)
+            elif args and args[0] == "set":
+                self._say(SET_HELP)
+            elif args and args[0] == "show":
+                self._say(SHOW_HELP)
+            else:
+                self._say(HELP)
+        elif cmd == "/set":
+            self._set(line, args)
+        elif cmd == "/show":
+            self._show(args)
+        elif cmd == "/clear":
+            self.messages.clear()
+            self._say("Cleared session context")
+        elif cmd == "/load":
+            self._load(args)
+        else:
+            self._say(f"Unknown command '{words[0]}'. Type /? for help")
+        return None
+
+    def _set(self, line: str, args: list[str]) -> None:
+        s = self.settings
+        if not args:
+            self._say(SET_HELP)
+            return
+        what = args[0].lower()
+        if what == "parameter":
+            if len(args) < 3:
+                self._say(PARAM_HELP)
+                return
+            self._set_parameter(args[1], args[2:])
+        elif what == "system":
+            # everything after "/set system", quotes and spacing kept as typed
+            rest = line.split(None, 2)[2] if len(line.split(None, 2)) > 2 else ""
+            rest = rest.strip()
+            if len(rest) >= 2 and rest[0] == rest[-1] and rest[0] in "\"'":
+                rest = rest[1:-1]
+            s.system = rest or None
+            self._say("Set system message.")
+        elif what == "format":
+            if args[1:] != ["json"]:
+                self._say("Invalid or missing format. For 'json' mode use '/set format json'")
+                return
+            s.format = "json"
+            self._say("Set format to 'json' mode.")
+        elif what == "noformat":
+            s.format = None
+            self._say("Disabled format.")
+        elif what == "verbose":
+            s.verbose = True
+            self._say("Set 'verbose' mode.")
+        elif what == "quiet":
+            s.verbose = False
+            self._say("Set 'quiet' mode.")
+        elif what == "history":
+            self.history = True
+            self._say("Set 'history' mode.")
+        elif what == "nohistory":
+            self.history = False
+            self._say("Set 'nohistory' mode.")
+        else:
+            self._say(f"Unknown command '/set {args[0]}'. Type /? for help")
+
+    def _set_parameter(self, name: str, values: list[str]) -> None:
+        name = name.lower()
+        if name not in PARAMETERS:
+            self._say(f"Unknown parameter '{name}'. Type '/set parameter' to see them.")
+            return
+        attr, kind = PARAMETERS[name]
+        try:
+            value: Any = list(values) if kind is list else kind(values[0])
+        except ValueError:
+            self._say(f"Couldn't set parameter: '{name}' needs a {kind.__name__}, got '{values[0]}'.")
+            return
+        s = self.settings
+        if name == "num_ctx":
+            if value < 1:
+                self._say("Couldn't set parameter: 'num_ctx' must be positive.")
+                return
+            s.load = replace(s.load, num_ctx=value)  # the engine reloads with it on the next answer
+        else:
+            setattr(s.sampling, attr, value)
+        shown = ", ".join(values) if kind is list else values[0]
+        self._say(f"Set parameter '{name}' to '{shown}'")
+
+    def _show(self, args: list[str]) -> None:
+        if not args:
+            self._say(SHOW_HELP)
+            return
+        what = args[0].lower()
+        if what == "info":
+            self._say(self.info_text())
+        elif what == "parameters":
+            self._say(self.parameters_text())
+        elif what == "system":
+            self._say(self.settings.system or "No system message was specified for this model.")
+        elif what == "template":
+            tmpl = self._gguf().get("chat_template")
+            self._say(tmpl or "No prompt template was specified for this model.")
+        elif what == "license":
+            lic = self._gguf().get("license")
+            self._say(lic or "No license was specified for this model.")
+        else:
+            self._say(f"Unknown command '/show {args[0]}'. Type /? for help")
+
+    def _load(self, args: list[str]) -> None:
+        if len(args) != 1:
+            self._say("Usage:\n  /load <modelname>")
+            return
+        try:
+            installed = ensure_model(self.engine.store, args[0])
+            name = getattr(installed, "name", args[0])
+            self._say(f"Loading model '{name}'")
+            self.engine.load(name, self.settings.load, keep_alive=self.settings.keep_alive)
+        except (LocalLLMError, BackendError) as e:
+            self.err.write(f"Error: {e}\n")
+            return
+        if name != self.model:
+            self.engine.unload(self.model)
+        self.model = name
+        self.messages.clear()
+
+    # -------------------------------------------------------------------------------- /show text
+
+    def _gguf(self) -> dict[str, Any]:
+        try:
+            info = self.engine.store.get(self.model).info
+        except LocalLLMError:
+            return {}
+        return dict(info) if isinstance(info, dict) else dict(getattr(info, "__dict__", {}))
+
+    def info_text(self) -> str:
+        """Ollama's ``/show info`` sections, plus how this session loaded the model."""
+        g = self._gguf()
+        rows: list[tuple[str, str]] = []
+        if g:
+            params = g.get("parameters") or 0
+            label = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
+            rows += [("architecture", str(g.get("architecture", "?"))), ("parameters", label),
+                     ("context length", str(g.get("context_length", "?"))),
+                     ("embedding length", str(g.get("n_embd", "?"))),
+                     ("quantization", str(g.get("file_type", "?")))]
+        lines = ["  Model"] + [f"    {k:<20}{v}" for k, v in rows]
+        running = next((m for m in self.engine.ps() if m.name == self.model), None)
+        if running is not None:
+            info = running.info
+            plan = running.plan
+            lines += ["", "  Session",
+                      f"    {'backend':<20}{getattr(plan, 'backend', '?')}",
+                      f"    {'context':<20}{info.n_ctx}",
+                      f"    {'kv cache':<20}{info.kv_cache_type}",
+                      f"    {'gpu layers':<20}{info.n_gpu_layers}/{info.n_layers}",
+                      f"    {'draft':<20}{info.draft or 'none'}"]
+        lic = g.get("license")
+        if lic:
+            lines += ["", "  License", f"    {str(lic).splitlines()[0]}"]
+        return "\n".join(lines) + "\n"
+
+    def parameters_text(self) -> str:
+        s = self.settings.sampling
+        rows = [("temperature", s.temperature), ("top_k", s.top_k), ("top_p", s.top_p), ("min_p", s.min_p),
+                ("repeat_penalty", s.repeat_penalty), ("repeat_last_n", s.repeat_last_n),
+                ("seed", s.seed), ("num_predict", s.max_tokens), ("num_ctx", self.settings.load.num_ctx),
+                ("stop", " ".join(s.stop) if s.stop else None)]
+        lines = ["Model defined parameters:", "No additional parameters were specified for this model.", "",
+                 "User defined parameters:"]
+        lines += [f"{k:<30}{v}" for k, v in rows if v is not None]
+        return "\n".join(lines) + "\n"
+
+    def _say(self, text: str) -> None:
+        self.out.write(text if text.endswith("\n") else text + "\n")
+        self.out.flush()
+
+    # -------------------------------------------------------------------------------- readline
+
+    def _setup_readline(self) -> None:
+        if self._read is not input or not sys.stdin.isatty():
+            return
+        try:
+            import readline
+        except ImportError:  # Windows without pyreadline: plain input()
+            return
+        from localllm.config import paths
+
+        path = paths().data / "history"
+        self._history_file = str(path)
+        readline.set_history_length(1000)
+        if self.history and path.exists():
+            try:
+                readline.read_history_file(self._history_file)
+            except OSError:
+                pass
+
+    def _save_history(self) -> None:
+        if not self._history_file or not self.history:
+            return
+        import readline
+
+        try:
+            os.makedirs(os.path.dirname(self._history_file), exist_ok=True)
+            readline.write_history_file(self._history_file)
+        except OSError:
+            pass
