@@ -1,0 +1,530 @@
+"""The chat screen: conversations on the left, the streaming conversation on the right, a prompt and a
+status line below.
+
+Streaming: a thread worker runs the (blocking) backend generator and hands each event to the event
+loop without waiting (``call_soon_threadsafe``); an async worker writes the text through
+``Markdown.get_stream`` (which merges fragments when the screen cannot keep up) and, at the end, sets
+the whole answer once so code fences render complete. The message list is anchored to the bottom:
+it follows the stream until the user scrolls up, and picks it up again when they scroll back down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from textual import events, on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer, Label, Markdown, OptionList, Static, TextArea
+from textual.widgets.option_list import Option
+
+from localllm.chats import DEFAULT_TITLE, Conversation
+
+from .backend_adapter import AnswerInfo
+
+if TYPE_CHECKING:
+    from .app import LocalLLMApp
+
+
+class PromptInput(TextArea):
+    """Multi-line prompt: Enter sends, Ctrl+J (or Shift+Enter where the terminal reports it) adds a
+    newline, Up on the first line recalls earlier prompts."""
+
+    BINDINGS = [
+        Binding("enter", "submit", "Send", id="prompt.send", priority=True),
+        Binding("ctrl+j,shift+enter", "newline", "Newline", id="prompt.newline", priority=True),
+        Binding("up", "history_prev", "Earlier prompt", id="prompt.history_prev", show=False, priority=True),
+        Binding("down", "history_next", "Later prompt", id="prompt.history_next", show=False, priority=True),
+    ]
+
+    class Submitted(Message):
+        def __init__(self, text: str):
+            super().__init__()
+            self.text = text
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
+        self.prompts: list[str] = []
+        self._hist_pos: int | None = None
+        self._draft = ""
+
+    def action_submit(self) -> None:
+        text = self.text.strip()
+        if not text:
+            return
+        self.post_message(self.Submitted(text))
+        if not self.prompts or self.prompts[-1] != text:
+            self.prompts.append(text)
+        self._hist_pos = None
+        self.clear()
+
+    def action_newline(self) -> None:
+        self.insert("\n")
+
+    def action_history_prev(self) -> None:
+        if self.cursor_location[0] > 0 or not self.prompts:
+            self.action_cursor_up()
+            return
+        if self._hist_pos is None:
+            self._draft, self._hist_pos = self.text, len(self.prompts)
+        if self._hist_pos > 0:
+            self._hist_pos -= 1
+            self._show(self.prompts[self._hist_pos])
+
+    def action_history_next(self) -> None:
+        last_row = self.document.line_count - 1
+        if self._hist_pos is None or self.cursor_location[0] < last_row:
+            self.action_cursor_down()
+            return
+        self._hist_pos += 1
+        if self._hist_pos >= len(self.prompts):
+            self._hist_pos = None
+            self._show(self._draft)
+        else:
+            self._show(self.prompts[self._hist_pos])
+
+    def _show(self, text: str) -> None:
+        self.load_text(text)
+        self.move_cursor(self.document.end)
+
+
+class MessageView(Vertical, can_focus=True):
+    """One message. Click it to copy it; click a code block to copy only that block."""
+
+    BINDINGS = [
+        Binding("c,y", "copy", "Copy", id="message.copy"),
+        Binding("k", "copy_code", "Copy code", id="message.copy_code"),
+    ]
+
+    def __init__(self, role: str, content: str, message_id: int | None = None, stopped: bool = False):
+        super().__init__(classes=f"message {role}")
+        self.role, self.content, self.message_id = role, content, message_id
+        self.stopped = stopped
+        self._code_index = 0
+
+    def compose(self) -> ComposeResult:
+        label = {"user": "You", "assistant": "Assistant", "system": "System"}.get(self.role, self.role)
+        yield Label(label + (" (stopped)" if self.stopped else ""), classes="role")
+        yield Markdown(self.content, classes="body")
+
+    @property
+    def markdown(self) -> Markdown:
+        return self.query_one(Markdown)
+
+    def code_blocks(self) -> list[str]:
+        from textual.widgets._markdown import MarkdownFence
+
+        return [fence.code for fence in self.query(MarkdownFence)]
+
+    def action_copy(self) -> None:
+        self.app.copy_to_clipboard(self.content)
+        self.notify("Message copied.", timeout=2)
+
+    def action_copy_code(self) -> None:
+        blocks = self.code_blocks()
+        if not blocks:
+            self.notify("This message has no code block.", severity="warning", timeout=2)
+            return
+        block = blocks[self._code_index % len(blocks)]
+        self._code_index += 1
+        self.app.copy_to_clipboard(block)
+        self.notify(f"Code block {(self._code_index - 1) % len(blocks) + 1}/{len(blocks)} copied.", timeout=2)
+
+    def on_click(self, event: events.Click) -> None:
+        from textual.widgets._markdown import MarkdownFence
+
+        node = event.widget
+        while node is not None and node is not self:
+            if isinstance(node, MarkdownFence):
+                self.app.copy_to_clipboard(node.code)
+                self.notify("Code block copied.", timeout=2)
+                return
+            node = node.parent
+        self.action_copy()
+
+
+class ChatScreen(Screen):
+    """Conversations, the conversation, the prompt and the status line."""
+
+    BINDINGS = [
+        Binding("ctrl+n", "new_chat", "New", id="chat.new"),
+        Binding("ctrl+r", "rename_chat", "Rename", id="chat.rename"),
+        Binding("ctrl+d", "delete_chat", "Delete", id="chat.delete"),
+        Binding("ctrl+e", "export_chat", "Export", id="chat.export"),
+        Binding("ctrl+t", "settings", "Settings", id="chat.settings"),
+        Binding("ctrl+g", "regenerate", "Regenerate", id="chat.regenerate"),
+        Binding("escape", "stop", "Stop", id="chat.stop"),
+        Binding("ctrl+y", "copy_last", "Copy answer", id="chat.copy", show=False),
+        Binding("ctrl+k", "copy_code", "Copy code", id="chat.copy_code", show=False),
+        Binding("ctrl+b", "toggle_sidebar", "Sidebar", id="chat.sidebar", show=False),
+        Binding("ctrl+l", "focus_prompt", "Prompt", id="chat.focus_prompt", show=False),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conversation: Conversation | None = None
+        self.cancel: threading.Event | None = None
+        self.generating = False
+        self.last_info: AnswerInfo | None = None
+        self.render_lag_s: float | None = None  # end of generation -> last token on screen
+        self.answer_done = asyncio.Event()
+
+    @property
+    def lapp(self) -> LocalLLMApp:
+        return self.app  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ layout
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="main"):
+            with Vertical(id="sidebar"):
+                yield Label("Conversations", classes="title")
+                yield OptionList(id="conversations")
+            with Vertical(id="chat-pane"):
+                yield VerticalScroll(id="messages")
+                yield PromptInput(id="prompt", placeholder="Message (Enter sends, Ctrl+J newline)")
+        yield Static("", id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.lapp.chat_screen = self
+        store = self.lapp.chats
+        self.query_one(PromptInput).prompts = store.prompt_history()
+        convs = store.conversations()
+        self.refresh_list(convs)
+        if convs:
+            self.open_conversation(convs[0].id)
+        else:
+            self.update_status()
+        self.query_one(PromptInput).focus()
+
+    # ------------------------------------------------------------------ conversations
+
+    def refresh_list(self, convs: list[Conversation] | None = None) -> None:
+        convs = self.lapp.chats.conversations() if convs is None else convs
+        ol = self.query_one("#conversations", OptionList)
+        ol.clear_options()
+        ol.add_options([Option(c.title, id=str(c.id)) for c in convs])
+        if self.conversation is not None:
+            try:
+                ol.highlighted = ol.get_option_index(str(self.conversation.id))
+            except Exception:  # noqa: BLE001 - not in the list any more
+                pass
+
+    @property
+    def model(self) -> str:
+        if self.conversation is not None and self.conversation.model:
+            return self.conversation.model
+        return self.lapp.model
+
+    def open_conversation(self, conversation_id: int | None) -> None:
+        """Show a conversation (None: an empty new one, created on the first message)."""
+        if self.generating:
+            self.action_stop()
+        self.conversation = self.lapp.chats.get(conversation_id) if conversation_id is not None else None
+        box = self.query_one("#messages", VerticalScroll)
+        box.remove_children()
+        if self.conversation is not None:
+            views = [MessageView(m.role, m.content, m.id, stopped=(m.stats or {}).get("finish_reason") == "cancelled")
+                     for m in self.lapp.chats.messages(self.conversation.id)]
+            if views:
+                box.mount_all(views)
+            self.refresh_list()
+        box.anchor()
+        self.update_status()
+
+    @on(OptionList.OptionSelected, "#conversations")
+    def _selected(self, event: OptionList.OptionSelected) -> None:
+        if event.option.id and (self.conversation is None or str(self.conversation.id) != event.option.id):
+            self.open_conversation(int(event.option.id))
+        self.query_one(PromptInput).focus()
+
+    def action_new_chat(self) -> None:
+        self.open_conversation(None)
+        self.query_one("#conversations", OptionList).highlighted = None
+        self.query_one(PromptInput).focus()
+
+    def action_rename_chat(self) -> None:
+        if self.conversation is None:
+            self.notify("Send a message first: an empty chat has nothing to rename.", severity="warning")
+            return
+        from .modals import TextModal
+
+        conv_id = self.conversation.id
+
+        def done(title: str | None) -> None:
+            if title:
+                self.lapp.chats.rename(conv_id, title)
+                if self.conversation is not None and self.conversation.id == conv_id:
+                    self.conversation = self.lapp.chats.get(conv_id)
+                self.refresh_list()
+
+        self.app.push_screen(TextModal("Rename conversation", self.conversation.title), done)
+
+    def action_delete_chat(self) -> None:
+        if self.conversation is None:
+            return
+        from .modals import ConfirmModal
+
+        conv = self.conversation
+
+        def done(yes: bool | None) -> None:
+            if not yes:
+                return
+            if self.generating:
+                self.action_stop()
+            self.lapp.chats.delete(conv.id)
+            rest = self.lapp.chats.conversations()
+            self.conversation = None
+            self.refresh_list(rest)
+            self.open_conversation(rest[0].id if rest else None)
+            self.notify(f"Deleted “{conv.title}”.", timeout=2)
+
+        self.app.push_screen(ConfirmModal(f"Delete “{conv.title}” and its messages?"), done)
+
+    def action_export_chat(self) -> None:
+        if self.conversation is None:
+            return
+        from localllm.config import paths
+
+        text = self.lapp.chats.export_markdown(self.conversation.id)
+        slug = "".join(ch if ch.isalnum() else "-" for ch in self.conversation.title.lower()).strip("-")[:40]
+        out = paths().data / "exports" / f"{self.conversation.id}-{slug or 'chat'}.md"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
+        self.app.copy_to_clipboard(text)
+        self.notify(f"Exported to {out} (and copied).", timeout=4)
+
+    def action_settings(self) -> None:
+        from .modals import SettingsModal
+
+        conv = self.conversation
+        models = self.lapp.model_names()
+
+        def done(result: dict[str, Any] | None) -> None:
+            if result is None:
+                return
+            target = self.ensure_conversation()
+            self.conversation = self.lapp.chats.update(
+                target.id, model=result["model"], system=result["system"], params=result["params"])
+            self.update_status()
+            self.notify("Settings saved for this conversation.", timeout=2)
+
+        self.app.push_screen(SettingsModal(
+            conv.model if conv and conv.model else self.lapp.model, models,
+            conv.system if conv else "", conv.params if conv else {}), done)
+
+    def action_toggle_sidebar(self) -> None:
+        sidebar = self.query_one("#sidebar")
+        sidebar.display = not sidebar.display
+
+    def action_focus_prompt(self) -> None:
+        self.query_one(PromptInput).focus()
+
+    def ensure_conversation(self, title: str = DEFAULT_TITLE) -> Conversation:
+        if self.conversation is None:
+            self.conversation = self.lapp.chats.create(title=title, model=self.lapp.model)
+        return self.conversation
+
+    # ------------------------------------------------------------------ copy
+
+    def _views(self) -> list[MessageView]:
+        return list(self.query_one("#messages").query(MessageView))
+
+    def _last_answer(self) -> MessageView | None:
+        answers = [v for v in self._views() if v.role == "assistant"]
+        return answers[-1] if answers else None
+
+    def action_copy_last(self) -> None:
+        view = self.focused if isinstance(self.focused, MessageView) else self._last_answer()
+        if view is not None:
+            view.action_copy()
+
+    def action_copy_code(self) -> None:
+        view = self.focused if isinstance(self.focused, MessageView) else self._last_answer()
+        if view is not None:
+            view.action_copy_code()
+
+    # ------------------------------------------------------------------ generation
+
+    @on(PromptInput.Submitted)
+    def _submitted(self, event: PromptInput.Submitted) -> None:
+        if self.generating:
+            self.notify("An answer is still streaming: Esc stops it.", severity="warning", timeout=3)
+            self.query_one(PromptInput).load_text(event.text)
+            return
+        conv = self.ensure_conversation(title=_title(event.text))
+        if conv.title == DEFAULT_TITLE:
+            self.lapp.chats.rename(conv.id, _title(event.text))
+        msg = self.lapp.chats.add_message(conv.id, "user", event.text)  # committed before generating
+        self.conversation = self.lapp.chats.get(conv.id)
+        self.refresh_list()
+        self.query_one("#messages", VerticalScroll).mount(MessageView("user", event.text, msg.id))
+        self.start_answer()
+
+    def action_regenerate(self) -> None:
+        if self.generating or self.conversation is None:
+            return
+        messages = self.lapp.chats.messages(self.conversation.id)
+        if not messages:
+            return
+        if messages[-1].role == "assistant":
+            self.lapp.chats.delete_message(messages[-1].id)
+            for view in self._views():
+                if view.message_id == messages[-1].id:
+                    view.remove()
+        self.start_answer()
+
+    def action_stop(self) -> None:
+        if self.cancel is not None:
+            self.cancel.set()
+
+    def history(self) -> list[dict[str, str]]:
+        assert self.conversation is not None
+        out = [{"role": "system", "content": self.conversation.system}] if self.conversation.system else []
+        out += [{"role": m.role, "content": m.content} for m in self.lapp.chats.messages(self.conversation.id)]
+        return out
+
+    def start_answer(self) -> None:
+        assert self.conversation is not None
+        box = self.query_one("#messages", VerticalScroll)
+        view = MessageView("assistant", "")
+        box.mount(view)
+        box.anchor()
+        self.cancel = threading.Event()
+        self.generating = True
+        self.answer_done.clear()
+        self.render_lag_s = None
+        info = AnswerInfo(model=self.model)
+        self.last_info = info
+        self.update_status(f"{self.model}: loading and thinking… (Esc stops)")
+        self.stream_answer(view, self.conversation.id, self.model, self.history(),
+                           dict(self.conversation.params), self.cancel, info)
+
+    @work(thread=True, group="generate")
+    def produce(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, model: str,
+                messages: list[dict[str, str]], params: dict[str, Any], cancel: threading.Event,
+                info: AnswerInfo) -> None:
+        """Run the blocking generator; hand every event to the UI without waiting for it."""
+        try:
+            backend = self.lapp.backend
+            for event in backend.chat(model, messages, params, cancel, info):
+                loop.call_soon_threadsafe(queue.put_nowait, (event, time.perf_counter()))
+        except Exception as e:  # noqa: BLE001 - shown to the user as one sentence
+            loop.call_soon_threadsafe(queue.put_nowait, (e, time.perf_counter()))
+        finally:
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    @work(group="answer")
+    async def stream_answer(self, view: MessageView, conversation_id: int, model: str,
+                            messages: list[dict[str, str]], params: dict[str, Any], cancel: threading.Event,
+                            info: AnswerInfo) -> None:
+        from localllm.engine import Done, TextChunk
+
+        queue: asyncio.Queue = asyncio.Queue()
+        self.produce(asyncio.get_running_loop(), queue, model, messages, params, cancel, info)
+        parts: list[str] = []
+        done: Done | None = None
+        error: str | None = None
+        t_end = time.perf_counter()
+        stream = Markdown.get_stream(view.markdown)
+        try:
+            while (item := await queue.get()) is not None:
+                event, t_end = item
+                if isinstance(event, TextChunk):
+                    if not parts:
+                        self.update_status(f"{model}: answering… (Esc stops)")
+                    parts.append(event.text)
+                    await stream.write(event.text)
+                elif isinstance(event, Done):
+                    done = event
+                    if event.finish_reason == "error":
+                        error = event.error or "the backend failed"
+                elif isinstance(event, Exception):
+                    error = str(event) or type(event).__name__
+        finally:
+            await stream.stop()
+        text = "".join(parts)
+        view.content = text
+        await view.markdown.update(text)  # one full render: complete code fences (oterm #308)
+        self.call_after_refresh(self._on_screen, t_end)
+        stopped = cancel.is_set() or (done is not None and done.finish_reason == "cancelled")
+        if stopped:
+            view.stopped = True
+            view.query_one(".role", Label).update("Assistant (stopped)")
+        if text:
+            stats = _stats_dict(done, info, model, stopped)
+            msg = self.lapp.chats.add_message(conversation_id, "assistant", text, stats)
+            view.message_id = msg.id
+        elif error is None and not stopped:
+            error = "the model returned an empty answer"
+        if not text:
+            view.remove()
+        self.generating = False
+        self.cancel = None
+        if error:
+            self.notify(f"Generation failed: {error}", severity="error", timeout=6)
+            self.update_status(f"{model}: {error}")
+        else:
+            self.update_status()
+        if self.conversation is not None and self.conversation.id == conversation_id:
+            self.refresh_list()
+        self.answer_done.set()
+
+    def _on_screen(self, t_end: float) -> None:
+        self.render_lag_s = time.perf_counter() - t_end
+
+    # ------------------------------------------------------------------ status
+
+    def update_status(self, text: str | None = None) -> None:
+        status = self.query_one("#status", Static)
+        if text is not None:
+            status.update(text)
+            return
+        status.update(status_text(self.model, self.lapp.backend_label, self.last_info))
+
+
+def status_text(model: str, backend_label: str, info: AnswerInfo | None) -> str:
+    """The status line: model, backend, context used, TTFT, tokens/s, draft acceptance of the last answer.
+
+    >>> status_text("smollm2:135m", "in-process", None)
+    'smollm2:135m · in-process · no answer yet'
+    """
+    parts = [model, (info.backend if info and info.backend else backend_label)]
+    stats = info.stats if info else None
+    if stats is None:
+        parts.append("no answer yet" if info is None or info.ttft_s is None else "stopped")
+        return " · ".join(parts)
+    if stats.n_ctx:
+        parts.append(f"ctx {stats.context_used}/{stats.n_ctx}")
+    if info.ttft_s is not None:
+        parts.append(f"TTFT {info.ttft_s * 1000:.0f} ms")
+    parts.append(f"{stats.eval_rate:.1f} tok/s")
+    acceptance = stats.draft_acceptance
+    parts.append(f"draft {acceptance:.0%}" if acceptance is not None else "no draft")
+    if info.finish_reason == "cancelled":
+        parts.append("stopped")
+    return " · ".join(parts)
+
+
+def _title(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= 40 else line[:39] + "…"
+
+
+def _stats_dict(done: Any, info: AnswerInfo, model: str, stopped: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": model, "finish_reason": "cancelled" if stopped else
+                           (done.finish_reason if done is not None else "stop")}
+    if info.ttft_s is not None:
+        out["ttft_ms"] = round(info.ttft_s * 1000, 1)
+    if done is not None and done.stats is not None:
+        s = done.stats
+        out.update(eval_count=s.eval_count, tokens_per_s=round(s.eval_rate, 2), context_used=s.context_used,
+                   n_ctx=s.n_ctx, draft_proposed=s.draft_proposed, draft_accepted=s.draft_accepted)
+    return out
