@@ -1,0 +1,116 @@
+"""``localllm pull NAME``: download a model (resumable, sha256-verified), like ``ollama pull``.
+
+    $ localllm pull smollm2:135m
+    $ localllm pull qwen2.5:7b-q8_0
+    $ localllm pull hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M
+
+On a terminal the progress is a rich bar (bytes, speed, ETA) on stderr; otherwise plain lines.
+Interrupting it keeps the partial download: the next pull resumes from there.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+import click
+
+
+class PlainProgress:
+    """Progress as plain lines: one per phase, and one every few seconds while bytes flow."""
+
+    def __init__(self, out: TextIO, every: float = 2.0):
+        self.out = out
+        self.every = every
+        self._status = None
+        self._last = 0.0
+        self._t0 = time.monotonic()
+        self._c0 = 0
+
+    def __call__(self, p: Any) -> None:
+        from localllm.download import fmt_bytes
+
+        now = time.monotonic()
+        if p.status != self._status:
+            self._status, self._last, self._t0, self._c0 = p.status, now, now, p.completed
+            self.out.write(p.status + (f" ({fmt_bytes(p.total)})" if p.total else "") + "\n")
+            self.out.flush()
+            return
+        done = p.total and p.completed >= p.total
+        if p.total and (done or now - self._last >= self.every):
+            self._last = now
+            speed = (p.completed - self._c0) / max(now - self._t0, 1e-6)
+            self.out.write(f"{p.status}: {100 * p.completed / p.total:3.0f}% "
+                           f"{fmt_bytes(p.completed)}/{fmt_bytes(p.total)} {fmt_bytes(speed)}/s\n")
+            self.out.flush()
+
+    def close(self) -> None:
+        pass
+
+
+class RichProgress:
+    """A rich progress bar per phase: description, bar, bytes, speed, ETA."""
+
+    def __init__(self, out: TextIO):
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            TimeRemainingColumn(), console=Console(file=out), transient=False,
+        )
+        self.progress.start()
+        self._task = None
+        self._status = None
+
+    def __call__(self, p: Any) -> None:
+        if p.status != self._status:
+            self._status = p.status
+            if self._task is not None:
+                self.progress.stop_task(self._task)
+            self._task = self.progress.add_task(p.status, total=p.total or None, completed=p.completed)
+            return
+        assert self._task is not None
+        self.progress.update(self._task, completed=p.completed, total=p.total or None)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def make_progress(out: TextIO | None = None) -> PlainProgress | RichProgress:
+    out = out or sys.stderr
+    return RichProgress(out) if out.isatty() else PlainProgress(out)
+
+
+def pull_with_progress(store: Any, name: str, out: TextIO | None = None) -> Any:
+    """Pull ``name`` into ``store`` showing progress on ``out`` (stderr); returns the InstalledModel."""
+    bar = make_progress(out)
+    try:
+        return store.pull(name, progress=bar)
+    finally:
+        bar.close()
+
+
+@click.command("pull", help="Download a model (resumable, sha256-verified).")
+@click.argument("name")
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+def command(name: str, quiet: bool) -> None:
+    """Download NAME: an alias (smollm2:135m, qwen2.5:7b-q8_0) or hf.co/user/repo[:QUANT]."""
+    from localllm.store import Store
+
+    store = Store()
+    try:
+        model = store.pull(name) if quiet else pull_with_progress(store, name)
+    except KeyboardInterrupt:
+        click.echo("\nInterrupted; the partial download is kept and the next pull resumes it.", err=True)
+        sys.exit(130)
+    if not quiet:
+        click.echo(f"success: {model.name} ({model.short_id})")

