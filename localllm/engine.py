@@ -12,14 +12,28 @@ Concurrency: each loaded model has a semaphore of ``backend.max_parallel`` slots
 ``llama_cpp.Llama`` nor an MLX model is safe for concurrent generation). Only one model loads at a
 time. A generation holds its slot for the life of its generator; closing the generator or setting
 ``cancel`` stops it at the next token and frees the slot.
+
+Scheduling (Ollama's, ``server/sched.go``):
+
+* several models stay loaded at once while the planner's memory estimates fit the memory that was
+  free when the first one loaded (``memory_budget=`` overrides it); past that, or past
+  ``LOCALLLM_MAX_LOADED_MODELS`` (0 = as memory allows), the idle model used least recently is
+  unloaded first; if every model is busy the load waits for one to go idle;
+* each model keeps its keep-alive (``LOCALLLM_KEEP_ALIVE``, 5m; the last request's ``keep_alive``
+  wins; 0 = unload as soon as it is idle; negative = forever);
+* at most ``LOCALLLM_MAX_QUEUE`` (512) requests wait for a load or a slot; one more raises
+  :class:`ServerBusyError` (HTTP 503);
+* :meth:`Engine.agenerate` runs :meth:`Engine.generate` in a worker thread for asyncio callers and
+  cancels it at once when the consumer goes away (a client disconnect frees the model).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,6 +61,15 @@ from localllm import config
 from localllm.errors import LocalLLMError, ModelNotFoundError
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds (Ollama: 5m)
+DEFAULT_MAX_QUEUE = 512
+BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
+
+
+class ServerBusyError(LocalLLMError):
+    """More requests are waiting than ``LOCALLLM_MAX_QUEUE`` allows (HTTP 503)."""
+
+    def __init__(self, message: str = BUSY_MESSAGE):
+        super().__init__(message)
 
 
 def parse_keep_alive(value: Any, default: float | None = None) -> float:
@@ -108,8 +131,12 @@ class RunningModel:
     keep_alive: float
     expires_at: float  # monotonic deadline; inf = never
     slots: threading.Semaphore
-    active: int = 0
+    active: int = 0  # generations running now
     last_used: float = field(default_factory=time.monotonic)
+    refs: int = 0  # requests holding or waiting for this model (never evicted while > 0)
+    estimate: int = 0  # the planner's memory estimate (bytes) used for residency decisions
+    closed: bool = False
+    installed: Any = None  # the store's InstalledModel (details for ps)
 
     @property
     def info(self) -> ModelInfo:
@@ -117,7 +144,7 @@ class RunningModel:
 
     @property
     def size(self) -> int:
-        return self.info.size_bytes
+        return self.info.size_bytes or self.estimate
 
     @property
     def size_vram(self) -> int:
@@ -125,13 +152,30 @@ class RunningModel:
 
     @property
     def expires_in(self) -> float:
+        """Seconds until keep-alive unloads it (inf = never; while busy, counted from now)."""
+        if self.refs > 0:
+            return self.keep_alive
         return self.expires_at - time.monotonic()
+
+    @property
+    def expires_at_wall(self) -> float | None:
+        """Expiry as a Unix time (``None`` = never), for ``ps`` and ``/api/ps``."""
+        left = self.expires_in
+        return None if left == float("inf") else time.time() + max(0.0, left)
+
+    @property
+    def stopping(self) -> bool:
+        """Asked to unload (keep-alive 0 or expired) while a request still holds it."""
+        return self.refs > 0 and self.keep_alive == 0
 
 
 class Engine:
-    """Loaded models, keep-alive and serialised access. Thread-safe."""
+    """Loaded models, keep-alive, memory-aware residency, a bounded queue and serialised access.
+    Thread-safe."""
 
-    def __init__(self, store: Any = None, *, keep_alive: float | None = None, hardware: Any = None):
+    def __init__(self, store: Any = None, *, keep_alive: float | None = None, hardware: Any = None,
+                 max_loaded: int | None = None, max_queue: int | None = None,
+                 memory_budget: int | None = None):
         if store is None:
             from localllm.store import Store
 
@@ -139,9 +183,16 @@ class Engine:
         self.store = store
         self._hardware = hardware
         self.keep_alive = parse_keep_alive(None) if keep_alive is None else keep_alive
+        self.max_loaded = config.env_int("LOCALLLM_MAX_LOADED_MODELS", 0) if max_loaded is None else max_loaded
+        self.max_queue = config.env_int("LOCALLLM_MAX_QUEUE", DEFAULT_MAX_QUEUE) if max_queue is None else max_queue
+        self.memory_budget = memory_budget  # bytes for all loaded models; None = free RAM (+VRAM) at first load
+        self._baseline: tuple[int, int] | None = None  # (free RAM, free VRAM) with nothing loaded
         self._models: dict[str, RunningModel] = {}
-        self._lock = threading.RLock()  # guards _models
+        self._aliases: dict[str, str] = {}  # requested name -> loaded key (the store's canonical name)
+        self._lock = threading.RLock()  # guards _models, refs, _pending
+        self._idle = threading.Condition(self._lock)  # notified when a model's refs drop or it unloads
         self._load_lock = threading.Lock()  # one load at a time
+        self._pending = 0  # requests waiting for a load or a slot
         self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="localllm-keepalive", daemon=True)
         self._reaper.start()
@@ -202,21 +253,50 @@ class Engine:
 
     def load(self, name: str, options: LoadOptions | None = None, *, keep_alive: float | None = None) -> RunningModel:
         """Load ``name`` (or return it if already loaded with compatible options)."""
-        options = options or LoadOptions()
+        running = self._checkout(name, options or LoadOptions(), keep_alive, None)
+        self._checkin(running, keep_alive)
+        return running
+
+    def _lookup(self, name: str) -> RunningModel | None:
+        with self._lock:
+            return self._models.get(self._aliases.get(name, name))
+
+    def _checkout(self, name: str, options: LoadOptions, keep_alive: float | None,
+                  cancel: threading.Event | None) -> RunningModel:
+        """The loaded model for ``name`` with one more reference (so nothing evicts it); loads it if
+        needed, one load at a time. Pair with :meth:`_checkin`."""
         ka = self.keep_alive if keep_alive is None else keep_alive
-        with self._load_lock:
+        with self._lock:  # fast path: loaded and compatible, no need to queue behind a load
+            running = self._lookup(name)
+            if running is not None and not running.closed and self._compatible(running, options):
+                running.refs += 1
+                self._touch(running, ka)
+                return running
+        _acquire(self._load_lock, cancel)
+        try:
             with self._lock:
-                running = self._models.get(name)
-                if running is not None and self._compatible(running, options):
+                running = self._lookup(name)
+                if running is not None and not running.closed and self._compatible(running, options):
+                    running.refs += 1
+                    self._touch(running, ka)
+                    return running
+            model, p = self.plan_for(name, options)
+            with self._lock:
+                key = model.name
+                running = self._models.get(key)
+                if running is not None and not running.closed and self._compatible(running, options):
+                    self._aliases[name] = key
+                    running.refs += 1
                     self._touch(running, ka)
                     return running
             if running is not None:  # reload with other options once it is idle
-                self.unload(name)
-            model, p = self.plan_for(name, options)
+                self._unload_key(key)
             if p.verdict == "too_big":
                 from localllm.errors import PlanError
 
                 raise PlanError(f"{model.name} does not fit this machine: {'; '.join(p.reasons)}")
+            need = self._estimate(model, p)
+            self._make_room(need, cancel)
             path = model.mlx_path if p.backend == "mlx" else model.path
             spec = LoadSpec(
                 model_path=str(path),
@@ -245,10 +325,99 @@ class Engine:
                 keep_alive=ka,
                 expires_at=now + ka,
                 slots=threading.Semaphore(backend.max_parallel),
+                refs=1,
+                estimate=need,
+                installed=model,
             )
             with self._lock:
-                self._models[name] = running
+                self._models[key] = running
+                self._aliases[name] = key
             return running
+        finally:
+            self._load_lock.release()
+
+    def _checkin(self, running: RunningModel, keep_alive: float | None) -> None:
+        """Drop a reference; keep-alive starts counting when the last one goes (0 = unload now)."""
+        with self._lock:
+            running.refs -= 1
+            if keep_alive is not None:
+                running.keep_alive = keep_alive
+            self._touch(running, running.keep_alive)
+            unload_now = running.refs == 0 and running.keep_alive == 0 and not running.closed
+            self._idle.notify_all()
+        if unload_now:
+            self._unload_key(running.name, only=running)
+
+    @staticmethod
+    def _estimate(model: Any, p: Any) -> int:
+        """Bytes the planner expects this load to take (weights + KV + buffers), RAM and VRAM together."""
+        for attrs in (("total_bytes",), ("memory_bytes",), ("ram_bytes", "vram_bytes"), ("weights_bytes", "kv_bytes")):
+            values = [getattr(p, a, None) for a in attrs]
+            if all(isinstance(v, int | float) for v in values) and sum(values) > 0:
+                return int(sum(values))
+        info = getattr(model, "info", None) or {}
+        size = int(info.get("file_size") or getattr(model, "size", 0) or 0)
+        kv = 0
+        try:
+            from localllm.ggufinfo import GGUFInfo
+
+            kv = GGUFInfo(**info).kv_bytes_per_token(p.kv_cache_type) * int(p.n_ctx)
+        except Exception:  # noqa: BLE001 - an estimate only
+            pass
+        return size + kv + 64 * 1024 * 1024
+
+    def _budget(self) -> int:
+        """Memory all loaded models may take together: ``memory_budget``, else what was free (RAM +
+        GPU memory) before the first model loaded (re-measured whenever nothing is loaded)."""
+        if self.memory_budget is not None:
+            return self.memory_budget
+        with self._lock:
+            empty = not self._models
+        if self._baseline is None or empty:
+            try:
+                from localllm.hardware import probe
+
+                hw = probe(refresh=True)
+                self._hardware = hw
+            except Exception:  # noqa: BLE001 - hardware helper unavailable: psutil only
+                hw = None
+            if hw is not None:
+                vram = sum(getattr(g, "free_bytes", 0) for g in getattr(hw, "gpus", []) or [])
+                if getattr(hw, "apple_silicon", False):
+                    vram = 0  # unified memory: already in RAM
+                self._baseline = (int(getattr(hw, "ram_available", 0)), int(vram))
+            else:
+                import psutil
+
+                self._baseline = (int(psutil.virtual_memory().available), 0)
+        ram, vram = self._baseline
+        return int(ram * 0.9) + int(vram * 0.9)
+
+    def _make_room(self, need: int, cancel: threading.Event | None) -> None:
+        """Unload idle models, least recently used first, until ``need`` fits the budget and the
+        count is under ``max_loaded``. Waits while every loaded model is busy. The first model
+        always loads (the planner already said whether it fits)."""
+        budget = self._budget()
+        with self._lock:
+            while True:
+                live = [m for m in self._models.values() if not m.closed]
+                used = sum(m.estimate or m.size for m in live)
+                too_many = self.max_loaded > 0 and len(live) >= self.max_loaded
+                too_big = bool(live) and used + need > budget
+                if not live or not (too_many or too_big):
+                    return
+                idle = sorted((m for m in live if m.refs == 0), key=lambda m: m.last_used)
+                if idle:
+                    victim = idle[0]
+                    self._lock.release()
+                    try:
+                        self._unload_key(victim.name, only=victim)
+                    finally:
+                        self._lock.acquire()
+                    continue
+                if cancel is not None and cancel.is_set():
+                    raise LocalLLMError("The request was cancelled while waiting for memory.")
+                self._idle.wait(0.1)
 
     @staticmethod
     def _compatible(running: RunningModel, options: LoadOptions) -> bool:
@@ -271,6 +440,23 @@ class Engine:
         running.last_used = time.monotonic()
         running.expires_at = running.last_used + keep_alive
 
+    # ------------------------------------------------------------------ queue
+
+    def _enter_queue(self) -> None:
+        with self._lock:
+            if self.max_queue > 0 and self._pending >= self.max_queue:
+                raise ServerBusyError()
+            self._pending += 1
+
+    def _leave_queue(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for a load or a slot now."""
+        return self._pending
+
     # ------------------------------------------------------------------ work
 
     def generate(
@@ -283,74 +469,184 @@ class Engine:
         keep_alive: float | None = None,
     ) -> Iterator[Event]:
         """Stream events for ``request`` on ``name`` (loaded on demand). The last event is :class:`Done`;
-        its ``stats.load_duration`` includes the load if this call loaded the model."""
+        its ``stats.load_duration`` includes the load if this call loaded the model.
+
+        Raises :class:`ServerBusyError` on the first ``next()`` when the queue is full."""
         t_start = time.perf_counter_ns()
-        was_loaded = name in self._models
-        running = self.load(name, options, keep_alive=keep_alive)
-        ka = running.keep_alive if keep_alive is None else keep_alive
-        running.slots.acquire()
-        running.active += 1
+        options = options or LoadOptions()
+        self._enter_queue()
+        queued = True
         try:
-            for event in running.backend.generate(request, cancel):
-                if isinstance(event, Done):
-                    event.stats.load_duration = 0 if was_loaded else running.load_duration_ns
-                    event.stats.total_duration = time.perf_counter_ns() - t_start
-                yield event
+            while True:
+                was_loaded = self._lookup(name) is not None
+                running = self._checkout(name, options, keep_alive, cancel)
+                try:
+                    got = _acquire(running.slots, cancel, give_up=True)
+                except BaseException:
+                    self._checkin(running, keep_alive)
+                    raise
+                if not got:
+                    self._checkin(running, keep_alive)
+                    yield Done(Stats(), finish_reason="cancelled")
+                    return
+                if running.closed:  # unloaded while we waited: load it again
+                    running.slots.release()
+                    self._checkin(running, keep_alive)
+                    continue
+                break
+            self._leave_queue()
+            queued = False
+            running.active += 1
+            try:
+                for event in running.backend.generate(request, cancel):
+                    if isinstance(event, Done):
+                        event.stats.load_duration = 0 if was_loaded else running.load_duration_ns
+                        event.stats.total_duration = time.perf_counter_ns() - t_start
+                    yield event
+            finally:
+                running.active -= 1
+                running.slots.release()
+                self._checkin(running, keep_alive)
         finally:
-            running.active -= 1
-            running.slots.release()
-            self._touch(running, ka)
-            if ka == 0:
-                self.unload(name)
+            if queued:
+                self._leave_queue()
+
+    async def agenerate(
+        self,
+        name: str,
+        request: GenerateRequest,
+        options: LoadOptions | None = None,
+        *,
+        keep_alive: float | None = None,
+    ) -> AsyncIterator[Event]:
+        """:meth:`generate` for asyncio callers: runs in a worker thread, events arrive through the
+        event loop. Leaving the ``async for`` early (or the task being cancelled, as when an HTTP
+        client disconnects) cancels the generation at once and frees the model's slot.
+
+            >>> async def first_words(engine, req):  # doctest: +SKIP
+            ...     async for ev in engine.agenerate("smollm2:135m", req):
+            ...         if isinstance(ev, TextChunk):
+            ...             return ev.text
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def put(item: tuple[int, Any]) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone: stop producing
+                cancel.set()
+
+        def work() -> None:
+            gen = self.generate(name, request, options, cancel=cancel, keep_alive=keep_alive)
+            try:
+                for event in gen:
+                    put((0, event))
+                    if cancel.is_set():
+                        break
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                put((1, e))
+            finally:
+                gen.close()
+                put((2, None))
+
+        thread = threading.Thread(target=work, name=f"localllm-gen-{name}", daemon=True)
+        thread.start()
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == 0:
+                    yield value
+                elif kind == 1:
+                    raise value
+                else:
+                    return
+        finally:
+            cancel.set()
 
     def embed(self, name: str, texts: list[str], options: LoadOptions | None = None,
               *, keep_alive: float | None = None) -> list[list[float]]:
         options = replace(options or LoadOptions(), embedding=True)
-        running = self.load(name, options, keep_alive=keep_alive)
-        with running.slots:
-            running.active += 1
+        self._enter_queue()
+        queued = True
+        try:
+            running = self._checkout(name, options, keep_alive, None)
             try:
-                return running.backend.embed(texts)
+                with running.slots:
+                    self._leave_queue()
+                    queued = False
+                    running.active += 1
+                    try:
+                        return running.backend.embed(texts)
+                    finally:
+                        running.active -= 1
             finally:
-                running.active -= 1
-                self._touch(running, running.keep_alive if keep_alive is None else keep_alive)
+                self._checkin(running, keep_alive)
+        finally:
+            if queued:
+                self._leave_queue()
 
     def tokenize(self, name: str, text: str) -> list[int]:
-        running = self.load(name)
-        return running.backend.tokenize(text)
+        running = self._checkout(name, LoadOptions(), None, None)
+        try:
+            return running.backend.tokenize(text)
+        finally:
+            self._checkin(running, None)
 
     # ------------------------------------------------------------------ lifecycle
 
     def ps(self) -> list[RunningModel]:
+        """Loaded models, the one that expires last first (as ``/api/ps``)."""
         with self._lock:
-            return sorted(self._models.values(), key=lambda m: m.expires_at)
+            return sorted((m for m in self._models.values() if not m.closed), key=lambda m: -m.expires_in)
 
     def is_loaded(self, name: str) -> bool:
-        return name in self._models
+        running = self._lookup(name)
+        return running is not None and not running.closed
 
     def unload(self, name: str) -> bool:
         """Unload ``name`` once its running generations finish. True if it was loaded."""
         with self._lock:
-            running = self._models.pop(name, None)
-        if running is None:
-            return False
+            key = self._aliases.get(name, name)
+            if key not in self._models:
+                for k, m in self._models.items():  # a name the store resolves differently
+                    if m.name == name:
+                        key = k
+        return self._unload_key(key)
+
+    def _unload_key(self, key: str, only: RunningModel | None = None) -> bool:
+        with self._lock:
+            running = self._models.get(key)
+            if running is None or (only is not None and running is not only):
+                return False
+            del self._models[key]
+            for alias in [a for a, k in self._aliases.items() if k == key]:
+                del self._aliases[alias]
+            running.closed = True
         for _ in range(running.backend.max_parallel):  # wait for in-flight work to end
             running.slots.acquire()
-        running.backend.close()
+        try:
+            running.backend.close()
+        finally:
+            for _ in range(running.backend.max_parallel):
+                running.slots.release()  # waiters see ``closed`` and load again
+            with self._lock:
+                self._idle.notify_all()
         return True
 
     def _reap_loop(self) -> None:
         while not self._closed.wait(0.25):
             now = time.monotonic()
             with self._lock:
-                expired = [n for n, m in self._models.items() if m.active == 0 and m.expires_at <= now]
-            for n in expired:
-                self.unload(n)
+                expired = [(k, m) for k, m in self._models.items() if m.refs == 0 and m.expires_at <= now]
+            for k, m in expired:
+                self._unload_key(k, only=m)
 
     def close(self) -> None:
         self._closed.set()
-        for name in list(self._models):
-            self.unload(name)
+        for key in list(self._models):
+            self._unload_key(key)
 
     def __enter__(self) -> Engine:
         return self
@@ -358,3 +654,16 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def _acquire(lock: Any, cancel: threading.Event | None, *, give_up: bool = False) -> bool:
+    """Acquire ``lock`` (a Lock or Semaphore), polling ``cancel``. False if cancelled first
+    (``give_up=True``), else a cancelled wait raises :class:`LocalLLMError`."""
+    if cancel is None:
+        lock.acquire()
+        return True
+    while not lock.acquire(timeout=0.05):
+        if cancel.is_set():
+            if give_up:
+                return False
+            raise LocalLLMError("The request was cancelled while waiting for another model to load.")
+    return True

@@ -1,0 +1,125 @@
+"""The FastAPI app: Ollama's ``/api/*`` and OpenAI's ``/v1/*`` on one engine, behind the security
+middleware (see :mod:`localllm.server.security`).
+
+    >>> from localllm.server.app import create_app
+    >>> app = create_app()          # doctest: +SKIP  (an Engine on the default store)
+
+Errors leave in the API's own shape: ``{"error": "..."}`` under ``/api``, ``{"error": {"message",
+"type", "param", "code"}}`` under ``/v1``; never a traceback or a filesystem path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from localllm.server import common as c
+from localllm.server.security import DEFAULT_MAX_BODY, SecurityMiddleware, origin_regex
+
+log = logging.getLogger("localllm.server")
+
+OAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "invalid_request_error", 503: "api_error"}
+
+
+def error_response(request: Request, status: int, message: str) -> JSONResponse:
+    if request.url.path.startswith("/v1"):
+        kind = OAI_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                            status_code=status)
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def validation_message(exc: RequestValidationError) -> str:
+    """Pydantic's errors → one sentence, as Ollama's decoder would say it."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request"
+    first = errors[0]
+    kind = first.get("type", "")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if kind == "json_invalid":
+        return f"invalid JSON in the request body: {first.get('ctx', {}).get('error', 'syntax error')}"
+    if kind == "missing" and not loc:
+        return "missing request body"
+    if kind == "model_attributes_type" and not loc:
+        return "the request body must be a JSON object"
+    field = ".".join(loc) or "body"
+    if kind == "missing":
+        return f"{field} is required"
+    msg = str(first.get("msg", "invalid value"))
+    return c.scrub(f"invalid value for {field}: {msg}")
+
+
+def create_app(engine: Any = None, *, bound_host: str | None = None, api_key: str | None = None,
+               origins: str | None = None, max_body: int | None = None, check_host: bool = True) -> FastAPI:
+    """The app. Settings default to the environment: ``LOCALLLM_HOST`` (the bound host the Host check
+    allows), ``LOCALLLM_API_KEY``, ``LOCALLLM_ORIGINS``, ``LOCALLLM_MAX_BODY``."""
+    from localllm import config
+    from localllm.server.ollama_routes import router as ollama_router
+    from localllm.server.openai_routes import router as openai_router
+
+    if engine is None:
+        from localllm.engine import Engine
+
+        engine = Engine()
+    bound_host = bound_host if bound_host is not None else config.host().rsplit(":", 1)[0]
+    api_key = api_key if api_key is not None else (os.environ.get("LOCALLLM_API_KEY") or None)
+    origins = origins if origins is not None else os.environ.get("LOCALLLM_ORIGINS", "")
+    max_body = max_body if max_body is not None else config.env_int("LOCALLLM_MAX_BODY", DEFAULT_MAX_BODY)
+
+    app = FastAPI(title="localllm", version="0.1.0", docs_url=None, redoc_url=None,
+                  description="Ollama- and OpenAI-compatible API of localllm.")
+    app.state.engine = engine
+    app.include_router(ollama_router)
+    app.include_router(openai_router)
+
+    @app.exception_handler(c.APIError)
+    async def _api_error(request: Request, exc: c.APIError) -> JSONResponse:
+        return error_response(request, exc.status, c.scrub(exc.message))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request, 400, validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"404 page not found: {request.url.path[:100]}"
+        if exc.status_code == 400 and "parsing the body" in message:
+            message = "invalid JSON in the request body"
+        return error_response(request, exc.status_code, c.scrub(message))
+
+    async def _known(request: Request, exc: Exception) -> JSONResponse:
+        status, message = c.status_of(exc)
+        return error_response(request, status, message)
+
+    from localllm.engine import BackendError
+    from localllm.errors import LocalLLMError
+
+    app.add_exception_handler(LocalLLMError, _known)
+    app.add_exception_handler(BackendError, _known)
+    app.add_exception_handler(Exception, _known)  # a bug: logged, answered with "internal server error"
+
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origin_regex=origin_regex(origins),
+        allow_methods=["GET", "POST", "DELETE", "HEAD", "OPTIONS"],
+        allow_headers=["Authorization", "Content-Type", "User-Agent", "Accept", "X-Requested-With",
+                       "OpenAI-Beta", "x-stainless-arch", "x-stainless-lang", "x-stainless-os",
+                       "x-stainless-package-version", "x-stainless-retry-count", "x-stainless-runtime",
+                       "x-stainless-runtime-version", "x-stainless-async", "x-stainless-helper-method",
+                       "x-stainless-poll-helper", "x-stainless-custom-poll-interval", "x-stainless-timeout"],
+    )
+    app.add_middleware(SecurityMiddleware, bound_host=bound_host, api_key=api_key, max_body=max_body,
+                       check_host=check_host)
+    return app

@@ -1,0 +1,191 @@
+"""Bind the address and run uvicorn: ``serve()`` for ``localllm serve``, :class:`ServerThread` for tests
+and benchmarks (a real server on a free port in a background thread).
+
+    >>> with ServerThread() as srv:          # doctest: +SKIP
+    ...     httpx.get(srv.url + "/api/version").json()
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from localllm.errors import LocalLLMError
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"127.0.0.1:11434"``, ``"[::1]:8080"``, ``":9000"``, ``"0.0.0.0"`` → (host, port).
+
+    >>> parse_address("[::1]:8080"), parse_address(":9000"), parse_address("http://localhost")
+    (('::1', 8080), ('127.0.0.1', 9000), ('localhost', 11434))
+    """
+    a = address.strip()
+    for prefix in ("http://", "https://"):
+        if a.startswith(prefix):
+            a = a[len(prefix):]
+    a = a.split("/", 1)[0]
+    if a.startswith("["):
+        host, _, rest = a[1:].partition("]")
+        port = rest.lstrip(":") or "11434"
+    elif a.count(":") == 1:
+        host, port = a.split(":")
+    elif a.count(":") > 1:  # bare IPv6
+        host, port = a, "11434"
+    else:
+        host, port = a, "11434"
+    host = host or "127.0.0.1"
+    try:
+        p = int(port)
+        if not 0 <= p <= 65535:
+            raise ValueError
+    except ValueError:
+        raise LocalLLMError(f"{address!r} is not a valid address; use HOST:PORT like 127.0.0.1:11434.") from None
+    return host, p
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _family(host: str) -> socket.AddressFamily:
+    try:
+        return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        return socket.AF_INET
+
+
+def free_port(host: str, start: int) -> int | None:
+    for port in range(start + 1, min(start + 50, 65536)):
+        with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
+    return None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket, or one sentence: the port is taken (and which one to use instead)."""
+    if host == "localhost":
+        host = "127.0.0.1"
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if e.errno == errno.EADDRINUSE:
+            alt = free_port(host, port)
+            hint = f"; run `LOCALLLM_HOST={host}:{alt} localllm serve` to use port {alt} instead" if alt else ""
+            raise LocalLLMError(f"Port {port} on {host} is already in use (another localllm or Ollama?){hint}.") \
+                from None
+        if e.errno == errno.EACCES:
+            raise LocalLLMError(f"No permission to listen on {shown}; use a port above 1023.") from None
+        raise LocalLLMError(f"Cannot listen on {shown}: {e.strerror or e}.") from None
+    sock.setblocking(False)
+    return sock
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The loud warning printed when the server listens beyond this machine."""
+    if is_loopback(host):
+        return None
+    lines = [
+        "!" * 78,
+        f"WARNING: localllm is listening on {host}, beyond this machine.",
+        "Anyone who can reach this port can run, pull and delete models.",
+        "Set LOCALLLM_API_KEY to require a bearer token." if not api_key
+        else "Requests need the bearer token in LOCALLLM_API_KEY.",
+        "!" * 78,
+    ]
+    return "\n".join(lines)
+
+
+def _config(app: Any, log_level: str) -> Any:
+    import uvicorn
+
+    return uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=log_level == "debug",
+                          timeout_graceful_shutdown=3, server_header=False)
+
+
+def serve(address: str | None = None, *, engine: Any = None, log_level: str = "info") -> None:
+    """Run the server in the foreground until Ctrl+C."""
+    import os
+
+    import uvicorn
+
+    from localllm import config
+    from localllm.server.app import create_app
+
+    host, port = parse_address(address or config.host())
+    sock = bind_socket(host, port)
+    api_key = os.environ.get("LOCALLLM_API_KEY") or None
+    warning = exposure_warning(host, api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    app = create_app(engine, bound_host=host, api_key=api_key)
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    print(f"localllm serving the Ollama API on http://{shown} and the OpenAI API on http://{shown}/v1",
+          file=sys.stderr, flush=True)
+    server = uvicorn.Server(_config(app, log_level))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        app.state.engine.close()
+
+
+class ServerThread:
+    """A real server on ``host:port`` (0 = a free port) in a daemon thread. ``url`` once started."""
+
+    def __init__(self, app: Any = None, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
+                 **app_kwargs: Any):
+        import uvicorn
+
+        if app is None:
+            from localllm.server.app import create_app
+
+            app = create_app(bound_host=host, **app_kwargs)
+        self.app = app
+        self.sock = bind_socket(host, port)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.server = uvicorn.Server(_config(app, log_level))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="localllm-server", daemon=True)
+
+    @property
+    def engine(self) -> Any:
+        return self.app.state.engine
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,179 @@
+"""Request bodies of both APIs (pydantic). They drive validation (a wrong type is a 400) and the
+OpenAPI spec at ``/openapi.json``. Unknown fields are ignored, as Ollama and OpenAI do.
+
+Extensions beyond the upstream APIs (documented in the README):
+
+* ``/v1/chat/completions`` and ``/v1/completions`` accept ``num_ctx`` (context size), ``options``
+  (any Ollama option, e.g. ``{"num_ctx": 8192, "top_k": 20}``) and ``keep_alive``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+KeepAlive = str | int | float | None
+Format = str | dict[str, Any] | None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ------------------------------------------------------------------------------------------- Ollama
+
+
+class ToolCallFunction(_Body):
+    name: str
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+    index: int | None = None
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    function: ToolCallFunction
+
+
+class Message(_Body):
+    role: str
+    content: str | None = ""
+    thinking: str | None = None
+    images: list[str] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
+    tool_call_id: str | None = None
+
+
+class GenerateBody(_Body):
+    model: str
+    prompt: str | None = None
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    stream: bool = True
+    raw: bool = False
+    format: Format = None
+    keep_alive: KeepAlive = None
+    images: list[str] | None = None
+    options: dict[str, Any] | None = None
+    think: bool | str | None = None
+
+
+class ChatBody(_Body):
+    model: str
+    messages: list[Message] | None = None
+    tools: list[dict[str, Any]] | None = None
+    format: Format = None
+    options: dict[str, Any] | None = None
+    stream: bool = True
+    keep_alive: KeepAlive = None
+    think: bool | str | None = None
+
+
+class EmbedBody(_Body):
+    model: str
+    input: str | list[str] = ""
+    truncate: bool = True
+    dimensions: int | None = Field(default=None, ge=1)
+    options: dict[str, Any] | None = None
+    keep_alive: KeepAlive = None
+
+
+class EmbeddingsBody(_Body):
+    model: str
+    prompt: str = ""
+    options: dict[str, Any] | None = None
+    keep_alive: KeepAlive = None
+
+
+class ModelBody(_Body):
+    model: str | None = None
+    name: str | None = None  # older clients send "name"
+    verbose: bool = False
+
+
+class PullBody(_Body):
+    model: str | None = None
+    name: str | None = None
+    insecure: bool = False
+    stream: bool = True
+
+
+class CopyBody(_Body):
+    source: str
+    destination: str
+
+
+# ------------------------------------------------------------------------------------------- OpenAI
+
+
+class OAIContentPart(_Body):
+    type: str
+    text: str | None = None
+    image_url: dict[str, Any] | str | None = None
+
+
+class OAIToolCallFunction(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class OAIToolCall(_Body):
+    id: str | None = None
+    type: str | None = "function"
+    function: OAIToolCallFunction
+
+
+class OAIMessage(_Body):
+    role: str
+    content: str | list[OAIContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[OAIToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _OAICommon(_Body):
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    n: int | None = Field(default=None, ge=1, le=1)
+    user: str | None = None
+    # extensions (not in OpenAI's API): the context size, any Ollama option, keep-alive
+    num_ctx: int | None = Field(default=None, ge=1, description="localllm extension: context size in tokens")
+    options: dict[str, Any] | None = Field(default=None, description="localllm extension: Ollama options")
+    keep_alive: KeepAlive = Field(default=None, description="localllm extension: Ollama keep_alive")
+
+
+class ChatCompletionBody(_OAICommon):
+    messages: list[OAIMessage]
+    max_completion_tokens: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class CompletionBody(_OAICommon):
+    prompt: str | list[str]
+    suffix: str | None = None
+    echo: bool = False
+
+
+class EmbeddingsOAIBody(_Body):
+    model: str
+    input: str | list[str]
+    encoding_format: str | None = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None

@@ -1,0 +1,176 @@
+"""Security middleware (pure ASGI, so streaming and disconnects pass through untouched).
+
+In order, for every HTTP request:
+
+1. **Host check** (DNS rebinding, CVE-2024-28224): the ``Host`` header must name this machine — an IP
+   literal that is loopback, private, unspecified or the bound address; ``localhost`` / ``*.localhost``;
+   this machine's hostname; or the bound host. Anything else is a 403 with an empty body. A page on
+   ``evil.example`` that rebinds its name to 127.0.0.1 sends ``Host: evil.example`` and is refused.
+2. **CORS** (Starlette's ``CORSMiddleware``, added by the app): loopback origins plus
+   ``LOCALLLM_ORIGINS`` (comma separated; ``*`` wildcards allowed, ``*`` alone allows all).
+3. **Bearer token**: with ``LOCALLLM_API_KEY`` set, every endpoint but ``/`` needs
+   ``Authorization: Bearer <key>`` (compared in constant time); CORS preflights pass.
+4. **Body limit**: ``LOCALLLM_MAX_BODY`` bytes (default 32 MiB), by ``Content-Length`` and while
+   reading a chunked body: 413.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import re
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
+
+DEFAULT_MAX_BODY = 32 * 1024 * 1024
+LOOPBACK_ORIGIN_RE = r"(https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?)"
+
+
+def split_host(host_header: str) -> str:
+    """``"[::1]:8080"`` → ``"::1"``, ``"Localhost:11434"`` → ``"localhost"``."""
+    h = host_header.strip().lower()
+    if h.startswith("["):
+        return h[1:h.index("]")] if "]" in h else h
+    if h.count(":") == 1:
+        return h.split(":", 1)[0]
+    return h
+
+
+def is_loopback_host(host: str) -> bool:
+    h = split_host(host) if host.startswith("[") or host.count(":") == 1 else host.lower()
+    if h in ("localhost", "") or h.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def host_allowed(host_header: str, bound_host: str) -> bool:
+    """Does ``Host`` name this machine?
+
+    >>> host_allowed("localhost:11434", "127.0.0.1"), host_allowed("127.0.0.1", "127.0.0.1")
+    (True, True)
+    >>> host_allowed("evil.example:11434", "127.0.0.1"), host_allowed("[::1]:11434", "127.0.0.1")
+    (False, True)
+    """
+    h = split_host(host_header)
+    bound = split_host(bound_host) if bound_host else ""
+    if not h:
+        return False
+    if h == bound or h == "localhost" or h.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        pass
+    else:
+        return ip.is_loopback or ip.is_private or ip.is_unspecified or ip.is_link_local
+    try:
+        name = socket.gethostname().lower()
+    except OSError:
+        name = ""
+    return bool(name) and (h == name or h == name.split(".")[0])
+
+
+def origin_regex(extra: str | None) -> str:
+    """One regex for the allowed origins: loopback plus ``LOCALLLM_ORIGINS`` (globs with ``*``)."""
+    parts = [LOOPBACK_ORIGIN_RE]
+    for item in (extra or "").split(","):
+        item = item.strip().rstrip("/")
+        if not item:
+            continue
+        if item == "*":
+            return ".*"
+        parts.append("(" + ".*".join(re.escape(p) for p in item.split("*")) + ")")
+    return "^(" + "|".join(parts) + ")$"
+
+
+class SecurityMiddleware:
+    """Host check, bearer token and body limit (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, *, bound_host: str, api_key: str | None, max_body: int,
+                 check_host: bool = True):
+        self.app = app
+        self.bound_host = bound_host
+        self.api_key = api_key or None
+        self.max_body = max_body
+        self.check_host = check_host
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        path = scope.get("path", "")
+        if self.check_host and "host" in headers and not host_allowed(headers["host"], self.bound_host):
+            await _send(send, 403, b"", "text/plain")
+            return
+        method = scope.get("method", "GET")
+        preflight = method == "OPTIONS" and "access-control-request-method" in headers
+        if self.api_key and path != "/" and not preflight:
+            auth = headers.get("authorization", "")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                await _send_error(send, path, 401, "unauthorized: this server needs an Authorization: Bearer <key> "
+                                  "header with the key in LOCALLLM_API_KEY")
+                return
+        length = headers.get("content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self.max_body
+            except ValueError:
+                await _send_error(send, path, 400, "invalid Content-Length header")
+                return
+            if too_big:
+                await _send_error(send, path, 413, f"request body too large (limit {self.max_body} bytes)")
+                return
+        if method in ("GET", "HEAD", "OPTIONS") or length is not None:
+            await self.app(scope, receive, send)
+            return
+        # chunked body: read it here (up to the limit), then hand it on
+        chunks: list[bytes] = []
+        received = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # client went away
+            body = message.get("body", b"")
+            received += len(body)
+            if received > self.max_body:
+                await _send_error(send, path, 413, f"request body too large (limit {self.max_body} bytes)")
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _send(send: Any, status: int, body: bytes, content_type: str) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_error(send: Any, path: str, status: int, message: str) -> None:
+    if path.startswith("/v1"):
+        kind = {401: "authentication_error", 413: "invalid_request_error"}.get(status, "invalid_request_error")
+        payload: dict[str, Any] = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    else:
+        payload = {"error": message}
+    await _send(send, status, json.dumps(payload).encode(), "application/json")
