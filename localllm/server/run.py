@@ -136,6 +136,8 @@ def serve(address: str | None = None, *, engine: Any = None, log_level: str = "i
     warning = exposure_warning(host, api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    if callable(engine):  # a factory: build the engine once the address is ours
+        engine = engine()
     app = create_app(engine, bound_host=host, api_key=api_key)
     shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     print(f"localllm serving the Ollama API on http://{shown} and the OpenAI API on http://{shown}/v1",

@@ -10,7 +10,9 @@ In order, for every HTTP request:
    ``LOCALLLM_ORIGINS`` (comma separated; ``*`` wildcards allowed, ``*`` alone allows all).
 3. **Bearer token**: with ``LOCALLLM_API_KEY`` set, every endpoint but ``/`` needs
    ``Authorization: Bearer <key>`` (compared in constant time); CORS preflights pass.
-4. **Body limit**: ``LOCALLLM_MAX_BODY`` bytes (default 32 MiB), by ``Content-Length`` and while
+4. **JSON bodies**: every POST/DELETE body is read as JSON whatever its ``Content-Type`` (as Ollama;
+   ``curl -d`` sends a form type).
+5. **Body limit**: ``LOCALLLM_MAX_BODY`` bytes (default 32 MiB), by ``Content-Length`` and while
    reading a chunked body: 413.
 """
 
@@ -131,6 +133,11 @@ class SecurityMiddleware:
             if too_big:
                 await _send_error(send, path, 413, f"request body too large (limit {self.max_body} bytes)")
                 return
+        if method in ("POST", "DELETE", "PUT") and "json" not in headers.get("content-type", ""):
+            # Ollama reads every body as JSON whatever the Content-Type (``curl -d`` sends a form type)
+            scope = dict(scope)
+            scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
+            scope["headers"].append((b"content-type", b"application/json"))
         if method in ("GET", "HEAD", "OPTIONS") or length is not None:
             await self.app(scope, receive, send)
             return

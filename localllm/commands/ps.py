@@ -1,0 +1,44 @@
+"""``localllm ps``: the models a server holds in memory, as ``ollama ps`` prints them.
+
+    $ localllm ps
+    NAME            ID              SIZE      PROCESSOR    CONTEXT    UNTIL
+    smollm2:135m    b179c9523d0e    191 MB    100% CPU     4096       4 minutes from now
+
+Models live in a server (``localllm serve``); ``localllm run`` loads them only for its own run, so
+without a server nothing is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command("ps")
+@click.option("--host", default=None, metavar="URL", help="Server to ask (default: LOCALLLM_HOST or 127.0.0.1:11434).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def command(host: str | None, as_json: bool) -> None:
+    """List loaded models."""
+    from localllm.client import Client, connect
+    from localllm.commands.list import human_size
+
+    client = connect(host) or Client()
+    if not client.is_running(timeout=1.0):
+        click.echo(f"No server is running at {client.url}, so no model is loaded "
+                   "(start one with `localllm serve`).", err=True)
+        if as_json:
+            click.echo("[]")
+        return
+    models = client.ps()
+    if as_json:
+        click.echo(json.dumps([{"name": m.name, "id": m.short_id, "size": m.size, "size_vram": m.size_vram,
+                                "processor": m.processor, "context": m.context_length,
+                                "expires_at": m.expires_at.isoformat() if m.expires_at else None,
+                                "until": m.until} for m in models], indent=2))
+        return
+    rows = [("NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL")]
+    rows += [(m.name, m.short_id, human_size(m.size), m.processor, str(m.context_length), m.until) for m in models]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("    ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())

@@ -1,0 +1,38 @@
+"""``localllm serve``: the Ollama API (``/api/*``) and the OpenAI API (``/v1/*``) on one address.
+
+    $ localllm serve                       # 127.0.0.1:11434, as Ollama
+    $ LOCALLLM_HOST=127.0.0.1:8080 localllm serve
+    $ localllm serve --host 0.0.0.0:11434  # beyond this machine: a loud warning (set LOCALLLM_API_KEY)
+"""
+
+from __future__ import annotations
+
+import click
+
+ENV_HELP = """\b
+Environment:
+  LOCALLLM_HOST               address to bind (127.0.0.1:11434)
+  LOCALLLM_KEEP_ALIVE         how long an idle model stays loaded (5m; -1 = forever)
+  LOCALLLM_MAX_LOADED_MODELS  models loaded at once (0 = as memory allows)
+  LOCALLLM_MAX_QUEUE          waiting requests before 503 (512)
+  LOCALLLM_ORIGINS            extra CORS origins, comma separated (* wildcards)
+  LOCALLLM_API_KEY            require Authorization: Bearer <key> on every endpoint but /
+  LOCALLLM_MAX_BODY           request body limit in bytes (32 MiB)
+  LOCALLLM_KV_CACHE_TYPE      f16 | q8_0 | q4_0
+"""
+
+
+@click.command("serve", epilog=ENV_HELP)
+@click.option("--host", "address", metavar="HOST:PORT", default=None,
+              help="Address to listen on (default: LOCALLLM_HOST or 127.0.0.1:11434).")
+@click.option("--keep-alive", "keep_alive", default=None, metavar="DURATION",
+              help="Default keep-alive for loaded models (5m, 1h, seconds, -1 = forever).")
+@click.option("--debug", is_flag=True, help="Log every request.")
+def command(address: str | None, keep_alive: str | None, debug: bool) -> None:
+    """Serve the Ollama and OpenAI APIs (streaming, several models, keep-alive)."""
+    from localllm.engine import Engine, parse_keep_alive
+    from localllm.server.run import serve
+
+    ka = parse_keep_alive(keep_alive) if keep_alive else None
+    # serve() binds before the engine does any work: a busy port is one sentence at once
+    serve(address, engine=lambda: Engine(keep_alive=ka), log_level="debug" if debug else "info")
