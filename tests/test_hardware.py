@@ -331,3 +331,61 @@ def test_probe_runs_in_a_fresh_interpreter():
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert d["logical_cores"] == os.cpu_count() and d["ram_total"] > 0
+
+
+# ------------------------------------------------------------------------------- `localllm probe`
+
+
+def _cli(*args: str):
+    from click.testing import CliRunner
+
+    from localllm.cli import cli
+
+    return CliRunner().invoke(cli, ["probe", *args], catch_exceptions=False)
+
+
+def test_probe_command_reports_hardware_and_the_default_models_plan(default_model):
+    r = _cli()
+    assert r.exit_code == 0, r.output
+    hw = probe()
+    assert "Hardware" in r.output and hw.cpu_model in r.output
+    assert f"{hw.physical_cores} physical / {hw.logical_cores} logical cores" in r.output
+    assert "Plan for smollm2:135m (Q4_1, 30 layers)" in r.output
+    where = "CUDA" if hw.nvidia_gpus and hw.backends["llamacpp"].gpu_offload else "CPU"
+    assert f"llama.cpp on {where}" in r.output and "4,096-token context" in r.output
+    assert "- backend llama.cpp" in r.output  # and why
+    for note in hw.notes:
+        assert note in r.output
+
+
+def test_probe_command_json(default_model):
+    r = _cli("--json", "--kv-cache-type", "q8_0")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert {"os", "cpu_model", "physical_cores", "simd", "ram_total", "gpus", "backends", "notes"} <= set(d)
+    assert d["model"] == "smollm2:135m" and d["plan_error"] is None
+    assert d["plan"]["kv_cache_type"] == "q8_0" and d["plan"]["flash_attn"] is True
+    assert d["plan"]["n_layers"] == 30 and d["plan"]["memory"]["total"] > 0
+
+
+def test_probe_command_local_file(default_model_path):
+    r = _cli("--model", str(default_model_path), "--ctx", "8192")  # read in place (read_gguf: slow-ish)
+    assert r.exit_code == 0 and "8,192-token context" in r.output
+
+
+def test_probe_command_refusals(default_model):
+    r = _cli("--ctx", "9000")
+    assert r.exit_code == 1 and "9,000-token context is more than" in r.output and "8,192 tokens" in r.output
+    if not probe().backends["mlx"].available:
+        return
+    if default_model.mlx_path is None:
+        r = _cli("--backend", "mlx")
+        assert r.exit_code == 1 and "--backend mlx needs MLX weights" in r.output
+
+
+def test_probe_command_without_the_model_installed(home):
+    r = _cli()
+    assert r.exit_code == 0
+    assert "smollm2:135m is not installed" in r.output and "Hardware" in r.output
+    d = json.loads(_cli("--json").output)
+    assert d["plan"] is None and "not installed" in d["plan_error"]

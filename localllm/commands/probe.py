@@ -1,0 +1,141 @@
+"""``localllm probe``: this machine's hardware, the backends that can run here, and how a model
+would be loaded (backend, GPU layers, context, memory) and why.
+
+    $ localllm probe                          # plans the default model when it is installed
+    $ localllm probe --model llama3.1:8b --ctx 32768 --kv-cache-type q8_0
+    $ localllm probe --model ./model.gguf     # a local file is read in place
+    $ localllm probe --json                   # HardwareInfo as JSON, plus "model" and "plan"
+
+Nothing is loaded: the plan is the planner's estimate from the GGUF metadata and the probe.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from localllm.config import DEFAULT_MODEL
+
+
+def _size(n: int | None) -> str:
+    if not n:
+        return "?"
+    return f"{n / 1024**3:.1f} GiB" if n >= 1024**3 else f"{n / 1024**2:.0f} MiB"
+
+
+def plan_for_model(name: str, hw: Any, *, num_ctx: int | None, kv_cache_type: str, backend: str,
+                   num_gpu: int | None) -> tuple[Any, Any, str | None]:
+    """(installed model or None, plan or None, why there is no plan). A model that is not installed
+    yields no plan (the planner needs its GGUF metadata); an impossible request yields PlanError's
+    sentence."""
+    from localllm.errors import LocalLLMError, ModelNotFoundError
+    from localllm.ggufinfo import GGUFInfo
+    from localllm.planner import plan
+    from localllm.store import Store
+
+    try:
+        model = Store().get(name)
+    except ModelNotFoundError as e:
+        return None, None, f"{e} (The plan needs its GGUF metadata.)"
+    info = GGUFInfo(**model.info)
+    try:
+        p = plan(info, hw, num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend, num_gpu=num_gpu,
+                 mlx_model=getattr(model, "mlx_path", None) is not None)
+    except LocalLLMError as e:
+        return model, None, str(e)
+    return model, p, None
+
+
+def _hardware_rows(hw: Any) -> list[tuple[str, str]]:
+    rows = [("System", f"{hw.os} {hw.arch}"),
+            ("CPU", f"{hw.cpu_model}: {hw.physical_cores} physical / {hw.logical_cores} logical cores"),
+            ("SIMD", " ".join(hw.simd) or "none found"),
+            ("RAM", f"{_size(hw.ram_total)} total, {_size(hw.ram_available)} available")]
+    if not hw.gpus:
+        rows.append(("GPU", "none found"))
+    for g in hw.gpus:
+        if g.vendor == "apple":
+            rows.append((f"GPU {g.index}", f"{g.name} (unified memory)"))
+        else:
+            extra = ", ".join(x for x in (f"driver {g.driver}" if g.driver else "",
+                                          f"compute {g.compute_capability}" if g.compute_capability else "") if x)
+            rows.append((f"GPU {g.index}", f"{g.name}: {_size(g.free_bytes)} free of {_size(g.total_bytes)}"
+                                           + (f" ({extra})" if extra else "")))
+    if hw.apple_silicon:
+        rows.append(("Metal budget", _size(hw.metal_budget)))
+    labels = {"llamacpp": "llama.cpp", "mlx": "MLX"}
+    for key, b in hw.backends.items():
+        rows.append((labels.get(key, key), f"{'yes' if b.available else 'no'}: {b.reason}"))
+    return rows
+
+
+def render(hw: Any, name: str, model: Any, p: Any, why: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False, soft_wrap=True)
+    table = Table(title="Hardware", title_justify="left", show_header=False, box=None, padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    for k, v in _hardware_rows(hw):
+        table.add_row(k, v)
+    console.print(table)
+    if hw.notes:
+        console.print("\n[bold]Notes[/bold]")
+        for n in hw.notes:
+            console.print(f"  - {n}", markup=False)
+    console.print(f"\n[bold]Plan for {name}[/bold]" + (f" ({model.info.get('file_type')}, "
+                                                        f"{model.info.get('n_layers')} layers)" if model else ""))
+    if p is None:
+        console.print(f"  {why}", markup=False)
+        return
+    console.print(f"  {p.summary}", markup=False)
+    for r in p.reasons:
+        console.print(f"  - {r}", markup=False)
+    if p.max_ctx:
+        console.print(f"  - largest context that loads the same way: about {p.max_ctx:,} tokens", markup=False)
+    if p.advice:
+        console.print("\n[bold]Advice[/bold]")
+        for line in p.advice.splitlines():
+            console.print(f"  {line}", markup=False)
+
+
+@click.command("probe")
+@click.option("--model", "-m", "name", default=DEFAULT_MODEL, show_default=True,
+              help="Model to plan for: an installed name or a local .gguf path.")
+@click.option("--ctx", "num_ctx", type=click.IntRange(min=1), default=None,
+              help="Context size to plan for (default: min(model's, 4096), shrunk to fit).")
+@click.option("--kv-cache-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default=None,
+              help="KV cache type (default: LOCALLLM_KV_CACHE_TYPE or f16).")
+@click.option("--backend", type=click.Choice(["auto", "llamacpp", "mlx"]), default="auto", show_default=True,
+              help="Backend to plan for.")
+@click.option("--num-gpu", type=int, default=None, help="Layers to offload (0 = CPU only).")
+@click.option("--json", "as_json", is_flag=True, help="Print HardwareInfo as JSON, with the model and the plan.")
+def command(name: str, num_ctx: int | None, kv_cache_type: str | None, backend: str, num_gpu: int | None,
+            as_json: bool) -> None:
+    """Show this machine's hardware and the backend localllm picks.
+
+    \b
+    Examples:
+      localllm probe
+      localllm probe --model llama3.1:8b --ctx 32768 --kv-cache-type q8_0
+      localllm probe --json
+    """
+    from localllm import config
+    from localllm.hardware import probe
+
+    hw = probe()
+    kv = kv_cache_type or config.kv_cache_type()
+    model, p, why = plan_for_model(name, hw, num_ctx=num_ctx, kv_cache_type=kv, backend=backend, num_gpu=num_gpu)
+    if as_json:
+        out = hw.as_dict()
+        out["model"] = name
+        out["plan"] = p.as_dict() if p else None
+        out["plan_error"] = why
+        click.echo(json.dumps(out, indent=2))
+    else:
+        render(hw, name, model, p, why)
+    if model is not None and p is None:  # the planner refused what was asked (PlanError)
+        raise SystemExit(1)

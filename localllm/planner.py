@@ -1,0 +1,615 @@
+"""Will this model fit, and how should it be loaded? A pure function of GGUF metadata and a probe.
+
+``plan(info, hw)`` picks the backend (CUDA llama.cpp, MLX, Metal llama.cpp, CPU llama.cpp), the
+layers to offload, the context size, the KV cache type and flash attention, and says why, one line
+per decision::
+
+    >>> from localllm.ggufinfo import read_gguf
+    >>> from localllm.hardware import probe
+    >>> p = plan(read_gguf("smollm2.gguf"), probe())  # doctest: +SKIP
+    >>> p.backend, p.device, p.verdict_text, p.n_ctx  # doctest: +SKIP
+    ('llamacpp', 'cpu', 'CPU', 4096)
+
+Memory, as the peers count it (``reference/tui-and-runners.md`` §3)::
+
+    total = weights   (tensor bytes per layer from the GGUF; token embeddings stay on the CPU,
+                       the output layer goes to the GPU last, a tied one is duplicated there)
+          + KV cache  (info.kv_bytes_per_token(type) × n_ctx, split with the layers)
+          + compute   (Ollama's GraphSize formulas, fs/ggml/ggml.go; matches llama.cpp's own
+                       compute buffer within a few % for the default model)
+          + overhead  (457 MiB per CUDA GPU, Ollama's cudaMinimumMemory; 128 MiB for the process)
+
+Layers are offloaded like Ollama's ``EstimateGPULayers``: all of them (plus the output layer) when
+they fit in free VRAM minus a 512 MiB margin, else as many as fit. ``n_gpu_layers`` follows
+llama.cpp: ``n_layers + 1`` means every layer and the output layer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from localllm.errors import PlanError
+from localllm.ggufinfo import GGUFInfo
+from localllm.hardware import GiB, HardwareInfo, MiB, metal_budget_rule
+
+LLAMA_CPP_VERSION = "0.3.36"
+CUDA_ADVICE = (f'CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir '
+               f'llama-cpp-python=={LLAMA_CPP_VERSION}')
+METAL_ADVICE = (f'CMAKE_ARGS="-DGGML_METAL=on" pip install --force-reinstall --no-cache-dir '
+                f'llama-cpp-python=={LLAMA_CPP_VERSION}')
+
+KV_TYPES = ("f16", "q8_0", "q4_0")
+BACKENDS = ("auto", "llamacpp", "mlx")
+DEFAULT_CTX = 4096  # llama.cpp --fit's floor (--fit-ctx) and Ollama's default num_ctx
+MIN_CTX = 512  # the smallest context the planner shrinks to on its own
+N_UBATCH = 512  # llama.cpp's default physical batch: the compute buffer scales with it
+CUDA_OVERHEAD = 457 * MiB  # per GPU: CUDA context + cuBLAS (Ollama's cudaMinimumMemory)
+HOST_OVERHEAD = 128 * MiB  # the process itself (measured: Python + llama.cpp ≈ 48 MiB RSS)
+GPU_MARGIN = 512 * MiB  # free VRAM left alone per GPU (other processes, fragmentation)
+FA_HEAD_DIMS = {64, 80, 96, 112, 128, 256}  # head sizes llama.cpp's CUDA/Metal FA kernels cover
+
+
+def _gb(n: float) -> str:
+    """Bytes as GiB, the unit GPU and RAM sizes are sold in (a "24 GB" card is 24 GiB)."""
+    return f"{n / GiB:.1f} GiB" if abs(n) >= GiB else f"{n / MiB:.0f} MiB"
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes. ``total == weights + kv_cache + compute + overhead == gpu + cpu``."""
+
+    weights: int
+    kv_cache: int
+    compute: int
+    overhead: int
+    total: int
+    gpu: int  # on the GPU (VRAM; on Apple Silicon the Metal working set)
+    cpu: int  # in system RAM
+    draft: int = 0  # of the above, what the draft model takes (weights + its KV cache)
+
+    def __add__(self, other: MemoryEstimate) -> MemoryEstimate:
+        return MemoryEstimate(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values(), strict=True)))
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def describe(self, n_ctx: int, kv_type: str) -> str:
+        """``"5.9 GiB: weights 4.6 GiB + KV cache 512 MiB (4,096 tokens, f16) + compute 266 MiB + ..."``"""
+        text = (f"{_gb(self.total)}: weights {_gb(self.weights)} + KV cache {_gb(self.kv_cache)} "
+                f"({n_ctx:,} tokens, {kv_type}) + compute {_gb(self.compute)} + overhead {_gb(self.overhead)}")
+        return text + (f" (draft model {_gb(self.draft)} included)" if self.draft else "")
+
+
+@dataclass
+class Plan:
+    backend: Literal["llamacpp", "mlx"]
+    device: Literal["cuda", "metal", "cpu"]
+    n_gpu_layers: int  # llama.cpp's meaning: n_layers + 1 = all layers and the output layer
+    n_layers: int
+    n_ctx: int
+    kv_cache_type: str
+    flash_attn: bool
+    n_threads: int
+    verdict: Literal["gpu", "partial", "cpu", "too_big"]
+    verdict_text: str  # "fits on GPU" / "partial offload 20/32 layers" / "CPU" / "does not fit"
+    memory: MemoryEstimate
+    reasons: list[str] = field(default_factory=list)  # one line per decision
+    advice: str | None = None  # how to get a better setup (e.g. a CUDA build of llama.cpp)
+    draft_n_gpu_layers: int = 0
+    max_ctx: int | None = None  # the largest context that would fit the same way (None: not computed)
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict != "too_big"
+
+    @property
+    def summary(self) -> str:
+        """One line: ``"llama.cpp on CUDA, fits on GPU, 4,096-token context, 5.9 GiB"``."""
+        name = {"llamacpp": "llama.cpp", "mlx": "MLX"}[self.backend]
+        where = {"cuda": "CUDA", "metal": "Metal", "cpu": "CPU"}[self.device]
+        return f"{name} on {where}, {self.verdict_text}, {self.n_ctx:,}-token context, {_gb(self.memory.total)}"
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["summary"] = self.summary
+        return d
+
+
+# ------------------------------------------------------------------------------------------ weights
+
+
+@dataclass(frozen=True)
+class _Weights:
+    embd: int  # token embeddings: llama.cpp keeps the input layer on the CPU
+    output: int  # output layer (+ final norm); a tied one is the embedding matrix again
+    tied: bool
+    layers: tuple[int, ...]  # per repeating layer, blk.0 first
+
+    @property
+    def total(self) -> int:
+        return self.embd + sum(self.layers) + (0 if self.tied else self.output)
+
+
+def _weights(info: GGUFInfo) -> _Weights:
+    """Per-layer weight bytes: from ``info.extra["tensor_bytes"]`` (``read_gguf`` records the tensor
+    table's split), else estimated from the file size, the parameter count and the embedding shape
+    (assuming an untied output layer)."""
+    tb = (info.extra or {}).get("tensor_bytes")
+    if isinstance(tb, dict) and tb.get("layers"):
+        layers = tuple(int(x) for x in tb["layers"])
+        if len(layers) == info.n_layers:
+            embd = int(tb.get("token_embd") or 0)
+            tied = tb.get("output") is None
+            output = (embd if tied else int(tb["output"])) + int(tb.get("other") or 0)
+            return _Weights(embd=embd, output=output, tied=tied, layers=layers)
+    size = max(int(info.file_size), 0)
+    bytes_per_param = size / info.parameters if info.parameters else 0.6
+    embd = int(info.vocab_size * info.n_embd * bytes_per_param)
+    embd = min(embd, size // 4)  # keep the guess sane when metadata is sparse
+    rest = max(size - 2 * embd, 0)
+    per_layer = rest // max(info.n_layers, 1)
+    return _Weights(embd=embd, output=embd, tied=False, layers=(per_layer,) * info.n_layers)
+
+
+# ------------------------------------------------------------------------------------------ compute
+
+
+def _graph(info: GGUFInfo, n_ctx: int, flash_attn: bool, partial: bool) -> int:
+    """Compute buffer, after Ollama's ``GraphSize`` (fs/ggml/ggml.go, the llama branch)."""
+    b = min(n_ctx, N_UBATCH)
+    e, v, h = info.n_embd, info.vocab_size, max(info.n_head, 1)
+    hd, hkv = max(info.head_dim_k, 1), max(info.n_head_kv, 1)
+    if not partial:
+        attn = 4 * b * (1 + 4 * e + (0 if flash_attn else n_ctx * (1 + h)))
+        return int(max(attn, 4 * b * (e + v)))
+    attn = 4 * b * (1 + e + max(n_ctx, e)) + e * e * 9 // 16 + 4 * n_ctx * ((0 if flash_attn else b * h) + hd * hkv)
+    out = 4 * b * (e + v) + e * v * 105 // 128
+    return int(4 * b * e + max(attn, out))
+
+
+def _default_flash_attn(kv_cache_type: str) -> bool:
+    return kv_cache_type != "f16"
+
+
+def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layers: int = 0, *,
+             flash_attn: bool | None = None, device: str = "cuda", n_gpus: int = 1) -> MemoryEstimate:
+    """Memory to load ``info`` with ``n_ctx`` tokens of context and ``n_gpu_layers`` offloaded
+    (llama.cpp's meaning; negative = all). ``flash_attn=None``: on when the V cache is quantized.
+
+    >>> from localllm.ggufinfo import GGUFInfo
+    >>> llama8b = GGUFInfo(path="", file_size=4_920_739_232, architecture="llama", name="8B",
+    ...     n_layers=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim_k=128, head_dim_v=128,
+    ...     context_length=131072, vocab_size=128256, file_type="Q4_K_M", parameters=8_030_261_248,
+    ...     chat_template=None, license=None)
+    >>> estimate(llama8b, 8192).kv_cache // MiB      # 128 KiB per token
+    1024
+    """
+    kv_cache_type = kv_cache_type.lower()
+    if flash_attn is None:
+        flash_attn = _default_flash_attn(kv_cache_type)
+    n_layers = max(info.n_layers, 1)
+    ngl = n_layers + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layers + 1)
+    layers_gpu, output_gpu = min(ngl, n_layers), ngl > n_layers
+    w = _weights(info)
+    split = len(w.layers) - layers_gpu  # llama.cpp offloads the last layers first
+    gpu_w = sum(w.layers[split:]) + (w.output if output_gpu else 0)
+    cpu_w = sum(w.layers[:split]) + w.embd + (0 if (output_gpu or w.tied) else w.output)
+    kv = int(info.kv_bytes_per_token(kv_cache_type) * n_ctx)
+    kv_gpu = kv * layers_gpu // n_layers
+    if ngl == 0:
+        gpu_c, cpu_c = 0, _graph(info, n_ctx, flash_attn, partial=False)
+    elif output_gpu or device == "metal":  # Ollama: on Metal partial offload costs what full does
+        gpu_c, cpu_c = _graph(info, n_ctx, flash_attn, partial=False), 4 * min(n_ctx, N_UBATCH) * info.n_embd
+    else:
+        gpu_c = _graph(info, n_ctx, flash_attn, partial=True)
+        cpu_c = 4 * min(n_ctx, N_UBATCH) * (info.n_embd + info.vocab_size)
+    gpu_o = (CUDA_OVERHEAD * max(n_gpus, 1) if device == "cuda" else 0) if ngl else 0
+    gpu = gpu_w + kv_gpu + gpu_c + gpu_o
+    cpu = cpu_w + (kv - kv_gpu) + cpu_c + HOST_OVERHEAD
+    return MemoryEstimate(weights=gpu_w + cpu_w, kv_cache=kv, compute=gpu_c + cpu_c, overhead=gpu_o + HOST_OVERHEAD,
+                          total=gpu + cpu, gpu=gpu, cpu=cpu)
+
+
+def _mlx_estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str, on_gpu: bool) -> MemoryEstimate:
+    """MLX keeps everything in one (unified) pool. The MLX build's size is taken as the GGUF's:
+    4-bit MLX (group 64, ~4.5 bits/weight) and Q4_K_M (~4.9) are within 10 %."""
+    weights = int(info.file_size)
+    kv = int(info.kv_bytes_per_token(kv_cache_type) * n_ctx)
+    compute = _graph(info, n_ctx, True, partial=False)  # fused scaled-dot-product attention
+    total = weights + kv + compute + HOST_OVERHEAD
+    return MemoryEstimate(weights=weights, kv_cache=kv, compute=compute, overhead=HOST_OVERHEAD, total=total,
+                          gpu=total - HOST_OVERHEAD if on_gpu else 0,
+                          cpu=HOST_OVERHEAD if on_gpu else total)
+
+
+# -------------------------------------------------------------------------------------------- plan
+
+
+def _ram_limit(hw: HardwareInfo) -> int:
+    """RAM the model may take: all of it but a share the OS keeps (1 GiB or 10 %, the larger)."""
+    return hw.ram_total - max(GiB, hw.ram_total // 10) if hw.ram_total else 1 << 62
+
+
+@dataclass
+class _Layout:
+    mem: MemoryEstimate
+    ngl: int
+    draft_ngl: int
+    fits: bool
+    why: str  # the limiting resource when it does not fit, with numbers
+
+
+class _Planner:
+    def __init__(self, info: GGUFInfo, hw: HardwareInfo, kv: str, num_gpu: int | None, draft: GGUFInfo | None):
+        self.info, self.hw, self.kv, self.num_gpu, self.draft = info, hw, kv, num_gpu, draft
+        self.L = info.n_layers
+
+    # device budget -------------------------------------------------------------------------
+    def gpu_budget(self, device: str) -> tuple[int, int, str]:
+        """(usable bytes, number of GPUs, description) for ``device``."""
+        if device == "cuda":
+            gpus = self.hw.nvidia_gpus
+            usable = sum(max(g.free_bytes - GPU_MARGIN, 0) for g in gpus)
+            names = " + ".join(g.name for g in gpus)
+            return usable, len(gpus), f"{_gb(sum(g.free_bytes for g in gpus))} free VRAM on {names}"
+        if device == "metal":
+            budget = self.hw.metal_budget or metal_budget_rule(self.hw.ram_total)
+            return max(budget - GPU_MARGIN, 0), 1, f"the {_gb(budget)} Metal working-set budget"
+        return 0, 0, "no GPU"
+
+    def flash_attn(self, device: str) -> tuple[bool, str]:
+        if self.kv != "f16":
+            return True, f"flash attention on: llama.cpp needs it for a quantized ({self.kv}) V cache"
+        i = self.info
+        if device in ("cuda", "metal") and i.head_dim_k == i.head_dim_v and i.head_dim_k in FA_HEAD_DIMS:
+            return True, (f"flash attention on: the GPU kernels cover head size {i.head_dim_k}, and it saves "
+                          f"the n_ctx × batch attention buffer")
+        return False, "flash attention off: not needed for an f16 KV cache" + (" on the CPU" if device == "cpu" else "")
+
+    # llama.cpp layout ------------------------------------------------------------------------
+    def llama_layout(self, device: str, n_ctx: int, fa: bool) -> _Layout:
+        info, hw = self.info, self.hw
+        budget, n_gpus, _ = self.gpu_budget(device)
+
+        def est(ngl: int) -> MemoryEstimate:
+            return estimate(info, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus)
+
+        def draft_est(ngl: int) -> MemoryEstimate:
+            assert self.draft is not None
+            m = estimate(self.draft, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus)
+            m.overhead -= HOST_OVERHEAD  # one process
+            m.cpu -= HOST_OVERHEAD
+            m.total -= HOST_OVERHEAD
+            if ngl:  # the CUDA context is shared too
+                shared = CUDA_OVERHEAD * n_gpus if device == "cuda" else 0
+                m.overhead, m.gpu, m.total = m.overhead - shared, m.gpu - shared, m.total - shared
+            m.draft = m.total
+            return m
+
+        full = self.L + 1
+        draft_ngl = 0
+        if device == "cpu":
+            ngl = 0
+        elif self.num_gpu is not None and self.num_gpu >= 0:
+            ngl = min(self.num_gpu, full)
+        elif est(full).gpu <= budget:
+            ngl = full
+        else:  # most layers that fit: GPU memory grows with every layer, so bisect
+            lo, hi = 0, full  # est(lo) fits (0 layers take no VRAM), est(hi) does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if est(mid).gpu <= budget else (lo, mid)
+            ngl = lo
+        mem = est(ngl)
+        if self.draft is not None:
+            dfull = self.draft.n_layers + 1
+            if ngl == full and device != "cpu" and mem.gpu + draft_est(dfull).gpu <= budget:
+                draft_ngl = dfull
+            mem = mem + draft_est(draft_ngl)
+        ram_limit = _ram_limit(hw)
+        ram_need = mem.total if device == "metal" else mem.cpu  # unified memory on Apple Silicon
+        if ram_need > ram_limit:
+            return _Layout(mem, ngl, draft_ngl, False,
+                           f"needs {_gb(ram_need)} of RAM{' for the CPU part' if ngl else ''}, "
+                           f"more than the {_gb(ram_limit)} this machine can give it "
+                           f"({_gb(hw.ram_total)} total)")
+        return _Layout(mem, ngl, draft_ngl, True, "")
+
+    def mlx_layout(self, device: str, n_ctx: int) -> _Layout:
+        mem = _mlx_estimate(self.info, n_ctx, self.kv, on_gpu=device != "cpu")
+        if self.draft is not None:
+            d = _mlx_estimate(self.draft, n_ctx, self.kv, on_gpu=device != "cpu")
+            d.overhead -= HOST_OVERHEAD
+            d.total -= HOST_OVERHEAD
+            if device == "cpu":
+                d.cpu -= HOST_OVERHEAD
+            d.draft = d.total
+            mem = mem + d
+        if device == "metal":
+            budget, _, desc = self.gpu_budget("metal")
+            if mem.gpu > budget:
+                return _Layout(mem, 0, 0, False, f"MLX needs {_gb(mem.gpu)}, more than {desc} allows "
+                                                 f"({_gb(budget)} after a {GPU_MARGIN // MiB} MiB margin)")
+        limit = _ram_limit(self.hw)
+        if mem.total > limit:
+            return _Layout(mem, 0, 0, False, f"needs {_gb(mem.total)} of RAM, more than the {_gb(limit)} "
+                                             f"this machine can give it ({_gb(self.hw.ram_total)} total)")
+        return _Layout(mem, self.L + 1 if device != "cpu" else 0, (self.draft.n_layers + 1) if self.draft and
+                       device != "cpu" else 0, True, "")
+
+    def layout(self, backend: str, device: str, n_ctx: int, fa: bool) -> _Layout:
+        return self.mlx_layout(device, n_ctx) if backend == "mlx" else self.llama_layout(device, n_ctx, fa)
+
+    def max_ctx(self, backend: str, device: str, fa: bool, ngl: int) -> int | None:
+        """Largest context (a multiple of 256, ≤ the training context) that keeps the layout at
+        least as good (same number of GPU layers), or None when even MIN_CTX does not."""
+        cap = self.info.context_length or 131072
+
+        def ok(c: int) -> bool:
+            lay = self.layout(backend, device, c, fa)
+            return lay.fits and lay.ngl >= ngl
+
+        if not ok(min(MIN_CTX, cap)):
+            return None
+        lo, hi = min(MIN_CTX, cap), cap
+        if ok(hi):
+            return hi
+        while hi - lo > 256:
+            mid = (lo + hi) // 2 // 256 * 256 or lo
+            if mid <= lo:
+                break
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        return lo
+
+
+def _llama_device(hw: HardwareInfo, reasons: list[str], advice: list[str]) -> str:
+    """Which device llama.cpp can use here; appends the reason (and advice) lines."""
+    llama = hw.backend("llamacpp")
+    nvidia = hw.nvidia_gpus
+    gpu_names = ", ".join(f"{g.name} ({_gb(g.total_bytes)})" for g in nvidia)
+    cc = next((g.compute_capability for g in nvidia if g.compute_capability), None)
+    cuda_advice = (f"Your NVIDIA GPU is idle because llama.cpp was built for the CPU only. Install a CUDA build "
+                   f"(needs the CUDA toolkit, nvcc on PATH; takes a while): {CUDA_ADVICE}"
+                   + (f'  (add -DCMAKE_CUDA_ARCHITECTURES={cc.replace(".", "")} to CMAKE_ARGS to build for this '
+                      f"GPU only, much faster)" if cc else ""))
+    if not llama.available:
+        reasons.append(f"llama.cpp: {llama.reason}")
+        if nvidia:
+            advice.append(cuda_advice.replace("is idle because llama.cpp was built for the CPU only",
+                                              "needs a CUDA build of llama.cpp"))
+            return "cpu"
+        if hw.apple_silicon:
+            advice.append(f"pip install llama-cpp-python=={LLAMA_CPP_VERSION}  (Metal is on by default on macOS)")
+            return "metal"
+        advice.append(f"pip install llama-cpp-python=={LLAMA_CPP_VERSION}")
+        return "cpu"
+    if llama.gpu_offload:
+        gb = llama.gpu_backend
+        if nvidia and gb in ("CUDA", "Vulkan", None):
+            via = f" via {gb}" if gb and gb != "CUDA" else ""
+            reasons.append(f"backend llama.cpp on CUDA{via}: {gpu_names} and a GPU-capable llama.cpp build")
+            return "cuda"
+        if hw.apple_silicon and gb in ("Metal", None):
+            reasons.append("backend llama.cpp on Metal: Apple Silicon and a Metal build of llama.cpp")
+            return "metal"
+        found = gpu_names or ("Apple Silicon GPU" if hw.apple_silicon else "none")
+        reasons.append(f"backend llama.cpp on the CPU: the build offloads via {gb or 'a GPU backend'}, "
+                       f"but no such GPU was found (GPUs: {found})")
+        return "cpu"
+    if nvidia:
+        reasons.append(f"backend llama.cpp on the CPU: {gpu_names} found, but this llama.cpp build is CPU-only")
+        advice.append(cuda_advice)
+    elif hw.apple_silicon:
+        reasons.append("backend llama.cpp on the CPU: this llama.cpp build has no Metal support")
+        advice.append(f"Install a Metal build of llama.cpp: {METAL_ADVICE}")
+    else:
+        why = "; ".join(n for n in hw.notes if "NVML" in n or "nvidia-smi" in n) or "none detected"
+        reasons.append(f"backend llama.cpp on the CPU: no usable GPU ({why})")
+    return "cpu"
+
+
+def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cache_type: str = "f16",
+         backend: str = "auto", num_gpu: int | None = None, mlx_model: bool = False,
+         draft: GGUFInfo | None = None) -> Plan:
+    """Decide how to load ``info`` on ``hw``.
+
+    ``num_ctx``: a context size to honour (refused with numbers if the model or memory cannot take
+    it); None = min(training context, 4096), shrunk to fit. ``num_gpu``: layers to offload (Ollama's
+    meaning; 0 = CPU, negative or None = decide). ``mlx_model``: MLX weights of this model exist.
+    ``draft``: a draft model for speculative decoding, planned beside it. Raises :class:`PlanError`
+    for what cannot be done as asked; a model that is simply too big gets ``verdict="too_big"``.
+    """
+    kv = (kv_cache_type or "f16").lower()
+    if kv not in KV_TYPES:
+        raise PlanError(f"KV cache type {kv_cache_type!r} is not one of {', '.join(KV_TYPES)}.")
+    backend = (backend or "auto").lower()
+    if backend not in BACKENDS:
+        raise PlanError(f"Backend {backend!r} is not one of {', '.join(BACKENDS)}.")
+    if info.n_layers <= 0:
+        raise PlanError(f"{os.path.basename(info.path) or info.name} has no layer count in its metadata.")
+    name = info.name or os.path.basename(info.path) or "the model"
+    ctx_train = info.context_length or 0
+    if num_ctx is not None:
+        if num_ctx < 1:
+            raise PlanError(f"num_ctx must be a positive number of tokens, got {num_ctx}.")
+        if ctx_train and num_ctx > ctx_train:
+            raise PlanError(f"A {num_ctx:,}-token context is more than {name} was trained for ({ctx_train:,} tokens).")
+
+    reasons: list[str] = []
+    advice: list[str] = []
+    llama, mlx = hw.backend("llamacpp"), hw.backend("mlx")
+    mlx_device = "metal" if mlx.gpu_backend == "Metal" else "cuda" if mlx.gpu_backend == "CUDA" else "cpu"
+
+    # 1. backend ------------------------------------------------------------------------------
+    chosen: str
+    mlx_fallback_reason = None
+    if backend == "mlx":
+        if not mlx.available:
+            raise PlanError(f"--backend mlx cannot be used here: {mlx.reason}.")
+        if not mlx_model:
+            raise PlanError(f"--backend mlx needs MLX weights of {name}, and none are installed "
+                            f"(the catalog has no MLX build for it, or it was not pulled).")
+        chosen = "mlx"
+        reasons.append(f"backend MLX ({mlx_device}): asked for with --backend mlx")
+    elif backend == "llamacpp":
+        if not llama.available:
+            raise PlanError(f"--backend llamacpp cannot be used here: {llama.reason}.")
+        chosen = "llamacpp"
+    elif hw.apple_silicon and mlx.available and mlx_model:
+        chosen = "mlx"
+    else:
+        chosen = "llamacpp"
+        if hw.apple_silicon and mlx_model and not mlx.available:
+            mlx_fallback_reason = f"MLX not used: {mlx.reason}"
+            advice.append("pip install 'localllm[mlx]'  (MLX is usually the fastest backend on Apple Silicon)")
+        elif hw.apple_silicon and mlx.available and not mlx_model:
+            mlx_fallback_reason = f"MLX not used: no MLX build of {name} is installed"
+        elif not llama.available and mlx.available and mlx_model:
+            chosen = "mlx"
+            reasons.append(f"backend MLX ({mlx_device}): llama.cpp is not importable ({llama.reason})")
+
+    kv_reason = None
+    if chosen == "mlx" and kv != "f16":
+        bits = 8 if kv == "q8_0" else 4
+        if info.head_dim_k % 64 or info.sliding_window:
+            why = (f"head size {info.head_dim_k} is not a multiple of MLX's group size 64" if info.head_dim_k % 64
+                   else "the model's sliding-window (rotating) cache cannot be quantized")
+            if backend == "mlx":
+                raise PlanError(f"MLX cannot quantize this model's KV cache to {kv}: {why}.")
+            kv_reason = f"KV cache f16: MLX cannot use {kv} for this model ({why})"
+            kv = "f16"
+        else:
+            kv_reason = f"KV cache {kv}: MLX kv_bits={bits}"
+
+    pl = _Planner(info, hw, kv, num_gpu, draft)
+    device: str
+    if chosen == "mlx":
+        device = mlx_device
+        if backend != "mlx" and not reasons:
+            reasons.append(f"backend MLX on {device.capitalize() if device == 'metal' else device.upper()}: "
+                           f"Apple Silicon, mlx importable and an MLX build of {name} installed")
+    else:
+        if mlx_fallback_reason:
+            reasons.append(mlx_fallback_reason)
+        device = _llama_device(hw, reasons, advice)
+        if backend == "llamacpp" and reasons:
+            reasons[-1] += " (asked for with --backend llamacpp)"
+    if num_gpu == 0 and chosen == "llamacpp" and device != "cpu":
+        device = "cpu"
+        reasons.append("all layers on the CPU: asked for with num_gpu 0")
+    elif num_gpu and num_gpu > 0 and device == "cpu":
+        reasons.append(f"num_gpu {num_gpu} ignored: there is no GPU this build can use")
+
+    # 2. context (and the MLX budget fallback) -------------------------------------------------
+    fa, fa_reason = (False, None) if chosen == "mlx" else pl.flash_attn(device)
+    if num_ctx is not None:
+        candidates = [num_ctx]
+    else:
+        start = min(ctx_train, DEFAULT_CTX) if ctx_train else DEFAULT_CTX
+        candidates = [start] + [c for c in (2048, 1024, MIN_CTX) if c < start]
+
+    def pick(backend_: str, device_: str, fa_: bool, shrink: bool = True) -> tuple[int, _Layout]:
+        first = None
+        for c in candidates if shrink else candidates[:1]:
+            lay = pl.layout(backend_, device_, c, fa_)
+            first = first or (c, lay)
+            if lay.fits:
+                return c, lay
+        assert first is not None
+        return first
+
+    # an automatic MLX choice that does not fit goes to llama.cpp rather than to a smaller context
+    mlx_auto = chosen == "mlx" and backend == "auto" and device == "metal" and llama.available
+    n_ctx, lay = pick(chosen, device, fa, shrink=not mlx_auto)
+    if mlx_auto and not lay.fits:
+        reasons.append(f"MLX not used: {lay.why}; falling back to llama.cpp, which can keep part of the model "
+                       f"on the CPU")
+        chosen, kv_reason = "llamacpp", None
+        pl = _Planner(info, hw, (kv_cache_type or "f16").lower(), num_gpu, draft)
+        device = _llama_device(hw, reasons, advice)
+        fa, fa_reason = pl.flash_attn(device)
+        n_ctx, lay = pick(chosen, device, fa)
+
+    if not lay.fits and num_ctx is not None:
+        smallest = pl.layout(chosen, device, min(MIN_CTX, num_ctx), fa)
+        if smallest.fits:  # the context is the problem, not the model
+            best = pl.max_ctx(chosen, device, fa, 0)
+            raise PlanError(f"A {num_ctx:,}-token context does not fit: with its "
+                            f"{_gb(lay.mem.kv_cache)} KV cache ({pl.kv}) the model {lay.why}; "
+                            f"at most about {best or MIN_CTX:,} tokens fit.")
+
+    # 3. verdict ------------------------------------------------------------------------------
+    L = info.n_layers
+    mem = lay.mem
+    if not lay.fits:
+        verdict, verdict_text = "too_big", "does not fit"
+    elif chosen == "mlx":
+        verdict, verdict_text = ("gpu", "fits on GPU") if device != "cpu" else ("cpu", "CPU")
+    elif lay.ngl >= L + 1:
+        verdict, verdict_text = "gpu", "fits on GPU"
+    elif lay.ngl > 0:
+        verdict, verdict_text = "partial", f"partial offload {min(lay.ngl, L)}/{L} layers"
+    else:
+        verdict, verdict_text = "cpu", "CPU"
+
+    reasons.append(f"memory {mem.describe(n_ctx, pl.kv)}")
+    budget, _, budget_desc = pl.gpu_budget(device)
+    if verdict == "too_big":
+        reasons.append(f"does not fit: {name} {lay.why}")
+    elif chosen == "llamacpp" and device != "cpu":
+        if num_gpu is not None and num_gpu >= 0:
+            over = mem.gpu > budget
+            reasons.append(f"{min(lay.ngl, L)} of {L} layers on the GPU: asked for with num_gpu {num_gpu}"
+                           + (f"; the estimate ({_gb(mem.gpu)}) exceeds {budget_desc}, loading may fail"
+                              if over else ""))
+        elif verdict == "gpu":
+            reasons.append(f"all {L} layers and the output layer on the GPU: {_gb(mem.gpu)} of {budget_desc}")
+        elif verdict == "partial":
+            reasons.append(f"{lay.ngl} of {L} layers on the GPU: as many as fit in {budget_desc} "
+                           f"(keeping {GPU_MARGIN // MiB} MiB spare); the rest run on the CPU, slower")
+        else:
+            reasons.append(f"no layer fits on the GPU ({budget_desc}): CPU only")
+    elif chosen == "mlx" and device == "metal":
+        reasons.append(f"MLX keeps the model in unified memory: {_gb(mem.gpu)} of {budget_desc}")
+    if verdict != "too_big" and hw.ram_available and (mem.total if device == "metal" else mem.cpu) > hw.ram_available:
+        reasons.append(f"RAM is tight: the CPU side needs {_gb(mem.total if device == 'metal' else mem.cpu)} and "
+                       f"{_gb(hw.ram_available)} is free now; other programs may be paged out")
+
+    if num_ctx is not None:
+        reasons.append(f"context {n_ctx:,} tokens: as asked" + (f" (trained for {ctx_train:,})" if ctx_train else ""))
+    elif n_ctx < candidates[0] and verdict != "too_big":
+        reasons.append(f"context {n_ctx:,} tokens: reduced from {candidates[0]:,} so the model fits")
+    else:
+        reasons.append(f"context {n_ctx:,} tokens: the default, min(model's {ctx_train:,}, {DEFAULT_CTX:,})"
+                       if ctx_train else f"context {n_ctx:,} tokens: the default (the model states none)")
+    if info.sliding_window:
+        reasons.append(f"sliding-window attention (window {info.sliding_window:,}): llama.cpp keeps a full-size "
+                       f"cache by default (swa_full), so the KV figure counts every layer at full context"
+                       if chosen == "llamacpp" else
+                       f"sliding-window attention (window {info.sliding_window:,}): the KV figure is an upper bound")
+    per_tok = info.kv_bytes_per_token(pl.kv)
+    reasons.append(kv_reason or f"KV cache {pl.kv}: {per_tok / 1024:,.1f} KiB per token"
+                   + (f", {_gb(mem.kv_cache)} at {n_ctx:,} tokens" if mem.kv_cache else ""))
+    if fa_reason:
+        reasons.append(fa_reason)
+    threads = max(hw.physical_cores or hw.logical_cores or 1, 1)
+    reasons.append(f"threads {threads}: the physical cores (hyper-threads do not speed up generation)")
+    if draft is not None:
+        where = "on the GPU" if lay.draft_ngl else "on the CPU"
+        reasons.append(f"draft model {draft.name or os.path.basename(draft.path)} {where}: "
+                       f"{_gb(mem.draft)} for its weights and KV cache")
+    if info.is_recurrent or info.is_hybrid:
+        reasons.append(f"{info.architecture} is a recurrent/hybrid architecture: the KV estimate is approximate")
+
+    max_ctx = None
+    if verdict != "too_big":
+        try:
+            max_ctx = pl.max_ctx(chosen, device, fa, min(lay.ngl, L + 1))
+        except Exception:
+            max_ctx = None
+    return Plan(backend=chosen, device=device, n_gpu_layers=lay.ngl, n_layers=L, n_ctx=n_ctx,  # type: ignore[arg-type]
+                kv_cache_type=pl.kv, flash_attn=fa, n_threads=threads, verdict=verdict,  # type: ignore[arg-type]
+                verdict_text=verdict_text, memory=mem, reasons=reasons, advice="\n".join(advice) or None,
+                draft_n_gpu_layers=lay.draft_ngl, max_ctx=max_ctx)
