@@ -99,6 +99,7 @@ class LocalLLMApp(App):
         self.host = host
         self._backend = backend
         self._backend_lock = threading.Lock()
+        self._own_chats = chats is None
         self.chats = chats or ChatStore()
         self.model = model or settings.default_model() or DEFAULT_MODEL
         self._model_names: list[str] | None = None
@@ -157,7 +158,8 @@ class LocalLLMApp(App):
             screen.cancel.set()  # the generator stops at the next token; the model is freed by close()
         if self._backend is not None:
             self._backend.close()
-        self.chats.close()
+        if self._own_chats:
+            self.chats.close()
 
     # ------------------------------------------------------------------ help
 

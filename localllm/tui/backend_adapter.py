@@ -322,6 +322,11 @@ class LocalBackend(ChatBackend):
                 elif isinstance(event, Done):
                     info.stats, info.finish_reason = event.stats, event.finish_reason
                     info.backend = info.backend or self.describe_loaded(model)
+                    load_s = (event.stats.load_duration or 0) / 1e9
+                    if load_s:  # TTFT is the answer's: the model load is shown on its own
+                        info.extra["load_s"] = load_s
+                        if info.ttft_s is not None:
+                            info.ttft_s = max(0.0, info.ttft_s - load_s)
             yield event
 
     def pull(self, name: str, progress: Callable[[PullUpdate], None], cancel: threading.Event) -> None:

@@ -150,18 +150,20 @@ class MessageView(Vertical, can_focus=True):
 
 
 class ChatScreen(Screen):
-    """Conversations, the conversation, the prompt and the status line."""
+    """Conversations, the conversation, the prompt and the status line.
+
+    The keys avoid the prompt's own editing keys (Ctrl+A/E/D/K/U/W/Y/Z stay emacs-like there)."""
 
     BINDINGS = [
         Binding("ctrl+n", "new_chat", "New", id="chat.new"),
         Binding("ctrl+r", "rename_chat", "Rename", id="chat.rename"),
-        Binding("ctrl+d", "delete_chat", "Delete", id="chat.delete"),
-        Binding("ctrl+e", "export_chat", "Export", id="chat.export"),
+        Binding("f8", "delete_chat", "Delete", id="chat.delete"),
+        Binding("ctrl+s", "export_chat", "Export", id="chat.export"),
         Binding("ctrl+t", "settings", "Settings", id="chat.settings"),
         Binding("ctrl+g", "regenerate", "Regenerate", id="chat.regenerate"),
         Binding("escape", "stop", "Stop", id="chat.stop"),
-        Binding("ctrl+y", "copy_last", "Copy answer", id="chat.copy", show=False),
-        Binding("ctrl+k", "copy_code", "Copy code", id="chat.copy_code", show=False),
+        Binding("ctrl+o", "copy_last", "Copy answer", id="chat.copy", show=False),
+        Binding("ctrl+f", "copy_code", "Copy code", id="chat.copy_code", show=False),
         Binding("ctrl+b", "toggle_sidebar", "Sidebar", id="chat.sidebar", show=False),
         Binding("ctrl+l", "focus_prompt", "Prompt", id="chat.focus_prompt", show=False),
     ]
@@ -505,6 +507,8 @@ def status_text(model: str, backend_label: str, info: AnswerInfo | None) -> str:
         parts.append(f"ctx {stats.context_used}/{stats.n_ctx}")
     if info.ttft_s is not None:
         parts.append(f"TTFT {info.ttft_s * 1000:.0f} ms")
+    if info.extra.get("load_s"):
+        parts.append(f"load {info.extra['load_s']:.1f} s")
     parts.append(f"{stats.eval_rate:.1f} tok/s")
     acceptance = stats.draft_acceptance
     parts.append(f"draft {acceptance:.0%}" if acceptance is not None else "no draft")

@@ -58,6 +58,11 @@ class TextModal(ModalScreen[str | None]):
                 yield Button("OK", variant="primary", id="ok")
                 yield Button("Cancel", id="cancel")
 
+    def on_mount(self) -> None:
+        text = self.query_one("#text", Input)
+        text.focus()
+        text.select_all()  # typing replaces the old title
+
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
         self.dismiss(event.value.strip() or None)
