@@ -449,8 +449,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
         if not mlx.available:
             raise PlanError(f"--backend mlx cannot be used here: {mlx.reason}.")
         if not mlx_model:
-            raise PlanError(f"--backend mlx needs MLX weights of {name}, and none are installed "
-                            f"(the catalog has no MLX build for it, or it was not pulled).")
+            raise PlanError(f"--backend mlx needs MLX weights of {name}, and none are installed for it.")
         chosen = "mlx"
         reasons.append(f"backend MLX ({mlx_device}): asked for with --backend mlx")
     elif backend == "llamacpp":
@@ -577,6 +576,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
         reasons.append(f"RAM is tight: the CPU side needs {_gb(mem.total if device == 'metal' else mem.cpu)} and "
                        f"{_gb(hw.ram_available)} is free now; other programs may be paged out")
 
+    if not hw.ram_total:
+        reasons.append("RAM size unknown: the model was not checked against system memory")
     if num_ctx is not None:
         reasons.append(f"context {n_ctx:,} tokens: as asked" + (f" (trained for {ctx_train:,})" if ctx_train else ""))
     elif n_ctx < candidates[0] and verdict != "too_big":
