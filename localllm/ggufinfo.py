@@ -114,7 +114,18 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
 
     end = 0
     n_params = 0
+    # weight bytes by where llama.cpp puts them (the planner splits GPU/CPU with this)
+    split: dict[str, Any] = {"token_embd": 0, "output": None, "other": 0, "layers": {}}
     for t in reader.tensors:
+        if t.name.startswith("blk.") and t.name.split(".")[1].isdigit():
+            i = int(t.name.split(".")[1])
+            split["layers"][i] = split["layers"].get(i, 0) + int(t.n_bytes)
+        elif t.name == "token_embd.weight":
+            split["token_embd"] += int(t.n_bytes)
+        elif t.name == "output.weight":
+            split["output"] = int(t.n_bytes)  # None = tied to token_embd
+        else:
+            split["other"] += int(t.n_bytes)
         stop = int(t.data_offset) + int(t.n_bytes)
         if stop > size:
             raise InvalidModelFileError(
@@ -172,4 +183,5 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
         tokenizer_model=_scalar(f, "tokenizer.ggml.model"),
         bos_token_id=_scalar(f, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_scalar(f, "tokenizer.ggml.eos_token_id"),
+        extra={"tensor_bytes": {**split, "layers": [split["layers"][i] for i in sorted(split["layers"])]}},
     )
