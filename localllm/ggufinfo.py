@@ -7,6 +7,8 @@ here, before any backend sees it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -92,9 +94,43 @@ def _scalar(fields: dict, key: str, default: Any = None) -> Any:
     return value
 
 
-def read_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
-    """Parse and validate ``path``. Raises :class:`InvalidModelFileError` on anything wrong."""
+def read_gguf(path: str | os.PathLike[str], *, cache: bool = True) -> GGUFInfo:
+    """Parse and validate ``path``. Raises :class:`InvalidModelFileError` on anything wrong.
+
+    The ``gguf`` reader parses the whole vocabulary (seconds on a slow machine), so the result is
+    cached under the cache dir, keyed by the file's path, size and modification time.
+    """
     p = Path(path)
+    key_file = _cache_file(p) if cache else None
+    if key_file is not None and key_file.is_file():
+        try:
+            return GGUFInfo(**json.loads(key_file.read_text()))
+        except (OSError, ValueError, TypeError):
+            pass
+    info = _read_gguf(p)
+    if key_file is not None:
+        try:
+            key_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = key_file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(info.as_dict()))
+            os.replace(tmp, key_file)
+        except OSError:
+            pass
+    return info
+
+
+def _cache_file(p: Path) -> Path | None:
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    from localllm.config import paths
+
+    key = hashlib.sha256(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    return paths().cache / "gguf-info" / f"{key}.json"
+
+
+def _read_gguf(p: Path) -> GGUFInfo:
     if not p.is_file():
         raise InvalidModelFileError(f"{p} is not a file.")
     size = p.stat().st_size
