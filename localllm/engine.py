@@ -175,7 +175,7 @@ class Engine:
 
     def __init__(self, store: Any = None, *, keep_alive: float | None = None, hardware: Any = None,
                  max_loaded: int | None = None, max_queue: int | None = None,
-                 memory_budget: int | None = None):
+                 memory_budget: int | None = None, backend_class: Any = None):
         if store is None:
             from localllm.store import Store
 
@@ -185,6 +185,7 @@ class Engine:
         self.keep_alive = parse_keep_alive(None) if keep_alive is None else keep_alive
         self.max_loaded = config.env_int("LOCALLLM_MAX_LOADED_MODELS", 0) if max_loaded is None else max_loaded
         self.max_queue = config.env_int("LOCALLLM_MAX_QUEUE", DEFAULT_MAX_QUEUE) if max_queue is None else max_queue
+        self._backend_class = backend_class or get_backend_class  # name -> Backend class (tests swap it)
         self.memory_budget = memory_budget  # bytes for all loaded models; None = free RAM (+VRAM) at first load
         self._baseline: tuple[int, int] | None = None  # (free RAM, free VRAM) with nothing loaded
         self._models: dict[str, RunningModel] = {}
@@ -309,7 +310,7 @@ class Engine:
                 embedding=options.embedding,
                 verbose=os.environ.get("LOCALLLM_DEBUG", "") not in ("", "0"),
             )
-            cls = get_backend_class(p.backend)
+            cls = self._backend_class(p.backend)
             t0 = time.perf_counter_ns()
             backend = cls(spec)
             load_ns = time.perf_counter_ns() - t0
