@@ -395,32 +395,52 @@ class MLXBackend(Backend):
     # ---------------------------------------------------------------------------------- prompting
 
     def _render(self, request: GenerateRequest) -> tuple[list[int], int]:
-        """(prompt token ids, messages dropped to fit)."""
+        """(prompt token ids, messages dropped to fit). Same policy as the llama.cpp backend: while the
+        prompt leaves less than the answer's room, the oldest turns go first (never a system message
+        nor the last user message; a reply right after a dropped turn goes with it)."""
         if request.prompt is not None:
             ids = list(self._tok.encode(request.prompt))
             return ids, 0
-        messages = [self._plain_message(m) for m in (request.messages or [])]
+        msgs = [self._plain_message(m) for m in (request.messages or [])]
+        if request.tools and not self._supports_tools():
+            raise UnsupportedError(f"The chat template of {Path(self.spec.model_path).name} does not support tools.")
+        ids = self._apply_template(msgs, request)
         budget = self._n_ctx - self._reserve(request)
         dropped = 0
-        while True:
-            ids = self._apply_template(messages, request)
-            if len(ids) <= budget:
-                return ids, dropped
-            # drop the oldest non-system message, keeping the last one
-            idx = next((i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"), None)
-            if idx is None:
-                raise ContextOverflowError(
-                    f"The prompt is {len(ids)} tokens and the context holds {self._n_ctx}; "
-                    "shorten it or raise num_ctx.",
-                    prompt_tokens=len(ids),
-                    n_ctx=self._n_ctx,
-                )
-            messages.pop(idx)
+        while len(ids) > budget:
+            last_user = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=len(msgs) - 1)
+            droppable = [i for i, m in enumerate(msgs) if i < last_user and m.get("role") != "system"]
+            if not droppable:
+                break
+            del msgs[droppable[0]]
             dropped += 1
+            last_user -= 1
+            while True:  # keep the first remaining turn a user turn
+                i = next((j for j, m in enumerate(msgs) if m.get("role") != "system"), None)
+                if i is None or i >= last_user or msgs[i].get("role") == "user":
+                    break
+                del msgs[i]
+                dropped += 1
+                last_user -= 1
+            ids = self._apply_template(msgs, request)
+        if len(ids) >= self._n_ctx:
+            what = "The prompt" if dropped == 0 else f"Even after dropping {dropped} older messages, the prompt"
+            raise ContextOverflowError(
+                f"{what} needs {len(ids)} tokens but the context holds {self._n_ctx}; shorten it or load the "
+                "model with a larger context (num_ctx).",
+                prompt_tokens=len(ids),
+                n_ctx=self._n_ctx,
+            )
+        return ids, dropped
+
+    def _supports_tools(self) -> bool:
+        template = getattr(self._tok, "chat_template", None) or ""
+        return "tools" in template
 
     def _reserve(self, request: GenerateRequest) -> int:
         mt = request.sampling.max_tokens
-        return max(1, min(mt if mt and mt > 0 else 256, self._n_ctx // 2))
+        want = mt if mt and mt > 0 else min(max(self._n_ctx // 8, 64), 1024)
+        return max(1, min(want, self._n_ctx // 2))
 
     @staticmethod
     def _plain_message(m: dict[str, Any]) -> dict[str, Any]:
@@ -480,12 +500,8 @@ class MLXBackend(Backend):
                 yield Done(Stats(), "error", "This model has been unloaded.")
                 return
             prompt, dropped = self._render(request)
-            if len(prompt) >= self._n_ctx:
-                raise ContextOverflowError(
-                    f"The prompt is {len(prompt)} tokens and the context holds {self._n_ctx}; shorten it or raise num_ctx.",
-                    prompt_tokens=len(prompt),
-                    n_ctx=self._n_ctx,
-                )
+            if not prompt:
+                prompt = [self._tok.bos_token_id if self._tok.bos_token_id is not None else next(iter(self._eos))]
             s = request.sampling
             sampler, procs = self._sampler(request)
             mx.random.seed(s.seed if s.seed is not None else int.from_bytes(os.urandom(4), "little"))

@@ -288,6 +288,23 @@ def _tokenizer(meta: dict[str, Any], out: Path, cfg: dict[str, Any]) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2), encoding="utf-8")
 
 
+def _load_gguf(src: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``mx.load`` picks the format from the file name, so a blob without ``.gguf`` goes through a link."""
+    import tempfile
+
+    import mlx.core as mx
+
+    try:
+        if src.suffix.lower() == ".gguf":
+            return mx.load(str(src), return_metadata=True)
+        with tempfile.TemporaryDirectory(prefix="localllm-gguf-") as d:
+            link = Path(d) / "model.gguf"
+            link.symlink_to(src.resolve())
+            return mx.load(str(link), return_metadata=True)
+    except (RuntimeError, ValueError) as e:
+        raise ModelLoadError(f"MLX could not read {src.name}: {e}") from e
+
+
 def convert_gguf(
     gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, dtype: str = "float32"
 ) -> Path:
@@ -305,10 +322,7 @@ def convert_gguf(
         mx_dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[dtype]
     except KeyError:
         raise ValueError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}") from None
-    try:
-        raw, meta = mx.load(str(src), return_metadata=True)
-    except (RuntimeError, ValueError) as e:
-        raise ModelLoadError(f"MLX could not read {src.name}: {e}") from e
+    raw, meta = _load_gguf(src)
     cfg = _config(meta, raw)
     weights, quant = _weights(raw, cfg, mx_dtype)
     if quant:
