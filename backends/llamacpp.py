@@ -76,7 +76,8 @@ _FALLBACK_TEMPLATE = (  # ChatML, for GGUFs without a chat template (base models
 
 # ------------------------------------------------------------------------------------ native logging
 
-_GGML_LEVELS = {0: logging.CRITICAL, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.DEBUG}
+# ggml_log_level: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (llama-cpp-python's _logger.py has the old order)
+_GGML_LEVELS = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 _log_state: dict[str, Any] = {"cb": None, "level": logging.DEBUG, "buf": "", "verbose": False}
 _recent_native: deque[str] = deque(maxlen=40)  # recent WARN/ERROR lines, to explain load failures
 
@@ -447,13 +448,14 @@ class LlamaCppBackend(Backend):
         return self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=special)
 
     def detokenize(self, tokens: list[int]) -> str:
+        """Text of ``tokens``; special tokens are written out (``<|im_start|>``), so prompts read back whole."""
         import llama_cpp
 
         arr = (llama_cpp.llama_token * len(tokens))(*tokens)
         size = max(64, 8 * len(tokens))
         for _ in range(2):  # llama_detokenize returns -needed when the buffer is too small
             buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_detokenize(self._vocab, arr, len(tokens), buf, size, False, False)
+            n = llama_cpp.llama_detokenize(self._vocab, arr, len(tokens), buf, size, False, True)
             if n >= 0:
                 return buf.raw[:n].decode("utf-8", errors="replace")
             size = -n

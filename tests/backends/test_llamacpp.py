@@ -1,0 +1,228 @@
+"""llama.cpp-only behaviour: KV cache types, broken files, speculative decoding on derived models, vocab checks,
+logging, and the pure helpers (stop matcher, n-gram drafts, the speculative controller)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends._speculative import NgramDraft, SpecController, VocabInfo, vocab_mismatch
+from backends._stops import StopMatcher, Utf8Stream, parse_tool_calls
+from backends.base import DraftSpec, GenerateRequest, ModelLoadError, Sampling, UnsupportedError
+from tests.backends.conftest import collect
+
+pytest.importorskip("llama_cpp")
+
+from backends.llamacpp import LlamaCppBackend, kv_type_problem, physical_cores  # noqa: E402
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}]
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished "
+           "the great lens, and watched the ships pass along the rocky coast until the morning light returned.")
+REPEAT = [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{PASSAGE}"}]
+
+
+def greedy(n: int = 32, **kw) -> Sampling:
+    return Sampling(temperature=0.0, max_tokens=n, **kw)
+
+
+# ---------------------------------------------------------------------------------------- loading
+
+
+def test_threads_default_to_physical_cores_and_logs_stay_quiet(default_model_path, capfd, caplog):
+    caplog.set_level(logging.DEBUG, logger="backends.llamacpp.native")
+    with LlamaCppBackend(__import__("backends.base").base.LoadSpec(str(default_model_path), n_ctx=512)) as b:
+        assert b.info.extra["n_threads"] == physical_cores()
+    out, err = capfd.readouterr()
+    assert "llama_model_loader" not in out + err  # nothing printed by llama.cpp itself...
+    assert any("llama" in r.getMessage() for r in caplog.records)  # ...it went to logging
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+def test_quantized_kv_cache_loads_and_generates(backend_factory, kv):
+    f16 = backend_factory("llamacpp")
+    b = backend_factory("llamacpp", kv_cache_type=kv)
+    assert b.info.kv_cache_type == kv and b.info.extra["flash_attn"] is True
+    assert b.info.extra["kv_bytes"] < f16.info.extra["kv_bytes"] / 1.8
+    text, done, _ = collect(b.generate(GenerateRequest(messages=CAPITAL, sampling=greedy(24))))
+    assert "Paris" in text and done.finish_reason == "stop"
+
+
+def test_invalid_kv_type_is_refused(default_model_path):
+    from backends.base import LoadSpec
+
+    with pytest.raises(UnsupportedError, match="not supported"):
+        LlamaCppBackend(LoadSpec(str(default_model_path), kv_cache_type="q5_k"))  # type: ignore[arg-type]
+    # a head size the quantized block does not divide (llama.cpp refuses it with flash attention)
+    assert "multiple of 32" in kv_type_problem("q4_0", 72, 72)
+    assert kv_type_problem("q8_0", 64, 64) is None
+
+
+def _one_sentence(msg: str) -> bool:
+    return "\n" not in msg and msg.endswith(".") and len(msg) < 400
+
+
+def test_truncated_or_corrupt_gguf_is_one_sentence(default_model_path, tmp_path):
+    from backends.base import LoadSpec
+
+    data = Path(default_model_path).read_bytes()
+    cases = {
+        "truncated.gguf": data[: len(data) // 2],
+        "garbage.gguf": b"\x00not a model" * 100,
+        "header-only.gguf": data[:4096],
+    }
+    for name, blob in cases.items():
+        p = tmp_path / name
+        p.write_bytes(blob)
+        with pytest.raises(ModelLoadError) as e:
+            LlamaCppBackend(LoadSpec(str(p), n_ctx=512))
+        assert _one_sentence(str(e.value)), str(e.value)
+        assert name in str(e.value)
+    with pytest.raises(ModelLoadError, match="not found"):
+        LlamaCppBackend(LoadSpec(str(tmp_path / "missing.gguf")))
+
+
+def test_identical_request_reuses_all_but_one_prompt_token(backend_factory):
+    b = backend_factory("llamacpp")
+    collect(b.generate(GenerateRequest(messages=CAPITAL, sampling=greedy(4))))
+    _, done, _ = collect(b.generate(GenerateRequest(messages=CAPITAL, sampling=greedy(4))))
+    assert done.stats.prompt_cached_tokens == done.stats.prompt_eval_count - 1
+
+
+def test_overflow_keeps_system_prompt_and_last_user_message(backend_factory):
+    b = backend_factory("llamacpp", n_ctx=512)
+    msgs = [{"role": "system", "content": "You are Zed."}]
+    for i in range(8):
+        msgs += [{"role": "user", "content": f"question {i} " + "about rivers " * 20},
+                 {"role": "assistant", "content": f"answer {i} " + "rivers flow " * 20}]
+    msgs.append({"role": "user", "content": "What is your name?"})
+    toks, dropped = b.prompt_tokens(GenerateRequest(messages=msgs, sampling=greedy(32)))
+    prompt = b.detokenize(toks)
+    assert dropped > 0 and len(toks) <= 512 - 32
+    assert "You are Zed." in prompt and prompt.rstrip().endswith("What is your name?<|im_end|>\n<|im_start|>assistant")
+    assert "question 0 " not in prompt and "question 7 " in prompt
+    assert prompt.index("<|im_start|>user") < prompt.index("<|im_start|>assistant")  # starts with a user turn
+
+
+# ---------------------------------------------------------------------------------------- speculative
+
+
+def _plain_and_spec(backend_factory, target: Path, draft: DraftSpec, messages, n: int):
+    plain = backend_factory("llamacpp", model_path=str(target))
+    spec = backend_factory("llamacpp", model_path=str(target), draft=draft, extra={"spec_window": 6})
+    a, _, _ = collect(plain.generate(GenerateRequest(messages=messages, sampling=greedy(n))))
+    b, done, _ = collect(spec.generate(GenerateRequest(messages=messages, sampling=greedy(n))))
+    return a, b, done.stats
+
+
+def test_draft_model_output_identical_at_temperature_0_on_f16(backend_factory, derived_models):
+    draft = DraftSpec("model", path=str(derived_models["q4_1"]), num_draft=4)
+    a, b, s = _plain_and_spec(backend_factory, derived_models["f16"], draft, REPEAT, 48)
+    assert a == b and len(a) > 40
+    assert s.draft_proposed > 0 and 0 < s.draft_accepted <= s.draft_proposed
+    print(f"\ndraft model on F16: accepted {s.draft_accepted}/{s.draft_proposed}")
+
+
+def test_ngram_output_identical_at_temperature_0_on_f16(backend_factory, derived_models):
+    a, b, s = _plain_and_spec(backend_factory, derived_models["f16"], DraftSpec("ngram", num_draft=8), REPEAT, 48)
+    assert a == b
+    assert s.draft_proposed > 0 and s.draft_accepted > 0
+
+
+def test_ngram_on_the_q4_target_agrees_closely(backend_factory, default_model_path):
+    """Q4 kernels are not batch-invariant: verifying k tokens in one batch can flip a near-tie, so on a
+    quantized target we report agreement rather than demand identity."""
+    a, b, s = _plain_and_spec(backend_factory, Path(default_model_path), DraftSpec("ngram", num_draft=8),
+                              REPEAT, 64)
+    same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    print(f"\nQ4 target, n-gram drafting: identical for {same}/{len(a)} chars, accepted "
+          f"{s.draft_accepted}/{s.draft_proposed}")
+    assert same >= 20
+
+
+def test_draft_with_another_vocabulary_is_refused(default_model_path, derived_models):
+    real = VocabInfo.of_file(str(default_model_path)) if hasattr(VocabInfo, "of_file") else None
+    from backends.base import LoadSpec
+
+    b = LlamaCppBackend(LoadSpec(str(derived_models["f16"]), n_ctx=512))
+    try:
+        a = VocabInfo.of(b._llm)
+    finally:
+        b.close()
+    assert real is None or vocab_mismatch(a, real) is None
+    assert vocab_mismatch(a, a) is None
+    other_sizes = VocabInfo(32000, a.samples)
+    assert "32000 tokens" in vocab_mismatch(a, other_sizes)
+    tid, text = a.samples[5]
+    swapped = VocabInfo(a.n_vocab, tuple((i, "zz" if i == tid else t) for i, t in a.samples))
+    assert f"token {tid}" in vocab_mismatch(a, swapped)
+
+
+def test_gemma_draft_for_smollm_is_refused(default_model_path):
+    try:
+        from localllm.store import Store
+
+        gemma = Store().get("gemma3:270m")
+    except Exception:
+        gemma = None
+    if gemma is None or not Path(gemma.path).is_file():
+        pytest.skip("gemma3:270m is not installed in the test home (the vocab check is covered above)")
+    from backends.base import LoadSpec
+
+    with pytest.raises(UnsupportedError, match="tokenizer"):
+        LlamaCppBackend(LoadSpec(str(default_model_path), n_ctx=512, draft=DraftSpec("model", path=str(gemma.path))))
+
+
+# ---------------------------------------------------------------------------------------- pure helpers
+
+
+def test_stop_matcher_holds_partial_stops_and_utf8():
+    m = StopMatcher(["<|end|>", "\n\n"])
+    assert m.push("Hello <|") == ("Hello ", False)
+    assert m.push("en") == ("", False)
+    assert m.push("x and \n") == ("<|enx and ", False)
+    assert m.push("\nrest") == ("", True)
+    u = Utf8Stream()
+    euro = "€".encode()
+    assert u.push(euro[:1]) == "" and u.push(euro[1:2]) == "" and u.push(euro[2:]) == "€"
+
+
+def test_tool_call_parsing():
+    assert parse_tool_calls('<tool_call>\n{"name": "get", "arguments": {"city": "Oslo"}}\n</tool_call>') == [
+        {"name": "get", "arguments": {"city": "Oslo"}}]
+    assert parse_tool_calls('{"name": "get", "parameters": {"a": 1}}') == [{"name": "get", "arguments": {"a": 1}}]
+    assert parse_tool_calls('{"just": "json"}') is None
+    assert parse_tool_calls("Sure! Here it is.") is None
+
+
+def test_ngram_draft_proposes_the_continuation():
+    ids = np.array([1, 2, 3, 4, 5, 6, 9, 9, 1, 2, 3], dtype=np.intc)
+    assert NgramDraft(num_pred_tokens=3)(ids).tolist() == [4, 5, 6]
+    assert NgramDraft()(np.array([1, 2, 3], dtype=np.intc)).tolist() == []
+
+
+def _simulate(ctl: SpecController, plain_ms: float, spec_ms_per_token: float, steps: int) -> float:
+    """Drive the controller with synthetic timings; return the fraction of tokens made while drafting."""
+    drafted = total = 0
+    for _ in range(steps):
+        k = ctl.n_draft()
+        if k:
+            ctl.record(proposed=k, accepted=k - 1, emitted=k, ns=int(spec_ms_per_token * k * 1e6))
+            drafted += k
+            total += k
+        else:
+            ctl.record(proposed=0, accepted=0, emitted=1, ns=int(plain_ms * 1e6))
+            total += 1
+    return drafted / total
+
+
+def test_controller_backs_off_when_drafting_is_slower():
+    frac = _simulate(SpecController(8, window=16), plain_ms=10, spec_ms_per_token=14, steps=4000)
+    assert frac < 0.1  # spent < 10% of tokens in the (40% slower) drafting mode => < 4% slowdown overall
+
+
+def test_controller_keeps_drafting_when_it_pays():
+    frac = _simulate(SpecController(8, window=16), plain_ms=10, spec_ms_per_token=5, steps=2000)
+    assert frac > 0.85
