@@ -59,6 +59,12 @@ def gemma_model():
     return _pull("gemma3:270m")
 
 
+@pytest.fixture(scope="session")
+def test_cache() -> Path:
+    """The persistent cache of the test suite (``$LOCALLLM_TEST_CACHE``, default ~/.cache/localllm-tests)."""
+    return TEST_CACHE
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
     """An empty LOCALLLM_HOME for this test only (also inherited by subprocesses it starts)."""
