@@ -499,11 +499,16 @@ class Engine:
             queued = False
             running.active += 1
             try:
-                for event in running.backend.generate(request, cancel):
-                    if isinstance(event, Done):
-                        event.stats.load_duration = 0 if was_loaded else running.load_duration_ns
-                        event.stats.total_duration = time.perf_counter_ns() - t_start
-                    yield event
+                try:
+                    for event in running.backend.generate(request, cancel):
+                        if isinstance(event, Done):
+                            event.stats.load_duration = 0 if was_loaded else running.load_duration_ns
+                            event.stats.total_duration = time.perf_counter_ns() - t_start
+                        yield event
+                except (BackendError, LocalLLMError):
+                    raise
+                except Exception as e:  # a crash inside the backend: one sentence, the cause chained
+                    raise BackendError(f"The model failed while generating: {e}") from e
             finally:
                 running.active -= 1
                 running.slots.release()

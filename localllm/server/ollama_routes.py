@@ -500,7 +500,7 @@ async def copy(body: CopyBody, request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.head("/api/blobs/{digest}")
+@router.head("/api/blobs/{digest:path}")
 async def blob_exists(digest: str, request: Request) -> Response:
     d = c.check_digest(digest)
     store = _store(request)
