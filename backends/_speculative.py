@@ -121,6 +121,7 @@ class ModelDraft(LlamaDraftModel):
         self._n_vocab = llm.n_vocab()
         self._greedy = internals.LlamaSampler()
         self._greedy.add_greedy()
+        self.catchup_ns = 0
 
     def _confident(self) -> bool:
         if self.p_min <= 0:
@@ -144,7 +145,11 @@ class ModelDraft(LlamaDraftModel):
             keep -= 1  # re-evaluate the last token to get fresh logits
         if not rewind(llm, keep):
             llm.reset()
-        decode(llm, ids[llm.n_tokens :].tolist(), logits_all=False)
+        t0 = time.perf_counter_ns()
+        new = ids[llm.n_tokens :].tolist()
+        decode(llm, new, logits_all=False)
+        # catching up after plain decoding is a one-off cost: report it so the controller can discount it
+        self.catchup_ns = time.perf_counter_ns() - t0 if len(new) > 2 else 0
         out: list[int] = []
         while True:
             if not self._confident():
@@ -213,26 +218,29 @@ class SpecController:
     """How many tokens to draft next (0 = decode plainly), from measured acceptance and throughput.
 
     * N adapts to acceptance: all proposed accepted → N+1 (up to ``n_max``); otherwise N = accepted+1.
-    * Throughput is measured in windows of ``window`` emitted tokens, separately with and without drafting
-      (exponential moving averages). Drafting stays on while its rate ≥ ``margin`` × the plain rate; when it
-      loses, plain decoding runs for ``backoff`` windows (doubling on every loss, up to ``max_backoff``)
-      before one probe window with drafting again. The plain rate is re-measured every ``remeasure``
-      windows while drafting wins, because both rates drift (context length, machine load).
+    * Throughput (emitted tokens per second of decode work, the caller's time excluded) is measured in
+      windows, separately with and without drafting (moving averages). Plain windows cost nothing relative
+      to plain decoding, so the controller spends freely on them and sparingly on drafting: it first
+      measures ``window`` plain tokens, then probes drafting for ``probe`` steps. Drafting stays on while
+      its rate is ≥ ``margin`` × the plain rate; when it loses, plain decoding runs for ``first_backoff``
+      windows (doubling on every loss, up to ``max_backoff``) before the next short probe. While drafting wins, the
+      plain rate is re-measured every ``remeasure`` windows, as both drift (context length, machine load).
+      The state lives as long as the loaded model, so what one request learnt the next one uses.
     """
 
-    def __init__(self, n_max: int, *, window: int = 24, margin: float = 0.97, max_backoff: int = 64,
-                 remeasure: int = 12, clock: Any = time.perf_counter_ns):
+    def __init__(self, n_max: int, *, window: int = 24, probe: int = 3, margin: float = 0.97,
+                 first_backoff: int = 4, max_backoff: int = 128, remeasure: int = 16):
         self.n_max = max(1, n_max)
-        self.n = min(self.n_max, 4) if n_max > 0 else 0
-        self.window, self.margin, self.max_backoff, self.remeasure = window, margin, max_backoff, remeasure
+        self.n = min(self.n_max, 4)
+        self.window, self.probe, self.margin = window, probe, margin
+        self.first_backoff, self.max_backoff, self.remeasure = first_backoff, max_backoff, remeasure
         self.rate: dict[str, float | None] = {"spec": None, "plain": None}
         self.mode = "plain"  # measure the baseline first
-        self._backoff = 1
+        self._probing = False
+        self._backoff = first_backoff
         self._left = 1  # windows left in the current mode
         self._since_plain = 0
-        self._win_tok = 0
-        self._win_ns = 0
-        self.clock = clock
+        self._win_tok = self._win_ns = self._win_steps = 0
 
     @property
     def drafting(self) -> bool:
@@ -247,29 +255,30 @@ class SpecController:
             self.n = min(self.n + 1, self.n_max) if accepted == proposed else max(1, accepted + 1)
         self._win_tok += emitted
         self._win_ns += ns
-        if self._win_tok >= self.window:
+        self._win_steps += 1
+        full = self._win_steps >= self.probe if self._probing else self._win_tok >= self.window
+        if full:
             self._close_window()
 
     def _close_window(self) -> None:
         rate = self._win_tok / max(self._win_ns, 1) * 1e9
-        self._win_tok = self._win_ns = 0
+        self._win_tok = self._win_ns = self._win_steps = 0
         old = self.rate[self.mode]
-        self.rate[self.mode] = rate if old is None else 0.5 * old + 0.5 * rate
+        self.rate[self.mode] = rate if old is None or self._probing else 0.5 * old + 0.5 * rate
+        self._probing = False
         self._left -= 1
         if self._left > 0:
             return
-        spec, plain = self.rate["spec"], self.rate["plain"]
         if self.mode == "plain":
-            self.mode, self._left = "spec", 1
-            self._since_plain = 0
+            self.mode, self._left, self._since_plain = "spec", 1, 0
+            self._probing = self.rate["spec"] is None or self._backoff > self.first_backoff
             return
-        # mode == "spec": decide from the latest comparison
-        if plain is not None and spec is not None and spec < self.margin * plain:
+        spec, plain = self.rate["spec"], self.rate["plain"]
+        if plain is not None and spec is not None and spec < self.margin * plain:  # drafting does not pay
             self.mode, self._left = "plain", self._backoff
             self._backoff = min(self._backoff * 2, self.max_backoff)
-            self.rate["spec"] = None  # the next probe measures afresh
             return
-        self._backoff = 1
+        self._backoff = self.first_backoff
         self._since_plain += 1
         if self._since_plain >= self.remeasure:
             self.mode, self._left = "plain", 1

@@ -275,6 +275,8 @@ class LlamaCppBackend(Backend):
         self._draft: Any = None
         self._controller: SpecController | None = None
         self._formatters: dict[bool, Any] = {}
+        self._last_prompt: list[int] | None = None  # the last prefilled prompt and its last row of logits
+        self._last_logits: np.ndarray | None = None
         _recent_native.clear()
         kwargs = dict(
             n_ctx=spec.n_ctx,
@@ -626,24 +628,49 @@ class LlamaCppBackend(Backend):
         with self._lock:
             yield from self._generate(request, cancel)
 
-    def _prefill(self, toks: list[int], cancel: threading.Event | None) -> int:
-        """Make the KV cache hold ``toks`` (all but nothing missing) with logits for the last one.
+    def _prefill(self, toks: list[int], cancel: threading.Event | None) -> tuple[int, bool]:
+        """Make the KV cache hold ``toks`` with logits for the last one ready to sample.
 
-        Returns how many prompt tokens were reused from the cache."""
+        Returns (prompt tokens reused from the cache, whether the first token must be sampled from the
+        saved logits of the previous identical prompt). Re-evaluating the last prompt token alone would give
+        logits that differ in the last bits from the batched ones (CPU/GPU kernels are not batch-invariant),
+        so a repeated request with the same seed would not reproduce its text; the saved row avoids that.
+        """
         llm = self._llm
         keep = common_prefix(llm.input_ids[: llm.n_tokens], np.asarray(toks, dtype=np.intc))
+        if (keep >= len(toks) and self._last_logits is not None and self._last_prompt is not None
+                and len(self._last_prompt) == len(toks) and self._last_prompt == toks and rewind(llm, len(toks))):
+            return len(toks), True
         if keep >= len(toks):
             keep = len(toks) - 1  # the last prompt token is evaluated again for its logits
         if not rewind(llm, keep):
             llm.reset()  # recurrent/hybrid memory: no partial removal
             keep = 0
+        self._last_prompt = self._last_logits = None
         rest = toks[keep:]
         step = llm.n_batch
         for i in range(0, len(rest), step):
             if cancel is not None and cancel.is_set():
                 raise _Cancelled
             decode(llm, rest[i : i + step], logits_all=False)
-        return keep
+        import llama_cpp
+
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        self._last_logits = np.array(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)), dtype=np.single)
+        self._last_prompt = list(toks)
+        return keep, False
+
+    def _sample_saved(self, sampler: Any) -> int:
+        """Sample from the saved logits of the last prompt token (see :meth:`_prefill`)."""
+        import llama_cpp
+        from llama_cpp import _internals as internals
+
+        cur = internals.LlamaTokenDataArray(n_vocab=self._n_vocab)
+        cur.copy_logits(self._last_logits)
+        llama_cpp.llama_sampler_apply(sampler.sampler, ctypes.byref(cur.candidates))
+        tok = int(cur.candidates_data.id[cur.candidates.selected])
+        llama_cpp.llama_sampler_accept(sampler.sampler, tok)
+        return tok
 
     def _generate(self, request: GenerateRequest, cancel: threading.Event | None) -> Iterator[Event]:
         s = request.sampling
@@ -667,8 +694,9 @@ class LlamaCppBackend(Backend):
         n_gen = 0
         t0 = time.perf_counter_ns()
         try:
+            from_saved = False
             try:
-                stats.prompt_cached_tokens = self._prefill(toks, cancel)
+                stats.prompt_cached_tokens, from_saved = self._prefill(toks, cancel)
             except _Cancelled:
                 finish = "cancelled"
             stats.prompt_eval_duration = time.perf_counter_ns() - t0
@@ -680,7 +708,7 @@ class LlamaCppBackend(Backend):
                 t_step = time.perf_counter_ns()
                 drafts: list[int] = []
                 if last is None:
-                    out = [sampler.sample(llm._ctx, -1)]
+                    out = [self._sample_saved(sampler) if from_saved else sampler.sample(llm._ctx, -1)]
                 else:
                     room = min(max_new - n_gen - 1, self._n_ctx - llm.n_tokens - 2)
                     k = min(ctl.n_draft(), room) if (draft is not None and ctl is not None) else 0
@@ -708,9 +736,10 @@ class LlamaCppBackend(Backend):
                 last = out[-1]
                 step_ns = time.perf_counter_ns() - t_step
                 stats.eval_duration += step_ns
-                if ctl is not None and last is not None:
+                if ctl is not None:
+                    catchup = getattr(draft, "catchup_ns", 0) if drafts else 0
                     ctl.record(proposed=len(drafts), accepted=len(out) - 1 if drafts else 0, emitted=len(out),
-                               ns=step_ns)
+                               ns=step_ns - catchup)
                 for tok in out:
                     if is_eog(tok):
                         finish = "stop"
