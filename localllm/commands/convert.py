@@ -29,6 +29,8 @@ def command(model: str, force: bool, dtype: str) -> None:
     from localllm.mlxmodels import convert_installed
     from localllm.store import Store
 
-    installed = Store().get(model)
+    store = Store()
+    installed = store.get(model)
     path = convert_installed(installed, force=force, dtype=dtype)
+    store.set_mlx_path(installed.name, path)  # the planner now sees an MLX build of this model
     click.echo(str(path))

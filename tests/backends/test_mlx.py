@@ -1,0 +1,217 @@
+"""MLX-only behaviour on the real default model (converted offline from its GGUF), with mlx[cpu].
+
+The shared behaviour (answers, seeds, stops, prefix reuse, cancellation, stats...) is in
+``test_behaviour.py``, parametrized over both backends. Here: the converter's exactness, KV
+quantization, speculative decoding (model and n-gram drafts, the cost-model back-off), refusals,
+penalties that do not depend on the cache, and thread safety. MLX decodes ~7 tok/s on CPU: keep it short.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'localllm[mlx-cpu]')")
+pytest.importorskip("mlx_lm")
+
+from backends.base import DraftSpec, GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError  # noqa: E402
+from backends.mlx import MLXBackend  # noqa: E402
+from tests.backends.conftest import collect  # noqa: E402
+
+pytestmark = pytest.mark.mlx
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}]
+BIKE = [{"role": "user", "content": "Explain in a few sentences how a bicycle works."}]
+
+
+def greedy(n: int, **kw) -> Sampling:
+    return Sampling(temperature=0.0, repeat_penalty=1.0, max_tokens=n, **kw)
+
+
+@pytest.fixture(scope="module")
+def mlx_dir(default_mlx_dir: Path) -> Path:
+    return default_mlx_dir
+
+
+@pytest.fixture(scope="module")
+def plain(mlx_dir: Path):
+    b = MLXBackend(LoadSpec(model_path=str(mlx_dir), n_ctx=1024))
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def bike_greedy(plain) -> str:
+    text, done, _ = collect(plain.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
+    assert done.finish_reason == "length"
+    return text
+
+
+# ------------------------------------------------------------------------------------ converter
+
+
+def test_converted_dir_is_a_mixed_4_8_bit_mlx_model(mlx_dir: Path):
+    cfg = json.loads((mlx_dir / "config.json").read_text())
+    q = cfg["quantization"]
+    assert (q["bits"], q["group_size"], q["mode"]) == (4, 32, "affine")
+    assert q["model.embed_tokens"]["bits"] == 8  # the Q8_0 embedding of the "Q4_1" file
+    assert cfg["eos_token_id"] == [2, 0]  # <|im_end|> and <|endoftext|>, like llama.cpp's EOG set
+    assert cfg["tie_word_embeddings"] is True and cfg["head_dim"] == 64
+    tcfg = json.loads((mlx_dir / "tokenizer_config.json").read_text())
+    assert tcfg["tokenizer_class"] == "PreTrainedTokenizerFast" and "<|im_start|>" in tcfg["chat_template"]
+
+
+def test_unpermute_inverts_llama_cpp_rope_permutation():
+    import mlx.core as mx
+
+    from backends.mlx_convert import _unpermute
+
+    def permute(w, n):  # convert_hf_to_gguf.py's permute
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = mx.arange(3 * 8 * 5).reshape(3 * 8, 5)
+    assert mx.array_equal(_unpermute(permute(w, 3), 3, 8), w).item()
+    assert not mx.array_equal(permute(w, 3), w).item()
+
+
+def test_tokenizer_matches_llama_cpp(plain, default_model_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(str(default_model_path), vocab_only=True, verbose=False)
+    text = "Hello wörld! 12345 ²³ ⅕ café\r\n\tdef f(x): return x**2  # 😀 <|im_start|>user\nhi<|im_end|>"
+    assert plain.tokenize(text, special=True) == llm.tokenize(text.encode(), add_bos=False, special=True)
+    plain_text = "Hello, world! 2024 résumé"
+    assert plain.tokenize(plain_text) == llm.tokenize(plain_text.encode(), add_bos=False, special=False)
+
+
+def test_gguf_file_is_refused_with_a_hint(default_model_path):
+    with pytest.raises(ModelLoadError, match="convert"):
+        MLXBackend(LoadSpec(model_path=str(default_model_path)))
+
+
+# ------------------------------------------------------------------------------------ requests
+
+
+def test_json_mode_is_refused_not_ignored(plain):
+    with pytest.raises(UnsupportedError, match="JSON mode"):
+        plain.generate(GenerateRequest(messages=CAPITAL, format="json"))
+
+
+def test_penalties_do_not_depend_on_what_was_cached(mlx_dir: Path):
+    """mlx-lm's processors only see the tokens fed in a call; ours see the whole context, so a cached
+    prefix gives the same text as a cold one."""
+    b = MLXBackend(LoadSpec(model_path=str(mlx_dir), n_ctx=1024))
+    try:
+        s = Sampling(temperature=0.0, repeat_penalty=1.5, repeat_last_n=64, max_tokens=12)
+        cold, _, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=s)))
+        warm, d, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=s)))
+        assert d.stats.prompt_cached_tokens == d.stats.prompt_eval_count - 1
+        assert warm == cold
+    finally:
+        b.close()
+
+
+def test_two_threads_are_served_one_after_the_other(plain):
+    out: list[str] = []
+
+    def run() -> None:
+        out.append(collect(plain.generate(GenerateRequest(messages=CAPITAL, sampling=greedy(8))))[0])
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(out) == 2 and out[0] == out[1] and "Paris" in out[0]
+
+
+# ------------------------------------------------------------------------------ KV quantization
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+def test_quantized_kv_cache_answers_and_reuses_prefix(mlx_dir: Path, kv: str):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    b = MLXBackend(LoadSpec(model_path=str(mlx_dir), n_ctx=1024, kv_cache_type=kv))
+    try:
+        assert b.info.kv_cache_type == kv
+        text, d1, _ = collect(b.generate(GenerateRequest(messages=CAPITAL, sampling=greedy(12))))
+        assert "Paris" in text
+        assert all(isinstance(c, QuantizedKVCache) and c.bits == {"q8_0": 8, "q4_0": 4}[kv] for c in b._cache)
+        turn2 = [*CAPITAL, {"role": "assistant", "content": text}, {"role": "user", "content": "And Italy?"}]
+        _, d2, _ = collect(b.generate(GenerateRequest(messages=turn2, sampling=greedy(4))))
+        assert d2.stats.prompt_cached_tokens >= d1.stats.prompt_eval_count
+    finally:
+        b.close()
+
+
+def test_unknown_kv_type_is_refused(mlx_dir: Path):
+    with pytest.raises(UnsupportedError, match="q5_1"):
+        MLXBackend(LoadSpec(model_path=str(mlx_dir), kv_cache_type="q5_1"))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------ speculative decoding
+
+
+def test_model_draft_is_exact_and_reports_acceptance(mlx_dir: Path, bike_greedy: str):
+    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, extra={"draft_always": True},
+                    draft=DraftSpec(kind="model", path=str(mlx_dir), num_draft=3))
+    with MLXBackend(spec) as b:
+        assert b.info.draft == str(mlx_dir)
+        text, done, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
+        assert text == bike_greedy
+        s = done.stats
+        assert s.draft_proposed > 0 and s.draft_accepted == s.draft_proposed  # a self-draft agrees at temp 0
+        # second turn: the cache (target and draft) is reused and the output stays exact
+        text2, d2, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
+        assert text2 == bike_greedy and d2.stats.prompt_cached_tokens > 0
+
+
+def test_ngram_draft_is_exact(mlx_dir: Path, bike_greedy: str):
+    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, extra={"draft_always": True},
+                    draft=DraftSpec(kind="ngram", num_draft=3))
+    with MLXBackend(spec) as b:
+        text, done, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
+        assert text == bike_greedy
+        assert done.stats.draft_proposed > 0 and b.info.draft == "ngram"
+
+
+def test_drafting_backs_off_where_it_cannot_pay(mlx_dir: Path, bike_greedy: str):
+    """On mlx's CPU backend a pass over k+1 tokens costs k+1 steps, so a draft as big as the model can
+    never win: the controller measures that at load and decodes plainly (no probes, no slowdown)."""
+    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, draft=DraftSpec(kind="model", path=str(mlx_dir)))
+    with MLXBackend(spec) as b:
+        status = b.info.extra["draft_status"]
+        if status == "adaptive":
+            pytest.skip("this device batches verification well enough for drafting to pay")
+        assert "cannot pay" in status
+        text, done, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
+        assert text == bike_greedy and done.stats.draft_proposed == 0
+
+
+def test_draft_with_another_vocabulary_is_refused(mlx_dir: Path, tmp_path: Path):
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in mlx_dir.iterdir():
+        if f.name != "tokenizer.json":
+            (other / f.name).symlink_to(f)
+    tok = json.loads((mlx_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]  # same tokens, other ids
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(UnsupportedError, match="vocabulary"):
+        MLXBackend(LoadSpec(model_path=str(mlx_dir), draft=DraftSpec(kind="model", path=str(other))))
+
+
+def test_controller_doctests():
+    import doctest
+
+    import backends.mlx
+
+    assert doctest.testmod(backends.mlx).failed == 0
+
+
+def test_available_reports_importable():
+    assert MLXBackend.available() == (True, "")
