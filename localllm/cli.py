@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stop": ("localllm.commands.stop", "Unload a running model."),
     "serve": ("localllm.commands.serve", "Serve the Ollama and OpenAI APIs."),
     "probe": ("localllm.commands.probe", "Show this machine's hardware and the backend localllm picks."),
+    "convert": ("localllm.commands.convert", "Convert an installed GGUF model to MLX, offline (no download)."),
     "bench": ("localllm.commands.bench", "Benchmark a model: prompt/generation speed, TTFT, drafts, KV types."),
 }
 
