@@ -158,7 +158,8 @@ async def root() -> str:
     return "Ollama is running"
 
 
-@router.api_route("/api/version", methods=["GET", "HEAD"])
+@router.get("/api/version")
+@router.head("/api/version", include_in_schema=False)
 async def version() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as pkg_version
@@ -353,7 +354,8 @@ def tag_entry(model: Any) -> dict[str, Any]:
             "capabilities": c.capabilities(model)}
 
 
-@router.api_route("/api/tags", methods=["GET", "HEAD"])
+@router.get("/api/tags")
+@router.head("/api/tags", include_in_schema=False)
 async def tags(request: Request) -> dict[str, Any]:
     models = await c.run_sync(_store(request).list)
     return {"models": [tag_entry(m) for m in models]}
@@ -504,9 +506,9 @@ async def copy(body: CopyBody, request: Request) -> Response:
 async def blob_exists(digest: str, request: Request) -> Response:
     d = c.check_digest(digest)
     store = _store(request)
-    has = getattr(store, "has_blob", None)
-    if has is not None:
-        exists = await c.run_sync(has, d)
+    blob_path = getattr(store, "blob_path", None)
+    if blob_path is not None:
+        exists = await c.run_sync(lambda: blob_path(d).is_file())
     else:
         from localllm.config import paths
 
