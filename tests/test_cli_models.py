@@ -24,9 +24,12 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 @pytest.fixture
 def own_home(home, default_model_path):
     """An isolated home holding smollm2:135m, so rm/cp cannot disturb the shared test home."""
-    shared = default_model_path.parents[2]  # <test home>/data/models/blobs/<file> -> <test home>/data
-    dst = home / "data"
-    shutil.copytree(shared / "models", dst / "models", copy_function=os.link)
+    shared = default_model_path.parents[1]  # <test home>/data/models/blobs/<file> -> <test home>/data/models
+    dst = home / "data" / "models"
+    shutil.copytree(shared / "manifests" / "library" / "smollm2", dst / "manifests" / "library" / "smollm2")
+    (dst / "blobs").mkdir()
+    os.link(default_model_path, dst / "blobs" / default_model_path.name)
+    assert [line.split()[0] for line in run("list").stdout.splitlines()[1:]] == ["smollm2:135m"]
     return home
 
 

@@ -76,10 +76,14 @@ class RichProgress:
             self._status = p.status
             if self._task is not None:
                 self.progress.stop_task(self._task)
-            self._task = self.progress.add_task(p.status, total=p.total or None, completed=p.completed)
+                self._task = None
+            if not p.total:  # a phase without bytes ("pulling manifest", "success"): a plain line
+                self.progress.console.print(p.status, highlight=False, markup=False)
+                return
+            self._task = self.progress.add_task(p.status, total=p.total, completed=p.completed)
             return
-        assert self._task is not None
-        self.progress.update(self._task, completed=p.completed, total=p.total or None)
+        if self._task is not None:
+            self.progress.update(self._task, completed=p.completed, total=p.total or None)
 
     def close(self) -> None:
         self.progress.stop()

@@ -23,11 +23,11 @@ def command(ctx: click.Context, names: tuple[str, ...]) -> None:
     failed = False
     for name in names:
         try:
-            store.remove(name)
+            removed = store.remove(name)
         except LocalLLMError as e:
             click.echo(f"Error: {e}", err=True)
             failed = True
         else:
-            click.echo(f"deleted '{name}'")
+            click.echo(f"deleted '{removed}'")
     if failed:
         ctx.exit(1)
