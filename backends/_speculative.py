@@ -220,8 +220,8 @@ class SpecController:
     * N adapts to acceptance: all proposed accepted → N+1 (up to ``n_max``); otherwise N = accepted+1.
     * Throughput (emitted tokens per second of decode work, the caller's time excluded) is measured in
       windows, separately with and without drafting (moving averages). Plain windows cost nothing relative
-      to plain decoding, so the controller spends freely on them and sparingly on drafting: it first
-      measures ``window`` plain tokens, then probes drafting for ``probe`` steps. Drafting stays on while
+      to plain decoding, so the controller spends freely on them and sparingly on drafting: it probes
+      drafting for ``probe`` steps, measures ``window`` plain tokens, then decides. Drafting stays on while
       its rate is ≥ ``margin`` × the plain rate; when it loses, plain decoding runs for ``first_backoff``
       windows (doubling on every loss, up to ``max_backoff``) before the next short probe. While drafting wins, the
       plain rate is re-measured every ``remeasure`` windows, as both drift (context length, machine load).
@@ -235,8 +235,8 @@ class SpecController:
         self.window, self.probe, self.margin = window, probe, margin
         self.first_backoff, self.max_backoff, self.remeasure = first_backoff, max_backoff, remeasure
         self.rate: dict[str, float | None] = {"spec": None, "plain": None}
-        self.mode = "plain"  # measure the baseline first
-        self._probing = False
+        self.mode = "spec"  # a short probe first, then the plain baseline, then decide
+        self._probing = True
         self._backoff = first_backoff
         self._left = 1  # windows left in the current mode
         self._since_plain = 0
@@ -269,21 +269,21 @@ class SpecController:
         self._left -= 1
         if self._left > 0:
             return
-        if self.mode == "plain":
-            self.mode, self._left, self._since_plain = "spec", 1, 0
-            self._probing = self.rate["spec"] is None or self._backoff > self.first_backoff
-            return
         spec, plain = self.rate["spec"], self.rate["plain"]
-        if plain is not None and spec is not None and spec < self.margin * plain:  # drafting does not pay
+        if plain is None:  # no baseline yet: measure it
+            self.mode, self._left = "plain", 1
+        elif spec is None:  # after a back-off: probe drafting again, briefly
+            self.mode, self._left, self._probing, self._since_plain = "spec", 1, True, 0
+        elif spec < self.margin * plain:  # drafting does not pay: plain for a while, then probe afresh
             self.mode, self._left = "plain", self._backoff
             self._backoff = min(self._backoff * 2, self.max_backoff)
-            return
-        self._backoff = self.first_backoff
-        self._since_plain += 1
-        if self._since_plain >= self.remeasure:
-            self.mode, self._left = "plain", 1
+            self.rate["spec"] = None
+        elif self.mode == "plain":  # baseline re-measured and drafting still wins
+            self.mode, self._left, self._since_plain = "spec", 1, 0
         else:
-            self._left = 1
+            self._backoff = self.first_backoff
+            self._since_plain += 1
+            self.mode, self._left = ("plain", 1) if self._since_plain >= self.remeasure else ("spec", 1)
 
     def state(self) -> dict[str, Any]:
         return {"mode": self.mode, "n": self.n, "rate_spec": self.rate["spec"], "rate_plain": self.rate["plain"],

@@ -5,9 +5,9 @@ with ``LoadSpec(**spec)`` (n_ctx defaults to 2048) and caches the instance for t
 use the same spec share one load. ``backend`` is parametrized over ``BACKENDS``: adding a backend to the
 behavioural tests is one line in each of the two tables below.
 
-``derived_models`` turns the default Q4_1 file into F16 / Q8_0 variants with llama.cpp's quantizer
-(same vocabulary: a real target/draft pair for speculative decoding), cached next to the test home
-(``$LOCALLLM_TEST_CACHE/derived``) so only the first run pays for it (~1 s each).
+``derived_model(ftype)`` turns the default Q4_1 file into an F32 / F16 / Q8_0 variant with llama.cpp's
+quantizer (same vocabulary: a real target/draft pair for speculative decoding), cached next to the test
+home (``$LOCALLLM_TEST_CACHE/derived``) so only the first run pays for it (~1-3 s each).
 """
 
 from __future__ import annotations
@@ -132,15 +132,19 @@ def derive_gguf(src: Path, dst: Path, ftype: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def derived_models(default_model_path: Path) -> dict[str, Path]:
-    """``{"q4_1": default file, "f16": derived F16, "q8_0": derived Q8_0}``, cached across runs."""
+def derived_model(default_model_path: Path) -> Callable[[str], Path]:
+    """``derived_model(ftype)``: the default model requantized to ``ftype`` (f32 | f16 | q8_0; "q4_1" is the
+    default file itself), made on first use and cached across runs."""
     src = Path(default_model_path)
     key = _file_key(src)
-    out = {"q4_1": src}
-    for ftype in ("f16", "q8_0"):
+
+    def get(ftype: str) -> Path:
+        if ftype == "q4_1":
+            return src
         dst = TEST_CACHE / "derived" / f"smollm2-135m-{key}-{ftype}.gguf"
-        out[ftype] = dst if dst.is_file() else derive_gguf(src, dst, ftype)
-    return out
+        return dst if dst.is_file() else derive_gguf(src, dst, ftype)
+
+    return get
 
 
 def collect(events: Any) -> tuple[str, Any, list[Any]]:

@@ -22,6 +22,7 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in
 PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished "
            "the great lens, and watched the ships pass along the rocky coast until the morning light returned.")
 REPEAT = [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{PASSAGE}"}]
+STORY = [{"role": "user", "content": "Write a short story about a robot learning to paint."}]
 
 
 def greedy(n: int = 32, **kw) -> Sampling:
@@ -118,29 +119,31 @@ def test_overflow_keeps_system_prompt_and_last_user_message(backend_factory):
 
 def _plain_and_spec(backend_factory, target: Path, draft: DraftSpec, messages, n: int):
     plain = backend_factory("llamacpp", model_path=str(target))
-    spec = backend_factory("llamacpp", model_path=str(target), draft=draft, extra={"spec_window": 6})
+    spec = backend_factory("llamacpp", model_path=str(target), draft=draft, fresh=True)
+    spec.controller.margin = 0.0  # keep drafting whatever the timings say: this is about the output
     a, _, _ = collect(plain.generate(GenerateRequest(messages=messages, sampling=greedy(n))))
     b, done, _ = collect(spec.generate(GenerateRequest(messages=messages, sampling=greedy(n))))
     return a, b, done.stats
 
 
-def test_draft_model_output_identical_at_temperature_0_on_f16(backend_factory, derived_models):
-    draft = DraftSpec("model", path=str(derived_models["q4_1"]), num_draft=4)
-    a, b, s = _plain_and_spec(backend_factory, derived_models["f16"], draft, REPEAT, 48)
-    assert a == b and len(a) > 40
+def test_draft_model_output_identical_at_temperature_0_on_f32(backend_factory, derived_model):
+    draft = DraftSpec("model", path=str(derived_model("q4_1")), num_draft=4)
+    a, b, s = _plain_and_spec(backend_factory, derived_model("f32"), draft, STORY, 64)
+    assert a == b and len(a) > 100
     assert s.draft_proposed > 0 and 0 < s.draft_accepted <= s.draft_proposed
-    print(f"\ndraft model on F16: accepted {s.draft_accepted}/{s.draft_proposed}")
+    print(f"\ndraft model on F32: accepted {s.draft_accepted}/{s.draft_proposed}")
 
 
-def test_ngram_output_identical_at_temperature_0_on_f16(backend_factory, derived_models):
-    a, b, s = _plain_and_spec(backend_factory, derived_models["f16"], DraftSpec("ngram", num_draft=8), REPEAT, 48)
+def test_ngram_output_identical_at_temperature_0_on_f32(backend_factory, derived_model):
+    a, b, s = _plain_and_spec(backend_factory, derived_model("f32"), DraftSpec("ngram", num_draft=8), REPEAT, 48)
     assert a == b
     assert s.draft_proposed > 0 and s.draft_accepted > 0
 
 
 def test_ngram_on_the_q4_target_agrees_closely(backend_factory, default_model_path):
-    """Q4 kernels are not batch-invariant: verifying k tokens in one batch can flip a near-tie, so on a
-    quantized target we report agreement rather than demand identity."""
+    """Quantized (and, on CPU, F16) kernels are not batch-invariant: verifying k tokens in one batch can flip a
+    near-tie, so on such a target we report agreement rather than demand identity. (Measured here: F32
+    targets stayed identical over 160 tokens with both draft kinds; F16 with n-gram diverged after 662 chars.)"""
     a, b, s = _plain_and_spec(backend_factory, Path(default_model_path), DraftSpec("ngram", num_draft=8),
                               REPEAT, 64)
     same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
@@ -149,22 +152,14 @@ def test_ngram_on_the_q4_target_agrees_closely(backend_factory, default_model_pa
     assert same >= 20
 
 
-def test_draft_with_another_vocabulary_is_refused(default_model_path, derived_models):
-    real = VocabInfo.of_file(str(default_model_path)) if hasattr(VocabInfo, "of_file") else None
-    from backends.base import LoadSpec
-
-    b = LlamaCppBackend(LoadSpec(str(derived_models["f16"]), n_ctx=512))
-    try:
-        a = VocabInfo.of(b._llm)
-    finally:
-        b.close()
-    assert real is None or vocab_mismatch(a, real) is None
-    assert vocab_mismatch(a, a) is None
-    other_sizes = VocabInfo(32000, a.samples)
-    assert "32000 tokens" in vocab_mismatch(a, other_sizes)
-    tid, text = a.samples[5]
-    swapped = VocabInfo(a.n_vocab, tuple((i, "zz" if i == tid else t) for i, t in a.samples))
-    assert f"token {tid}" in vocab_mismatch(a, swapped)
+def test_draft_vocabulary_check(backend_factory, derived_model):
+    q4 = VocabInfo.of(backend_factory("llamacpp")._llm)
+    f32 = VocabInfo.of(backend_factory("llamacpp", model_path=str(derived_model("f32")))._llm)
+    assert q4 == f32 and vocab_mismatch(q4, f32) is None  # two real files, one tokenizer
+    assert "32000 tokens" in vocab_mismatch(q4, VocabInfo(32000, q4.samples))
+    tid, _ = q4.samples[5]
+    swapped = VocabInfo(q4.n_vocab, tuple((i, "zz" if i == tid else t) for i, t in q4.samples))
+    assert f"token {tid}" in vocab_mismatch(q4, swapped)
 
 
 def test_gemma_draft_for_smollm_is_refused(default_model_path):
