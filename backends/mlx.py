@@ -693,7 +693,7 @@ class MLXBackend(Backend):
         procs: list[Callable[..., Any]],
         stats: Stats,
     ) -> Iterator[int]:
-        if self._draft_kind is None:
+        if self._draft_kind is None or (self._controller is not None and self._controller.disabled):
             return self._plain_stream(prompt, reused, max_new, sampler, procs)
         return self._spec_stream(prompt, reused, max_new, sampler, procs, stats)
 
