@@ -311,7 +311,7 @@ class LlamaCppBackend(Backend):
         self._arch = arch
         self._recurrent = bool(llama_cpp.llama_model_is_recurrent(llm.model)) or bool(
             llama_cpp.llama_model_is_hybrid(llm.model))
-        self._template = md.get("tokenizer.chat_template")
+        self._template = spec.extra.get("chat_template") or md.get("tokenizer.chat_template")
         eos, bos = self._model.token_eos(), self._model.token_bos()
         self._bos_text = self._model.token_get_text(bos) if bos >= 0 else ""
         self._eos_text = self._model.token_get_text(eos) if eos >= 0 else ""

@@ -114,6 +114,38 @@ def test_overflow_keeps_system_prompt_and_last_user_message(backend_factory):
     assert prompt.index("<|im_start|>user") < prompt.index("<|im_start|>assistant")  # starts with a user turn
 
 
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou can call these tools: {{ tools | tojson }}. To call one, reply "
+    "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                              "parameters": {"type": "object",
+                                                             "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_tool_calls_are_parsed_into_an_event(backend_factory):
+    from backends.base import TextChunk, ToolCalls
+
+    b = backend_factory("llamacpp", extra={"chat_template": TOOLS_TEMPLATE})
+    assert b.supports_tools()
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    call_schema = {"type": "object", "properties": {
+        "name": {"const": "get_weather"},
+        "arguments": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                      "required": ["city"], "additionalProperties": False}},
+        "required": ["name", "arguments"], "additionalProperties": False}
+    _, done, events = collect(b.generate(GenerateRequest(messages=ask, tools=WEATHER, format=call_schema,
+                                                          sampling=greedy(40))))
+    calls = [e for e in events if isinstance(e, ToolCalls)]
+    assert not [e for e in events if isinstance(e, TextChunk)]  # held back, not leaked as text
+    assert len(calls) == 1 and calls[0].calls[0]["name"] == "get_weather"
+    assert isinstance(calls[0].calls[0]["arguments"]["city"], str)
+    text, _, events = collect(b.generate(GenerateRequest(messages=CAPITAL, tools=WEATHER, sampling=greedy(24))))
+    assert "Paris" in text and not any(isinstance(e, ToolCalls) for e in events)  # plain answers stream
+
+
 # ---------------------------------------------------------------------------------------- speculative
 
 
