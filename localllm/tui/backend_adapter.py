@@ -122,7 +122,9 @@ def estimate_verdict(size: int, hw: Any) -> str:
 
 
 def human_size(n: int | float | None) -> str:
-    """>>> human_size(92_900_000)
+    """Decimal units, as ``ollama list`` shows them.
+
+    >>> human_size(92_900_000)
     '92.9 MB'
     """
     if not n:
@@ -299,7 +301,7 @@ class LocalBackend(ChatBackend):
                 backend = getattr(plan, "backend", "?")
                 ngl = m.info.n_gpu_layers
                 where = f"GPU {ngl}/{m.info.n_layers}" if ngl else "CPU"
-                return f"{backend} · {where}"
+                return f"{backend} {where}"
         return ""
 
     # -- work

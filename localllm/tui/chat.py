@@ -32,15 +32,23 @@ if TYPE_CHECKING:
     from .app import LocalLLMApp
 
 
+EMPTY_HINT = """\
+Type a message below and press Enter (Ctrl+J adds a newline, Esc stops an answer).
+
+F3 models: pull, delete, set the default · F4 this machine · F1 every key · Ctrl+P commands"""
+
+
 class PromptInput(TextArea):
     """Multi-line prompt: Enter sends, Ctrl+J (or Shift+Enter where the terminal reports it) adds a
     newline, Up on the first line recalls earlier prompts."""
 
+    # Handled in _on_key, in the widget's own queue, so a key typed just before Enter is always in the
+    # text that is sent (an app-level priority binding would run ahead of keys still queued here).
     BINDINGS = [
-        Binding("enter", "submit", "Send", id="prompt.send", priority=True),
-        Binding("ctrl+j,shift+enter", "newline", "Newline", id="prompt.newline", priority=True),
-        Binding("up", "history_prev", "Earlier prompt", id="prompt.history_prev", show=False, priority=True),
-        Binding("down", "history_next", "Later prompt", id="prompt.history_next", show=False, priority=True),
+        Binding("enter", "submit", "Send", id="prompt.send"),
+        Binding("ctrl+j,shift+enter", "newline", "Newline", id="prompt.newline"),
+        Binding("up", "history_prev", "Earlier prompt", id="prompt.history_prev", show=False),
+        Binding("down", "history_next", "Later prompt", id="prompt.history_next", show=False),
     ]
 
     class Submitted(Message):
@@ -53,6 +61,25 @@ class PromptInput(TextArea):
         self.prompts: list[str] = []
         self._hist_pos: int | None = None
         self._draft = ""
+
+    def _own_keys(self) -> dict[str, str]:
+        keymap = getattr(self.app, "_keymap", {}) or {}
+        out: dict[str, str] = {}
+        for b in self.BINDINGS:
+            assert isinstance(b, Binding) and b.id
+            for key in keymap.get(b.id, b.key).split(","):
+                out[key.strip()] = b.action
+        return out
+
+    async def _on_key(self, event: events.Key) -> None:
+        keys = self._own_keys()
+        action = next((keys[k] for k in (event.key, *event.aliases) if k in keys), None)
+        if action is None:
+            await super()._on_key(event)
+            return
+        event.stop()
+        event.prevent_default()
+        await self.run_action(action)
 
     def action_submit(self) -> None:
         text = self.text.strip()
@@ -238,6 +265,8 @@ class ChatScreen(Screen):
             if views:
                 box.mount_all(views)
             self.refresh_list()
+        if self.conversation is None or not box.children:
+            box.mount(Static(EMPTY_HINT, id="empty-hint"))
         box.anchor()
         self.update_status()
 
@@ -367,6 +396,7 @@ class ChatScreen(Screen):
         msg = self.lapp.chats.add_message(conv.id, "user", event.text)  # committed before generating
         self.conversation = self.lapp.chats.get(conv.id)
         self.refresh_list()
+        self.query("#empty-hint").remove()
         self.query_one("#messages", VerticalScroll).mount(MessageView("user", event.text, msg.id))
         self.start_answer()
 
@@ -503,18 +533,27 @@ def status_text(model: str, backend_label: str, info: AnswerInfo | None) -> str:
     if stats is None:
         parts.append("no answer yet" if info is None or info.ttft_s is None else "stopped")
         return " · ".join(parts)
-    if stats.n_ctx:
-        parts.append(f"ctx {stats.context_used}/{stats.n_ctx}")
-    if info.ttft_s is not None:
-        parts.append(f"TTFT {info.ttft_s * 1000:.0f} ms")
-    if info.extra.get("load_s"):
-        parts.append(f"load {info.extra['load_s']:.1f} s")
-    parts.append(f"{stats.eval_rate:.1f} tok/s")
-    acceptance = stats.draft_acceptance
-    parts.append(f"draft {acceptance:.0%}" if acceptance is not None else "no draft")
     if info.finish_reason == "cancelled":
         parts.append("stopped")
+    parts.append(f"{stats.eval_rate:.1f} tok/s")
+    if info.ttft_s is not None:
+        parts.append(f"TTFT {_duration(info.ttft_s)}")
+    if stats.n_ctx:
+        parts.append(f"ctx {stats.context_used}/{stats.n_ctx}")
+    acceptance = stats.draft_acceptance
+    parts.append(f"draft {acceptance:.0%}" if acceptance is not None else "no draft")
+    if info.extra.get("load_s"):
+        parts.append(f"load {_duration(info.extra['load_s'])}")
     return " · ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    """Milliseconds under a second, else seconds.
+
+    >>> _duration(0.0421), _duration(4.407)
+    ('42 ms', '4.41 s')
+    """
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def _title(text: str) -> str:

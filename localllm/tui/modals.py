@@ -131,14 +131,15 @@ class SettingsModal(ModalScreen[dict[str, Any] | None]):
             yield Label("Conversation settings", classes="question")
             yield Label("Model")
             yield Select([(n, n) for n in names], value=self.model if self.model in names else Select.BLANK,
-                         allow_blank=True, id="model")
+                         allow_blank=True, id="model", compact=True)
             yield Label("System prompt")
             yield TextArea(self.system, id="system", soft_wrap=True)
             with Grid(classes="params"):
                 for key, label, placeholder in PARAM_FIELDS:
                     yield Label(label)
                     value = self.params.get(key)
-                    yield Input("" if value is None else str(value), placeholder=placeholder, id=f"param-{key}")
+                    yield Input("" if value is None else str(value), placeholder=placeholder, id=f"param-{key}",
+                                compact=True)
             yield Static("", id="settings-error", classes="error")
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")

@@ -254,12 +254,12 @@ def hardware_markdown(report: dict[str, Any]) -> str:
     """The hardware view as Markdown, from the adapter's ``hardware()`` report."""
     hw = report.get("probe") or {}
     gib = 1024**3
-    lines = ["# This machine", ""]
+    lines = ["## This machine", ""]
 
     def row(k: str, v: Any) -> None:
         lines.append(f"| {k} | {v} |")
 
-    lines += ["| | |", "|---|---|"]
+    lines += ["| Part | Found |", "|---|---|"]
     row("CPU", hw.get("cpu_model", "?"))
     cores = f"{hw.get('physical_cores', '?')} physical / {hw.get('logical_cores', '?')} logical"
     row("Cores", cores)
@@ -284,7 +284,7 @@ def hardware_markdown(report: dict[str, Any]) -> str:
             reason = f" ({status['reason']})" if status.get("reason") else ""
             row(f"Backend {name}", f"{ok}{extra}{reason}")
     plan = report.get("plan")
-    lines += ["", "# The planner's pick", ""]
+    lines += ["", "## The planner's pick", ""]
     if plan:
         lines.append(f"For **{plan['model']}**: backend **{plan['backend']}**, {plan['verdict']}, "
                      f"{plan.get('n_gpu_layers', 0)} GPU layers, context {plan.get('n_ctx', 0)}, "
@@ -295,5 +295,5 @@ def hardware_markdown(report: dict[str, Any]) -> str:
         lines.append(report.get("plan_error", "No plan."))
     notes = hw.get("notes") or []
     if notes:
-        lines += ["", "# Probe notes", ""] + [f"- {n}" for n in notes]
+        lines += ["", "## Probe notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"

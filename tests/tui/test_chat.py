@@ -107,11 +107,16 @@ async def test_escape_stops_answer_midway(tui_home, chats):
         chats.update(conv_id, params={"seed": 1, "temperature": 0, "max_tokens": 8})
         screen.conversation = chats.get(conv_id)
         await pilot.press("ctrl+g")
-        await wait_until(pilot, lambda: screen.generating)
-        await wait_until(pilot, lambda: not screen.generating, timeout=60)
+
+        def regenerated() -> bool:
+            last = chats.messages(conv_id)[-1]
+            return not screen.generating and last.role == "assistant" and last.stats["finish_reason"] != "cancelled"
+
+        await wait_until(pilot, regenerated, timeout=60)
         roles = [m.role for m in chats.messages(conv_id)]
         assert roles == ["user", "assistant"]  # the stopped answer was replaced
         assert chats.messages(conv_id)[-1].stats["finish_reason"] in ("stop", "length")
+        assert len(list(screen.query(MessageView))) == 2
 
 
 async def test_switch_rename_delete_conversations_and_restart(tui_home, chats):

@@ -1,0 +1,124 @@
+"""The model manager and hardware screens, driven with the pilot: a real pull (through the store's
+mirror path, from a local HTTP server), cancel and resume, delete, default model."""
+
+from __future__ import annotations
+
+import pytest
+from textual.widgets import DataTable, Markdown, ProgressBar
+
+from localllm.tui.app import LocalLLMApp
+from localllm.tui.backend_adapter import LocalBackend
+from localllm.tui.models import HardwareScreen, ModelsScreen
+
+from .test_chat import wait_until
+
+pytestmark = pytest.mark.asyncio
+
+
+def local_backend(catalog):
+    from localllm.config import paths
+    from localllm.engine import Engine
+    from localllm.store import Store
+
+    return LocalBackend(Engine(store=Store(paths(), catalog=catalog)))
+
+
+def column(table: DataTable, index: int) -> list[str]:
+    return [str(table.get_row_at(i)[index]) for i in range(table.row_count)]
+
+
+async def test_pull_shows_progress_cancels_resumes_and_installs_then_delete(tui_home, mirror, chats, monkeypatch):
+    catalog, handler = mirror
+    monkeypatch.delenv("LOCALLLM_MODELS")  # a fresh, empty models dir under the tmp home
+    handler.delay_per_chunk = 0.02  # ~12 MB/s: slow enough to cancel mid-way
+    backend = local_backend(catalog)
+    app = LocalLLMApp(model="tuitest:135m", chats=chats, backend=backend)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await pilot.press("f3")
+        screen = app.screen
+        assert isinstance(screen, ModelsScreen)
+        await wait_until(pilot, lambda: screen.loaded_once.is_set(), timeout=30)
+        installed = screen.query_one("#installed", DataTable)
+        catalog_table = screen.query_one("#catalog", DataTable)
+        assert installed.row_count == 0
+        assert column(catalog_table, 0) == ["tuitest:135m"]
+        assert column(catalog_table, 2)[0] not in ("", "-", "?")  # a fit verdict for this machine
+
+        catalog_table.focus()
+        await pilot.press("p")
+        bar = screen.query_one("#pull-progress", ProgressBar)
+        await wait_until(pilot, lambda: (bar.total or 0) > 0 and bar.progress > 5_000_000, timeout=60)
+        assert "MB" in str(screen.query_one("#pull-status").render())
+        await pilot.press("x")
+        await wait_until(pilot, lambda: screen.pulling is None, timeout=30)
+        assert "cancelled" in str(screen.query_one("#pull-status").render())
+        assert backend.store.list() == []
+        stopped_at = bar.progress
+
+        handler.delay_per_chunk = 0.0
+        handler.requests.clear()
+        await pilot.press("p")
+        await wait_until(pilot, lambda: screen.pulling is None, timeout=120)
+        assert "installed" in str(screen.query_one("#pull-status").render()), screen.query_one("#pull-status").render()
+        ranges = [r for _, r in handler.requests if r]
+        assert ranges and int(ranges[0].split("=")[1].split("-")[0]) > 0, handler.requests  # resumed
+        assert stopped_at > 0
+        await wait_until(pilot, lambda: installed.row_count == 1, timeout=30)
+        assert column(installed, 0) == ["tuitest:135m"]
+        assert column(installed, 2) == ["Q4_1"]
+        assert column(installed, 4)[0] in ("CPU", "fits on GPU") or "partial" in column(installed, 4)[0]
+        assert [m.name for m in backend.store.list()] == ["tuitest:135m"]
+
+        # set it as the default model (written to the config file)
+        installed.focus()
+        await pilot.press("s")
+        from localllm.tui import settings
+
+        assert settings.default_model() == "tuitest:135m"
+        assert column(installed, 6) == ["*"]
+
+        # delete, with confirmation
+        await pilot.press("d")
+        await pilot.pause()
+        await pilot.press("n")  # first: no
+        await pilot.pause()
+        assert [m.name for m in backend.store.list()] == ["tuitest:135m"]
+        await pilot.press("d")
+        await pilot.pause()
+        await pilot.press("y")
+        await wait_until(pilot, lambda: installed.row_count == 0, timeout=30)
+        assert backend.store.list() == []
+
+
+async def test_hardware_view_shows_probe_and_plan(tui_home, chats):
+    app = LocalLLMApp(model="smollm2:135m", chats=chats)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await pilot.press("f4")
+        screen = app.screen
+        assert isinstance(screen, HardwareScreen)
+        md = screen.query_one("#hardware", Markdown)
+        await wait_until(pilot, lambda: "planner" in md.source, timeout=60)
+        from localllm.hardware import probe
+
+        hw = probe()
+        assert hw.cpu_model in md.source
+        assert "Backend llamacpp" in md.source
+        assert "For **smollm2:135m**: backend **llamacpp**" in md.source
+        assert "- " in md.source.split("planner's pick")[1]  # the planner's reasons, one per line
+
+
+async def test_models_screen_lists_installed_default_model_with_verdict(tui_home, chats):
+    app = LocalLLMApp(model="smollm2:135m", chats=chats)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await pilot.press("f3")
+        screen = app.screen
+        await wait_until(pilot, lambda: screen.loaded_once.is_set(), timeout=60)
+        installed = screen.query_one("#installed", DataTable)
+        names = column(installed, 0)
+        assert "smollm2:135m" in names
+        row = installed.get_row_at(names.index("smollm2:135m"))
+        assert row[2] == "Q4_1" and row[3] == "llamacpp" and row[4] in ("CPU", "fits on GPU")
+        catalog = screen.query_one("#catalog", DataTable)
+        assert catalog.row_count >= 5
+        verdicts = column(catalog, 2)
+        assert all(v not in ("", "-") for v in verdicts), verdicts
