@@ -317,6 +317,7 @@ class LlamaCppBackend(Backend):
         self._eos_text = self._model.token_get_text(eos) if eos >= 0 else ""
         self._add_bos = self._model.add_bos_token()
         self._piece_cache: dict[int, bytes] = {}
+        self._eog_cache: dict[int, bool] = {}
         self._info = self._build_info(path)
         try:
             if spec.draft is not None:
@@ -782,9 +783,13 @@ class LlamaCppBackend(Backend):
             sampler.close()
 
     def _is_eog(self, tok: int) -> bool:
-        import llama_cpp
+        """End-of-generation token (EOS, EOT, <|im_end|>...), as llama.cpp's vocab says; memoised."""
+        v = self._eog_cache.get(tok)
+        if v is None:
+            import llama_cpp
 
-        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, tok))
+            v = self._eog_cache[tok] = bool(llama_cpp.llama_vocab_is_eog(self._vocab, tok))
+        return v
 
     # ------------------------------------------------------------------ embeddings
 
