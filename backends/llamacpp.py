@@ -734,10 +734,11 @@ class LlamaCppBackend(Backend):
                         stats.draft_proposed += len(drafts)
                         stats.draft_accepted += accepted
                         rewind(llm, base + 1 + accepted)  # drop the rejected drafts from the KV cache
+                decoded = last is not None  # the first token comes from the prompt's logits: no decode step
                 last = out[-1]
                 step_ns = time.perf_counter_ns() - t_step
                 stats.eval_duration += step_ns
-                if ctl is not None:
+                if ctl is not None and decoded:
                     catchup = getattr(draft, "catchup_ns", 0) if drafts else 0
                     ctl.record(proposed=len(drafts), accepted=len(out) - 1 if drafts else 0, emitted=len(out),
                                ns=step_ns - catchup)

@@ -85,6 +85,25 @@ def test_truncated_or_corrupt_gguf_is_one_sentence(default_model_path, tmp_path)
         LlamaCppBackend(LoadSpec(str(tmp_path / "missing.gguf")))
 
 
+def test_context_that_does_not_fit_in_memory_is_explained(default_model_path):
+    from backends.base import LoadSpec
+
+    with pytest.raises(ModelLoadError) as e:  # llama.cpp: "Failed to create llama_context"
+        LlamaCppBackend(LoadSpec(str(default_model_path), n_ctx=8_000_000))
+    assert "Not enough memory for a 8000000-token context" in str(e.value) and _one_sentence(str(e.value))
+
+
+def test_recurrent_targets_refuse_drafting(default_model_path, monkeypatch):
+    """No recurrent GGUF is at hand, so llama.cpp's answer to "is it recurrent?" is the one thing faked."""
+    import llama_cpp
+
+    from backends.base import LoadSpec
+
+    monkeypatch.setattr(llama_cpp, "llama_model_is_recurrent", lambda model: True)
+    with pytest.raises(UnsupportedError, match="recurrent/hybrid"):
+        LlamaCppBackend(LoadSpec(str(default_model_path), n_ctx=512, draft=DraftSpec("ngram")))
+
+
 def test_repeated_request_reuses_the_whole_prompt_and_reproduces_its_text(backend_factory):
     b = backend_factory("llamacpp")
     req = GenerateRequest(messages=[{"role": "user", "content": "Write a poem about autumn leaves."}],
