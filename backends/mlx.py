@@ -13,12 +13,15 @@ What mlx-lm leaves to us, done here: stop strings (held back until they cannot b
 leaked), seeds (``mx.random.seed``), penalties over the whole context (mlx-lm only sees the tokens fed in
 this call, which would change the output once a prefix is cached), a prompt cache kept across requests
 (trimmed to the common prefix, only new tokens fed), KV quantization from the KV type (created quantized
-from the first token), cancellation per token, and speculative decoding (draft model or n-gram lookup)
-with an adaptive controller that falls back to plain decoding whenever drafting is slower.
+from the first token), cancellation per token, JSON mode (``format="json"``: a logits processor over a
+JSON automaton, :mod:`backends.mlx_json`), tool calls through mlx-lm's tool parsers, embeddings (mean
+pooled), and speculative decoding (draft model or n-gram lookup) with a cost-model controller that
+decodes plainly wherever drafting cannot pay (:class:`_DraftController`).
 
-Not supported, refused with :class:`UnsupportedError` rather than ignored: ``format`` (JSON mode /
-schemas: mlx-lm has no constrained decoding), images, ``num_gpu`` partial offload (MLX uses unified
-memory: all or nothing), KV quantization with a rotating (sliding-window) cache.
+Not supported, refused with :class:`UnsupportedError` rather than ignored: JSON Schemas in ``format``
+(use llama.cpp), images, tools with a chat template that does not take them, KV quantization with a
+rotating (sliding-window) cache or a head size not divisible by 32, drafts with another vocabulary or an
+untrimmable cache. ``n_gpu_layers``/``n_threads`` do not apply: MLX runs the whole model on its device.
 """
 
 from __future__ import annotations
@@ -179,7 +182,8 @@ class MLXBackend(Backend):
             group = next((g for g in (64, 32) if head_dim % g == 0), None)
             if group is None:
                 raise UnsupportedError(
-                    f"KV cache quantization ({kv_type}) needs a head size divisible by 32, and this model's is {head_dim}."
+                    f"KV cache quantization ({kv_type}) needs a head size divisible by 32, "
+                    f"and this model's is {head_dim}."
                 )
             self._kv_group = group
 
@@ -188,6 +192,7 @@ class MLXBackend(Backend):
         self._draft_kind: str | None = None
         self._controller: _DraftController | None = None
         self._num_draft = 0
+        self._json_vocab: Any = None
         if spec.draft is not None:
             from mlx_lm.models.cache import can_trim_prompt_cache
 
@@ -204,7 +209,8 @@ class MLXBackend(Backend):
                 dkinds = {type(c).__name__ for c in make_prompt_cache(self._draft_model)}
                 if dkinds - {"KVCache"}:
                     raise UnsupportedError(
-                        f"The draft model uses {', '.join(sorted(dkinds))}, which cannot be rolled back; pick another draft."
+                        f"The draft model uses {', '.join(sorted(dkinds))}, which cannot be rolled back; "
+                        "pick another draft."
                     )
                 self._draft_kind = str(spec.draft.path)
             elif spec.draft.kind == "ngram":
@@ -469,7 +475,9 @@ class MLXBackend(Backend):
         temp = max(0.0, float(s.temperature))
         top_p = s.top_p if 0 < s.top_p < 1 else 0.0
         sampler = make_sampler(temp=temp, top_p=top_p, min_p=max(0.0, s.min_p), top_k=max(0, s.top_k or 0))
-        n = s.repeat_last_n if s.repeat_last_n and s.repeat_last_n > 0 else (self._n_ctx if s.repeat_last_n == -1 else 64)
+        n = self._n_ctx if s.repeat_last_n == -1 else max(0, s.repeat_last_n)
+        if n == 0:  # Ollama's repeat_last_n 0: penalties off
+            return sampler, []
         procs = make_logits_processors(
             repetition_penalty=s.repeat_penalty if s.repeat_penalty and s.repeat_penalty != 1.0 else None,
             repetition_context_size=n,
@@ -483,14 +491,47 @@ class MLXBackend(Backend):
     # --------------------------------------------------------------------------------- generation
 
     def generate(self, request: GenerateRequest, cancel: threading.Event | None = None) -> Iterator[Event]:
-        if request.format is not None:
+        fmt = request.format
+        if isinstance(fmt, dict):
             raise UnsupportedError(
-                "JSON mode (format) is not supported by the MLX backend (mlx-lm has no constrained decoding); "
-                "use the llama.cpp backend for it."
+                "JSON schemas (format with a schema) are not supported by the MLX backend, only format=json; "
+                "use the llama.cpp backend for schemas."
             )
+        if fmt not in (None, "", "text", "json"):
+            raise UnsupportedError(f"Unknown format {fmt!r}: use json or a JSON schema.")
+        if fmt == "json":
+            self._json_vocabulary()  # raises UnsupportedError for a vocabulary it cannot handle
         if self._closed:
             raise UnsupportedError("This model has been unloaded.")
         return self._generate(request, cancel or threading.Event())
+
+    def _json_vocabulary(self) -> Any:
+        if self._json_vocab is None:
+            from backends.mlx_json import JSONConstraint
+
+            try:
+                self._json_vocab = JSONConstraint.vocabulary(self._tok)
+            except ValueError as e:
+                raise UnsupportedError(f"JSON mode on MLX needs a byte-level BPE vocabulary ({e}).") from e
+        return self._json_vocab
+
+    def _json_processor(self, fed: int) -> Callable[[Any, Any], Any]:
+        """A logits processor keeping the output one JSON object. mlx-lm passes it every token fed in
+        this call (``fed`` prompt tokens, then the generated ones); it advances on the new ones."""
+        from backends.mlx_json import JSONConstraint
+
+        n_logits = max(int(self._config.get("vocab_size") or 0), len(self._json_vocabulary()[0]))
+        constraint = JSONConstraint(self._json_vocabulary(), self._eos, n_logits)
+        seen = [0]
+
+        def proc(tokens: Any, logits: Any) -> Any:
+            new = tokens[fed + seen[0] :].tolist() if tokens.size > fed + seen[0] else []
+            for t in new:
+                constraint.advance(int(t))
+            seen[0] += len(new)
+            return constraint.apply(logits)
+
+        return proc
 
     def _generate(self, request: GenerateRequest, cancel: threading.Event) -> Iterator[Event]:
         mx = self._mx
@@ -511,6 +552,7 @@ class MLXBackend(Backend):
 
             reused = self._prepare_cache(prompt)
             stats.prompt_cached_tokens = reused
+            json_mode = request.format == "json"
             generated: list[int] = []
             clean = False
             finish = "length"
@@ -522,7 +564,7 @@ class MLXBackend(Backend):
             tool_mode = bool(request.tools) and self._tok.has_tool_calling
             text_all: list[str] = []
             try:
-                tokens = self._token_stream(prompt, reused, max_new, sampler, procs, stats)
+                tokens = self._token_stream(prompt, reused, max_new, sampler, procs, stats, json_mode)
                 try:
                     for tok in tokens:
                         if t_first is None:
@@ -692,12 +734,18 @@ class MLXBackend(Backend):
         sampler: Callable[[Any], Any],
         procs: list[Callable[..., Any]],
         stats: Stats,
+        json_mode: bool = False,
     ) -> Iterator[int]:
+        if json_mode:  # drafts would need the constraint to roll back with them: decode plainly
+            procs = [*self._history_procs(procs, prompt[:reused]), self._json_processor(len(prompt) - reused)]
+            return self._plain_stream(prompt, reused, max_new, sampler, procs, wrapped=True)
         if self._draft_kind is None or (self._controller is not None and self._controller.disabled):
             return self._plain_stream(prompt, reused, max_new, sampler, procs)
         return self._spec_stream(prompt, reused, max_new, sampler, procs, stats)
 
-    def _plain_stream(self, prompt: list[int], reused: int, max_new: int, sampler: Any, procs: Any) -> Iterator[int]:
+    def _plain_stream(
+        self, prompt: list[int], reused: int, max_new: int, sampler: Any, procs: Any, wrapped: bool = False
+    ) -> Iterator[int]:
         from mlx_lm.generate import generate_step
 
         mx = self._mx
@@ -706,7 +754,7 @@ class MLXBackend(Backend):
             self._model,
             max_tokens=max_new,
             sampler=sampler,
-            logits_processors=self._history_procs(procs, prompt[:reused]),
+            logits_processors=procs if wrapped else self._history_procs(procs, prompt[:reused]),
             prompt_cache=self._cache,
             prefill_step_size=max(self.spec.n_batch, 256),
         )

@@ -52,7 +52,8 @@ _EOG_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|
 
 # llama.cpp's tokenizer.ggml.pre → the pre-tokenizer that splits text the same way.
 _LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 SUPPORTED_PRE = ("smollm", "gpt2", "default", "llama-bpe", "llama3")
 
@@ -74,7 +75,8 @@ def _pre_tokenizer(pre: str) -> Any:
             ]
         )
     raise UnsupportedError(
-        f"The GGUF's pre-tokenizer {pre!r} is not supported by the MLX converter (supported: {', '.join(SUPPORTED_PRE)})."
+        f"The GGUF's pre-tokenizer {pre!r} is not supported by the MLX converter "
+        f"(supported: {', '.join(SUPPORTED_PRE)})."
     )
 
 
@@ -284,7 +286,8 @@ def _tokenizer(meta: dict[str, Any], out: Path, cfg: dict[str, Any]) -> None:
         tcfg["chat_template"] = template
         (out / "chat_template.jinja").write_text(template, encoding="utf-8")
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False), encoding="utf-8")
-    special_map = {k: v for k, v in (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)) if v}
+    named = (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad))
+    special_map = {k: v for k, v in named if v}
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2), encoding="utf-8")
 
 

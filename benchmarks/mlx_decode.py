@@ -65,7 +65,7 @@ def main() -> None:
     def raw() -> float:
         first = last = None
         n = 0
-        for r in mlx_lm.stream_generate(model, tok, raw_ids, max_tokens=args.tokens):
+        for _ in mlx_lm.stream_generate(model, tok, raw_ids, max_tokens=args.tokens):
             now = time.perf_counter()
             first = first or now
             last = now

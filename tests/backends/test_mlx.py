@@ -94,9 +94,30 @@ def test_gguf_file_is_refused_with_a_hint(default_model_path):
 # ------------------------------------------------------------------------------------ requests
 
 
-def test_json_mode_is_refused_not_ignored(plain):
-    with pytest.raises(UnsupportedError, match="JSON mode"):
-        plain.generate(GenerateRequest(messages=CAPITAL, format="json"))
+def test_json_mode_gives_one_object_even_when_sampling(plain):
+    msgs = [{"role": "user", "content": "Describe Paris as JSON with keys city and population."}]
+    for s in (greedy(80), Sampling(temperature=1.0, top_k=0, top_p=1.0, seed=3, max_tokens=80)):
+        text, done, _ = collect(plain.generate(GenerateRequest(messages=msgs, format="json", sampling=s)))
+        assert done.finish_reason == "stop", text  # the object closed, then only EOS was allowed
+        assert isinstance(json.loads(text), dict)
+
+
+def test_json_schemas_are_refused_not_ignored(plain):
+    with pytest.raises(UnsupportedError, match="schema"):
+        plain.generate(GenerateRequest(messages=CAPITAL, format={"type": "object"}))
+
+
+def test_json_automaton_accepts_json_and_refuses_the_rest():
+    from backends.mlx_json import JSONState
+
+    good = [b'{}', b'{"a":1}', b'{"a": [1, 2.5, -0.1e-3, true, false, null, {"b": "\\u00e9\\""}]}', b'{ }']
+    for g in good:
+        s = JSONState.start().feed(g)
+        assert s is not None and s.done, g
+    bad = [b'[1]', b'{"a" 1}', b'{"a":01}', b'{"a":1,}', b'{"a":"x\ny"}', b'{"a":tru}', b'{}x', b'{' + b' ' * 20]
+    for x in bad:
+        s = JSONState.start().feed(x)
+        assert s is None or not s.done, x
 
 
 def test_penalties_do_not_depend_on_what_was_cached(mlx_dir: Path):
@@ -209,8 +230,10 @@ def test_controller_doctests():
     import doctest
 
     import backends.mlx
+    import backends.mlx_json
 
     assert doctest.testmod(backends.mlx).failed == 0
+    assert doctest.testmod(backends.mlx_json).failed == 0
 
 
 def test_available_reports_importable():
