@@ -15,6 +15,17 @@ kwargs are silently ignored (we pass only known ones), ``seed=0`` means "random"
 (we build our own sampler with the exact seed), a quantized V cache needs flash attention, a draft
 model forces ``logits_all`` and an ``n_ctx × n_vocab`` buffer (we verify drafts on our own loop
 instead), and a ``Llama`` is not thread-safe (one generation at a time per instance, under a lock).
+
+Determinism: a request repeated with the same seed gives the same text, because the logits of the last
+prompt token are kept and reused instead of re-evaluating that token alone (kernels are not
+batch-invariant: one row evaluated alone differs in the last bits from the same row in a batch). For the
+same reason speculative decoding at temperature 0 reproduces plain decoding exactly only on targets whose
+kernels are batch-invariant: F32 on CPU (tested); F16 and quantized targets agree closely but can flip a
+near-tie (measured: F16 + n-gram diverged after 662 characters, Q4_1 + n-gram identical for 201).
+
+Backend-specific knobs in ``LoadSpec.extra``: ``chat_template`` (override the GGUF's), ``n_threads_batch``,
+``use_mmap`` (default True), ``draft_p_min`` (a draft model stops proposing below this probability; 0),
+``spec_window`` (tokens per throughput window of the speculative controller; 24).
 """
 
 from __future__ import annotations
