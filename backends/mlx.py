@@ -746,9 +746,11 @@ class MLXBackend(Backend):
     def _plain_stream(
         self, prompt: list[int], reused: int, max_new: int, sampler: Any, procs: Any, wrapped: bool = False
     ) -> Iterator[int]:
-        from mlx_lm.generate import generate_step
+        from mlx_lm.generate import generate_step, generation_stream, wired_limit
 
         mx = self._mx
+        wired = wired_limit(self._model, [generation_stream])  # Metal: keep the weights wired while decoding
+        wired.__enter__()
         gen = generate_step(
             mx.array(prompt[reused:], dtype=mx.uint32),
             self._model,
@@ -763,6 +765,7 @@ class MLXBackend(Backend):
                 yield int(tok)
         finally:
             gen.close()
+            wired.__exit__(None, None, None)
 
     def _spec_stream(
         self, prompt: list[int], reused: int, max_new: int, sampler: Any, procs: Any, stats: Stats
@@ -770,7 +773,7 @@ class MLXBackend(Backend):
         """Speculative decoding: draft (model or n-gram), verify ``[y, d1..dk]`` in one target pass,
         keep drafts while they equal the target's own samples (exact at temperature 0), roll back the
         rest. Invariant: the target cache holds ``hist[:-1]``; ``hist[-1]`` is the next input."""
-        from mlx_lm.generate import generation_stream
+        from mlx_lm.generate import generation_stream, wired_limit
 
         mx = self._mx
         model, draft = self._model, self._draft_model
@@ -810,7 +813,7 @@ class MLXBackend(Backend):
                         return hist[i + n : i + n + k]
             return []
 
-        with mx.stream(generation_stream):
+        with wired_limit(model, [generation_stream]), mx.stream(generation_stream):
             prefill(model, self._cache, hist[reused:-1])
             ntoks = 0
             while ntoks < max_new:

@@ -69,3 +69,27 @@ def test_convert_command_records_the_mlx_dir_in_the_store(default_model):
     path = Path(result.output.strip().splitlines()[-1])
     assert mlx_dir_for(default_model) == path
     assert Store().get(default_model.name).mlx_path == path
+
+
+def test_engine_runs_the_converted_model_on_mlx(default_model):
+    """End to end: store → planner (--backend mlx) → MLX backend on the converted directory."""
+    pytest.importorskip("mlx.core")
+    from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling
+    from localllm.store import Store
+
+    store = Store()
+    store.set_mlx_path(default_model.name, convert_installed(default_model))
+    engine = Engine(store=store)
+    try:
+        for draft in ("none", "ngram"):
+            options = LoadOptions(num_ctx=1024, backend="mlx", draft=draft)
+            _, plan = engine.plan_for(default_model.name, options)
+            assert plan.backend == "mlx"
+            req = GenerateRequest(messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                  sampling=Sampling(temperature=0.0, max_tokens=12))
+            events = list(engine.generate(default_model.name, req, options))
+            text = "".join(getattr(e, "text", "") for e in events)
+            assert "Paris" in text and events[-1].finish_reason in ("stop", "length")
+            assert engine.ps()[0].backend.name == "mlx"
+    finally:
+        engine.close()
