@@ -20,4 +20,4 @@ def command(model: str | None, host: str | None) -> None:
     """
     from localllm.tui.app import run
 
-    run(model=model, host=host)
+    run(model=model, host=host)  # with --host, an unreachable server is one sentence before the app opens

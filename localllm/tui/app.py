@@ -177,5 +177,7 @@ class LocalLLMApp(App):
 
 
 def run(model: str | None = None, host: str | None = None) -> None:
-    """Open the app (``localllm chat``)."""
-    LocalLLMApp(model=model, host=host).run()
+    """Open the app (``localllm chat``). With ``host``, the server is checked first, so a wrong address
+    is one sentence on the terminal rather than an error inside the app."""
+    backend = make_backend(host) if host else None
+    LocalLLMApp(model=model, host=host, backend=backend).run()

@@ -371,18 +371,18 @@ class LocalBackend(ChatBackend):
 
 
 class RemoteBackend(ChatBackend):
-    """A localllm or Ollama server, over the Ollama API (``localllm.client``)."""
+    """A localllm or Ollama server, over the Ollama API (:class:`localllm.client.Client`)."""
 
     kind = "remote"
 
-    def __init__(self, host: str, client: Any = None):
+    def __init__(self, host: str | None = None, client: Any = None):
         if client is None:
             from localllm.client import Client
 
             client = Client(host)
         self.client = client
-        self.host = host
-        self.label = host
+        self.host = getattr(client, "url", None) or host or "?"
+        self.label = f"server {self.host}"
 
     def models(self) -> list[ModelRow]:
         loaded = self.loaded()
@@ -405,33 +405,42 @@ class RemoteBackend(ChatBackend):
             return set()
         return {_field(m, "name") or _field(m, "model") or "" for m in running}
 
+    def describe_loaded(self, name: str) -> str:
+        try:
+            running = self.client.ps()
+        except Exception:  # noqa: BLE001
+            return self.label
+        for m in running:
+            if _field(m, "name") == name:
+                processor = getattr(m, "processor", "")
+                return f"{self.label} {processor}".strip()
+        return self.label
+
     def chat(self, model: str, messages: list[dict[str, Any]], params: dict[str, Any],
              cancel: threading.Event, info: AnswerInfo | None = None) -> Iterator[Any]:
-        from localllm.engine import Done, TextChunk
+        from localllm.engine import Done, GenerateRequest, LoadOptions, Sampling, TextChunk
 
-        options = sampling_from(params)
-        if "max_tokens" in options:
-            options["num_predict"] = options.pop("max_tokens")
+        options: dict[str, Any] = {}
         if params.get("num_ctx"):
             options["num_ctx"] = int(params["num_ctx"])
         if params.get("draft"):
             options["draft"] = str(params["draft"])
+        request = GenerateRequest(messages=messages, sampling=Sampling(**sampling_from(params)))
         t0 = time.perf_counter()
-        stream = self.client.chat(model, messages, options=options, stream=True)
+        stream = self.client.generate(model, request, LoadOptions(**options), cancel=cancel)
         try:
             for event in stream:
-                if cancel.is_set():
-                    close = getattr(stream, "close", None)
-                    if close:
-                        close()
-                    yield Done(stats=getattr(info, "stats", None) or _empty_stats(), finish_reason="cancelled")
-                    return
                 if info is not None:
                     if isinstance(event, TextChunk) and info.ttft_s is None:
                         info.ttft_s = time.perf_counter() - t0
-                        info.backend = f"server {self.host}"
                     elif isinstance(event, Done):
                         info.stats, info.finish_reason = event.stats, event.finish_reason
+                        info.backend = self.describe_loaded(model)
+                        load_s = (event.stats.load_duration or 0) / 1e9
+                        if load_s:
+                            info.extra["load_s"] = load_s
+                            if info.ttft_s is not None:
+                                info.ttft_s = max(0.0, info.ttft_s - load_s)
                 yield event
         finally:
             close = getattr(stream, "close", None)
@@ -439,15 +448,10 @@ class RemoteBackend(ChatBackend):
                 close()
 
     def pull(self, name: str, progress: Callable[[PullUpdate], None], cancel: threading.Event) -> None:
-        for update in self.client.pull(name, stream=True):
-            if cancel.is_set():
-                from localllm.errors import PullError
-
-                raise PullError(f"Pull of {name} cancelled; pulling again resumes it on the server.")
-            progress(_progress(update))
+        self.client.pull(name, progress=lambda u: progress(_progress(u)), cancel=cancel)
 
     def delete(self, name: str) -> None:
-        self.client.delete(name)
+        self.client.remove(name)
 
     def hardware(self) -> dict[str, Any]:
         from localllm.hardware import probe
@@ -466,12 +470,10 @@ def _field(obj: Any, key: str, default: Any = None) -> Any:
     return obj.get(key, default) if isinstance(obj, dict) else getattr(obj, key, default)
 
 
-def _empty_stats() -> Any:
-    from localllm.engine import Stats
-
-    return Stats()
-
-
 def make_backend(host: str | None = None) -> ChatBackend:
-    """In-process unless ``host`` names a server."""
-    return RemoteBackend(host) if host else LocalBackend()
+    """A server when ``host`` is given (or ``LOCALLLM_HOST`` is set and a server answers there, as for
+    the other faces); else the in-process engine."""
+    from localllm.client import connect
+
+    client = connect(host)
+    return RemoteBackend(client=client) if client is not None else LocalBackend()

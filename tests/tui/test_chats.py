@@ -1,0 +1,90 @@
+"""The chats database: WAL, forward migrations from every older schema, refusal of a newer one."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from localllm import chats as chats_mod
+from localllm.chats import SCHEMA_VERSION, ChatStore
+from localllm.errors import LocalLLMError
+
+
+def test_new_database_is_wal_and_current(tmp_path):
+    store = ChatStore(tmp_path / "c.sqlite3")
+    assert store.version == SCHEMA_VERSION == len(chats_mod.MIGRATIONS)
+    mode = store._db.execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+    store.close()
+
+
+def test_v1_database_is_migrated_and_keeps_its_rows(tmp_path):
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path, isolation_level=None)
+    chats_mod.MIGRATIONS[0](db)  # a database written by the first release
+    db.execute("PRAGMA user_version = 1")
+    db.execute("INSERT INTO conversation (title, created_at, updated_at) VALUES ('old', 1, 1)")
+    db.execute("INSERT INTO message (conversation_id, role, content, created_at) VALUES (1, 'user', 'hi', 1)")
+    db.close()
+
+    store = ChatStore(path)
+    assert store.version == SCHEMA_VERSION
+    [conv] = store.conversations()
+    assert conv.title == "old"
+    [msg] = store.messages(conv.id)
+    assert (msg.role, msg.content, msg.stats) == ("user", "hi", None)
+    store.add_message(conv.id, "assistant", "hello", {"eval_count": 3})  # the v2 column works
+    assert store.messages(conv.id)[-1].stats == {"eval_count": 3}
+    store.close()
+
+
+def test_newer_database_is_refused_not_damaged(tmp_path):
+    path = tmp_path / "new.sqlite3"
+    ChatStore(path).close()
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.commit()
+    db.close()
+    with pytest.raises(LocalLLMError, match="newer localllm"):
+        ChatStore(path)
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION + 1
+    db.close()
+
+
+def test_failed_migration_rolls_back(tmp_path, monkeypatch):
+    path = tmp_path / "c.sqlite3"
+
+    def broken(db):
+        db.execute("CREATE TABLE half_done (x)")
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(chats_mod, "MIGRATIONS", [chats_mod.MIGRATIONS[0], broken])
+    monkeypatch.setattr(chats_mod, "SCHEMA_VERSION", 2)
+    with pytest.raises(RuntimeError):
+        ChatStore(path)
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert db.execute("SELECT name FROM sqlite_master WHERE name = 'half_done'").fetchone() is None
+    db.close()
+
+
+def test_delete_cascades_history_and_export(tmp_path):
+    store = ChatStore(tmp_path / "c.sqlite3")
+    a = store.create(title="A", model="m", system="Be brief.", params={"seed": 1})
+    store.add_message(a.id, "user", "one")
+    store.add_message(a.id, "assistant", "1")
+    b = store.create(title="B")
+    store.add_message(b.id, "user", "two")
+    store.add_message(b.id, "user", "one")
+    assert store.prompt_history() == ["two", "one"]
+    md = store.export_markdown(a.id)
+    assert md.splitlines()[:4] == ["# A", "", "- model: `m`", "- seed: `1`"]
+    assert "## System\n\nBe brief." in md and "## Assistant\n\n1" in md
+    store.delete(a.id)
+    assert store.messages(a.id) == []
+    assert [c.title for c in store.conversations()] == ["B"]
+    with pytest.raises(LocalLLMError):
+        store.rename(b.id, "   ")
+    store.close()
