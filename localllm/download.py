@@ -346,9 +346,11 @@ def hf_resolve(repo: str, filename: str | None, quant: str | None) -> HFFile:
     """Ask the Hub for the file's size and LFS sha256 (one request, ``hf_timeout()`` seconds at most)."""
     if hf_offline():
         raise SourceUnavailable("Hugging Face: HF_HUB_OFFLINE is set and the file is not in its cache.")
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants
     from huggingface_hub import errors as hf_errors
 
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import; we read it now (checked just above)
+    constants.HF_HUB_OFFLINE = False
     api = HfApi(endpoint=hf_endpoint())
     try:
         info = api.model_info(repo, files_metadata=True, timeout=hf_timeout(), token=hf_token())

@@ -419,6 +419,7 @@ class Store:
         from localllm.ggufinfo import read_gguf
 
         file = external or self.blob_path(hexdigest)
+        rep.phase("validating model file")
         try:
             info = read_gguf(file)
         except InvalidModelFileError as e:

