@@ -203,6 +203,16 @@ def test_ngram_on_the_q4_target_agrees_closely(backend_factory, default_model_pa
     assert same >= 20
 
 
+def test_speculative_sampling_at_temperature_is_seeded_and_counted(backend_factory):
+    b = backend_factory("llamacpp", draft=DraftSpec("ngram", num_draft=6), fresh=True)
+    b.controller.margin = 0.0
+    req = GenerateRequest(messages=REPEAT, sampling=Sampling(temperature=0.7, seed=3, max_tokens=40))
+    a, d1, _ = collect(b.generate(req))
+    again, d2, _ = collect(b.generate(req))
+    assert a == again and len(a) > 40
+    assert d1.stats.draft_proposed > 0 and d1.stats.draft_accepted > 0
+
+
 def test_draft_vocabulary_check(backend_factory, derived_model):
     q4 = VocabInfo.of(backend_factory("llamacpp")._llm)
     f32 = VocabInfo.of(backend_factory("llamacpp", model_path=str(derived_model("f32")))._llm)
