@@ -290,3 +290,34 @@ async def test_keymap_remaps_help_lists_and_palette_runs(tui_home, chats):
         await pilot.pause(0.5)
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.current_mode == "hardware", timeout=10)
+
+
+async def test_view_follows_the_stream_only_while_at_the_bottom(tui_home, chats):
+    from textual.containers import VerticalScroll
+
+    short_chat(chats, max_tokens=300)
+    app = LocalLLMApp(model=MODEL, chats=chats)
+    async with app.run_test(size=(80, 13)) as pilot:
+        screen = app.screen
+        box = screen.query_one("#messages", VerticalScroll)
+        await pilot.press(*"Write a long story about a dragon, a knight and a castle.", "enter")
+        await wait_until(pilot, lambda: box.max_scroll_y > 5 or not screen.generating)
+        assert screen.generating, "the answer ended before it filled the view"
+        assert box.scroll_y == box.max_scroll_y  # following
+        for _ in range(5):  # the user scrolls up (as the mouse wheel does)
+            box._scroll_up_for_pointer(animate=False)
+        await pilot.pause()
+        held = box.scroll_y
+        assert held < box.max_scroll_y
+        grown = box.max_scroll_y
+        await wait_until(pilot, lambda: box.max_scroll_y > grown + 1 or not screen.generating)
+        assert box.scroll_y == held  # not dragged back down while reading
+        box.scroll_end(animate=False, immediate=True)  # back at the bottom: following again
+        await pilot.pause()
+        at = box.max_scroll_y
+        await wait_until(pilot, lambda: box.max_scroll_y > at + 1 or not screen.generating)
+        await pilot.pause()
+        assert box.scroll_y == box.max_scroll_y
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not screen.generating, timeout=30)
+

@@ -1,0 +1,57 @@
+"""A process killed mid-answer loses only the unfinished answer (SIGKILL, then the database reopened)."""
+
+from __future__ import annotations
+
+from localllm.chats import ChatStore
+
+MODEL = "smollm2:135m"
+
+
+KILL_SCRIPT = """
+import asyncio, sys
+from localllm.chats import ChatStore
+from localllm.tui.app import LocalLLMApp
+
+async def main():
+    chats = ChatStore(sys.argv[1])
+    conv = chats.conversations()[0]
+    app = LocalLLMApp(model="smollm2:135m", chats=chats)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = app.screen
+        screen.open_conversation(conv.id)
+        await pilot.press(*"Write a long story about the sea.", "enter")
+        while not (screen._last_answer() is not None and len(screen._last_answer().markdown.source) > 20):
+            await pilot.pause(0.05)
+        print("STREAMING", flush=True)
+        await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def test_killed_mid_answer_loses_only_the_unfinished_answer(tui_home, chats, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    conv = chats.create(title="Kill", model=MODEL, params={"max_tokens": 400, "seed": 1})
+    chats.add_message(conv.id, "user", "earlier question")
+    chats.add_message(conv.id, "assistant", "earlier answer")
+    script = tmp_path / "kill_me.py"
+    script.write_text(KILL_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), chats.path], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "STREAMING"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    reopened = ChatStore(chats.path)
+    assert reopened._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert [(m.role, m.content) for m in reopened.messages(conv.id)] == [
+        ("user", "earlier question"), ("assistant", "earlier answer"),
+        ("user", "Write a long story about the sea."),  # committed before generating; the answer is lost
+    ]
+    reopened.close()
