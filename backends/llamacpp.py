@@ -351,7 +351,8 @@ class LlamaCppBackend(Backend):
             return ModelLoadError(f"llama.cpp could not create a context for {path.name}"
                                   f"{f' ({reason})' if reason else ''}; lower num_ctx or try --kv-cache f16.")
         if "Failed to load model" in msg:
-            reason = _native_reason()
+            reason = _native_reason("error loading model", "invalid", "unknown", "not within") or _native_reason()
+            reason = reason.replace("error loading model: ", "").split(",")[0] if reason else None
             return ModelLoadError(f"{path.name} could not be loaded: it is corrupt, truncated or of an unsupported "
                                   f"architecture{f' (llama.cpp: {reason})' if reason else ''}.")
         return ModelLoadError(f"Could not load {path.name}: {msg}.")
