@@ -99,6 +99,12 @@ def create_app(engine: Any = None, *, bound_host: str | None = None, api_key: st
             message = "invalid JSON in the request body"
         return error_response(request, exc.status_code, c.scrub(message))
 
+    from localllm.server.ollama_routes import ClientGone
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> JSONResponse:
+        return error_response(request, 499, "request canceled")
+
     async def _known(request: Request, exc: Exception) -> JSONResponse:
         status, message = c.status_of(exc)
         return error_response(request, status, message)

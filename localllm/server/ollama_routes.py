@@ -61,11 +61,25 @@ def normalize_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-async def first_event(agen: AsyncIterator[Any]) -> Any:
-    """The first event, so errors before the first byte get their real status."""
+class ClientGone(Exception):
+    """The client disconnected before the first byte (answered 499, which nobody reads)."""
+
+
+async def first_event(agen: AsyncIterator[Any], request: Request | None = None) -> Any:
+    """The first event, so errors before the first byte get their real status. While waiting (in the
+    queue, for a load, for the prompt) a client that disconnects cancels the request at once."""
+    task = asyncio.ensure_future(agen.__anext__())
     try:
-        return await agen.__anext__()
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.2)
+            if done:
+                return task.result()
+            if request is not None and await request.is_disconnected():
+                task.cancel()
+                raise ClientGone()
     except BaseException:
+        if not task.done():
+            task.cancel()
         await agen.aclose()
         raise
 
@@ -204,7 +218,7 @@ async def generate(body: GenerateBody, request: Request) -> Response:
             {"role": "user", "content": body.prompt}]
         req = GenerateRequest(messages=messages, sampling=sampling, format=fmt)
     agen = _engine(request).agenerate(name, req, load_options, keep_alive=keep_alive)
-    first = await first_event(agen)
+    first = await first_event(agen, request)
 
     def render(event: Any) -> dict[str, Any] | None:
         base = {"model": body.model, "created_at": c.now_rfc3339()}
@@ -269,7 +283,7 @@ async def chat(body: ChatBody, request: Request) -> Response:
             raise c.bad_request(f'"{body.model}" does not support tools')
     req = GenerateRequest(messages=messages, sampling=sampling, format=fmt, tools=body.tools or None)
     agen = _engine(request).agenerate(name, req, load_options, keep_alive=keep_alive)
-    first = await first_event(agen)
+    first = await first_event(agen, request)
 
     def render(event: Any) -> dict[str, Any] | None:
         base = {"model": body.model, "created_at": c.now_rfc3339()}
@@ -434,6 +448,7 @@ async def pull(body: PullBody, request: Request) -> Response:
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     finished = threading.Event()
+    cancel = threading.Event()  # a client that goes away stops the download (a later pull resumes it)
 
     def put(item: tuple[str, Any]) -> None:
         if not finished.is_set():
@@ -441,7 +456,7 @@ async def pull(body: PullBody, request: Request) -> Response:
 
     def work() -> None:
         try:
-            store.pull(name, progress=lambda p: put(("progress", p)))
+            store.pull(name, progress=lambda p: put(("progress", p)), cancel=cancel)
             put(("done", None))
         except BaseException as e:  # noqa: BLE001 - reported to the client
             put(("error", e))
@@ -453,10 +468,14 @@ async def pull(body: PullBody, request: Request) -> Response:
             while True:
                 kind, value = await queue.get()
                 if kind == "done":
+                    finished.set()
                     return JSONResponse({"status": "success"})
                 if kind == "error":
+                    finished.set()
                     raise value
         finally:
+            if not finished.is_set():
+                cancel.set()
             finished.set()
 
     async def lines() -> AsyncIterator[bytes]:
@@ -479,7 +498,9 @@ async def pull(body: PullBody, request: Request) -> Response:
                     yield (json.dumps({"error": message}) + "\n").encode()
                     return
         finally:
-            finished.set()  # a disconnect leaves the download to finish (it resumes anyway)
+            if not finished.is_set():
+                cancel.set()
+            finished.set()
 
     return StreamingResponse(lines(), media_type=NDJSON)
 

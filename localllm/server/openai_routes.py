@@ -192,7 +192,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
     await check_caps(request, name, body.model, images=images, tools=bool(tools))
     req = GenerateRequest(messages=messages, sampling=sampling, format=fmt, tools=tools)
     agen = _engine(request).agenerate(name, req, load_options, keep_alive=keep_alive)
-    first = await first_event(agen)
+    first = await first_event(agen, request)
     cid = f"chatcmpl-{secrets.token_hex(8)}"
     created = int(time.time())
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
@@ -254,7 +254,7 @@ async def completions(body: CompletionBody, request: Request) -> Response:
         raise c.bad_request("prompt must not be empty")
     req = GenerateRequest(prompt=prompt, sampling=sampling)
     agen = _engine(request).agenerate(name, req, load_options, keep_alive=keep_alive)
-    first = await first_event(agen)
+    first = await first_event(agen, request)
     cid = f"cmpl-{secrets.token_hex(8)}"
     created = int(time.time())
     base = {"id": cid, "object": "text_completion", "created": created, "model": body.model,

@@ -4,6 +4,7 @@ seen from outside (queue full, disconnects, keep-alive, eviction)."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -176,7 +177,14 @@ def test_disconnect_mid_stream_cancels_generation(server, url):
     assert waited < 1e9, f"the next request waited {waited / 1e9:.1f}s before its prompt was evaluated"
 
 
-def test_queue_full_is_503(default_model):
+def _wait(cond, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_queue_full_is_503_and_a_queued_disconnect_leaves_the_queue(default_model):
     from localllm.engine import Engine
 
     srv = start(Engine(keep_alive=300, max_queue=1))
@@ -184,6 +192,19 @@ def test_queue_full_is_503(default_model):
         long_body = {"model": MODEL, "prompt": LONG_PROMPT, "raw": True, "options": {"num_predict": 3000, "seed": 3}}
         resp, lines, c1 = _stream_lines(srv.url, long_body)  # holds the model's only slot
         next(lines)
+        body = json.dumps({"model": MODEL, "prompt": "Hi", "options": FAST}).encode()
+        raw = socket.create_connection((srv.host, srv.port))  # a client that will hang up while queued
+        raw.sendall(b"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert _wait(lambda: srv.engine.pending == 1)
+        r = httpx.post(srv.url + "/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False})
+        assert r.status_code == 503 and "maximum pending requests exceeded" in r.json()["error"]
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": [
+            {"role": "user", "content": "x"}]})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "api_error"
+        raw.close()
+        assert _wait(lambda: srv.engine.pending == 0, 3), "a queued request whose client left still waits"
+
         waiting: dict[str, int] = {}
 
         def second():
@@ -192,15 +213,7 @@ def test_queue_full_is_503(default_model):
 
         t = threading.Thread(target=second)
         t.start()
-        deadline = time.monotonic() + 10
-        while srv.engine.pending < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert srv.engine.pending == 1
-        r = httpx.post(srv.url + "/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False})
-        assert r.status_code == 503 and "maximum pending requests exceeded" in r.json()["error"]
-        r = httpx.post(srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": [
-            {"role": "user", "content": "x"}]})
-        assert r.status_code == 503 and r.json()["error"]["type"] == "api_error"
+        assert _wait(lambda: srv.engine.pending == 1)
         resp.close()
         c1.close()
         t.join(30)
