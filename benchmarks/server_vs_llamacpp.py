@@ -65,11 +65,12 @@ def start_localllm(threads: int, n_ctx: int) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def start_llamacpp(path: Path, threads: int, n_ctx: int) -> tuple[subprocess.Popen, str]:
+def start_llamacpp(path: Path, threads: int, n_ctx: int, interrupt: bool) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--n_threads",
                              str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
-                             "--host", "127.0.0.1", "--port", str(port), "--model_alias", "bench"],
+                             "--host", "127.0.0.1", "--port", str(port), "--model_alias", "bench",
+                             "--interrupt_requests", str(interrupt)],
                             stdout=subprocess.DEVNULL, stderr=open(LOG, "ab"))  # noqa: SIM115
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, proc, "/v1/models")
@@ -152,6 +153,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--soak", type=float, default=0.0)
+    ap.add_argument("--their-interrupt", action="store_true",
+                    help="keep llama_cpp.server's default interrupt_requests=True (a new request cuts the "
+                         "running stream); off by default so both servers queue")
     args = ap.parse_args()
 
     from localllm.store import Store
@@ -159,7 +163,7 @@ def main() -> None:
     path = Path(Store().get(args.model).path)
     ours_extra = {"num_ctx": args.ctx, "options": {"num_thread": args.threads}}
     ours, ours_url = start_localllm(args.threads, args.ctx)
-    theirs, theirs_url = start_llamacpp(path, args.threads, args.ctx)
+    theirs, theirs_url = start_llamacpp(path, args.threads, args.ctx, args.their_interrupt)
     servers = {"localllm": (ours_url, args.model, ours_extra), "llama_cpp.server": (theirs_url, "bench", {})}
     try:
         for url, model, extra in servers.values():  # load + warm
