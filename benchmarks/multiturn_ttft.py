@@ -35,7 +35,7 @@ PASSAGE = (
 
 
 def turn_messages(k: int) -> str:
-    return f"Passage {k}:\n\n{PASSAGE * 2}\nSummarise passage {k} in one sentence."
+    return f"Passage {k}:\n\n{PASSAGE * 2}{PASSAGE[:400]}\nSummarise passage {k} in one sentence."
 
 
 def main() -> None:
@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--repetitions", type=int, default=3)
     ap.add_argument("--answer-tokens", type=int, default=40)
     ap.add_argument("--num-ctx", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -51,7 +52,7 @@ def main() -> None:
     from localllm.engine import GenerateRequest, LoadOptions, Sampling
 
     engine, name, _path = engine_and_model(args.model)
-    options = LoadOptions(num_ctx=args.num_ctx, draft="none")
+    options = LoadOptions(num_ctx=args.num_ctx, draft="none", num_thread=args.threads)
     sampling = Sampling(temperature=0.0, seed=0, max_tokens=args.answer_tokens)
 
     def fresh() -> None:
