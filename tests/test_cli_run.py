@@ -124,6 +124,12 @@ def test_seed_gives_the_same_answer(default_model):
     assert len(others | {a.stdout}) > 1  # the seed does change the sampling
 
 
+def test_empty_stdin_only_loads_the_model(default_model):
+    r = run_cli(default_model.name, input="")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == ""
+
+
 def test_local_gguf_path_works_as_model(default_model_path):
     r = run_cli(str(default_model_path), "Hi", "--num-predict", "6", "--temperature", "0")
     assert r.exit_code == 0, r.output
@@ -213,7 +219,8 @@ def test_repl_commands_and_context_overflow_note(default_model):
     lines = iter(["/set parameter seed 1", "/set parameter num_predict 8", "/set parameter temperature 0",
                   "/set system You are terse.", "/show parameters", "/show system", "/show info",
                   long_msg, long_msg, long_msg, '"""first line', 'second line"""', "/set verbose",
-                  "Hi", "/clear", "/nonsense", "/bye", "never read"])
+                  "Hi", "/clear", "/nonsense", "/load no-such-model:1b", f"/load {default_model.path}", "Hello",
+                  "/bye", "never read"])
 
     def read(prompt: str) -> str:
         return next(lines)
@@ -222,7 +229,9 @@ def test_repl_commands_and_context_overflow_note(default_model):
     with Engine() as engine:
         repl = Repl(engine, default_model.name, build_settings(num_ctx=256), out=out, err=err, read=read)
         repl.run()
-        assert repl.messages == []  # /clear
+        assert repl.model == str(default_model.path)  # /load switched to the file
+        assert len(repl.messages) == 2  # /clear, then /load cleared; one exchange since
+        assert [m.name for m in engine.ps()] == [str(default_model.path)]  # the old one was unloaded
         assert repl.settings.system == "You are terse."
     o, e = out.getvalue(), err.getvalue()
     assert "Set parameter 'seed' to '1'" in o
@@ -230,6 +239,8 @@ def test_repl_commands_and_context_overflow_note(default_model):
     assert re.search(r"seed\s+1", o) and re.search(r"num_predict\s+8", o)
     assert "architecture" in o and "llama" in o and "context" in o
     assert "Cleared session context" in o
+    assert f"Loading model '{default_model.path}'" in o
+    assert "no-such-model:1b" in e  # a failed /load is one sentence and the session goes on
     assert "Unknown command '/nonsense'" in o
     assert "oldest message(s) were left out" in e  # 3 long turns do not fit 256 tokens
     assert "eval rate:" in e  # /set verbose

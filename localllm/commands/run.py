@@ -338,7 +338,8 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
         data = sys.stdin.read()
         if data:
             prompts.insert(0, data)
-    interactive = not prompts and not piped
+    # Ollama: interactive only with nothing to answer and a terminal on both ends
+    interactive = not prompts and not piped and _isatty(sys.stdout)
 
     from localllm.engine import Engine
 
@@ -352,6 +353,9 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
             Repl(engine, name, settings).run()
             return
         text = " ".join(prompts)
+        if not text.strip():  # nothing to answer (empty stdin, or stdout redirected): load, as Ollama does
+            engine.load(name, settings.load, keep_alive=settings.keep_alive)
+            return
         code = one_shot(engine, name, text, settings)
         if code:
             sys.exit(code)
