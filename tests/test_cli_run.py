@@ -107,9 +107,12 @@ def test_verbose_prints_the_ollama_stats_block(default_model):
     assert "eval count" not in r.stdout  # stats go to stderr, the answer alone to stdout
 
 
-def test_verbose_with_ngram_draft_reports_acceptance(default_model):
+@pytest.mark.parametrize("draft", ["ngram", "path"])
+def test_verbose_with_a_draft_reports_acceptance(default_model, draft):
+    """--draft ngram and --draft PATH (the model drafting for itself: same vocabulary)."""
+    value = str(default_model.path) if draft == "path" else draft
     r = run_cli(default_model.name, "Repeat exactly: one two three four five six seven eight nine ten.",
-                "--num-predict", "24", "--temperature", "0", "--verbose", "--draft", "ngram")
+                "--num-predict", "24", "--temperature", "0", "--verbose", "--draft", value)
     assert r.exit_code == 0, r.output
     assert re.search(r"^draft acceptance:\s+\d+\.\d\d% \(\d+/\d+ token\(s\)\)$", r.stderr, re.M), r.stderr
 
