@@ -2,7 +2,11 @@
 (``localllm serve`` in a subprocess) versus the same engine in-process, same model, threads, prompt
 and sampling. Targets: tokens/s ratio ≥ 0.95, added TTFT ≤ 10 ms.
 
-    python benchmarks/server_overhead.py [--model smollm2:135m] [--tokens 128] [--reps 5] [--threads 2]
+    python benchmarks/server_overhead.py [--model smollm2:135m] [--tokens 128] [--reps 5] [--threads 2] [--fake]
+
+``--fake`` swaps the backend (server and in-process alike) for the instant fake one, one character per
+token: what is left is the server's own cost per token and per request, free of the model's speed
+and of the noise of a busy machine.
 
 Client-side clocks on both sides: TTFT = request sent → first text; decode tokens/s = (chunks − 1) /
 (last text − first text). Reps alternate server / in-process; medians are reported.
@@ -17,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,16 +31,51 @@ sys.path.insert(0, str(ROOT))
 PROMPT = "Write a long story about a dragon who learns to bake bread."
 
 
+_local = threading.local()
+
+
+def _client():
+    """One keep-alive connection pool per thread, as a real client keeps (and not httpx's per-call setup)."""
+    import httpx
+
+    if not hasattr(_local, "client"):
+        _local.client = httpx.Client(timeout=600)
+    return _local.client
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_server(port: int, threads: int) -> subprocess.Popen:
+FAKE_SERVER = """
+import sys
+sys.path.insert(0, {root!r})
+from benchmarks.server_overhead import fake_backend_class
+from localllm.engine import Engine
+from localllm.server.run import serve
+serve({addr!r}, engine=Engine(keep_alive=float('inf'), backend_class=fake_backend_class), log_level='warning')
+"""
+
+
+def fake_backend_class(name: str):
+    from backends.fake import FakeBackend
+
+    class Instant(FakeBackend):
+        def __init__(self, spec):
+            spec.extra.update(reply="x" * 100_000, chunk=1)
+            super().__init__(spec)
+
+    return Instant
+
+
+def start_server(port: int, threads: int, fake: bool = False) -> subprocess.Popen:
     env = {**os.environ, "LOCALLLM_HOST": f"127.0.0.1:{port}", "LOCALLLM_KEEP_ALIVE": "-1"}
-    proc = subprocess.Popen([sys.executable, "-m", "localllm", "serve"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "localllm", "serve"]
+    if fake:
+        cmd = [sys.executable, "-c", FAKE_SERVER.format(root=str(ROOT), addr=f"127.0.0.1:{port}")]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     import httpx
 
     deadline = time.monotonic() + 60
@@ -50,14 +90,13 @@ def start_server(port: int, threads: int) -> subprocess.Popen:
 
 
 def via_http(url: str, model: str, tokens: int, threads: int) -> tuple[float, float, int]:
-    import httpx
 
     body = {"model": model, "messages": [{"role": "user", "content": PROMPT}],
             "options": {"temperature": 0, "seed": 1, "num_predict": tokens, "num_thread": threads}}
     first = last = None
     n = 0
     t0 = time.perf_counter()
-    with httpx.stream("POST", url + "/api/chat", json=body, timeout=300) as r:
+    with _client().stream("POST", url + "/api/chat", json=body) as r:
         for line in r.iter_lines():
             obj = json.loads(line)
             if obj.get("message", {}).get("content"):
@@ -91,14 +130,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fake", action="store_true", help="instant fake backend: the server's own overhead only")
     args = ap.parse_args()
 
     from localllm.engine import Engine
 
     port = free_port()
-    server = start_server(port, args.threads)
+    server = start_server(port, args.threads, args.fake)
     url = f"http://127.0.0.1:{port}"
-    engine = Engine(keep_alive=float("inf"))
+    engine = Engine(keep_alive=float("inf"), backend_class=fake_backend_class if args.fake else None)
     try:
         via_http(url, args.model, 8, args.threads)  # load + warm both
         in_process(engine, args.model, 8, args.threads)
@@ -116,7 +156,8 @@ def main() -> None:
 
     ttft_h, ttft_l = med(http, 0) * 1000, med(local, 0) * 1000
     tps_h, tps_l = med(http, 1), med(local, 1)
-    print(f"model {args.model}, {args.tokens} tokens, {args.threads} threads, {args.reps} reps (medians)")
+    what = "fake backend" if args.fake else "model " + args.model
+    print(f"{what}, {args.tokens} tokens, {args.threads} threads, {args.reps} reps (medians)")
     print(f"  chunks per run      http {med(http, 2):.0f}   in-process {med(local, 2):.0f}")
     print(f"  decode tokens/s     http {tps_h:.1f}   in-process {tps_l:.1f}   ratio {tps_h / tps_l:.3f}"
           "  (target >= 0.95)")

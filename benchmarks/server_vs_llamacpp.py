@@ -33,6 +33,18 @@ LOG = "/tmp/localllm-bench-servers.log"  # both servers' stderr (a pipe nobody r
 PROMPT = "Write a long story about a dragon who learns to bake bread."
 
 
+_local = threading.local()
+
+
+def _client():
+    """One keep-alive connection pool per thread, as a real client keeps (and not httpx's per-call setup)."""
+    import httpx
+
+    if not hasattr(_local, "client"):
+        _local.client = httpx.Client(timeout=600)
+    return _local.client
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,14 +91,13 @@ def start_llamacpp(path: Path, threads: int, n_ctx: int, interrupt: bool) -> tup
 
 def stream_chat(url: str, model: str, tokens: int, extra: dict) -> tuple[float, float, int, float]:
     """(ttft s, decode tokens/s, chunks, total s) for one streamed chat completion."""
-    import httpx
 
     body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
             "temperature": 0, "seed": 1, "stream": True, **extra}
     first = last = None
     n = 0
     t0 = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+    with _client().stream("POST", url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":

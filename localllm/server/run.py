@@ -79,7 +79,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     """A listening socket, or one sentence: the port is taken (and which one to use instead)."""
     if host == "localhost":
         host = "127.0.0.1"
-    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP matters: asyncio only turns Nagle off (TCP_NODELAY) on accepted sockets whose proto
+    # says TCP, and with Nagle on every keep-alive response waits ~40 ms for a delayed ACK.
+    sock = socket.socket(_family(host), socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
