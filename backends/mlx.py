@@ -502,7 +502,7 @@ class MLXBackend(Backend):
         if fmt == "json":
             self._json_vocabulary()  # raises UnsupportedError for a vocabulary it cannot handle
         if self._closed:
-            raise UnsupportedError("This model has been unloaded.")
+            raise ModelLoadError("This model has been unloaded.")
         return self._generate(request, cancel or threading.Event())
 
     def _json_vocabulary(self) -> Any:
