@@ -130,6 +130,10 @@ class _DraftController:
             return 1
         return 0
 
+    def plain_run(self) -> int:
+        """How many tokens to decode plainly before the next probe."""
+        return max(1, self.probe_every - self._since_probe)
+
     def record(self, k: int, accepted: int, tokens: int = 1) -> None:
         if k > 0:  # per-token acceptance, weighted by the tokens proposed
             rate = accepted / k
@@ -773,7 +777,8 @@ class MLXBackend(Backend):
         """Speculative decoding: draft (model or n-gram), verify ``[y, d1..dk]`` in one target pass,
         keep drafts while they equal the target's own samples (exact at temperature 0), roll back the
         rest. Invariant: the target cache holds ``hist[:-1]``; ``hist[-1]`` is the next input."""
-        from mlx_lm.generate import generation_stream, wired_limit
+        from mlx_lm.generate import generate_step, generation_stream, wired_limit
+        from mlx_lm.models.cache import trim_prompt_cache
 
         mx = self._mx
         model, draft = self._model, self._draft_model
@@ -818,6 +823,31 @@ class MLXBackend(Backend):
             ntoks = 0
             while ntoks < max_new:
                 k = max(0, min(ctl.next_k(), max_new - ntoks - 1, self._n_ctx - len(hist) - 1))
+                if k == 0 and not ctl.force:
+                    # a plain run until the next probe, on mlx-lm's pipelined loop (as fast as no draft)
+                    run = min(ctl.plain_run(), max_new - ntoks)
+                    gen = generate_step(
+                        mx.array(hist[-1:], dtype=mx.uint32),
+                        model,
+                        max_tokens=run,
+                        sampler=sampler,
+                        logits_processors=self._history_procs(procs, hist[:-1]),
+                        prompt_cache=self._cache,
+                    )
+                    got = 0
+                    try:
+                        for tok, _ in gen:
+                            hist.append(int(tok))
+                            ntoks += 1
+                            got += 1
+                            yield hist[-1]
+                            if ntoks >= max_new or hist[-1] in self._eos:
+                                return
+                    finally:
+                        gen.close()
+                        ctl.record(0, 0, got)
+                    trim_prompt_cache(self._cache, 1)  # it fed its last token too: keep hist[-1] as the next input
+                    continue
                 drafts: list[int] = []
                 if k > 0 and draft is not None:
                     target_end = len(hist) - 1
@@ -850,8 +880,6 @@ class MLXBackend(Backend):
                     n += 1
                 new = drafts[:n] + [int(sampled[n])]
                 if len(drafts) - n > 0:
-                    from mlx_lm.models.cache import trim_prompt_cache
-
                     trim_prompt_cache(self._cache, len(drafts) - n)
                 stats.draft_proposed += len(drafts)
                 stats.draft_accepted += n

@@ -238,3 +238,21 @@ def test_controller_doctests():
 
 def test_available_reports_importable():
     assert MLXBackend.available() == (True, "")
+
+
+def test_adaptive_drafting_mixes_plain_runs_and_probes_exactly(mlx_dir: Path, bike_greedy: str):
+    """A controller that believes drafting could pay but sees poor acceptance decodes in plain runs on
+    mlx-lm's loop and probes now and then; the text stays exactly the greedy text."""
+    from backends.mlx import _DraftController
+
+    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, draft=DraftSpec(kind="ngram", num_draft=3))
+    with MLXBackend(spec) as b:
+        ctl = _DraftController(3, draft_cost=0.0, verify_cost={k: 1.0 + 0.01 * k for k in range(4)}, probe_every=4)
+        ctl.accept = 0.0  # drafting looks useless: plain runs between probes
+        b._controller = ctl
+        text, done, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
+        assert text == bike_greedy
+        assert done.stats.draft_proposed > 0  # probes ran
+        assert ctl.probe_every > 4  # and each unpaid probe doubled the interval
+        text2, d2, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
+        assert text2 == bike_greedy and d2.stats.prompt_cached_tokens > 0
