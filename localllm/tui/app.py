@@ -137,7 +137,7 @@ class LocalLLMApp(App):
         """Installed model names (cached; refreshed when the model manager changes them)."""
         if self._model_names is None:
             try:
-                self._model_names = [m.name for m in self.backend.models()]
+                self._model_names = self.backend.model_names()
             except Exception:  # noqa: BLE001 - the settings modal still lets the current model stay
                 self._model_names = []
         return self._model_names

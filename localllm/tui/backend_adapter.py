@@ -184,6 +184,10 @@ class ChatBackend:
     def catalog(self) -> list[CatalogRow]:
         return []
 
+    def model_names(self) -> list[str]:
+        """Installed names only (cheap: no fit verdicts)."""
+        return [m.name for m in self.models()]
+
     def loaded(self) -> set[str]:
         return set()
 
@@ -227,6 +231,9 @@ class LocalBackend(ChatBackend):
             if callable(fn):
                 return list(fn())
         return []
+
+    def model_names(self) -> list[str]:
+        return [m.name for m in self._installed()]
 
     def _verdict(self, name: str, n_layers: int | None) -> tuple[str, str]:
         try:
@@ -397,6 +404,9 @@ class RemoteBackend(ChatBackend):
                 parameters=str(_field(details, "parameter_size") or ""),
             ))
         return rows
+
+    def model_names(self) -> list[str]:
+        return [_field(m, "name") or "" for m in self.client.list()]
 
     def loaded(self) -> set[str]:
         try:

@@ -465,48 +465,55 @@ class ChatScreen(Screen):
         done: Done | None = None
         error: str | None = None
         t_end = time.perf_counter()
-        stream = Markdown.get_stream(view.markdown)
+        markdown = view.markdown
+        stream: Any = Markdown.get_stream(markdown)
         try:
             while (item := await queue.get()) is not None:
                 event, t_end = item
                 if isinstance(event, TextChunk):
-                    if not parts:
+                    if not parts and view.is_attached:
                         self.update_status(f"{model}: answering… (Esc stops)")
                     parts.append(event.text)
-                    await stream.write(event.text)
+                    if stream is not None and markdown.is_attached:
+                        await stream.write(event.text)
+                    elif stream is not None:  # the user opened another conversation: keep the text only
+                        await stream.stop()
+                        stream = None
                 elif isinstance(event, Done):
                     done = event
                     if event.finish_reason == "error":
                         error = event.error or "the backend failed"
                 elif isinstance(event, Exception):
-                    error = str(event) or type(event).__name__
+                    error = _error_text(event, model)
         finally:
-            await stream.stop()
+            if stream is not None:
+                await stream.stop()
         text = "".join(parts)
-        view.content = text
-        await view.markdown.update(text)  # one full render: complete code fences (oterm #308)
-        self.call_after_refresh(self._on_screen, t_end)
         stopped = cancel.is_set() or (done is not None and done.finish_reason == "cancelled")
-        if stopped:
-            view.stopped = True
-            view.query_one(".role", Label).update("Assistant (stopped)")
-        if text:
-            stats = _stats_dict(done, info, model, stopped)
-            msg = self.lapp.chats.add_message(conversation_id, "assistant", text, stats)
+        if text:  # saved whatever the screen shows now
+            msg = self.lapp.chats.add_message(conversation_id, "assistant", text,
+                                              _stats_dict(done, info, model, stopped))
             view.message_id = msg.id
         elif error is None and not stopped:
             error = "the model returned an empty answer"
-        if not text:
-            view.remove()
         self.generating = False
         self.cancel = None
-        if error:
-            self.notify(f"Generation failed: {error}", severity="error", timeout=6)
-            self.update_status(f"{model}: {error}")
-        else:
-            self.update_status()
-        if self.conversation is not None and self.conversation.id == conversation_id:
-            self.refresh_list()
+        if view.is_attached:
+            view.content = text
+            if text:
+                await markdown.update(text)  # one full render: complete code fences (oterm #308)
+                self.call_after_refresh(self._on_screen, t_end)
+                if stopped:
+                    view.stopped = True
+                    view.query_one(".role", Label).update("Assistant (stopped)")
+            else:
+                await view.remove()
+            if error:
+                self.notify(error, severity="error", timeout=8)
+                self.update_status(f"{model}: {error}")
+            else:
+                self.update_status()
+        self.refresh_list()
         self.answer_done.set()
 
     def _on_screen(self, t_end: float) -> None:
@@ -554,6 +561,15 @@ def _duration(seconds: float) -> str:
     ('42 ms', '4.41 s')
     """
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _error_text(e: Exception, model: str) -> str:
+    """One sentence for the status line, with the way out where there is one."""
+    from localllm.errors import ModelNotFoundError
+
+    if isinstance(e, ModelNotFoundError):
+        return f"{model} is not installed: F3 opens the model manager to pull it, then Ctrl+G answers."
+    return str(e) or type(e).__name__
 
 
 def _title(text: str) -> str:

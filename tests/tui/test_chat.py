@@ -321,3 +321,36 @@ async def test_view_follows_the_stream_only_while_at_the_bottom(tui_home, chats)
         await pilot.press("escape")
         await wait_until(pilot, lambda: not screen.generating, timeout=30)
 
+
+
+async def test_opening_another_chat_mid_answer_stops_and_saves_it(tui_home, chats):
+    first = short_chat(chats, max_tokens=300, title="First")
+    other = chats.create(title="Other", model=MODEL)
+    chats.add_message(other.id, "user", "old")
+    app = LocalLLMApp(model=MODEL, chats=chats)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = app.screen
+        screen.open_conversation(first)
+        await pilot.press(*"Tell me a long story.", "enter")
+        await wait_until(pilot, lambda: screen._last_answer() is not None
+                         and len(screen._last_answer().markdown.source) > 10)
+        screen.open_conversation(other.id)
+        await wait_until(pilot, lambda: not screen.generating, timeout=30)
+        await pilot.pause()
+        assert [v.content for v in screen.query(MessageView)] == ["old"]
+        saved = chats.messages(first)
+        assert [m.role for m in saved] == ["user", "assistant"]
+        assert saved[1].stats["finish_reason"] == "cancelled" and saved[1].content
+
+
+async def test_missing_model_says_how_to_get_it(tui_home, chats):
+    app = LocalLLMApp(model="qwen2.5:0.5b", chats=chats)  # in the catalog, not installed in the test home
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = app.screen
+        await pilot.press(*"Hi", "enter")
+        await wait_until(pilot, lambda: screen.answer_done.is_set(), timeout=30)
+        status = str(screen.query_one("#status").render())
+        assert "not installed" in status and "F3" in status, status
+        conv = screen.conversation
+        assert [m.role for m in chats.messages(conv.id)] == ["user"]  # the prompt is kept for Ctrl+G
+        assert not list(screen.query(MessageView).filter(".assistant"))
