@@ -10,8 +10,6 @@ from localllm.tui.backend_adapter import RemoteBackend, make_backend
 
 from .test_chat import MODEL, wait_until
 
-pytestmark = pytest.mark.asyncio
-
 
 @pytest.fixture
 def server(tui_home):
@@ -26,6 +24,7 @@ def server(tui_home):
     engine.close()
 
 
+@pytest.mark.asyncio
 async def test_chat_and_models_through_a_server(server, chats):
     backend = make_backend(server.url)
     assert isinstance(backend, RemoteBackend)
