@@ -376,6 +376,9 @@ class MLXBackend(Backend):
     def embed(self, texts: list[str]) -> list[list[float]]:
         """Mean-pooled final hidden states, L2-normalised (no KV cache touched)."""
         mx = self._mx
+        if not hasattr(self._model, "model"):
+            arch = self.info.architecture
+            raise UnsupportedError(f"Embeddings are not available for the {arch} architecture on MLX.")
         out: list[list[float]] = []
         with self._lock:
             for text in texts:

@@ -256,3 +256,29 @@ def test_adaptive_drafting_mixes_plain_runs_and_probes_exactly(mlx_dir: Path, bi
         assert ctl.probe_every > 4  # and each unpaid probe doubled the interval
         text2, d2, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
         assert text2 == bike_greedy and d2.stats.prompt_cached_tokens > 0
+
+
+def _rotating_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend the model uses sliding-window (rotating) caches: the default model cannot show that."""
+    import mlx_lm.models.cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "make_prompt_cache",
+                        lambda model, max_kv_size=None: [cache_mod.RotatingKVCache(max_size=64) for _ in model.layers])
+
+
+def test_kv_quantization_of_a_rotating_cache_is_refused(mlx_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    _rotating_caches(monkeypatch)
+    with pytest.raises(UnsupportedError, match="sliding-window"):
+        MLXBackend(LoadSpec(model_path=str(mlx_dir), kv_cache_type="q8_0"))
+
+
+def test_drafting_with_an_untrimmable_cache_is_refused(mlx_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    _rotating_caches(monkeypatch)
+    with pytest.raises(UnsupportedError, match="trimmable"):
+        MLXBackend(LoadSpec(model_path=str(mlx_dir), draft=DraftSpec(kind="ngram")))
+
+
+def test_kv_quantization_needs_a_head_size_divisible_by_32(mlx_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(MLXBackend, "_head_dim", lambda self: 48)
+    with pytest.raises(UnsupportedError, match="head size divisible by 32.*48"):
+        MLXBackend(LoadSpec(model_path=str(mlx_dir), kv_cache_type="q4_0"))
