@@ -259,9 +259,13 @@ class ChatScreen(Screen):
         self.conversation = self.lapp.chats.get(conversation_id) if conversation_id is not None else None
         box = self.query_one("#messages", VerticalScroll)
         box.remove_children()
+        self.last_info = None
         if self.conversation is not None:
+            saved = self.lapp.chats.messages(self.conversation.id)
             views = [MessageView(m.role, m.content, m.id, stopped=(m.stats or {}).get("finish_reason") == "cancelled")
-                     for m in self.lapp.chats.messages(self.conversation.id)]
+                     for m in saved]
+            answers = [m for m in saved if m.role == "assistant"]
+            self.last_info = info_from_saved(answers[-1].stats) if answers else None
             if views:
                 box.mount_all(views)
             self.refresh_list()
@@ -582,8 +586,34 @@ def _stats_dict(done: Any, info: AnswerInfo, model: str, stopped: bool) -> dict[
                            (done.finish_reason if done is not None else "stop")}
     if info.ttft_s is not None:
         out["ttft_ms"] = round(info.ttft_s * 1000, 1)
+    if info.backend:
+        out["backend"] = info.backend
     if done is not None and done.stats is not None:
         s = done.stats
         out.update(eval_count=s.eval_count, tokens_per_s=round(s.eval_rate, 2), context_used=s.context_used,
                    n_ctx=s.n_ctx, draft_proposed=s.draft_proposed, draft_accepted=s.draft_accepted)
     return out
+
+
+def info_from_saved(stats: dict[str, Any] | None) -> AnswerInfo | None:
+    """The status line's data for an answer saved earlier (so a reopened chat shows its last stats).
+
+    >>> info = info_from_saved({"model": "m", "eval_count": 50, "tokens_per_s": 100.0, "ttft_ms": 40.0,
+    ...                         "n_ctx": 4096, "context_used": 120, "backend": "llamacpp CPU"})
+    >>> status_text("m", "in-process", info)
+    'm · llamacpp CPU · 100.0 tok/s · TTFT 40 ms · ctx 120/4096 · no draft'
+    """
+    if not stats or not stats.get("eval_count"):
+        return None
+    from localllm.engine import Stats
+
+    tps = float(stats.get("tokens_per_s") or 0)
+    count = int(stats["eval_count"])
+    s = Stats(eval_count=count, eval_duration=int(count / tps * 1e9) if tps else 0,
+              n_ctx=int(stats.get("n_ctx") or 0), context_used=int(stats.get("context_used") or 0),
+              draft_proposed=int(stats.get("draft_proposed") or 0),
+              draft_accepted=int(stats.get("draft_accepted") or 0))
+    ttft = stats.get("ttft_ms")
+    return AnswerInfo(model=str(stats.get("model") or ""), backend=str(stats.get("backend") or ""),
+                      ttft_s=float(ttft) / 1000 if ttft is not None else None, stats=s,
+                      finish_reason=str(stats.get("finish_reason") or ""))

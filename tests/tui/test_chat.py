@@ -81,6 +81,8 @@ async def test_send_prompt_streams_answer_with_stats_and_survives_restart(tui_ho
         assert views[1].content == saved[1].content
         titles = [str(o.prompt) for o in screen.query_one("#conversations", OptionList).options]
         assert titles[0] == "Test"
+        status = str(screen.query_one("#status").render())
+        assert "tok/s" in status and "llamacpp" in status, status  # the last answer's saved stats
 
 
 async def test_escape_stops_answer_midway(tui_home, chats):
