@@ -233,6 +233,10 @@ class ChatScreen(Screen):
             self.update_status()
         self.query_one(PromptInput).focus()
 
+    def on_screen_resume(self) -> None:
+        if not self.generating:
+            self.update_status()  # the default model may have changed in the model manager
+
     # ------------------------------------------------------------------ conversations
 
     def refresh_list(self, convs: list[Conversation] | None = None) -> None:

@@ -66,6 +66,10 @@ class ModelsScreen(Screen):
         self.query_one("#pull-progress-row").display = False
         self.action_refresh()
 
+    def on_screen_resume(self) -> None:
+        if self.loaded_once.is_set() and not self.pulling:
+            self.action_refresh()  # loaded models and installs may have changed on another screen
+
     # ------------------------------------------------------------------ data
 
     def action_refresh(self) -> None:
