@@ -282,3 +282,16 @@ def test_kv_quantization_needs_a_head_size_divisible_by_32(mlx_dir: Path, monkey
     monkeypatch.setattr(MLXBackend, "_head_dim", lambda self: 48)
     with pytest.raises(UnsupportedError, match="head size divisible by 32.*48"):
         MLXBackend(LoadSpec(model_path=str(mlx_dir), kv_cache_type="q4_0"))
+
+
+def test_seeded_sampling_with_a_draft_is_reproducible(mlx_dir: Path):
+    """Drafts at temperature > 0: sample-and-compare keeps the target's own samples, and one seed gives
+    one text (the second run also reuses the target and draft caches)."""
+    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, extra={"draft_always": True},
+                    draft=DraftSpec(kind="model", path=str(mlx_dir), num_draft=3))
+    s = Sampling(temperature=0.8, top_k=0, top_p=1.0, seed=11, max_tokens=16)
+    with MLXBackend(spec) as b:
+        a, da, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=s)))
+        c, dc, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=s)))
+        assert a == c and len(a) > 10
+        assert da.stats.draft_proposed > 0 and dc.stats.prompt_cached_tokens > 0
