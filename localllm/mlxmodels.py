@@ -94,7 +94,10 @@ def convert_installed(model: Any, *, force: bool = False, dtype: str = "float32"
     from backends.base import BackendError
 
     with _lock:
-        target = mlx_dir_path(model)
+        try:
+            target = mlx_dir_path(model)
+        except ValueError as e:
+            raise ConversionError(f"Cannot convert {getattr(model, 'name', model)}: it has no sha256 digest.") from e
         if not force and _complete(target):
             return target
         try:

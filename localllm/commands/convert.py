@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import click
 
+from localllm.errors import LocalLLMError
+
 
 @click.command("convert")
 @click.argument("model")
@@ -32,5 +34,8 @@ def command(model: str, force: bool, dtype: str) -> None:
     store = Store()
     installed = store.get(model)
     path = convert_installed(installed, force=force, dtype=dtype)
-    store.set_mlx_path(installed.name, path)  # the planner now sees an MLX build of this model
+    try:
+        store.set_mlx_path(installed.name, path)  # the planner now sees an MLX build of this model
+    except LocalLLMError:
+        pass  # a local .gguf path has no manifest: the MLX dir is found by its digest (mlx_dir_for)
     click.echo(str(path))
