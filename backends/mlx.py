@@ -556,6 +556,11 @@ class MLXBackend(Backend):
             budget = self._n_ctx - len(prompt)
             max_new = min(s.max_tokens, budget) if s.max_tokens and s.max_tokens > 0 else budget
             stats = Stats(prompt_eval_count=len(prompt), dropped_messages=dropped, n_ctx=self._n_ctx)
+            if cancel.is_set():  # cancelled while queued: do not start the prompt
+                stats.total_duration = time.perf_counter_ns() - t0
+                stats.context_used = len(self._cached)
+                yield Done(stats, "cancelled")
+                return
 
             reused = self._prepare_cache(prompt)
             stats.prompt_cached_tokens = reused

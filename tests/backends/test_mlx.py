@@ -295,3 +295,10 @@ def test_seeded_sampling_with_a_draft_is_reproducible(mlx_dir: Path):
         c, dc, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=s)))
         assert a == c and len(a) > 10
         assert da.stats.draft_proposed > 0 and dc.stats.prompt_cached_tokens > 0
+
+
+def test_cancelled_before_start_evaluates_nothing(plain):
+    cancel = threading.Event()
+    cancel.set()
+    text, done, _ = collect(plain.generate(GenerateRequest(messages=BIKE, sampling=greedy(8)), cancel))
+    assert text == "" and done.finish_reason == "cancelled" and done.stats.eval_count == 0
