@@ -273,6 +273,13 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
                     report_backend = getattr(running.plan, "backend", report_backend)
                     threads_used = running.backend.spec.n_threads
                 results.append(v.as_dict())
+                if not as_json:  # a line per finished variant, so a long run shows its progress
+                    r = results[-1]
+                    line = (f"{kv}/{d}: {r['error']}" if "error" in r else
+                            f"{kv}/{d}: pp {_fmt(r['pp_tps'])} tok/s, tg {_fmt(r['tg_tps'])} tok/s, "
+                            f"TTFT {_fmt(r['ttft_ms'])} ms")
+                    err.write(("\r" if err.isatty() else "") + line + "\n")
+                    err.flush()
         if not as_json and err.isatty():
             err.write("\r" + " " * 78 + "\r")
         report = {
