@@ -104,7 +104,7 @@ def via_http(url: str, model: str, tokens: int, threads: int) -> tuple[float, fl
                 first = first or now
                 last = now
                 n += 1
-    return first - t0, (n - 1) / (last - first), n
+    return first - t0, (n - 1) / (last - first) if last > first else 0.0, n
 
 
 def in_process(engine, model: str, tokens: int, threads: int) -> tuple[float, float, int]:
@@ -121,7 +121,7 @@ def in_process(engine, model: str, tokens: int, threads: int) -> tuple[float, fl
             first = first or now
             last = now
             n += 1
-    return first - t0, (n - 1) / (last - first), n
+    return first - t0, (n - 1) / (last - first) if last > first else 0.0, n
 
 
 def main() -> None:
@@ -146,6 +146,9 @@ def main() -> None:
         for _ in range(args.reps):
             http.append(via_http(url, args.model, args.tokens, args.threads))
             local.append(in_process(engine, args.model, args.tokens, args.threads))
+        # the fixed cost of a request: many 1-token requests (the prompt is cached: no prompt work)
+        short_h = [via_http(url, args.model, 1, args.threads)[0] for _ in range(args.reps * 6)]
+        short_l = [in_process(engine, args.model, 1, args.threads)[0] for _ in range(args.reps * 6)]
     finally:
         server.terminate()
         server.wait(10)
@@ -163,6 +166,9 @@ def main() -> None:
           "  (target >= 0.95)")
     print(f"  TTFT ms             http {ttft_h:.1f}   in-process {ttft_l:.1f}   added {ttft_h - ttft_l:.1f} ms"
           "  (target <= 10)")
+    sh, sl = statistics.median(short_h) * 1000, statistics.median(short_l) * 1000
+    print(f"  TTFT ms, 1-token    http {sh:.2f}   in-process {sl:.2f}   added {sh - sl:.2f} ms"
+          f"  ({len(short_h)} requests each)")
     print("  all http tok/s:", ", ".join(f"{r[1]:.1f}" for r in http))
     print("  all local tok/s:", ", ".join(f"{r[1]:.1f}" for r in local))
 
