@@ -13,15 +13,17 @@ What mlx-lm leaves to us, done here: stop strings (held back until they cannot b
 leaked), seeds (``mx.random.seed``), penalties over the whole context (mlx-lm only sees the tokens fed in
 this call, which would change the output once a prefix is cached), a prompt cache kept across requests
 (trimmed to the common prefix, only new tokens fed), KV quantization from the KV type (created quantized
-from the first token), cancellation per token, JSON mode (``format="json"``: a logits processor over a
-JSON automaton, :mod:`backends.mlx_json`), tool calls through mlx-lm's tool parsers, embeddings (mean
-pooled), and speculative decoding (draft model or n-gram lookup) with a cost-model controller that
-decodes plainly wherever drafting cannot pay (:class:`_DraftController`).
+from the first token), cancellation per token, structured output (``format="json"`` and a common subset
+of JSON Schema: a logits processor over a byte-level automaton, :mod:`backends.mlx_json`), tool calls
+through mlx-lm's tool parsers, embeddings (mean pooled), and speculative decoding (draft model or n-gram
+lookup) with a cost-model controller that decodes plainly wherever drafting cannot pay
+(:class:`_DraftController`).
 
-Not supported, refused with :class:`UnsupportedError` rather than ignored: JSON Schemas in ``format``
-(use llama.cpp), images, tools with a chat template that does not take them, KV quantization with a
-rotating (sliding-window) cache or a head size not divisible by 32, drafts with another vocabulary or an
-untrimmable cache. ``n_gpu_layers``/``n_threads`` do not apply: MLX runs the whole model on its device.
+Not supported, refused with :class:`UnsupportedError` rather than ignored: schema keywords outside that
+subset (``$ref``, ``anyOf``, ``pattern``...: use llama.cpp), images, tools with a chat template that does
+not take them, KV quantization with a rotating (sliding-window) cache or a head size not divisible by 32,
+drafts with another vocabulary or an untrimmable cache. ``n_gpu_layers``/``n_threads`` do not apply: MLX
+runs the whole model on its device.
 """
 
 from __future__ import annotations
@@ -500,13 +502,15 @@ class MLXBackend(Backend):
     def generate(self, request: GenerateRequest, cancel: threading.Event | None = None) -> Iterator[Event]:
         fmt = request.format
         if isinstance(fmt, dict):
-            raise UnsupportedError(
-                "JSON schemas (format with a schema) are not supported by the MLX backend, only format=json; "
-                "use the llama.cpp backend for schemas."
-            )
-        if fmt not in (None, "", "text", "json"):
+            from backends.mlx_json import SchemaError, compile_schema
+
+            try:
+                compile_schema(fmt)
+            except SchemaError as e:
+                raise UnsupportedError(f"This JSON schema cannot be followed on MLX: {e}.") from e
+        elif fmt not in (None, "", "text", "json"):
             raise UnsupportedError(f"Unknown format {fmt!r}: use json or a JSON schema.")
-        if fmt == "json":
+        if fmt == "json" or isinstance(fmt, dict):
             self._json_vocabulary()  # raises UnsupportedError for a vocabulary it cannot handle
         if self._closed:
             raise ModelLoadError("This model has been unloaded.")
@@ -522,13 +526,15 @@ class MLXBackend(Backend):
                 raise UnsupportedError(f"JSON mode on MLX needs a byte-level BPE vocabulary ({e}).") from e
         return self._json_vocab
 
-    def _json_processor(self, fed: int) -> Callable[[Any, Any], Any]:
-        """A logits processor keeping the output one JSON object. mlx-lm passes it every token fed in
-        this call (``fed`` prompt tokens, then the generated ones); it advances on the new ones."""
-        from backends.mlx_json import JSONConstraint
+    def _json_processor(self, fed: int, fmt: str | dict[str, Any]) -> Callable[[Any, Any], Any]:
+        """A logits processor keeping the output one JSON object (following ``fmt`` when it is a
+        schema). mlx-lm passes it every token fed in this call (``fed`` prompt tokens, then the
+        generated ones); it advances on the new ones."""
+        from backends.mlx_json import JSONConstraint, compile_schema
 
         n_logits = max(int(self._config.get("vocab_size") or 0), len(self._json_vocabulary()[0]))
-        constraint = JSONConstraint(self._json_vocabulary(), self._eos, n_logits)
+        start = compile_schema(fmt) if isinstance(fmt, dict) else None
+        constraint = JSONConstraint(self._json_vocabulary(), self._eos, n_logits, start)
         seen = [0]
 
         def proc(tokens: Any, logits: Any) -> Any:
@@ -564,7 +570,7 @@ class MLXBackend(Backend):
 
             reused = self._prepare_cache(prompt)
             stats.prompt_cached_tokens = reused
-            json_mode = request.format == "json"
+            json_mode: Any = request.format if request.format == "json" or isinstance(request.format, dict) else None
             generated: list[int] = []
             clean = False
             finish = "length"
@@ -746,10 +752,11 @@ class MLXBackend(Backend):
         sampler: Callable[[Any], Any],
         procs: list[Callable[..., Any]],
         stats: Stats,
-        json_mode: bool = False,
+        json_mode: Any = None,
     ) -> Iterator[int]:
         if json_mode:  # drafts would need the constraint to roll back with them: decode plainly
-            procs = [*self._history_procs(procs, prompt[:reused]), self._json_processor(len(prompt) - reused)]
+            constraint = self._json_processor(len(prompt) - reused, json_mode)
+            procs = [*self._history_procs(procs, prompt[:reused]), constraint]
             return self._plain_stream(prompt, reused, max_new, sampler, procs, wrapped=True)
         if self._draft_kind is None or (self._controller is not None and self._controller.disabled):
             return self._plain_stream(prompt, reused, max_new, sampler, procs)

@@ -19,6 +19,7 @@ greedy decoding cannot loop on newlines. JSON Schemas are not handled here (refu
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,10 @@ class JSONState:
     @property
     def done(self) -> bool:
         return self.mode == "done"
+
+    def string_budget(self) -> float | None:
+        """Inside a string: how many more characters fit (inf = any); else None."""
+        return float("inf") if self.mode == "string" else None
 
     def feed(self, data: bytes) -> JSONState | None:
         s: JSONState | None = self
@@ -143,13 +148,14 @@ class JSONConstraint:
     special tokens) and reuse the result: it is the expensive part.
     """
 
-    def __init__(self, vocab: tuple[list[bytes | None], Any], eos_ids: set[int], n_logits: int):
+    def __init__(self, vocab: tuple[list[bytes | None], Any], eos_ids: set[int], n_logits: int, start: Any = None):
         self.token_bytes, self.trie = vocab
         self.eos = sorted(eos_ids)
         self.n = n_logits
-        self.state = JSONState.start()
-        self._masks: dict[JSONState, Any] = {}
-        self._string_safe: list[int] | None = None
+        self.state = start if start is not None else JSONState.start()
+        self._masks: dict[Any, Any] = {}
+        self._string_safe: Any = None  # numpy ids of tokens that are plain string content
+        self._string_len: Any = None  # their length in characters
         self._string_other: list[int] | None = None
 
     @staticmethod
@@ -192,11 +198,12 @@ class JSONConstraint:
 
     # --------------------------------------------------------------------------------- masks
 
-    def _allowed(self, state: JSONState) -> list[int]:
+    def _allowed(self, state: Any) -> list[int]:
         if state.done:
             return list(self.eos)
-        if state.mode == "string":
-            return self._in_string(state)
+        budget = state.string_budget()
+        if budget is not None:
+            return self._in_string(state, budget)
         out: list[int] = []
         stack: list[tuple[dict[int, Any], JSONState]] = [(self.trie, state)]
         while stack:
@@ -210,20 +217,28 @@ class JSONConstraint:
                     stack.append((children, t))
         return out
 
-    def _in_string(self, state: JSONState) -> list[int]:
+    def _in_string(self, state: Any, budget: float) -> list[int]:
+        import numpy as np
+
         if self._string_safe is None:
-            safe, other = [], []
+            safe, lens, other = [], [], []
             for i, bs in enumerate(self.token_bytes):
                 if not bs:
                     continue
-                (safe if all(b >= 0x20 and b not in (0x22, 0x5C) for b in bs) else other).append(i)
-            self._string_safe, self._string_other = safe, other
-        out = list(self._string_safe)
+                if all(b >= 0x20 and b not in (0x22, 0x5C) for b in bs):
+                    safe.append(i)
+                    lens.append(sum(1 for b in bs if b & 0xC0 != 0x80))
+                else:
+                    other.append(i)
+            self._string_safe, self._string_len = np.asarray(safe), np.asarray(lens)
+            self._string_other = other
+        fits = self._string_safe if budget == float("inf") else self._string_safe[self._string_len <= budget]
+        out = fits.tolist()
         assert self._string_other is not None
         out.extend(i for i in self._string_other if state.feed(self.token_bytes[i]) is not None)  # type: ignore[arg-type]
         return out
 
-    def _mask(self, state: JSONState) -> Any:
+    def _mask(self, state: Any) -> Any:
         key = state
         mask = self._masks.get(key)
         if mask is None:
@@ -253,3 +268,215 @@ class JSONConstraint:
     def apply(self, logits: Any) -> Any:
         """``logits`` (1, V) → masked logits for the current state."""
         return logits + self._mask(self.state)[: logits.shape[-1]]
+
+
+# ------------------------------------------------------------------------------------ JSON Schema
+
+class SchemaError(ValueError):
+    """A JSON Schema (or part of one) that the MLX constraint cannot follow."""
+
+
+_SCHEMA_NOISE = {"title", "description", "$schema", "$id", "examples", "default", "$comment"}
+
+
+def compile_schema(schema: dict[str, Any]) -> SchemaState:
+    """The start state of a constraint that follows ``schema`` (a subset of JSON Schema).
+
+    Supported: ``type`` object (``properties``, ``required``, ``additionalProperties``: every listed
+    property is written, in order), string (``enum``, ``minLength``, ``maxLength``), integer, number,
+    boolean, null, array (``items``, ``minItems``, ``maxItems``), ``enum``/``const`` of scalars, and a
+    list of types is refused. Anything else (``$ref``, ``anyOf``, ``pattern``...) raises
+    :class:`SchemaError` naming it. The top level must be an object. Output is compact JSON with an
+    optional space after ``:`` and ``,``.
+
+    >>> s = compile_schema({"type": "object", "properties": {"n": {"type": "integer"},
+    ...                     "ok": {"type": "boolean"}}, "required": ["n"]})
+    >>> s.feed(b'{"n": -12, "ok": true}').done, s.feed(b'{"ok": true}') is None, s.feed(b'{"n": 1.5') is None
+    (True, True, True)
+    """
+    node = _node(schema)
+    if node[0] not in ("seq", "any_object"):
+        raise SchemaError("the top level of a schema must be an object")
+    return SchemaState((node,))
+
+
+def _node(schema: Any) -> tuple[Any, ...]:  # noqa: C901 - one keyword per branch
+    if not isinstance(schema, dict):
+        raise SchemaError(f"a schema must be an object, not {schema!r}")
+    if schema == {}:
+        return ("any",)
+    if "const" in schema:
+        return ("enum", (json.dumps(schema["const"], separators=(",", ":")).encode(),), 0)
+    if "enum" in schema:
+        opts = tuple(json.dumps(v, separators=(",", ":")).encode() for v in schema["enum"])
+        if not opts:
+            raise SchemaError("an empty enum admits nothing")
+        return ("enum", opts, 0)
+    t = schema.get("type")
+    known = {
+        "object": {"type", "properties", "required", "additionalProperties"},
+        "string": {"type", "minLength", "maxLength"},
+        "integer": {"type"},
+        "number": {"type"},
+        "boolean": {"type"},
+        "null": {"type"},
+        "array": {"type", "items", "minItems", "maxItems"},
+    }
+    if t is None:
+        t = "object" if "properties" in schema else "array" if "items" in schema else None
+    if t is None:
+        unknown = set(schema) - set().union(*known.values()) - _SCHEMA_NOISE
+        raise SchemaError(f"{', '.join(sorted(unknown)) or 'a schema without a type'} is not supported")
+    if not isinstance(t, str) or t not in known:
+        raise SchemaError(f"type {t!r} is not supported (one of {', '.join(known)})")
+    extra = set(schema) - known[t] - _SCHEMA_NOISE
+    if extra:
+        raise SchemaError(f"{', '.join(sorted(extra))} in a {t} schema is not supported")
+    if t == "object":
+        props = schema.get("properties") or {}
+        if not props:
+            return ("any_object",)
+        parts: list[tuple[Any, ...]] = [("lit", b"{", 0)]
+        for i, (name, sub) in enumerate(props.items()):
+            key = json.dumps(name).encode()
+            if i:
+                parts += [("lit", b",", 0), ("ws",)]
+            parts += [("lit", key + b":", 0), ("ws",), _node(sub)]
+        parts.append(("lit", b"}", 0))
+        return ("seq", tuple(parts))
+    if t == "string":
+        return ("str", int(schema.get("minLength", 0)), schema.get("maxLength"), 0, "open")
+    if t in ("integer", "number"):
+        return ("num", t == "integer", "start")
+    if t == "boolean":
+        return ("enum", (b"true", b"false"), 0)
+    if t == "null":
+        return ("enum", (b"null",), 0)
+    return ("arr", _node(schema.get("items", {})), int(schema.get("minItems", 0)), schema.get("maxItems"), 0, "open")
+
+
+@dataclass(frozen=True)
+class SchemaState:
+    """A stack of pending grammar nodes (head first); empty = the object is complete."""
+
+    items: tuple[tuple[Any, ...], ...]
+
+    @property
+    def done(self) -> bool:
+        return not self.items
+
+    def string_budget(self) -> float | None:
+        if self.items and self.items[0][0] == "str" and self.items[0][4] == "in":
+            _, _, mx_len, count, _ = self.items[0]
+            return float("inf") if mx_len is None else mx_len - count
+        if self.items and self.items[0][0] == "json" and self.items[0][1].mode == "string":
+            return float("inf")
+        return None
+
+    def feed(self, data: bytes) -> SchemaState | None:
+        s: SchemaState | None = self
+        for b in data:
+            s = s.step(b)
+            if s is None:
+                return None
+        return s
+
+    def step(self, b: int) -> SchemaState | None:
+        items = _step(self.items, b)
+        return None if items is None else SchemaState(items)
+
+
+def _step(items: tuple[Any, ...], b: int) -> tuple[Any, ...] | None:  # noqa: C901 - the grammar, top to bottom
+    if not items:
+        return None
+    head, rest = items[0], items[1:]
+    kind = head[0]
+    if kind == "seq":
+        return _step(head[1] + rest, b)
+    if kind == "lit":
+        data, pos = head[1], head[2]
+        if data[pos] != b:
+            return None
+        return rest if pos + 1 == len(data) else (("lit", data, pos + 1), *rest)
+    if kind == "ws":
+        return rest if b == 0x20 else _step(rest, b)
+    if kind == "enum":
+        opts, pos = head[1], head[2]
+        live = tuple(o for o in opts if len(o) > pos and o[pos] == b)
+        if not live:
+            return _step(rest, b) if any(len(o) == pos for o in opts) else None
+        if all(len(o) == pos + 1 for o in live):
+            return rest
+        return (("enum", live, pos + 1), *rest)
+    if kind == "str":
+        _, mn, mx_len, count, phase = head
+        if phase == "open":
+            return (("str", mn, mx_len, 0, "in"), *rest) if b == 0x22 else None
+        if phase == "in":
+            if b == 0x22:
+                return rest if count >= mn else None
+            if b < 0x20:
+                return None
+            grows = b & 0xC0 != 0x80  # a character starts (UTF-8 continuation bytes do not count)
+            if grows and mx_len is not None and count + 1 > mx_len:
+                return None
+            nxt = "esc" if b == 0x5C else "in"
+            return (("str", mn, mx_len, count + (1 if grows else 0), nxt), *rest)
+        if phase == "esc":
+            if b in b'"\\/bfnrt':
+                return (("str", mn, mx_len, count, "in"), *rest)
+            return (("str", mn, mx_len, count, "u4"), *rest) if b == ord("u") else None
+        if phase.startswith("u"):  # \uXXXX
+            if chr(b) not in "0123456789abcdefABCDEF":
+                return None
+            left = int(phase[1:]) - 1
+            return (("str", mn, mx_len, count, "in" if left == 0 else f"u{left}"), *rest)
+    if kind == "num":
+        _, integer, phase = head
+        st = JSONState("number", ("a",), {"start": None}.get(phase, phase))
+        if phase == "start":
+            if b == ord("-"):
+                return (("num", integer, "sign"), *rest)
+            if b in _DIGITS:
+                return (("num", integer, "zero" if b == 0x30 else "int"), *rest)
+            return None
+        if integer and b in b".eE":
+            return None
+        nxt = st.step(b)
+        if nxt is not None and nxt.mode == "number":
+            return (("num", integer, nxt.aux), *rest)
+        if phase in ("zero", "int", "frac", "expdig"):
+            return _step(rest, b)  # the number ended: this byte belongs to what follows
+        return None
+    if kind == "arr":
+        _, item, mn, mxi, count, phase = head
+        if phase == "open":
+            return (("arr", item, mn, mxi, 0, "first"), *rest) if b == ord("[") else None
+        if phase == "first":
+            if b == ord("]"):
+                return rest if mn == 0 else None
+            if mxi == 0:
+                return None
+            return _step((item, ("arr", item, mn, mxi, 1, "after"), *rest), b)
+        if phase == "after":
+            if b == ord("]"):
+                return rest if count >= mn else None
+            if b == ord(",") and (mxi is None or count < mxi):
+                return (("ws",), item, ("arr", item, mn, mxi, count + 1, "after"), *rest)
+            return None
+    if kind in ("any", "any_object"):  # a free JSON value: hand over to the JSON automaton
+        if kind == "any_object" and b != ord("{"):
+            return None
+        return _step((("json", JSONState("value", ("a",))), *rest), b)
+    if kind == "json":
+        st = head[1]
+        nxt = st.step(b)
+        if st.mode == "number" and st.stack == ("a",) and (nxt is None or nxt.mode != "number"):
+            # a top-level number of the free value ends at the first byte that cannot continue it
+            return _step(rest, b) if st.aux in ("zero", "int", "frac", "expdig") else None
+        if nxt is None:
+            return None
+        if nxt.mode == "after" and nxt.stack == ("a",):  # the free value is complete
+            return rest
+        return (("json", nxt), *rest)
+    return None

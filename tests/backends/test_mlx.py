@@ -102,9 +102,46 @@ def test_json_mode_gives_one_object_even_when_sampling(plain):
         assert isinstance(json.loads(text), dict)
 
 
-def test_json_schemas_are_refused_not_ignored(plain):
-    with pytest.raises(UnsupportedError, match="schema"):
-        plain.generate(GenerateRequest(messages=CAPITAL, format={"type": "object"}))
+def test_json_schema_with_enum_and_array_is_followed(plain):
+    schema = {"type": "object", "properties": {
+        "country": {"enum": ["France", "Italy", "Spain"]},
+        "cities": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 2},
+        "capital": {"type": "boolean"}}}
+    msgs = [{"role": "user", "content": "Describe France as JSON: its country name, two cities, capital or not."}]
+    text, done, _ = collect(plain.generate(GenerateRequest(messages=msgs, format=schema, sampling=greedy(60))))
+    obj = json.loads(text)
+    assert done.finish_reason == "stop" and list(obj) == ["country", "cities", "capital"]
+    assert obj["country"] in ("France", "Italy", "Spain") and isinstance(obj["capital"], bool)
+    assert 1 <= len(obj["cities"]) <= 2 and all(isinstance(c, str) and len(c) <= 12 for c in obj["cities"])
+
+
+def test_schema_keywords_outside_the_subset_are_refused_not_ignored(plain):
+    for schema, word in (({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}, "pattern"),
+                         ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}]}}}, "anyOf"),
+                         ({"type": "array", "items": {}}, "top level")):
+        with pytest.raises(UnsupportedError, match=word):
+            plain.generate(GenerateRequest(messages=CAPITAL, format=schema))
+
+
+def test_schema_automaton_accepts_valid_documents_and_refuses_the_rest():
+    from backends.mlx_json import compile_schema
+
+    s = compile_schema({"type": "object", "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 5}, "pop": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 2}, "x": {"type": "number"},
+        "k": {"enum": ["a", "b", 3]}, "any": {}, "o": {"type": "object"}, "n": {"type": "null"}}})
+    good = [b'{"city":"Paris","pop":2100000,"tags":["a", "b"],"x":-1.5e3,"k":3,"any":[1,{"q":null}],"o":{},"n":null}',
+            b'{"city": "Par\\u00e9", "pop": 0, "tags": [], "x": 0, "k": "a", "any": 12, "o": {"z": [true]}, "n": null}',
+            '{"city":"Züri","pop":1,"tags":[],"x":1,"k":"b","any":"s","o":{},"n":null}'.encode()]
+    for g in good:
+        end = s.feed(g)
+        assert end is not None and end.done, g
+        json.loads(g)
+    bad = [b'{"city":"Zurich"', b'{"city":"","pop":1', b'{"city":"P","pop":1.5', b'{"pop":1',
+           b'{"city":"P","pop":1,"tags":["a","b","c"]', b'{"city":"P","pop":1,"tags":[],"x":1,"k":"c"',
+           b'{"city":"P","pop":1,"tags":[],"x":1,"k":3,"any":1,"o":[]']
+    for x in bad:
+        assert s.feed(x) is None, x
 
 
 def test_json_automaton_accepts_json_and_refuses_the_rest():
