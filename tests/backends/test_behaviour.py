@@ -130,9 +130,6 @@ def test_closing_the_stream_early_leaves_the_model_usable(backend):
 PARIS_JSON = [{"role": "user", "content": "Give a JSON object describing Paris with keys city and population."}]
 
 
-NO_SCHEMA_ON_MLX = "MLX constrains to any JSON object only: schemas are refused (tested in test_mlx.py)"
-
-
 def test_json_mode_output_parses(backend):
     text, done, _ = collect(backend.generate(GenerateRequest(messages=PARIS_JSON, format="json",
                                                               sampling=greedy(120))))
@@ -141,8 +138,6 @@ def test_json_mode_output_parses(backend):
 
 
 def test_json_schema_output_validates(backend):
-    if backend.name == "mlx":
-        pytest.skip(NO_SCHEMA_ON_MLX)
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                "population": {"type": "integer"}},
               "required": ["city", "population"], "additionalProperties": False}
