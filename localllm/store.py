@@ -257,7 +257,7 @@ class Store:
         ref = parse_name(name, allow_path=True)
         if ref.kind == "path":
             assert ref.path is not None
-            return self._local(ref.path)
+            return self._with_mlx(self._local(ref.path))
         found = self._find(ref)
         if found is None:
             raise self._not_installed(ref)
@@ -266,6 +266,15 @@ class Store:
             raise ModelNotFoundError(
                 f"{m.name}'s file is missing or incomplete; run `localllm pull {m.name}` to fetch it again."
             )
+        return self._with_mlx(m)
+
+    @staticmethod
+    def _with_mlx(m: InstalledModel) -> InstalledModel:
+        """Fill ``mlx_path`` from an MLX build sitting under ``<models>/mlx`` (converted or downloaded)."""
+        if m.mlx_path is None or not m.mlx_path.is_dir():
+            from localllm.mlxmodels import mlx_dir_for
+
+            m.mlx_path = mlx_dir_for(m)
         return m
 
     def ensure(self, name: str, progress: ProgressFn | None = None,
