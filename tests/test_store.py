@@ -175,6 +175,7 @@ def test_missing_file_is_not_listed_and_pull_repairs_it(store):
 
 
 def test_mlx_path_is_recorded(store, tmp_path):
+    (tmp_path / "mlx").mkdir()
     m = store.set_mlx_path("smollm2:135m", tmp_path / "mlx")
     assert m.mlx_path == tmp_path / "mlx" and store.get("smollm2").mlx_path == tmp_path / "mlx"
     assert store.set_mlx_path("smollm2:135m", None).mlx_path is None
