@@ -39,6 +39,7 @@ def startup(runs: int) -> list[float]:
         home = tempfile.mkdtemp()
         session = f"llm-measure-{os.getpid()}-{i}"
         cmd = f"env LOCALLLM_HOME={home} LOCALLLM_MODELS={MODELS} {exe} chat"
+        time.sleep(0.3)  # let the previous tmux server go away
         t0 = time.perf_counter()
         subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30", cmd], check=True)
         try:
