@@ -333,10 +333,10 @@ async def test_opening_another_chat_mid_answer_stops_and_saves_it(tui_home, chat
     async with app.run_test(size=(100, 30)) as pilot:
         screen = app.screen
         screen.open_conversation(first)
-        await pilot.press(*"Tell me a long story.", "enter")
-        await wait_until(pilot, lambda: screen._last_answer() is not None
+        await pilot.press(*"Write a long story about a dragon, a knight and a castle.", "enter")
+        await wait_until(pilot, lambda: screen.generating and screen._last_answer() is not None
                          and len(screen._last_answer().markdown.source) > 10)
-        screen.open_conversation(other.id)
+        screen.open_conversation(other.id)  # same loop step as the check: still streaming
         await wait_until(pilot, lambda: not screen.generating, timeout=30)
         await pilot.pause()
         assert [v.content for v in screen.query(MessageView)] == ["old"]
