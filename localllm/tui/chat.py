@@ -452,14 +452,21 @@ class ChatScreen(Screen):
                 messages: list[dict[str, str]], params: dict[str, Any], cancel: threading.Event,
                 info: AnswerInfo) -> None:
         """Run the blocking generator; hand every event to the UI without waiting for it."""
+
+        def hand(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the app has quit and its loop is closed: stop generating
+                cancel.set()
+
         try:
             backend = self.lapp.backend
             for event in backend.chat(model, messages, params, cancel, info):
-                loop.call_soon_threadsafe(queue.put_nowait, (event, time.perf_counter()))
+                hand((event, time.perf_counter()))
         except Exception as e:  # noqa: BLE001 - shown to the user as one sentence
-            loop.call_soon_threadsafe(queue.put_nowait, (e, time.perf_counter()))
+            hand((e, time.perf_counter()))
         finally:
-            loop.call_soon_threadsafe(queue.put_nowait, None)
+            hand(None)
 
     @work(group="answer")
     async def stream_answer(self, view: MessageView, conversation_id: int, model: str,

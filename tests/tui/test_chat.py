@@ -356,3 +356,17 @@ async def test_missing_model_says_how_to_get_it(tui_home, chats):
         conv = screen.conversation
         assert [m.role for m in chats.messages(conv.id)] == ["user"]  # the prompt is kept for Ctrl+G
         assert not list(screen.query(MessageView).filter(".assistant"))
+
+
+async def test_quit_mid_answer_is_clean(tui_home, chats):
+    conv_id = short_chat(chats, max_tokens=300)
+    app = LocalLLMApp(model=MODEL, chats=chats)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = app.screen
+        await pilot.press(*"Write a long story about the sea.", "enter")
+        await wait_until(pilot, lambda: screen.generating and screen._last_answer() is not None
+                         and len(screen._last_answer().markdown.source) > 10)
+        t0 = time.monotonic()
+        await pilot.press("ctrl+q")
+    assert time.monotonic() - t0 < 10  # the generation stopped; the model was freed
+    assert [m.role for m in chats.messages(conv_id)][0] == "user"
