@@ -32,8 +32,6 @@ import click
 
 from localllm.errors import LocalLLMError
 
-KV_TYPES = ("f16", "q8_0", "q4_0")
-
 _WORDS = (
     "river mountain garden window silver morning history engine market planet orange doctor winter "
     "forest letter island summer bridge candle castle school ocean travel science music village "
@@ -232,16 +230,16 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
     """Benchmark MODEL: prompt processing and generation tokens/s, time to first token, per
     KV cache type and draft variant."""
     from localllm import config
-    from localllm.commands.run import ensure_model
-    from localllm.engine import Engine
+    from localllm.commands.run import BACKENDS, ensure_model
+    from localllm.engine import KV_CACHE_TYPES, Engine
 
     kvs = [k.lower() for k in _split_list(kv_cache)] or [config.kv_cache_type()]
     for k in kvs:
-        if k not in KV_TYPES:
-            raise LocalLLMError(f"Unknown KV cache type {k!r}: choose from {', '.join(KV_TYPES)}.")
+        if k not in KV_CACHE_TYPES:
+            raise LocalLLMError(f"Unknown KV cache type {k!r}: choose from {', '.join(KV_CACHE_TYPES)}.")
     drafts = _split_list(draft) or ["none"]
-    if backend not in ("auto", "llamacpp", "mlx"):
-        raise LocalLLMError(f"Unknown backend {backend!r}: choose auto, llamacpp or mlx.")
+    if backend not in BACKENDS:
+        raise LocalLLMError(f"Unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}.")
     for label, value, low in (("--pp", pp, 1), ("--tg", tg, 1), ("--repetitions", repetitions, 1),
                               ("--num-draft", num_draft, 1)):
         if value < low:

@@ -26,7 +26,6 @@ import click
 from localllm.errors import LocalLLMError
 
 BACKENDS = ("auto", "llamacpp", "mlx")
-KV_TYPES = ("f16", "q8_0", "q4_0")  # == engine.KV_CACHE_TYPES; kept here so --help needs no import
 
 
 # ------------------------------------------------------------------------------------------ formatting
@@ -262,10 +261,10 @@ def build_settings(
     >>> s.sampling.temperature, s.sampling.seed, s.load.kv_cache_type
     (0, 1, 'q8_0')
     """
-    from localllm.engine import LoadOptions, Sampling, parse_keep_alive
+    from localllm.engine import KV_CACHE_TYPES, LoadOptions, Sampling, parse_keep_alive
 
-    if kv_cache is not None and kv_cache.lower() not in KV_TYPES:
-        raise LocalLLMError(f"Unknown KV cache type {kv_cache!r}: choose one of {', '.join(KV_TYPES)}.")
+    if kv_cache is not None and kv_cache.lower() not in KV_CACHE_TYPES:
+        raise LocalLLMError(f"Unknown KV cache type {kv_cache!r}: choose one of {', '.join(KV_CACHE_TYPES)}.")
     if backend not in BACKENDS:
         raise LocalLLMError(f"Unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}.")
     if fmt is not None and fmt != "json":
