@@ -2,7 +2,8 @@
 same threads and context, both through the OpenAI API (``/v1/chat/completions``, streamed).
 
     python benchmarks/server_vs_llamacpp.py [--model smollm2:135m] [--threads 2] [--tokens 128]
-                                            [--reps 3] [--clients 4] [--requests 2] [--soak SECONDS]
+                                            [--reps 3] [--clients 4] [--requests 2] [--rounds 2]
+                                            [--soak SECONDS] [--their-interrupt]
 
 Needs llama_cpp.server's dependencies (not a rebuild of llama-cpp-python):
 ``pip install uvicorn fastapi pydantic-settings sse-starlette starlette-context PyYAML``.
@@ -163,6 +164,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="concurrent rounds per server, order alternating")
     ap.add_argument("--soak", type=float, default=0.0)
     ap.add_argument("--their-interrupt", action="store_true",
                     help="keep llama_cpp.server's default interrupt_requests=True (a new request cuts the "
@@ -174,7 +176,11 @@ def main() -> None:
     path = Path(Store().get(args.model).path)
     ours_extra = {"num_ctx": args.ctx, "options": {"num_thread": args.threads}}
     ours, ours_url = start_localllm(args.threads, args.ctx)
-    theirs, theirs_url = start_llamacpp(path, args.threads, args.ctx, args.their_interrupt)
+    try:
+        theirs, theirs_url = start_llamacpp(path, args.threads, args.ctx, args.their_interrupt)
+    except BaseException:
+        ours.terminate()
+        raise
     servers = {"localllm": (ours_url, args.model, ours_extra), "llama_cpp.server": (theirs_url, "bench", {})}
     try:
         for url, model, extra in servers.values():  # load + warm
@@ -183,8 +189,21 @@ def main() -> None:
         for _ in range(args.reps):
             for name, (url, model, extra) in servers.items():
                 single[name].append(stream_chat(url, model, args.tokens, extra))
-        conc = {name: concurrent(url, model, args.tokens // 2, extra, args.clients, args.requests)
-                for name, (url, model, extra) in servers.items()}
+        rounds: dict[str, list[dict]] = {k: [] for k in servers}
+        order = list(servers)
+        for i in range(args.rounds):  # A B, then B A: both see the same share of a busy machine
+            for name in (order if i % 2 == 0 else order[::-1]):
+                url, model, extra = servers[name]
+                rounds[name].append(concurrent(url, model, args.tokens // 2, extra, args.clients, args.requests))
+        conc = {}
+        for name, rs in rounds.items():
+            lat_rounds = rs
+            conc[name] = {"throughput": statistics.fmean(r["throughput"] for r in rs),
+                          "p50": statistics.fmean(r["p50"] for r in lat_rounds),
+                          "p95": statistics.fmean(r["p95"] for r in lat_rounds),
+                          "requests": sum(r["requests"] for r in rs),
+                          "errors": [e for r in rs for e in r["errors"]],
+                          "per_round": [round(r["throughput"], 1) for r in rs]}
         print(f"model {args.model} ({path.name}), {args.threads} threads, ctx {args.ctx}, "
               f"load average {os.getloadavg()[0]:.1f}")
         print(f"{'':18}{'tok/s (1 stream)':>18}{'TTFT ms':>10}{'conc tok/s':>12}{'p50 s':>8}{'p95 s':>8}"
@@ -198,6 +217,7 @@ def main() -> None:
             for e in c["errors"][:3]:
                 print("   error:", e[:200])
         print("single-stream tok/s per rep:", {k: [round(r[1], 1) for r in v] for k, v in single.items()})
+        print("concurrent tok/s per round:", {k: v["per_round"] for k, v in conc.items()})
         if args.soak > 0:
             theirs.terminate()
             start = rss_mb(ours.pid)

@@ -323,9 +323,9 @@ class Client:
 
     def unload(self, name: str) -> bool:
         """Unload ``name`` now (``localllm stop``). True if it was loaded."""
-        was = self.is_loaded(name)
+        before = {m.name for m in self.ps()}
         self._request("POST", "/api/generate", json={"model": name, "keep_alive": 0, "stream": False})
-        return was
+        return bool(before - {m.name for m in self.ps()})
 
     def generate(self, name: str, request: Any, options: Any = None, *, cancel: threading.Event | None = None,
                  keep_alive: float | None = None) -> Iterator[Any]:

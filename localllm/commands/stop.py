@@ -21,6 +21,5 @@ def command(model: str, host: str | None) -> None:
     client = connect(host) or Client()
     if not client.is_running(timeout=1.0):
         raise LocalLLMError(f"No server is running at {client.url}, so {name} is not loaded.")
-    if not client.is_loaded(name):
+    if not client.unload(name):
         raise LocalLLMError(f"{name} is not running (see `localllm ps`).")
-    client.unload(name)

@@ -136,8 +136,9 @@ async def load_or_unload(request: Request, name: str, keep_alive: float | None, 
     """An empty prompt loads the model (``load``); with ``keep_alive: 0`` it unloads it (``unload``)."""
     engine = _engine(request)
     if keep_alive == 0:
-        await c.run_sync(engine.store.get, name)  # 404 for an unknown model
+        model = await c.run_sync(engine.store.get, name)  # 404 for an unknown model
         await c.run_sync(engine.unload, name)
+        await c.run_sync(engine.unload, model.name)  # loaded under its canonical name
         return "unload"
     await c.run_sync(engine.load, name, load_options, keep_alive=keep_alive)
     return "load"
@@ -511,8 +512,9 @@ async def pull(body: PullBody, request: Request) -> Response:
 async def delete(body: ModelBody, request: Request) -> Response:
     name = c.check_name(body.model or body.name)
     store = _store(request)
-    await c.run_sync(store.get, name)  # 404 first
+    model = await c.run_sync(store.get, name)  # 404 first
     await c.run_sync(_engine(request).unload, name)
+    await c.run_sync(_engine(request).unload, model.name)
     await c.run_sync(store.remove, name)
     return Response(status_code=200)
 

@@ -91,6 +91,10 @@ def test_cli_ps_and_stop(url, client, monkeypatch):
     assert out.exit_code == 1 and "not running" in out.output
     monkeypatch.setenv("LOCALLLM_HOST", url)  # attaches through the environment too
     assert runner.invoke(cli, ["ps"]).output.startswith("NAME")
+    client.load(MODEL, keep_alive=300)  # the catalog alias finds the model loaded under its full name
+    out = runner.invoke(cli, ["stop", "smollm2"])
+    assert out.exit_code == 0, out.output
+    assert not client.is_loaded(MODEL)
 
 
 def test_serve_busy_port_and_exposure_warning(url):
