@@ -29,31 +29,43 @@ def short_chat(chats: ChatStore, max_tokens: int, title: str = "Test") -> int:
     return conv.id
 
 
-async def test_send_prompt_streams_answer_with_stats_and_survives_restart(tui_home, chats):
+async def test_send_prompt_streams_answer_with_stats_and_survives_restart(tui_home, chats, monkeypatch):
     short_chat(chats, max_tokens=24)
     app = LocalLLMApp(model=MODEL, chats=chats)
     partial_seen: list[int] = []
+    rows_at_first_token: list[list[tuple[str, str]]] = []
+    from textual.widgets import Markdown
+
+    real_get_stream = Markdown.get_stream
+
+    def recording_get_stream(markdown):
+        """Record what is on screen at each streamed write (a fast machine finishes 24 tokens before the
+        pilot's key press returns, so polling from the test cannot see the stream)."""
+        stream = real_get_stream(markdown)
+        real_write = stream.write
+
+        async def write(fragment: str) -> None:
+            if not rows_at_first_token:  # what a process killed now would keep
+                other = ChatStore(chats.path)
+                rows_at_first_token.append([(m.role, m.content) for m in other.messages(screen.conversation.id)])
+                other.close()
+            await real_write(fragment)
+            if screen.generating:
+                partial_seen.append(len(markdown.source))
+
+        stream.write = write
+        return stream
+
+    monkeypatch.setattr(Markdown, "get_stream", staticmethod(recording_get_stream))
     async with app.run_test(size=(100, 30)) as pilot:
         screen = app.screen
         assert isinstance(screen, ChatScreen)
         assert isinstance(app.focused, PromptInput)
         await pilot.press(*"Name three colours.")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: screen.generating)
-
-        # Committed before generation: a process killed now keeps the prompt (and only loses the answer).
-        other = ChatStore(chats.path)
-        rows = other.messages(screen.conversation.id)
-        other.close()
-        assert [(m.role, m.content) for m in rows] == [("user", "Name three colours.")]
 
         def streaming_text() -> bool:
-            answer = screen._last_answer()
-            if answer is not None and screen.generating:
-                n = len(answer.markdown.source)
-                if n:
-                    partial_seen.append(n)
-            return not screen.generating
+            return not screen.generating and screen._last_answer() is not None
 
         await wait_until(pilot, streaming_text)
         await pilot.pause(0.2)
@@ -66,6 +78,8 @@ async def test_send_prompt_streams_answer_with_stats_and_survives_restart(tui_ho
         assert screen.render_lag_s is not None and screen.render_lag_s < 1.0
         conv_id = screen.conversation.id
     assert partial_seen, "no text was on screen before the answer ended"
+    # Committed before generation: a process killed mid-answer keeps the prompt (and only loses the answer).
+    assert rows_at_first_token == [[("user", "Name three colours.")]]
 
     # Restart: the conversation and the answer come back from SQLite.
     saved = chats.messages(conv_id)

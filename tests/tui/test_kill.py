@@ -8,21 +8,38 @@ MODEL = "smollm2:135m"
 
 
 KILL_SCRIPT = """
-import asyncio, sys
+import asyncio, os, signal, sys
+from textual.widgets import Markdown
 from localllm.chats import ChatStore
 from localllm.tui.app import LocalLLMApp
+
+real_get_stream = Markdown.get_stream
+
+def get_stream(markdown):
+    # Freeze the whole process at the first streamed write past 20 characters: mid-answer for sure,
+    # whatever the machine's speed. The test then SIGKILLs it.
+    stream = real_get_stream(markdown)
+    real_write = stream.write
+
+    async def write(fragment):
+        await real_write(fragment)
+        if len(markdown.source) > 20:
+            print("STREAMING", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    stream.write = write
+    return stream
+
+Markdown.get_stream = staticmethod(get_stream)
 
 async def main():
     chats = ChatStore(sys.argv[1])
     conv = chats.conversations()[0]
     app = LocalLLMApp(model="smollm2:135m", chats=chats)
     async with app.run_test(size=(100, 30)) as pilot:
-        screen = app.screen
-        screen.open_conversation(conv.id)
+        app.screen.open_conversation(conv.id)
         await pilot.press(*"Write a long story about the sea.", "enter")
-        while not (screen._last_answer() is not None and len(screen._last_answer().markdown.source) > 20):
-            await pilot.pause(0.05)
-        print("STREAMING", flush=True)
+        print("FINISHED-TOO-EARLY", flush=True)
         await asyncio.sleep(60)
 
 asyncio.run(main())
