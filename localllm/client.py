@@ -411,3 +411,31 @@ def connect(host: str | None = None) -> Client | None:
             return client
         client.close()
     return None
+
+
+class RemoteEngine:
+    """The part of :class:`localllm.engine.Engine` that ``localllm run`` uses, served by a server.
+
+    ``store`` is the client itself (``get`` / ``pull``), so the same code pulls a missing model on the
+    server. ``ps`` is empty: a server's loaded models carry no session details (``localllm ps --host``
+    shows them)."""
+
+    def __init__(self, client: Client):
+        self.client = client
+        self.store = client
+
+    def generate(self, name: str, request: Any, options: Any = None, *, cancel: threading.Event | None = None,
+                 keep_alive: float | None = None) -> Iterator[Any]:
+        return self.client.generate(name, request, options, cancel=cancel, keep_alive=keep_alive)
+
+    def load(self, name: str, options: Any = None, *, keep_alive: float | None = None) -> None:
+        self.client.load(name, options, keep_alive=keep_alive)
+
+    def unload(self, name: str) -> bool:
+        return self.client.unload(name)
+
+    def ps(self) -> list[Any]:
+        return []
+
+    def close(self) -> None:
+        self.client.close()

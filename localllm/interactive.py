@@ -335,7 +335,7 @@ class Repl:
 
     def _gguf(self) -> dict[str, Any]:
         try:
-            info = self.engine.store.get(self.model).info
+            info = getattr(self.engine.store.get(self.model), "info", None) or {}
         except LocalLLMError:
             return {}
         return dict(info) if isinstance(info, dict) else dict(getattr(info, "__dict__", {}))

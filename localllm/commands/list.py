@@ -58,8 +58,26 @@ def format_table(rows: list[list[str]]) -> str:
 
 @click.command("list", help="List installed models.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def command(as_json: bool) -> None:
+@click.option("--host", default=None, metavar="URL",
+              help="Talk to a localllm or Ollama server there instead of in-process.")
+def command(as_json: bool, host: str | None) -> None:
     """List installed models, newest first."""
+    import os
+
+    if host or os.environ.get("LOCALLLM_HOST", "").strip():
+        from localllm.client import connect
+
+        client = connect(host)
+        if client is not None:
+            with client:
+                remote = client.list()
+            if as_json:
+                click.echo(json.dumps([{"name": m.name, "digest": m.digest, "size": m.size} for m in remote], indent=2))
+                return
+            rows = [["NAME", "ID", "SIZE", "MODIFIED"]]
+            rows += [[m.name, m.short_id, human_size(m.size), ago(m.modified) if m.modified else ""] for m in remote]
+            click.echo(format_table(rows))
+            return
     from localllm.store import Store
 
     models = Store().list()

@@ -106,10 +106,22 @@ def pull_with_progress(store: Any, name: str, out: TextIO | None = None) -> Any:
 @click.command("pull", help="Download a model (resumable, sha256-verified).")
 @click.argument("name")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
-def command(name: str, quiet: bool) -> None:
+@click.option("--host", default=None, metavar="URL",
+              help="Talk to a localllm or Ollama server there instead of in-process.")
+def command(name: str, quiet: bool, host: str | None) -> None:
     """Download NAME: an alias (smollm2:135m, qwen2.5:7b-q8_0) or hf.co/user/repo[:QUANT]."""
+    from localllm.client import connect
     from localllm.store import Store
 
+    client = connect(host)
+    if client is not None:  # the server pulls into its own store
+        from localllm.names import parse_name
+
+        parse_name(name, allow_path=False)
+        with client:
+            client.pull(name) if quiet else pull_with_progress(client, name)
+            click.echo(f"success: {name} ({client.get(name).short_id})")
+        return
     store = Store()
     try:
         model = store.pull(name) if quiet else pull_with_progress(store, name)

@@ -13,17 +13,20 @@ import click
 
 @click.command("rm", help="Remove models.")
 @click.argument("names", nargs=-1, required=True)
+@click.option("--host", default=None, metavar="URL",
+              help="Talk to a localllm or Ollama server there instead of in-process.")
 @click.pass_context
-def command(ctx: click.Context, names: tuple[str, ...]) -> None:
+def command(ctx: click.Context, names: tuple[str, ...], host: str | None) -> None:
     """Remove NAMES (local files given by path are never deleted)."""
+    from localllm.client import connect
     from localllm.errors import LocalLLMError
     from localllm.store import Store
 
-    store = Store()
+    store = connect(host) or Store()
     failed = False
     for name in names:
         try:
-            removed = store.remove(name)
+            removed = store.remove(name) or name
         except LocalLLMError as e:
             click.echo(f"Error: {e}", err=True)
             failed = True

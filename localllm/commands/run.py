@@ -312,12 +312,14 @@ def build_settings(
               help="KV cache type (default: LOCALLLM_KV_CACHE_TYPE).")
 @click.option("--backend", default="auto", metavar="auto|llamacpp|mlx", help="Inference backend.")
 @click.option("--verbose", is_flag=True, help="Print timings and token counts after each answer.")
+@click.option("--host", default=None, metavar="URL",
+              help="Talk to a localllm or Ollama server there instead of in-process.")
 @click.option("--keepalive", default=None, metavar="DURATION",
               help="How long the model stays loaded after an answer (e.g. 5m).")
 def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed: int | None,
             num_predict: int | None, num_ctx: int | None, system: str | None, fmt: str | None,
             draft: str | None, num_draft: int | None, kv_cache: str | None, backend: str,
-            verbose: bool, keepalive: str | None) -> None:
+            verbose: bool, host: str | None, keepalive: str | None) -> None:
     """Run MODEL: answer PROMPT (or piped stdin) once, else chat interactively.
 
     \b
@@ -340,9 +342,15 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
     # Ollama: interactive only with nothing to answer and a terminal on both ends
     interactive = not prompts and not piped and _isatty(sys.stdout)
 
-    from localllm.engine import Engine
+    from localllm.client import RemoteEngine, connect
 
-    engine = Engine(keep_alive=settings.keep_alive)
+    client = connect(host)
+    if client is not None:
+        engine: Any = RemoteEngine(client)
+    else:
+        from localllm.engine import Engine
+
+        engine = Engine(keep_alive=settings.keep_alive)
     try:
         installed = ensure_model(engine.store, model)
         name = getattr(installed, "name", model)
