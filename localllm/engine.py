@@ -62,6 +62,7 @@ from localllm import config
 from localllm.errors import LocalLLMError, ModelNotFoundError
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds (Ollama: 5m)
+MIN_CTX = 256  # llama.cpp pads contexts to 256 tokens; below that a chat template alone may not fit
 DEFAULT_MAX_QUEUE = 512
 BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
 
@@ -301,6 +302,8 @@ class Engine:
         from localllm.planner import plan
 
         options = options or LoadOptions()
+        if options.num_ctx is not None and options.num_ctx < MIN_CTX:
+            raise LocalLLMError(f"num_ctx must be at least {MIN_CTX} tokens, got {options.num_ctx}.")
         model = self.store.get(name)
         info = GGUFInfo(**model.info)
         kv = options.kv_cache_type or config.kv_cache_type()
@@ -333,6 +336,8 @@ class Engine:
         else:
             draft = self.store.get(choice)
         path = draft.mlx_path if backend == "mlx" else draft.path
+        if path is None and choice == "auto":
+            return None  # the suggested draft has no build for this backend: plain decoding
         if path is None:
             raise LocalLLMError(f"Draft model {draft.name} has no {backend} weights installed.")
         return DraftSpec(kind="model", path=str(path), num_draft=options.num_draft)
@@ -382,6 +387,9 @@ class Engine:
             if p.verdict == "too_big":
                 from localllm.errors import PlanError
 
+                why = next((r for r in p.reasons if r.startswith("does not fit")), None)
+                if why:
+                    raise PlanError(why.removeprefix("does not fit: ").rstrip(".") + "; it does not fit this machine.")
                 raise PlanError(f"{model.name} does not fit this machine: {'; '.join(p.reasons)}")
             need = self._estimate(model, p)
             self._make_room(need, cancel)

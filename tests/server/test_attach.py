@@ -59,3 +59,12 @@ def test_host_with_no_server_is_one_sentence(empty_home):
     out = CliRunner().invoke(cli, ["list", "--host", "127.0.0.1:1"])
     assert out.exit_code == 1
     assert "No server is answering" in out.output and len(out.output.strip().splitlines()) == 1
+
+
+def test_too_small_context_is_a_400_not_a_crash(url):
+    import httpx
+
+    r = httpx.post(f"{url}/api/chat", json={"model": MODEL, "stream": False, "options": {"num_ctx": 16},
+                                             "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+    assert r.status_code == 400
+    assert r.json() == {"error": "num_ctx must be at least 256 tokens, got 16."}
