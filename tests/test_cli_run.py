@@ -195,7 +195,7 @@ def test_corrupt_and_truncated_gguf_paths_are_refused(default_model_path, tmp_pa
 
 
 def test_prompt_bigger_than_the_context_is_an_error_with_numbers(default_model):
-    r = run_cli(default_model.name, "word " * 400, "--num-ctx", "128")
+    r = run_cli(default_model.name, "word " * 400, "--num-ctx", "256")
     assert r.exit_code == 1
     line = one_error_line(r.stderr)
     assert re.search(r"\b4\d\d\b.*\b\d{3}\b", line), line  # the prompt's tokens and the context size
