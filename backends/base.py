@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -266,3 +266,54 @@ def get_backend_class(name: str) -> type[Backend]:
 
         return FakeBackend
     raise ValueError(f"unknown backend {name!r} (choose llamacpp or mlx)")
+
+
+# ------------------------------------------------------------------------------------ context policy
+
+
+def answer_reserve(max_tokens: int, n_ctx: int) -> int:
+    """Tokens kept free for the answer: ``max_tokens``, else n_ctx/8 (64..1024); at most half the context."""
+    want = max_tokens if max_tokens and max_tokens > 0 else min(max(n_ctx // 8, 64), 1024)
+    return max(1, min(want, n_ctx // 2))
+
+
+def fit_messages(
+    messages: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], list[int]], n_ctx: int, reserve: int
+) -> tuple[list[int], int]:
+    """(prompt tokens, messages dropped): the policy every backend follows when a chat outgrows its context.
+
+    While the rendered prompt leaves less than ``reserve`` tokens for the answer, the oldest turns go
+    first — never a system message nor the last user message; an assistant/tool reply right after a
+    dropped turn goes with it, so the chat still starts with a user turn. A prompt that does not fit
+    at all raises :class:`ContextOverflowError` with the numbers.
+    """
+    msgs = list(messages)
+    toks = render(msgs)
+    dropped = 0
+    while len(toks) > n_ctx - reserve:
+        last_user = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=len(msgs) - 1)
+        droppable = [i for i, m in enumerate(msgs) if i < last_user and m.get("role") != "system"]
+        if not droppable:
+            break
+        del msgs[droppable[0]]
+        dropped += 1
+        last_user -= 1
+        while True:  # keep the first remaining turn a user turn
+            i = next((j for j, m in enumerate(msgs) if m.get("role") != "system"), None)
+            if i is None or i >= last_user or msgs[i].get("role") == "user":
+                break
+            del msgs[i]
+            dropped += 1
+            last_user -= 1
+        toks = render(msgs)
+    check_fits(len(toks), n_ctx, dropped)
+    return toks, dropped
+
+
+def check_fits(n_prompt: int, n_ctx: int, dropped: int = 0) -> None:
+    """Raise :class:`ContextOverflowError` when ``n_prompt`` tokens leave no room in ``n_ctx``."""
+    if n_prompt >= n_ctx:
+        what = "The prompt" if dropped == 0 else f"Even after dropping {dropped} older messages, the prompt"
+        raise ContextOverflowError(
+            f"{what} needs {n_prompt} tokens but the context holds {n_ctx}; shorten it or load the model "
+            "with a larger context (num_ctx).", prompt_tokens=n_prompt, n_ctx=n_ctx)

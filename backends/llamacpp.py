@@ -57,7 +57,6 @@ from backends._stops import StopMatcher, Utf8Stream, could_be_tool_call, parse_t
 from backends.base import (
     KV_CACHE_TYPES,
     Backend,
-    ContextOverflowError,
     Done,
     Event,
     GenerateRequest,
@@ -69,6 +68,9 @@ from backends.base import (
     TextChunk,
     ToolCalls,
     UnsupportedError,
+    answer_reserve,
+    check_fits,
+    fit_messages,
 )
 
 log = logging.getLogger("backends.llamacpp")
@@ -530,50 +532,24 @@ class LlamaCppBackend(Backend):
         return self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
 
     def _answer_reserve(self, s: Sampling) -> int:
-        want = s.max_tokens if s.max_tokens and s.max_tokens > 0 else min(max(self._n_ctx // 8, 64), 1024)
-        return max(1, min(want, self._n_ctx // 2))
+        return answer_reserve(s.max_tokens, self._n_ctx)
 
     def prompt_tokens(self, request: GenerateRequest) -> tuple[list[int], int]:
-        """(prompt tokens, messages dropped to fit the context). Raises :class:`ContextOverflowError`.
-
-        Chat: while the prompt leaves less than the answer's room (``max_tokens``, else n_ctx/8 up to
-        1024), the oldest turns go first, never a system message nor the last user message (an
-        assistant/tool reply right after a dropped turn goes with it, so the chat still starts with a
-        user turn). A prompt that does not fit at all is an error with the numbers.
-        """
-        n_ctx = self._n_ctx
+        """(prompt tokens, messages dropped to fit the context), by :func:`backends.base.fit_messages`'s
+        policy. Raises :class:`ContextOverflowError`."""
         dropped = 0
         if request.prompt is not None:
             toks = self._tokens_for_text(request.prompt)
+            check_fits(len(toks), self._n_ctx)
         else:
-            msgs = list(request.messages or [])
             if request.tools and not self.supports_tools():
                 raise UnsupportedError(f"The chat template of {Path(self.spec.model_path).name} does not "
                                        "support tools.")
             tools = request.tools or None
-            toks = self._tokens_for_text(self.render_chat(msgs, tools, request.add_generation_prompt))
-            budget = n_ctx - self._answer_reserve(request.sampling)
-            while len(toks) > budget:
-                last_user = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=len(msgs) - 1)
-                droppable = [i for i, m in enumerate(msgs) if i < last_user and m.get("role") != "system"]
-                if not droppable:
-                    break
-                del msgs[droppable[0]]
-                dropped += 1
-                last_user -= 1
-                while True:  # keep the first remaining turn a user turn
-                    i = next((j for j, m in enumerate(msgs) if m.get("role") != "system"), None)
-                    if i is None or i >= last_user or msgs[i].get("role") == "user":
-                        break
-                    del msgs[i]
-                    dropped += 1
-                    last_user -= 1
-                toks = self._tokens_for_text(self.render_chat(msgs, tools, request.add_generation_prompt))
-        if len(toks) >= n_ctx:
-            what = "The prompt" if dropped == 0 else f"Even after dropping {dropped} older messages, the prompt"
-            raise ContextOverflowError(
-                f"{what} needs {len(toks)} tokens but the context holds {n_ctx}; shorten it or load the model "
-                "with a larger context (num_ctx).", prompt_tokens=len(toks), n_ctx=n_ctx)
+            toks, dropped = fit_messages(
+                list(request.messages or []),
+                lambda msgs: self._tokens_for_text(self.render_chat(msgs, tools, request.add_generation_prompt)),
+                self._n_ctx, self._answer_reserve(request.sampling))
         if not toks:
             toks = [self._model.token_bos() if self._model.token_bos() >= 0 else self._model.token_eos()]
         return toks, dropped

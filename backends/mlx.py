@@ -38,7 +38,6 @@ from typing import Any
 
 from backends.base import (
     Backend,
-    ContextOverflowError,
     Done,
     Event,
     GenerateRequest,
@@ -49,6 +48,8 @@ from backends.base import (
     TextChunk,
     ToolCalls,
     UnsupportedError,
+    answer_reserve,
+    fit_messages,
 )
 
 KV_BITS = {"f16": None, "q8_0": 8, "q4_0": 4}
@@ -419,43 +420,14 @@ class MLXBackend(Backend):
         msgs = [self._plain_message(m) for m in (request.messages or [])]
         if request.tools and not self._supports_tools():
             raise UnsupportedError(f"The chat template of {Path(self.spec.model_path).name} does not support tools.")
-        ids = self._apply_template(msgs, request)
-        budget = self._n_ctx - self._reserve(request)
-        dropped = 0
-        while len(ids) > budget:
-            last_user = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=len(msgs) - 1)
-            droppable = [i for i, m in enumerate(msgs) if i < last_user and m.get("role") != "system"]
-            if not droppable:
-                break
-            del msgs[droppable[0]]
-            dropped += 1
-            last_user -= 1
-            while True:  # keep the first remaining turn a user turn
-                i = next((j for j, m in enumerate(msgs) if m.get("role") != "system"), None)
-                if i is None or i >= last_user or msgs[i].get("role") == "user":
-                    break
-                del msgs[i]
-                dropped += 1
-                last_user -= 1
-            ids = self._apply_template(msgs, request)
-        if len(ids) >= self._n_ctx:
-            what = "The prompt" if dropped == 0 else f"Even after dropping {dropped} older messages, the prompt"
-            raise ContextOverflowError(
-                f"{what} needs {len(ids)} tokens but the context holds {self._n_ctx}; shorten it or load the "
-                "model with a larger context (num_ctx).",
-                prompt_tokens=len(ids),
-                n_ctx=self._n_ctx,
-            )
-        return ids, dropped
+        return fit_messages(msgs, lambda m: self._apply_template(m, request), self._n_ctx, self._reserve(request))
 
     def _supports_tools(self) -> bool:
         template = getattr(self._tok, "chat_template", None) or ""
         return "tools" in template
 
     def _reserve(self, request: GenerateRequest) -> int:
-        mt = request.sampling.max_tokens
-        want = mt if mt and mt > 0 else min(max(self._n_ctx // 8, 64), 1024)
-        return max(1, min(want, self._n_ctx // 2))
+        return answer_reserve(request.sampling.max_tokens, self._n_ctx)
 
     @staticmethod
     def _plain_message(m: dict[str, Any]) -> dict[str, Any]:
