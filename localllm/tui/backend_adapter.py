@@ -172,6 +172,18 @@ def sampling_from(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def request_from(messages: list[dict[str, Any]], params: dict[str, Any]) -> tuple[Any, Any]:
+    """A conversation's messages and parameters → (GenerateRequest, LoadOptions), for either backend."""
+    from localllm.engine import GenerateRequest, LoadOptions, Sampling
+
+    options: dict[str, Any] = {}
+    if params.get("num_ctx"):
+        options["num_ctx"] = int(params["num_ctx"])
+    if params.get("draft"):
+        options["draft"] = str(params["draft"])
+    return GenerateRequest(messages=messages, sampling=Sampling(**sampling_from(params))), LoadOptions(**options)
+
+
 class ChatBackend:
     """What the screens need. Subclasses: :class:`LocalBackend`, :class:`RemoteBackend`."""
 
@@ -314,16 +326,11 @@ class LocalBackend(ChatBackend):
     # -- work
     def chat(self, model: str, messages: list[dict[str, Any]], params: dict[str, Any],
              cancel: threading.Event, info: AnswerInfo | None = None) -> Iterator[Any]:
-        from localllm.engine import Done, GenerateRequest, LoadOptions, Sampling, TextChunk
+        from localllm.engine import Done, TextChunk
 
-        options: dict[str, Any] = {}
-        if params.get("num_ctx"):
-            options["num_ctx"] = int(params["num_ctx"])
-        if params.get("draft"):
-            options["draft"] = str(params["draft"])
-        request = GenerateRequest(messages=messages, sampling=Sampling(**sampling_from(params)))
+        request, load_options = request_from(messages, params)
         t0 = time.perf_counter()
-        for event in self.engine.generate(model, request, LoadOptions(**options), cancel=cancel):
+        for event in self.engine.generate(model, request, load_options, cancel=cancel):
             if info is not None:
                 if isinstance(event, TextChunk) and info.ttft_s is None:
                     info.ttft_s = time.perf_counter() - t0
@@ -428,16 +435,11 @@ class RemoteBackend(ChatBackend):
 
     def chat(self, model: str, messages: list[dict[str, Any]], params: dict[str, Any],
              cancel: threading.Event, info: AnswerInfo | None = None) -> Iterator[Any]:
-        from localllm.engine import Done, GenerateRequest, LoadOptions, Sampling, TextChunk
+        from localllm.engine import Done, TextChunk
 
-        options: dict[str, Any] = {}
-        if params.get("num_ctx"):
-            options["num_ctx"] = int(params["num_ctx"])
-        if params.get("draft"):
-            options["draft"] = str(params["draft"])
-        request = GenerateRequest(messages=messages, sampling=Sampling(**sampling_from(params)))
+        request, load_options = request_from(messages, params)
         t0 = time.perf_counter()
-        stream = self.client.generate(model, request, LoadOptions(**options), cancel=cancel)
+        stream = self.client.generate(model, request, load_options, cancel=cancel)
         try:
             for event in stream:
                 if info is not None:
