@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # The request/event types faces use: re-exported so no face imports ``backends``.
 from backends.base import (  # noqa: F401
@@ -60,6 +60,10 @@ from backends.base import (  # noqa: F401
 )
 from localllm import config
 from localllm.errors import LocalLLMError, ModelNotFoundError
+
+if TYPE_CHECKING:
+    from localllm.planner import Plan
+    from localllm.store import InstalledModel
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds (Ollama: 5m)
 MIN_CTX = 256  # llama.cpp pads contexts to 256 tokens; below that a chat template alone may not fit
@@ -212,7 +216,7 @@ class RunningModel:
     digest: str
     backend: Backend
     options: LoadOptions
-    plan: Any  # planner.Plan
+    plan: Plan
     loaded_at: float
     load_duration_ns: int
     keep_alive: float
@@ -223,7 +227,7 @@ class RunningModel:
     refs: int = 0  # requests holding or waiting for this model (never evicted while > 0)
     estimate: int = 0  # the planner's memory estimate (bytes) used for residency decisions
     closed: bool = False
-    installed: Any = None  # the store's InstalledModel (details for ps)
+    installed: InstalledModel | None = None  # details for ps
     runner: Any = None  # the _Runner thread every backend call goes through
 
     @property
@@ -296,7 +300,7 @@ class Engine:
             self._hardware = probe()
         return self._hardware
 
-    def plan_for(self, name: str, options: LoadOptions | None = None) -> tuple[Any, Any]:
+    def plan_for(self, name: str, options: LoadOptions | None = None) -> tuple[InstalledModel, Plan]:
         """(installed model, plan) without loading anything."""
         from localllm.ggufinfo import GGUFInfo
         from localllm.planner import plan
@@ -314,19 +318,18 @@ class Engine:
             kv_cache_type=kv,
             backend=options.backend,
             num_gpu=options.num_gpu,
-            mlx_model=getattr(model, "mlx_path", None) is not None,
+            mlx_model=model.mlx_path is not None,
         )
         return model, p
 
-    def _draft_spec(self, model: Any, options: LoadOptions, backend: str) -> DraftSpec | None:
+    def _draft_spec(self, model: InstalledModel, options: LoadOptions, backend: str) -> DraftSpec | None:
         choice = (options.draft or "auto").strip()
         if choice == "none":
             return None
         if choice == "ngram":
             return DraftSpec(kind="ngram", num_draft=options.num_draft)
         if choice == "auto":
-            entry = getattr(model, "catalog", None)
-            draft_name = getattr(entry, "draft", None) if entry else None
+            draft_name = model.catalog.draft if model.catalog is not None else None
             if not draft_name:
                 return None
             try:
@@ -391,7 +394,7 @@ class Engine:
                 if why:
                     raise PlanError(why.removeprefix("does not fit: ").rstrip(".") + "; it does not fit this machine.")
                 raise PlanError(f"{model.name} does not fit this machine: {'; '.join(p.reasons)}")
-            need = self._estimate(model, p)
+            need = self._estimate(p)
             self._make_room(need, cancel)
             path = model.mlx_path if p.backend == "mlx" else model.path
             spec = LoadSpec(
@@ -451,22 +454,10 @@ class Engine:
             self._unload_key(running.name, only=running)
 
     @staticmethod
-    def _estimate(model: Any, p: Any) -> int:
-        """Bytes the planner expects this load to take (weights + KV + buffers), RAM and VRAM together."""
-        for attrs in (("total_bytes",), ("memory_bytes",), ("ram_bytes", "vram_bytes"), ("weights_bytes", "kv_bytes")):
-            values = [getattr(p, a, None) for a in attrs]
-            if all(isinstance(v, int | float) for v in values) and sum(values) > 0:
-                return int(sum(values))
-        info = getattr(model, "info", None) or {}
-        size = int(info.get("file_size") or getattr(model, "size", 0) or 0)
-        kv = 0
-        try:
-            from localllm.ggufinfo import GGUFInfo
-
-            kv = GGUFInfo(**info).kv_bytes_per_token(p.kv_cache_type) * int(p.n_ctx)
-        except Exception:  # noqa: BLE001 - an estimate only
-            pass
-        return size + kv + 64 * 1024 * 1024
+    def _estimate(p: Plan) -> int:
+        """Bytes the planner expects this load to take (weights + KV + compute + overhead, draft included),
+        RAM and VRAM together: ``Plan.memory.total``."""
+        return int(p.memory.total)
 
     def _budget(self) -> int:
         """Memory all loaded models may take together: ``memory_budget``, else what was free (RAM +
@@ -476,22 +467,13 @@ class Engine:
         with self._lock:
             empty = not self._models
         if self._baseline is None or empty:
-            try:
-                from localllm.hardware import probe
+            from localllm.hardware import probe
 
-                hw = probe(refresh=True)
-                self._hardware = hw
-            except Exception:  # noqa: BLE001 - hardware helper unavailable: psutil only
-                hw = None
-            if hw is not None:
-                vram = sum(getattr(g, "free_bytes", 0) for g in getattr(hw, "gpus", []) or [])
-                if getattr(hw, "apple_silicon", False):
-                    vram = 0  # unified memory: already in RAM
-                self._baseline = (int(getattr(hw, "ram_available", 0)), int(vram))
-            else:
-                import psutil
-
-                self._baseline = (int(psutil.virtual_memory().available), 0)
+            hw = probe(refresh=True)
+            self._hardware = hw
+            # unified memory (Apple Silicon): the GPU's budget is already part of RAM
+            vram = 0 if hw.apple_silicon else sum(g.free_bytes for g in hw.nvidia_gpus)
+            self._baseline = (hw.ram_available, vram)
         ram, vram = self._baseline
         return int(ram * 0.9) + int(vram * 0.9)
 
