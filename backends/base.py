@@ -1,37 +1,42 @@
-"""The backend contract: load quantized weights from a plain spec, stream tokens for a plain request.
+"""The backend contract: a backend is a *token source*; everything per request lives above it, once.
 
-A backend knows nothing about HTTP, terminals, model names or downloads (it imports nothing from
-``localllm``). Everything it needs arrives as a :class:`LoadSpec` and a :class:`GenerateRequest`;
-everything it produces is a stream of :class:`TextChunk` events closed by one :class:`Done`.
+A backend loads quantized weights from a plain :class:`LoadSpec` and answers a handful of questions —
+tokenize, render a chat, **evaluate these tokens for these sequences**, sample a row, keep / trim /
+copy a sequence's KV cells — and nothing else. It knows nothing about HTTP, terminals, model names,
+downloads, stop strings or tool calls (it imports nothing from ``localllm``).
 
-Concurrency: one backend instance serves ``max_parallel`` sequences at once (1 for llama.cpp and
-MLX today). The engine never calls :meth:`Backend.generate` on an instance more than
-``max_parallel`` times concurrently. A backend that gains parallel slots raises ``max_parallel``;
-nothing above it changes.
+Above it, in this package:
 
-Cancellation: :meth:`Backend.generate` takes a ``threading.Event``; when it is set the backend stops
-at the next token and ends the stream with ``Done(finish_reason="cancelled")``. Closing the
-generator early (``gen.close()``) must also leave the instance usable.
+* :mod:`backends.stream` — per request: prompt fitting, stop strings, UTF-8, tool calls, thinking,
+  limits, stats and the closing :class:`Done`, the same for every backend;
+* :mod:`backends.loop` — one decode loop per loaded model, on the one thread that owns the source:
+  many sequences per step (continuous batching), chunked prefill, a KV pool with prefix sharing,
+  speculative decoding as a step policy;
+* :mod:`backends.channel` — the one bridge from that thread to a consumer (sync or asyncio);
+* :mod:`backends.registry` — backend names to classes (``"llamacpp"``, ``"mlx"``).
+
+Adding a backend is one file: a :class:`TokenSource` subclass, plus one line in the registry.
 
 Errors (all subclasses of :class:`BackendError`, each message one clear sentence)::
 
     BackendError
     ├── ModelLoadError        the file cannot be loaded (corrupt, unsupported architecture, no memory)
     ├── UnsupportedError      a feature the model / build cannot do (quantized KV type, draft pairing, format)
-    └── ContextOverflowError  the prompt does not fit the context even after dropping old turns
+    ├── ContextOverflowError  the prompt does not fit the context even after dropping old turns
+    └── PoolFullError         the shared KV pool has no room for this step (the loop frees idle cells and retries)
 """
 
 from __future__ import annotations
 
 import abc
-import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Literal, Protocol
 
 KVCacheType = Literal["f16", "q8_0", "q4_0"]
 KV_CACHE_TYPES: tuple[str, ...] = ("f16", "q8_0", "q4_0")
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+ThinkValue = bool | Literal["low", "medium", "high"] | None
 
 
 class BackendError(Exception):
@@ -55,17 +60,21 @@ class ContextOverflowError(BackendError):
         self.n_ctx = n_ctx
 
 
+class PoolFullError(BackendError):
+    """:meth:`TokenSource.evaluate` found no free KV cells for the batch; the memory is unchanged."""
+
+
 # ---------------------------------------------------------------------------------------------- specs
 
 
 @dataclass
 class DraftSpec:
-    """Speculative decoding. ``kind="model"``: a second model file with the same vocabulary;
+    """Speculative decoding. ``kind="model"``: a second model with the same vocabulary;
     ``kind="ngram"``: prompt-lookup drafting (no extra model)."""
 
     kind: Literal["model", "ngram"]
     path: str | None = None  # model file / directory for kind="model"
-    num_draft: int = 4  # upper bound on tokens proposed per step (the backend adapts below it)
+    num_draft: int = 4  # upper bound on tokens proposed per step (the controller adapts below it)
     n_gpu_layers: int = 0
 
 
@@ -74,12 +83,13 @@ class LoadSpec:
     """Everything needed to load one model. Paths are plain filesystem paths."""
 
     model_path: str
-    n_ctx: int = 4096
+    n_ctx: int = 4096  # tokens per sequence (what one request may use)
+    n_seq: int = 1  # sequences decoding at once (slots); the KV pool holds n_ctx × n_seq cells
     n_gpu_layers: int = 0  # -1 = all
     n_threads: int | None = None  # None = physical cores
-    n_batch: int = 512
+    n_batch: int = 512  # most tokens one evaluation takes
     kv_cache_type: KVCacheType = "f16"
-    flash_attn: bool | None = None  # None = on when the KV type needs it
+    flash_attn: bool | None = None  # None = the library decides (llama.cpp: auto)
     draft: DraftSpec | None = None
     embedding: bool = False  # load for embeddings too
     verbose: bool = False  # let the library log to stderr
@@ -115,6 +125,9 @@ class GenerateRequest:
     format: str | dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    think: ThinkValue = None  # None = the model's default (a thinking model thinks)
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20 alternatives per token (with logprobs)
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -130,16 +143,19 @@ class Stats:
 
     prompt_eval_count: int = 0  # prompt tokens in this request (cached ones included, as Ollama)
     prompt_eval_duration: int = 0
-    eval_count: int = 0  # generated tokens
+    eval_count: int = 0  # generated tokens (thinking included)
     eval_duration: int = 0
     load_duration: int = 0
     total_duration: int = 0
     prompt_cached_tokens: int = 0  # prompt tokens reused from the KV cache (not evaluated)
+    prompt_restored_tokens: int = 0  # of those, restored from the prompt cache on disk
     draft_proposed: int = 0
     draft_accepted: int = 0
     dropped_messages: int = 0  # oldest turns dropped to fit the context
+    thinking_tokens: int = 0  # of eval_count, tokens of reasoning
+    queue_duration: int = 0  # waited for a free slot
     n_ctx: int = 0
-    context_used: int = 0  # tokens in the KV cache at the end
+    context_used: int = 0  # tokens of this sequence in the KV cache at the end
 
     @property
     def eval_rate(self) -> float:
@@ -155,9 +171,17 @@ class Stats:
         return self.draft_accepted / self.draft_proposed if self.draft_proposed else None
 
     def as_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return asdict(self)
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token with its log-probability and, when asked, the most likely alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[tuple[str, float, list[int]]] = field(default_factory=list)  # (token, logprob, bytes)
 
 
 @dataclass
@@ -166,6 +190,8 @@ class TextChunk:
 
     text: str
     tokens: int = 1
+    thinking: bool = False  # reasoning (Ollama's ``message.thinking``), not the answer
+    logprobs: list[TokenLogprob] | None = None  # the tokens this chunk's text came from, when asked
 
 
 @dataclass
@@ -195,7 +221,7 @@ class ModelInfo:
     """What a loaded model is, as the backend sees it."""
 
     architecture: str
-    n_ctx: int  # context of this load
+    n_ctx: int  # context of one sequence in this load
     n_ctx_train: int
     n_layers: int
     n_vocab: int
@@ -205,14 +231,43 @@ class ModelInfo:
     vram_bytes: int = 0  # of which on the GPU
     kv_cache_type: str = "f16"
     draft: str | None = None  # "ngram" / draft model path / None
+    n_seq: int = 1  # sequences that can decode at once
+    kv_cells: int = 0  # cells in the KV pool (all sequences together)
+    recurrent: bool = False  # recurrent / hybrid memory: no partial KV removal, no drafts
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class Backend(abc.ABC):
-    """One loaded model. Subclasses load in ``__init__`` and free in :meth:`close`."""
+@dataclass
+class Feed:
+    """Tokens to evaluate for one sequence in one step: ``tokens`` at positions ``pos, pos+1, ...``;
+    logits are kept for the last ``outputs`` of them (0 = none, ``len(tokens)`` = all)."""
+
+    seq: int
+    tokens: list[int]
+    pos: int
+    outputs: int = 1
+
+
+class Sampler(Protocol):
+    """One request's sampling state (penalties, grammar, RNG), made by :meth:`TokenSource.sampler`."""
+
+    def sample(self, row: int) -> int:
+        """Pick the next token from output ``row`` of the last evaluation, and accept it."""
+
+    def sample_logits(self, logits: Any) -> int:
+        """Pick (and accept) a token from a saved row of logits (see :meth:`TokenSource.logits`)."""
+
+    def close(self) -> None: ...
+
+
+class TokenSource(abc.ABC):
+    """One loaded model as the decode loop drives it. Every method runs on the loop's one thread.
+
+    Sequence ids ``0 .. n_seq_ids - 1`` name KV sequences in one pool of ``info.kv_cells`` cells; a
+    sequence holds at most ``n_ctx`` positions. The loop decides which tokens each sequence holds.
+    """
 
     name: ClassVar[str]
-    max_parallel: int = 1
 
     def __init__(self, spec: LoadSpec):
         self.spec = spec
@@ -222,20 +277,102 @@ class Backend(abc.ABC):
     def available(cls) -> tuple[bool, str]:
         """(importable on this machine, reason when not)."""
 
+    # ---- what it is
     @property
     @abc.abstractmethod
     def info(self) -> ModelInfo: ...
 
+    @property
+    def n_ctx(self) -> int:
+        return self.info.n_ctx
+
+    @property
+    def n_seq_ids(self) -> int:
+        """Sequence ids the pool can tell apart (active slots plus idle prefixes kept for reuse)."""
+        return max(1, self.info.n_seq)
+
+    @property
+    def n_batch(self) -> int:
+        return self.spec.n_batch
+
+    @property
+    def can_batch(self) -> bool:
+        """Several sequences in one :meth:`evaluate` run as one batched pass (not one after another)."""
+        return False
+
+    # ---- text
     @abc.abstractmethod
-    def generate(self, request: GenerateRequest, cancel: threading.Event | None = None) -> Iterator[Event]:
-        """Stream :class:`TextChunk` (and :class:`ToolCalls`) events, then exactly one :class:`Done`."""
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        """Token ids of ``text`` without BOS (``special``: control-token strings become control tokens)."""
 
     @abc.abstractmethod
-    def tokenize(self, text: str, *, special: bool = False) -> list[int]: ...
+    def prompt_tokens(self, text: str) -> list[int]:
+        """The ids a rendered prompt evaluates to: BOS as the model wants it, special tokens parsed."""
 
     @abc.abstractmethod
     def detokenize(self, tokens: list[int]) -> str: ...
 
+    @abc.abstractmethod
+    def piece(self, token: int) -> bytes:
+        """The bytes one token adds to the output (may be part of a UTF-8 character)."""
+
+    @abc.abstractmethod
+    def is_eog(self, token: int) -> bool:
+        """End of generation (EOS, EOT, ``<|im_end|>`` ...)."""
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.info.chat_template
+
+    def supports_tools(self) -> bool:
+        return bool(self.chat_template) and "tools" in (self.chat_template or "")
+
+    @abc.abstractmethod
+    def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+               add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text the chat template makes of ``messages`` (text-only content)."""
+
+    # ---- evaluation
+    @abc.abstractmethod
+    def evaluate(self, feeds: Sequence[Feed]) -> list[list[int]]:
+        """Run one step over all ``feeds``; return, per feed, the row handles of its outputs (in order).
+
+        Raises :class:`PoolFullError` (memory unchanged) when the pool has no room for the batch."""
+
+    @abc.abstractmethod
+    def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | None) -> Sampler:
+        """A fresh sampler for one request (seed, temperature/top-k/top-p/min-p, penalties, grammar)."""
+
+    @abc.abstractmethod
+    def logits(self, row: int) -> Any:
+        """A copy of the logits of output ``row`` of the last evaluation (a float32 numpy array)."""
+
+    # ---- KV cells per sequence
+    @abc.abstractmethod
+    def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> bool:
+        """Drop positions ``[p0, p1)`` of ``seq`` (``p1=-1``: to the end). False if the memory cannot."""
+
+    @abc.abstractmethod
+    def seq_cp(self, src: int, dst: int, n: int) -> bool:
+        """Make ``dst`` hold the first ``n`` positions of ``src``; False (``dst`` empty) if the memory cannot."""
+
+    def cells_used(self) -> int:
+        """KV cells in use (all sequences), when the backend can tell; -1 otherwise."""
+        return -1
+
+    # ---- prompt cache on disk (optional)
+    def state_key(self) -> str | None:
+        """What a saved sequence state depends on besides the model and tokens (build, KV type...);
+        None = this backend cannot save sequence states."""
+        return None
+
+    def state_save(self, seq: int) -> bytes:
+        raise UnsupportedError(f"The {self.name} backend cannot save sequence states.")
+
+    def state_load(self, seq: int, data: bytes) -> bool:
+        return False
+
+    # ---- the rest
     @abc.abstractmethod
     def embed(self, texts: list[str]) -> list[list[float]]:
         """One L2-normalised vector per text."""
@@ -243,29 +380,6 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Free weights and caches. Idempotent."""
-
-    def __enter__(self) -> Backend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def get_backend_class(name: str) -> type[Backend]:
-    """``"llamacpp"`` or ``"mlx"`` → the class (imported lazily: they pull heavy libraries)."""
-    if name == "llamacpp":
-        from backends.llamacpp import LlamaCppBackend
-
-        return LlamaCppBackend
-    if name == "mlx":
-        from backends.mlx import MLXBackend
-
-        return MLXBackend
-    if name == "fake":
-        from backends.fake import FakeBackend
-
-        return FakeBackend
-    raise ValueError(f"unknown backend {name!r} (choose llamacpp or mlx)")
 
 
 # ------------------------------------------------------------------------------------ context policy
@@ -317,3 +431,36 @@ def check_fits(n_prompt: int, n_ctx: int, dropped: int = 0) -> None:
         raise ContextOverflowError(
             f"{what} needs {n_prompt} tokens but the context holds {n_ctx}; shorten it or load the model "
             "with a larger context (num_ctx).", prompt_tokens=n_prompt, n_ctx=n_ctx)
+
+
+def message_text(content: Any) -> str:
+    """The text of a message's ``content`` (a string, or OpenAI content parts of type text).
+
+    >>> message_text([{"type": "text", "text": "a"}, "b"])
+    'ab'
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") in (None, "text"):
+                parts.append(str(p.get("text", "")))
+            elif isinstance(p, str):
+                parts.append(p)
+            else:
+                raise UnsupportedError("This model takes text only; image and audio parts are not supported.")
+        return "".join(parts)
+    return str(content)
+
+
+def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with text-only ``content``; images are refused in one sentence."""
+    out = []
+    for m in messages:
+        if m.get("images"):
+            raise UnsupportedError("This model takes text only; images are not supported.")
+        out.append({**m, "content": message_text(m.get("content"))})
+    return out

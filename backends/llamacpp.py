@@ -1,31 +1,25 @@
-"""GGUF models through llama-cpp-python (CPU, CUDA, Metal: whatever the installed build supports).
+"""GGUF models through llama.cpp (llama-cpp-python's low-level API): a token source for the decode loop.
 
-We drive the token loop ourselves on the ``Llama`` context (decode a batch, sample a row) instead of
-``create_completion``, so that we own: the KV prefix reuse (consecutive requests evaluate only new
-tokens), sampling and seeds, stop strings, cancellation per token, grammars, context overflow and
-speculative decoding (draft model or prompt lookup, verified in one target batch, adaptive).
+One ``llama_context`` holds every sequence of a loaded model: ``n_seq_max`` sequence ids over one
+**unified** KV pool of ``n_ctx × n_seq`` cells (a sequence may use up to ``n_ctx`` of them), so a shared
+prefix is copied between sequences by tagging its cells (``llama_memory_seq_cp``), not by evaluating
+it again. :meth:`LlamaCppSource.evaluate` puts the tokens of several sequences into one ``llama_batch``
+and runs one ``llama_decode``; each request samples with its own sampler chain (seed, temperature,
+top-k/top-p/min-p, penalties, a grammar for JSON / JSON Schema). Flash attention is left to llama.cpp
+(``LLAMA_FLASH_ATTN_TYPE_AUTO``: on where the build and the model support it).
 
->>> from backends.base import LoadSpec, GenerateRequest, Sampling
->>> with LlamaCppBackend(LoadSpec("/tmp/models/smollm2.gguf", n_ctx=2048)) as b:     # doctest: +SKIP
-...     req = GenerateRequest(messages=[{"role": "user", "content": "Hi"}], sampling=Sampling(seed=1, max_tokens=8))
-...     print("".join(e.text for e in b.generate(req) if hasattr(e, "text")))
+Everything per request (stops, UTF-8, tools, limits, stats) is :mod:`backends.stream`'s; the step
+scheduling is :mod:`backends.loop`'s. Every method here runs on the loop's one thread.
 
-Traps of llama-cpp-python 0.3.36 handled here (see shared/reference/backends.md): unknown ``Llama``
-kwargs are silently ignored (we pass only known ones), ``seed=0`` means "random" in the constructor
-(we build our own sampler with the exact seed), a quantized V cache needs flash attention, a draft
-model forces ``logits_all`` and an ``n_ctx × n_vocab`` buffer (we verify drafts on our own loop
-instead), and a ``Llama`` is not thread-safe (one generation at a time per instance, under a lock).
-
-Determinism: a request repeated with the same seed gives the same text, because the logits of the last
-prompt token are kept and reused instead of re-evaluating that token alone (kernels are not
-batch-invariant: one row evaluated alone differs in the last bits from the same row in a batch). For the
-same reason speculative decoding at temperature 0 reproduces plain decoding exactly only on targets whose
-kernels are batch-invariant: F32 on CPU (tested); F16 and quantized targets agree closely but can flip a
-near-tie (measured: F16 + n-gram diverged after 662 characters, Q4_1 + n-gram identical for 201).
+Traps of llama-cpp-python 0.3.36 handled here (see shared/reference/batching-and-cache.md): more than
+``n_batch`` tokens in one decode aborts the process (the loop never sends more), ``seed=0`` means
+"random" in llama-cpp-python's constructor (we build the sampler chain ourselves with the exact seed),
+a quantized V cache needs flash attention, an unflagged row has no logits, and llama.cpp's own logging
+levels are mapped wrongly by llama-cpp-python (we install our own callback).
 
 Backend-specific knobs in ``LoadSpec.extra``: ``chat_template`` (override the GGUF's), ``n_threads_batch``,
-``use_mmap`` (default True), ``draft_p_min`` (a draft model stops proposing below this probability; 0),
-``spec_window`` (tokens per throughput window of the speculative controller; 24).
+``use_mmap`` (default True), ``n_seq_ids`` (sequence ids in the pool; default 2 × slots, so idle
+conversations keep their prefix while others run).
 """
 
 from __future__ import annotations
@@ -34,43 +28,24 @@ import ctypes
 import logging
 import os
 import random
-import threading
-import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from backends._speculative import (
-    ModelDraft,
-    NgramDraft,
-    SpecController,
-    VocabInfo,
-    common_prefix,
-    decode,
-    rewind,
-    vocab_mismatch,
-)
-from backends._stops import StopMatcher, Utf8Stream, could_be_tool_call, parse_tool_calls
 from backends.base import (
     KV_CACHE_TYPES,
-    Backend,
-    Done,
-    Event,
-    GenerateRequest,
+    BackendError,
+    Feed,
     LoadSpec,
     ModelInfo,
     ModelLoadError,
+    PoolFullError,
     Sampling,
-    Stats,
-    TextChunk,
-    ToolCalls,
+    TokenSource,
     UnsupportedError,
-    answer_reserve,
-    check_fits,
-    fit_messages,
 )
 
 log = logging.getLogger("backends.llamacpp")
@@ -220,36 +195,67 @@ def _seed32(seed: int | None) -> int:
     return 0xFFFFFFFE if s == 0xFFFFFFFF else s
 
 
-def _message_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts
-        parts = []
-        for p in content:
-            if isinstance(p, dict) and p.get("type") == "text":
-                parts.append(str(p.get("text", "")))
-            elif isinstance(p, str):
-                parts.append(p)
-            else:
-                raise UnsupportedError("This model takes text only; image and audio parts are not supported.")
-        return "".join(parts)
-    return str(content)
+
+_FALLBACK_TEMPLATE = (  # ChatML, for GGUFs without a chat template (base models: chat is of little use)
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_backend_initialised = False
 
 
-class _Cancelled(Exception):
-    pass
+def _grammar_for(fmt: str | dict[str, Any]) -> str:
+    """GBNF for ``format``: ``"json"`` or a JSON Schema."""
+    import json
+
+    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+    if fmt == "json":
+        return JSON_GBNF
+    if isinstance(fmt, dict):
+        try:
+            gbnf = json_schema_to_gbnf(json.dumps(fmt))
+        except Exception as e:
+            raise UnsupportedError(f"This JSON schema cannot be turned into a grammar ({e}).") from None
+        # the converter lets raw control characters into strings, which is not JSON: forbid them
+        return gbnf.replace('char ::= [^"\\\\]', 'char ::= [^"\\\\\\x7F\\x00-\\x1F]')
+    raise UnsupportedError(f"Unknown format {fmt!r}; use \"json\" or a JSON schema.")
 
 
-# ---------------------------------------------------------------------------------------- backend
+class _ChainSampler:
+    """A llama.cpp sampler chain for one request; samples rows of the context's last evaluation."""
+
+    def __init__(self, src: LlamaCppSource, chain: Any):
+        self._src = src
+        self._chain = chain
+
+    def sample(self, row: int) -> int:
+        import llama_cpp
+
+        return int(llama_cpp.llama_sampler_sample(self._chain, self._src._ctx, row))
+
+    def sample_logits(self, logits: Any) -> int:
+        import llama_cpp
+        from llama_cpp import _internals as internals
+
+        cur = internals.LlamaTokenDataArray(n_vocab=self._src._n_vocab)
+        cur.copy_logits(np.asarray(logits, dtype=np.single))
+        llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(cur.candidates))
+        tok = int(cur.candidates_data.id[cur.candidates.selected])
+        llama_cpp.llama_sampler_accept(self._chain, tok)
+        return tok
+
+    def close(self) -> None:
+        if self._chain is not None:
+            import llama_cpp
+
+            llama_cpp.llama_sampler_free(self._chain)
+            self._chain = None
 
 
-class LlamaCppBackend(Backend):
-    """One GGUF model loaded with llama-cpp-python. One sequence at a time (``max_parallel = 1``)."""
+class LlamaCppSource(TokenSource):
+    """One GGUF model in one llama.cpp context: ``spec.n_seq`` slots over a unified KV pool."""
 
     name = "llamacpp"
-    max_parallel = 1
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -268,80 +274,107 @@ class LlamaCppBackend(Backend):
             raise ModelLoadError(why)
         import llama_cpp
 
+        global _backend_initialised
+        if not _backend_initialised:
+            llama_cpp.llama_backend_init()
+            _backend_initialised = True
         install_log_router(spec.verbose)
+        self._closed = False
+        self._model: Any = None
+        self._ctx: Any = None
+        self._batch: Any = None
+        self._embed: tuple[Any, Any, int] | None = None
         path = Path(spec.model_path)
+        self._path = path
         _check_gguf_file(path)
         kv = spec.kv_cache_type
-        quantized_kv = kv != "f16"
         if kv not in KV_GGML_TYPE:
             raise UnsupportedError(kv_type_problem(kv, 0, 0) or f"KV cache type {kv!r} is not supported.")
-        flash = bool(spec.flash_attn) or quantized_kv  # a quantized V cache needs flash attention
+        quantized_kv = kv != "f16"
         if quantized_kv:
+            if spec.flash_attn is False:
+                raise UnsupportedError(f"A {kv} KV cache needs flash attention; do not switch it off, or use f16.")
             problem = kv_type_problem(kv, *_head_dims_from_file(path))
             if problem:
                 raise UnsupportedError(f"{path.name}: {problem} Use --kv-cache f16.")
         self.n_threads = spec.n_threads or physical_cores()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._embed_ctx: Any = None
-        self._embed_lock = threading.Lock()
-        self._draft: Any = None
-        self._controller: SpecController | None = None
-        self._formatters: dict[bool, Any] = {}
-        self._last_prompt: list[int] | None = None  # the last prefilled prompt and its last row of logits
-        self._last_logits: np.ndarray | None = None
+        slots = max(1, spec.n_seq)
+        self._n_seq_ids = max(slots, min(256, int(spec.extra.get("n_seq_ids") or 2 * slots)))
         _recent_native.clear()
-        kwargs = dict(
-            n_ctx=spec.n_ctx,
-            n_batch=spec.n_batch,
-            n_ubatch=spec.n_batch,
-            n_gpu_layers=spec.n_gpu_layers,
-            n_threads=self.n_threads,
-            n_threads_batch=int(spec.extra.get("n_threads_batch") or self.n_threads),
-            type_k=KV_GGML_TYPE[kv],
-            type_v=KV_GGML_TYPE[kv],
-            flash_attn=flash,
-            use_mmap=bool(spec.extra.get("use_mmap", True)),
-            logits_all=False,
-            embedding=False,
-            verbose=spec.verbose,
-        )
+        mp = llama_cpp.llama_model_default_params()
+        mp.n_gpu_layers = spec.n_gpu_layers
+        mp.load_mode = (llama_cpp.LLAMA_LOAD_MODE_MMAP if spec.extra.get("use_mmap", True)
+                        else llama_cpp.LLAMA_LOAD_MODE_NONE)
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+        if not self._model:
+            self._model = None
+            raise self._load_error("Failed to load model")
         try:
-            self._llm = llama_cpp.Llama(str(path), **kwargs)
-        except ValueError as e:
-            raise self._load_error(path, str(e), kv, flash) from None
-        except (OSError, RuntimeError) as e:
-            raise ModelLoadError(f"Could not load {path.name}: {e}.") from None
-        self.flash_attn = flash
-        llm = self._llm
-        md = llm.metadata
-        self._md = md
-        self._model = llm._model
-        self._vocab = llm._model.vocab
-        self._n_vocab = llm.n_vocab()
-        self._n_ctx = llm.n_ctx()
-        arch = md.get("general.architecture", "unknown")
-        self._arch = arch
-        self._recurrent = bool(llama_cpp.llama_model_is_recurrent(llm.model)) or bool(
-            llama_cpp.llama_model_is_hybrid(llm.model))
-        self._template = spec.extra.get("chat_template") or md.get("tokenizer.chat_template")
-        eos, bos = self._model.token_eos(), self._model.token_bos()
-        self._bos_text = self._model.token_get_text(bos) if bos >= 0 else ""
-        self._eos_text = self._model.token_get_text(eos) if eos >= 0 else ""
-        self._add_bos = self._model.add_bos_token()
-        self._piece_cache: dict[int, bytes] = {}
-        self._eog_cache: dict[int, bool] = {}
-        self._info = self._build_info(path)
-        try:
-            if spec.draft is not None:
-                self._setup_draft(spec)
+            self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+            self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+            cp = llama_cpp.llama_context_default_params()
+            cp.n_ctx = spec.n_ctx * slots
+            cp.n_batch = spec.n_batch
+            cp.n_ubatch = spec.n_batch
+            cp.n_seq_max = self._n_seq_ids
+            cp.kv_unified = True
+            cp.n_threads = self.n_threads
+            cp.n_threads_batch = int(spec.extra.get("n_threads_batch") or self.n_threads)
+            cp.type_k = cp.type_v = KV_GGML_TYPE[kv]
+            cp.flash_attn_type = {None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+                                  True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                                  False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}[spec.flash_attn]
+            cp.embeddings = False
+            cp.no_perf = True
+            self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
+            if not self._ctx:
+                self._ctx = None
+                raise self._load_error("Failed to create llama_context")
+            self._mem = llama_cpp.llama_get_memory(self._ctx)
+            self._batch = llama_cpp.llama_batch_init(spec.n_batch, 0, 1)
+            self._n_batch = int(llama_cpp.llama_n_batch(self._ctx))
+            self._pool = int(llama_cpp.llama_n_ctx(self._ctx))
+            self._n_ctx = min(spec.n_ctx, int(llama_cpp.llama_n_ctx_seq(self._ctx)))
+            self._md = self._metadata()
+            self._arch = self._md.get("general.architecture", "unknown")
+            self._recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model)) or bool(
+                llama_cpp.llama_model_is_hybrid(self._model))
+            self._template = spec.extra.get("chat_template") or self._md.get("tokenizer.chat_template")
+            eos, bos = llama_cpp.llama_vocab_eos(self._vocab), llama_cpp.llama_vocab_bos(self._vocab)
+            self._bos = int(bos)
+            self._bos_text = self._token_text(bos) if bos >= 0 else ""
+            self._eos_text = self._token_text(eos) if eos >= 0 else ""
+            self._add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+            self._piece_cache: dict[int, bytes] = {}
+            self._eog_cache: dict[int, bool] = {}
+            self._formatters: dict[bool, Any] = {}
+            self.flash_attn = self._flash_attn_enabled(cp)
+            self._info = self._build_info()
             if spec.embedding:
-                self._ensure_embed_ctx()
+                self._embed_ctx()
         except BaseException:
             self.close()
             raise
 
-    def _load_error(self, path: Path, msg: str, kv: str, flash: bool) -> Exception:
+    def _flash_attn_enabled(self, cp: Any) -> bool:
+        """Whether flash attention ended up on (AUTO is resolved when the context is made)."""
+        import llama_cpp
+
+        if cp.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO:
+            return bool(cp.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+        getter = getattr(llama_cpp, "llama_get_flash_attn_type", None)  # not in every build of the binding
+        if getter is not None:
+            try:
+                return bool(getter(self._ctx) == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+            except Exception:  # noqa: BLE001
+                pass
+        for line in _recent_native:
+            if "flash_attn" in line and ("enabled" in line or "auto -> 1" in line):
+                return True
+        return not bool(llama_cpp.llama_supports_gpu_offload())  # CPU builds resolve AUTO to enabled
+
+    def _load_error(self, msg: str) -> Exception:
+        path, kv = self._path, self.spec.kv_cache_type
         if "Failed to create llama_context" in msg:
             reason = _native_reason("cache", "flash", "memory", "alloc", "n_ctx", "head")
             if kv != "f16" and reason and ("cache" in reason or "flash" in reason or "head" in reason):
@@ -352,14 +385,36 @@ class LlamaCppBackend(Backend):
                                       f"(llama.cpp: {reason}); lower num_ctx or the GPU layers.")
             return ModelLoadError(f"llama.cpp could not create a context for {path.name}"
                                   f"{f' ({reason})' if reason else ''}; lower num_ctx or try --kv-cache f16.")
-        if "Failed to load model" in msg:
-            reason = _native_reason("error loading model", "invalid", "unknown", "not within") or _native_reason()
-            reason = reason.replace("error loading model: ", "").split(",")[0] if reason else None
-            return ModelLoadError(f"{path.name} could not be loaded: it is corrupt, truncated or of an unsupported "
-                                  f"architecture{f' (llama.cpp: {reason})' if reason else ''}.")
-        return ModelLoadError(f"Could not load {path.name}: {msg}.")
+        reason = _native_reason("error loading model", "invalid", "unknown", "not within") or _native_reason()
+        reason = reason.replace("error loading model: ", "").split(",")[0] if reason else None
+        return ModelLoadError(f"{path.name} could not be loaded: it is corrupt, truncated or of an unsupported "
+                              f"architecture{f' (llama.cpp: {reason})' if reason else ''}.")
 
-    def _build_info(self, path: Path) -> ModelInfo:
+    def _metadata(self) -> dict[str, str]:
+        import llama_cpp
+
+        out: dict[str, str] = {}
+        size = 1024
+        buf = ctypes.create_string_buffer(size)
+        for i in range(llama_cpp.llama_model_meta_count(self._model)):
+            vals = []
+            for fn in (llama_cpp.llama_model_meta_key_by_index, llama_cpp.llama_model_meta_val_str_by_index):
+                n = fn(self._model, i, buf, size)
+                if n >= size:
+                    size = n + 1
+                    buf = ctypes.create_string_buffer(size)
+                    n = fn(self._model, i, buf, size)
+                vals.append(buf.value.decode("utf-8", errors="replace"))
+            out[vals[0]] = vals[1]
+        return out
+
+    def _token_text(self, tok: int) -> str:
+        import llama_cpp
+
+        t = llama_cpp.llama_vocab_get_text(self._vocab, tok)
+        return t.decode("utf-8", errors="replace") if t else ""
+
+    def _build_info(self) -> ModelInfo:
         import llama_cpp
 
         md, arch = self._md, self._arch
@@ -375,16 +430,18 @@ class LlamaCppBackend(Backend):
         n_head_kv = num("attention.head_count_kv", n_head)
         hd = n_embd // n_head if n_embd and n_head else 0
         hk, hv = num("attention.key_length", hd), num("attention.value_length", hd)
-        kv_bytes = int(self._n_ctx * n_layers * n_head_kv * (hk + hv) * KV_BYTES_PER_ELEM[self.spec.kv_cache_type])
-        weights = int(self._model.size())
+        kv_bytes = int(self._pool * n_layers * n_head_kv * (hk + hv) * KV_BYTES_PER_ELEM[self.spec.kv_cache_type])
+        weights = int(llama_cpp.llama_model_size(self._model))
         gpu = bool(llama_cpp.llama_supports_gpu_offload())
         req = self.spec.n_gpu_layers
         offloaded = 0 if not gpu else (n_layers + 1 if req < 0 else min(req, n_layers + 1))
         frac = offloaded / (n_layers + 1) if n_layers else 0.0
+        desc = ctypes.create_string_buffer(256)
+        llama_cpp.llama_model_desc(self._model, desc, 256)
         return ModelInfo(
             architecture=arch,
             n_ctx=self._n_ctx,
-            n_ctx_train=self._model.n_ctx_train(),
+            n_ctx_train=int(llama_cpp.llama_model_n_ctx_train(self._model)),
             n_layers=n_layers,
             n_vocab=self._n_vocab,
             chat_template=self._template,
@@ -393,76 +450,71 @@ class LlamaCppBackend(Backend):
             vram_bytes=int(weights * frac + (kv_bytes if offloaded else 0)),
             kv_cache_type=self.spec.kv_cache_type,
             draft=None,
+            n_seq=max(1, self.spec.n_seq),
+            kv_cells=self._pool,
+            recurrent=self._recurrent,
             extra={
-                "path": str(path),
-                "n_params": int(self._model.n_params()),
+                "path": str(self._path),
+                "n_params": int(llama_cpp.llama_model_n_params(self._model)),
                 "weights_bytes": weights,
                 "kv_bytes": kv_bytes,
+                "kv_cache_bytes": kv_bytes,
                 "flash_attn": self.flash_attn,
                 "n_threads": self.n_threads,
                 "gpu_offload_supported": gpu,
-                "description": self._model.desc(),
+                "description": desc.value.decode("utf-8", errors="replace"),
                 "recurrent": self._recurrent,
                 "chat_template_fallback": self._template is None,
+                "n_seq_ids": self._n_seq_ids,
             },
         )
 
-    # ------------------------------------------------------------------ draft
-
-    def _setup_draft(self, spec: LoadSpec) -> None:
-        import llama_cpp
-
-        d = spec.draft
-        assert d is not None
-        if self._recurrent:
-            raise UnsupportedError(
-                f"Speculative decoding is not available for {self._arch} models: a recurrent/hybrid model "
-                "cannot roll back rejected draft tokens; use --draft none.")
-        if d.kind == "ngram":
-            self._draft = NgramDraft(num_pred_tokens=max(1, d.num_draft))
-            self._info.draft = "ngram"
-        elif d.kind == "model":
-            if not d.path:
-                raise UnsupportedError("A draft model needs a path to its file.")
-            dpath = Path(d.path)
-            _check_gguf_file(dpath)
-            try:
-                draft_llm = llama_cpp.Llama(
-                    str(dpath), n_ctx=self._n_ctx, n_batch=self.spec.n_batch, n_ubatch=self.spec.n_batch,
-                    n_gpu_layers=d.n_gpu_layers, n_threads=self.n_threads, n_threads_batch=self.n_threads,
-                    logits_all=False, verbose=spec.verbose)
-            except ValueError as e:
-                raise ModelLoadError(f"Draft model {dpath.name} could not be loaded ({e}).") from None
-            problem = vocab_mismatch(VocabInfo.of(self._llm), VocabInfo.of(draft_llm))
-            if problem is None and (llama_cpp.llama_model_is_recurrent(draft_llm.model)
-                                    or llama_cpp.llama_model_is_hybrid(draft_llm.model)):
-                problem = f"The draft model {dpath.name} is recurrent/hybrid and cannot roll back rejected tokens."
-            if problem:
-                draft_llm.close()
-                raise UnsupportedError(problem)
-            self._draft = ModelDraft(draft_llm, num_pred_tokens=max(1, d.num_draft),
-                                     p_min=float(spec.extra.get("draft_p_min", 0.0)))
-            self._info.draft = str(dpath)
-            self._info.size_bytes += int(draft_llm._model.size())
-        else:
-            raise UnsupportedError(f"Unknown draft kind {d.kind!r}; use a model or ngram.")
-        self._controller = SpecController(max(1, d.num_draft), window=int(spec.extra.get("spec_window", 24)))
-
-    # ------------------------------------------------------------------ properties
+    # ------------------------------------------------------------------ what it is
 
     @property
     def info(self) -> ModelInfo:
         return self._info
 
     @property
-    def controller(self) -> SpecController | None:
-        """The speculative-decoding controller (None without a draft)."""
-        return self._controller
+    def n_ctx(self) -> int:
+        return self._n_ctx
 
-    # ------------------------------------------------------------------ tokens
+    @property
+    def n_seq_ids(self) -> int:
+        return self._n_seq_ids
+
+    @property
+    def n_batch(self) -> int:
+        return self._n_batch
+
+    @property
+    def can_batch(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ text
+
+    def _tokenize(self, text: str, add_bos: bool, special: bool) -> list[int]:
+        import llama_cpp
+
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        for _ in range(2):
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_bos, special)
+            if n >= 0:
+                return list(buf[:n])
+            cap = -n
+        raise BackendError("llama.cpp could not tokenize the text.")
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
-        return self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=special)
+        return self._tokenize(text, False, special)
+
+    def prompt_tokens(self, text: str) -> list[int]:
+        add_bos = self._add_bos and not (self._bos_text and text.startswith(self._bos_text))
+        toks = self._tokenize(text, add_bos, True)
+        if not toks and self._bos >= 0:
+            toks = [self._bos]
+        return toks
 
     def detokenize(self, tokens: list[int]) -> str:
         """Text of ``tokens``; special tokens are written out (``<|im_start|>``), so prompts read back whole."""
@@ -478,24 +530,30 @@ class LlamaCppBackend(Backend):
             size = -n
         return ""
 
-    def _piece(self, tok: int) -> bytes:
+    def piece(self, token: int) -> bytes:
         """The bytes of one token (cached). llama-cpp-python's own helper pads them to 32 bytes with NULs."""
-        p = self._piece_cache.get(tok)
+        p = self._piece_cache.get(token)
         if p is None:
             import llama_cpp
 
             size = 32
             while True:
                 buf = ctypes.create_string_buffer(size)
-                n = llama_cpp.llama_token_to_piece(self._vocab, tok, buf, size, 0, False)
+                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, size, 0, False)
                 if n >= 0:
                     p = buf.raw[:n]
                     break
                 size = -n
-            self._piece_cache[tok] = p
+            self._piece_cache[token] = p
         return p
 
-    # ------------------------------------------------------------------ prompts
+    def is_eog(self, token: int) -> bool:
+        v = self._eog_cache.get(token)
+        if v is None:
+            import llama_cpp
+
+            v = self._eog_cache[token] = bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+        return v
 
     def _formatter(self, add_generation_prompt: bool) -> Any:
         f = self._formatters.get(add_generation_prompt)
@@ -507,327 +565,177 @@ class LlamaCppBackend(Backend):
             self._formatters[add_generation_prompt] = f
         return f
 
-    def supports_tools(self) -> bool:
-        return bool(self._template) and "tools" in self._template
-
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's chat template makes of ``messages``."""
-        msgs = []
-        for m in messages:
-            m2 = dict(m)
-            m2["content"] = _message_text(m.get("content"))
-            if m2.get("images"):
-                raise UnsupportedError("This model takes text only; images are not supported.")
-            msgs.append(m2)
+    def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+               add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> str:
         try:
-            return self._formatter(add_generation_prompt)(messages=msgs, tools=tools).prompt
+            return str(self._formatter(add_generation_prompt)(messages=messages, tools=tools,
+                                                               **(template_kwargs or {})).prompt)
         except UnsupportedError:
             raise
         except Exception as e:  # jinja errors, raise_exception() from the template
             raise UnsupportedError(f"The chat template of this model rejected the messages: {e}.") from None
 
-    def _tokens_for_text(self, text: str) -> list[int]:
-        add_bos = self._add_bos and not (self._bos_text and text.startswith(self._bos_text))
-        return self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
+    # ------------------------------------------------------------------ evaluation
 
-    def _answer_reserve(self, s: Sampling) -> int:
-        return answer_reserve(s.max_tokens, self._n_ctx)
-
-    def prompt_tokens(self, request: GenerateRequest) -> tuple[list[int], int]:
-        """(prompt tokens, messages dropped to fit the context), by :func:`backends.base.fit_messages`'s
-        policy. Raises :class:`ContextOverflowError`."""
-        dropped = 0
-        if request.prompt is not None:
-            toks = self._tokens_for_text(request.prompt)
-            check_fits(len(toks), self._n_ctx)
-        else:
-            if request.tools and not self.supports_tools():
-                raise UnsupportedError(f"The chat template of {Path(self.spec.model_path).name} does not "
-                                       "support tools.")
-            tools = request.tools or None
-            toks, dropped = fit_messages(
-                list(request.messages or []),
-                lambda msgs: self._tokens_for_text(self.render_chat(msgs, tools, request.add_generation_prompt)),
-                self._n_ctx, self._answer_reserve(request.sampling))
-        if not toks:
-            toks = [self._model.token_bos() if self._model.token_bos() >= 0 else self._model.token_eos()]
-        return toks, dropped
-
-    # ------------------------------------------------------------------ sampling
-
-    def _grammar_sampler(self, fmt: str | dict[str, Any] | None) -> Any:
-        """A llama.cpp grammar sampler for ``format`` (None when unconstrained)."""
-        if fmt is None or fmt == "" or fmt == "text":
-            return None
-        import json
-
+    def evaluate(self, feeds: Sequence[Feed]) -> list[list[int]]:
         import llama_cpp
-        from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-        if fmt == "json":
-            gbnf = JSON_GBNF
-        elif isinstance(fmt, dict):
-            try:
-                gbnf = json_schema_to_gbnf(json.dumps(fmt))
-            except Exception as e:
-                raise UnsupportedError(f"This JSON schema cannot be turned into a grammar ({e}).") from None
-            # the converter lets raw control characters into strings, which is not JSON: forbid them
-            gbnf = gbnf.replace('char ::= [^"\\\\]', 'char ::= [^"\\\\\\x7F\\x00-\\x1F]')
-        else:
-            raise UnsupportedError(f"Unknown format {fmt!r}; use \"json\" or a JSON schema.")
-        _recent_native.clear()
-        smpl = llama_cpp.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root")
-        if not smpl:
-            why = _native_reason()
-            raise UnsupportedError(f"llama.cpp rejected the grammar for this format{f' ({why})' if why else ''}.")
-        return smpl
+        b = self._batch
+        n = 0
+        rows: list[list[int]] = []
+        for f in feeds:
+            k = len(f.tokens)
+            if n + k > self._n_batch:
+                raise BackendError(f"A step of {n + k} tokens exceeds the batch size {self._n_batch}.")
+            first_out = k - f.outputs
+            mine = []
+            for j, t in enumerate(f.tokens):
+                i = n + j
+                b.token[i] = t
+                b.pos[i] = f.pos + j
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = f.seq
+                out = j >= first_out
+                b.logits[i] = out
+                if out:
+                    mine.append(i)
+            n += k
+            rows.append(mine)
+        b.n_tokens = n
+        if n == 0:
+            return rows
+        rc = llama_cpp.llama_decode(self._ctx, b)
+        if rc == 1:
+            raise PoolFullError("No room in the KV cache for this step.")
+        if rc != 0:
+            raise BackendError(f"llama.cpp failed to evaluate the batch (llama_decode returned {rc}).")
+        return rows
 
-    def _make_sampler(self, s: Sampling, fmt: str | dict[str, Any] | None) -> Any:
+    def logits(self, row: int) -> Any:
         import llama_cpp
-        from llama_cpp import _internals as internals
 
-        grammar = self._grammar_sampler(fmt)  # first: it may raise
-        smp = internals.LlamaSampler()
+        ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
+        if not ptr:
+            raise BackendError(f"No logits for batch row {row}.")
+        return np.array(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)), dtype=np.single)
+
+    def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | None) -> _ChainSampler:
+        import llama_cpp
+
+        s = sampling
+        grammar = None
+        if fmt not in (None, "", "text"):
+            gbnf = _grammar_for(fmt)  # type: ignore[arg-type]
+            _recent_native.clear()
+            grammar = llama_cpp.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root")
+            if not grammar:
+                why = _native_reason()
+                raise UnsupportedError(f"llama.cpp rejected the grammar for this format{f' ({why})' if why else ''}.")
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+
+        def add(smpl: Any) -> None:
+            llama_cpp.llama_sampler_chain_add(chain, smpl)  # the chain owns it now
+
         if s.repeat_penalty not in (0, 1.0) or s.presence_penalty or s.frequency_penalty:
             last_n = self._n_ctx if s.repeat_last_n == -1 else max(0, s.repeat_last_n)
-            smp.add_penalties(self._n_vocab, last_n, s.repeat_penalty or 1.0, s.frequency_penalty,
-                              s.presence_penalty)
+            add(llama_cpp.llama_sampler_init_penalties(self._n_vocab, last_n, s.repeat_penalty or 1.0,
+                                                       s.frequency_penalty, s.presence_penalty))
         if grammar is not None:
-            llama_cpp.llama_sampler_chain_add(smp.sampler, grammar)  # the chain owns it now
+            add(grammar)
         if s.temperature is None or s.temperature <= 0:
-            smp.add_greedy()
+            add(llama_cpp.llama_sampler_init_greedy())
         else:
             if s.top_k and s.top_k > 0:
-                smp.add_top_k(int(s.top_k))
+                add(llama_cpp.llama_sampler_init_top_k(int(s.top_k)))
             if s.top_p is not None and 0 < s.top_p < 1:
-                smp.add_top_p(float(s.top_p), 1)
+                add(llama_cpp.llama_sampler_init_top_p(float(s.top_p), 1))
             if s.min_p and s.min_p > 0:
-                smp.add_min_p(float(s.min_p), 1)
-            smp.add_temp(float(s.temperature))
-            smp.add_dist(_seed32(s.seed))
-        return smp
+                add(llama_cpp.llama_sampler_init_min_p(float(s.min_p), 1))
+            add(llama_cpp.llama_sampler_init_temp(float(s.temperature)))
+            add(llama_cpp.llama_sampler_init_dist(_seed32(s.seed)))
+        return _ChainSampler(self, chain)
 
-    # ------------------------------------------------------------------ generation
+    # ------------------------------------------------------------------ KV cells
 
-    def generate(self, request: GenerateRequest, cancel: threading.Event | None = None) -> Iterator[Event]:
-        """Stream the answer to ``request``; see :class:`backends.base.Backend`."""
-        if self._closed:
-            raise ModelLoadError("This model has been unloaded.")
-        with self._lock:
-            yield from self._generate(request, cancel)
-
-    def _prefill(self, toks: list[int], cancel: threading.Event | None) -> tuple[int, bool]:
-        """Make the KV cache hold ``toks`` with logits for the last one ready to sample.
-
-        Returns (prompt tokens reused from the cache, whether the first token must be sampled from the
-        saved logits of the previous identical prompt). Re-evaluating the last prompt token alone would give
-        logits that differ in the last bits from the batched ones (CPU/GPU kernels are not batch-invariant),
-        so a repeated request with the same seed would not reproduce its text; the saved row avoids that.
-        """
-        llm = self._llm
-        keep = common_prefix(llm.input_ids[: llm.n_tokens], np.asarray(toks, dtype=np.intc))
-        if (keep >= len(toks) and self._last_logits is not None and self._last_prompt is not None
-                and len(self._last_prompt) == len(toks) and self._last_prompt == toks and rewind(llm, len(toks))):
-            return len(toks), True
-        if keep >= len(toks):
-            keep = len(toks) - 1  # the last prompt token is evaluated again for its logits
-        if not rewind(llm, keep):
-            llm.reset()  # recurrent/hybrid memory: no partial removal
-            keep = 0
-        self._last_prompt = self._last_logits = None
-        rest = toks[keep:]
-        step = llm.n_batch
-        for i in range(0, len(rest), step):
-            if cancel is not None and cancel.is_set():
-                raise _Cancelled
-            decode(llm, rest[i : i + step], logits_all=False)
+    def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> bool:
         import llama_cpp
 
-        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-        self._last_logits = np.array(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)), dtype=np.single)
-        self._last_prompt = list(toks)
-        return keep, False
+        return bool(llama_cpp.llama_memory_seq_rm(self._mem, seq, p0, p1))
 
-    def _sample_saved(self, sampler: Any) -> int:
-        """Sample from the saved logits of the last prompt token (see :meth:`_prefill`)."""
+    def seq_cp(self, src: int, dst: int, n: int) -> bool:
         import llama_cpp
-        from llama_cpp import _internals as internals
 
-        cur = internals.LlamaTokenDataArray(n_vocab=self._n_vocab)
-        cur.copy_logits(self._last_logits)
-        llama_cpp.llama_sampler_apply(sampler.sampler, ctypes.byref(cur.candidates))
-        tok = int(cur.candidates_data.id[cur.candidates.selected])
-        llama_cpp.llama_sampler_accept(sampler.sampler, tok)
-        return tok
+        llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        if self._recurrent:
+            return False
+        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+        return True
 
-    def _generate(self, request: GenerateRequest, cancel: threading.Event | None) -> Iterator[Event]:
-        s = request.sampling
-        llm = self._llm
-        stats = Stats(n_ctx=self._n_ctx)
-        toks, stats.dropped_messages = self.prompt_tokens(request)
-        sampler = self._make_sampler(s, request.format)
-        stats.prompt_eval_count = len(toks)
-        stops = StopMatcher(s.stop)
-        utf8 = Utf8Stream()
-        tool_mode = bool(request.tools)
-        tool_buf = ""  # text held while it may be a tool call
-        is_eog = self._is_eog
-        draft = self._draft
-        ctl = self._controller
-        max_new = self._n_ctx - len(toks)
-        if s.max_tokens is not None and s.max_tokens > 0:
-            max_new = min(max_new, s.max_tokens)
-        finish: str | None = None
-        hit_stop = False
-        n_gen = 0
-        t0 = time.perf_counter_ns()
-        try:
-            from_saved = False
-            try:
-                stats.prompt_cached_tokens, from_saved = self._prefill(toks, cancel)
-            except _Cancelled:
-                finish = "cancelled"
-            stats.prompt_eval_duration = time.perf_counter_ns() - t0
-            last: int | None = None  # sampled, emitted, not yet in the KV cache
-            while finish is None:
-                if cancel is not None and cancel.is_set():
-                    finish = "cancelled"
-                    break
-                t_step = time.perf_counter_ns()
-                drafts: list[int] = []
-                if last is None:
-                    out = [self._sample_saved(sampler) if from_saved else sampler.sample(llm._ctx, -1)]
-                else:
-                    room = min(max_new - n_gen - 1, self._n_ctx - llm.n_tokens - 2)
-                    k = min(ctl.n_draft(), room) if (draft is not None and ctl is not None) else 0
-                    if k > 0:
-                        seq = np.append(llm.input_ids[: llm.n_tokens], np.intc(last))
-                        drafts = [int(t) for t in draft(seq, n=k)[:k]]
-                    if llm.n_tokens + 1 + len(drafts) > self._n_ctx:
-                        finish = "length"
-                        break
-                    base = llm.n_tokens
-                    decode(llm, [last, *drafts], logits_all=bool(drafts))
-                    if not drafts:
-                        out = [sampler.sample(llm._ctx, -1)]
-                    else:
-                        out = []
-                        for j in range(len(drafts) + 1):
-                            tok = sampler.sample(llm._ctx, j)
-                            out.append(tok)
-                            if j == len(drafts) or tok != drafts[j] or is_eog(tok):
-                                break
-                        accepted = len(out) - 1
-                        stats.draft_proposed += len(drafts)
-                        stats.draft_accepted += accepted
-                        rewind(llm, base + 1 + accepted)  # drop the rejected drafts from the KV cache
-                decoded = last is not None  # the first token comes from the prompt's logits: no decode step
-                last = out[-1]
-                step_ns = time.perf_counter_ns() - t_step
-                stats.eval_duration += step_ns
-                if ctl is not None and decoded:
-                    catchup = getattr(draft, "catchup_ns", 0) if drafts else 0
-                    ctl.record(proposed=len(drafts), accepted=len(out) - 1 if drafts else 0, emitted=len(out),
-                               ns=step_ns - catchup)
-                for tok in out:
-                    if is_eog(tok):
-                        finish = "stop"
-                        break
-                    n_gen += 1
-                    text = utf8.push(self._piece(tok))
-                    if text:
-                        emit, hit_stop = stops.push(text)
-                        if tool_mode and (tool_buf or emit) and could_be_tool_call(tool_buf + emit):
-                            tool_buf, emit = tool_buf + emit, ""
-                        elif tool_buf:
-                            emit, tool_buf = tool_buf + emit, ""
-                        if emit:
-                            yield TextChunk(emit)
-                        if hit_stop:
-                            finish = "stop"
-                            break
-                    if n_gen >= max_new:
-                        finish = "length"
-                        break
-            if not hit_stop:  # flush what was held back: an incomplete character, a stop-string prefix
-                emit, hit_stop = stops.push(utf8.flush())
-                if not hit_stop:
-                    emit += stops.flush()
-                if tool_buf or (tool_mode and emit and could_be_tool_call(emit)):
-                    tool_buf, emit = tool_buf + emit, ""
-                if emit:
-                    yield TextChunk(emit)
-            if tool_buf:
-                calls = parse_tool_calls(tool_buf) if finish != "cancelled" else None
-                if calls is not None:
-                    yield ToolCalls(calls)
-                else:
-                    yield TextChunk(tool_buf)
-            stats.eval_count = n_gen
-            stats.context_used = llm.n_tokens
-            stats.total_duration = time.perf_counter_ns() - t0
-            yield Done(stats=stats, finish_reason=finish or "stop")  # type: ignore[arg-type]
-        finally:
-            sampler.close()
+    # ------------------------------------------------------------------ sequence states (prompt cache)
 
-    def _is_eog(self, tok: int) -> bool:
-        """End-of-generation token (EOS, EOT, <|im_end|>...), as llama.cpp's vocab says; memoised."""
-        v = self._eog_cache.get(tok)
-        if v is None:
-            import llama_cpp
+    def state_key(self) -> str | None:
+        import llama_cpp
 
-            v = self._eog_cache[tok] = bool(llama_cpp.llama_vocab_is_eog(self._vocab, tok))
-        return v
+        if self._recurrent:
+            return None
+        return (f"llama.cpp-{getattr(llama_cpp, '__version__', '?')} kv={self.spec.kv_cache_type} "
+                f"fa={int(self.flash_attn)} unified=1 gpu_layers={self._info.n_gpu_layers}")
+
+    def state_save(self, seq: int) -> bytes:
+        import llama_cpp
+
+        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, seq))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq))
+        return bytes(memoryview(buf)[:n])
+
+    def state_load(self, seq: int, data: bytes) -> bool:
+        import llama_cpp
+
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) > 0
 
     # ------------------------------------------------------------------ embeddings
 
-    def _ensure_embed_ctx(self) -> Any:
+    def _embed_ctx(self) -> tuple[Any, Any, int]:
         """A second context on the same weights, with mean pooling, for embeddings (made on first use)."""
-        if self._embed_ctx is None:
+        if self._embed is None:
             import llama_cpp
-            from llama_cpp import _internals as internals
 
             n = min(self._n_ctx, 2048)
             p = llama_cpp.llama_context_default_params()
-            p.n_ctx = n
-            p.n_batch = n
-            p.n_ubatch = n
+            p.n_ctx = p.n_batch = p.n_ubatch = n
             p.n_seq_max = 1
-            p.n_threads = self.n_threads
-            p.n_threads_batch = self.n_threads
+            p.n_threads = p.n_threads_batch = self.n_threads
             p.embeddings = True
             p.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
-            try:
-                ctx = internals.LlamaContext(model=self._model, params=p, verbose=False)
-            except ValueError:
-                raise ModelLoadError("llama.cpp could not create an embedding context for this model.") from None
-            batch = internals.LlamaBatch(n_tokens=n, embd=0, n_seq_max=1, verbose=False)
-            self._embed_ctx = (ctx, batch, n)
-        return self._embed_ctx
+            ctx = llama_cpp.llama_init_from_model(self._model, p)
+            if not ctx:
+                raise ModelLoadError("llama.cpp could not create an embedding context for this model.")
+            self._embed = (ctx, llama_cpp.llama_batch_init(n, 0, 1), n)
+        return self._embed
 
     def embed(self, texts: list[str]) -> list[list[float]]:
         """Mean-pooled, L2-normalised embeddings, one per text (texts longer than the context are cut)."""
         import llama_cpp
 
-        with self._embed_lock:
-            ctx, batch, n = self._ensure_embed_ctx()
-            n_embd = llama_cpp.llama_model_n_embd(self._model.model)
-            out: list[list[float]] = []
-            for text in texts:
-                toks = self._llm.tokenize(text.encode("utf-8"), add_bos=self._add_bos, special=False)[:n]
-                if not toks:
-                    toks = [max(self._model.token_bos(), 0)]
-                ctx.kv_cache_clear()
-                batch.set_batch(toks, n_past=0, logits_all=True)
-                ctx.decode(batch)
-                ptr = llama_cpp.llama_get_embeddings_seq(ctx.ctx, 0)
-                if not ptr:
-                    ptr = llama_cpp.llama_get_embeddings_ith(ctx.ctx, -1)
-                v = np.array(np.ctypeslib.as_array(ptr, shape=(n_embd,)), dtype=np.float64)
-                norm = float(np.linalg.norm(v))
-                out.append((v / norm if norm > 0 else v).tolist())
-            return out
+        ctx, b, n = self._embed_ctx()
+        n_embd = llama_cpp.llama_model_n_embd(self._model)
+        out: list[list[float]] = []
+        for text in texts:
+            toks = self._tokenize(text, self._add_bos, False)[:n] or [max(self._bos, 0)]
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+            for i, t in enumerate(toks):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = t, i, 1, 0, True
+            b.n_tokens = len(toks)
+            rc = llama_cpp.llama_decode(ctx, b)
+            if rc != 0:
+                raise BackendError(f"llama.cpp failed to embed the text (llama_decode returned {rc}).")
+            ptr = llama_cpp.llama_get_embeddings_seq(ctx, 0) or llama_cpp.llama_get_embeddings_ith(ctx, -1)
+            v = np.array(np.ctypeslib.as_array(ptr, shape=(n_embd,)), dtype=np.float64)
+            norm = float(np.linalg.norm(v))
+            out.append((v / norm if norm > 0 else v).tolist())
+        return out
 
     # ------------------------------------------------------------------ close
 
@@ -835,20 +743,19 @@ class LlamaCppBackend(Backend):
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        if not self._lock.acquire(timeout=10):  # a generation still runs: freeing now would crash it
-            log.warning("llama.cpp model %s is still generating; not freed", self.spec.model_path)
-            return
-        try:
-            if self._embed_ctx is not None:
-                ctx, batch, _ = self._embed_ctx
-                batch.close()
-                ctx.close()
-                self._embed_ctx = None
-            if isinstance(self._draft, ModelDraft):
-                self._draft.close()
-            self._draft = None
-            llm = getattr(self, "_llm", None)
-            if llm is not None:
-                llm.close()
-        finally:
-            self._lock.release()
+        import llama_cpp
+
+        if self._embed is not None:
+            ctx, b, _ = self._embed
+            llama_cpp.llama_batch_free(b)
+            llama_cpp.llama_free(ctx)
+            self._embed = None
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None

@@ -8,10 +8,11 @@ cancellation. Faces (CLI, server, TUI) talk to it and never to a backend.
     ...         if isinstance(event, TextChunk):
     ...             print(event.text, end="")
 
-Concurrency: each loaded model has a semaphore of ``backend.max_parallel`` slots (1 today: neither a
-``llama_cpp.Llama`` nor an MLX model is safe for concurrent generation). Only one model loads at a
-time. A generation holds its slot for the life of its generator; closing the generator or setting
-``cancel`` stops it at the next token and frees the slot.
+Concurrency: each loaded model runs on its own decode loop (:class:`backends.loop.LoadedModel`): one
+thread owns the model, and up to ``num_parallel`` requests decode together in one batch per step
+(continuous batching; ``LOCALLLM_NUM_PARALLEL``, default: 4 slots where the planner's memory estimate
+for one KV pool of 4 contexts fits). Only one model loads at a time. Closing a generator, or setting
+``cancel``, ends that request at the next step and frees its slot and KV cells.
 
 Scheduling (Ollama's, ``server/sched.go``):
 
@@ -31,17 +32,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 # The request/event types faces use: re-exported so no face imports ``backends``.
 from backends.base import (  # noqa: F401
     KV_CACHE_TYPES,
-    Backend,
     BackendError,
     ContextOverflowError,
     Done,
@@ -54,10 +53,14 @@ from backends.base import (  # noqa: F401
     Sampling,
     Stats,
     TextChunk,
+    TokenLogprob,
+    TokenSource,
     ToolCalls,
     UnsupportedError,
-    get_backend_class,
 )
+from backends.channel import Channel
+from backends.loop import LoadedModel, LoopMetrics
+from backends.registry import source_class
 from localllm import config
 from localllm.errors import LocalLLMError, ModelNotFoundError
 
@@ -109,6 +112,12 @@ def parse_keep_alive(value: Any, default: float | None = None) -> float:
     return sum(float(n) * unit[u] for n, u in parts)
 
 
+def _env_parallel() -> int | None:
+    """``LOCALLLM_NUM_PARALLEL`` (slots per model); unset or 0 = let the planner decide."""
+    n = config.env_int("LOCALLLM_NUM_PARALLEL", 0)
+    return n if n > 0 else None
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     """How to load a model. ``None`` means "let the planner decide"."""
@@ -121,91 +130,7 @@ class LoadOptions:
     num_draft: int = 4
     num_thread: int | None = None
     embedding: bool = False
-
-
-class _Runner:
-    """The one OS thread that makes every call into a loaded backend (load, generate, embed, close).
-
-    llama.cpp's CPU build runs its compute on an OpenMP team that belongs to the calling thread, and the
-    team's workers spin after each step: when successive requests decode from different threads (a new
-    thread per HTTP request), the idle teams of the earlier ones spin on and starve the current one —
-    measured on 2 cores: 165 tok/s from one thread, 0.3-80 tok/s when the thread changed per request.
-    """
-
-    def __init__(self, name: str):
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            job()
-
-    def call(self, fn: Any) -> Any:
-        """Run ``fn()`` on the runner thread and return its result (or raise its exception)."""
-        if threading.current_thread() is self._thread:
-            return fn()
-        box: list[tuple[bool, Any]] = []
-        done = threading.Event()
-
-        def job() -> None:
-            try:
-                box.append((True, fn()))
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-                box.append((False, e))
-            finally:
-                done.set()
-
-        self._jobs.put(job)
-        done.wait()
-        ok, value = box[0]
-        if ok:
-            return value
-        raise value
-
-    def stream(self, make_iter: Any, stop: threading.Event, cancel: threading.Event | None) -> Iterator[Any]:
-        """Iterate ``make_iter()`` on the runner thread, yielding its items here. Leaving early sets
-        ``stop`` (the backend's cancel event) and waits for the backend to finish its step."""
-        out: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
-
-        def job() -> None:
-            try:
-                for item in make_iter():
-                    out.put((0, item))
-            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-                out.put((1, e))
-            finally:
-                out.put((2, None))
-
-        self._jobs.put(job)
-        finished = False
-        try:
-            while True:
-                if cancel is not None and cancel.is_set():
-                    stop.set()
-                try:
-                    kind, value = out.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                if kind == 0:
-                    yield value
-                elif kind == 1:
-                    finished = True
-                    raise value
-                else:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                stop.set()
-                while out.get()[0] != 2:
-                    pass
-
-    def close(self) -> None:
-        self._jobs.put(None)
+    num_parallel: int | None = None  # slots; None = LOCALLLM_NUM_PARALLEL, else the planner (4 where it fits)
 
 
 @dataclass
@@ -214,25 +139,37 @@ class RunningModel:
 
     name: str
     digest: str
-    backend: Backend
+    model: LoadedModel
     options: LoadOptions
     plan: Plan
     loaded_at: float
     load_duration_ns: int
     keep_alive: float
     expires_at: float  # monotonic deadline; inf = never
-    slots: threading.Semaphore
-    active: int = 0  # generations running now
     last_used: float = field(default_factory=time.monotonic)
     refs: int = 0  # requests holding or waiting for this model (never evicted while > 0)
     estimate: int = 0  # the planner's memory estimate (bytes) used for residency decisions
     closed: bool = False
     installed: InstalledModel | None = None  # details for ps
-    runner: Any = None  # the _Runner thread every backend call goes through
+
+    @property
+    def backend(self) -> str:
+        """The inference backend's name (``llamacpp``, ``mlx``)."""
+        return self.plan.backend
+
+    @property
+    def metrics(self) -> LoopMetrics:
+        """Slots, KV cells, tokens and drafts of this model's decode loop now."""
+        return self.model.metrics()
+
+    @property
+    def active(self) -> int:
+        """Requests decoding now."""
+        return self.model.metrics().slots_busy
 
     @property
     def info(self) -> ModelInfo:
-        return self.backend.info
+        return self.model.info
 
     @property
     def size(self) -> int:
@@ -267,7 +204,8 @@ class Engine:
 
     def __init__(self, store: Any = None, *, keep_alive: float | None = None, hardware: Any = None,
                  max_loaded: int | None = None, max_queue: int | None = None,
-                 memory_budget: int | None = None, backend_class: Any = None):
+                 memory_budget: int | None = None,
+                 backend_class: Callable[[str], type[TokenSource]] | None = None):
         if store is None:
             from localllm.store import Store
 
@@ -277,7 +215,7 @@ class Engine:
         self.keep_alive = parse_keep_alive(None) if keep_alive is None else keep_alive
         self.max_loaded = config.env_int("LOCALLLM_MAX_LOADED_MODELS", 0) if max_loaded is None else max_loaded
         self.max_queue = config.env_int("LOCALLLM_MAX_QUEUE", DEFAULT_MAX_QUEUE) if max_queue is None else max_queue
-        self._backend_class = backend_class or get_backend_class  # name -> Backend class (tests swap it)
+        self._backend_class = backend_class or source_class  # backend name -> TokenSource class (tests swap it)
         self.memory_budget = memory_budget  # bytes for all loaded models; None = free RAM (+VRAM) at first load
         self._baseline: tuple[int, int] | None = None  # (free RAM, free VRAM) with nothing loaded
         self._models: dict[str, RunningModel] = {}
@@ -319,6 +257,7 @@ class Engine:
             backend=options.backend,
             num_gpu=options.num_gpu,
             mlx_model=model.mlx_path is not None,
+            num_parallel=options.num_parallel or _env_parallel(),
         )
         return model, p
 
@@ -400,39 +339,33 @@ class Engine:
             spec = LoadSpec(
                 model_path=str(path),
                 n_ctx=p.n_ctx,
+                n_seq=p.n_seq,
                 n_gpu_layers=p.n_gpu_layers,
                 n_threads=options.num_thread or p.n_threads,
-                kv_cache_type=p.kv_cache_type,
-                flash_attn=p.flash_attn,
+                kv_cache_type=p.kv_cache_type,  # type: ignore[arg-type]
+                flash_attn=None if p.kv_cache_type == "f16" else True,  # llama.cpp decides (auto)
                 draft=self._draft_spec(model, options, p.backend),
                 embedding=options.embedding,
                 verbose=os.environ.get("LOCALLLM_DEBUG", "") not in ("", "0"),
             )
             cls = self._backend_class(p.backend)
-            runner = _Runner(f"localllm-model-{model.name}")
             t0 = time.perf_counter_ns()
-            try:
-                backend = runner.call(lambda: cls(spec))
-            except BaseException:
-                runner.close()
-                raise
+            loaded = LoadedModel(cls, spec, name=model.name)
             load_ns = time.perf_counter_ns() - t0
             now = time.monotonic()
             running = RunningModel(
                 name=model.name,
                 digest=model.digest,
-                backend=backend,
+                model=loaded,
                 options=options,
                 plan=p,
                 loaded_at=time.time(),
                 load_duration_ns=load_ns,
                 keep_alive=ka,
                 expires_at=now + ka,
-                slots=threading.Semaphore(backend.max_parallel),
                 refs=1,
                 estimate=need,
                 installed=model,
-                runner=runner,
             )
             with self._lock:
                 self._models[key] = running
@@ -510,7 +443,7 @@ class Engine:
             return False
         if want.num_ctx is not None and want.num_ctx != running.info.n_ctx:
             return False
-        for f in ("num_gpu", "kv_cache_type", "num_thread"):
+        for f in ("num_gpu", "kv_cache_type", "num_thread", "num_parallel"):
             if getattr(want, f) is not None and getattr(want, f) != getattr(have, f):
                 return False
         if want.backend != "auto" and want.backend != running.plan.backend:
@@ -528,7 +461,8 @@ class Engine:
 
     def _enter_queue(self) -> None:
         with self._lock:
-            if self.max_queue > 0 and self._pending >= self.max_queue:
+            waiting = self._pending + sum(m.model.metrics().waiting for m in self._models.values() if not m.closed)
+            if self.max_queue > 0 and waiting >= self.max_queue:
                 raise ServerBusyError()
             self._pending += 1
 
@@ -539,9 +473,31 @@ class Engine:
     @property
     def pending(self) -> int:
         """Requests waiting for a load or a slot now."""
-        return self._pending
+        with self._lock:
+            return self._pending + sum(m.model.metrics().waiting for m in self._models.values() if not m.closed)
 
     # ------------------------------------------------------------------ work
+
+    def _start(self, name: str, request: GenerateRequest, options: LoadOptions, cancel: threading.Event,
+               keep_alive: float | None, t_start: int) -> tuple[RunningModel, bool, Channel[Event]]:
+        """Load (or find) ``name`` and queue ``request`` on its decode loop: (model, was it loaded, events).
+        The caller owns one reference on the model (``_checkin`` when the stream ends)."""
+        self._enter_queue()
+        try:
+            while True:
+                was_loaded = self._lookup(name) is not None
+                running = self._checkout(name, options, keep_alive, cancel)
+                if running.closed:  # unloaded between the lookup and now: load again
+                    self._checkin(running, keep_alive)
+                    continue
+                return running, was_loaded, running.model.submit(request, cancel, t_start)
+        finally:
+            self._leave_queue()
+
+    def _finish(self, running: RunningModel, event: Event, was_loaded: bool, t_start: int) -> None:
+        if isinstance(event, Done):
+            event.stats.load_duration = 0 if was_loaded else running.load_duration_ns
+            event.stats.total_duration = time.perf_counter_ns() - t_start
 
     def generate(
         self,
@@ -555,51 +511,28 @@ class Engine:
         """Stream events for ``request`` on ``name`` (loaded on demand). The last event is :class:`Done`;
         its ``stats.load_duration`` includes the load if this call loaded the model.
 
-        Raises :class:`ServerBusyError` on the first ``next()`` when the queue is full."""
+        Raises :class:`ServerBusyError` on the first ``next()`` when the queue is full. Closing the
+        generator early cancels the request at the next step."""
         t_start = time.perf_counter_ns()
-        options = options or LoadOptions()
-        self._enter_queue()
-        queued = True
+        cancel = cancel if cancel is not None else threading.Event()
+        if cancel.is_set():
+            yield Done(Stats(), finish_reason="cancelled")
+            return
         try:
-            while True:
-                was_loaded = self._lookup(name) is not None
-                running = self._checkout(name, options, keep_alive, cancel)
-                try:
-                    got = _acquire(running.slots, cancel, give_up=True)
-                except BaseException:
-                    self._checkin(running, keep_alive)
-                    raise
-                if not got:
-                    self._checkin(running, keep_alive)
-                    yield Done(Stats(), finish_reason="cancelled")
-                    return
-                if running.closed:  # unloaded while we waited: load it again
-                    running.slots.release()
-                    self._checkin(running, keep_alive)
-                    continue
-                break
-            self._leave_queue()
-            queued = False
-            running.active += 1
-            try:
-                stop = threading.Event()  # the backend's cancel: set by ``cancel`` or by leaving early
-                try:
-                    for event in running.runner.stream(lambda: running.backend.generate(request, stop), stop, cancel):
-                        if isinstance(event, Done):
-                            event.stats.load_duration = 0 if was_loaded else running.load_duration_ns
-                            event.stats.total_duration = time.perf_counter_ns() - t_start
-                        yield event
-                except (BackendError, LocalLLMError):
-                    raise
-                except Exception as e:  # a crash inside the backend: one sentence, the cause chained
-                    raise BackendError(f"The model failed while generating: {e}") from e
-            finally:
-                running.active -= 1
-                running.slots.release()
-                self._checkin(running, keep_alive)
+            running, was_loaded, events = self._start(name, request, options or LoadOptions(), cancel, keep_alive,
+                                                      t_start)
+        except LocalLLMError as e:
+            if cancel.is_set() and "cancelled" in str(e):
+                yield Done(Stats(), finish_reason="cancelled")
+                return
+            raise
+        try:
+            for event in events:
+                self._finish(running, event, was_loaded, t_start)
+                yield event
         finally:
-            if queued:
-                self._leave_queue()
+            cancel.set() if not events.closed else None
+            self._checkin(running, keep_alive)
 
     async def agenerate(
         self,
@@ -609,51 +542,32 @@ class Engine:
         *,
         keep_alive: float | None = None,
     ) -> AsyncIterator[Event]:
-        """:meth:`generate` for asyncio callers: runs in a worker thread, events arrive through the
-        event loop. Leaving the ``async for`` early (or the task being cancelled, as when an HTTP
-        client disconnects) cancels the generation at once and frees the model's slot.
+        """:meth:`generate` for asyncio callers: the load runs in a worker thread, the events arrive
+        from the model's decode loop through the event loop. Leaving the ``async for`` early (or the
+        task being cancelled, as when an HTTP client disconnects) cancels the request at the next step
+        and frees its slot.
 
             >>> async def first_words(engine, req):  # doctest: +SKIP
             ...     async for ev in engine.agenerate("smollm2:135m", req):
             ...         if isinstance(ev, TextChunk):
             ...             return ev.text
         """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        t_start = time.perf_counter_ns()
         cancel = threading.Event()
-
-        def put(item: tuple[int, Any]) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop is gone: stop producing
-                cancel.set()
-
-        def work() -> None:
-            gen = self.generate(name, request, options, cancel=cancel, keep_alive=keep_alive)
-            try:
-                for event in gen:
-                    put((0, event))
-                    if cancel.is_set():
-                        break
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                put((1, e))
-            finally:
-                gen.close()
-                put((2, None))
-
-        thread = threading.Thread(target=work, name=f"localllm-gen-{name}", daemon=True)
-        thread.start()
         try:
-            while True:
-                kind, value = await queue.get()
-                if kind == 0:
-                    yield value
-                elif kind == 1:
-                    raise value
-                else:
-                    return
-        finally:
+            running, was_loaded, events = await asyncio.to_thread(
+                self._start, name, request, options or LoadOptions(), cancel, keep_alive, t_start)
+        except asyncio.CancelledError:
             cancel.set()
+            raise
+        try:
+            async for event in events:
+                self._finish(running, event, was_loaded, t_start)
+                yield event
+        finally:
+            if not events.closed:
+                cancel.set()
+            self._checkin(running, keep_alive)
 
     def embed(self, name: str, texts: list[str], options: LoadOptions | None = None,
               *, keep_alive: float | None = None) -> list[list[float]]:
@@ -662,15 +576,10 @@ class Engine:
         queued = True
         try:
             running = self._checkout(name, options, keep_alive, None)
+            self._leave_queue()
+            queued = False
             try:
-                with running.slots:
-                    self._leave_queue()
-                    queued = False
-                    running.active += 1
-                    try:
-                        return running.runner.call(lambda: running.backend.embed(texts))
-                    finally:
-                        running.active -= 1
+                return running.model.embed(texts)
             finally:
                 self._checkin(running, keep_alive)
         finally:
@@ -680,7 +589,7 @@ class Engine:
     def tokenize(self, name: str, text: str) -> list[int]:
         running = self._checkout(name, LoadOptions(), None, None)
         try:
-            return running.backend.tokenize(text)
+            return running.model.tokenize(text)
         finally:
             self._checkin(running, None)
 
@@ -705,7 +614,8 @@ class Engine:
                         key = k
         return self._unload_key(key)
 
-    def _unload_key(self, key: str, only: RunningModel | None = None) -> bool:
+    def _unload_key(self, key: str, only: RunningModel | None = None, *, wait: bool = True) -> bool:
+        """Unload the model under ``key``; ``wait`` for its requests to finish first (else cancel them)."""
         with self._lock:
             running = self._models.get(key)
             if running is None or (only is not None and running is not only):
@@ -714,19 +624,13 @@ class Engine:
             for alias in [a for a, k in self._aliases.items() if k == key]:
                 del self._aliases[alias]
             running.closed = True
-        for _ in range(running.backend.max_parallel):  # wait for in-flight work to end
-            running.slots.acquire()
         try:
-            if running.runner is not None:
-                running.runner.call(running.backend.close)
-                running.runner.close()
-            else:
-                running.backend.close()
+            while wait and (running.refs > 0 or running.model.busy):  # let running generations finish
+                time.sleep(0.02)
+            running.model.close()
         finally:
-            for _ in range(running.backend.max_parallel):
-                running.slots.release()  # waiters see ``closed`` and load again
             with self._lock:
-                self._idle.notify_all()
+                self._idle.notify_all()  # waiters see ``closed`` and load again
         return True
 
     def _reap_loop(self) -> None:
@@ -738,9 +642,12 @@ class Engine:
                 self._unload_key(k, only=m)
 
     def close(self) -> None:
+        """Unload every model (requests still running are cancelled) and stop the keep-alive thread."""
         self._closed.set()
         for key in list(self._models):
-            self._unload_key(key)
+            self._unload_key(key, wait=False)
+        if self._reaper.is_alive() and threading.current_thread() is not self._reaper:
+            self._reaper.join()
 
     def __enter__(self) -> Engine:
         return self

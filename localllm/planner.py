@@ -47,6 +47,8 @@ MIN_CTX = 512  # the smallest context the planner shrinks to on its own
 N_UBATCH = 512  # llama.cpp's default physical batch: the compute buffer scales with it
 CUDA_OVERHEAD = 457 * MiB  # per GPU: CUDA context + cuBLAS (Ollama's cudaMinimumMemory)
 HOST_OVERHEAD = 128 * MiB  # the process itself (measured: Python + llama.cpp ≈ 48 MiB RSS)
+DEFAULT_PARALLEL = 4  # slots when num_parallel is not set and the pool fits (LM Studio's and llama-server's 4)
+MAX_PARALLEL = 64
 GPU_MARGIN = 512 * MiB  # free VRAM left alone per GPU (other processes, fragmentation)
 FA_HEAD_DIMS = {64, 80, 96, 112, 128, 256}  # head sizes llama.cpp's CUDA/Metal FA kernels cover
 
@@ -99,6 +101,7 @@ class Plan:
     advice: str | None = None  # how to get a better setup (e.g. a CUDA build of llama.cpp)
     draft_n_gpu_layers: int = 0
     max_ctx: int | None = None  # the largest context that would fit the same way (None: not computed)
+    n_seq: int = 1  # parallel slots: sequences decoding together over one KV pool of n_ctx × n_seq cells
 
     @property
     def fits(self) -> bool:
@@ -109,7 +112,9 @@ class Plan:
         """One line: ``"llama.cpp on CUDA, fits on GPU, 4,096-token context, 5.9 GiB"``."""
         name = {"llamacpp": "llama.cpp", "mlx": "MLX"}[self.backend]
         where = {"cuda": "CUDA", "metal": "Metal", "cpu": "CPU"}[self.device]
-        return f"{name} on {where}, {self.verdict_text}, {self.n_ctx:,}-token context, {_gb(self.memory.total)}"
+        slots = f", {self.n_seq} slots" if self.n_seq > 1 else ""
+        return (f"{name} on {where}, {self.verdict_text}, {self.n_ctx:,}-token context{slots}, "
+                f"{_gb(self.memory.total)}")
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -266,7 +271,9 @@ class _Planner:
         if device in ("cuda", "metal") and i.head_dim_k == i.head_dim_v and i.head_dim_k in FA_HEAD_DIMS:
             return True, (f"flash attention on: the GPU kernels cover head size {i.head_dim_k}, and it saves "
                           f"the n_ctx × batch attention buffer")
-        return False, "flash attention off: not needed for an f16 KV cache" + (" on the CPU" if device == "cpu" else "")
+        if device == "cpu":
+            return True, "flash attention: llama.cpp's auto setting, on for the CPU kernels"
+        return False, "flash attention off: the GPU kernels do not cover this head size"
 
     # llama.cpp layout ------------------------------------------------------------------------
     def llama_layout(self, device: str, n_ctx: int, fa: bool) -> _Layout:
@@ -342,13 +349,13 @@ class _Planner:
     def layout(self, backend: str, device: str, n_ctx: int, fa: bool) -> _Layout:
         return self.mlx_layout(device, n_ctx) if backend == "mlx" else self.llama_layout(device, n_ctx, fa)
 
-    def max_ctx(self, backend: str, device: str, fa: bool, ngl: int) -> int | None:
+    def max_ctx(self, backend: str, device: str, fa: bool, ngl: int, n_seq: int = 1) -> int | None:
         """Largest context (a multiple of 256, ≤ the training context) that keeps the layout at
         least as good (same number of GPU layers), or None when even MIN_CTX does not."""
         cap = self.info.context_length or 131072
 
         def ok(c: int) -> bool:
-            lay = self.layout(backend, device, c, fa)
+            lay = self.layout(backend, device, c * n_seq, fa)
             return lay.fits and lay.ngl >= ngl
 
         if not ok(min(MIN_CTX, cap)):
@@ -412,13 +419,15 @@ def _llama_device(hw: HardwareInfo, reasons: list[str], advice: list[str]) -> st
 
 def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cache_type: str = "f16",
          backend: str = "auto", num_gpu: int | None = None, mlx_model: bool = False,
-         draft: GGUFInfo | None = None) -> Plan:
+         draft: GGUFInfo | None = None, num_parallel: int | None = None) -> Plan:
     """Decide how to load ``info`` on ``hw``.
 
     ``num_ctx``: a context size to honour (refused with numbers if the model or memory cannot take
     it); None = min(training context, 4096), shrunk to fit. ``num_gpu``: layers to offload (Ollama's
     meaning; 0 = CPU, negative or None = decide). ``mlx_model``: MLX weights of this model exist.
-    ``draft``: a draft model for speculative decoding, planned beside it. Raises :class:`PlanError`
+    ``draft``: a draft model for speculative decoding, planned beside it. ``num_parallel``: sequences
+    decoding at once (slots; one KV pool holds ``n_ctx`` tokens for each); None = 4 where that fits,
+    fewer where it does not (the context is kept first). Raises :class:`PlanError`
     for what cannot be done as asked; a model that is simply too big gets ``verdict="too_big"``.
     """
     kv = (kv_cache_type or "f16").lower()
@@ -509,15 +518,21 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
         start = min(ctx_train, DEFAULT_CTX) if ctx_train else DEFAULT_CTX
         candidates = [start] + [c for c in (2048, 1024, MIN_CTX) if c < start]
 
+    if num_parallel is not None and not 1 <= num_parallel <= MAX_PARALLEL:
+        raise PlanError(f"num_parallel must be between 1 and {MAX_PARALLEL}, got {num_parallel}.")
+    slot_choices = [num_parallel] if num_parallel else [s for s in (DEFAULT_PARALLEL, 2, 1) if s <= DEFAULT_PARALLEL]
+    n_seq = slot_choices[-1]
+
     def pick(backend_: str, device_: str, fa_: bool, shrink: bool = True) -> tuple[int, _Layout]:
-        first = None
+        nonlocal n_seq
         for c in candidates if shrink else candidates[:1]:
-            lay = pl.layout(backend_, device_, c, fa_)
-            first = first or (c, lay)
-            if lay.fits:
-                return c, lay
-        assert first is not None
-        return first
+            for s_ in slot_choices:
+                lay = pl.layout(backend_, device_, c * s_, fa_)
+                if lay.fits:
+                    n_seq = s_
+                    return c, lay
+        n_seq = slot_choices[-1]  # nothing fits: describe the smallest setup at the first context
+        return candidates[0], pl.layout(backend_, device_, candidates[0] * n_seq, fa_)
 
     # an automatic MLX choice that does not fit goes to llama.cpp rather than to a smaller context
     mlx_auto = chosen == "mlx" and backend == "auto" and device == "metal" and llama.available
@@ -553,7 +568,14 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     else:
         verdict, verdict_text = "cpu", "CPU"
 
-    reasons.append(f"memory {mem.describe(n_ctx, pl.kv)}")
+    reasons.append(f"memory {mem.describe(n_ctx * n_seq, pl.kv)}")
+    if num_parallel:
+        reasons.append(f"{n_seq} parallel slot{'s' if n_seq > 1 else ''}: asked for with num_parallel")
+    elif n_seq == DEFAULT_PARALLEL:
+        reasons.append(f"{n_seq} parallel slots: requests decode together, one KV pool of {n_ctx:,} tokens each")
+    elif verdict != "too_big":
+        reasons.append(f"{n_seq} parallel slot{'s' if n_seq > 1 else ''}: fewer than {DEFAULT_PARALLEL} so the "
+                       f"{n_ctx:,}-token context fits")
     budget, _, budget_desc = pl.gpu_budget(device)
     if verdict == "too_big":
         reasons.append(f"does not fit: {name} {lay.why}")
@@ -607,10 +629,10 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     max_ctx = None
     if verdict != "too_big":
         try:
-            max_ctx = pl.max_ctx(chosen, device, fa, min(lay.ngl, L + 1))
+            max_ctx = pl.max_ctx(chosen, device, fa, min(lay.ngl, L + 1), n_seq)
         except Exception:
             max_ctx = None
     return Plan(backend=chosen, device=device, n_gpu_layers=lay.ngl, n_layers=L, n_ctx=n_ctx,  # type: ignore[arg-type]
                 kv_cache_type=pl.kv, flash_attn=fa, n_threads=threads, verdict=verdict,  # type: ignore[arg-type]
                 verdict_text=verdict_text, memory=mem, reasons=reasons, advice="\n".join(advice) or None,
-                draft_n_gpu_layers=lay.draft_ngl, max_ctx=max_ctx)
+                draft_n_gpu_layers=lay.draft_ngl, max_ctx=max_ctx, n_seq=n_seq)

@@ -1,0 +1,140 @@
+"""The one bridge from a producing thread (a model's decode loop) to its consumer, sync or asyncio.
+
+The producer calls :meth:`Channel.put` for each item, then :meth:`Channel.close` (or :meth:`Channel.fail`
+with an exception, which the consumer re-raises). The consumer iterates with ``for`` or ``async for``;
+when it stops early (``break``, ``gen.close()``, a cancelled task — an HTTP client that went away), the
+channel's :attr:`cancel` event is set, which the producer checks once per step.
+
+    >>> ch = Channel()
+    >>> for x in (1, 2):
+    ...     ch.put(x)
+    >>> ch.close()
+    >>> list(ch)
+    [1, 2]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Channel(Generic[T]):
+    """A thread-safe, unbounded, single-consumer queue with end-of-stream, errors and cancellation."""
+
+    def __init__(self, cancel: threading.Event | None = None):
+        self.cancel = cancel if cancel is not None else threading.Event()
+        self._items: deque[T] = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._wakers: list[Callable[[], None]] = []
+
+    # ---------------------------------------------------------------- producer side
+
+    def put(self, item: T) -> None:
+        with self._cv:
+            self._items.append(item)
+            self._cv.notify_all()
+            wakers = list(self._wakers)
+        for w in wakers:
+            w()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error`` (raised in the consumer after the items already put)."""
+        with self._cv:
+            if self._closed:
+                return
+            self._error = error
+        self.close()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            wakers = list(self._wakers)
+        for w in wakers:
+            w()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ---------------------------------------------------------------- consumer side
+
+    def _take(self) -> tuple[bool, T | None]:
+        """(True, item) | (False, None) at the end; raises the producer's error. Call under the lock."""
+        if self._items:
+            return True, self._items.popleft()
+        if self._closed:
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise err
+            return False, None
+        raise LookupError  # nothing yet
+
+    def get(self, timeout: float | None = None) -> tuple[bool, T | None]:
+        """Wait for the next item: (True, item), or (False, None) at the end of the stream."""
+        with self._cv:
+            while True:
+                try:
+                    return self._take()
+                except LookupError:
+                    if not self._cv.wait(timeout):
+                        raise TimeoutError from None
+
+    def __iter__(self) -> Iterator[T]:
+        finished = False
+        try:
+            while True:
+                ok, item = self.get()
+                if not ok:
+                    finished = True
+                    return
+                yield item  # type: ignore[misc]
+        except BaseException:
+            finished = True
+            raise
+        finally:
+            if not finished:
+                self.cancel.set()
+
+    async def __aiter__(self) -> AsyncIterator[T]:
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the event loop is gone: nobody is listening any more
+                self.cancel.set()
+
+        with self._cv:
+            self._wakers.append(wake)
+        finished = False
+        try:
+            while True:
+                with self._cv:
+                    try:
+                        ok, item = self._take()
+                    except LookupError:
+                        ready.clear()
+                        ok, item = None, None  # type: ignore[assignment]
+                if ok is None:
+                    await ready.wait()
+                    continue
+                if not ok:
+                    finished = True
+                    return
+                yield item  # type: ignore[misc]
+        finally:
+            with self._cv:
+                if wake in self._wakers:
+                    self._wakers.remove(wake)
+            if not finished:
+                self.cancel.set()

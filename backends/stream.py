@@ -1,0 +1,228 @@
+"""Per request, the same for every backend: from a request to prompt tokens, and from sampled token ids
+to the events a caller sees.
+
+:class:`RequestStream` does what no token source should repeat: the chat template and the context
+policy (:func:`~backends.base.fit_messages`), stop strings that never leak (:class:`~backends._stops.StopMatcher`),
+UTF-8 held until a character is complete, tool calls (held while the text could still become one,
+parsed at the end), thinking split from the answer, ``max_tokens`` and the context end, logprobs, the
+stats, and exactly one closing :class:`~backends.base.Done`.
+
+It runs on the decode loop's thread (string work only, no model calls but the source's token tables).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+from backends import _thinking
+from backends._stops import StopMatcher, Utf8Stream, could_be_tool_call, parse_tool_calls
+from backends.base import (
+    Done,
+    Event,
+    FinishReason,
+    GenerateRequest,
+    Stats,
+    TextChunk,
+    TokenLogprob,
+    TokenSource,
+    ToolCalls,
+    UnsupportedError,
+    answer_reserve,
+    check_fits,
+    fit_messages,
+    text_messages,
+)
+
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestStream:
+    """One request's text pipeline. :meth:`prepare` once (may raise a :class:`~backends.base.BackendError`),
+    then :meth:`push` each sampled token until :attr:`finish` is set, then :meth:`close`."""
+
+    def __init__(self, request: GenerateRequest, t_submit_ns: int | None = None):
+        self.request = request
+        self.t0 = t_submit_ns if t_submit_ns is not None else time.perf_counter_ns()
+        self.stats = Stats()
+        self.prompt: list[int] = []
+        self.max_new = 0
+        self.finish: FinishReason | None = None
+        self.generated: list[int] = []
+        self.t_first: int | None = None  # first token sampled (prompt done)
+        self._stops = StopMatcher(request.sampling.stop)
+        self._utf8 = Utf8Stream()
+        self._tool_mode = bool(request.tools)
+        self._tool_buf = ""  # text held while it may be a tool call
+        self._split: _thinking.ThinkSplitter | None = None
+        self._pending_lp: list[TokenLogprob] = []
+        self._want_lp = bool(request.logprobs)
+        self._source: TokenSource | None = None
+
+    # ------------------------------------------------------------------ prompt
+
+    def prepare(self, source: TokenSource) -> list[int]:
+        """Render and fit the prompt on ``source``; returns its token ids."""
+        self._source = source
+        req, n_ctx = self.request, source.n_ctx
+        if req.top_logprobs and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise UnsupportedError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}.")
+        self.stats.n_ctx = n_ctx
+        if req.prompt is not None:
+            toks = source.prompt_tokens(req.prompt)
+            check_fits(len(toks), n_ctx)
+        else:
+            if req.tools and not source.supports_tools():
+                raise UnsupportedError("The chat template of this model does not support tools.")
+            style = _thinking.thinking_style(source.chat_template, source.info.architecture)
+            if req.think not in (None, False) and style is None:
+                raise UnsupportedError("This model does not support thinking.")
+            kwargs = _thinking.render_kwargs(style, req.think) if style is not None else {}
+            suffix = _thinking.prompt_suffix(style, req.think) if style is not None else ""
+            msgs = text_messages(list(req.messages or []))
+            tools = req.tools or None
+
+            def render(m: list[dict[str, Any]]) -> list[int]:
+                text = source.render(m, tools=tools, add_generation_prompt=req.add_generation_prompt,
+                                     template_kwargs=kwargs)
+                return source.prompt_tokens(text + suffix)
+
+            toks, self.stats.dropped_messages = fit_messages(msgs, render, n_ctx,
+                                                             answer_reserve(req.sampling.max_tokens, n_ctx))
+            if style is not None and _thinking.thinks(style, req.think):
+                prompt_text = source.detokenize(toks[-16:])
+                self._split = _thinking.ThinkSplitter(style, started_in_thinking=_thinking.prompt_opens_thinking(
+                    style, prompt_text))
+        if not toks:
+            raise UnsupportedError("The prompt is empty and this model has no start token to begin from.")
+        self.prompt = toks
+        self.stats.prompt_eval_count = len(toks)
+        self.max_new = n_ctx - len(toks)
+        mt = req.sampling.max_tokens
+        if mt is not None and mt > 0:
+            self.max_new = min(self.max_new, mt)
+        return toks
+
+    # ------------------------------------------------------------------ tokens
+
+    def logprob(self, logits: Any, token: int) -> TokenLogprob:
+        """The sampled ``token``'s log-probability under ``logits`` (and the top alternatives, if asked)."""
+        import numpy as np
+
+        src = self._source
+        assert src is not None
+        x = np.asarray(logits, dtype=np.float64)
+        m = float(x.max())
+        lse = m + math.log(float(np.exp(x - m).sum()))
+
+        def entry(t: int) -> tuple[str, float, list[int]]:
+            b = src.piece(t)
+            return b.decode("utf-8", errors="replace"), float(x[t] - lse), list(b)
+
+        text, lp, b = entry(token)
+        top: list[tuple[str, float, list[int]]] = []
+        n = self.request.top_logprobs
+        if n:
+            idx = np.argpartition(-x, n - 1)[:n]
+            top = [entry(int(t)) for t in idx[np.argsort(-x[idx])]]
+        return TokenLogprob(text, lp, b, top)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self._want_lp
+
+    def push(self, token: int, logprob: TokenLogprob | None = None) -> list[Event]:
+        """Feed one sampled token; returns the events it releases. Sets :attr:`finish` when the request
+        is complete (end of generation, a stop string, ``max_tokens``)."""
+        src = self._source
+        assert src is not None and self.finish is None
+        if self.t_first is None:
+            self.t_first = time.perf_counter_ns()
+            self.stats.prompt_eval_duration = self.t_first - self.t0 - self.stats.queue_duration
+        if src.is_eog(token):
+            self.finish = "stop"
+            return []
+        self.generated.append(token)
+        self.stats.eval_count += 1
+        if logprob is not None:
+            self._pending_lp.append(logprob)
+        out: list[Event] = []
+        text = self._utf8.push(src.piece(token))
+        if text:
+            emit, hit = self._stops.push(text)
+            out += self._text(emit)
+            if hit:
+                self.finish = "stop"
+                return out
+        if len(self.generated) >= self.max_new:
+            self.finish = "length"
+        return out
+
+    def _text(self, text: str, final: bool = False) -> list[Event]:
+        """Text past the stop matcher → thinking/content chunks (tool-call text held)."""
+        if not text and not final:
+            return []
+        parts: list[tuple[str, str]]
+        if self._split is not None:
+            parts = self._split.push(text) if text else []
+            if final:
+                parts += self._split.flush()
+        else:
+            parts = [("content", text)] if text else []
+        out: list[Event] = []
+        for kind, piece in parts:
+            if kind == "thinking":
+                if piece:
+                    out.append(self._chunk(piece, thinking=True))
+                continue
+            if kind == "tool":  # a harmony tool call: name\0arguments json
+                name, _, args = piece.partition("\0")
+                calls = parse_tool_calls(f'{{"name": {json.dumps(name)}, "arguments": {args or "{}"}}}')
+                if calls:
+                    out.append(ToolCalls(calls))
+                continue
+            emit = piece
+            if self._tool_mode and (self._tool_buf or emit) and could_be_tool_call(self._tool_buf + emit):
+                self._tool_buf, emit = self._tool_buf + emit, ""
+            elif self._tool_buf:
+                emit, self._tool_buf = self._tool_buf + emit, ""
+            if emit:
+                out.append(self._chunk(emit))
+        return out
+
+    def _chunk(self, text: str, thinking: bool = False) -> TextChunk:
+        lps = None
+        if self._want_lp:
+            lps, self._pending_lp = self._pending_lp, []
+        n = len(lps) if lps else 1
+        if thinking:
+            self.stats.thinking_tokens += n
+        return TextChunk(text, n, thinking=thinking, logprobs=lps)
+
+    # ------------------------------------------------------------------ end
+
+    def close(self, reason: FinishReason | None = None, error: str | None = None) -> list[Event]:
+        """Flush what was held back and end with :class:`Done` (``reason`` overrides :attr:`finish`)."""
+        finish: FinishReason = reason or self.finish or "stop"
+        out: list[Event] = []
+        if finish not in ("cancelled", "error"):
+            tail = self._utf8.flush()
+            emit, hit = self._stops.push(tail)
+            if not hit:
+                emit += self._stops.flush()
+            out += self._text(emit, final=True)
+            if self._tool_buf:
+                calls = parse_tool_calls(self._tool_buf)
+                out.append(ToolCalls(calls) if calls is not None else self._chunk(self._tool_buf))
+                self._tool_buf = ""
+        now = time.perf_counter_ns()
+        s = self.stats
+        if self.t_first is None:
+            s.prompt_eval_duration = max(0, now - self.t0 - s.queue_duration)
+        else:
+            s.eval_duration = now - self.t_first
+        s.total_duration = now - self.t0
+        out.append(Done(stats=s, finish_reason=finish, error=error))
+        return out
