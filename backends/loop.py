@@ -353,6 +353,9 @@ class LoadedModel:
     def tokenize(self, text: str) -> list[int]:
         return self.call(lambda s: s.tokenize(text))
 
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.call(lambda s: s.detokenize(tokens))
+
     @property
     def busy(self) -> int:
         """Requests running or waiting now."""
@@ -650,7 +653,7 @@ class LoadedModel:
             try:
                 self._sample(r, kind, drafts, f, out_rows, step_ns)
             except Exception as e:  # noqa: BLE001 - one sequence failing ends only its stream
-                log.exception("sampling failed for a request on %s", self.name)
+                log.warning("a request on %s failed: %s", self.name, e, exc_info=log.isEnabledFor(logging.DEBUG))
                 self._end(r, "error", error=e)
 
     def _evaluate(self, feeds: list[Feed], owners: list[tuple[_Req, str, list[int]]]) -> list[list[int]] | None:

@@ -1,8 +1,8 @@
 """Backend fixtures: a factory keyed by backend name, and derived variants of the default model.
 
 ``backend_factory(name, **spec)`` loads the default model in that backend's format (``MODEL_FIXTURE``)
-with ``LoadSpec(**spec)`` (n_ctx defaults to 2048) and caches the instance for the session, so tests that
-use the same spec share one load. ``backend`` is parametrized over ``BACKENDS``: adding a backend to the
+with ``LoadSpec(**spec)`` (n_ctx defaults to 2048) on its own decode loop (:class:`backends.loop.LoadedModel`)
+and caches it for the session, so tests that use the same spec share one load. ``backend`` is parametrized over ``BACKENDS``: adding a backend to the
 behavioural tests is one line in each of the two tables below.
 
 ``derived_model(ftype)`` turns the default Q4_1 file into an F32 / F16 / Q8_0 variant with llama.cpp's
@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 
-from backends.base import Backend, LoadSpec, get_backend_class
+from backends.base import LoadSpec
+from backends.loop import LoadedModel
+from backends.registry import available, load
 
 BACKENDS = ["llamacpp", "mlx"]  # the backends the behavioural tests run on
 # fixture giving the default model in each backend's format
@@ -36,28 +38,25 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _available(name: str) -> tuple[bool, str]:
-    try:
-        return get_backend_class(name).available()
-    except Exception as e:  # the module itself failed to import
-        return False, str(e)
+    return available(name)
 
 
 @pytest.fixture(scope="session")
-def _backend_cache() -> Iterator[dict[Any, Backend]]:
-    cache: dict[Any, Backend] = {}
+def _backend_cache() -> Iterator[dict[Any, LoadedModel]]:
+    cache: dict[Any, LoadedModel] = {}
     yield cache
     for b in cache.values():
         b.close()
 
 
 @pytest.fixture
-def backend_factory(request: pytest.FixtureRequest, _backend_cache: dict[Any, Backend]) -> Callable[..., Backend]:
+def backend_factory(request: pytest.FixtureRequest, _backend_cache: dict[Any, LoadedModel]) -> Callable[..., LoadedModel]:
     """``make(name, fresh=False, **spec) -> Backend`` for the default model in ``name``'s format.
 
     ``fresh=True`` loads a private instance that the test must close (or that is closed at teardown)."""
-    own: list[Backend] = []
+    own: list[LoadedModel] = []
 
-    def make(name: str, *, fresh: bool = False, **spec: Any) -> Backend:
+    def make(name: str, *, fresh: bool = False, **spec: Any) -> LoadedModel:
         ok, why = _available(name)
         if not ok:
             pytest.skip(f"backend {name} unavailable: {why}")
@@ -67,7 +66,7 @@ def backend_factory(request: pytest.FixtureRequest, _backend_cache: dict[Any, Ba
         key = (name, repr(sorted(spec.items())))
         if not fresh and key in _backend_cache:
             return _backend_cache[key]
-        b = get_backend_class(name)(LoadSpec(**spec))
+        b = load(name, LoadSpec(**spec))
         if fresh:
             own.append(b)
         else:
@@ -96,7 +95,7 @@ def backend_name(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def backend(backend_name: str, backend_factory: Callable[..., Backend]) -> Backend:
+def backend(backend_name: str, backend_factory: Callable[..., LoadedModel]) -> LoadedModel:
     """The default model on each backend in ``BACKENDS`` (shared, n_ctx=2048)."""
     return backend_factory(backend_name)
 
