@@ -357,6 +357,11 @@ class LoadedModel:
         return self.call(lambda s: s.detokenize(tokens))
 
     @property
+    def controller(self) -> Any:
+        """The speculative-decoding controller (None without a draft)."""
+        return self._controller
+
+    @property
     def busy(self) -> int:
         """Requests running or waiting now."""
         return len(self._active) + len(self._incoming)
