@@ -356,6 +356,10 @@ class TokenSource(abc.ABC):
     def seq_cp(self, src: int, dst: int, n: int) -> bool:
         """Make ``dst`` hold the first ``n`` positions of ``src``; False (``dst`` empty) if the memory cannot."""
 
+    def can_rewind(self) -> bool:
+        """Whether the tail of a sequence can be dropped (``seq_rm`` from a position on): what drafts need."""
+        return not self.info.recurrent
+
     def cells_used(self) -> int:
         """KV cells in use (all sequences), when the backend can tell; -1 otherwise."""
         return -1

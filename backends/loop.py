@@ -136,7 +136,7 @@ class _NgramDrafter:
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.catchup_ns = 0
 
@@ -213,16 +213,32 @@ class _ModelDrafter:
         self.source.close()
 
 
-def vocab_problem(target: TokenSource, draft: TokenSource, samples: int = 64) -> str | None:
-    """Why ``draft`` cannot draft for ``target`` (one sentence), or None when they tokenize alike."""
+class _AlwaysDraft:
+    """A controller that drafts ``n`` tokens every step (``LoadSpec.extra["draft_always"]``)."""
+
+    drafting = True
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def n_draft(self) -> int:
+        return self.n
+
+    def record(self, **_: int) -> None:
+        pass
+
+
+def vocab_problem(target: TokenSource, draft: TokenSource) -> str | None:
+    """Why ``draft`` cannot draft for ``target`` (one sentence), or None when every token id means the same
+    bytes to both (sizes may differ by padding: up to 128 ids)."""
     nt, nd = target.info.n_vocab, draft.info.n_vocab
     if abs(nt - nd) > 128:
         return (f"The draft model's vocabulary ({nd} tokens) differs from the model's ({nt}); "
                 "a draft must share the tokenizer.")
-    n = min(nt, nd)
-    ids = sorted({int(i * (n - 1) / max(1, samples - 1)) for i in range(samples)})
-    if any(target.piece(i) != draft.piece(i) for i in ids):
-        return "The draft model tokenizes differently from the model; a draft must share the tokenizer."
+    for i in range(min(nt, nd)):
+        if target.piece(i) != draft.piece(i):
+            return (f"The draft model tokenizes differently from the model (token {i} differs); "
+                    "a draft must share the tokenizer.")
     return None
 
 
@@ -350,8 +366,8 @@ class LoadedModel:
     def embed(self, texts: list[str]) -> list[list[float]]:
         return self.call(lambda s: s.embed(texts))
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.call(lambda s: s.tokenize(text))
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        return self.call(lambda s: s.tokenize(text, special=special))
 
     def detokenize(self, tokens: list[int]) -> str:
         return self.call(lambda s: s.detokenize(tokens))
@@ -444,10 +460,11 @@ class LoadedModel:
     def _setup_draft(self, src: TokenSource, d: Any) -> None:
         from backends._speculative import SpecController
 
-        if src.info.recurrent:
+        if not src.can_rewind():
             raise UnsupportedError(
-                f"Speculative decoding is not available for {src.info.architecture} models: a recurrent/hybrid "
-                "model cannot roll back rejected draft tokens; use --draft none.")
+                f"Speculative decoding is not available for this {src.info.architecture} model: its cache "
+                "(recurrent/hybrid memory or a sliding window) is not trimmable, so rejected draft tokens cannot be "
+                "rolled back; use --draft none.")
         if d.kind == "ngram":
             self._drafter = _NgramDrafter()
             src.info.draft = "ngram"
@@ -462,8 +479,8 @@ class LoadedModel:
             except BackendError as e:
                 raise type(e)(f"The draft model could not be loaded: {e}") from None
             problem = vocab_problem(src, dsrc)
-            if problem is None and dsrc.info.recurrent:
-                problem = "The draft model is recurrent/hybrid and cannot roll back rejected tokens."
+            if problem is None and not dsrc.can_rewind():
+                problem = "The draft model's cache (recurrent/hybrid or sliding window) cannot roll back rejected tokens."
             if problem:
                 dsrc.close()
                 raise UnsupportedError(problem)
@@ -472,7 +489,10 @@ class LoadedModel:
             src.info.size_bytes += dsrc.info.size_bytes
         else:
             raise UnsupportedError(f"Unknown draft kind {d.kind!r}; use a model or ngram.")
-        self._controller = SpecController(max(1, d.num_draft), window=int(self.spec.extra.get("spec_window", 24)))
+        if self.spec.extra.get("draft_always"):  # draft every step whatever the timings say (tests of exactness)
+            self._controller = _AlwaysDraft(max(1, d.num_draft))
+        else:
+            self._controller = SpecController(max(1, d.num_draft), window=int(self.spec.extra.get("spec_window", 24)))
 
     def _shutdown(self) -> None:
         for r in self._active + list(self._incoming):

@@ -372,6 +372,11 @@ class MLXSource(TokenSource):
 
     # ------------------------------------------------------------------ KV per sequence
 
+    def can_rewind(self) -> bool:
+        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+        return bool(can_trim_prompt_cache(make_prompt_cache(self._model))) and not (self._cache_kinds - {"KVCache"})
+
     def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> bool:
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 

@@ -18,7 +18,8 @@ pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'local
 pytest.importorskip("mlx_lm")
 
 from backends.base import DraftSpec, GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError  # noqa: E402
-from backends.mlx import MLXBackend  # noqa: E402
+from backends.mlx import MLXSource  # noqa: E402
+from backends.registry import load  # noqa: E402
 from tests.backends.conftest import collect  # noqa: E402
 
 pytestmark = pytest.mark.mlx
@@ -38,7 +39,7 @@ def mlx_dir(default_mlx_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def plain(mlx_dir: Path):
-    b = MLXBackend(LoadSpec(model_path=str(mlx_dir), n_ctx=1024))
+    b = load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=1024))
     yield b
     b.close()
 
@@ -88,7 +89,7 @@ def test_tokenizer_matches_llama_cpp(plain, default_model_path):
 
 def test_gguf_file_is_refused_with_a_hint(default_model_path):
     with pytest.raises(ModelLoadError, match="convert"):
-        MLXBackend(LoadSpec(model_path=str(default_model_path)))
+        MLXSource(LoadSpec(model_path=str(default_model_path)))
 
 
 # ------------------------------------------------------------------------------------ requests
@@ -96,7 +97,7 @@ def test_gguf_file_is_refused_with_a_hint(default_model_path):
 
 def test_json_mode_gives_one_object_even_when_sampling(plain):
     msgs = [{"role": "user", "content": "Describe Paris as JSON with keys city and population."}]
-    for s in (greedy(80), Sampling(temperature=1.0, top_k=0, top_p=1.0, seed=3, max_tokens=80)):
+    for s in (greedy(80), Sampling(temperature=0.7, seed=3, max_tokens=80)):
         text, done, _ = collect(plain.generate(GenerateRequest(messages=msgs, format="json", sampling=s)))
         assert done.finish_reason == "stop", text  # the object closed, then only EOS was allowed
         assert isinstance(json.loads(text), dict)
@@ -120,7 +121,7 @@ def test_schema_keywords_outside_the_subset_are_refused_not_ignored(plain):
                          ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}]}}}, "anyOf"),
                          ({"type": "array", "items": {}}, "top level")):
         with pytest.raises(UnsupportedError, match=word):
-            plain.generate(GenerateRequest(messages=CAPITAL, format=schema))
+            collect(plain.generate(GenerateRequest(messages=CAPITAL, format=schema)))
 
 
 def test_schema_automaton_accepts_valid_documents_and_refuses_the_rest():
@@ -160,18 +161,18 @@ def test_json_automaton_accepts_json_and_refuses_the_rest():
 def test_penalties_do_not_depend_on_what_was_cached(mlx_dir: Path):
     """mlx-lm's processors only see the tokens fed in a call; ours see the whole context, so a cached
     prefix gives the same text as a cold one."""
-    b = MLXBackend(LoadSpec(model_path=str(mlx_dir), n_ctx=1024))
+    b = load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=1024))
     try:
         s = Sampling(temperature=0.0, repeat_penalty=1.5, repeat_last_n=64, max_tokens=12)
         cold, _, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=s)))
         warm, d, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=s)))
-        assert d.stats.prompt_cached_tokens == d.stats.prompt_eval_count - 1
+        assert d.stats.prompt_cached_tokens >= d.stats.prompt_eval_count - 1
         assert warm == cold
     finally:
         b.close()
 
 
-def test_two_threads_are_served_one_after_the_other(plain):
+def test_two_threads_are_served_together(plain):
     out: list[str] = []
 
     def run() -> None:
@@ -192,12 +193,13 @@ def test_two_threads_are_served_one_after_the_other(plain):
 def test_quantized_kv_cache_answers_and_reuses_prefix(mlx_dir: Path, kv: str):
     from mlx_lm.models.cache import QuantizedKVCache
 
-    b = MLXBackend(LoadSpec(model_path=str(mlx_dir), n_ctx=1024, kv_cache_type=kv))
+    b = load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=1024, kv_cache_type=kv))
     try:
         assert b.info.kv_cache_type == kv
         text, d1, _ = collect(b.generate(GenerateRequest(messages=CAPITAL, sampling=greedy(12))))
         assert "Paris" in text
-        assert all(isinstance(c, QuantizedKVCache) and c.bits == {"q8_0": 8, "q4_0": 4}[kv] for c in b._cache)
+        caches = b.call(lambda s: [c for cache in s._caches.values() for c in cache])
+        assert caches and all(isinstance(c, QuantizedKVCache) and c.bits == {"q8_0": 8, "q4_0": 4}[kv] for c in caches)
         turn2 = [*CAPITAL, {"role": "assistant", "content": text}, {"role": "user", "content": "And Italy?"}]
         _, d2, _ = collect(b.generate(GenerateRequest(messages=turn2, sampling=greedy(4))))
         assert d2.stats.prompt_cached_tokens >= d1.stats.prompt_eval_count
@@ -207,7 +209,7 @@ def test_quantized_kv_cache_answers_and_reuses_prefix(mlx_dir: Path, kv: str):
 
 def test_unknown_kv_type_is_refused(mlx_dir: Path):
     with pytest.raises(UnsupportedError, match="q5_1"):
-        MLXBackend(LoadSpec(model_path=str(mlx_dir), kv_cache_type="q5_1"))  # type: ignore[arg-type]
+        MLXSource(LoadSpec(model_path=str(mlx_dir), kv_cache_type="q5_1"))  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------ speculative decoding
@@ -216,7 +218,7 @@ def test_unknown_kv_type_is_refused(mlx_dir: Path):
 def test_model_draft_is_exact_and_reports_acceptance(mlx_dir: Path, bike_greedy: str):
     spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, extra={"draft_always": True},
                     draft=DraftSpec(kind="model", path=str(mlx_dir), num_draft=3))
-    with MLXBackend(spec) as b:
+    with load("mlx", spec) as b:
         assert b.info.draft == str(mlx_dir)
         text, done, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
         assert text == bike_greedy
@@ -230,23 +232,21 @@ def test_model_draft_is_exact_and_reports_acceptance(mlx_dir: Path, bike_greedy:
 def test_ngram_draft_is_exact(mlx_dir: Path, bike_greedy: str):
     spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, extra={"draft_always": True},
                     draft=DraftSpec(kind="ngram", num_draft=3))
-    with MLXBackend(spec) as b:
+    with load("mlx", spec) as b:
         text, done, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
         assert text == bike_greedy
         assert done.stats.draft_proposed > 0 and b.info.draft == "ngram"
 
 
-def test_drafting_backs_off_where_it_cannot_pay(mlx_dir: Path, bike_greedy: str):
-    """On mlx's CPU backend a pass over k+1 tokens costs k+1 steps, so a draft as big as the model can
-    never win: the controller measures that at load and decodes plainly (no probes, no slowdown)."""
+def test_a_self_draft_that_cannot_pay_stays_exact(mlx_dir: Path, bike_greedy: str):
+    """On mlx's CPU backend a pass over k+1 tokens costs about k+1 steps, so a draft as big as the model
+    cannot pay; whatever the controller decides, the text is the greedy text (the back-off itself is
+    tested with synthetic timings in tests/backends/test_speculative.py)."""
     spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, draft=DraftSpec(kind="model", path=str(mlx_dir)))
-    with MLXBackend(spec) as b:
-        status = b.info.extra["draft_status"]
-        if status == "adaptive":
-            pytest.skip("this device batches verification well enough for drafting to pay")
-        assert "cannot pay" in status
+    with load("mlx", spec) as b:
+        assert b.controller is not None
         text, done, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
-        assert text == bike_greedy and done.stats.draft_proposed == 0
+        assert text == bike_greedy
 
 
 def test_draft_with_another_vocabulary_is_refused(mlx_dir: Path, tmp_path: Path):
@@ -259,8 +259,8 @@ def test_draft_with_another_vocabulary_is_refused(mlx_dir: Path, tmp_path: Path)
     vocab = tok["model"]["vocab"]
     vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]  # same tokens, other ids
     (other / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(UnsupportedError, match="vocabulary"):
-        MLXBackend(LoadSpec(model_path=str(mlx_dir), draft=DraftSpec(kind="model", path=str(other))))
+    with pytest.raises(UnsupportedError, match="tokenize"):
+        load("mlx", LoadSpec(model_path=str(mlx_dir), draft=DraftSpec(kind="model", path=str(other))))
 
 
 def test_controller_doctests():
@@ -274,25 +274,7 @@ def test_controller_doctests():
 
 
 def test_available_reports_importable():
-    assert MLXBackend.available() == (True, "")
-
-
-def test_adaptive_drafting_mixes_plain_runs_and_probes_exactly(mlx_dir: Path, bike_greedy: str):
-    """A controller that believes drafting could pay but sees poor acceptance decodes in plain runs on
-    mlx-lm's loop and probes now and then; the text stays exactly the greedy text."""
-    from backends.mlx import _DraftController
-
-    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, draft=DraftSpec(kind="ngram", num_draft=3))
-    with MLXBackend(spec) as b:
-        ctl = _DraftController(3, draft_cost=0.0, verify_cost={k: 1.0 + 0.01 * k for k in range(4)}, probe_every=4)
-        ctl.accept = 0.0  # drafting looks useless: plain runs between probes
-        b._controller = ctl
-        text, done, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
-        assert text == bike_greedy
-        assert done.stats.draft_proposed > 0  # probes ran
-        assert ctl.probe_every > 4  # and each unpaid probe doubled the interval
-        text2, d2, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
-        assert text2 == bike_greedy and d2.stats.prompt_cached_tokens > 0
+    assert MLXSource.available() == (True, "")
 
 
 def _rotating_caches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -306,19 +288,19 @@ def _rotating_caches(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_kv_quantization_of_a_rotating_cache_is_refused(mlx_dir: Path, monkeypatch: pytest.MonkeyPatch):
     _rotating_caches(monkeypatch)
     with pytest.raises(UnsupportedError, match="sliding-window"):
-        MLXBackend(LoadSpec(model_path=str(mlx_dir), kv_cache_type="q8_0"))
+        MLXSource(LoadSpec(model_path=str(mlx_dir), kv_cache_type="q8_0"))
 
 
 def test_drafting_with_an_untrimmable_cache_is_refused(mlx_dir: Path, monkeypatch: pytest.MonkeyPatch):
     _rotating_caches(monkeypatch)
     with pytest.raises(UnsupportedError, match="trimmable"):
-        MLXBackend(LoadSpec(model_path=str(mlx_dir), draft=DraftSpec(kind="ngram")))
+        load("mlx", LoadSpec(model_path=str(mlx_dir), draft=DraftSpec(kind="ngram")))
 
 
 def test_kv_quantization_needs_a_head_size_divisible_by_32(mlx_dir: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(MLXBackend, "_head_dim", lambda self: 48)
+    monkeypatch.setattr(MLXSource, "_head_dim", lambda self: 48)
     with pytest.raises(UnsupportedError, match="head size divisible by 32.*48"):
-        MLXBackend(LoadSpec(model_path=str(mlx_dir), kv_cache_type="q4_0"))
+        MLXSource(LoadSpec(model_path=str(mlx_dir), kv_cache_type="q4_0"))
 
 
 def test_seeded_sampling_with_a_draft_is_reproducible(mlx_dir: Path):
@@ -327,7 +309,7 @@ def test_seeded_sampling_with_a_draft_is_reproducible(mlx_dir: Path):
     spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, extra={"draft_always": True},
                     draft=DraftSpec(kind="model", path=str(mlx_dir), num_draft=3))
     s = Sampling(temperature=0.8, top_k=0, top_p=1.0, seed=11, max_tokens=16)
-    with MLXBackend(spec) as b:
+    with load("mlx", spec) as b:
         a, da, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=s)))
         c, dc, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=s)))
         assert a == c and len(a) > 10
