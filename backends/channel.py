@@ -89,19 +89,20 @@ class Channel(Generic[T]):
                         raise TimeoutError from None
 
     def __iter__(self) -> Iterator[T]:
-        finished = False
+        finished = False  # the producer ended the stream (closed it or failed it)
         try:
             while True:
-                ok, item = self.get()
+                try:
+                    ok, item = self.get()
+                except BaseException:
+                    finished = self._closed
+                    raise
                 if not ok:
                     finished = True
                     return
                 yield item  # type: ignore[misc]
-        except BaseException:
-            finished = True
-            raise
         finally:
-            if not finished:
+            if not finished:  # the consumer left early (break + close, an exception, a KeyboardInterrupt)
                 self.cancel.set()
 
     async def __aiter__(self) -> AsyncIterator[T]:

@@ -6,7 +6,8 @@ source is exercised. Knobs arrive in ``LoadSpec.extra`` (the model file is not r
 
 * ``reply``: the text every generation streams (default: echoes the last user message / the prompt);
 * ``chunk``: characters per token of the reply (default 4); ``delay``: seconds per step (default 0);
-* ``crash_after``: raise ``RuntimeError("fake backend crashed")`` after this many reply tokens;
+* ``crash_after``: raise ``RuntimeError("fake backend crashed")`` after this many reply tokens (only in
+  requests whose prompt contains ``crash_if``, when that is set);
 * ``fail_load``: ``"oom"`` → :class:`ModelLoadError` saying memory ran out; any other string → that message;
 * ``tool_calls``: a list of ``{"name", "arguments"}`` the reply becomes (as ``<tool_call>`` text) when
   the request has tools.
@@ -54,9 +55,12 @@ class _Sampler:
         self.src = src
         self.pieces: list[str] | None = None
         self.i = 0
+        self.may_crash = True
 
     def _start(self, prompt: list[int]) -> None:
         if self.pieces is None:
+            only = self.src.spec.extra.get("crash_if")
+            self.may_crash = only is None or only in self.src.detokenize(prompt)
             reply = self.src._reply_for(prompt)
             n = self.src._chunk
             self.pieces = [reply[i : i + n] for i in range(0, len(reply), n)]
@@ -65,7 +69,7 @@ class _Sampler:
     def _next(self) -> int:
         assert self.pieces is not None
         crash = self.src.spec.extra.get("crash_after")
-        if crash is not None and self.i >= int(crash):
+        if crash is not None and self.may_crash and self.i >= int(crash):
             raise RuntimeError("fake backend crashed")
         if self.i >= len(self.pieces):
             return EOS

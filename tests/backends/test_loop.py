@@ -1,0 +1,200 @@
+"""The decode loop: many sequences in one batch per step, the shared KV pool, faults that end one stream.
+
+Real model (llama.cpp; F32 where outputs are compared exactly, since only F32 kernels are batch-invariant
+on the CPU), plus the fake token source for a crash in one sequence.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from backends.base import BackendError, GenerateRequest, LoadSpec, Sampling, TextChunk
+from backends.registry import load
+from tests.backends.conftest import collect
+from tests.fakes import FakeSource
+
+pytest.importorskip("llama_cpp")
+
+QUESTIONS = ["Tell me a story about a cat.", "Write a poem about rain.", "Explain gravity to a child.",
+             "List three fruits and their colours."]
+SYSTEM = ("You are a meticulous assistant for a hardware store. Answer briefly, name the aisle, and never "
+          "invent products. " * 6)
+
+
+def chat(q: str, n: int = 48, system: str | None = None, **kw) -> GenerateRequest:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
+    return GenerateRequest(messages=msgs, sampling=Sampling(temperature=0.0, max_tokens=n, **kw))
+
+
+def run_together(model, reqs: list[GenerateRequest]) -> list[tuple[str, object]]:
+    out: list[tuple[str, object] | None] = [None] * len(reqs)
+    start = threading.Barrier(len(reqs))
+
+    def work(i: int) -> None:
+        start.wait()
+        text, done, _ = collect(model.generate(reqs[i]))
+        out[i] = (text, done)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert all(o is not None for o in out)
+    return out  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def f32_model(derived_model):
+    m = load("llamacpp", LoadSpec(str(derived_model("f32")), n_ctx=1024, n_seq=4, n_threads=2))
+    yield m
+    m.close()
+
+
+def test_concurrent_streams_equal_their_solo_output_on_f32(f32_model):
+    solo = [collect(f32_model.generate(chat(q)))[0] for q in QUESTIONS]
+    steps0 = f32_model.metrics().steps
+    together = run_together(f32_model, [chat(q) for q in QUESTIONS])
+    assert [t for t, _ in together] == solo
+    m = f32_model.metrics()
+    gen = sum(d.stats.eval_count for _, d in together)  # type: ignore[attr-defined]
+    assert m.steps - steps0 < gen * 0.6, "the streams were not batched: one step per token"
+    assert m.slots == 4 and m.slots_busy == 0
+
+
+def test_a_shared_system_prompt_is_evaluated_once(f32_model):
+    f32_model.call(lambda s: [s.seq_rm(i) for i in range(s.n_seq_ids)])  # an empty pool
+    f32_model._seqs[:] = [type(s)(s.id) for s in f32_model._seqs]
+    before = f32_model.metrics()
+    first = collect(f32_model.generate(chat("Where are the hammers?", n=8, system=SYSTEM)))[1]
+    rest = run_together(f32_model, [chat(q, n=8, system=SYSTEM) for q in
+                                    ("Do you sell nails?", "Where is the paint?", "Any garden hoses?")])
+    after = f32_model.metrics()
+    sys_tokens = first.stats.prompt_eval_count - 12  # the system prompt is most of every prompt
+    evaluated = after.prompt_tokens_evaluated - before.prompt_tokens_evaluated
+    assert evaluated < first.stats.prompt_eval_count + 3 * 20, evaluated  # not 4 × the system prompt
+    assert all(d.stats.prompt_cached_tokens >= sys_tokens for _, d in rest)  # type: ignore[attr-defined]
+    assert after.prompt_tokens_copied > before.prompt_tokens_copied
+
+
+def test_a_disconnect_frees_its_slot_and_cells_within_a_step(f32_model):
+    gen = f32_model.generate(chat("Count from 1 to 300, one number per line.", n=300))
+    for ev in gen:
+        if isinstance(ev, TextChunk):
+            break
+    assert f32_model.metrics().slots_busy == 1
+    gen.close()
+    t0 = time.monotonic()
+    while f32_model.metrics().slots_busy and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    m = f32_model.metrics()
+    assert m.slots_busy == 0 and m.kv_tokens_active == 0
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_long_prompt_does_not_stall_streams_in_flight(default_model_path):
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=4096, n_seq=2, n_threads=2,
+                                   extra={"prefill_chunk": 64})) as m:
+        gaps: list[float] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            last = None
+            for ev in m.generate(chat("Count from 1 to 200.", n=120)):
+                now = time.monotonic()
+                if isinstance(ev, TextChunk):
+                    started.set()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+
+        t = threading.Thread(target=stream)
+        t.start()
+        started.wait(60)
+        long_prompt = "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 250  # ~2,500 tokens
+        text, done, _ = collect(m.generate(chat(long_prompt, n=4)))
+        t.join(120)
+        assert done.stats.prompt_eval_count > 2000
+        # the prompt took many steps of 64 tokens; the stream kept getting one token per step meanwhile
+        worst = max(gaps)
+        assert worst < done.stats.prompt_eval_duration / 1e9 / 4, (worst, done.stats.prompt_eval_duration)
+
+
+def test_one_crashing_sequence_ends_only_its_stream():
+    spec = LoadSpec("fake.gguf", n_seq=3, extra={"delay": 0.002, "chunk": 1, "crash_after": 5, "crash_if": "boom"})
+    with load(FakeSource, spec) as m:
+        out: dict[str, object] = {}
+
+        def run(name: str, req: GenerateRequest) -> None:
+            try:
+                out[name] = collect(m.generate(req))[0]
+            except BackendError as e:
+                out[name] = e
+
+        reqs = {"a": GenerateRequest(prompt="a" * 40), "boom": GenerateRequest(prompt="boom" * 10),
+                "b": GenerateRequest(prompt="b" * 40)}
+        threads = [threading.Thread(target=run, args=kv) for kv in reqs.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert isinstance(out["boom"], BackendError) and "crashed" in str(out["boom"])
+        assert out["a"] == "a" * 40 and out["b"] == "b" * 40  # decoded beside it, to the end
+        assert m.metrics().slots_busy == 0
+
+
+def test_an_error_in_one_request_leaves_the_others_streaming(default_model_path):
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=1024, n_seq=3, n_threads=2)) as m:
+        results: dict[int, object] = {}
+
+        def run(i: int, req: GenerateRequest) -> None:
+            try:
+                results[i] = collect(m.generate(req))
+            except BackendError as e:
+                results[i] = e
+
+        bad = GenerateRequest(messages=[{"role": "user", "content": "x"}],
+                              format={"type": "object", "properties": {"x": {"$ref": "http://x/y.json"}}})
+        reqs = [chat("Tell me about the sea.", n=24), bad, chat("Tell me about the moon.", n=24)]
+        threads = [threading.Thread(target=run, args=(i, r)) for i, r in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert isinstance(results[1], BackendError) and "grammar" in str(results[1])
+        for i in (0, 2):
+            text, done, _ = results[i]  # type: ignore[misc]
+            assert len(text) > 20 and done.finish_reason in ("stop", "length")
+
+
+def test_a_full_pool_makes_a_prompt_wait_not_fail(default_model_path):
+    # 2 slots of 512 tokens: two long prompts cannot both be in the pool with their answers at once
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=512, n_seq=2, n_threads=2)) as m:
+        assert m.info.kv_cells == 1024
+        long = "Repeat: " + "one two three four five six seven eight nine ten. " * 30  # ~330 tokens
+        out = run_together(m, [chat(long, n=150), chat(long.replace("one", "uno"), n=150)])
+        for text, done in out:
+            assert done.finish_reason in ("stop", "length") and text  # type: ignore[attr-defined]
+
+
+def test_seeded_request_alone_repeats_exactly_and_idle_prefixes_survive(default_model_path):
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=1024, n_seq=2, n_threads=2)) as m:
+        req = chat("Write a limerick about a printer.", n=40, seed=9)
+        req.sampling.temperature = 0.9
+        a = collect(m.generate(req))[0]
+        collect(m.generate(chat("Other conversation", n=8)))  # goes to another sequence id
+        b, done, _ = collect(m.generate(req))
+        assert a == b and done.stats.prompt_cached_tokens == done.stats.prompt_eval_count
+
+
+def test_pool_metrics_move(default_model_path):
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=512, n_seq=2, n_threads=2)) as m:
+        m0 = m.metrics()
+        collect(m.generate(chat("Hi", n=8)))
+        m1 = m.metrics()
+        assert m1.requests == m0.requests + 1 and m1.generated_tokens > m0.generated_tokens
+        assert m1.prompt_tokens_evaluated > 0 and m1.kv_tokens_idle > 0 and m1.kv_tokens_active == 0
+        assert m1.kv_cells == 1024
