@@ -480,7 +480,8 @@ class LoadedModel:
                 raise type(e)(f"The draft model could not be loaded: {e}") from None
             problem = vocab_problem(src, dsrc)
             if problem is None and not dsrc.can_rewind():
-                problem = "The draft model's cache (recurrent/hybrid or sliding window) cannot roll back rejected tokens."
+                problem = ("The draft model's cache (recurrent/hybrid or sliding window) cannot roll back "
+                           "rejected tokens.")
             if problem:
                 dsrc.close()
                 raise UnsupportedError(problem)
