@@ -58,6 +58,7 @@ from backends.base import (
     UnsupportedError,
 )
 from backends.channel import Channel
+from backends.prompt_cache import PromptCache, PromptCacheSpec
 from backends.stream import RequestStream
 
 log = logging.getLogger("backends.loop")
@@ -126,6 +127,11 @@ class LoopMetrics:
     evictions: int = 0  # idle sequences dropped to make room
     requests: int = 0
     drafting: str | None = None  # None, or the controller's state
+    prompt_cache_entries: int = 0  # on disk (the model's directory)
+    prompt_cache_bytes: int = 0
+    prompt_cache_hits: int = 0
+    prompt_cache_misses: int = 0
+    prompt_tokens_restored: int = 0  # prompt tokens restored from disk instead of evaluated
 
 
 # ------------------------------------------------------------------------------------------ drafts
@@ -272,7 +278,8 @@ class LoadedModel:
     """
 
     def __init__(self, source_class: type[TokenSource], spec: LoadSpec, *, name: str = "model",
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prompt_cache: PromptCacheSpec | None = None,
+                 before_load: Callable[[], None] | None = None):
         self.spec = spec
         self.name = name
         self.slots = max(1, spec.n_seq)
@@ -290,6 +297,9 @@ class LoadedModel:
         self._closed = threading.Event()
         self._counters = LoopMetrics()
         self._load_error: BaseException | None = None
+        self._pcache_spec = prompt_cache
+        self._pcache: PromptCache | None = None
+        self._before_load = before_load
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name=f"localllm-decode-{name}", daemon=True)
         self._thread.start()
@@ -395,7 +405,16 @@ class LoadedModel:
                 m.kv_tokens_idle += len(s.tokens)
         if self._controller is not None:
             m.drafting = "on" if self._controller.drafting else "paused (not paying)"
+        if self._pcache is not None:
+            st = self._pcache.stats
+            m.prompt_cache_entries, m.prompt_cache_bytes = st.entries, st.bytes
+            m.prompt_cache_hits, m.prompt_cache_misses = st.hits, st.misses
         return m
+
+    @property
+    def prompt_cache(self) -> PromptCache | None:
+        """The prompt cache on disk (None when off, or when this backend cannot save sequence states)."""
+        return self._pcache
 
     def close(self) -> None:
         """Cancel what is running, free the model on its thread and join the thread. Idempotent."""
@@ -446,6 +465,8 @@ class LoadedModel:
 
     def _load(self) -> None:
         spec = self.spec
+        if self._before_load is not None:  # e.g. a first-use conversion, on the thread that will run the model
+            self._before_load()
         src = self._source_class(spec)
         self._source = src
         try:
@@ -453,6 +474,10 @@ class LoadedModel:
             d = spec.draft
             if d is not None:
                 self._setup_draft(src, d)
+            pc, state_key = self._pcache_spec, src.state_key()
+            if pc is not None and pc.max_bytes > 0 and state_key is not None:
+                self._pcache = PromptCache(pc.root, key=f"{pc.model_key} {state_key}", max_bytes=pc.max_bytes,
+                                           min_tokens=pc.min_tokens, budget_root=pc.budget_root)
         except BaseException:
             src.close()
             raise
@@ -506,6 +531,8 @@ class LoadedModel:
             except queue.Empty:
                 break
         try:
+            if self._pcache is not None:
+                self._pcache.close()  # the entries being written are finished, not lost
             if self._drafter is not None:
                 self._drafter.close()
             if self._source is not None:
@@ -610,9 +637,63 @@ class LoadedModel:
             del seq.tokens[keep:]
         if not (saved is not None and saved[0] <= keep):
             seq.prompt_logits = None
+        if req.saved is None and self._pcache is not None and self._pcache.wants(len(prompt)):
+            keep = self._restore(seq, prompt, keep, req)
         req.stream.stats.prompt_cached_tokens = keep
         self._counters.prompt_tokens_cached += keep
         self._counters.prompt_tokens_copied += min(copied, keep)
+
+    def _restore(self, seq: _Seq, prompt: list[int], keep: int, req: _Req) -> int:
+        """Load the longest prefix of ``prompt`` saved on disk into ``seq`` when it beats ``keep``."""
+        assert self._pcache is not None
+        n, data = self._pcache.lookup(prompt)
+        if data is None or n <= keep:
+            return keep
+        if not self.source.state_load(seq.id, data):
+            self._pcache.discard(self._pcache._path(prompt[:n]), "the backend refused it")
+            self.source.seq_rm(seq.id)
+            seq.tokens = []
+            seq.prompt_logits = None
+            return 0
+        seq.tokens = list(prompt[:n])
+        seq.prompt_logits = None
+        keep = min(n, len(prompt) - 1)  # logits are not saved: the last prompt token is evaluated again
+        if keep < n:
+            self.source.seq_rm(seq.id, keep)
+            del seq.tokens[keep:]
+        req.stream.stats.prompt_restored_tokens = keep
+        self._counters.prompt_tokens_restored += keep
+        self._pcache.stats.restored_tokens += keep
+        return keep
+
+    def _save_prefixes(self, r: _Req) -> None:
+        """After a request ends: save the KV state of its long prefixes (where the system prompt ends, and the
+        whole prompt: the next turn of a chat starts with it) unless the disk already has them. The copy is taken here, on the loop
+        thread (a few milliseconds); the file is written in the background."""
+        pc, seq = self._pcache, r.seq
+        if pc is None or seq is None:
+            return
+        points = sorted({n for n in (*r.stream.cache_points, len(r.stream.prompt))
+                         if pc.wants(n) and n <= len(seq.tokens)})
+        for n in points:
+            toks = seq.tokens[:n]
+            if pc.has(toks):
+                continue
+            tmp = next((s for s in self._seqs if s.owner is None and not s.tokens and s is not seq), None)
+            if tmp is None:
+                return
+            try:
+                if n == len(seq.tokens):
+                    data = self.source.state_save(seq.id)
+                elif self.source.seq_cp(seq.id, tmp.id, n):
+                    data = self.source.state_save(tmp.id)
+                    self.source.seq_rm(tmp.id)
+                else:
+                    continue
+            except Exception as e:  # noqa: BLE001 - a cache that cannot be saved costs nothing but the miss
+                log.warning("prompt cache: could not take the state of %d tokens: %s", n, e)
+                return
+            pc.save(toks, data)
 
     # ------------------------------------------------------------------ one step
 
@@ -777,6 +858,8 @@ class LoadedModel:
             seq.last_used = time.monotonic()
             if reason in ("cancelled", "error"):
                 self._drop(seq)  # a stream that did not finish: its cells are freed now
+            elif self._pcache is not None:
+                self._save_prefixes(r)
             r.stream.stats.context_used = len(seq.tokens)
         if r.sampler is not None:
             r.sampler.close()

@@ -10,6 +10,7 @@ add one line to :data:`BACKENDS`.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from backends.base import LoadSpec, TokenSource
 from backends.loop import LoadedModel
@@ -37,7 +38,8 @@ def available(name: str) -> tuple[bool, str]:
         return False, str(e)
 
 
-def load(backend: str | type[TokenSource], spec: LoadSpec, *, name: str = "model") -> LoadedModel:
-    """Load ``spec`` on its own decode loop. ``backend`` is a name from :data:`BACKENDS` or a class."""
+def load(backend: str | type[TokenSource], spec: LoadSpec, *, name: str = "model", **kwargs: Any) -> LoadedModel:
+    """Load ``spec`` on its own decode loop. ``backend`` is a name from :data:`BACKENDS` or a class; the
+    keyword arguments are :class:`~backends.loop.LoadedModel`'s (``prompt_cache``, ``before_load``...)."""
     cls = source_class(backend) if isinstance(backend, str) else backend
-    return LoadedModel(cls, spec, name=name)
+    return LoadedModel(cls, spec, name=name, **kwargs)

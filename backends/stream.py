@@ -60,6 +60,7 @@ class RequestStream:
         self._pending_lp: list[TokenLogprob] = []
         self._want_lp = bool(request.logprobs)
         self._source: TokenSource | None = None
+        self.cache_points: list[int] = []  # prompt prefixes worth keeping on disk (the system prompt's end)
 
     # ------------------------------------------------------------------ prompt
 
@@ -91,6 +92,15 @@ class RequestStream:
 
             toks, self.stats.dropped_messages = fit_messages(msgs, render, n_ctx,
                                                              answer_reserve(req.sampling.max_tokens, n_ctx))
+            n_sys = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), len(msgs))
+            if 0 < n_sys < len(msgs) and len(toks) >= 512:  # where a shared system prompt ends
+                head = source.prompt_tokens(source.render(msgs[:n_sys], tools=tools, add_generation_prompt=False,
+                                                          template_kwargs=kwargs))
+                n = 0  # templates may end the turn differently when more follows: the common part
+                while n < min(len(head), len(toks)) and head[n] == toks[n]:
+                    n += 1
+                if n:
+                    self.cache_points.append(n)
             if style is not None and _thinking.thinks(style, req.think):
                 prompt_text = source.detokenize(toks[-16:])
                 self._split = _thinking.ThinkSplitter(style, started_in_thinking=_thinking.prompt_opens_thinking(

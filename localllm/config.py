@@ -10,7 +10,8 @@ LOCALLLM_MODELS            where installed models live                          
 LOCALLLM_HOST              server address (serve binds it, faces attach to it)  127.0.0.1:11434
 LOCALLLM_KEEP_ALIVE        how long an idle model stays loaded                  5m
 LOCALLLM_KV_CACHE_TYPE     f16 | q8_0 | q4_0                                    f16
-LOCALLLM_NUM_PARALLEL      parallel requests per model                          1
+LOCALLLM_NUM_PARALLEL      parallel requests (slots) per model                  auto (4 if it fits)
+LOCALLLM_PROMPT_CACHE_SIZE disk for saved prompt prefixes (0 = off)             2GiB
 LOCALLLM_MAX_LOADED_MODELS models loaded at once (0 = as memory allows)         0
 LOCALLLM_MAX_QUEUE         queued requests before 503                           512
 LOCALLLM_ORIGINS           extra CORS origins, comma separated                  (loopback only)
@@ -56,6 +57,11 @@ class Paths:
     @property
     def config_file(self) -> Path:
         return self.config / "config.toml"
+
+    @property
+    def prompt_cache(self) -> Path:
+        """Saved KV states of long prompt prefixes, one directory per model digest."""
+        return self.data / "prompt-cache"
 
 
 def paths() -> Paths:
@@ -109,3 +115,35 @@ def kv_cache_type() -> str:
     if value not in ("f16", "q8_0", "q4_0"):
         raise SystemExit(f"LOCALLLM_KV_CACHE_TYPE must be f16, q8_0 or q4_0, got {value!r}.")
     return value
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+               "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of ``"2GiB"``, ``"512MB"``, ``"1.5g"`` or a plain number (binary units, as disks are sold here).
+
+    >>> parse_size("2GiB"), parse_size("512m"), parse_size("0")
+    (2147483648, 536870912, 0)
+    """
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(text)
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+DEFAULT_PROMPT_CACHE = 2 << 30
+
+
+def prompt_cache_size() -> int:
+    """``LOCALLLM_PROMPT_CACHE_SIZE`` in bytes (default 2 GiB; 0 turns the prompt cache off)."""
+    value = env_str("LOCALLLM_PROMPT_CACHE_SIZE", "")
+    if not value:
+        return DEFAULT_PROMPT_CACHE
+    try:
+        return parse_size(value)
+    except ValueError:
+        raise SystemExit(f"LOCALLLM_PROMPT_CACHE_SIZE must be a size like 2GiB, 500MB or 0, got {value!r}.") from None

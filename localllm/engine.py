@@ -60,6 +60,7 @@ from backends.base import (  # noqa: F401
 )
 from backends.channel import Channel
 from backends.loop import LoadedModel, LoopMetrics
+from backends.prompt_cache import PromptCacheSpec
 from backends.registry import source_class
 from localllm import config
 from localllm.errors import LocalLLMError, ModelNotFoundError
@@ -261,6 +262,15 @@ class Engine:
         )
         return model, p
 
+    def _prompt_cache_spec(self, model: InstalledModel, backend: str) -> PromptCacheSpec | None:
+        """Where this model's saved prompt prefixes live (``LOCALLLM_PROMPT_CACHE_SIZE``; 0 = none)."""
+        size = config.prompt_cache_size()
+        if size <= 0 or not model.digest:
+            return None
+        root = config.paths().prompt_cache
+        return PromptCacheSpec(str(root / model.digest.removeprefix("sha256:")), f"{model.digest} {backend}",
+                               max_bytes=size, budget_root=str(root))
+
     def _draft_spec(self, model: InstalledModel, options: LoadOptions, backend: str) -> DraftSpec | None:
         choice = (options.draft or "auto").strip()
         if choice == "none":
@@ -350,7 +360,7 @@ class Engine:
             )
             cls = self._backend_class(p.backend)
             t0 = time.perf_counter_ns()
-            loaded = LoadedModel(cls, spec, name=model.name)
+            loaded = LoadedModel(cls, spec, name=model.name, prompt_cache=self._prompt_cache_spec(model, p.backend))
             load_ns = time.perf_counter_ns() - t0
             now = time.monotonic()
             running = RunningModel(

@@ -1,0 +1,144 @@
+"""The prompt cache on disk: a long prefix is evaluated once, restored in the next process, and every bad
+entry is refused, not loaded. Real model (llama.cpp) in real subprocesses where a restart matters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from backends.base import GenerateRequest, LoadSpec, Sampling
+from backends.prompt_cache import SUFFIX, PromptCache, PromptCacheSpec
+from backends.registry import load
+from tests.backends.conftest import collect
+
+pytest.importorskip("llama_cpp")
+
+SYSTEM = "You are a careful assistant. " + " ".join(
+    f"Rule {i}: answer about item {i} precisely and cite the rule." for i in range(60))  # ~1,100 tokens
+
+
+def ask(q: str, n: int = 24) -> GenerateRequest:
+    return GenerateRequest(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                           sampling=Sampling(temperature=0.0, max_tokens=n))
+
+
+def _model(path: Path, root: Path, kv: str = "f16", **kw):
+    spec = PromptCacheSpec(str(root / "m"), "test-model", max_bytes=kw.pop("max_bytes", 1 << 30),
+                           budget_root=str(root))
+    return load("llamacpp", LoadSpec(str(path), n_ctx=2048, n_seq=1, n_threads=2, kv_cache_type=kv),  # type: ignore[arg-type]
+                prompt_cache=spec, **kw)
+
+
+CHILD = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {root!r})
+    from tests.backends.test_prompt_cache import _model, ask
+    from tests.backends.conftest import collect
+    from pathlib import Path
+    m = _model(Path({model!r}), Path({cache!r}))
+    text, done, _ = collect(m.generate(ask({q!r})))
+    m.close()
+    print(json.dumps({{"text": text, "restored": done.stats.prompt_restored_tokens,
+                      "cached": done.stats.prompt_cached_tokens, "prompt": done.stats.prompt_eval_count}}))
+""")
+
+
+def _child(model: Path, cache: Path, q: str) -> dict:
+    code = CHILD.format(root=str(Path(__file__).resolve().parents[2]), model=str(model), cache=str(cache), q=q)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_restores_the_prefix_and_answers_the_same(derived_model, tmp_path):
+    f32 = derived_model("f32")  # greedy output must be identical with and without a restore
+    first = _child(f32, tmp_path, "What does rule 7 say?")
+    assert first["restored"] == 0
+    assert list((tmp_path / "m").glob(f"*{SUFFIX}")), "nothing was saved"
+    again = _child(f32, tmp_path, "What does rule 7 say?")  # the whole prompt was saved
+    assert again["restored"] == first["prompt"] - 1 and again["text"] == first["text"]
+    other = _child(f32, tmp_path, "What does rule 12 say?")  # only the system prompt is shared
+    assert other["restored"] > 1000 and other["restored"] < other["prompt"]
+    with _model(f32, tmp_path / "cold", max_bytes=0) as cold:  # no cache at all: the reference
+        text, done, _ = collect(cold.generate(ask("What does rule 12 say?")))
+    assert done.stats.prompt_restored_tokens == 0 and other["text"] == text
+
+
+def test_corrupt_truncated_and_mismatched_entries_are_removed_not_loaded(default_model_path, tmp_path, caplog):
+    with _model(default_model_path, tmp_path) as m:
+        ref, _, _ = collect(m.generate(ask("Hi")))
+    entries = sorted((tmp_path / "m").glob(f"*{SUFFIX}"))
+    assert entries
+    data = entries[0].read_bytes()
+    entries[0].write_bytes(data[: len(data) // 2])  # truncated
+    for e in entries[1:]:
+        raw = bytearray(e.read_bytes())
+        raw[-100] ^= 0xFF  # one flipped byte in the state
+        e.write_bytes(bytes(raw))
+    bad = {e.name: e.read_bytes() for e in entries}
+    with _model(default_model_path, tmp_path) as m:
+        text, done, _ = collect(m.generate(ask("Hi")))
+        assert done.stats.prompt_restored_tokens == 0 and text == ref
+        assert caplog.text.count("truncated or corrupt") == len(entries)
+    for e in entries:  # each bad file was removed, and a good one written in its place
+        assert e.read_bytes() != bad[e.name]
+    with _model(default_model_path, tmp_path) as m:
+        _, done, _ = collect(m.generate(ask("Hi")))
+        assert done.stats.prompt_restored_tokens > 1000
+
+
+def test_another_kv_type_is_a_miss(default_model_path, tmp_path):
+    with _model(default_model_path, tmp_path) as m:
+        collect(m.generate(ask("Hi")))
+    with _model(default_model_path, tmp_path, kv="q8_0") as m:
+        _, done, _ = collect(m.generate(ask("Hi")))
+        assert done.stats.prompt_restored_tokens == 0
+        assert m.metrics().prompt_cache_misses >= 1
+
+
+def test_a_full_cache_evicts_the_least_recently_used(tmp_path):
+    c = PromptCache(tmp_path, key="k", max_bytes=3000, min_tokens=1)
+    for i in range(5):
+        assert c.save_now([i] * 10, bytes(900))
+        os.utime(next(tmp_path.glob(f"{10:07d}-{c._name([i] * 10)}{SUFFIX}")), (i, i))
+    left = sorted(p.name for p in tmp_path.glob(f"*{SUFFIX}"))
+    assert len(left) <= 3 and c.lookup([4] * 10)[0] == 10 and c.lookup([0] * 10)[0] == 0
+
+
+def test_an_unwritable_cache_skips_the_save_and_the_answer_comes(default_model_path, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    os.chmod(ro, 0o500)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as a user who can write anywhere (root): use the full-disk case below")
+        with _model(default_model_path, ro) as m:
+            text, done, _ = collect(m.generate(ask("Hi")))
+            assert text and done.finish_reason in ("stop", "length")
+    finally:
+        os.chmod(ro, 0o700)
+
+
+def test_a_full_disk_skips_the_save_and_the_answer_comes(default_model_path, tmp_path, monkeypatch):
+    import errno
+
+    real = os.replace
+
+    def full(src, dst):  # the disk fills up at the last moment: the entry must not appear, nor the temp file
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with _model(default_model_path, tmp_path) as m:
+        text, done, _ = collect(m.generate(ask("Hi")))
+        m.prompt_cache.flush()
+        assert text and done.finish_reason in ("stop", "length")
+        assert m.prompt_cache.stats.save_errors >= 1
+    monkeypatch.setattr(os, "replace", real)
+    assert not list(tmp_path.rglob("*")) or not [p for p in tmp_path.rglob("*") if p.is_file()]
