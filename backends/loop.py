@@ -667,9 +667,9 @@ class LoadedModel:
         return keep
 
     def _save_prefixes(self, r: _Req) -> None:
-        """After a request ends: save the KV state of its long prefixes (where the system prompt ends, and the
-        whole prompt: the next turn of a chat starts with it) unless the disk already has them. The copy is taken here, on the loop
-        thread (a few milliseconds); the file is written in the background."""
+        """After a request ends: save the KV state of its long prefixes (where the system prompt ends, and
+        the whole prompt: the next turn of a chat starts with it) unless the disk already has them. The
+        copy is taken here, on the loop thread (a few milliseconds); the file is written in the background."""
         pc, seq = self._pcache, r.seq
         if pc is None or seq is None:
             return

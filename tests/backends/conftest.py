@@ -2,7 +2,8 @@
 
 ``backend_factory(name, **spec)`` loads the default model in that backend's format (``MODEL_FIXTURE``)
 with ``LoadSpec(**spec)`` (n_ctx defaults to 2048) on its own decode loop (:class:`backends.loop.LoadedModel`)
-and caches it for the session, so tests that use the same spec share one load. ``backend`` is parametrized over ``BACKENDS``: adding a backend to the
+and caches it for the session, so tests that use the same spec share one load. ``backend`` is parametrized
+over ``BACKENDS``: adding a backend to the
 behavioural tests is one line in each of the two tables below.
 
 ``derived_model(ftype)`` turns the default Q4_1 file into an F32 / F16 / Q8_0 variant with llama.cpp's
@@ -50,7 +51,8 @@ def _backend_cache() -> Iterator[dict[Any, LoadedModel]]:
 
 
 @pytest.fixture
-def backend_factory(request: pytest.FixtureRequest, _backend_cache: dict[Any, LoadedModel]) -> Callable[..., LoadedModel]:
+def backend_factory(request: pytest.FixtureRequest,
+                    _backend_cache: dict[Any, LoadedModel]) -> Callable[..., LoadedModel]:
     """``make(name, fresh=False, **spec) -> Backend`` for the default model in ``name``'s format.
 
     ``fresh=True`` loads a private instance that the test must close (or that is closed at teardown)."""
