@@ -266,6 +266,7 @@ def test_memory_budget_evicts_idle_models(default_model):
 
 def test_error_mid_stream_is_the_last_ndjson_line(default_model):
     from backends.fake import FakeBackend
+
     from localllm.engine import Engine
 
     class Crashing(FakeBackend):

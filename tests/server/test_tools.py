@@ -20,6 +20,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 @pytest.fixture(scope="module")
 def tool_server(default_model):
     from backends.fake import FakeBackend
+
     from localllm.engine import Engine
     from localllm.server import common
 
