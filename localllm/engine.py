@@ -219,6 +219,7 @@ class Engine:
         self._backend_class = backend_class or source_class  # backend name -> TokenSource class (tests swap it)
         self.memory_budget = memory_budget  # bytes for all loaded models; None = free RAM (+VRAM) at first load
         self._baseline: tuple[int, int] | None = None  # (free RAM, free VRAM) with nothing loaded
+        self.observers: list[Callable[[str, Stats], None]] = []  # called with (model, stats) as each generation ends
         self._models: dict[str, RunningModel] = {}
         self._aliases: dict[str, str] = {}  # requested name -> loaded key (the store's canonical name)
         self._lock = threading.RLock()  # guards _models, refs, _pending
@@ -508,6 +509,11 @@ class Engine:
         if isinstance(event, Done):
             event.stats.load_duration = 0 if was_loaded else running.load_duration_ns
             event.stats.total_duration = time.perf_counter_ns() - t_start
+            for observe in self.observers:
+                try:
+                    observe(running.name, event.stats)
+                except Exception:  # noqa: BLE001 - a metrics hook never breaks a stream
+                    pass
 
     def generate(
         self,

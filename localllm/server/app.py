@@ -116,6 +116,18 @@ def create_app(engine: Any = None, *, bound_host: str | None = None, api_key: st
     app.add_exception_handler(BackendError, _known)
     app.add_exception_handler(Exception, _known)  # a bug: logged, answered with "internal server error"
 
+    from fastapi.responses import Response
+
+    from localllm.server.metrics import CONTENT_TYPE, Metrics, RequestCounter
+
+    metrics = Metrics(engine)
+    app.state.metrics = metrics
+
+    @app.get("/metrics", include_in_schema=False)
+    async def _metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(RequestCounter, metrics=metrics)  # innermost: sees the route the router picked
     app.add_middleware(
         CORSMiddleware,
         allow_origin_regex=origin_regex(origins),
