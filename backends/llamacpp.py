@@ -19,7 +19,8 @@ levels are mapped wrongly by llama-cpp-python (we install our own callback).
 
 Backend-specific knobs in ``LoadSpec.extra``: ``chat_template`` (override the GGUF's), ``n_threads_batch``,
 ``use_mmap`` (default True), ``n_seq_ids`` (sequence ids in the pool; default 2 × slots, so idle
-conversations keep their prefix while others run).
+conversations keep their prefix while others run), ``grammar`` (a GBNF grammar for every request that
+asks for no format: tests make a small model "think" with it).
 """
 
 from __future__ import annotations
@@ -624,8 +625,10 @@ class LlamaCppSource(TokenSource):
 
         s = sampling
         grammar = None
+        gbnf = self.spec.extra.get("grammar") if fmt in (None, "", "text") else None  # a load-wide GBNF (tests)
         if fmt not in (None, "", "text"):
             gbnf = _grammar_for(fmt)  # type: ignore[arg-type]
+        if gbnf:
             _recent_native.clear()
             grammar = llama_cpp.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root")
             if not grammar:

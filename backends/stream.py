@@ -12,7 +12,6 @@ It runs on the decode loop's thread (string work only, no model calls but the so
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Any
@@ -58,6 +57,7 @@ class RequestStream:
         self._tool_buf = ""  # text held while it may be a tool call
         self._split: _thinking.ThinkSplitter | None = None
         self._pending_lp: list[TokenLogprob] = []
+        self._pending_tokens = 0  # tokens pushed since the last chunk
         self._want_lp = bool(request.logprobs)
         self._source: TokenSource | None = None
         self.cache_points: list[int] = []  # prompt prefixes worth keeping on disk (the system prompt's end)
@@ -80,18 +80,24 @@ class RequestStream:
             style = _thinking.thinking_style(source.chat_template, source.info.architecture)
             if req.think not in (None, False) and style is None:
                 raise UnsupportedError("This model does not support thinking.")
-            kwargs = _thinking.render_kwargs(style, req.think) if style is not None else {}
-            suffix = _thinking.prompt_suffix(style, req.think) if style is not None else ""
+            kwargs = _thinking.render_kwargs(style, req.think)
             msgs = text_messages(list(req.messages or []))
             tools = req.tools or None
+            last_text = [""]
 
             def render(m: list[dict[str, Any]]) -> list[int]:
                 text = source.render(m, tools=tools, add_generation_prompt=req.add_generation_prompt,
                                      template_kwargs=kwargs)
-                return source.prompt_tokens(text + suffix)
+                if req.add_generation_prompt:
+                    text += _thinking.prompt_suffix(style, req.think, text)
+                last_text[0] = text
+                return source.prompt_tokens(text)
 
             toks, self.stats.dropped_messages = fit_messages(msgs, render, n_ctx,
                                                              answer_reserve(req.sampling.max_tokens, n_ctx))
+            if style is not None and req.add_generation_prompt:
+                split = _thinking.splitter_for(style, req.think, last_text[0])
+                self._split = split if split.style is not None else None
             n_sys = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), len(msgs))
             if 0 < n_sys < len(msgs) and len(toks) >= 512:  # where a shared system prompt ends
                 head = source.prompt_tokens(source.render(msgs[:n_sys], tools=tools, add_generation_prompt=False,
@@ -101,10 +107,6 @@ class RequestStream:
                     n += 1
                 if n:
                     self.cache_points.append(n)
-            if style is not None and _thinking.thinks(style, req.think):
-                prompt_text = source.detokenize(toks[-16:])
-                self._split = _thinking.ThinkSplitter(style, started_in_thinking=_thinking.prompt_opens_thinking(
-                    style, prompt_text))
         if not toks:
             raise UnsupportedError("The prompt is empty and this model has no start token to begin from.")
         self.prompt = toks
@@ -156,6 +158,7 @@ class RequestStream:
             return []
         self.generated.append(token)
         self.stats.eval_count += 1
+        self._pending_tokens += 1
         if logprob is not None:
             self._pending_lp.append(logprob)
         out: list[Event] = []
@@ -183,13 +186,12 @@ class RequestStream:
             parts = [("content", text)] if text else []
         out: list[Event] = []
         for kind, piece in parts:
-            if kind == "thinking":
+            if kind == _thinking.THINKING:
                 if piece:
                     out.append(self._chunk(piece, thinking=True))
                 continue
-            if kind == "tool":  # a harmony tool call: name\0arguments json
-                name, _, args = piece.partition("\0")
-                calls = parse_tool_calls(f'{{"name": {json.dumps(name)}, "arguments": {args or "{}"}}}')
+            if kind == _thinking.TOOL:  # a harmony tool call: {"name", "arguments"} as JSON
+                calls = parse_tool_calls(piece)
                 if calls:
                     out.append(ToolCalls(calls))
                 continue
@@ -206,7 +208,7 @@ class RequestStream:
         lps = None
         if self._want_lp:
             lps, self._pending_lp = self._pending_lp, []
-        n = len(lps) if lps else 1
+        n, self._pending_tokens = self._pending_tokens, 0
         if thinking:
             self.stats.thinking_tokens += n
         return TextChunk(text, n, thinking=thinking, logprobs=lps)
