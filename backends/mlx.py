@@ -55,6 +55,43 @@ from backends.base import (
 KV_BITS = {"f16": None, "q8_0": 8, "q4_0": 4}
 
 
+class _ThreadRelease:
+    """Frees the MLX state of the thread that holds it, as that thread ends.
+
+    MLX keeps per-thread state: streams (``mlx_lm``'s ``generation_stream`` is a thread-local stream) and
+    the ``mx.compile`` cache, whose entries hold Python callables (mlx-lm compiles its activations and
+    samplers). If a thread that ran a model simply ends, C++ destroys that cache in the thread's TLS
+    destructors, after Python has let the thread go; the destructors take the GIL, and if the interpreter
+    is finalizing by then, CPython ends the thread with ``pthread_exit`` inside a ``noexcept`` destructor:
+    ``terminate called without an active exception``, exit 134. ``mx.clear_streams()`` empties both while
+    the thread is still a Python thread. The thread can run no MLX work after it, so it is called from
+    here: an instance lives in a ``threading.local`` and Python drops it (and runs ``__del__``, on that
+    thread, with the GIL) when the thread's state is cleared, before ``Thread.join()`` returns.
+    """
+
+    def __del__(self) -> None:
+        import mlx.core as mx
+
+        clear = getattr(mx, "clear_streams", None)  # mlx >= 0.32
+        if clear is not None:
+            try:
+                clear()
+            except Exception:  # noqa: BLE001 - the thread is ending; nothing to report to
+                pass
+
+
+_thread_state = threading.local()
+
+
+def _hold_thread() -> None:
+    """Mark the current thread as one that runs MLX work, so its MLX state is freed when it ends. The main
+    thread is left alone: its state lives until the process exits, which MLX handles itself."""
+    if threading.current_thread() is threading.main_thread():
+        return
+    if getattr(_thread_state, "release", None) is None:
+        _thread_state.release = _ThreadRelease()
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -162,6 +199,7 @@ class MLXBackend(Backend):
         import mlx_lm
         from mlx_lm.models.cache import make_prompt_cache
 
+        _hold_thread()
         self._mx = mx
         self._lock = threading.Lock()
         self._closed = False
@@ -383,6 +421,7 @@ class MLXBackend(Backend):
             arch = self.info.architecture
             raise UnsupportedError(f"Embeddings are not available for the {arch} architecture on MLX.")
         out: list[list[float]] = []
+        _hold_thread()
         with self._lock:
             for text in texts:
                 ids = self._tok.encode(text) or [next(iter(self._eos))]
@@ -519,6 +558,7 @@ class MLXBackend(Backend):
         return proc
 
     def _generate(self, request: GenerateRequest, cancel: threading.Event) -> Iterator[Event]:
+        _hold_thread()
         mx = self._mx
         t0 = time.perf_counter_ns()
         with self._lock:

@@ -25,16 +25,28 @@ Scheduling (Ollama's, ``server/sched.go``):
   :class:`ServerBusyError` (HTTP 503);
 * :meth:`Engine.agenerate` runs :meth:`Engine.generate` in a worker thread for asyncio callers and
   cancels it at once when the consumer goes away (a client disconnect frees the model).
+
+Lifecycle: :meth:`Engine.close` (or leaving ``with Engine()``) stops the generations still running,
+waits for a load in progress, closes every model on its own thread and joins that thread and the
+keep-alive thread, so no thread that ran native code is still ending when the interpreter shuts down
+(an MLX thread ending during ``Py_FinalizeEx`` aborts the process). An engine still open at exit is
+closed by an ``atexit`` hook. A closed engine loads nothing more.
+
+``--backend mlx`` on a model with no MLX weights converts its GGUF on first use (once, offline; see
+:mod:`localllm.mlxmodels`), on the model's load thread; ``Engine(on_convert=...)`` receives the
+:class:`~localllm.mlxmodels.ConversionProgress` events a face shows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +74,7 @@ from localllm import config
 from localllm.errors import LocalLLMError, ModelNotFoundError
 
 if TYPE_CHECKING:
+    from localllm.mlxmodels import ConversionProgress
     from localllm.planner import Plan
     from localllm.store import InstalledModel
 
@@ -205,7 +218,11 @@ class _Runner:
                     pass
 
     def close(self) -> None:
+        """Stop the thread once the jobs queued before this one are done, and wait for it to end
+        (everything it ran, and what the backend frees per thread as it ends, is over on return)."""
         self._jobs.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
 
 @dataclass
@@ -267,7 +284,8 @@ class Engine:
 
     def __init__(self, store: Any = None, *, keep_alive: float | None = None, hardware: Any = None,
                  max_loaded: int | None = None, max_queue: int | None = None,
-                 memory_budget: int | None = None, backend_class: Any = None):
+                 memory_budget: int | None = None, backend_class: Any = None,
+                 on_convert: Callable[[ConversionProgress], None] | None = None):
         if store is None:
             from localllm.store import Store
 
@@ -286,9 +304,12 @@ class Engine:
         self._idle = threading.Condition(self._lock)  # notified when a model's refs drop or it unloads
         self._load_lock = threading.Lock()  # one load at a time
         self._pending = 0  # requests waiting for a load or a slot
+        self.on_convert = on_convert  # first-use MLX conversion progress, for the face to show
+        self._stops: set[threading.Event] = set()  # the backend cancel events of running generations
         self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="localllm-keepalive", daemon=True)
         self._reaper.start()
+        _open_engines.add(self)
 
     # ------------------------------------------------------------------ services
 
@@ -311,6 +332,11 @@ class Engine:
         model = self.store.get(name)
         info = GGUFInfo(**model.info)
         kv = options.kv_cache_type or config.kv_cache_type()
+        convert = False
+        if options.backend == "mlx" and model.mlx_path is None and self.hardware.backend("mlx").available:
+            from localllm.mlxmodels import will_convert
+
+            convert = will_convert(model)  # no MLX weights: converted on first use, or one sentence why not
         p = plan(
             info,
             self.hardware,
@@ -318,9 +344,42 @@ class Engine:
             kv_cache_type=kv,
             backend=options.backend,
             num_gpu=options.num_gpu,
-            mlx_model=model.mlx_path is not None,
+            mlx_model=model.mlx_path is not None or convert,
         )
+        if convert:
+            from localllm.mlxmodels import CONVERT_REASON
+
+            p.reasons.append(CONVERT_REASON)
         return model, p
+
+    def _convert(self, model: InstalledModel) -> None:
+        """Build the MLX weights of ``model`` from its GGUF (first use of ``--backend mlx``), record them in
+        the store and set ``model.mlx_path``. Runs on the model's runner thread; reports to ``on_convert``;
+        closing the engine stops it at the next progress report (nothing half-written is kept)."""
+        from localllm.mlxmodels import ConversionProgress, convert_installed
+
+        notify = self.on_convert
+        t0 = time.monotonic()
+
+        def progress(done: int, total: int) -> None:
+            if self._closed.is_set():
+                raise LocalLLMError(f"The conversion of {model.name} to MLX was stopped: localllm is shutting down.")
+            if notify is not None:
+                notify(ConversionProgress(model.name, "progress", done, total, time.monotonic() - t0))
+
+        if notify is not None:
+            notify(ConversionProgress(model.name, "start"))
+        try:
+            path = convert_installed(model, progress=progress)
+        except BaseException as e:
+            if notify is not None:
+                notify(ConversionProgress(model.name, "failed", seconds=time.monotonic() - t0, error=str(e)))
+            raise
+        if not model.local:  # a local .gguf path has no manifest: its MLX dir is found by digest
+            self.store.set_mlx_path(model.name, path)
+        model.mlx_path = path
+        if notify is not None:
+            notify(ConversionProgress(model.name, "done", seconds=time.monotonic() - t0))
 
     def _draft_spec(self, model: InstalledModel, options: LoadOptions, backend: str) -> DraftSpec | None:
         choice = (options.draft or "auto").strip()
@@ -370,6 +429,8 @@ class Engine:
                 return running
         _acquire(self._load_lock, cancel)
         try:
+            if self._closed.is_set():
+                raise LocalLLMError("localllm is shutting down; no model is loaded any more.")
             with self._lock:
                 running = self._lookup(name)
                 if running is not None and not running.closed and self._compatible(running, options):
@@ -396,22 +457,23 @@ class Engine:
                 raise PlanError(f"{model.name} does not fit this machine: {'; '.join(p.reasons)}")
             need = self._estimate(p)
             self._make_room(need, cancel)
-            path = model.mlx_path if p.backend == "mlx" else model.path
-            spec = LoadSpec(
-                model_path=str(path),
-                n_ctx=p.n_ctx,
-                n_gpu_layers=p.n_gpu_layers,
-                n_threads=options.num_thread or p.n_threads,
-                kv_cache_type=p.kv_cache_type,
-                flash_attn=p.flash_attn,
-                draft=self._draft_spec(model, options, p.backend),
-                embedding=options.embedding,
-                verbose=os.environ.get("LOCALLLM_DEBUG", "") not in ("", "0"),
-            )
             cls = self._backend_class(p.backend)
             runner = _Runner(f"localllm-model-{model.name}")
-            t0 = time.perf_counter_ns()
             try:
+                if p.backend == "mlx" and model.mlx_path is None:
+                    runner.call(lambda: self._convert(model))  # on the thread that will run it (MLX state)
+                spec = LoadSpec(
+                    model_path=str(model.mlx_path if p.backend == "mlx" else model.path),
+                    n_ctx=p.n_ctx,
+                    n_gpu_layers=p.n_gpu_layers,
+                    n_threads=options.num_thread or p.n_threads,
+                    kv_cache_type=p.kv_cache_type,
+                    flash_attn=p.flash_attn,
+                    draft=self._draft_spec(model, options, p.backend),
+                    embedding=options.embedding,
+                    verbose=os.environ.get("LOCALLLM_DEBUG", "") not in ("", "0"),
+                )
+                t0 = time.perf_counter_ns()
                 backend = runner.call(lambda: cls(spec))
             except BaseException:
                 runner.close()
@@ -582,7 +644,11 @@ class Engine:
             queued = False
             running.active += 1
             try:
-                stop = threading.Event()  # the backend's cancel: set by ``cancel`` or by leaving early
+                stop = threading.Event()  # the backend's cancel: set by ``cancel``, by leaving early or by close()
+                with self._lock:
+                    self._stops.add(stop)
+                    if self._closed.is_set():
+                        stop.set()
                 try:
                     for event in running.runner.stream(lambda: running.backend.generate(request, stop), stop, cancel):
                         if isinstance(event, Done):
@@ -593,6 +659,9 @@ class Engine:
                     raise
                 except Exception as e:  # a crash inside the backend: one sentence, the cause chained
                     raise BackendError(f"The model failed while generating: {e}") from e
+                finally:
+                    with self._lock:
+                        self._stops.discard(stop)
             finally:
                 running.active -= 1
                 running.slots.release()
@@ -738,15 +807,37 @@ class Engine:
                 self._unload_key(k, only=m)
 
     def close(self) -> None:
-        self._closed.set()
-        for key in list(self._models):
-            self._unload_key(key)
+        """Stop running generations (at their next token), wait for a load in progress, close every
+        model on its thread and join that thread and the keep-alive thread. Idempotent; a closed engine
+        loads nothing more. Faces call it before exit (``with Engine()``, ``finally``); an ``atexit``
+        hook closes what they did not."""
+        with self._lock:
+            self._closed.set()
+            for stop in self._stops:
+                stop.set()
+        _open_engines.discard(self)
+        with self._load_lock:  # a load in progress finishes (a conversion stops) before the models close
+            for key in list(self._models):
+                self._unload_key(key)
+        if threading.current_thread() is not self._reaper:
+            self._reaper.join()
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """At interpreter exit, close the engines nobody closed: their model threads must end (and free what
+    the backends keep per thread) while Python can still run them."""
+    for engine in list(_open_engines):
+        engine.close()
 
 
 def _acquire(lock: Any, cancel: threading.Event | None, *, give_up: bool = False) -> bool:

@@ -14,6 +14,10 @@ from the GGUF with :mod:`backends.mlx_convert` (Q4_0/Q4_1/Q8_0 stay quantized)::
     True
     >>> convert_installed(model)                      # doctest: +SKIP
     PosixPath('/home/me/.local/share/localllm/models/mlx/b179c952...')
+
+``--backend mlx`` converts on first use: the engine asks :func:`will_convert` while planning (a GGUF that
+cannot convert is one sentence then, saying why and what to do) and builds the directory on the model's
+load thread before loading it, reporting :class:`ConversionProgress` to the face that asked.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from localllm.config import paths
 from localllm.errors import LocalLLMError
@@ -32,6 +38,24 @@ _lock = threading.Lock()
 
 class ConversionError(LocalLLMError):
     """The GGUF cannot become an MLX model (architecture, vocabulary or tensor types MLX lacks)."""
+
+
+@dataclass(frozen=True)
+class ConversionProgress:
+    """What a first-use conversion is doing, for the face that shows it (``Engine(on_convert=...)``).
+
+    ``stage`` is ``"start"`` once, then ``"progress"`` with ``done``/``total`` bytes of GGUF tensor data
+    converted, then ``"done"`` or ``"failed"`` (with ``error``) once; ``seconds`` since the start."""
+
+    name: str
+    stage: Literal["start", "progress", "done", "failed"]
+    done: int = 0
+    total: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+CONVERT_REASON = "MLX weights: none installed yet; converted from the GGUF on first use (once, offline)"
 
 
 def mlx_root() -> Path:
@@ -85,11 +109,37 @@ def convertible(model: Any) -> tuple[bool, str]:
     return True, ""
 
 
-def convert_installed(model: Any, *, force: bool = False, dtype: str = "float32") -> Path:
+def cannot_convert_sentence(name: str, why: str) -> str:
+    """The one sentence for ``--backend mlx`` on a model with no MLX weights whose GGUF cannot convert:
+    why (the converter's own words: architecture, tensor type or tokenizer) and what to do."""
+    why = why.strip().rstrip(".")
+    if len(why) > 1 and why[0].isupper() and not why[1].isupper():
+        why = why[0].lower() + why[1:]
+    return (f"{name} has no MLX weights and its GGUF cannot be converted to MLX: {why}; "
+            f"run it with --backend llamacpp, or install an MLX build of it.")
+
+
+def will_convert(model: Any) -> bool:
+    """True when loading ``model`` on MLX first builds its MLX weights from the GGUF (none are installed
+    and the GGUF converts); False when MLX weights are already there. Raises :class:`ConversionError`
+    (:func:`cannot_convert_sentence`) when there are none and the GGUF cannot convert. Reads the header
+    only: cheap enough for planning."""
+    if model.mlx_path is not None:
+        return False
+    ok, why = convertible(model)
+    if not ok:
+        raise ConversionError(cannot_convert_sentence(model.name, why))
+    return True
+
+
+def convert_installed(model: Any, *, force: bool = False, dtype: str = "float32",
+                      progress: Callable[[int, int], None] | None = None) -> Path:
     """Build (once) and return the MLX directory of an installed GGUF model.
 
     Needs ``mlx`` importable (``pip install 'localllm[mlx-cpu]'`` on Linux). Idempotent: an existing
-    complete directory is returned unless ``force``. Raises :class:`ConversionError` with one sentence.
+    complete directory is returned unless ``force``. ``progress(done, total)`` gets the bytes of GGUF
+    tensor data converted so far; an exception it raises stops the conversion (nothing is left behind).
+    Raises :class:`ConversionError` with one sentence.
     """
     from backends.base import BackendError
 
@@ -112,6 +162,6 @@ def convert_installed(model: Any, *, force: bool = False, dtype: str = "float32"
         if not src.is_file():
             raise ConversionError(f"The GGUF of {getattr(model, 'name', src.name)} is missing: {src}.")
         try:
-            return convert_gguf(src, target, dtype=dtype)
+            return convert_gguf(src, target, dtype=dtype, progress=progress)
         except BackendError as e:
             raise ConversionError(str(e)) from e
