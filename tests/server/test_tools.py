@@ -18,7 +18,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 @pytest.fixture(scope="module")
-def tool_server(default_model):
+def tool_server(installed_default_model):
     from backends.fake import FakeBackend
     from localllm.engine import Engine
     from localllm.server import common
