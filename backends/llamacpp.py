@@ -703,7 +703,7 @@ class LlamaCppBackend(Backend):
                     k = min(ctl.n_draft(), room) if (draft is not None and ctl is not None) else 0
                     if k > 0:
                         seq = np.append(llm.input_ids[: llm.n_tokens], np.intc(last))
-                        drafts = [int(t) for t in draft(seq, n=k)[:k]]
+                        drafts = [int(t) for t in draft(seq, n=k, max_catchup=ctl.max_catchup())[:k]]
                     if llm.n_tokens + 1 + len(drafts) > self._n_ctx:
                         finish = "length"
                         break
@@ -727,9 +727,9 @@ class LlamaCppBackend(Backend):
                 step_ns = time.perf_counter_ns() - t_step
                 stats.eval_duration += step_ns
                 if ctl is not None and decoded:
-                    catchup = getattr(draft, "catchup_ns", 0) if drafts else 0
+                    catchup = getattr(draft, "catchup_ns", 0) if k > 0 else 0  # paid from the budget
                     ctl.record(proposed=len(drafts), accepted=len(out) - 1 if drafts else 0, emitted=len(out),
-                               ns=step_ns - catchup)
+                               ns=step_ns, overhead_ns=catchup)
                 for tok in out:
                     if is_eog(tok):
                         finish = "stop"

@@ -109,7 +109,10 @@ def _side_main(conn: Any, factory: Callable[..., Any], kwargs: dict[str, Any]) -
         conn.send(("err", traceback.format_exc()))
         return
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except EOFError:  # the parent is gone
+            msg = None
         if msg is None:
             break
         method, kw = msg
@@ -120,7 +123,10 @@ def _side_main(conn: Any, factory: Callable[..., Any], kwargs: dict[str, Any]) -
     close = getattr(obj, "close", None)
     if close is not None:
         close()
-    conn.send(("ok", None))
+    try:
+        conn.send(("ok", None))
+    except OSError:
+        pass
 
 
 class Side:
