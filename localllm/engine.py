@@ -285,7 +285,7 @@ class Engine:
     def __init__(self, store: Any = None, *, keep_alive: float | None = None, hardware: Any = None,
                  max_loaded: int | None = None, max_queue: int | None = None,
                  memory_budget: int | None = None, backend_class: Any = None,
-                 on_convert: Callable[[ConversionProgress], None] | None = None):
+                 on_convert: Callable[[ConversionProgress], None] | None = None, backend: str | None = None):
         if store is None:
             from localllm.store import Store
 
@@ -305,6 +305,10 @@ class Engine:
         self._load_lock = threading.Lock()  # one load at a time
         self._pending = 0  # requests waiting for a load or a slot
         self.on_convert = on_convert  # first-use MLX conversion progress, for the face to show
+        # the backend for requests that leave it to the planner (``LoadOptions.backend == "auto"``)
+        self.backend = (backend or config.env_str("LOCALLLM_BACKEND", "auto")).lower()
+        if self.backend not in ("auto", "llamacpp", "mlx"):
+            raise LocalLLMError(f"LOCALLLM_BACKEND must be auto, llamacpp or mlx, got {self.backend!r}.")
         self._stops: set[threading.Event] = set()  # the backend cancel events of running generations
         self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="localllm-keepalive", daemon=True)
@@ -326,7 +330,7 @@ class Engine:
         from localllm.ggufinfo import GGUFInfo
         from localllm.planner import plan
 
-        options = options or LoadOptions()
+        options = self._default_backend(options or LoadOptions())
         if options.num_ctx is not None and options.num_ctx < MIN_CTX:
             raise LocalLLMError(f"num_ctx must be at least {MIN_CTX} tokens, got {options.num_ctx}.")
         model = self.store.get(name)
@@ -352,10 +356,17 @@ class Engine:
             p.reasons.append(CONVERT_REASON)
         return model, p
 
-    def _convert(self, model: InstalledModel) -> None:
+    def _default_backend(self, options: LoadOptions) -> LoadOptions:
+        """``options`` with the engine's backend (``Engine(backend=)`` / ``LOCALLLM_BACKEND``) where it says auto."""
+        if options.backend == "auto" and self.backend != "auto":
+            return replace(options, backend=self.backend)
+        return options
+
+    def _convert(self, model: InstalledModel, cancel: threading.Event | None) -> None:
         """Build the MLX weights of ``model`` from its GGUF (first use of ``--backend mlx``), record them in
         the store and set ``model.mlx_path``. Runs on the model's runner thread; reports to ``on_convert``;
-        closing the engine stops it at the next progress report (nothing half-written is kept)."""
+        ``cancel`` or closing the engine stops it at the next progress report (nothing half-written is
+        kept)."""
         from localllm.mlxmodels import ConversionProgress, convert_installed
 
         notify = self.on_convert
@@ -364,6 +375,8 @@ class Engine:
         def progress(done: int, total: int) -> None:
             if self._closed.is_set():
                 raise LocalLLMError(f"The conversion of {model.name} to MLX was stopped: localllm is shutting down.")
+            if cancel is not None and cancel.is_set():
+                raise LocalLLMError(f"The conversion of {model.name} to MLX was cancelled.")
             if notify is not None:
                 notify(ConversionProgress(model.name, "progress", done, total, time.monotonic() - t0))
 
@@ -420,6 +433,7 @@ class Engine:
                   cancel: threading.Event | None) -> RunningModel:
         """The loaded model for ``name`` with one more reference (so nothing evicts it); loads it if
         needed, one load at a time. Pair with :meth:`_checkin`."""
+        options = self._default_backend(options)
         ka = self.keep_alive if keep_alive is None else keep_alive
         with self._lock:  # fast path: loaded and compatible, no need to queue behind a load
             running = self._lookup(name)
@@ -461,7 +475,7 @@ class Engine:
             runner = _Runner(f"localllm-model-{model.name}")
             try:
                 if p.backend == "mlx" and model.mlx_path is None:
-                    runner.call(lambda: self._convert(model))  # on the thread that will run it (MLX state)
+                    runner.call(lambda: self._convert(model, cancel))  # on the thread that will run it (MLX state)
                 spec = LoadSpec(
                     model_path=str(model.mlx_path if p.backend == "mlx" else model.path),
                     n_ctx=p.n_ctx,

@@ -247,7 +247,9 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
     if num_ctx is None:
         num_ctx = max(2048, pp + tg + 64)
 
-    engine = Engine(keep_alive=float("inf"))
+    from localllm.commands.convert import ConversionDisplay
+
+    engine = Engine(keep_alive=float("inf"), on_convert=ConversionDisplay())
     try:
         installed = ensure_model(engine.store, model)
         name = getattr(installed, "name", model)

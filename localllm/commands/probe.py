@@ -41,10 +41,19 @@ def plan_for_model(name: str, hw: Any, *, num_ctx: int | None, kv_cache_type: st
         return None, None, f"{e} (The plan needs its GGUF metadata.)"
     info = GGUFInfo(**model.info)
     try:
+        convert = False
+        if backend == "mlx" and model.mlx_path is None and hw.backend("mlx").available:
+            from localllm.mlxmodels import will_convert
+
+            convert = will_convert(model)  # as the engine does: converted on first use, or why not
         p = plan(info, hw, num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend, num_gpu=num_gpu,
-                 mlx_model=getattr(model, "mlx_path", None) is not None)
+                 mlx_model=model.mlx_path is not None or convert)
     except LocalLLMError as e:
         return model, None, str(e)
+    if convert:
+        from localllm.mlxmodels import CONVERT_REASON
+
+        p.reasons.append(CONVERT_REASON)
     return model, p, None
 
 

@@ -7,12 +7,15 @@ and benchmarks (a real server on a free port in a background thread).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
+import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from localllm.errors import LocalLLMError
@@ -123,11 +126,35 @@ def _config(app: Any, log_level: str) -> Any:
                           timeout_graceful_shutdown=3, server_header=False)
 
 
-def serve(address: str | None = None, *, engine: Any = None, log_level: str = "info") -> None:
-    """Run the server in the foreground until Ctrl+C."""
-    import os
-
+def _server_class() -> type:
     import uvicorn
+    from uvicorn.server import HANDLED_SIGNALS
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, minus re-raising the signal that stopped it: after a graceful shutdown on
+        Ctrl+C (SIGINT) or SIGTERM, uvicorn raises the signal again once its handlers are restored, which
+        turns a clean stop into a KeyboardInterrupt ("Aborted!", exit 1) or a death by SIGTERM (exit 143)
+        before the engine is closed. Here the stop is the end: the engine closes and the process exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def serve(address: str | None = None, *, engine: Any = None, log_level: str = "info") -> None:
+    """Run the server in the foreground until Ctrl+C or SIGTERM; then finish the requests in flight (3 s
+    at most), close the engine (its models and threads) and return."""
+    import os
 
     from localllm import config
     from localllm.server.app import create_app
@@ -144,7 +171,7 @@ def serve(address: str | None = None, *, engine: Any = None, log_level: str = "i
     shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     print(f"localllm serving the Ollama API on http://{shown} and the OpenAI API on http://{shown}/v1",
           file=sys.stderr, flush=True)
-    server = uvicorn.Server(_config(app, log_level))
+    server = _server_class()(_config(app, log_level))
     try:
         server.run(sockets=[sock])
     finally:
