@@ -11,7 +11,8 @@ unpack it, ``cmake`` in ``vendor/llama.cpp`` (Release, CPU, ``-DLLAMA_CURL=OFF``
 two targets with ``-j2`` under ``nice -n 10`` (the machine is shared). A lock file keeps two benchmark
 scripts from building at once. The version is the installed llama-cpp-python's (else the pinned one).
 
-Benchmark scripts call :func:`tool` for a binary's path and :func:`llama_bench` for parsed results.
+Benchmark scripts call :func:`tool` for a binary's path, :func:`llama_bench` and :func:`llama_batched_bench`
+for parsed results (``import llama_tools`` from a script in ``benchmarks/``).
 """
 
 from __future__ import annotations
@@ -131,6 +132,19 @@ def llama_bench(model: Path | str, *, threads: int, flash_attn: str = "auto", n_
            "-r", str(reps), "-fa", flash_attn, "-o", "json", *(extra or [])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
+
+
+def llama_batched_bench(model: Path | str, *, threads: int, n_prompt: int = 32, n_gen: int = 128,
+                        parallel: tuple[int, ...] = (1, 4, 8), n_ctx: int = 4096, flash_attn: str = "auto",
+                        extra: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run ``llama-batched-bench`` (``parallel`` sequences of ``n_prompt`` + ``n_gen`` tokens, one unified KV
+    cache of ``n_ctx`` cells) and return its JSONL records: ``pl`` (sequences), ``speed_tg`` (total generated
+    tokens/s), ``speed_pp``, ``speed`` (all tokens/s), ``t_pp`` / ``t_tg`` (s)."""
+    cmd = [str(tool("llama-batched-bench")), "-m", str(model), "-t", str(threads), "-c", str(n_ctx),
+           "-npp", str(n_prompt), "-ntg", str(n_gen), "-npl", ",".join(map(str, parallel)), "-fa", flash_attn,
+           "--output-format", "jsonl", *(extra or [])]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
 def main() -> None:
