@@ -788,7 +788,9 @@ class Engine:
                         key = k
         return self._unload_key(key)
 
-    def _unload_key(self, key: str, only: RunningModel | None = None) -> bool:
+    def _unload_key(self, key: str, only: RunningModel | None = None, deadline: float | None = None) -> bool:
+        """Unload once in-flight work ends. With a ``deadline`` (monotonic) a model still busy then is left
+        as it is (out of the table, not closed) and False is returned."""
         with self._lock:
             running = self._models.get(key)
             if running is None or (only is not None and running is not only):
@@ -797,8 +799,16 @@ class Engine:
             for alias in [a for a, k in self._aliases.items() if k == key]:
                 del self._aliases[alias]
             running.closed = True
+        held = 0
         for _ in range(running.backend.max_parallel):  # wait for in-flight work to end
-            running.slots.acquire()
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not running.slots.acquire(timeout=wait):
+                break
+            held += 1
+        if held < running.backend.max_parallel:
+            for _ in range(held):
+                running.slots.release()
+            return False
         try:
             if running.runner is not None:
                 running.runner.call(running.backend.close)
@@ -820,21 +830,28 @@ class Engine:
             for k, m in expired:
                 self._unload_key(k, only=m)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Stop running generations (at their next token), wait for a load in progress, close every
         model on its thread and join that thread and the keep-alive thread. Idempotent; a closed engine
         loads nothing more. Faces call it before exit (``with Engine()``, ``finally``); an ``atexit``
-        hook closes what they did not."""
+        hook closes what they did not. ``timeout``: seconds to wait at most for work that does not stop
+        (what is still busy then is left to the process's end)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._closed.set()
             for stop in self._stops:
                 stop.set()
         _open_engines.discard(self)
-        with self._load_lock:  # a load in progress finishes (a conversion stops) before the models close
+        # a load in progress finishes (a conversion stops) before the models close
+        locked = self._load_lock.acquire(timeout=-1 if timeout is None else timeout)
+        try:
             for key in list(self._models):
-                self._unload_key(key)
+                self._unload_key(key, deadline=deadline)
+        finally:
+            if locked:
+                self._load_lock.release()
         if threading.current_thread() is not self._reaper:
-            self._reaper.join()
+            self._reaper.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> Engine:
         return self
@@ -844,6 +861,7 @@ class Engine:
 
 
 _open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+EXIT_TIMEOUT = 15.0  # seconds the exit hook waits for an engine's work that does not stop
 
 
 @atexit.register
@@ -851,7 +869,7 @@ def _close_open_engines() -> None:
     """At interpreter exit, close the engines nobody closed: their model threads must end (and free what
     the backends keep per thread) while Python can still run them."""
     for engine in list(_open_engines):
-        engine.close()
+        engine.close(timeout=EXIT_TIMEOUT)
 
 
 def _acquire(lock: Any, cancel: threading.Event | None, *, give_up: bool = False) -> bool:

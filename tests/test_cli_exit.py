@@ -405,3 +405,23 @@ def test_engine_backend_setting_applies_where_a_request_says_auto(monkeypatch, c
     monkeypatch.setenv("LOCALLLM_BACKEND", "cuda")
     with pytest.raises(LocalLLMError, match="LOCALLLM_BACKEND must be auto, llamacpp or mlx"):
         Engine()
+
+
+def test_engine_close_with_a_timeout_leaves_work_that_does_not_stop(home_for, monkeypatch):
+    """A generation whose consumer never resumes holds its slot: ``close(timeout=)`` gives up on it after
+    the timeout (the exit hook must not hang the process) instead of waiting forever."""
+    from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling
+
+    monkeypatch.setenv("LOCALLLM_HOME", str(home_for("llamacpp")))
+    engine = Engine()
+    gen = engine.generate(DEFAULT_MODEL, GenerateRequest(prompt="Count to ten:", sampling=Sampling(max_tokens=64)),
+                          LoadOptions(backend="llamacpp", num_ctx=512))
+    next(gen)  # the slot is held until the generator is resumed or closed
+    running = engine.ps()[0]
+    t0 = time.monotonic()
+    engine.close(timeout=0.5)
+    assert 0.4 < time.monotonic() - t0 < 5
+    assert engine.ps() == []
+    gen.close()  # frees the slot; the backend was left open, as promised
+    running.runner.call(running.backend.close)  # not to keep it for the rest of the session
+    running.runner.close()
