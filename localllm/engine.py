@@ -341,6 +341,11 @@ class Engine:
             from localllm.mlxmodels import will_convert
 
             convert = will_convert(model)  # no MLX weights: converted on first use, or one sentence why not
+        mlx = None
+        if options.backend == "auto":  # on Apple Silicon: MLX weights installed / the GGUF converts / why not
+            from localllm.planner import mlx_weights
+
+            mlx = mlx_weights(model, self.hardware)
         p = plan(
             info,
             self.hardware,
@@ -349,6 +354,7 @@ class Engine:
             backend=options.backend,
             num_gpu=options.num_gpu,
             mlx_model=model.mlx_path is not None or convert,
+            mlx=mlx,
         )
         if convert:
             from localllm.mlxmodels import CONVERT_REASON

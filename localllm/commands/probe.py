@@ -46,8 +46,11 @@ def plan_for_model(name: str, hw: Any, *, num_ctx: int | None, kv_cache_type: st
             from localllm.mlxmodels import will_convert
 
             convert = will_convert(model)  # as the engine does: converted on first use, or why not
+        from localllm.planner import mlx_weights
+
+        mlx = mlx_weights(model, hw) if backend == "auto" else None  # Apple Silicon: installed / converts / why not
         p = plan(info, hw, num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend, num_gpu=num_gpu,
-                 mlx_model=model.mlx_path is not None or convert)
+                 mlx_model=model.mlx_path is not None or convert, mlx=mlx)
     except LocalLLMError as e:
         return model, None, str(e)
     if convert:
