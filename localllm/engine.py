@@ -836,6 +836,13 @@ class Engine:
             for k, m in expired:
                 self._unload_key(k, only=m)
 
+    def cancel_all(self) -> None:
+        """Stop every running generation at its next token (each ends with ``finish_reason="cancelled"``);
+        returns at once (a server's shutdown calls it from its event loop). Loading stays possible."""
+        with self._lock:
+            for stop in self._stops:
+                stop.set()
+
     def close(self, timeout: float | None = None) -> None:
         """Stop running generations (at their next token), wait for a load in progress, close every
         model on its thread and join that thread and the keep-alive thread. Idempotent; a closed engine

@@ -38,7 +38,8 @@ CRASH = re.compile(r"terminate called|Traceback|Fatal Python error|Segmentation 
                    r"|^#\d+ |\[New LWP|\[Inferior", re.M)
 CONVERTING = f"converting {DEFAULT_MODEL} to MLX (once, offline)…"
 SERVE_LINES = (r"localllm serving the Ollama API on http://127\.0\.0\.1:\d+ and the OpenAI API on .*/v1",
-               r"INFO: +(Started server process|Waiting for application|Shutting down|Finished server process)\b.*")
+               r"INFO: +(Started server process|Waiting for (application|connections)|Shutting down"
+               r"|Finished server process)\b.*")
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -293,6 +294,44 @@ def test_serve_stops_cleanly_on_a_signal(backend, sig, tmp_path, installed_defau
     assert answer.strip()
     assert (CONVERTING in err) is (backend == "mlx")
     assert _mlx_dir(home).is_dir() is (backend == "mlx")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_serve_stops_cleanly_in_the_middle_of_a_stream(backend, home_for):
+    """SIGTERM while an answer streams: the generation is stopped before uvicorn's graceful timeout, so
+    the stream ends with its final ``done`` line (no task cancelled mid-response, no traceback), exit 0."""
+    import httpx
+
+    home = home_for(backend)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    p = subprocess.Popen([sys.executable, "-m", "localllm", "serve", "--host", f"127.0.0.1:{port}",
+                          "--backend", backend], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=_env(home))
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(url + "/api/version", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1]
+                time.sleep(0.1)
+        with httpx.stream("POST", url + "/api/generate", timeout=120, json={
+                "model": DEFAULT_MODEL, "prompt": "Write a long story.", "options": {"num_predict": 4000}}) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) == 3:
+                    p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert_clean(p, *SERVE_LINES, stderr=err)
+    last = json.loads(lines[-1])
+    assert last["done"] is True and last["eval_count"] < 4000  # ended early, and properly
 
 
 # ------------------------------------------------------------------------------------------ chat (the TUI)
