@@ -336,16 +336,8 @@ class Engine:
         model = self.store.get(name)
         info = GGUFInfo(**model.info)
         kv = options.kv_cache_type or config.kv_cache_type()
-        convert = False
-        if options.backend == "mlx" and model.mlx_path is None and self.hardware.backend("mlx").available:
-            from localllm.mlxmodels import will_convert
+        from localllm.mlxmodels import mlx_for_plan
 
-            convert = will_convert(model)  # no MLX weights: converted on first use, or one sentence why not
-        mlx = None
-        if options.backend == "auto":  # on Apple Silicon: MLX weights installed / the GGUF converts / why not
-            from localllm.planner import mlx_weights
-
-            mlx = mlx_weights(model, self.hardware)
         p = plan(
             info,
             self.hardware,
@@ -353,13 +345,10 @@ class Engine:
             kv_cache_type=kv,
             backend=options.backend,
             num_gpu=options.num_gpu,
-            mlx_model=model.mlx_path is not None or convert,
-            mlx=mlx,
+            mlx_model=model.mlx_path is not None,
+            # MLX weights installed / the GGUF converts on first use (Plan.mlx_convert) / why not
+            mlx=mlx_for_plan(model, self.hardware, options.backend),
         )
-        if convert:
-            from localllm.mlxmodels import CONVERT_REASON
-
-            p.reasons.append(CONVERT_REASON)
         return model, p
 
     def _default_backend(self, options: LoadOptions) -> LoadOptions:
@@ -368,7 +357,7 @@ class Engine:
             return replace(options, backend=self.backend)
         return options
 
-    def _convert(self, model: InstalledModel, cancel: threading.Event | None) -> None:
+    def _convert(self, model: InstalledModel, cancel: threading.Event | None, dtype: str) -> None:
         """Build the MLX weights of ``model`` from its GGUF (first use of ``--backend mlx``), record them in
         the store and set ``model.mlx_path``. Runs on the model's runner thread; reports to ``on_convert``;
         ``cancel`` or closing the engine stops it at the next progress report (nothing half-written is
@@ -389,7 +378,7 @@ class Engine:
         if notify is not None:
             notify(ConversionProgress(model.name, "start"))
         try:
-            path = convert_installed(model, progress=progress)
+            path = convert_installed(model, dtype=dtype, progress=progress)
         except BaseException as e:
             if notify is not None:
                 notify(ConversionProgress(model.name, "failed", seconds=time.monotonic() - t0, error=str(e)))
@@ -480,8 +469,10 @@ class Engine:
             cls = self._backend_class(p.backend)
             runner = _Runner(f"localllm-model-{model.name}")
             try:
-                if p.backend == "mlx" and model.mlx_path is None:
-                    runner.call(lambda: self._convert(model, cancel))  # on the thread that will run it (MLX state)
+                if p.mlx_convert:  # on the thread that will run it (MLX keeps per-thread state)
+                    from localllm.planner import mlx_dtype
+
+                    runner.call(lambda: self._convert(model, cancel, mlx_dtype(p.device)))
                 spec = LoadSpec(
                     model_path=str(model.mlx_path if p.backend == "mlx" else model.path),
                     n_ctx=p.n_ctx,

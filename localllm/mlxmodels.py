@@ -15,9 +15,10 @@ from the GGUF with :mod:`backends.mlx_convert` (Q4_0/Q4_1/Q8_0 stay quantized)::
     >>> convert_installed(model)                      # doctest: +SKIP
     PosixPath('/home/me/.local/share/localllm/models/mlx/b179c952...')
 
-``--backend mlx`` converts on first use: the engine asks :func:`will_convert` while planning (a GGUF that
-cannot convert is one sentence then, saying why and what to do) and builds the directory on the model's
-load thread before loading it, reporting :class:`ConversionProgress` to the face that asked.
+MLX converts on first use: while planning, the engine (and ``probe``) ask :func:`mlx_for_plan` what MLX has
+for the model (installed weights, a GGUF that converts, or why not: for ``--backend mlx`` one sentence
+saying why and what to do); a plan with ``mlx_convert`` set makes the engine build the directory on the
+model's load thread before loading it, reporting :class:`ConversionProgress` to the face that asked.
 """
 
 from __future__ import annotations
@@ -53,9 +54,6 @@ class ConversionProgress:
     total: int = 0
     seconds: float = 0.0
     error: str | None = None
-
-
-CONVERT_REASON = "MLX weights: none installed yet; converted from the GGUF on first use (once, offline)"
 
 
 def mlx_root() -> Path:
@@ -119,17 +117,21 @@ def cannot_convert_sentence(name: str, why: str) -> str:
             f"run it with --backend llamacpp, or install an MLX build of it.")
 
 
-def will_convert(model: Any) -> bool:
-    """True when loading ``model`` on MLX first builds its MLX weights from the GGUF (none are installed
-    and the GGUF converts); False when MLX weights are already there. Raises :class:`ConversionError`
-    (:func:`cannot_convert_sentence`) when there are none and the GGUF cannot convert. Reads the header
-    only: cheap enough for planning."""
-    if model.mlx_path is not None:
-        return False
-    ok, why = convertible(model)
-    if not ok:
-        raise ConversionError(cannot_convert_sentence(model.name, why))
-    return True
+def mlx_for_plan(model: Any, hw: Any, backend: str) -> Any:
+    """What the planner gets as ``mlx=`` for ``model`` on ``hw`` (:class:`~localllm.planner.MLXWeights`:
+    installed weights, a GGUF that converts on first use, or why not), or None for ``backend="llamacpp"``.
+
+    For ``backend="mlx"`` on a machine where MLX runs, a model with no MLX weights whose GGUF cannot
+    convert raises :class:`ConversionError` (:func:`cannot_convert_sentence`: why, and what to do). Reads
+    the GGUF header at most (cached per file by the planner)."""
+    if backend == "llamacpp":
+        return None
+    from localllm.planner import mlx_weights
+
+    mw = mlx_weights(model, hw, backend=backend)
+    if backend == "mlx" and not mw.usable and mw.why_not and hw.backend("mlx").available:
+        raise ConversionError(cannot_convert_sentence(model.name, mw.why_not))
+    return mw
 
 
 def convert_installed(model: Any, *, force: bool = False, dtype: str = "float32",

@@ -16,8 +16,8 @@ from localllm.mlxmodels import (
     convert_installed,
     convertible,
     mlx_dir_for,
+    mlx_for_plan,
     mlx_root,
-    will_convert,
 )
 
 
@@ -65,20 +65,30 @@ def test_other_architectures_are_refused_with_a_reason(home: Path, tmp_path: Pat
                             mlx_path=None)
     ok, why = convertible(model)
     assert not ok and "'bloom' architecture" in why
-    with pytest.raises(ConversionError) as e:
-        will_convert(model)
-    assert str(e.value) == cannot_convert_sentence("blm", why)
-    assert str(e.value).startswith("blm has no MLX weights and its GGUF cannot be converted to MLX: the MLX converter")
-    assert str(e.value).endswith("; run it with --backend llamacpp, or install an MLX build of it.")
+    sentence = cannot_convert_sentence("blm", why)
+    assert sentence.startswith("blm has no MLX weights and its GGUF cannot be converted to MLX: the MLX converter")
+    assert sentence.endswith("; run it with --backend llamacpp, or install an MLX build of it.")
+    assert mlx_for_plan(model, None, "llamacpp") is None
     pytest.importorskip("mlx.core")
+    from localllm.hardware import probe
+
+    with pytest.raises(ConversionError) as e:  # --backend mlx where MLX runs: that one sentence
+        mlx_for_plan(model, probe(), "mlx")
+    assert str(e.value) == sentence
     with pytest.raises(ConversionError, match="bloom"):
         convert_installed(model)
     assert mlx_dir_for(model) is None and not any(mlx_root().glob("*"))  # nothing half-written is left
 
 
-def test_will_convert_only_without_mlx_weights(home: Path, default_model):
-    assert will_convert(SimpleNamespace(name="x", path=default_model.path, mlx_path=None)) is True
-    assert will_convert(SimpleNamespace(name="x", path=default_model.path, mlx_path=Path("/some/dir"))) is False
+def test_mlx_for_plan_says_the_gguf_converts_until_mlx_weights_exist(home: Path, default_model, tmp_path: Path):
+    from localllm.hardware import probe
+
+    hw = probe()
+    mw = mlx_for_plan(SimpleNamespace(name="x", path=default_model.path, mlx_path=None), hw, "mlx")
+    assert mw.convertible and not mw.installed and mw.usable
+    built = tmp_path / "mlx-dir"
+    built.mkdir()
+    assert mlx_for_plan(SimpleNamespace(name="x", path=default_model.path, mlx_path=built), hw, "mlx").installed
 
 
 def test_convert_installed_builds_once_under_the_digest(home: Path, default_model):
@@ -115,7 +125,6 @@ def test_engine_converts_on_first_use_then_runs_on_mlx(own_home: Path):
     reported to ``on_convert`` → MLX backend on the new directory, recorded in the store."""
     pytest.importorskip("mlx_lm")
     from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling
-    from localllm.mlxmodels import CONVERT_REASON
 
     events: list = []
     threads: set[str] = set()
@@ -130,7 +139,7 @@ def test_engine_converts_on_first_use_then_runs_on_mlx(own_home: Path):
     try:
         options = LoadOptions(num_ctx=1024, backend="mlx")
         _, plan = engine.plan_for("smollm2:135m", options)
-        assert plan.backend == "mlx" and CONVERT_REASON in plan.reasons
+        assert plan.backend == "mlx" and plan.mlx_convert
         assert not (own_home / "data" / "models" / "mlx").exists()  # planning converts nothing
         for draft in ("none", "ngram"):
             req = GenerateRequest(messages=[{"role": "user", "content": "What is the capital of France?"}],
@@ -148,7 +157,7 @@ def test_engine_converts_on_first_use_then_runs_on_mlx(own_home: Path):
     installed = _installed()
     assert installed.mlx_path == own_home / "data" / "models" / "mlx" / installed.digest.split(":")[-1]
     with Engine() as engine:
-        assert CONVERT_REASON not in engine.plan_for("smollm2:135m", LoadOptions(backend="mlx"))[1].reasons
+        assert not engine.plan_for("smollm2:135m", LoadOptions(backend="mlx"))[1].mlx_convert
 
 
 def test_a_cancelled_first_use_conversion_leaves_nothing(own_home: Path):

@@ -41,22 +41,13 @@ def plan_for_model(name: str, hw: Any, *, num_ctx: int | None, kv_cache_type: st
         return None, None, f"{e} (The plan needs its GGUF metadata.)"
     info = GGUFInfo(**model.info)
     try:
-        convert = False
-        if backend == "mlx" and model.mlx_path is None and hw.backend("mlx").available:
-            from localllm.mlxmodels import will_convert
+        from localllm.mlxmodels import mlx_for_plan
 
-            convert = will_convert(model)  # as the engine does: converted on first use, or why not
-        from localllm.planner import mlx_weights
-
-        mlx = mlx_weights(model, hw) if backend == "auto" else None  # Apple Silicon: installed / converts / why not
+        # as the engine does: MLX weights installed / the GGUF converts on first use / why not
         p = plan(info, hw, num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend, num_gpu=num_gpu,
-                 mlx_model=model.mlx_path is not None or convert, mlx=mlx)
+                 mlx_model=model.mlx_path is not None, mlx=mlx_for_plan(model, hw, backend))
     except LocalLLMError as e:
         return model, None, str(e)
-    if convert:
-        from localllm.mlxmodels import CONVERT_REASON
-
-        p.reasons.append(CONVERT_REASON)
     return model, p, None
 
 
