@@ -13,6 +13,7 @@ included), with probes ever rarer and a draft model's catch-up bounded during th
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -252,65 +253,114 @@ class SpecController:
     emitted, its wall time in ns, and ``overhead_ns``, the part of it a draft model spent catching up on
     tokens it had not seen: the prompt, or what was decoded plainly meanwhile) and asks :meth:`n_draft`
     before the next one. :meth:`max_catchup` says how many unseen tokens a draft may evaluate now (None =
-    all); a draft that has more skips the older ones, so a probe stays cheap.
+    all); a draft that has more skips the older ones, so that a probe stays cheap.
 
-    * **Rates.** Plain decoding is measured in windows of ``window`` tokens (ns per token, with steps
-      slower than 3x the window's median clipped: a preemption on a shared machine is not the model);
-      drafting likewise in windows of ``window`` emitted tokens, its catch-up left out (that is a cost of
-      switching, paid from the budget below). Both are moving averages; the plain rate is re-measured every
-      ``remeasure`` drafting windows, as both drift (context length, machine load).
-    * **Drafting stays on** while its rate is ≥ ``margin`` x the plain rate. N adapts to acceptance: all
-      proposed accepted → N+1 (up to ``n_max``); otherwise N = accepted+1.
+    * **A cost model, measured online.** A plain step costs ``p`` ns (median of the steps of a plain window,
+      a moving average over windows). A drafting step with k proposals costs ``p * (1 + k*c)``: drafting k
+      tokens, and verifying k+1 in one batch instead of one (on a CPU a bigger batch costs more; that is in
+      ``c`` too). ``c`` is the median over the last ``samples`` drafting steps of ``(ns/p - 1) / k``, the
+      catch-up left out: relative to ``p``, so a machine that slows down as a whole does not move it, and a
+      median, so a step that another job preempted does not either; steps cut short (few proposals at the
+      end of an answer) fit the same model. Each drafted token is accepted with probability ``a``
+      (accepted / judged drafts, decayed per step), so a step yields ``(1 - a**(k+1)) / (1 - a)`` tokens on
+      average. The controller drafts the k with the best expected speed-up over plain decoding while that
+      speed-up is ≥ 1/``margin``, and decodes plainly otherwise. ``p`` is re-measured with one plain window
+      every ``remeasure`` drafted tokens (context length and machine load move it).
     * **The budget.** A ledger holds the time drafting may still lose against plain decoding: every step
-      adds ``budget`` x its plain-equivalent time (emitted tokens x plain ns/token), every drafting step
-      takes away what it cost beyond that (catch-up included; a step that gains adds). Credit is capped at
-      ``budget`` x ``cap_tokens`` plain tokens. When drafting lost, plain decoding runs until both (a) at
-      least ``gap`` tokens have passed (``first_gap``, x4 after every losing probe, up to ``max_gap``) and
-      (b) the credit covers what the last probe cost. A probe is ``probe`` drafting steps with the catch-up
-      limited to ``catchup_limit`` tokens. So a draft that never pays costs at most about ``budget`` of the
-      decode time plus the first probe: the one that learns the rates, once per loaded model, with up to
-      ``learn_catchup`` tokens of the prompt caught up (a draft that copies from the prompt needs it).
-    * ``margin`` ≤ 0 drafts always (for tests of the output, whatever the timings say).
+      adds ``budget`` x its plain-equivalent time (emitted tokens x ``p``), every drafting step takes away
+      what it cost beyond that (catch-up included; a step that gains adds). Credit is capped at ``budget``
+      x ``cap_tokens`` plain tokens. Once drafting has lost, plain decoding runs until both (a) at least
+      ``gap`` tokens have passed (``first_gap``, x4 after every probe that loses, up to ``max_gap``) and (b)
+      the credit covers what the last probe cost; a probe is ``probe`` drafting steps (and at least
+      ``probe_tokens`` tokens, at most 3 x ``probe`` steps) with the catch-up limited to ``catchup_limit``
+      tokens. So a draft that never pays costs about ``budget`` of the decode time, plus the first probe:
+      the one that learns, once per loaded model, twice as long, with up to ``learn_catchup`` tokens of the
+      prompt caught up (a draft that copies from the prompt needs to have seen it; that first catch-up is
+      the price of loading a draft at all and is not charged to the ledger).
+    * ``margin`` ≤ 0 drafts ``n_max`` tokens always (for tests of the output, whatever the timings say).
 
     The state lives as long as the loaded model, so what one request learnt the next one uses.
     """
 
-    def __init__(self, n_max: int, *, window: int = 32, probe: int = 3, margin: float = 0.97,
-                 budget: float = 0.02, cap_tokens: int = 2048, first_gap: int = 64, max_gap: int = 16384,
-                 remeasure: int = 32, catchup_limit: int = 32, learn_catchup: int = 512):
+    def __init__(self, n_max: int, *, window: int = 16, probe: int = 3, probe_tokens: int = 8,
+                 margin: float = 0.97, budget: float = 0.02, cap_tokens: int = 2048, first_gap: int = 64,
+                 max_gap: int = 16384, remeasure: int = 1024, catchup_limit: int = 32, learn_catchup: int = 512,
+                 samples: int = 9):
         self.n_max = max(1, n_max)
-        self.n = min(self.n_max, 4)
-        self.window, self.probe, self.margin, self.budget = window, probe, margin, budget
+        self.n = min(self.n_max, 4)  # what to draft next; the first probe adapts it by acceptance alone
+        self.window, self.probe, self.probe_tokens = window, probe, probe_tokens
+        self.margin, self.budget = margin, budget
         self.cap_tokens, self.first_gap, self.max_gap = cap_tokens, first_gap, max_gap
         self.remeasure, self.catchup_limit, self.learn_catchup = remeasure, catchup_limit, learn_catchup
-        self.plain_ns: float | None = None  # ns per token, plain decoding
-        self.spec_ns: float | None = None  # ns per emitted token while drafting (catch-up excluded)
-        self.mode = "spec"  # the first probe learns what drafting does; a plain window then gives the baseline
+        self.p: float | None = None  # ns of a plain step
+        self._acc, self._tried = 3.5, 5.0  # decayed sums of accepted and of judged drafts (a prior of 0.7)
+        self._steps: list[float] = []  # c of the last drafting steps, in plain steps: (ns / p - 1) / k
+        self._raw: list[tuple[int, float]] = []  # (k, ns) of the first probe's steps, until p is known
+        self._samples = samples
+        self.mode = "spec"  # the first probe learns what drafting does; a plain window then gives p
         self._probing = True
+        self._probe_steps = 0  # steps with proposals in the current probe
+        self._learning = True
+        self._learn_catchup_ns = 0.0
         self.credit = 0.0  # ns drafting may still lose (negative: a debt that plain decoding repays)
         self.gap = first_gap  # plain tokens before the next probe
         self._since = 0  # plain tokens since drafting stopped
         self._probe_tok = 0  # emitted tokens and total ns (catch-up included) of the current/last probe
         self._probe_ns = 0.0
         self._probe_cost = 0.0  # what the last probe lost against plain decoding (ns); the next must be covered
-        self._undecided = False  # the learning probe waits for the first plain window
-        self._spec_windows = 0
-        self._win: list[tuple[int, float]] = []  # (emitted, ns without catch-up) per step of the open window
-        self._win_tok = 0
+        self._plain: list[float] = []  # ns of the steps of the open plain window
+        self._drafted = 0  # tokens emitted while drafting since p was last measured
+        self._remeasuring = False
         self.probes = 1
         self.lost_probes = 0
+
+    # ------------------------------------------------------------------ the model
 
     @property
     def drafting(self) -> bool:
         return self.mode == "spec"
 
+    @property
+    def accept(self) -> float:
+        """Per-token acceptance: accepted / judged drafts over the recent steps (geometric estimate)."""
+        return self._acc / self._tried if self._tried > 0 else 0.0
+
+    def cost_per_draft(self) -> float | None:
+        """``c``: what a drafted token adds to a step, in plain steps (median of the recent drafting steps;
+        relative, so that a machine that slows down as a whole does not move it). None before any."""
+        if not self._steps:
+            return None
+        return statistics.median(self._steps)
+
+    def speedup(self, k: int) -> float:
+        """Expected speed-up of drafting ``k`` tokens per step over plain decoding (1.0 when unknown)."""
+        c = self.cost_per_draft()
+        if c is None or k <= 0:
+            return 1.0
+        a = min(self.accept, 0.999)
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        return tokens / (1 + k * c)
+
+    def _sample(self, k: int, ns: float) -> None:
+        assert self.p is not None
+        self._steps = [*self._steps[-(self._samples - 1):], max(0.0, (ns / self.p - 1) / k)]
+
+    def best(self) -> tuple[int, float]:
+        """(k, expected speed-up) of the best number of drafts."""
+        return max(((k, self.speedup(k)) for k in range(1, self.n_max + 1)), key=lambda x: x[1])
+
+    # ------------------------------------------------------------------ the caller's side
+
     def n_draft(self) -> int:
         """Tokens to draft at the next step (0 = plain)."""
-        if self.margin <= 0 or self.mode == "spec":
+        if self.margin <= 0:
+            return self.n_max
+        if self.mode == "spec":
             return self.n
-        if (self.plain_ns is not None and not self._win and self._since >= self.gap
+        if (self.p is not None and not self._plain and self._since >= self.gap
                 and self.credit >= self._probe_cost):
-            self.mode, self._probing, self._probe_tok, self._probe_ns = "spec", True, 0, 0.0
+            self.mode, self._probing, self._probe_tok, self._probe_ns, self._probe_steps = "spec", True, 0, 0.0, 0
+            self.n = max(2, self.best()[0])
             self.probes += 1
             return self.n
         return 0
@@ -319,82 +369,94 @@ class SpecController:
         """How many unseen tokens a draft model may evaluate before drafting now (None = all of them)."""
         if not self._probing or self.margin <= 0:
             return None
-        return self.learn_catchup if self.plain_ns is None else self.catchup_limit
+        return self.learn_catchup if self._learning else self.catchup_limit
 
     def record(self, *, proposed: int, accepted: int, emitted: int, ns: int, overhead_ns: int = 0) -> None:
         """One decode step: tokens proposed/accepted, tokens it produced, its time in ns, of which
         ``overhead_ns`` went to a draft model catching up."""
-        if proposed:
-            self.n = min(self.n + 1, self.n_max) if accepted == proposed else max(1, accepted + 1)
+        if self.p is not None:
+            equiv = emitted * self.p
+            self.credit += self.budget * equiv - (ns - equiv if self.mode == "spec" else 0.0)
+            self.credit = min(self.credit, self.budget * self.cap_tokens * self.p)
+        if self.mode == "plain":
+            self._since += emitted
+            self._plain.append(float(ns))
+            if len(self._plain) >= self.window:
+                self._close_plain_window()
+            return
         if self._probing:
             self._probe_tok += emitted
             self._probe_ns += ns
-        if self.plain_ns is not None:
-            equiv = emitted * self.plain_ns
-            self.credit += self.budget * equiv - (ns - equiv if self.mode == "spec" else 0.0)
-            self.credit = min(self.credit, self.budget * self.cap_tokens * self.plain_ns)
-        if self.mode == "plain":
-            self._since += emitted
-        self._win.append((emitted, float(max(ns - overhead_ns, 1))))
-        self._win_tok += emitted
-        full = len(self._win) >= self.probe if self._probing else (self._win_tok >= self.window and len(self._win) > 1)
-        if full:
-            self._close_window()
+            if self._learning:
+                self._learn_catchup_ns += overhead_ns
+        if proposed:
+            rejected = 1 if accepted < proposed else 0  # drafts after the first rejection were not judged
+            self._acc = 0.85 * self._acc + accepted
+            self._tried = 0.85 * self._tried + accepted + rejected
+            if self.p is None:
+                self._raw.append((proposed, float(ns - overhead_ns)))
+            else:
+                self._sample(proposed, float(ns - overhead_ns))
+            if self._learning:  # no cost model yet: all accepted → one more, else what was accepted + 1
+                self.n = min(self.n + 1, self.n_max) if accepted == proposed else max(1, accepted + 1)
+        self._drafted += emitted
+        if self._probing:
+            self._probe_steps += 1 if proposed else 0
+            steps = self.probe * (2 if self._learning else 1)  # the first one learns from scratch: longer
+            short = self._probe_steps < steps or self._probe_tok < self.probe_tokens * (2 if self._learning else 1)
+            if short and self._probe_steps < 3 * steps:
+                return
+            if self._learning and self.p is None:  # the first probe: measure p, then decide
+                self.mode = "plain"
+                return
+            self._decide(probe_done=True)
+        elif self._drafted >= self.remeasure:  # one plain window to follow p's drift
+            self._drafted, self.mode, self._remeasuring = 0, "plain", True
+        else:
+            self._decide(probe_done=False)
 
     # ------------------------------------------------------------------ internals
 
-    def _window_ns_per_token(self) -> float:
-        """ns per token over the window, each step clipped to 3x the median step (a preemption, not the model)."""
-        per_tok = sorted(ns / max(e, 1) for e, ns in self._win)
-        cap = 3.0 * per_tok[len(per_tok) // 2]
-        tokens = sum(e for e, _ in self._win)
-        return sum(min(ns, cap * max(e, 1)) for e, ns in self._win) / max(tokens, 1)
+    def _close_plain_window(self) -> None:
+        steps = sorted(self._plain)
+        self._plain = []
+        med = steps[len(steps) // 2]
+        self.p = med if self.p is None else 0.5 * self.p + 0.5 * med
+        if self._learning:  # the first probe, now that there is a baseline to charge it against
+            for k, ns in self._raw:
+                self._sample(k, ns)
+            self._raw = []
+            self._probe_ns -= self._learn_catchup_ns  # the draft's first catch-up (the prompt) is the price of
+            self.credit -= self._probe_ns - self._probe_tok * self.p  # having a draft at all: not charged
+            self._decide(probe_done=True)
+        elif self._remeasuring:
+            self._remeasuring = False
+            self._decide(probe_done=False)
 
-    def _close_window(self) -> None:
-        rate = self._window_ns_per_token()
-        self._win, self._win_tok = [], 0
-        if self.mode == "plain":
-            self.plain_ns = rate if self.plain_ns is None else 0.5 * self.plain_ns + 0.5 * rate
-            if self._undecided:  # the learning probe, now that there is a baseline to charge it against
-                self._undecided = False
-                self.credit -= self._probe_ns - self._probe_tok * self.plain_ns
-                self._decide(probing=True, from_spec=False)
-            elif self.spec_ns is not None:  # a re-measurement of the baseline while drafting wins
-                self._decide(probing=False, from_spec=False)
-            return
-        probing, self._probing = self._probing, False
-        self.spec_ns = rate if probing or self.spec_ns is None else 0.5 * self.spec_ns + 0.5 * rate
-        if self.plain_ns is None:
-            self._undecided = True
-            self.mode = "plain"
-            return
-        self._decide(probing=probing, from_spec=True)
-
-    def _decide(self, *, probing: bool, from_spec: bool) -> None:
-        assert self.plain_ns is not None and self.spec_ns is not None
-        wins = self.spec_ns * self.margin <= self.plain_ns
-        if probing:
-            self._probe_cost = max(self._probe_ns - self._probe_tok * self.plain_ns, 0.0)
+    def _decide(self, *, probe_done: bool) -> None:
+        k, gain = self.best()
+        wins = gain * self.margin >= 1.0
+        if probe_done:
+            assert self.p is not None
+            self._learning = False
+            self._probing = False
+            self._probe_cost = max(self._probe_ns - self._probe_tok * self.p, 0.0)
             if wins:
                 self.gap = self.first_gap
             else:
                 self.lost_probes += 1
                 self.gap = min(self.gap * 4, self.max_gap)
-        if not wins:
-            self.mode, self._since, self.spec_ns = "plain", 0, None
-            return
-        if from_spec:
-            self._spec_windows += 1
-            if self._spec_windows >= self.remeasure:  # one plain window to follow the baseline's drift
-                self._spec_windows, self.mode = 0, "plain"
-                return
-        self.mode = "spec"
+        if wins:
+            self.mode, self.n = "spec", k
+        else:
+            self.mode, self._since = "plain", 0
 
     def state(self) -> dict[str, Any]:
-        """For stats and benchmarks: mode, N, both rates (tokens/s), the budget's credit (ms), probes."""
-        def tps(ns: float | None) -> float | None:
-            return round(1e9 / ns, 2) if ns else None
-
-        return {"mode": self.mode, "n": self.n, "rate_spec": tps(self.spec_ns), "rate_plain": tps(self.plain_ns),
-                "credit_ms": round(self.credit / 1e6, 1), "gap": self.gap, "probes": self.probes,
-                "lost_probes": self.lost_probes}
+        """For stats and benchmarks: mode, N, plain rate (tokens/s), cost of a drafted token (in plain steps),
+        acceptance, the expected speed-up of the best N, the budget's credit (ms), probes."""
+        c = self.cost_per_draft()
+        k, gain = self.best()
+        return {"mode": self.mode, "n": self.n, "rate_plain": round(1e9 / self.p, 2) if self.p else None,
+                "draft_cost": round(c, 3) if c is not None else None, "accept": round(self.accept, 3),
+                "best_n": k, "expected_speedup": round(gain, 3), "credit_ms": round(self.credit / 1e6, 1),
+                "gap": self.gap, "probes": self.probes, "lost_probes": self.lost_probes}
