@@ -5,13 +5,15 @@ they also plug into ``Llama(draft_model=...)``; our own token loop calls them wi
 (prompt + accepted tokens + the token just sampled) and verifies the proposal in one target batch.
 
 The :class:`SpecController` adapts the number of drafted tokens to the measured acceptance and switches
-drafting off when it does not pay: it compares decode throughput in windows with and without drafting
-and keeps drafting only while it is at least as fast as plain decoding (minus a 3% margin), re-probing
-with exponentially rarer short windows afterwards, so a losing draft costs well under 5%.
+drafting off when it does not pay: it compares decode throughput in windows with and without drafting,
+keeps drafting only while it is at least as fast as plain decoding (minus a 3% margin), and pays for
+every probe out of a time budget (2% of the plain-equivalent decode time, a draft model's catch-up
+included), with probes ever rarer and a draft model's catch-up bounded during them.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +110,15 @@ class ModelDraft(LlamaDraftModel):
 
     Its KV cache follows the target: each call keeps the common prefix with what it saw last time and
     evaluates only the new tokens. ``p_min`` stops a proposal early when the draft is unsure.
+
+    ``max_catchup`` (a call's keyword) bounds that catch-up: when more unseen tokens than that are pending
+    (the prompt, or a stretch decoded plainly while drafting was off), only the last ``max_catchup`` are
+    evaluated and the older ones are skipped: the draft's context then has a hole, which costs it some
+    foresight but keeps a probe cheap. The holes are remembered (``_holes``: where, in the draft's own
+    positions, and how many target tokens were skipped), so later calls map the target's sequence onto the
+    draft's KV cache; a call whose sequence differs before a hole drops it. ``catchup_ns`` /
+    ``catchup_tokens`` tell the caller what the last call spent catching up (0 when it only evaluated the
+    one or two tokens of a normal step).
     """
 
     name = "model"
@@ -121,7 +132,9 @@ class ModelDraft(LlamaDraftModel):
         self._n_vocab = llm.n_vocab()
         self._greedy = internals.LlamaSampler()
         self._greedy.add_greedy()
+        self._holes: list[tuple[int, int]] = []
         self.catchup_ns = 0
+        self.catchup_tokens = 0
 
     def _confident(self) -> bool:
         if self.p_min <= 0:
@@ -134,22 +147,41 @@ class ModelDraft(LlamaDraftModel):
         p = 1.0 / np.exp(logits - m).sum()
         return bool(p >= self.p_min)
 
+    def _view(self, ids: np.ndarray) -> np.ndarray:
+        """The target's sequence as the draft holds it: with the skipped stretches left out."""
+        for at, skipped in self._holes:
+            if len(ids) <= at:
+                break
+            ids = np.concatenate([ids[:at], ids[at + skipped :]])
+        return ids
+
     def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
         llm = self.llm
-        ids = np.asarray(input_ids, dtype=np.intc)
-        n_pred = min(int(kwargs.get("n", self.n)), llm.n_ctx() - len(ids) - 1)
-        if n_pred <= 0 or len(ids) == 0 or int(ids.max()) >= self._n_vocab:
+        view = self._view(np.asarray(input_ids, dtype=np.intc))
+        max_catchup = kwargs.get("max_catchup")
+        n_pred = min(int(kwargs.get("n", self.n)), llm.n_ctx() - len(view) - 1)
+        self.catchup_ns = self.catchup_tokens = 0
+        if n_pred <= 0 or len(view) == 0 or int(view.max()) >= self._n_vocab:
             return _EMPTY
-        keep = common_prefix(llm.input_ids[: llm.n_tokens], ids)
-        if keep == len(ids):
+        keep = common_prefix(llm.input_ids[: llm.n_tokens], view)
+        if any(at >= keep for at, _ in self._holes):  # the sequence changed before a hole: forget it
+            self._holes = [h for h in self._holes if h[0] < keep]
+            view = self._view(np.asarray(input_ids, dtype=np.intc))
+        if keep == len(view):
             keep -= 1  # re-evaluate the last token to get fresh logits
         if not rewind(llm, keep):
             llm.reset()
+            self._holes = []
+            view = np.asarray(input_ids, dtype=np.intc)
+        new = view[llm.n_tokens :].tolist()
+        if max_catchup is not None and len(new) > max(int(max_catchup), 2):
+            skip = len(new) - int(max_catchup)
+            self._holes.append((llm.n_tokens, skip))
+            new = new[skip:]
         t0 = time.perf_counter_ns()
-        new = ids[llm.n_tokens :].tolist()
         decode(llm, new, logits_all=False)
-        # catching up after plain decoding is a one-off cost: report it so the controller can discount it
-        self.catchup_ns = time.perf_counter_ns() - t0 if len(new) > 2 else 0
+        if len(new) > 2:  # more than a normal step's one or two tokens: catching up
+            self.catchup_ns, self.catchup_tokens = time.perf_counter_ns() - t0, len(new)
         out: list[int] = []
         while True:
             if not self._confident():
@@ -215,76 +247,216 @@ def vocab_mismatch(target: VocabInfo, draft: VocabInfo, *, max_size_diff: int = 
 
 
 class SpecController:
-    """How many tokens to draft next (0 = decode plainly), from measured acceptance and throughput.
+    """How many tokens to draft next (0 = decode plainly), from what drafting costs and what it gains.
 
-    * N adapts to acceptance: all proposed accepted → N+1 (up to ``n_max``); otherwise N = accepted+1.
-    * Throughput (emitted tokens per second of decode work, the caller's time excluded) is measured in
-      windows, separately with and without drafting (moving averages). Plain windows cost nothing relative
-      to plain decoding, so the controller spends freely on them and sparingly on drafting: it probes
-      drafting for ``probe`` steps, measures ``window`` plain tokens, then decides. Drafting stays on while
-      its rate is ≥ ``margin`` × the plain rate; when it loses, plain decoding runs for ``first_backoff``
-      windows (doubling on every loss, up to ``max_backoff``) before the next short probe. While drafting wins, the
-      plain rate is re-measured every ``remeasure`` windows, as both drift (context length, machine load).
-      The state lives as long as the loaded model, so what one request learnt the next one uses.
+    Backend-neutral: the caller reports every decode step with :meth:`record` (tokens proposed, accepted,
+    emitted, its wall time in ns, and ``overhead_ns``, the part of it a draft model spent catching up on
+    tokens it had not seen: the prompt, or what was decoded plainly meanwhile) and asks :meth:`n_draft`
+    before the next one. :meth:`max_catchup` says how many unseen tokens a draft may evaluate now (None =
+    all); a draft that has more skips the older ones, so that a probe stays cheap.
+
+    * **A cost model, measured online.** A plain step costs ``p`` ns (median of the steps of a plain window,
+      a moving average over windows). A drafting step with k proposals costs ``p * (1 + k*c)``: drafting k
+      tokens, and verifying k+1 in one batch instead of one (on a CPU a bigger batch costs more; that is in
+      ``c`` too). ``c`` is the median over the last ``samples`` drafting steps of ``(ns/p - 1) / k``, the
+      catch-up left out: relative to ``p``, so a machine that slows down as a whole does not move it, and a
+      median, so a step that another job preempted does not either; steps cut short (few proposals at the
+      end of an answer) fit the same model. Each drafted token is accepted with probability ``a``
+      (accepted / judged drafts, decayed per step), so a step yields ``(1 - a**(k+1)) / (1 - a)`` tokens on
+      average. The controller drafts the k with the best expected speed-up over plain decoding while that
+      speed-up is ≥ 1/``margin``, and decodes plainly otherwise. ``p`` is re-measured with one plain window
+      every ``remeasure`` drafted tokens (context length and machine load move it).
+    * **The budget.** A ledger holds the time drafting may still lose against plain decoding: every step
+      adds ``budget`` x its plain-equivalent time (emitted tokens x ``p``), every drafting step takes away
+      what it cost beyond that (catch-up included; a step that gains adds). Credit is capped at ``budget``
+      x ``cap_tokens`` plain tokens. Once drafting has lost, plain decoding runs until both (a) at least
+      ``gap`` tokens have passed (``first_gap``, x4 after every probe that loses, up to ``max_gap``) and (b)
+      the credit covers what the last probe cost; a probe is ``probe`` drafting steps (and at least
+      ``probe_tokens`` tokens, at most 3 x ``probe`` steps) with the catch-up limited to ``catchup_limit``
+      tokens. So a draft that never pays costs about ``budget`` of the decode time, plus the first probe:
+      the one that learns, once per loaded model, twice as long, with up to ``learn_catchup`` tokens of the
+      prompt caught up (a draft that copies from the prompt needs to have seen it; that first catch-up is
+      the price of loading a draft at all and is not charged to the ledger).
+    * ``margin`` ≤ 0 drafts ``n_max`` tokens always (for tests of the output, whatever the timings say).
+
+    The state lives as long as the loaded model, so what one request learnt the next one uses.
     """
 
-    def __init__(self, n_max: int, *, window: int = 24, probe: int = 3, margin: float = 0.97,
-                 first_backoff: int = 4, max_backoff: int = 128, remeasure: int = 16):
+    def __init__(self, n_max: int, *, window: int = 16, probe: int = 3, probe_tokens: int = 8,
+                 margin: float = 0.97, budget: float = 0.02, cap_tokens: int = 2048, first_gap: int = 64,
+                 max_gap: int = 16384, remeasure: int = 1024, catchup_limit: int = 32, learn_catchup: int = 512,
+                 samples: int = 9):
         self.n_max = max(1, n_max)
-        self.n = min(self.n_max, 4)
-        self.window, self.probe, self.margin = window, probe, margin
-        self.first_backoff, self.max_backoff, self.remeasure = first_backoff, max_backoff, remeasure
-        self.rate: dict[str, float | None] = {"spec": None, "plain": None}
-        self.mode = "spec"  # a short probe first, then the plain baseline, then decide
+        self.n = min(self.n_max, 4)  # what to draft next; the first probe adapts it by acceptance alone
+        self.window, self.probe, self.probe_tokens = window, probe, probe_tokens
+        self.margin, self.budget = margin, budget
+        self.cap_tokens, self.first_gap, self.max_gap = cap_tokens, first_gap, max_gap
+        self.remeasure, self.catchup_limit, self.learn_catchup = remeasure, catchup_limit, learn_catchup
+        self.p: float | None = None  # ns of a plain step
+        self._acc, self._tried = 3.5, 5.0  # decayed sums of accepted and of judged drafts (a prior of 0.7)
+        self._steps: list[float] = []  # c of the last drafting steps, in plain steps: (ns / p - 1) / k
+        self._raw: list[tuple[int, float]] = []  # (k, ns) of the first probe's steps, until p is known
+        self._samples = samples
+        self.mode = "spec"  # the first probe learns what drafting does; a plain window then gives p
         self._probing = True
-        self._backoff = first_backoff
-        self._left = 1  # windows left in the current mode
-        self._since_plain = 0
-        self._win_tok = self._win_ns = self._win_steps = 0
+        self._probe_steps = 0  # steps with proposals in the current probe
+        self._learning = True
+        self._learn_catchup_ns = 0.0
+        self.credit = 0.0  # ns drafting may still lose (negative: a debt that plain decoding repays)
+        self.gap = first_gap  # plain tokens before the next probe
+        self._since = 0  # plain tokens since drafting stopped
+        self._probe_tok = 0  # emitted tokens and total ns (catch-up included) of the current/last probe
+        self._probe_ns = 0.0
+        self._probe_cost = 0.0  # what the last probe lost against plain decoding (ns); the next must be covered
+        self._plain: list[float] = []  # ns of the steps of the open plain window
+        self._drafted = 0  # tokens emitted while drafting since p was last measured
+        self._remeasuring = False
+        self.probes = 1
+        self.lost_probes = 0
+
+    # ------------------------------------------------------------------ the model
 
     @property
     def drafting(self) -> bool:
         return self.mode == "spec"
 
+    @property
+    def accept(self) -> float:
+        """Per-token acceptance: accepted / judged drafts over the recent steps (geometric estimate)."""
+        return self._acc / self._tried if self._tried > 0 else 0.0
+
+    def cost_per_draft(self) -> float | None:
+        """``c``: what a drafted token adds to a step, in plain steps (median of the recent drafting steps;
+        relative, so that a machine that slows down as a whole does not move it). None before any."""
+        if not self._steps:
+            return None
+        return statistics.median(self._steps)
+
+    def speedup(self, k: int) -> float:
+        """Expected speed-up of drafting ``k`` tokens per step over plain decoding (1.0 when unknown)."""
+        c = self.cost_per_draft()
+        if c is None or k <= 0:
+            return 1.0
+        a = min(self.accept, 0.999)
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        return tokens / (1 + k * c)
+
+    def _sample(self, k: int, ns: float) -> None:
+        assert self.p is not None
+        self._steps = [*self._steps[-(self._samples - 1):], max(0.0, (ns / self.p - 1) / k)]
+
+    def best(self) -> tuple[int, float]:
+        """(k, expected speed-up) of the best number of drafts."""
+        return max(((k, self.speedup(k)) for k in range(1, self.n_max + 1)), key=lambda x: x[1])
+
+    # ------------------------------------------------------------------ the caller's side
+
     def n_draft(self) -> int:
-        return self.n if self.mode == "spec" else 0
+        """Tokens to draft at the next step (0 = plain)."""
+        if self.margin <= 0:
+            return self.n_max
+        if self.mode == "spec":
+            return self.n
+        if (self.p is not None and not self._plain and self._since >= self.gap
+                and self.credit >= self._probe_cost):
+            self.mode, self._probing, self._probe_tok, self._probe_ns, self._probe_steps = "spec", True, 0, 0.0, 0
+            self.n = max(2, self.best()[0])
+            self.probes += 1
+            return self.n
+        return 0
 
-    def record(self, *, proposed: int, accepted: int, emitted: int, ns: int) -> None:
-        """One decode step: tokens proposed/accepted, tokens it produced, compute time in ns."""
-        if proposed:
-            self.n = min(self.n + 1, self.n_max) if accepted == proposed else max(1, accepted + 1)
-        self._win_tok += emitted
-        self._win_ns += ns
-        self._win_steps += 1
-        full = self._win_steps >= self.probe if self._probing else self._win_tok >= self.window
-        if full:
-            self._close_window()
+    def max_catchup(self) -> int | None:
+        """How many unseen tokens a draft model may evaluate before drafting now (None = all of them)."""
+        if not self._probing or self.margin <= 0:
+            return None
+        return self.learn_catchup if self._learning else self.catchup_limit
 
-    def _close_window(self) -> None:
-        rate = self._win_tok / max(self._win_ns, 1) * 1e9
-        self._win_tok = self._win_ns = self._win_steps = 0
-        old = self.rate[self.mode]
-        self.rate[self.mode] = rate if old is None or self._probing else 0.5 * old + 0.5 * rate
-        self._probing = False
-        self._left -= 1
-        if self._left > 0:
+    def record(self, *, proposed: int, accepted: int, emitted: int, ns: int, overhead_ns: int = 0) -> None:
+        """One decode step: tokens proposed/accepted, tokens it produced, its time in ns, of which
+        ``overhead_ns`` went to a draft model catching up."""
+        if self.p is not None:
+            equiv = emitted * self.p
+            self.credit += self.budget * equiv - (ns - equiv if self.mode == "spec" else 0.0)
+            self.credit = min(self.credit, self.budget * self.cap_tokens * self.p)
+        if self.mode == "plain":
+            self._since += emitted
+            self._plain.append(float(ns))
+            if len(self._plain) >= self.window:
+                self._close_plain_window()
             return
-        spec, plain = self.rate["spec"], self.rate["plain"]
-        if plain is None:  # no baseline yet: measure it
-            self.mode, self._left = "plain", 1
-        elif spec is None:  # after a back-off: probe drafting again, briefly
-            self.mode, self._left, self._probing, self._since_plain = "spec", 1, True, 0
-        elif spec < self.margin * plain:  # drafting does not pay: plain for a while, then probe afresh
-            self.mode, self._left = "plain", self._backoff
-            self._backoff = min(self._backoff * 2, self.max_backoff)
-            self.rate["spec"] = None
-        elif self.mode == "plain":  # baseline re-measured and drafting still wins
-            self.mode, self._left, self._since_plain = "spec", 1, 0
+        if self._probing:
+            self._probe_tok += emitted
+            self._probe_ns += ns
+            if self._learning:
+                self._learn_catchup_ns += overhead_ns
+        if proposed:
+            rejected = 1 if accepted < proposed else 0  # drafts after the first rejection were not judged
+            self._acc = 0.85 * self._acc + accepted
+            self._tried = 0.85 * self._tried + accepted + rejected
+            if self.p is None:
+                self._raw.append((proposed, float(ns - overhead_ns)))
+            else:
+                self._sample(proposed, float(ns - overhead_ns))
+            if self._learning:  # no cost model yet: all accepted → one more, else what was accepted + 1
+                self.n = min(self.n + 1, self.n_max) if accepted == proposed else max(1, accepted + 1)
+        self._drafted += emitted
+        if self._probing:
+            self._probe_steps += 1 if proposed else 0
+            steps = self.probe * (2 if self._learning else 1)  # the first one learns from scratch: longer
+            short = self._probe_steps < steps or self._probe_tok < self.probe_tokens * (2 if self._learning else 1)
+            if short and self._probe_steps < 3 * steps:
+                return
+            if self._learning and self.p is None:  # the first probe: measure p, then decide
+                self.mode = "plain"
+                return
+            self._decide(probe_done=True)
+        elif self._drafted >= self.remeasure:  # one plain window to follow p's drift
+            self._drafted, self.mode, self._remeasuring = 0, "plain", True
         else:
-            self._backoff = self.first_backoff
-            self._since_plain += 1
-            self.mode, self._left = ("plain", 1) if self._since_plain >= self.remeasure else ("spec", 1)
+            self._decide(probe_done=False)
+
+    # ------------------------------------------------------------------ internals
+
+    def _close_plain_window(self) -> None:
+        steps = sorted(self._plain)
+        self._plain = []
+        med = steps[len(steps) // 2]
+        self.p = med if self.p is None else 0.5 * self.p + 0.5 * med
+        if self._learning:  # the first probe, now that there is a baseline to charge it against
+            for k, ns in self._raw:
+                self._sample(k, ns)
+            self._raw = []
+            self._probe_ns -= self._learn_catchup_ns  # the draft's first catch-up (the prompt) is the price of
+            self.credit -= self._probe_ns - self._probe_tok * self.p  # having a draft at all: not charged
+            self._decide(probe_done=True)
+        elif self._remeasuring:
+            self._remeasuring = False
+            self._decide(probe_done=False)
+
+    def _decide(self, *, probe_done: bool) -> None:
+        k, gain = self.best()
+        wins = gain * self.margin >= 1.0
+        if probe_done:
+            assert self.p is not None
+            self._learning = False
+            self._probing = False
+            self._probe_cost = max(self._probe_ns - self._probe_tok * self.p, 0.0)
+            if wins:
+                self.gap = self.first_gap
+            else:
+                self.lost_probes += 1
+                self.gap = min(self.gap * 4, self.max_gap)
+        if wins:
+            self.mode, self.n = "spec", k
+        else:
+            self.mode, self._since = "plain", 0
 
     def state(self) -> dict[str, Any]:
-        return {"mode": self.mode, "n": self.n, "rate_spec": self.rate["spec"], "rate_plain": self.rate["plain"],
-                "backoff": self._backoff}
+        """For stats and benchmarks: mode, N, plain rate (tokens/s), cost of a drafted token (in plain steps),
+        acceptance, the expected speed-up of the best N, the budget's credit (ms), probes."""
+        c = self.cost_per_draft()
+        k, gain = self.best()
+        return {"mode": self.mode, "n": self.n, "rate_plain": round(1e9 / self.p, 2) if self.p else None,
+                "draft_cost": round(c, 3) if c is not None else None, "accept": round(self.accept, 3),
+                "best_n": k, "expected_speedup": round(gain, 3), "credit_ms": round(self.credit / 1e6, 1),
+                "gap": self.gap, "probes": self.probes, "lost_probes": self.lost_probes}

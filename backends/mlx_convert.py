@@ -1,40 +1,110 @@
 """GGUF → MLX model directory, offline (no Hugging Face, no torch).
 
-``mlx.core.load`` reads GGUF and keeps Q4_0/Q4_1/Q8_0 tensors quantized (affine, group size 32), which
-is exactly what mlx-lm's ``QuantizedLinear``/``QuantizedEmbedding`` use. This module renames the tensors
-to mlx-lm's ``llama`` layout, undoes the row permutation ``convert_hf_to_gguf.py`` applies to the Q/K
-projections for RoPE, writes ``config.json`` (with a per-module quantization block when bit widths are
-mixed), and rebuilds the byte-level BPE tokenizer from the GGUF metadata with the ``tokenizers`` library.
-The result loads with ``mlx_lm.load(dir)`` and nothing else::
+Any GGUF of an architecture mlx-lm has a model class for, whose tensor names map cleanly onto it,
+becomes a directory that ``mlx_lm.load(dir)`` accepts as it is::
 
-    >>> from backends.mlx_convert import convert_gguf
-    >>> convert_gguf("smollm2.gguf", "smollm2-mlx")        # doctest: +SKIP
-    PosixPath('smollm2-mlx')
+    >>> from backends.mlx_convert import convert_gguf, inspect_gguf
+    >>> inspect_gguf("gemma-3-270m-q4_k_m.gguf").model_type      # doctest: +SKIP
+    'gemma3_text'
+    >>> convert_gguf("gemma-3-270m-q4_k_m.gguf", "gemma-mlx", progress=print)   # doctest: +SKIP
+    PosixPath('gemma-mlx')
 
-Scales and biases are stored as float32 by default: lossless (GGUF scales are f16) and about 30× faster
-than float16 on mlx's CPU backend. Limits (each refused with :class:`UnsupportedError`): architecture
-``llama`` only, byte-level BPE (``gpt2``) vocabularies with a known pre-tokenizer, no ``rope_freqs``
-(llama-3.1 RoPE scaling), and tensor types mlx can read (F32/F16/BF16/Q4_0/Q4_1/Q8_0 kept, Q2_K/Q4_K/Q6_K
-dequantized to float).
+Architectures (``general.architecture`` → mlx-lm ``model_type``): ``llama`` (Llama 2/3/3.1/3.2, Mistral 7B,
+SmolLM — Mistral GGUFs are written as ``llama``), ``qwen2``, ``qwen3``, ``gemma3`` (→ ``gemma3_text``) and
+``phi3`` (Phi-3/3.5 and Phi-4-mini). Anything else is refused by name.
+
+Tensor types, read with ``gguf.GGUFReader`` (memory-mapped, one tensor at a time):
+
+* **kept exactly** — Q4_0, Q4_1, Q8_0 are MLX affine blocks already (group 32: ``w = d·q + m``), so their
+  bytes are repacked, not requantized: the MLX weights equal llama.cpp's bit for bit;
+* **requantized** — every other GGML type ``gguf.quants`` can dequantize (K-quants, Q5_0/Q5_1, IQ*, TQ*,
+  MXFP4): dequantized to float32 and quantized with ``mx.quantize`` (affine, group 64): **8 bits** for the
+  Q6/Q8 class, **4 bits** for the rest;
+* **float** — F32/F16/BF16 stay float (cast to ``dtype``);
+* any other type is refused by name.
+
+Row-wise fixes per architecture: llama's Q/K rows are un-permuted (``convert_hf_to_gguf`` permutes them
+for llama.cpp's RoPE), Gemma's norm weights lose the ``+1`` llama.cpp folds in, Llama-3.1's ``rope_freqs``
+tensor becomes a ``llama3`` rope-scaling block (checked against the tensor), Phi-3's long/short RoPE
+factors become a ``longrope`` block. The tokenizer is rebuilt from ``tokenizer.ggml.*`` with the
+``tokenizers`` library: byte-level BPE (``gpt2``: Llama 3, Qwen, SmolLM, Phi-4) with llama.cpp's
+pre-tokenizer regexes, and SentencePiece (``llama``: Gemma, Llama 2, Mistral, Phi-3) with merges ranked
+by the vocabulary's scores and byte fallback.
+
+Scales, biases and float weights are stored as ``dtype``: float32 by default (lossless for GGUF's f16
+scales and about 30× faster than float16 on mlx's CPU backend), float16 for Metal. The conversion is
+atomic (a temporary directory beside the target, renamed at the end; leftovers of a killed run are
+removed by the next one), writes safetensors shards of at most 1 GiB (memory stays near one shard)
+and reports progress as ``progress(done_bytes, total_bytes)`` over the GGUF's tensor data.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from backends.base import ModelLoadError, UnsupportedError
 
-# tensor types mx.load can read: kept quantized / turned into float
-_KEPT_QUANTIZED = {"Q4_0", "Q4_1", "Q8_0"}
-_READABLE = _KEPT_QUANTIZED | {"F32", "F16", "BF16", "Q2_K", "Q4_K", "Q6_K"}
+Progress = Callable[[int, int], None]
 
-_LAYER_NAMES = {
+# ------------------------------------------------------------------------------------ quant policy
+
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+EXACT_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # repacked bit for bit (group 32)
+REQUANT_8 = frozenset({"Q6_K", "Q8_1", "Q8_K"})
+REQUANT_4 = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS",
+                       "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"})
+GROUP_SIZE = 64  # of requantized tensors (policy "mlx")
+# "faithful": the source's own bit width, group 32 (K-quant sub-blocks and Q5_0/Q5_1 blocks are 32 wide)
+_FAITHFUL_BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_1": 8, "Q8_K": 8}
+POLICIES = ("mlx", "faithful", "float")
+SHARD_BYTES = 1 << 30
+
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3"}
+
+
+def _requant_bits(ttype: str) -> int | None:
+    if ttype in REQUANT_8:
+        return 8
+    if ttype in REQUANT_4:
+        return 4
+    return None
+
+
+def _target(ttype: str, shape: tuple[int, ...], policy: str) -> tuple[int, int] | None:
+    """(group size, bits) a requantized tensor gets, or None when it becomes float (or is kept exactly)."""
+    bits = _requant_bits(ttype)
+    if policy == "float" or bits is None or len(shape) != 2 or ttype in EXACT_TYPES:
+        return None
+    if policy == "faithful":
+        bits = _FAITHFUL_BITS.get(ttype, bits)
+        group = 32 if shape[-1] % 32 == 0 else None
+    else:
+        group = _group_for(shape[-1])
+    return (group, bits) if group else None
+
+
+def _dequantizable(ttype: str) -> bool:
+    try:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import _type_traits  # the types gguf-py can dequantize
+
+        return GGMLQuantizationType[ttype] in _type_traits
+    except (ImportError, KeyError):
+        return False
+
+
+# ------------------------------------------------------------------------------------ tensor names
+
+_LAYER = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -45,145 +115,377 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_BY_ARCH: dict[str, dict[str, str]] = {
+    "llama": _LAYER,
+    "qwen2": _LAYER,
+    "qwen3": {**_LAYER, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "gemma3": {**_LAYER, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+               "attn_k_norm": "self_attn.k_norm"},
+    "phi3": {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+             "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj",
+             "ffn_down": "mlp.down_proj"},
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# tensors that configure the model instead of being weights of it
+_CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+
+
+def _target_name(arch: str, gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    layer = _LAYER_BY_ARCH[arch]
+    if m and m.group(2) in layer:
+        return f"model.layers.{m.group(1)}.{layer[m.group(2)]}.{suffix}"
+    if base in _TOP:
+        return f"{_TOP[base]}.{suffix}"
+    raise UnsupportedError(f"The MLX converter does not know the {arch} GGUF tensor {gguf_name!r}.")
+
+
+# ------------------------------------------------------------------------------------ tokenizers
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
+          rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# llama.cpp's tokenizer.ggml.pre → (regexes applied in turn, ignore_merges) as in its llama-vocab.cpp
+_PRE: dict[str, tuple[tuple[str, ...], bool]] = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), ((_LLAMA3,), True)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), ((_QWEN2,), False)),
+    **dict.fromkeys(("gpt-4o", "llama4"), ((_GPT4O,), True)),
+    "tekken": ((_TEKKEN,), True),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+                    ((r"\p{N}", _GPT2), False)),
+    **dict.fromkeys(("gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "roberta-bpe", "trillion"), ((_GPT2,), False)),
+    "default": ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+"), False),
+}
+SUPPORTED_PRE = tuple(sorted(_PRE))
+TOKENIZER_MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece BPE
 
 # Control tokens that end a turn besides the declared EOS (llama.cpp's "end of generation" set, FIM excluded).
 _EOG_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>"}
 
-# llama.cpp's tokenizer.ggml.pre → the pre-tokenizer that splits text the same way.
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-SUPPORTED_PRE = ("smollm", "gpt2", "default", "llama-bpe", "llama3")
+
+# ------------------------------------------------------------------------------------ reading GGUF
 
 
-def _pre_tokenizer(pre: str) -> Any:
-    from tokenizers import Regex, pre_tokenizers
+class _GGUF:
+    """The parts of a GGUF the converter reads (``gguf.GGUFReader``: memory-mapped, nothing loaded)."""
 
-    if pre == "smollm":
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    def __init__(self, path: Path):
+        try:
+            from gguf import GGUFReader
+
+            self.reader = GGUFReader(str(path), "r")
+        except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
+            raise ModelLoadError(f"Cannot read {path.name} as GGUF: {e}") from e
+        self.path = path
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.arch = str(self.get("general.architecture") or "")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        try:
+            return f.contents()
+        except Exception:  # noqa: BLE001 - a malformed field reads as missing
+            return default
+
+    def a(self, key: str, default: Any = None) -> Any:
+        """An architecture-prefixed key: ``a("block_count")`` is ``<arch>.block_count``."""
+        return self.get(f"{self.arch}.{key}", default)
+
+    def drop_vocab(self) -> None:
+        """Forget the vocabulary fields (hundreds of MB of parsed parts for a 262k vocabulary)."""
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                    "tokenizer.ggml.merges"):
+            self.reader.fields.pop(key, None)
+
+    def type_of(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def array(self, name: str) -> Any:
+        """A float32 numpy copy of a (small, float) tensor, in GGUF's row-major layout."""
+        import numpy as np
+        from gguf.quants import dequantize
+
+        t = self.tensors[name]
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(_np_shape(t))
+
+
+def _np_shape(t: Any) -> tuple[int, ...]:
+    return tuple(int(x) for x in reversed(t.shape.tolist()))
+
+
+# ------------------------------------------------------------------------------------ what converts
+
+
+@dataclass(frozen=True)
+class ConversionInfo:
+    """What :func:`convert_gguf` will do with a GGUF (from its header only)."""
+
+    architecture: str  # general.architecture
+    model_type: str  # mlx-lm's
+    tokenizer: str  # "gpt2" (byte-level BPE) | "llama" (SentencePiece)
+    tensor_types: dict[str, int]  # GGUF type -> tensors
+    policy: dict[str, str]  # GGUF type -> "kept 4-bit" | "requantized 8-bit" | "float"
+    source_bytes: int  # tensor data in the GGUF (the progress total)
+    estimated_bytes: int  # the MLX weights at ``dtype``
+    dtype: str
+    n_tensors: int
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def describe(self) -> str:
+        parts = [f"{t} ×{n} {self.policy[t]}" for t, n in sorted(self.tensor_types.items())]
+        return f"{self.architecture} → MLX {self.model_type}: " + ", ".join(parts)
+
+
+def _policy(ttype: str, policy: str = "mlx") -> str:
+    if ttype in FLOAT_TYPES:
+        return "float"
+    if ttype in EXACT_TYPES:
+        return f"kept {EXACT_TYPES[ttype]}-bit"
+    bits = _requant_bits(ttype)
+    if not bits or not _dequantizable(ttype):
+        return ""
+    if policy == "float":
+        return "float"
+    if policy == "faithful":
+        return f"requantized {_FAITHFUL_BITS.get(ttype, bits)}-bit"
+    return f"requantized {bits}-bit"
+
+
+def _refuse_types(types: Counter[str]) -> None:
+    bad = sorted(t for t in types if not _policy(t))
+    if bad:
+        raise UnsupportedError(
+            f"The MLX converter cannot handle GGUF tensor type{'s' if len(bad) > 1 else ''} {', '.join(bad)}; "
+            f"it takes F32/F16/BF16, Q4_0/Q4_1/Q8_0, the K-quants, Q5_0/Q5_1 and the IQ/TQ types."
         )
-    if pre in ("gpt2", "default"):
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("llama-bpe", "llama3"):
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
+
+
+def _check_tokenizer(g: _GGUF) -> str:
+    model = g.get("tokenizer.ggml.model")
+    if model not in TOKENIZER_MODELS:
+        raise UnsupportedError(
+            f"The MLX converter rebuilds BPE ('gpt2') and SentencePiece ('llama') vocabularies, and this GGUF's "
+            f"tokenizer is {model!r}."
         )
-    raise UnsupportedError(
-        f"The GGUF's pre-tokenizer {pre!r} is not supported by the MLX converter "
-        f"(supported: {', '.join(SUPPORTED_PRE)})."
+    if model == "gpt2":
+        pre = str(g.get("tokenizer.ggml.pre") or "default")
+        if pre not in _PRE:
+            raise UnsupportedError(
+                f"The GGUF's pre-tokenizer {pre!r} is not supported by the MLX converter "
+                f"(supported: {', '.join(SUPPORTED_PRE)})."
+            )
+        if not g.get("tokenizer.ggml.merges"):
+            raise UnsupportedError("This BPE GGUF has no merges (tokenizer.ggml.merges), so MLX cannot tokenize it.")
+    elif g.reader.fields.get("tokenizer.ggml.scores") is None:
+        raise UnsupportedError("This SentencePiece GGUF has no token scores, so MLX cannot tokenize it.")
+    return str(model)
+
+
+def _out_bytes(ttype: str, shape: tuple[int, ...], dtype_size: int, policy: str = "mlx") -> int:
+    """Bytes of one tensor once converted (weights + scales + biases)."""
+    n = math.prod(shape)
+    if ttype in EXACT_TYPES and len(shape) == 2:
+        group, bits = 32, EXACT_TYPES[ttype]
+    else:
+        target = _target(ttype, shape, policy)
+        if target is None:
+            return n * dtype_size
+        group, bits = target
+    return n * bits // 8 + 2 * (n // group) * dtype_size
+
+
+def _group_for(cols: int) -> int | None:
+    for g in (GROUP_SIZE, 32):
+        if cols % g == 0:
+            return g
+    return None
+
+
+_DTYPE_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def inspect_gguf(gguf_path: str | os.PathLike[str], *, dtype: str = "float32", policy: str = "mlx") -> ConversionInfo:
+    """What the conversion of ``gguf_path`` would do; raises :class:`UnsupportedError` (one sentence
+    naming the architecture, tensor type or tokenizer) when it cannot be converted. Reads the header only."""
+    if dtype not in _DTYPE_SIZE:
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+    g = _GGUF(Path(gguf_path))
+    return _inspect(g, dtype, policy)
+
+
+def _inspect(g: _GGUF, dtype: str, policy: str = "mlx") -> ConversionInfo:
+    arch = g.arch
+    if arch not in ARCHITECTURES:
+        raise UnsupportedError(
+            f"The MLX converter does not handle the {arch or 'unknown'!r} architecture "
+            f"(it handles {', '.join(sorted(ARCHITECTURES))}; Mistral GGUFs are 'llama')."
+        )
+    tok = _check_tokenizer(g)
+    weights = [t for name, t in g.tensors.items() if name not in _CONFIG_TENSORS]
+    for t in weights:
+        _target_name(arch, t.name)  # raises on an unknown tensor
+    types = Counter(t.tensor_type.name for t in weights)
+    _refuse_types(types)
+    _config(g)  # raises on unsupported hyper-parameters (RoPE scaling, soft-capping, ...)
+    size = _DTYPE_SIZE[dtype]
+    est = sum(_out_bytes(t.tensor_type.name, _np_shape(t), size, policy) for t in weights)
+    return ConversionInfo(
+        architecture=arch, model_type=ARCHITECTURES[arch], tokenizer=tok, tensor_types=dict(types),
+        policy={t: _policy(t, policy) for t in types}, source_bytes=sum(int(t.n_bytes) for t in g.reader.tensors),
+        estimated_bytes=est, dtype=dtype, n_tensors=len(weights),
     )
 
 
-def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
-    v = meta.get(key, default)
-    if v is None:
-        return None
-    if hasattr(v, "item"):
-        return v.item()
-    return v
+def check_convertible(gguf_path: str | os.PathLike[str]) -> ConversionInfo:
+    """Raise :class:`UnsupportedError` (one sentence) if this GGUF cannot become an MLX model; else say how
+    it converts (:class:`ConversionInfo`). Cheap: reads the header only."""
+    return inspect_gguf(gguf_path)
 
 
-def check_convertible(gguf_path: str | os.PathLike[str]) -> None:
-    """Raise :class:`UnsupportedError` (one sentence) if this GGUF cannot become an MLX model.
-
-    Cheap: reads the header only (``gguf.GGUFReader`` memory-maps the file).
-    """
-    try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(gguf_path))
-    except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
-        raise ModelLoadError(f"Cannot read {gguf_path} as GGUF: {e}") from e
-
-    def field(key: str) -> Any:
-        f = reader.fields.get(key)
-        if f is None:
-            return None
-        v = f.contents()
-        return v
-
-    arch = field("general.architecture")
-    if arch != "llama":
-        raise UnsupportedError(f"The MLX converter handles the llama architecture only, and this GGUF is {arch!r}.")
-    if field("tokenizer.ggml.model") != "gpt2":
-        raise UnsupportedError(
-            "The MLX converter handles byte-level BPE vocabularies only, and this GGUF uses "
-            f"{field('tokenizer.ggml.model')!r}."
-        )
-    pre = field("tokenizer.ggml.pre") or "default"
-    if pre not in SUPPORTED_PRE:
-        _pre_tokenizer(pre)  # raises with the list
-    types = Counter(t.tensor_type.name for t in reader.tensors)
-    bad = sorted(set(types) - _READABLE)
-    if bad:
-        raise UnsupportedError(
-            f"MLX cannot read GGUF tensor types {', '.join(bad)}; convert a Q4_0, Q4_1, Q8_0 or F16 file instead."
-        )
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise UnsupportedError("This GGUF uses per-frequency RoPE scaling (rope_freqs), which the MLX converter lacks.")
+def estimate_mlx_bytes(gguf_path: str | os.PathLike[str], *, dtype: str = "float32", policy: str = "mlx") -> int:
+    """Bytes of the MLX weights a conversion of ``gguf_path`` writes (requantized sizes counted)."""
+    return inspect_gguf(gguf_path, dtype=dtype, policy=policy).estimated_bytes
 
 
-def _unpermute(w: Any, n: int, head_dim: int) -> Any:
-    """Inverse of convert_hf_to_gguf's ``permute``: rows (output features) only, so it applies to packed
-    quantized weights, scales and biases alike."""
-    shape = w.shape
-    rest = tuple(shape[1:])
-    return w.reshape(n, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(shape)
+# ------------------------------------------------------------------------------------ config.json
 
 
-def _config(meta: dict[str, Any], weights: dict[str, Any]) -> dict[str, Any]:
-    p = "llama."
-    hidden = int(_scalar(meta, p + "embedding_length"))
-    n_head = int(_scalar(meta, p + "attention.head_count"))
-    n_kv = int(_scalar(meta, p + "attention.head_count_kv", n_head))
-    head_dim = int(_scalar(meta, p + "attention.key_length", hidden // n_head))
-    rope_dim = _scalar(meta, p + "rope.dimension_count", head_dim)
-    if int(rope_dim) != head_dim:
-        raise UnsupportedError(f"Partial RoPE (rope dims {rope_dim} < head dim {head_dim}) is not supported on MLX.")
-    eps = float(_scalar(meta, p + "attention.layer_norm_rms_epsilon", 1e-5))
+def _int(v: Any, default: int = 0) -> int:
+    if isinstance(v, list):
+        v = max(v) if v else default
+    return int(v) if v is not None else default
+
+
+def _config(g: _GGUF) -> dict[str, Any]:
+    arch = g.arch
+    hidden = _int(g.a("embedding_length"))
+    n_head = _int(g.a("attention.head_count"))
+    if isinstance(g.a("attention.head_count"), list) or isinstance(g.a("attention.head_count_kv"), list):
+        raise UnsupportedError("Per-layer head counts are not supported by the MLX converter.")
+    n_kv = _int(g.a("attention.head_count_kv"), n_head)
+    if not hidden or not n_head:
+        raise UnsupportedError("The GGUF lacks embedding_length or head_count, which the MLX config needs.")
+    head_dim = _int(g.a("attention.key_length"), hidden // n_head)
+    if _int(g.a("attention.value_length"), head_dim) != head_dim:
+        raise UnsupportedError("Different key and value head sizes are not supported by the MLX converter.")
+    rope_dim = _int(g.a("rope.dimension_count"), head_dim)
+    eps = float(g.a("attention.layer_norm_rms_epsilon", 1e-5))
+    n_vocab = _int(g.a("vocab_size")) or len(g.reader.fields["tokenizer.ggml.tokens"].data)
+    tied = "output.weight" not in g.tensors
     cfg: dict[str, Any] = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": ARCHITECTURES[arch],
         "hidden_size": hidden,
-        "num_hidden_layers": int(_scalar(meta, p + "block_count")),
-        "intermediate_size": int(_scalar(meta, p + "feed_forward_length")),
+        "num_hidden_layers": _int(g.a("block_count")),
+        "intermediate_size": _int(g.a("feed_forward_length")),
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
         "rms_norm_eps": float(f"{eps:.7g}"),
-        "rope_theta": float(_scalar(meta, p + "rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_scalar(meta, p + "context_length", 4096)),
-        "vocab_size": int(_scalar(meta, p + "vocab_size", 0) or len(meta["tokenizer.ggml.tokens"])),
-        "tie_word_embeddings": "output.weight" not in weights,
-        "attention_bias": "blk.0.attn_q.bias" in weights,
-        "mlp_bias": "blk.0.ffn_up.bias" in weights,
+        "rope_theta": float(g.a("rope.freq_base", 10000.0)),
+        "max_position_embeddings": _int(g.a("context_length"), 4096),
+        "vocab_size": n_vocab,
+        "tie_word_embeddings": tied,
     }
-    scaling = _scalar(meta, p + "rope.scaling.type")
+    if rope_dim != head_dim and arch != "phi3":
+        raise UnsupportedError(f"Partial RoPE (rope dims {rope_dim} < head dim {head_dim}) is not supported on MLX "
+                               f"for {arch}.")
+    if g.get(f"{arch}.final_logit_softcapping") or g.get(f"{arch}.attn_logit_softcapping"):
+        raise UnsupportedError(f"Logit soft-capping ({arch}) is not supported by the MLX converter.")
+    scaling = g.a("rope.scaling.type")
     if scaling and scaling != "none":
-        if scaling != "linear":
-            raise UnsupportedError(f"RoPE scaling {scaling!r} is not supported by the MLX converter (linear only).")
-        cfg["rope_scaling"] = {"type": "linear", "factor": float(_scalar(meta, p + "rope.scaling.factor", 1.0))}
+        if scaling != "linear" or arch == "phi3":
+            raise UnsupportedError(f"RoPE scaling {scaling!r} is not supported by the MLX converter for {arch}.")
+        cfg["rope_scaling"] = {"type": "linear", "rope_type": "linear",
+                               "factor": float(g.a("rope.scaling.factor", 1.0))}
+    if arch == "llama":
+        cfg["architectures"] = ["LlamaForCausalLM"]
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+        cfg["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
+        if "rope_freqs.weight" in g.tensors:
+            cfg["rope_scaling"] = _llama3_rope(g, cfg)
+    elif arch == "qwen2":
+        cfg["architectures"] = ["Qwen2ForCausalLM"]
+        if "blk.0.attn_q.bias" not in g.tensors:
+            raise UnsupportedError("This qwen2 GGUF has no attention biases, which mlx-lm's qwen2 model expects.")
+    elif arch == "qwen3":
+        cfg["architectures"] = ["Qwen3ForCausalLM"]
+    elif arch == "gemma3":
+        cfg["architectures"] = ["Gemma3ForCausalLM"]
+        cfg["sliding_window"] = _int(g.a("attention.sliding_window"), 0) or cfg["max_position_embeddings"]
+        pattern = g.a("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            raise UnsupportedError("A per-layer sliding-window pattern is not supported by the MLX converter.")
+        cfg["sliding_window_pattern"] = _int(pattern, 6) if g.a("attention.sliding_window") else 1
+        cfg["rope_local_base_freq"] = float(g.a("rope.freq_base_swa", 10000.0))
+        # llama.cpp (gemma3.cpp): 1/sqrt(head_dim), except the 27B (62 layers): 1/sqrt(hidden/heads)
+        cfg["query_pre_attn_scalar"] = hidden // n_head if cfg["num_hidden_layers"] == 62 else head_dim
+    elif arch == "phi3":
+        cfg["architectures"] = ["Phi3ForCausalLM"]
+        if head_dim != hidden // n_head:
+            raise UnsupportedError("mlx-lm's phi3 needs head size = hidden size / heads, which this GGUF breaks.")
+        cfg["partial_rotary_factor"] = rope_dim / head_dim
+        cfg["original_max_position_embeddings"] = _int(g.a("rope.scaling.original_context_length"),
+                                                       cfg["max_position_embeddings"])
+        if "rope_factors_long.weight" in g.tensors:
+            long = g.array("rope_factors_long.weight").reshape(-1).tolist()
+            short = (g.array("rope_factors_short.weight").reshape(-1).tolist()
+                     if "rope_factors_short.weight" in g.tensors else long)
+            cfg["rope_scaling"] = {"type": "longrope", "long_factor": long, "short_factor": short}
     for key, name in (("bos", "bos_token_id"), ("padding", "pad_token_id")):
-        v = _scalar(meta, f"tokenizer.ggml.{key}_token_id")
+        v = g.get(f"tokenizer.ggml.{key}_token_id")
         if v is not None:
             cfg[name] = int(v)
-    cfg["eos_token_id"] = _eos_ids(meta)
     return cfg
 
 
-def _eos_ids(meta: dict[str, Any]) -> list[int]:
-    tokens = meta["tokenizer.ggml.tokens"]
-    types = _token_types(meta)
+def _llama3_rope(g: _GGUF, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Llama 3.1/3.2 write their RoPE scaling as per-frequency factors; mlx-lm wants the parameters that
+    produce them. Recover them (factor = the largest factor; Meta's 8192/1/4 otherwise) and check."""
+    import numpy as np
+
+    factors = g.array("rope_freqs.weight").reshape(-1)
+    dim = cfg["head_dim"]
+    base = cfg["rope_theta"]
+    factor = float(factors.max())
+    for old, low, high in ((8192, 1.0, 4.0), (4096, 1.0, 4.0), (8192, 1.0, 2.0)):
+        freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+        want = []
+        for f in freqs:
+            wavelen = 2 * math.pi / f
+            if wavelen < old / high:
+                want.append(1.0)
+            elif wavelen > old / low:
+                want.append(factor)
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                want.append(1 / ((1 - smooth) / factor + smooth))
+        if len(want) == len(factors) and np.allclose(np.array(want, dtype=np.float32), factors, rtol=1e-4):
+            return {"rope_type": "llama3", "type": "llama3", "factor": factor, "low_freq_factor": low,
+                    "high_freq_factor": high, "original_max_position_embeddings": old}
+    raise UnsupportedError("This GGUF's per-frequency RoPE factors (rope_freqs) do not match Llama 3's scaling, "
+                           "so the MLX converter cannot express them.")
+
+
+def _eos_ids(g: _GGUF, tokens: list[str], types: list[int]) -> list[int]:
     ids: list[int] = []
     for key in ("eos", "eot", "eom"):
-        v = _scalar(meta, f"tokenizer.ggml.{key}_token_id")
+        v = g.get(f"tokenizer.ggml.{key}_token_id")
         if v is not None and int(v) not in ids:
             ids.append(int(v))
     for i, (tok, typ) in enumerate(zip(tokens, types, strict=False)):
@@ -192,85 +494,207 @@ def _eos_ids(meta: dict[str, Any]) -> list[int]:
     return ids
 
 
-def _token_types(meta: dict[str, Any]) -> list[int]:
-    t = meta.get("tokenizer.ggml.token_type")
-    if t is None:
-        return [1] * len(meta["tokenizer.ggml.tokens"])
-    return [int(x) for x in (t.tolist() if hasattr(t, "tolist") else t)]
+def _token_types(g: _GGUF, n: int) -> list[int]:
+    t = g.get("tokenizer.ggml.token_type")
+    return [int(x) for x in t] if t is not None else [1] * n
 
 
-def _weights(raw: dict[str, Any], cfg: dict[str, Any], dtype: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Rename, un-permute, cast; return (weights, quantization block or None)."""
+# ------------------------------------------------------------------------------------ weights
+
+
+def _unpermute(w: Any, n: int, head_dim: int) -> Any:
+    """Inverse of convert_hf_to_gguf's ``permute``: rows (output features) only, so it applies to raw GGUF
+    block rows, packed quantized weights, scales and biases alike (numpy or mlx arrays)."""
+    shape = w.shape
+    rest = tuple(shape[1:])
+    return w.reshape(n, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(shape)
+
+
+def _repack(raw: Any, ttype: str, rows: int, cols: int) -> tuple[Any, Any, Any]:
+    """Q4_0/Q4_1/Q8_0 blocks (``raw``: rows × bytes, uint8) → MLX affine (weight uint32, scales, biases) in
+    float32, group 32. Exact: ``w = d·(q - 8)``, ``d·q + m`` and ``d·q`` are affine with those scales/biases."""
+    import numpy as np
+
+    nb = cols // 32
+    if ttype == "Q8_0":
+        b = raw.reshape(rows, nb, 34)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        packed = np.ascontiguousarray(q.reshape(rows, cols)).view(np.uint32)
+        return packed, d, -128.0 * d
+    size = 18 if ttype == "Q4_0" else 20
+    b = raw.reshape(rows, nb, size)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if ttype == "Q4_0":
+        bias, qs = -8.0 * d, b[..., 2:]
+    else:
+        bias, qs = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), b[..., 4:]
+    # GGUF: byte j holds element j (low nibble) and j + 16 (high); MLX: byte k holds 2k (low) and 2k + 1
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # rows × nb × 32, element order
+    pairs = q.reshape(rows, nb, 16, 2)
+    packed_bytes = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
+    packed = np.ascontiguousarray(packed_bytes.reshape(rows, cols // 2)).view(np.uint32)
+    return packed, d, bias
+
+
+@dataclass
+class _Converted:
+    arrays: dict[str, Any]
+    quant: tuple[int, int] | None  # (group_size, bits)
+
+
+def _convert_tensor(g: _GGUF, t: Any, cfg: dict[str, Any], dtype: Any, policy: str = "mlx") -> _Converted:
     import mlx.core as mx
+    import numpy as np
 
-    n_head, n_kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    out: dict[str, Any] = {}
-    for name, w in raw.items():
-        base, _, suffix = name.rpartition(".")
-        m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-        if m and m.group(2) in _LAYER_NAMES:
-            new = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-            if m.group(2) == "attn_q":
-                w = _unpermute(w, n_head, hd)
-            elif m.group(2) == "attn_k":
-                w = _unpermute(w, n_kv, hd)
-        elif base in _TOP_NAMES:
-            new = _TOP_NAMES[base]
-        else:
-            raise UnsupportedError(f"The MLX converter does not know the GGUF tensor {name!r}.")
-        if mx.issubdtype(w.dtype, mx.floating):
-            w = w.astype(dtype)
-        out[f"{new}.{suffix}"] = w
-    # quantization: bits from packed width vs groups (group size 32 for every GGUF block type mx keeps)
-    bits: dict[str, int] = {}
-    for key, w in out.items():
-        if key.endswith(".scales"):
-            module = key[: -len(".scales")]
-            packed = out[module + ".weight"].shape[-1]
-            groups = w.shape[-1]
-            bits[module] = packed * 32 // (groups * 32)
-    if not bits:
-        return out, None
-    common = Counter(bits.values()).most_common(1)[0][0]
-    quant: dict[str, Any] = {"group_size": 32, "bits": common, "mode": "affine"}
-    for module, b in sorted(bits.items()):
-        if b != common:
-            quant[module] = {"group_size": 32, "bits": b, "mode": "affine"}
-    return out, quant
+    arch, name = g.arch, t.name
+    ttype = t.tensor_type.name
+    target = _target_name(arch, name)
+    module, _, suffix = target.rpartition(".")
+    shape = _np_shape(t)
+    raw = t.data
+    # llama: undo the RoPE row permutation of Q and K (rows of any representation: raw blocks included)
+    if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
+        n = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
+        raw = _unpermute(np.asarray(raw), n, cfg["head_dim"])
+
+    if ttype in EXACT_TYPES and len(shape) == 2:
+        rows, cols = shape
+        step = max(1, _CHUNK_ELEMENTS // cols)
+        chunks = [_repack(np.asarray(raw[r:r + step]), ttype, min(step, rows - r), cols) for r in range(0, rows, step)]
+        w, s, b = (np.concatenate([c[i] for c in chunks]) if len(chunks) > 1 else chunks[0][i] for i in range(3))
+        return _Converted({f"{module}.weight": mx.array(w), f"{module}.scales": mx.array(s).astype(dtype),
+                           f"{module}.biases": mx.array(b).astype(dtype)}, (32, EXACT_TYPES[ttype]))
+
+    requant = _target(ttype, shape, policy)
+    if requant is None:
+        w = _floats(np.asarray(raw), t.tensor_type, shape)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's (1 + weight); mlx-lm's RMSNorm adds the 1 itself
+        return _Converted({target: mx.array(w).astype(dtype)}, None)
+    # requantize in row chunks: the float32 copy of a big matrix (an embedding) never exists whole
+    group, bits = requant
+    rows, cols = shape
+    step = max(1, _CHUNK_ELEMENTS // cols)
+    parts: list[tuple[Any, Any, Any]] = []
+    for r in range(0, rows, step):
+        w = _floats(np.asarray(raw[r:r + step]), t.tensor_type, (min(step, rows - r), cols))
+        wq, s, b = mx.quantize(mx.array(w), group_size=group, bits=bits)
+        mx.eval(wq, s, b)
+        parts.append((wq, s.astype(dtype), b.astype(dtype)))
+        del w
+    wq, s, b = (mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
+    return _Converted({f"{module}.weight": wq, f"{module}.scales": s, f"{module}.biases": b}, (group, bits))
 
 
-def _tokenizer(meta: dict[str, Any], out: Path, cfg: dict[str, Any]) -> None:
-    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja (no transformers import)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+_CHUNK_ELEMENTS = 1 << 24  # 64 MiB of float32 per requantization step
 
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    types = _token_types(meta)
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+
+def _floats(raw: Any, qtype: Any, shape: tuple[int, ...]) -> Any:
+    import numpy as np
+    from gguf.quants import dequantize
+
+    if qtype.name in ("F32", "F16"):
+        return np.asarray(raw, dtype=np.float32).reshape(shape)
+    return np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape)
+
+
+def _nbytes(arrays: dict[str, Any]) -> int:
+    return sum(int(a.nbytes) for a in arrays.values())
+
+
+# ------------------------------------------------------------------------------------ tokenizer files
+
+
+def _bpe_tokenizer(g: _GGUF, tokens: list[str], types: list[int]) -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    pre = str(g.get("tokenizer.ggml.pre") or "default")
+    regexes, ignore_merges = _PRE[pre]
+    merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges", [])]
     vocab = {t: i for i, t in enumerate(tokens)}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tk.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre") or "default"))
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                              ignore_merges=ignore_merges))
+    if pre == "smollm":  # measured identical to llama.cpp on 56k tokens (reference/mlx-from-gguf.md)
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    elif regexes == (_GPT2,):
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tk.decoder = decoders.ByteLevel()
-    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=False) if ty == 3]
+    return tk
+
+
+def _spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE as merges: every split of a normal piece into two pieces of the vocabulary, ranked by
+    the merged piece's score (highest first), as llama.cpp's SPM tokenizer merges the best-scoring bigram."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found: list[tuple[float, int, int, str, str]] = []
+    for piece, typ, score in zip(tokens, types, scores, strict=False):
+        if typ != 1 or len(piece) < 2:
+            continue
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            li, ri = vocab.get(left), vocab.get(right)
+            if li is not None and ri is not None:
+                found.append((-score, li, ri, left, right))
+    found.sort()
+    return [(left, right) for _, _, _, left, right in found]
+
+
+def _spm_tokenizer(g: _GGUF, tokens: list[str], types: list[int]) -> Any:
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = [float(s) for s in g.get("tokenizer.ggml.scores")]
+    unk_id = g.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, types, scores), unk_token=unk,
+                              fuse_unk=True, byte_fallback=True))
+    add_prefix = bool(g.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Replace(" ", "▁")]
+    if add_prefix:
+        steps.insert(0, normalizers.Prepend("▁"))
+    tk.normalizer = normalizers.Sequence(steps)
+    dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        dec.append(decoders.Strip(" ", 1, 0))
+    tk.decoder = decoders.Sequence(dec)
+    return tk
+
+
+def _write_tokenizer(g: _GGUF, out: Path, cfg: dict[str, Any]) -> list[int]:
+    """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json (and chat_template.jinja);
+    return the end-of-generation ids. No transformers import."""
+    from tokenizers import AddedToken, processors
+
+    tokens: list[str] = [str(t) for t in g.get("tokenizer.ggml.tokens")]
+    types = _token_types(g, len(tokens))
+    model = g.get("tokenizer.ggml.model")
+    tk = _bpe_tokenizer(g, tokens, types) if model == "gpt2" else _spm_tokenizer(g, tokens, types)
+    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=False)
+               if ty in (2, 3)]
     user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types, strict=False) if ty == 4]
     tk.add_special_tokens(special)
     if user:
         tk.add_tokens(user)
 
     def tok(key: str) -> str | None:
-        v = _scalar(meta, f"tokenizer.ggml.{key}_token_id")
+        v = g.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[int(v)] if v is not None and 0 <= int(v) < len(tokens) else None
 
     bos, eos, unk, pad = tok("bos"), tok("eos"), tok("unknown"), tok("padding")
-    add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False))
+    add_bos = bool(g.get("tokenizer.ggml.add_bos_token", model == "llama"))
     if add_bos and bos is not None:
-        bos_id = vocab[bos]
         tk.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-        )
-    else:
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
+    elif model == "gpt2":
         tk.post_processor = processors.ByteLevel(trim_offsets=False)
     tk.save(str(out / "tokenizer.json"))
-    template = meta.get("tokenizer.chat_template")
+    template = g.get("tokenizer.chat_template")
     tcfg: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": add_bos,
@@ -287,64 +711,140 @@ def _tokenizer(meta: dict[str, Any], out: Path, cfg: dict[str, Any]) -> None:
         (out / "chat_template.jinja").write_text(template, encoding="utf-8")
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False), encoding="utf-8")
     named = (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad))
-    special_map = {k: v for k, v in named if v}
-    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2), encoding="utf-8")
+    (out / "special_tokens_map.json").write_text(json.dumps({k: v for k, v in named if v}, indent=2),
+                                                 encoding="utf-8")
+    return _eos_ids(g, tokens, types)
 
 
-def _load_gguf(src: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``mx.load`` picks the format from the file name, so a blob without ``.gguf`` goes through a link."""
-    import tempfile
+# ------------------------------------------------------------------------------------ the conversion
 
+
+def _clean_stale(out: Path) -> None:
+    """Remove temporary directories of conversions of ``out`` whose process is gone (a SIGKILL)."""
+    for p in out.parent.glob(f".{out.name}.*-*"):
+        m = re.fullmatch(rf"\.{re.escape(out.name)}\.(?:tmp|old)-(\d+)", p.name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        alive = pid == os.getpid()
+        if not alive:
+            try:
+                os.kill(pid, 0)
+                alive = True
+            except ProcessLookupError:
+                alive = False
+            except PermissionError:
+                alive = True
+        if not alive:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _write_weights(g: _GGUF, cfg: dict[str, Any], tmp: Path, dtype: Any, policy: str,
+                   progress: Progress | None, total: int) -> dict[str, tuple[int, int]]:
+    """Convert every tensor into safetensors shards of at most SHARD_BYTES; return module → (group, bits)."""
     import mlx.core as mx
 
-    try:
-        if src.suffix.lower() == ".gguf":
-            return mx.load(str(src), return_metadata=True)
-        with tempfile.TemporaryDirectory(prefix="localllm-gguf-") as d:
-            link = Path(d) / "model.gguf"
-            link.symlink_to(src.resolve())
-            return mx.load(str(link), return_metadata=True)
-    except (RuntimeError, ValueError) as e:
-        raise ModelLoadError(f"MLX could not read {src.name}: {e}") from e
+    quant: dict[str, tuple[int, int]] = {}
+    shard: dict[str, Any] = {}
+    files: list[tuple[Path, list[str]]] = []
+
+    def flush() -> None:
+        if shard:
+            path = tmp / f"shard-{len(files):05d}.safetensors"
+            mx.save_safetensors(str(path), shard, metadata={"format": "mlx"})
+            files.append((path, list(shard)))
+            shard.clear()
+
+    done = 0
+    for name, t in g.tensors.items():
+        done += int(t.n_bytes)
+        if name in _CONFIG_TENSORS:
+            continue
+        conv = _convert_tensor(g, t, cfg, dtype, policy)
+        mx.eval(*conv.arrays.values())
+        if conv.quant:
+            quant[next(iter(conv.arrays)).rpartition(".")[0]] = conv.quant
+        if shard and _nbytes(shard) + _nbytes(conv.arrays) > SHARD_BYTES:
+            flush()
+        shard.update(conv.arrays)
+        del conv
+        if progress:
+            progress(min(done, total), total)
+    flush()
+    n = len(files)  # shard names as mlx-lm / transformers expect them
+    weight_map: dict[str, str] = {}
+    for i, (path, keys) in enumerate(files):
+        final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        path.rename(tmp / final)
+        weight_map.update(dict.fromkeys(keys, final))
+    if n > 1:
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"format": "mlx"}, "weight_map": dict(sorted(weight_map.items()))}, indent=2),
+            encoding="utf-8")
+    return quant
 
 
 def convert_gguf(
-    gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, dtype: str = "float32"
+    gguf_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: str = "float32",
+    progress: Progress | None = None,
+    policy: str = "mlx",
 ) -> Path:
     """Convert ``gguf_path`` into an MLX model directory at ``out_dir`` (replaced atomically if present).
 
-    ``dtype`` is the float type of norms, scales and biases: ``float32`` (default, fastest on CPU),
-    ``float16`` or ``bfloat16`` (smaller, for Metal). Raises :class:`UnsupportedError` for what MLX
-    cannot run and :class:`ModelLoadError` for an unreadable file.
+    ``dtype`` is the float type of norms, scales, biases and float weights: ``float32`` (default, fastest on
+    CPU), ``float16`` or ``bfloat16`` (half the size, for Metal). ``progress(done, total)`` is called with
+    the bytes of GGUF tensor data converted so far (0 first, ``total`` last). ``policy`` decides what the types that
+    are not kept exactly become: ``"mlx"`` (default) 4-bit, or 8-bit for the Q6/Q8 class, group 64 — the
+    usual MLX sizes; ``"faithful"`` the source's own bit width (Q5 → 5, Q6_K → 6) at group 32, ~20 % larger
+    and closer to the GGUF; ``"float"`` dequantized to ``dtype`` (exact, several times larger). Raises
+    :class:`UnsupportedError` (nothing written) for what MLX cannot run and :class:`ModelLoadError` for an
+    unreadable file.
     """
     import mlx.core as mx
 
-    src, out = Path(gguf_path), Path(out_dir)
-    check_convertible(src)
     try:
         mx_dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[dtype]
     except KeyError:
         raise ValueError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}") from None
-    raw, meta = _load_gguf(src)
-    cfg = _config(meta, raw)
-    weights, quant = _weights(raw, cfg, mx_dtype)
-    if quant:
-        cfg["quantization"] = quant
-        cfg["quantization_config"] = quant
-    cfg["torch_dtype"] = dtype
+    src, out = Path(gguf_path), Path(out_dir)
+    g = _GGUF(src)
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+    info = _inspect(g, dtype, policy)  # refuses before anything is written
+    cfg = _config(g)
+    total = info.source_bytes
+    if progress:
+        progress(0, total)
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        # the tokenizer first: then the reader's vocabulary fields can go before the weights come in
+        cfg["eos_token_id"] = _write_tokenizer(g, tmp, cfg)
+        g.drop_vocab()
+        quant = _write_weights(g, cfg, tmp, mx_dtype, policy, progress, total)
+        if quant:
+            common = Counter(quant.values()).most_common(1)[0][0]
+            block: dict[str, Any] = {"group_size": common[0], "bits": common[1], "mode": "affine"}
+            for module, (gs, bits) in sorted(quant.items()):
+                if (gs, bits) != common:
+                    block[module] = {"group_size": gs, "bits": bits, "mode": "affine"}
+            cfg["quantization"] = block
+            cfg["quantization_config"] = block
+        cfg["torch_dtype"] = dtype
+        cfg["converted_from"] = {"gguf": src.name, "file_type": _file_type(g), "policy": policy,
+                                 "tensor_types": info.policy}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
         gen = {"eos_token_id": cfg["eos_token_id"]}
         if "bos_token_id" in cfg:
             gen["bos_token_id"] = cfg["bos_token_id"]
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2), encoding="utf-8")
-        _tokenizer(meta, tmp, cfg)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
@@ -355,7 +855,21 @@ def convert_gguf(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if progress:
+        progress(total, total)
     return out
+
+
+def _file_type(g: _GGUF) -> str | None:
+    ft = g.get("general.file_type")
+    if ft is None:
+        return None
+    try:
+        from gguf import LlamaFileType
+
+        return LlamaFileType(int(ft)).name.removeprefix("MOSTLY_")
+    except (ImportError, ValueError):
+        return str(ft)
 
 
 def is_mlx_dir(path: str | os.PathLike[str]) -> bool:

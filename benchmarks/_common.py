@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import io
+import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +77,113 @@ def mean_std(values: list[float]) -> str:
     m = statistics.fmean(values)
     s = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{m:.2f} ± {s:.2f}"
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def spread(values: list[float]) -> str:
+    """median [min–max] of a list of figures."""
+    if not values:
+        return "n/a"
+    return f"{statistics.median(values):.3f} [{min(values):.3f}–{max(values):.3f}]"
+
+
+def default_threads() -> int:
+    """The backend's default thread count (physical cores), so both sides of a comparison get the same."""
+    from backends.llamacpp import physical_cores
+
+    return physical_cores()
+
+
+# ------------------------------------------------------------------------------------------ sides
+
+
+def _side_main(conn: Any, factory: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """Child process: build the side, then answer (method, kwargs) calls until told to stop (None)."""
+    try:
+        obj = factory(**kwargs)
+        conn.send(("ok", None))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        conn.send(("err", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the parent is gone
+            msg = None
+        if msg is None:
+            break
+        method, kw = msg
+        try:
+            conn.send(("ok", getattr(obj, method)(**kw)))
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            conn.send(("err", traceback.format_exc()))
+    close = getattr(obj, "close", None)
+    if close is not None:
+        close()
+    try:
+        conn.send(("ok", None))
+    except OSError:
+        pass
+
+
+class Side:
+    """One side of a comparison in its own, freshly spawned process.
+
+    Two threads that drive llama.cpp in one process slow each other down (each calling thread gets its own
+    OpenMP team; a team left spinning starves the other: measured raw ``Llama.generate`` at 78 tok/s beside
+    our stack in one process against 160 tok/s in its own). So every side of a benchmark lives in its own
+    interpreter, and the caller alternates calls between sides (A B A B ...) so that the load of a shared
+    machine hits both alike. ``factory(**kwargs)`` runs in the child (it must be a module-level function of
+    the calling script or of this module) and returns an object whose methods ``side.call(name, ...)`` runs
+    there, on the child's main thread; results come back pickled.
+    """
+
+    def __init__(self, label: str, factory: Callable[..., Any], **kwargs: Any):
+        self.label = label
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_side_main, args=(child, factory, kwargs), name=label, daemon=True)
+        self._proc.start()
+        child.close()
+        self._answer()
+
+    def _answer(self) -> Any:
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise SystemExit(f"{self.label}: the benchmark process exited ({self._proc.exitcode})") from None
+        if status == "err":
+            raise SystemExit(f"{self.label} failed:\n{value}")
+        return value
+
+    def call(self, method: str = "run", **kwargs: Any) -> Any:
+        self._conn.send((method, kwargs))
+        return self._answer()
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._conn.send(None)
+                self._answer()
+            except (OSError, EOFError, SystemExit):
+                pass
+            self._proc.join(30)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(5)
+        self._conn.close()
+
+    def __enter__(self) -> Side:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.1f} / {five:.1f} / {fifteen:.1f} (1/5/15 min, {os.cpu_count()} CPUs)"

@@ -1,32 +1,95 @@
 """Decode tokens/s: localllm's `run` path (engine + backend + the streaming writer of `localllm run`)
-against raw llama-cpp-python ``Llama.generate`` on the same GGUF file, context, batch and threads.
+against raw llama-cpp-python ``Llama.generate`` on the same GGUF file, context, batch and threads, with
+llama.cpp's own ``llama-bench`` (tg, same file and threads) as the ceiling.
 
-Raw generation runs in a fresh thread per round, as ours does (`stream_answer`'s worker): on a busy
-2-core machine llama.cpp decoding from Python's main thread was measured 2-4x slower than from a
-worker thread (``--raw-in-main-thread`` shows it).
-
-The two are measured interleaved (ours, raw, ours, raw, ...) in one process so that machine noise hits
-both alike. Greedy sampling with the same penalties on both sides; each side's rate is the wall-clock
-rate between its first and its last generated token, so load and prompt time are left out of both.
+Each side runs in its own process (two threads driving llama.cpp in one process slow each other: each
+calling thread gets its own OpenMP team), and the rounds alternate: ours, raw, llama-bench, ours, raw, ...
+so that the load of a shared machine hits all of them alike. Greedy sampling with the same penalties on
+both Python sides; each side's rate is the wall-clock rate between its first and its last generated token,
+so load and prompt time are left out. ``llama-bench`` reports its own tg rate (one repetition per round,
+after its warm-up), once with its default flash attention (auto) and once with ``-fa off`` (what our
+backend uses today with an f16 KV cache); pp512 is measured once at the end for reference.
 
     python benchmarks/decode_vs_raw.py                       # default model, 5 rounds of 128 tokens
-    python benchmarks/decode_vs_raw.py --model ./x.gguf --tokens 256 --rounds 7 --threads 2
+    python benchmarks/decode_vs_raw.py --rounds 10 --tokens 128 --threads 2
+    python benchmarks/decode_vs_raw.py --model ./x.gguf --no-llama-bench
 
-Target: ratio (ours / raw) >= 0.97.
+Reported: median of each side, ratio of medians, best vs best, and the median of the per-round ratios.
+Targets: ours / raw >= 0.97; ours / llama-bench tg (auto) >= 0.97 (issue 11).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import threading
 import time
+from pathlib import Path
+from typing import Any
 
-from _common import ClockWriter, engine_and_model, mean_std
+from _common import ClockWriter, Side, default_threads, engine_and_model, load_average, median, spread
 
 PROMPT = ("The following is a long, detailed essay about the history of the bicycle, from the first "
           "draisine of 1817 to modern carbon racing frames.\n\n")
+SAMPLING = dict(temperature=0.0, top_k=40, top_p=0.9, min_p=0.0, repeat_penalty=1.1, repeat_last_n=64)
+
+
+class Ours:
+    """The engine and `localllm run`'s streaming path, in its own process."""
+
+    def __init__(self, model: str, num_ctx: int, threads: int):
+        from localllm.engine import LoadOptions
+
+        self.engine, self.name, _ = engine_and_model(model)
+        self.options = LoadOptions(num_ctx=num_ctx, draft="none", num_thread=threads, kv_cache_type="f16")
+        self.running = self.engine.load(self.name, self.options)
+
+    def info(self) -> dict[str, Any]:
+        spec = self.running.backend.spec
+        return {"n_ctx": self.running.info.n_ctx, "n_batch": spec.n_batch, "n_threads": spec.n_threads,
+                "flash_attn": bool(spec.flash_attn), "n_gpu_layers": spec.n_gpu_layers}
+
+    def run(self, tokens: int) -> dict[str, Any]:
+        from localllm.commands.run import stream_answer
+        from localllm.engine import GenerateRequest, Sampling
+
+        req = GenerateRequest(prompt=PROMPT, sampling=Sampling(max_tokens=tokens, seed=0, **SAMPLING))
+        clock = ClockWriter()
+        answer = stream_answer(self.engine, self.name, req, self.options, out=clock)
+        n = answer.done.stats.eval_count
+        assert clock.first is not None and clock.last is not None
+        return {"rate": (n - 1) / (clock.last - clock.first), "stats_rate": answer.done.stats.eval_rate, "n": n,
+                "finish": answer.done.finish_reason}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class Raw:
+    """llama-cpp-python's own ``Llama.generate``, driven from the main thread of its own process."""
+
+    def __init__(self, path: str, n_ctx: int, n_batch: int, n_threads: int, flash_attn: bool, n_gpu_layers: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
+                                   n_threads_batch=n_threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers,
+                                   verbose=False)
+        self.tokens = self.llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
+
+    def run(self, tokens: int) -> dict[str, Any]:
+        t_first = t_last = 0.0
+        i = 0
+        for i, _tok in enumerate(self.llm.generate(self.tokens, temp=0.0, top_k=40, top_p=0.9, min_p=0.0,
+                                                   repeat_penalty=1.1, reset=True)):
+            now = time.perf_counter()
+            if i == 0:
+                t_first = now
+            t_last = now
+            if i + 1 >= tokens:
+                break
+        return {"rate": i / (t_last - t_first), "n": i + 1}
+
+    def close(self) -> None:
+        self.llm.close()
 
 
 def main() -> None:
@@ -34,90 +97,81 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2:135m")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="default: physical cores (the backend's default)")
     ap.add_argument("--num-ctx", type=int, default=2048)
+    ap.add_argument("--no-llama-bench", action="store_true", help="skip the llama-bench ceiling")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--raw-in-main-thread", action="store_true",
-                    help="run raw Llama.generate on the main thread (slower under CPU contention, see README)")
     args = ap.parse_args()
+    threads = args.threads or default_threads()
 
-    import llama_cpp
+    _engine, name, path = engine_and_model(args.model)  # pulls an alias if missing, before any side starts
+    del _engine
+    print(f"load average at start: {load_average()}", flush=True)
+    ours = Side("localllm", Ours, model=args.model, num_ctx=args.num_ctx, threads=threads)
+    info = ours.call("info")
+    raw = Side("raw Llama.generate", Raw, path=str(path), **info)
+    bench = None
+    if not args.no_llama_bench:
+        import llama_tools
 
-    from localllm.commands.run import stream_answer
-    from localllm.engine import GenerateRequest, LoadOptions, Sampling
+        llama_tools.build()  # before the timed rounds: building is minutes of both cores
+        bench = llama_tools
+    results: dict[str, list[float]] = {"ours": [], "ours_stats": [], "raw": [], "lb_auto": [], "lb_off": []}
+    try:
+        ours.call("run", tokens=8)  # warm-up
+        raw.call("run", tokens=8)
+        for r in range(args.rounds):
+            o = ours.call("run", tokens=args.tokens)
+            if o["finish"] != "length":
+                print(f"note: our run stopped early ({o['finish']}, {o['n']} tokens)")
+            w = raw.call("run", tokens=args.tokens)
+            results["ours"].append(o["rate"])
+            results["ours_stats"].append(o["stats_rate"])
+            results["raw"].append(w["rate"])
+            line = (f"round {r + 1}: localllm {o['rate']:7.2f} tok/s (stats {o['stats_rate']:7.2f})   "
+                    f"raw {w['rate']:7.2f}   ours/raw {o['rate'] / w['rate']:.3f}")
+            if bench is not None:
+                recs = bench.llama_bench(path, threads=threads, flash_attn="auto,off", n_prompt=0,
+                                         n_gen=args.tokens, reps=1)
+                by_fa = {int(rec["flash_attn"]): rec["avg_ts"] for rec in recs}  # -1 auto, 0 off, 1 on
+                lb_auto, lb_off = by_fa.get(-1, float("nan")), by_fa.get(0, float("nan"))
+                results["lb_auto"].append(lb_auto)
+                results["lb_off"].append(lb_off)
+                line += f"   llama-bench tg{args.tokens} fa auto {lb_auto:7.2f}, fa off {lb_off:7.2f}"
+            print(line, flush=True)
+    finally:
+        ours.close()
+        raw.close()
+    pp = None
+    if bench is not None:
+        pp = {rec["flash_attn"]: (rec["avg_ts"], rec["stddev_ts"])
+              for rec in bench.llama_bench(path, threads=threads, flash_attn="auto,off", n_prompt=512, n_gen=0,
+                                           reps=3)}
 
-    engine, name, path = engine_and_model(args.model)
-    options = LoadOptions(num_ctx=args.num_ctx, draft="none", num_thread=args.threads, kv_cache_type="f16")
-    running = engine.load(name, options)
-    spec = running.backend.spec
-    threads = spec.n_threads
-    flash = bool(spec.flash_attn) if spec.flash_attn is not None else False
-    raw = llama_cpp.Llama(model_path=str(path), n_ctx=running.info.n_ctx, n_batch=spec.n_batch,
-                          n_threads=threads, n_threads_batch=threads, flash_attn=flash,
-                          n_gpu_layers=spec.n_gpu_layers, verbose=False)
-    sampling = dict(temperature=0.0, top_k=40, top_p=0.9, min_p=0.0, repeat_penalty=1.1, repeat_last_n=64)
-    raw_tokens = raw.tokenize(PROMPT.encode(), add_bos=True, special=False)
-
-    def ours() -> tuple[float, float, int]:
-        req = GenerateRequest(prompt=PROMPT, sampling=Sampling(max_tokens=args.tokens, seed=0, **sampling))
-        clock = ClockWriter()
-        answer = stream_answer(engine, name, req, options, out=clock)
-        n = answer.done.stats.eval_count
-        if answer.done.finish_reason != "length":
-            print(f"note: our run stopped early ({answer.done.finish_reason}, {n} tokens)")
-        wall = (n - 1) / (clock.last - clock.first)
-        return wall, answer.done.stats.eval_rate, n
-
-    def theirs() -> float:
-        if args.raw_in_main_thread:
-            return theirs_here()
-        out: list[float] = []  # like ours (stream_answer's worker), a fresh thread per generation
-        th = threading.Thread(target=lambda: out.append(theirs_here()))
-        th.start()
-        th.join()
-        return out[0]
-
-    def theirs_here() -> float:
-        t_first = t_last = 0.0
-        i = 0
-        for i, _tok in enumerate(raw.generate(raw_tokens, temp=0.0, top_k=40, top_p=0.9, min_p=0.0,
-                                              repeat_penalty=1.1, reset=True)):
-            now = time.perf_counter()
-            if i == 0:
-                t_first = now
-            t_last = now
-            if i + 1 >= args.tokens:
-                break
-        return i / (t_last - t_first)
-
-    ours()  # warm-up both
-    theirs()
-    ours_wall: list[float] = []
-    ours_stats: list[float] = []
-    raw_wall: list[float] = []
-    for r in range(args.rounds):
-        w, s, n = ours()
-        rw = theirs()
-        ours_wall.append(w)
-        ours_stats.append(s)
-        raw_wall.append(rw)
-        print(f"round {r + 1}: localllm {w:7.2f} tok/s (stats {s:7.2f})   raw Llama.generate {rw:7.2f} tok/s   "
-              f"ratio {w / rw:.3f}", flush=True)
-    ratio = statistics.fmean(ours_wall) / statistics.fmean(raw_wall)
-    print(f"\nmodel {name} ({path.name}), {threads} threads, n_ctx {running.info.n_ctx}, {args.tokens} tokens, "
-          f"{args.rounds} rounds")
-    print(f"localllm run path : {mean_std(ours_wall)} tok/s (backend stats: {mean_std(ours_stats)})")
-    print(f"raw Llama.generate: {mean_std(raw_wall)} tok/s")
-    ratios = [o / r for o, r in zip(ours_wall, raw_wall, strict=True)]
-    print(f"ratio of means    : {ratio:.3f}  (target >= 0.97)")
-    print(f"median round ratio: {statistics.median(ratios):.3f}   best vs best: {max(ours_wall) / max(raw_wall):.3f}"
-          "   (robust to other jobs on the machine)")
+    mo, mr = median(results["ours"]), median(results["raw"])
+    print(f"\nmodel {name} ({Path(path).name}), {threads} threads, n_ctx {info['n_ctx']}, flash attention "
+          f"{'on' if info['flash_attn'] else 'off'} (ours and raw), {args.tokens} tokens, {args.rounds} rounds, "
+          "each side in its own process, alternating")
+    print(f"load average at end: {load_average()}")
+    print(f"localllm run path : median {mo:7.2f} tok/s   per round {spread(results['ours'])}")
+    print(f"raw Llama.generate: median {mr:7.2f} tok/s   per round {spread(results['raw'])}")
+    pair = [o / r for o, r in zip(results["ours"], results["raw"], strict=True)]
+    print(f"ours / raw        : ratio of medians {mo / mr:.3f}   best vs best "
+          f"{max(results['ours']) / max(results['raw']):.3f}   per-round ratios {spread(pair)}   (target >= 0.97)")
+    out: dict[str, Any] = {"model": name, "threads": threads, "tokens": args.tokens, **results,
+                           "ratio_medians": mo / mr, "ratio_best": max(results["ours"]) / max(results["raw"])}
+    if bench is not None:
+        for key, label in (("lb_auto", "fa auto (llama.cpp default)"), ("lb_off", "fa off (our setting)")):
+            ml = median(results[key])
+            print(f"llama-bench tg{args.tokens} {label:28}: median {ml:7.2f} tok/s   ours / it: ratio of medians "
+                  f"{mo / ml:.3f}, best vs best {max(results['ours']) / max(results[key]):.3f}")
+            out[f"ratio_{key}"] = mo / ml
+        if pp:
+            print("llama-bench pp512 (once, -r 3): " + ", ".join(
+                f"fa {'auto' if int(k) == -1 else 'off'} {v[0]:.1f} ± {v[1]:.1f} tok/s" for k, v in pp.items()))
+            out["pp512"] = {str(k): v for k, v in pp.items()}
     if args.json:
-        print(json.dumps({"model": name, "threads": threads, "tokens": args.tokens, "ours": ours_wall,
-                          "ours_stats": ours_stats, "raw": raw_wall, "ratio": ratio,
-                          "median_ratio": statistics.median(ratios), "best_ratio": max(ours_wall) / max(raw_wall)}))
-    raw.close()
-    engine.close()
+        print(json.dumps(out))
 
 
 if __name__ == "__main__":

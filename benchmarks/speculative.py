@@ -5,15 +5,23 @@
 * target Q4_1 with n-gram drafting (quantized kernels are not batch-invariant, so agreement with plain
   decoding is reported rather than assumed).
 
+Every variant (plain included) is loaded once in its own process, and the rounds alternate between them
+(plain, draft, n-gram, plain, ..., the order rotating each round) so that the load of a shared machine hits
+all alike; a variant's speed-up is the median of its per-round ratios to plain in the same round, with the
+spread (min–max) of those ratios and the ratio of medians beside it. The adaptive controller keeps its
+state for as long as the model is loaded, as in `localllm serve`; round 1 is the first request after
+loading (the controller has not measured anything yet) and is also shown on its own.
+
 The prompt asks the model to repeat a text with small edits, so the answer repeats the prompt (the case
-n-gram drafting is for). For each variant: tokens/s (backend stats and wall clock), speed-up over
-plain, acceptance rate, and whether the text is identical to plain decoding (else the first
-differing character).
+n-gram drafting is for). ``--prompt story`` asks for a free story instead (nothing to copy: n-gram drafting
+cannot pay, which is where the controller's back-off shows).
 
-    python benchmarks/speculative.py --num-draft 8 --tokens 200 --rounds 3
+    python benchmarks/speculative.py --num-draft 8 --tokens 200 --rounds 5
+    python benchmarks/speculative.py --only f32 --rounds 7 --threads 2
 
-Reference: llama.cpp's own speculative example on the F32/Q4_1 pair, 2 threads, greedy, 8 draft tokens:
-54.8 tok/s against 50.3 tok/s plain (1.09x, 98% accepted). N-gram on repeated text: aim >= 1.5x.
+Targets: never more than 5% slower than plain (README); model draft > 1x where it can pay; n-gram >= 1.5x
+on repeated text. Reference: llama.cpp's speculative example on the F32/Q4_1 pair, 2 threads, greedy,
+8 draft tokens: 54.8 tok/s against 50.3 tok/s plain (1.09x, 98% accepted).
 """
 
 from __future__ import annotations
@@ -21,8 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from typing import Any
 
-from _common import ClockWriter, derived_model, engine_and_model, mean_std
+from _common import ClockWriter, Side, default_threads, derived_model, engine_and_model, load_average, spread
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Every morning the fox runs through the forest, past the old "
@@ -30,7 +39,10 @@ TEXT = (
     "and the fox never stops running. Farmers in the village say that this has happened every day for years, "
     "and that nobody knows why the fox is in such a hurry or why the dog is so tired."
 )
-PROMPT = f"Repeat the following text exactly, but replace the word 'fox' with 'cat':\n\n{TEXT}"
+PROMPTS = {
+    "repeat": f"Repeat the following text exactly, but replace the word 'fox' with 'cat':\n\n{TEXT}",
+    "story": "Write a long story about a dragon who learns to bake bread.",
+}
 
 
 def common_prefix(a: str, b: str) -> int:
@@ -42,67 +54,108 @@ def common_prefix(a: str, b: str) -> int:
     return n
 
 
+class Variant:
+    """One loaded target (+ draft) in its own process; ``run`` answers the benchmark request once."""
+
+    def __init__(self, model: str, target: str, draft: str, num_draft: int, threads: int, prompt: str,
+                 tokens: int):
+        from localllm.commands.run import stream_answer
+        from localllm.engine import GenerateRequest, LoadOptions, Sampling
+
+        self.engine, _, _ = engine_and_model(model)
+        self.target = target
+        self.options = LoadOptions(num_ctx=2048, draft=draft, num_draft=num_draft, num_thread=threads)
+        self.running = self.engine.load(target, self.options)
+        sampling = Sampling(temperature=0.0, seed=0, max_tokens=tokens, repeat_penalty=1.0)
+        self.request = GenerateRequest(messages=[{"role": "user", "content": PROMPTS[prompt]}], sampling=sampling)
+        warm = GenerateRequest(prompt="Hello", sampling=Sampling(max_tokens=4))
+        stream_answer(self.engine, target, warm, self.options)
+
+    def run(self) -> dict[str, Any]:
+        from localllm.commands.run import stream_answer
+
+        clock = ClockWriter()
+        ans = stream_answer(self.engine, self.target, self.request, self.options, out=clock)
+        s = ans.done.stats
+        wall = (s.eval_count - 1) / (clock.last - clock.first) if clock.last and clock.first else 0.0
+        ctl = self.running.backend.controller if hasattr(self.running.backend, "controller") else None
+        return {"rate": s.eval_rate, "wall": wall, "text": ans.text, "tokens": s.eval_count,
+                "proposed": s.draft_proposed, "accepted": s.draft_accepted,
+                "controller": ctl.state() if ctl is not None else None}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2:135m", help="the Q4_1 default model (name or path)")
     ap.add_argument("--num-draft", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="default: physical cores (the backend's default)")
+    ap.add_argument("--prompt", choices=sorted(PROMPTS), default="repeat")
+    ap.add_argument("--only", choices=["f32", "q4"], default=None, help="one target only")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    threads = args.threads or default_threads()
 
-    from localllm.commands.run import stream_answer
-    from localllm.engine import GenerateRequest, LoadOptions, Sampling
-
-    engine, name, q4_path = engine_and_model(args.model)
+    _engine, _name, q4_path = engine_and_model(args.model)
+    del _engine
     f32_path = derived_model(q4_path, "F32")
-    sampling = Sampling(temperature=0.0, seed=0, max_tokens=args.tokens, repeat_penalty=1.0)
-    request = GenerateRequest(messages=[{"role": "user", "content": PROMPT}], sampling=sampling)
-
-    def measure(target: str, draft: str) -> dict:
-        options = LoadOptions(num_ctx=2048, draft=draft, num_draft=args.num_draft, num_thread=args.threads)
-        for running in engine.ps():
-            engine.unload(running.name)
-        engine.load(target, options)
-        stream_answer(engine, target, GenerateRequest(prompt="Hello", sampling=Sampling(max_tokens=4)), options)
-        rates, walls, text, prop, acc = [], [], "", 0, 0
-        for _ in range(args.rounds):
-            clock = ClockWriter()
-            ans = stream_answer(engine, target, request, options, out=clock)
-            s = ans.done.stats
-            rates.append(s.eval_rate)
-            walls.append((s.eval_count - 1) / (clock.last - clock.first) if clock.last and clock.first else 0.0)
-            text, prop, acc = ans.text, prop + s.draft_proposed, acc + s.draft_accepted
-        return {"target": target, "draft": draft, "rates": rates, "walls": walls, "text": text,
-                "eval_count": s.eval_count, "proposed": prop, "accepted": acc}
-
-    targets = [("F32", str(f32_path), [("none", "none"), ("Q4_1 draft", str(q4_path)), ("ngram", "ngram")]),
-               ("Q4_1", str(q4_path), [("none", "none"), ("ngram", "ngram")])]
+    groups = [("F32", str(f32_path), [("none", "none"), ("Q4_1 draft", str(q4_path)), ("ngram", "ngram")]),
+              ("Q4_1", str(q4_path), [("none", "none"), ("ngram", "ngram")])]
+    if args.only:
+        groups = [g for g in groups if g[0].lower().startswith(args.only[:2])]
+    print(f"load average at start: {load_average()}; {threads} threads, {args.tokens} tokens, prompt "
+          f"{args.prompt!r}, num_draft {args.num_draft}, {args.rounds} rounds", flush=True)
     report = []
-    for label, target, drafts in targets:
-        plain = None
-        for dlabel, draft in drafts:
-            r = measure(target, draft)
-            if plain is None:
-                plain = r
-            speed = statistics.fmean(r["rates"]) / statistics.fmean(plain["rates"])
-            same = r["text"] == plain["text"]
-            agree = common_prefix(r["text"], plain["text"])
-            accept = r["accepted"] / r["proposed"] if r["proposed"] else None
-            row = {"target": label, "draft": dlabel, "tok_s": statistics.fmean(r["rates"]),
-                   "wall_tok_s": statistics.fmean(r["walls"]), "speedup": speed, "acceptance": accept,
-                   "identical": same, "agree_chars": agree, "chars": len(plain["text"]),
-                   "tokens": r["eval_count"]}
+    for label, target, drafts in groups:
+        sides = {}
+        try:
+            for dlabel, draft in drafts:
+                sides[dlabel] = Side(f"{label}/{dlabel}", Variant, model=args.model, target=target, draft=draft,
+                                     num_draft=args.num_draft, threads=threads, prompt=args.prompt,
+                                     tokens=args.tokens)
+            runs: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
+            order = list(sides)
+            for r in range(args.rounds):
+                rot = order[r % len(order):] + order[: r % len(order)]
+                for dlabel in rot:
+                    runs[dlabel].append(sides[dlabel].call("run"))
+                print(f"{label} round {r + 1}: " + "   ".join(
+                    f"{d} {runs[d][-1]['wall']:6.1f}" for d in order) + " tok/s (wall)", flush=True)
+        finally:
+            for side in sides.values():
+                side.close()
+        plain = runs["none"]
+        for dlabel, rs in runs.items():
+            walls = [x["wall"] for x in rs]
+            ratios = [x["wall"] / p["wall"] for x, p in zip(rs, plain, strict=True)]
+            stats_ratios = [x["rate"] / p["rate"] for x, p in zip(rs, plain, strict=True)]
+            later = ratios[1:] or ratios
+            prop = sum(x["proposed"] for x in rs)
+            acc = sum(x["accepted"] for x in rs)
+            same = all(x["text"] == plain[0]["text"] for x in rs)
+            agree = min(common_prefix(x["text"], plain[0]["text"]) for x in rs)
+            row = {"target": label, "draft": dlabel, "wall_tok_s": walls, "stats_tok_s": [x["rate"] for x in rs],
+                   "ratios": ratios, "stats_ratios": stats_ratios,
+                   "speedup_median": statistics.median(ratios),
+                   "speedup_of_medians": statistics.median(walls) / statistics.median(x["wall"] for x in plain),
+                   "acceptance": acc / prop if prop else None, "proposed": prop, "identical": same,
+                   "agree_chars": agree, "chars": len(plain[0]["text"]), "controller": rs[-1]["controller"]}
             report.append(row)
-            acc_s = f"{accept:.0%}" if accept is not None else "  - "
-            verdict = "identical" if same else f"first {agree}/{len(plain['text'])} chars agree"
-            print(f"{label:5} {dlabel:11} {mean_std(r['rates']):>16} tok/s  (wall {mean_std(r['walls'])})  "
-                  f"x{speed:.2f}  accepted {acc_s:>4}  "
-                  f"{verdict}", flush=True)
+            acc_s = f"{acc / prop:.0%}" if prop else "  - "
+            verdict = "identical" if same else f"first {agree}/{len(plain[0]['text'])} chars agree"
+            print(f"{label:5} {dlabel:11} median {statistics.median(walls):6.1f} tok/s   x{spread(ratios)} "
+                  f"(round 1 x{ratios[0]:.2f}, later rounds x{statistics.median(later):.3f}, ratio of medians "
+                  f"x{row['speedup_of_medians']:.3f})   proposed {prop:5d} accepted {acc_s:>4}   {verdict}",
+                  flush=True)
+            if rs[-1]["controller"]:
+                print(f"      controller after the last round: {rs[-1]['controller']}")
+    print(f"load average at end: {load_average()}")
     if args.json:
         print(json.dumps(report))
-    engine.close()
 
 
 if __name__ == "__main__":

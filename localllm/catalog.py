@@ -69,7 +69,8 @@ class CatalogEntry:
     gguf_repo: str | None
     gguf_files: dict[str, str]  # quant -> file name in gguf_repo
     gguf_sha256: dict[str, str] = field(default_factory=dict)  # quant -> sha256, where pinned
-    mlx_repo: str | None = None
+    mlx_repo: str | None = None  # Hugging Face repo of MLX weights (safetensors + config + tokenizer)
+    mlx_revision: str | None = None  # a commit (or branch) of mlx_repo to pin; None: its default branch
     draft: str | None = None  # alias of a same-vocabulary draft model
     mirrors: list[Mirror] = field(default_factory=list)
     template_note: str | None = None
@@ -93,7 +94,8 @@ class CatalogEntry:
             "name": self.name, "family": self.family, "size": self.size, "description": self.description,
             "license": self.license, "context_length": self.context_length,
             "default_quant": self.default_quant, "quants": self.quants, "gguf_repo": self.gguf_repo,
-            "gguf_files": dict(self.gguf_files), "mlx_repo": self.mlx_repo, "draft": self.draft,
+            "gguf_files": dict(self.gguf_files), "mlx_repo": self.mlx_repo, "mlx_revision": self.mlx_revision,
+            "draft": self.draft,
             "mirrors": [m.source or m.kind for m in self.mirrors], "template_note": self.template_note,
             "approx_size": self.approx_size,
         }
@@ -131,7 +133,8 @@ def _entry(name: str, raw: dict[str, Any]) -> CatalogEntry:
         gguf_repo=raw.get("gguf_repo"),
         gguf_files=files,
         gguf_sha256={k.upper(): v.lower() for k, v in raw.get("gguf_sha256", {}).items()},
-        mlx_repo=raw.get("mlx_repo"),
+        mlx_repo=raw.get("mlx_repo") or None,
+        mlx_revision=raw.get("mlx_revision") or None,
         draft=raw.get("draft"),
         mirrors=mirrors,
         template_note=raw.get("template_note"),

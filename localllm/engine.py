@@ -26,14 +26,26 @@ Scheduling (Ollama's, ``server/sched.go``):
   :class:`ServerBusyError` (HTTP 503);
 * :meth:`Engine.agenerate` runs :meth:`Engine.generate` in a worker thread for asyncio callers and
   cancels it at once when the consumer goes away (a client disconnect frees the model).
+
+Lifecycle: :meth:`Engine.close` (or leaving ``with Engine()``) stops the generations still running,
+waits for a load in progress, closes every model on its own thread and joins that thread and the
+keep-alive thread, so no thread that ran native code is still ending when the interpreter shuts down
+(an MLX thread ending during ``Py_FinalizeEx`` aborts the process). An engine still open at exit is
+closed by an ``atexit`` hook. A closed engine loads nothing more.
+
+``--backend mlx`` on a model with no MLX weights converts its GGUF on first use (once, offline; see
+:mod:`localllm.mlxmodels`), on the model's decode thread before it loads; ``Engine(on_convert=...)``
+receives the :class:`~localllm.mlxmodels.ConversionProgress` events a face shows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -66,6 +78,7 @@ from localllm import config
 from localllm.errors import LocalLLMError, ModelNotFoundError
 
 if TYPE_CHECKING:
+    from localllm.mlxmodels import ConversionProgress
     from localllm.planner import Plan
     from localllm.store import InstalledModel
 
@@ -206,7 +219,8 @@ class Engine:
     def __init__(self, store: Any = None, *, keep_alive: float | None = None, hardware: Any = None,
                  max_loaded: int | None = None, max_queue: int | None = None,
                  memory_budget: int | None = None,
-                 backend_class: Callable[[str], type[TokenSource]] | None = None):
+                 backend_class: Callable[[str], type[TokenSource]] | None = None,
+                 on_convert: Callable[[ConversionProgress], None] | None = None, backend: str | None = None):
         if store is None:
             from localllm.store import Store
 
@@ -226,9 +240,16 @@ class Engine:
         self._idle = threading.Condition(self._lock)  # notified when a model's refs drop or it unloads
         self._load_lock = threading.Lock()  # one load at a time
         self._pending = 0  # requests waiting for a load or a slot
+        self.on_convert = on_convert  # first-use MLX conversion progress, for the face to show
+        # the backend for requests that leave it to the planner (``LoadOptions.backend == "auto"``)
+        self.backend = (backend or config.env_str("LOCALLLM_BACKEND", "auto")).lower()
+        if self.backend not in ("auto", "llamacpp", "mlx"):
+            raise LocalLLMError(f"LOCALLLM_BACKEND must be auto, llamacpp or mlx, got {self.backend!r}.")
+        self._stops: set[threading.Event] = set()  # the cancel events of running generations
         self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="localllm-keepalive", daemon=True)
         self._reaper.start()
+        _open_engines.add(self)
 
     # ------------------------------------------------------------------ services
 
@@ -243,9 +264,10 @@ class Engine:
     def plan_for(self, name: str, options: LoadOptions | None = None) -> tuple[InstalledModel, Plan]:
         """(installed model, plan) without loading anything."""
         from localllm.ggufinfo import GGUFInfo
+        from localllm.mlxmodels import mlx_for_plan
         from localllm.planner import plan
 
-        options = options or LoadOptions()
+        options = self._default_backend(options or LoadOptions())
         if options.num_ctx is not None and options.num_ctx < MIN_CTX:
             raise LocalLLMError(f"num_ctx must be at least {MIN_CTX} tokens, got {options.num_ctx}.")
         model = self.store.get(name)
@@ -259,9 +281,49 @@ class Engine:
             backend=options.backend,
             num_gpu=options.num_gpu,
             mlx_model=model.mlx_path is not None,
+            # MLX weights installed / the GGUF converts on first use (Plan.mlx_convert) / why not
+            mlx=mlx_for_plan(model, self.hardware, options.backend),
             num_parallel=options.num_parallel or _env_parallel(),
         )
         return model, p
+
+    def _default_backend(self, options: LoadOptions) -> LoadOptions:
+        """``options`` with the engine's backend (``Engine(backend=)`` / ``LOCALLLM_BACKEND``) where it says auto."""
+        if options.backend == "auto" and self.backend != "auto":
+            return replace(options, backend=self.backend)
+        return options
+
+    def _convert(self, model: InstalledModel, cancel: threading.Event | None, dtype: str) -> None:
+        """Build the MLX weights of ``model`` from its GGUF (first use of ``--backend mlx``), record them in
+        the store and set ``model.mlx_path``. Runs on the model's decode thread before it loads; reports to
+        ``on_convert``; ``cancel`` or closing the engine stops it at the next progress report (nothing
+        half-written is kept)."""
+        from localllm.mlxmodels import ConversionProgress, convert_installed
+
+        notify = self.on_convert
+        t0 = time.monotonic()
+
+        def progress(done: int, total: int) -> None:
+            if self._closed.is_set():
+                raise LocalLLMError(f"The conversion of {model.name} to MLX was stopped: localllm is shutting down.")
+            if cancel is not None and cancel.is_set():
+                raise LocalLLMError(f"The conversion of {model.name} to MLX was cancelled.")
+            if notify is not None:
+                notify(ConversionProgress(model.name, "progress", done, total, time.monotonic() - t0))
+
+        if notify is not None:
+            notify(ConversionProgress(model.name, "start"))
+        try:
+            path = convert_installed(model, dtype=dtype, progress=progress)
+        except BaseException as e:
+            if notify is not None:
+                notify(ConversionProgress(model.name, "failed", seconds=time.monotonic() - t0, error=str(e)))
+            raise
+        if not model.local:  # a local .gguf path has no manifest: its MLX dir is found by digest
+            self.store.set_mlx_path(model.name, path)
+        model.mlx_path = path
+        if notify is not None:
+            notify(ConversionProgress(model.name, "done", seconds=time.monotonic() - t0))
 
     def _prompt_cache_spec(self, model: InstalledModel, backend: str) -> PromptCacheSpec | None:
         """Where this model's saved prompt prefixes live (``LOCALLLM_PROMPT_CACHE_SIZE``; 0 = none)."""
@@ -312,6 +374,7 @@ class Engine:
         """The loaded model for ``name`` with one more reference (so nothing evicts it); loads it if
         needed, one load at a time. Pair with :meth:`_checkin`."""
         ka = self.keep_alive if keep_alive is None else keep_alive
+        options = self._default_backend(options)
         with self._lock:  # fast path: loaded and compatible, no need to queue behind a load
             running = self._lookup(name)
             if running is not None and not running.closed and self._compatible(running, options):
@@ -320,6 +383,8 @@ class Engine:
                 return running
         _acquire(self._load_lock, cancel)
         try:
+            if self._closed.is_set():
+                raise LocalLLMError("localllm is shutting down; no model is loaded any more.")
             with self._lock:
                 running = self._lookup(name)
                 if running is not None and not running.closed and self._compatible(running, options):
@@ -347,6 +412,14 @@ class Engine:
             need = self._estimate(p)
             self._make_room(need, cancel)
             path = model.mlx_path if p.backend == "mlx" else model.path
+            before_load = None
+            if p.mlx_convert:  # on the thread that will run it (MLX keeps per-thread state)
+                from localllm.planner import mlx_dtype
+
+                def before_load() -> None:
+                    self._convert(model, cancel, mlx_dtype(p.device))
+                    spec.model_path = str(model.mlx_path)
+
             spec = LoadSpec(
                 model_path=str(path),
                 n_ctx=p.n_ctx,
@@ -361,7 +434,8 @@ class Engine:
             )
             cls = self._backend_class(p.backend)
             t0 = time.perf_counter_ns()
-            loaded = LoadedModel(cls, spec, name=model.name, prompt_cache=self._prompt_cache_spec(model, p.backend))
+            loaded = LoadedModel(cls, spec, name=model.name, prompt_cache=self._prompt_cache_spec(model, p.backend),
+                                 before_load=before_load)
             load_ns = time.perf_counter_ns() - t0
             now = time.monotonic()
             running = RunningModel(
@@ -534,21 +608,36 @@ class Engine:
         if cancel.is_set():
             yield Done(Stats(), finish_reason="cancelled")
             return
+        self._track(cancel)
         try:
-            running, was_loaded, events = self._start(name, request, options or LoadOptions(), cancel, keep_alive,
-                                                      t_start)
-        except LocalLLMError as e:
-            if cancel.is_set() and "cancelled" in str(e):
-                yield Done(Stats(), finish_reason="cancelled")
-                return
-            raise
-        try:
-            for event in events:
-                self._finish(running, event, was_loaded, t_start)
-                yield event
+            try:
+                running, was_loaded, events = self._start(name, request, options or LoadOptions(), cancel,
+                                                          keep_alive, t_start)
+            except LocalLLMError as e:
+                if cancel.is_set() and "cancelled" in str(e):
+                    yield Done(Stats(), finish_reason="cancelled")
+                    return
+                raise
+            try:
+                for event in events:
+                    self._finish(running, event, was_loaded, t_start)
+                    yield event
+            finally:
+                if not events.closed:
+                    cancel.set()
+                self._checkin(running, keep_alive)
         finally:
-            cancel.set() if not events.closed else None
-            self._checkin(running, keep_alive)
+            self._untrack(cancel)
+
+    def _track(self, cancel: threading.Event) -> None:
+        with self._lock:
+            self._stops.add(cancel)
+            if self._closed.is_set():
+                cancel.set()
+
+    def _untrack(self, cancel: threading.Event) -> None:
+        with self._lock:
+            self._stops.discard(cancel)
 
     async def agenerate(
         self,
@@ -570,20 +659,24 @@ class Engine:
         """
         t_start = time.perf_counter_ns()
         cancel = threading.Event()
+        self._track(cancel)
         try:
-            running, was_loaded, events = await asyncio.to_thread(
-                self._start, name, request, options or LoadOptions(), cancel, keep_alive, t_start)
-        except asyncio.CancelledError:
-            cancel.set()
-            raise
-        try:
-            async for event in events:
-                self._finish(running, event, was_loaded, t_start)
-                yield event
-        finally:
-            if not events.closed:
+            try:
+                running, was_loaded, events = await asyncio.to_thread(
+                    self._start, name, request, options or LoadOptions(), cancel, keep_alive, t_start)
+            except asyncio.CancelledError:
                 cancel.set()
-            self._checkin(running, keep_alive)
+                raise
+            try:
+                async for event in events:
+                    self._finish(running, event, was_loaded, t_start)
+                    yield event
+            finally:
+                if not events.closed:
+                    cancel.set()
+                self._checkin(running, keep_alive)
+        finally:
+            self._untrack(cancel)
 
     def embed(self, name: str, texts: list[str], options: LoadOptions | None = None,
               *, keep_alive: float | None = None) -> list[list[float]]:
@@ -630,8 +723,10 @@ class Engine:
                         key = k
         return self._unload_key(key)
 
-    def _unload_key(self, key: str, only: RunningModel | None = None, *, wait: bool = True) -> bool:
-        """Unload the model under ``key``; ``wait`` for its requests to finish first (else cancel them)."""
+    def _unload_key(self, key: str, only: RunningModel | None = None, *, wait: bool = True,
+                    deadline: float | None = None) -> bool:
+        """Unload the model under ``key``; ``wait`` for its requests to finish first (else cancel them).
+        With a ``deadline`` (monotonic) a model still busy then is cancelled and closed."""
         with self._lock:
             running = self._models.get(key)
             if running is None or (only is not None and running is not only):
@@ -642,6 +737,8 @@ class Engine:
             running.closed = True
         try:
             while wait and (running.refs > 0 or running.model.busy):  # let running generations finish
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
                 time.sleep(0.02)
             running.model.close()
         finally:
@@ -657,19 +754,66 @@ class Engine:
             for k, m in expired:
                 self._unload_key(k, only=m)
 
-    def close(self) -> None:
-        """Unload every model (requests still running are cancelled) and stop the keep-alive thread."""
-        self._closed.set()
-        for key in list(self._models):
-            self._unload_key(key, wait=False)
-        if self._reaper.is_alive() and threading.current_thread() is not self._reaper:
-            self._reaper.join()
+    def cancel_all(self) -> None:
+        """Stop every running generation at its next step (each ends with ``finish_reason="cancelled"``);
+        returns at once (a server's shutdown calls it from its event loop). Loading stays possible."""
+        with self._lock:
+            for stop in self._stops:
+                stop.set()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop running generations (at their next step), wait for a load in progress, close every model
+        on its thread and join that thread and the keep-alive thread. Idempotent; a closed engine loads
+        nothing more. Faces call it before exit (``with Engine()``, ``finally``); an ``atexit`` hook closes
+        what they did not. ``timeout``: seconds to wait at most for a load that does not stop."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._closed.set()
+            for stop in self._stops:
+                stop.set()
+        _open_engines.discard(self)
+        # a load in progress finishes (a conversion stops) before the models close
+        locked = self._load_lock.acquire(timeout=-1 if timeout is None else timeout)
+        try:
+            for key in list(self._models):
+                self._unload_key(key, wait=False, deadline=deadline)
+        finally:
+            if locked:
+                self._load_lock.release()
+        if threading.current_thread() is not self._reaper:
+            self._reaper.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _acquire(lock: Any, cancel: threading.Event | None, *, give_up: bool = False) -> bool:
+    """Acquire ``lock`` (a Lock or Semaphore), polling ``cancel``. False if cancelled first
+    (``give_up=True``), else a cancelled wait raises :class:`LocalLLMError`."""
+    if cancel is None:
+        lock.acquire()
+        return True
+    while not lock.acquire(timeout=0.05):
+        if cancel.is_set():
+            if give_up:
+                return False
+            raise LocalLLMError("The request was cancelled while waiting for another model to load.")
+    return True
+
+
+_open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+EXIT_TIMEOUT = 15.0  # seconds the exit hook waits for an engine's work that does not stop
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """At interpreter exit, close the engines nobody closed: their model threads must end (and free what
+    the backends keep per thread) while Python can still run them."""
+    for engine in list(_open_engines):
+        engine.close(timeout=EXIT_TIMEOUT)
 
 
 def _acquire(lock: Any, cancel: threading.Event | None, *, give_up: bool = False) -> bool:

@@ -14,6 +14,11 @@ from the GGUF with :mod:`backends.mlx_convert` (Q4_0/Q4_1/Q8_0 stay quantized)::
     True
     >>> convert_installed(model)                      # doctest: +SKIP
     PosixPath('/home/me/.local/share/localllm/models/mlx/b179c952...')
+
+MLX converts on first use: while planning, the engine (and ``probe``) ask :func:`mlx_for_plan` what MLX has
+for the model (installed weights, a GGUF that converts, or why not: for ``--backend mlx`` one sentence
+saying why and what to do); a plan with ``mlx_convert`` set makes the engine build the directory on the
+model's load thread before loading it, reporting :class:`ConversionProgress` to the face that asked.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from localllm.config import paths
 from localllm.errors import LocalLLMError
@@ -32,6 +39,21 @@ _lock = threading.Lock()
 
 class ConversionError(LocalLLMError):
     """The GGUF cannot become an MLX model (architecture, vocabulary or tensor types MLX lacks)."""
+
+
+@dataclass(frozen=True)
+class ConversionProgress:
+    """What a first-use conversion is doing, for the face that shows it (``Engine(on_convert=...)``).
+
+    ``stage`` is ``"start"`` once, then ``"progress"`` with ``done``/``total`` bytes of GGUF tensor data
+    converted, then ``"done"`` or ``"failed"`` (with ``error``) once; ``seconds`` since the start."""
+
+    name: str
+    stage: Literal["start", "progress", "done", "failed"]
+    done: int = 0
+    total: int = 0
+    seconds: float = 0.0
+    error: str | None = None
 
 
 def mlx_root() -> Path:
@@ -85,11 +107,41 @@ def convertible(model: Any) -> tuple[bool, str]:
     return True, ""
 
 
-def convert_installed(model: Any, *, force: bool = False, dtype: str = "float32") -> Path:
+def cannot_convert_sentence(name: str, why: str) -> str:
+    """The one sentence for ``--backend mlx`` on a model with no MLX weights whose GGUF cannot convert:
+    why (the converter's own words: architecture, tensor type or tokenizer) and what to do."""
+    why = why.strip().rstrip(".")
+    if len(why) > 1 and why[0].isupper() and not why[1].isupper():
+        why = why[0].lower() + why[1:]
+    return (f"{name} has no MLX weights and its GGUF cannot be converted to MLX: {why}; "
+            f"run it with --backend llamacpp, or install an MLX build of it.")
+
+
+def mlx_for_plan(model: Any, hw: Any, backend: str) -> Any:
+    """What the planner gets as ``mlx=`` for ``model`` on ``hw`` (:class:`~localllm.planner.MLXWeights`:
+    installed weights, a GGUF that converts on first use, or why not), or None for ``backend="llamacpp"``.
+
+    For ``backend="mlx"`` on a machine where MLX runs, a model with no MLX weights whose GGUF cannot
+    convert raises :class:`ConversionError` (:func:`cannot_convert_sentence`: why, and what to do). Reads
+    the GGUF header at most (cached per file by the planner)."""
+    if backend == "llamacpp":
+        return None
+    from localllm.planner import mlx_weights
+
+    mw = mlx_weights(model, hw, backend=backend)
+    if backend == "mlx" and not mw.usable and mw.why_not and hw.backend("mlx").available:
+        raise ConversionError(cannot_convert_sentence(model.name, mw.why_not))
+    return mw
+
+
+def convert_installed(model: Any, *, force: bool = False, dtype: str = "float32",
+                      progress: Callable[[int, int], None] | None = None) -> Path:
     """Build (once) and return the MLX directory of an installed GGUF model.
 
     Needs ``mlx`` importable (``pip install 'localllm[mlx-cpu]'`` on Linux). Idempotent: an existing
-    complete directory is returned unless ``force``. Raises :class:`ConversionError` with one sentence.
+    complete directory is returned unless ``force``. ``progress(done, total)`` gets the bytes of GGUF
+    tensor data converted so far; an exception it raises stops the conversion (nothing is left behind).
+    Raises :class:`ConversionError` with one sentence.
     """
     from backends.base import BackendError
 
@@ -112,6 +164,6 @@ def convert_installed(model: Any, *, force: bool = False, dtype: str = "float32"
         if not src.is_file():
             raise ConversionError(f"The GGUF of {getattr(model, 'name', src.name)} is missing: {src}.")
         try:
-            return convert_gguf(src, target, dtype=dtype)
+            return convert_gguf(src, target, dtype=dtype, progress=progress)
         except BackendError as e:
             raise ConversionError(str(e)) from e

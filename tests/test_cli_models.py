@@ -4,8 +4,6 @@ against the real default model (the session's test home) or an isolated home."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 
@@ -23,12 +21,11 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def own_home(home, default_model_path):
-    """An isolated home holding smollm2:135m, so rm/cp cannot disturb the shared test home."""
+    """An isolated home holding smollm2:135m (and only it), so rm/cp cannot disturb the shared test home."""
+    from tests.support import install_copy
+
     shared = default_model_path.parents[1]  # <test home>/data/models/blobs/<file> -> <test home>/data/models
-    dst = home / "data" / "models"
-    shutil.copytree(shared / "manifests" / "library" / "smollm2", dst / "manifests" / "library" / "smollm2")
-    (dst / "blobs").mkdir()
-    os.link(default_model_path, dst / "blobs" / default_model_path.name)
+    install_copy(home / "data" / "models", shared)
     assert [line.split()[0] for line in run("list").stdout.splitlines()[1:]] == ["smollm2:135m"]
     return home
 
@@ -36,7 +33,7 @@ def own_home(home, default_model_path):
 def test_list_shows_name_id_size_modified(default_model):
     r = run("list")
     header, *rows = r.stdout.splitlines()
-    assert header.split() == ["NAME", "ID", "SIZE", "MODIFIED"]
+    assert header.split() == ["NAME", "ID", "SIZE", "FORMATS", "MODIFIED"]
     row = next(line for line in rows if line.startswith("smollm2:135m "))
     assert row.split()[1:3] == [SMOL_SHA[:12], "98"] and " MB " in row and row.endswith("ago")
     data = json.loads(run("list", "--json").stdout)
@@ -45,7 +42,7 @@ def test_list_shows_name_id_size_modified(default_model):
 
 
 def test_list_in_an_empty_home(home):
-    assert run("list").stdout.split() == ["NAME", "ID", "SIZE", "MODIFIED"]
+    assert run("list").stdout.split() == ["NAME", "ID", "SIZE", "FORMATS", "MODIFIED"]
 
 
 def test_show_prints_the_model_facts(default_model):
@@ -106,7 +103,7 @@ def test_cp_then_rm_via_cli(own_home):
     assert "llama" in run("show", "my-assistant").stdout
     run("rm", "my-assistant")
     assert not blob.exists()
-    assert run("list").stdout.split() == ["NAME", "ID", "SIZE", "MODIFIED"]
+    assert run("list").stdout.split() == ["NAME", "ID", "SIZE", "FORMATS", "MODIFIED"]
 
 
 def test_rm_never_deletes_a_local_file(home, default_model_path):

@@ -373,14 +373,52 @@ def test_probe_command_local_file(default_model_path):
     assert r.exit_code == 0 and "8,192-token context" in r.output
 
 
-def test_probe_command_refusals(default_model):
+def _tiny_gguf(path: Path, arch: str) -> Path:
+    """A small valid GGUF of ``arch`` (the store and the planner read it; nothing loads it)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(512)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["a", "b", "c", "d"])
+    w.add_tensor("token_embd.weight", np.zeros((4, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_probe_command_refusals(home, installed_default_model, tmp_path):
+    """In a home of its own holding the default model without MLX weights (whatever other tests built in
+    the shared test home): an impossible context is refused; ``--backend mlx`` plans a conversion on first
+    use where the GGUF converts and refuses, naming why, where it does not."""
+    from tests.support import TEST_HOME, install_copy
+
+    models = home / "data" / "models"
+    install_copy(models, TEST_HOME / "data" / "models")
+    manifest = models / "manifests" / "library" / "smollm2" / "135m.json"
+    manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"mlx_path": None}))
     r = _cli("--ctx", "9000")
     assert r.exit_code == 1 and "9,000-token context is more than" in r.output and "8,192 tokens" in r.output
+    r = _cli("--backend", "mlx")
     if not probe().backends["mlx"].available:
+        assert r.exit_code == 1 and "--backend mlx cannot be used here" in r.output
         return
-    if default_model.mlx_path is None:
-        r = _cli("--backend", "mlx")
-        assert r.exit_code == 1 and "--backend mlx needs MLX weights" in r.output
+    assert r.exit_code == 0, r.output
+    assert "backend MLX" in r.output and "its GGUF converts to MLX (once, offline" in r.output
+    assert not (models / "mlx").exists()  # planning converts nothing
+    tiny = _tiny_gguf(tmp_path / "tiny-bloom.gguf", "bloom")
+    r = _cli("--model", str(tiny), "--backend", "mlx")
+    assert r.exit_code == 1
+    assert "has no MLX weights and its GGUF cannot be converted to MLX" in r.output and "'bloom'" in r.output
+    assert "--backend llamacpp" in r.output
 
 
 def test_probe_command_without_the_model_installed(home):

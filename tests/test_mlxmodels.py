@@ -1,4 +1,6 @@
-"""The MLX model service: where MLX builds of installed models live, and converting one offline."""
+"""The MLX model service: where MLX builds of installed models live, converting one offline, and the
+engine converting on first use of ``--backend mlx``. Every test that converts works in a home of its own
+(the default model hard-linked in, no MLX build), so the shared test home is never changed."""
 
 from __future__ import annotations
 
@@ -8,7 +10,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from localllm.mlxmodels import ConversionError, convert_installed, convertible, mlx_dir_for, mlx_root
+from localllm.mlxmodels import (
+    ConversionError,
+    cannot_convert_sentence,
+    convert_installed,
+    convertible,
+    mlx_dir_for,
+    mlx_for_plan,
+    mlx_root,
+)
 
 
 def _tiny_gguf(path: Path, arch: str) -> Path:
@@ -26,6 +36,24 @@ def _tiny_gguf(path: Path, arch: str) -> Path:
     return path
 
 
+@pytest.fixture
+def own_home(home: Path, installed_default_model) -> Path:
+    """``home`` (an empty LOCALLLM_HOME) holding the default model, without an MLX build of it."""
+    from tests.support import TEST_HOME, install_copy
+
+    models = home / "data" / "models"
+    install_copy(models, TEST_HOME / "data" / "models")
+    manifest = models / "manifests" / "library" / "smollm2" / "135m.json"
+    manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"mlx_path": None}))
+    return home
+
+
+def _installed(name: str = "smollm2:135m"):
+    from localllm.store import Store
+
+    return Store().get(name)
+
+
 def test_an_unconverted_or_digestless_model_has_no_mlx_dir(home: Path):
     assert mlx_dir_for(SimpleNamespace(name="x", digest="sha256:" + "ab" * 32, path="x.gguf")) is None
     assert mlx_dir_for(SimpleNamespace(name="x", digest=None, path="x.gguf")) is None
@@ -33,13 +61,34 @@ def test_an_unconverted_or_digestless_model_has_no_mlx_dir(home: Path):
 
 
 def test_other_architectures_are_refused_with_a_reason(home: Path, tmp_path: Path):
-    model = SimpleNamespace(name="gem", digest="sha256:" + "cd" * 32, path=_tiny_gguf(tmp_path / "g.gguf", "gemma3"))
+    model = SimpleNamespace(name="blm", digest="sha256:" + "cd" * 32, path=_tiny_gguf(tmp_path / "b.gguf", "bloom"),
+                            mlx_path=None)
     ok, why = convertible(model)
-    assert not ok and "llama architecture only" in why and "gemma3" in why
+    assert not ok and "'bloom' architecture" in why
+    sentence = cannot_convert_sentence("blm", why)
+    assert sentence.startswith("blm has no MLX weights and its GGUF cannot be converted to MLX: the MLX converter")
+    assert sentence.endswith("; run it with --backend llamacpp, or install an MLX build of it.")
+    assert mlx_for_plan(model, None, "llamacpp") is None
     pytest.importorskip("mlx.core")
-    with pytest.raises(ConversionError, match="gemma3"):
+    from localllm.hardware import probe
+
+    with pytest.raises(ConversionError) as e:  # --backend mlx where MLX runs: that one sentence
+        mlx_for_plan(model, probe(), "mlx")
+    assert str(e.value) == sentence
+    with pytest.raises(ConversionError, match="bloom"):
         convert_installed(model)
     assert mlx_dir_for(model) is None and not any(mlx_root().glob("*"))  # nothing half-written is left
+
+
+def test_mlx_for_plan_says_the_gguf_converts_until_mlx_weights_exist(home: Path, default_model, tmp_path: Path):
+    from localllm.hardware import probe
+
+    hw = probe()
+    mw = mlx_for_plan(SimpleNamespace(name="x", path=default_model.path, mlx_path=None), hw, "mlx")
+    assert mw.convertible and not mw.installed and mw.usable
+    built = tmp_path / "mlx-dir"
+    built.mkdir()
+    assert mlx_for_plan(SimpleNamespace(name="x", path=default_model.path, mlx_path=built), hw, "mlx").installed
 
 
 def test_convert_installed_builds_once_under_the_digest(home: Path, default_model):
@@ -57,39 +106,81 @@ def test_convert_installed_builds_once_under_the_digest(home: Path, default_mode
     assert [p.name for p in mlx_root().iterdir()] == [out.name]  # no temp dirs left behind
 
 
-def test_convert_command_records_the_mlx_dir_in_the_store(default_model):
+def test_convert_command_records_the_mlx_dir_in_the_store(own_home: Path):
     pytest.importorskip("mlx.core")
     from click.testing import CliRunner
 
     from localllm.cli import cli
-    from localllm.store import Store
 
-    result = CliRunner().invoke(cli, ["convert", default_model.name], catch_exceptions=False)
+    result = CliRunner().invoke(cli, ["convert", "smollm2:135m"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
+    assert "converting smollm2:135m to MLX (once, offline)…" in result.output
     path = Path(result.output.strip().splitlines()[-1])
-    assert mlx_dir_for(default_model) == path
-    assert Store().get(default_model.name).mlx_path == path
+    assert path.parent == own_home / "data" / "models" / "mlx"
+    assert mlx_dir_for(_installed()) == path and _installed().mlx_path == path
 
 
-def test_engine_runs_the_converted_model_on_mlx(default_model):
-    """End to end: store → planner (--backend mlx) → MLX backend on the converted directory."""
-    pytest.importorskip("mlx.core")
+def test_engine_converts_on_first_use_then_runs_on_mlx(own_home: Path):
+    """End to end: store → planner (--backend mlx, no MLX weights yet) → conversion on the model's thread,
+    reported to ``on_convert`` → MLX backend on the new directory, recorded in the store."""
+    pytest.importorskip("mlx_lm")
     from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling
-    from localllm.store import Store
 
-    store = Store()
-    store.set_mlx_path(default_model.name, convert_installed(default_model))
-    engine = Engine(store=store)
+    events: list = []
+    threads: set[str] = set()
+
+    def on_convert(event) -> None:
+        import threading
+
+        events.append(event)
+        threads.add(threading.current_thread().name)
+
+    engine = Engine(on_convert=on_convert)
     try:
+        options = LoadOptions(num_ctx=1024, backend="mlx")
+        _, plan = engine.plan_for("smollm2:135m", options)
+        assert plan.backend == "mlx" and plan.mlx_convert
+        assert not (own_home / "data" / "models" / "mlx").exists()  # planning converts nothing
         for draft in ("none", "ngram"):
-            options = LoadOptions(num_ctx=1024, backend="mlx", draft=draft)
-            _, plan = engine.plan_for(default_model.name, options)
-            assert plan.backend == "mlx"
             req = GenerateRequest(messages=[{"role": "user", "content": "What is the capital of France?"}],
                                   sampling=Sampling(temperature=0.0, max_tokens=12))
-            events = list(engine.generate(default_model.name, req, options))
-            text = "".join(getattr(e, "text", "") for e in events)
-            assert "Paris" in text and events[-1].finish_reason in ("stop", "length")
+            out = list(engine.generate("smollm2:135m", req, LoadOptions(num_ctx=1024, backend="mlx", draft=draft)))
+            text = "".join(getattr(e, "text", "") for e in out)
+            assert "Paris" in text and out[-1].finish_reason in ("stop", "length")
             assert engine.ps()[0].backend.name == "mlx"
     finally:
         engine.close()
+    stages = [e.stage for e in events]
+    assert stages[0] == "start" and stages[-1] == "done" and set(stages[1:-1]) == {"progress"}  # converted once
+    assert events[-2].done == events[-2].total > 0 and events[-1].seconds > 0
+    assert threads == {"localllm-model-smollm2:135m"}  # on the thread that then runs the model
+    installed = _installed()
+    assert installed.mlx_path == own_home / "data" / "models" / "mlx" / installed.digest.split(":")[-1]
+    with Engine() as engine:
+        assert not engine.plan_for("smollm2:135m", LoadOptions(backend="mlx"))[1].mlx_convert
+
+
+def test_a_cancelled_first_use_conversion_leaves_nothing(own_home: Path):
+    pytest.importorskip("mlx_lm")
+    import threading
+
+    from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling
+    from localllm.errors import LocalLLMError
+
+    cancel = threading.Event()
+    stages: list[str] = []
+
+    def on_convert(event) -> None:
+        stages.append(event.stage)
+        if event.stage == "progress":
+            cancel.set()  # as Ctrl+C or a client going away does
+
+    with Engine(on_convert=on_convert) as engine:
+        req = GenerateRequest(prompt="Hi", sampling=Sampling(max_tokens=2))
+        with pytest.raises(LocalLLMError, match="conversion of smollm2:135m to MLX was cancelled"):
+            list(engine.generate("smollm2:135m", req, LoadOptions(backend="mlx"), cancel=cancel))
+        assert engine.ps() == []
+    assert stages[0] == "start" and stages[-1] == "failed"
+    root = own_home / "data" / "models" / "mlx"
+    assert not root.exists() or not any(root.iterdir())  # no half-written directory
+    assert _installed().mlx_path is None

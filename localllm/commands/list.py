@@ -1,8 +1,9 @@
-"""``localllm list``: installed models as ``ollama list`` prints them (NAME, ID, SIZE, MODIFIED).
+"""``localllm list``: installed models as ``ollama list`` prints them (NAME, ID, SIZE, MODIFIED), plus the
+weight formats installed (GGUF for llama.cpp, MLX for Apple Silicon).
 
     $ localllm list
-    NAME            ID              SIZE     MODIFIED
-    smollm2:135m    b179c9523d0e    98 MB    2 minutes ago
+    NAME            ID              SIZE     FORMATS     MODIFIED
+    smollm2:135m    b179c9523d0e    98 MB    GGUF+MLX    2 minutes ago
 
 Kept light: no rich, httpx or gguf import (the manifests carry everything shown).
 """
@@ -84,6 +85,6 @@ def command(as_json: bool, host: str | None) -> None:
     if as_json:
         click.echo(json.dumps([{k: v for k, v in m.as_dict().items() if k != "info"} for m in models], indent=2))
         return
-    rows = [["NAME", "ID", "SIZE", "MODIFIED"]]
-    rows += [[m.name, m.short_id, human_size(m.size), ago(m.modified)] for m in models]
+    rows = [["NAME", "ID", "SIZE", "FORMATS", "MODIFIED"]]
+    rows += [[m.name, m.short_id, human_size(m.size), "+".join(m.formats), ago(m.modified)] for m in models]
     click.echo(format_table(rows))

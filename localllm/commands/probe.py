@@ -41,8 +41,11 @@ def plan_for_model(name: str, hw: Any, *, num_ctx: int | None, kv_cache_type: st
         return None, None, f"{e} (The plan needs its GGUF metadata.)"
     info = GGUFInfo(**model.info)
     try:
+        from localllm.mlxmodels import mlx_for_plan
+
+        # as the engine does: MLX weights installed / the GGUF converts on first use / why not
         p = plan(info, hw, num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend, num_gpu=num_gpu,
-                 mlx_model=getattr(model, "mlx_path", None) is not None)
+                 mlx_model=model.mlx_path is not None, mlx=mlx_for_plan(model, hw, backend))
     except LocalLLMError as e:
         return model, None, str(e)
     return model, p, None

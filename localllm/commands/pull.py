@@ -3,6 +3,7 @@
     $ localllm pull smollm2:135m
     $ localllm pull qwen2.5:7b-q8_0
     $ localllm pull hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M
+    $ localllm pull llama3.2:1b --mlx      # also its MLX weights (the default on Apple Silicon)
 
 On a terminal the progress is a rich bar (bytes, speed, ETA) on stderr; otherwise plain lines.
 Interrupting it keeps the partial download: the next pull resumes from there.
@@ -94,11 +95,12 @@ def make_progress(out: TextIO | None = None) -> PlainProgress | RichProgress:
     return RichProgress(out) if out.isatty() else PlainProgress(out)
 
 
-def pull_with_progress(store: Any, name: str, out: TextIO | None = None) -> Any:
-    """Pull ``name`` into ``store`` showing progress on ``out`` (stderr); returns the InstalledModel."""
+def pull_with_progress(store: Any, name: str, out: TextIO | None = None, *, mlx: bool | None = None) -> Any:
+    """Pull ``name`` into ``store`` showing progress on ``out`` (stderr); returns the InstalledModel.
+    ``mlx``: fetch the catalog's MLX weights too (None: the store decides, i.e. on Apple Silicon)."""
     bar = make_progress(out)
     try:
-        return store.pull(name, progress=bar)
+        return store.pull(name, progress=bar) if mlx is None else store.pull(name, progress=bar, mlx=mlx)
     finally:
         bar.close()
 
@@ -106,9 +108,11 @@ def pull_with_progress(store: Any, name: str, out: TextIO | None = None) -> Any:
 @click.command("pull", help="Download a model (resumable, sha256-verified).")
 @click.argument("name")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@click.option("--mlx/--no-mlx", default=None,
+              help="Also fetch the catalog's MLX weights (default: on Apple Silicon only).")
 @click.option("--host", default=None, metavar="URL",
               help="Talk to a localllm or Ollama server there instead of in-process.")
-def command(name: str, quiet: bool, host: str | None) -> None:
+def command(name: str, quiet: bool, mlx: bool | None, host: str | None) -> None:
     """Download NAME: an alias (smollm2:135m, qwen2.5:7b-q8_0) or hf.co/user/repo[:QUANT]."""
     from localllm.client import connect
     from localllm.store import Store
@@ -124,9 +128,9 @@ def command(name: str, quiet: bool, host: str | None) -> None:
         return
     store = Store()
     try:
-        model = store.pull(name) if quiet else pull_with_progress(store, name)
+        model = store.pull(name, mlx=mlx) if quiet else pull_with_progress(store, name, mlx=mlx)
     except KeyboardInterrupt:
         click.echo("\nInterrupted; the partial download is kept and the next pull resumes it.", err=True)
         sys.exit(130)
     if not quiet:
-        click.echo(f"success: {model.name} ({model.short_id})")
+        click.echo(f"success: {model.name} ({model.short_id}, {' + '.join(model.formats)})")

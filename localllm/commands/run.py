@@ -348,9 +348,10 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
     if client is not None:
         engine: Any = RemoteEngine(client)
     else:
+        from localllm.commands.convert import ConversionDisplay
         from localllm.engine import Engine
 
-        engine = Engine(keep_alive=settings.keep_alive)
+        engine = Engine(keep_alive=settings.keep_alive, on_convert=ConversionDisplay())
     try:
         installed = ensure_model(engine.store, model)
         name = getattr(installed, "name", model)

@@ -19,6 +19,7 @@ Environment:
   LOCALLLM_API_KEY            require Authorization: Bearer <key> on every endpoint but /
   LOCALLLM_MAX_BODY           request body limit in bytes (32 MiB)
   LOCALLLM_KV_CACHE_TYPE      f16 | q8_0 | q4_0
+  LOCALLLM_BACKEND            auto | llamacpp | mlx, for requests (auto)
 """
 
 
@@ -27,12 +28,17 @@ Environment:
               help="Address to listen on (default: LOCALLLM_HOST or 127.0.0.1:11434).")
 @click.option("--keep-alive", "keep_alive", default=None, metavar="DURATION",
               help="Default keep-alive for loaded models (5m, 1h, seconds, -1 = forever).")
+@click.option("--backend", type=click.Choice(["auto", "llamacpp", "mlx"]), default=None,
+              help="Backend for every request (default: LOCALLLM_BACKEND or auto, the planner's choice).")
 @click.option("--debug", is_flag=True, help="Log every request.")
-def command(address: str | None, keep_alive: str | None, debug: bool) -> None:
+def command(address: str | None, keep_alive: str | None, backend: str | None, debug: bool) -> None:
     """Serve the Ollama and OpenAI APIs (streaming, several models, keep-alive)."""
+    from localllm.commands.convert import ConversionDisplay
     from localllm.engine import Engine, parse_keep_alive
     from localllm.server.run import serve
 
     ka = parse_keep_alive(keep_alive) if keep_alive else None
-    # serve() binds before the engine does any work: a busy port is one sentence at once
-    serve(address, engine=lambda: Engine(keep_alive=ka), log_level="debug" if debug else "info")
+    # serve() binds before the engine does any work: a busy port is one sentence at once. A first-use MLX
+    # conversion is a line in the log (no bar: the request log shares stderr).
+    serve(address, engine=lambda: Engine(keep_alive=ka, backend=backend, on_convert=ConversionDisplay(bar=False)),
+          log_level="debug" if debug else "info")

@@ -48,6 +48,8 @@ def details(m: Any) -> dict[str, Any]:
         "local": m.local,
         "draft": m.catalog.draft if m.catalog else None,
         "mlx_path": str(m.mlx_path) if m.mlx_path else None,
+        "formats": list(getattr(m, "formats", ["GGUF"])),
+        "mlx_source": getattr(m, "mlx_source", None),
         "template_note": m.catalog.template_note if m.catalog else None,
     }
 
@@ -73,8 +75,11 @@ def render(d: dict[str, Any], full_template: bool) -> str:
     out += ["", "  License", f"    {d['license'] or 'unknown'}"]
     out += ["", "  File", f"    {'path':<20}{d['path']}", f"    {'size':<20}{human_size(d['size'])}",
             f"    {'digest':<20}{d['digest']}", f"    {'source':<20}{d['source']}"]
+    out.append(f"    {'formats':<20}{', '.join(d['formats'])}")
     if d["draft"]:
         out.append(f"    {'suggested draft':<20}{d['draft']}")
+    if d["mlx_path"]:
+        out += ["", "  MLX", f"    {'path':<20}{d['mlx_path']}", f"    {'source':<20}{d['mlx_source']}"]
     return "\n".join(out)
 
 

@@ -7,12 +7,17 @@ and benchmarks (a real server on a free port in a background thread).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import ipaddress
+import logging
+import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from localllm.errors import LocalLLMError
@@ -123,11 +128,70 @@ def _config(app: Any, log_level: str) -> Any:
                           timeout_graceful_shutdown=3, server_header=False)
 
 
-def serve(address: str | None = None, *, engine: Any = None, log_level: str = "info") -> None:
-    """Run the server in the foreground until Ctrl+C."""
-    import os
+STOP_GENERATING_AFTER = 2.0  # seconds into a shutdown: running generations are stopped (uvicorn cancels at 3)
 
+
+class _CancelledAtShutdown(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" for a request task that the shutdown itself
+    cancelled (a CancelledError while the server is stopping): that is the stop working, not a bug."""
+
+    def __init__(self, server: Any):
+        super().__init__()
+        self.server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (self.server.should_exit and isinstance(exc, asyncio.CancelledError))
+
+
+def _server_class() -> type:
     import uvicorn
+    from uvicorn.server import HANDLED_SIGNALS
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, stopping cleanly on Ctrl+C (SIGINT) or SIGTERM.
+
+        * uvicorn raises the signal again after a graceful shutdown, once its handlers are restored, which
+          turns a clean stop into a KeyboardInterrupt ("Aborted!", exit 1) or a death by SIGTERM (exit 143)
+          before the engine is closed. Here the stop is the end: the engine closes and the process exits 0.
+        * requests in flight get ``STOP_GENERATING_AFTER`` seconds; then ``on_shutdown`` (the engine's
+          ``cancel_all``) stops their generations, so their responses end properly before uvicorn's
+          graceful timeout would cancel the tasks mid-response.
+        """
+
+        def __init__(self, config: Any, on_shutdown: Any = None):
+            super().__init__(config)
+            self.on_shutdown = on_shutdown
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            timer = None
+            if self.on_shutdown is not None:
+                timer = asyncio.get_running_loop().call_later(STOP_GENERATING_AFTER, self.on_shutdown)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+    return Server
+
+
+def serve(address: str | None = None, *, engine: Any = None, log_level: str = "info") -> None:
+    """Run the server in the foreground until Ctrl+C or SIGTERM; then finish the requests in flight (3 s
+    at most), close the engine (its models and threads) and return."""
+    import os
 
     from localllm import config
     from localllm.server.app import create_app
@@ -144,10 +208,13 @@ def serve(address: str | None = None, *, engine: Any = None, log_level: str = "i
     shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     print(f"localllm serving the Ollama API on http://{shown} and the OpenAI API on http://{shown}/v1",
           file=sys.stderr, flush=True)
-    server = uvicorn.Server(_config(app, log_level))
+    server = _server_class()(_config(app, log_level), on_shutdown=app.state.engine.cancel_all)
+    quiet = _CancelledAtShutdown(server)
+    logging.getLogger("uvicorn.error").addFilter(quiet)
     try:
         server.run(sockets=[sock])
     finally:
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
         app.state.engine.close()
 
 

@@ -33,6 +33,7 @@ class ModelRow:
     loaded: bool = False
     parameters: str = ""
     context: int = 0
+    formats: str = "GGUF"  # the weight formats installed: "GGUF" or "GGUF+MLX"
 
 
 @dataclass
@@ -269,6 +270,7 @@ class LocalBackend(ChatBackend):
                 name=m.name, size=int(getattr(m, "size", 0) or 0), quantization=str(quant), backend=backend,
                 verdict=verdict, loaded=m.name in loaded, parameters=str(info.get("parameters", "") or ""),
                 context=int(info.get("context_length", 0) or 0),
+                formats="+".join(getattr(m, "formats", None) or ["GGUF"]),
             ))
         return rows
 

@@ -1,5 +1,6 @@
-"""The model manager: installed models, the catalog with fit verdicts, pull with progress, delete,
-the default model; and the hardware view."""
+"""The model manager: installed models (with the weight formats installed: GGUF, and MLX where pulled or
+converted), the catalog with fit verdicts, pull with progress, delete, the default model; and the
+hardware view."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class ModelsScreen(Screen):
 
     def on_mount(self) -> None:
         inst = self.query_one("#installed", DataTable)
-        inst.add_columns("Name", "Size", "Quant", "Backend", "Fit here", "Loaded", "Default")
+        inst.add_columns("Name", "Size", "Quant", "Backend", "Fit here", "Loaded", "Default", "Formats")
         cat = self.query_one("#catalog", DataTable)
         cat.add_columns("Name", "Size", "Fit here", "Draft", "Installed", "Description")
         self.query_one("#pull-progress-row").display = False
@@ -93,7 +94,7 @@ class ModelsScreen(Screen):
         inst.clear()
         for m in installed:
             inst.add_row(m.name, human_size(m.size), m.quantization or "-", m.backend or "-", m.verdict or "-",
-                         "yes" if m.loaded else "", "*" if m.name == default else "", key=m.name)
+                         "yes" if m.loaded else "", "*" if m.name == default else "", m.formats or "GGUF", key=m.name)
         cat = self.query_one("#catalog", DataTable)
         cat.clear()
         for c in catalog:

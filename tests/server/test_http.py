@@ -132,20 +132,20 @@ def test_empty_prompt_loads_and_keep_alive_zero_unloads(server, url):
     assert r["done"] and r["done_reason"] == "load" and server.engine.is_loaded(MODEL)
     r = httpx.post(url + "/api/chat", json={"model": MODEL, "messages": [], "keep_alive": 0}, timeout=60).json()
     assert r["done_reason"] == "unload" and not server.engine.is_loaded(MODEL)
-    assert httpx.get(url + "/api/ps").json()["models"] == []
+    assert MODEL not in [m["name"] for m in httpx.get(url + "/api/ps").json()["models"]]
 
 
 def test_keep_alive_expiry_unloads(server, url):
     r = httpx.post(url + "/api/generate", json={"model": MODEL, "prompt": "Hi", "options": FAST, "stream": False,
                                                 "keep_alive": "1s"}, timeout=60)
     assert r.status_code == 200
-    (entry,) = httpx.get(url + "/api/ps").json()["models"]
-    assert entry["name"] == MODEL
+    (entry,) = [m for m in httpx.get(url + "/api/ps").json()["models"] if m["name"] == MODEL]
+    assert entry["expires_at"]
     deadline = time.monotonic() + 5
     while server.engine.is_loaded(MODEL) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not server.engine.is_loaded(MODEL)
-    assert httpx.get(url + "/api/ps").json()["models"] == []
+    assert MODEL not in [m["name"] for m in httpx.get(url + "/api/ps").json()["models"]]
 
 
 def _stream_lines(url, body):
@@ -184,7 +184,7 @@ def _wait(cond, timeout=10.0) -> bool:
     return cond()
 
 
-def test_queue_full_is_503_and_a_queued_disconnect_leaves_the_queue(default_model):
+def test_queue_full_is_503_and_a_queued_disconnect_leaves_the_queue(installed_default_model):
     from localllm.engine import Engine
 
     srv = start(Engine(keep_alive=300, max_queue=1))
@@ -223,13 +223,24 @@ def test_queue_full_is_503_and_a_queued_disconnect_leaves_the_queue(default_mode
         srv.engine.close()
 
 
-def test_several_models_and_lru_eviction(default_model):
-    from localllm.engine import Engine
+@pytest.fixture
+def own_store(tmp_path, installed_default_model):
+    """A private store holding the default model (blob hard-linked): copies made here never reach the
+    shared test home, even when a test fails half-way."""
     from localllm.store import Store
+    from tests.support import in_test_home, install_copy, private_paths
 
-    Store().copy(MODEL, "smollm2-evict:a")
-    Store().copy(MODEL, "smollm2-evict:b")
-    srv = start(Engine(keep_alive=300, max_loaded=2))
+    paths = private_paths(tmp_path)
+    install_copy(paths.models, in_test_home(lambda store: store.paths.models))
+    return Store(paths=paths)
+
+
+def test_several_models_and_lru_eviction(own_store):
+    from localllm.engine import Engine
+
+    own_store.copy(MODEL, "smollm2-evict:a")
+    own_store.copy(MODEL, "smollm2-evict:b")
+    srv = start(Engine(own_store, keep_alive=300, max_loaded=2))
     try:
         for name in (MODEL, "smollm2-evict:a"):
             assert httpx.post(srv.url + "/api/generate", json={"model": name, "prompt": ""}, timeout=60).is_success
@@ -241,16 +252,13 @@ def test_several_models_and_lru_eviction(default_model):
     finally:
         srv.stop()
         srv.engine.close()
-        Store().remove("smollm2-evict:a")
-        Store().remove("smollm2-evict:b")
 
 
-def test_memory_budget_evicts_idle_models(default_model):
+def test_memory_budget_evicts_idle_models(own_store):
     from localllm.engine import Engine
-    from localllm.store import Store
 
-    Store().copy(MODEL, "smollm2-evict:c")
-    engine = Engine(keep_alive=300)
+    own_store.copy(MODEL, "smollm2-evict:c")
+    engine = Engine(own_store, keep_alive=300)
     engine.load(MODEL)
     one = engine.ps()[0].estimate
     engine.memory_budget = int(one * 1.5)  # room for one model only
@@ -261,15 +269,13 @@ def test_memory_budget_evicts_idle_models(default_model):
     finally:
         srv.stop()
         engine.close()
-        Store().remove("smollm2-evict:c")
 
 
-def test_error_mid_stream_is_the_last_ndjson_line(default_model):
-    from backends.fake import FakeBackend
-
+def test_error_mid_stream_is_the_last_ndjson_line(installed_default_model):
     from localllm.engine import Engine
+    from tests.fakes import FakeSource
 
-    class Crashing(FakeBackend):
+    class Crashing(FakeSource):
         def __init__(self, spec):
             spec.extra.update(reply="one two three four five six", chunk=4, crash_after=2)
             super().__init__(spec)

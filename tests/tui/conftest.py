@@ -24,10 +24,10 @@ from localllm.tui.backend_adapter import CatalogRow, ChatBackend, ModelRow
 
 
 @pytest.fixture
-def tui_home(default_model, tmp_path, monkeypatch) -> Path:
-    from localllm.config import paths
+def tui_home(installed_default_model, tmp_path, monkeypatch) -> Path:
+    from tests.support import in_test_home
 
-    models = paths().models  # the test home's, where default_model is installed
+    models = in_test_home(lambda store: store.paths.models)  # the test home's, where the default model is
     root = tmp_path / "home"
     root.mkdir()
     monkeypatch.setenv("LOCALLLM_HOME", str(root))

@@ -39,6 +39,9 @@ async def main():
     async with app.run_test(size=(100, 30)) as pilot:
         app.screen.open_conversation(conv.id)
         await pilot.press(*"Write a long story about the sea.", "enter")
+        # the key press returns as soon as the worker starts: only an answer that ended before 20
+        # characters is "too early" (the process is frozen mid-answer otherwise, and killed)
+        await asyncio.wait_for(app.screen.answer_done.wait(), 120)
         print("FINISHED-TOO-EARLY", flush=True)
         await asyncio.sleep(60)
 
@@ -48,6 +51,7 @@ asyncio.run(main())
 
 def test_killed_mid_answer_loses_only_the_unfinished_answer(tui_home, chats, tmp_path):
     import os
+    import select
     import signal
     import subprocess
     import sys
@@ -60,6 +64,8 @@ def test_killed_mid_answer_loses_only_the_unfinished_answer(tui_home, chats, tmp
     proc = subprocess.Popen([sys.executable, str(script), chats.path], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
     try:
+        ready, _, _ = select.select([proc.stdout], [], [], 180)  # never wait forever for the line
+        assert ready, "the app printed nothing within 180 s"
         line = proc.stdout.readline()
         assert line.strip() == "STREAMING"
     finally:
