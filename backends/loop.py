@@ -146,7 +146,7 @@ class _NgramDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.catchup_ns = 0
 
-    def propose(self, history: list[int], k: int) -> list[int]:
+    def propose(self, history: list[int], k: int, max_catchup: int | None = None) -> list[int]:
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(history) <= n:
                 continue
@@ -162,14 +162,22 @@ class _NgramDrafter:
 
 class _ModelDrafter:
     """A second, smaller model proposes tokens greedily; its one sequence follows the target's history
-    (the common prefix is kept, only new tokens are evaluated)."""
+    (the common prefix is kept, only new tokens are evaluated).
+
+    ``max_catchup`` bounds that catch-up: with more unseen tokens pending (the prompt, or a stretch decoded
+    plainly while drafting was off), only the last ``max_catchup`` are evaluated and the older ones skipped.
+    The draft's context then has a hole, which costs it some foresight but keeps a probe cheap; the holes
+    are remembered (where, in the draft's own positions, and how many target tokens were skipped), so later
+    calls map the target's sequence onto the draft's cache; a history that differs before a hole drops it.
+    ``catchup_ns`` tells the controller what the last call spent catching up."""
 
     def __init__(self, source: TokenSource, p_min: float = 0.0):
         self.source = source
         self.name = source.spec.model_path
-        self.tokens: list[int] = []
+        self.tokens: list[int] = []  # what the draft's sequence holds (the target's history minus the holes)
         self.p_min = p_min
         self.catchup_ns = 0
+        self._holes: list[tuple[int, int]] = []
         self._greedy = source.sampler(Sampling(temperature=0, repeat_penalty=1.0), None)
 
     def _eval(self, toks: list[int], outputs: int) -> list[int]:
@@ -182,21 +190,38 @@ class _ModelDrafter:
             self.tokens.extend(chunk)
         return rows
 
-    def propose(self, history: list[int], k: int) -> list[int]:
-        k = min(k, self.source.n_ctx - len(history) - 1)
-        if k <= 0 or not history:
+    def _view(self, history: list[int]) -> list[int]:
+        for at, skipped in self._holes:
+            if len(history) <= at:
+                break
+            history = history[:at] + history[at + skipped :]
+        return history
+
+    def propose(self, history: list[int], k: int, max_catchup: int | None = None) -> list[int]:
+        self.catchup_ns = 0
+        view = self._view(history)
+        k = min(k, self.source.n_ctx - len(view) - 1)
+        if k <= 0 or not view:
             return []
-        keep = common_prefix(self.tokens, history)
-        if keep == len(history):
-            keep -= 1  # evaluate the last token again for fresh logits
+        keep = common_prefix(self.tokens, view)
+        if any(at >= keep for at, _ in self._holes):  # the history changed before a hole: forget it
+            self._holes = [h for h in self._holes if h[0] < keep]
+            view = self._view(history)
+        if keep >= len(view):
+            keep = len(view) - 1  # evaluate the last token again for fresh logits
         if not self.source.seq_rm(0, keep):
             self.source.seq_rm(0)
-            keep = 0
+            keep, self._holes, view = 0, [], list(history)
         del self.tokens[keep:]
+        new = view[keep:]
+        if max_catchup is not None and len(new) > max(int(max_catchup), 2):
+            skip = len(new) - int(max_catchup)
+            self._holes.append((len(self.tokens), skip))
+            new = new[skip:]
         t0 = time.perf_counter_ns()
-        new = history[keep:]
         rows = self._eval(new, 1)
-        self.catchup_ns = time.perf_counter_ns() - t0 if len(new) > 2 else 0
+        if len(new) > 2:  # more than a normal step's one or two tokens: catching up
+            self.catchup_ns = time.perf_counter_ns() - t0
         out: list[int] = []
         while True:
             if self.p_min > 0 and not self._confident(rows[-1]):
@@ -217,21 +242,6 @@ class _ModelDrafter:
     def close(self) -> None:
         self._greedy.close()
         self.source.close()
-
-
-class _AlwaysDraft:
-    """A controller that drafts ``n`` tokens every step (``LoadSpec.extra["draft_always"]``)."""
-
-    drafting = True
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def n_draft(self) -> int:
-        return self.n
-
-    def record(self, **_: int) -> None:
-        pass
 
 
 def vocab_problem(target: TokenSource, draft: TokenSource) -> str | None:
@@ -515,10 +525,9 @@ class LoadedModel:
             src.info.size_bytes += dsrc.info.size_bytes
         else:
             raise UnsupportedError(f"Unknown draft kind {d.kind!r}; use a model or ngram.")
-        if self.spec.extra.get("draft_always"):  # draft every step whatever the timings say (tests of exactness)
-            self._controller = _AlwaysDraft(max(1, d.num_draft))
-        else:
-            self._controller = SpecController(max(1, d.num_draft), window=int(self.spec.extra.get("spec_window", 24)))
+        # draft_always: draft every step whatever the timings say (tests of exactness)
+        self._controller = SpecController(max(1, d.num_draft), margin=0.0 if self.spec.extra.get("draft_always")
+                                          else 0.97)
 
     def _shutdown(self) -> None:
         for r in self._active + list(self._incoming):
@@ -716,6 +725,8 @@ class LoadedModel:
         if not self._active:
             return
         budget = src.n_batch
+        t_step = time.perf_counter_ns()  # the step's cost includes drafting (a draft model's catch-up too)
+        catchup = 0
         feeds: list[Feed] = []
         owners: list[tuple[_Req, str, list[int]]] = []  # (request, "decode"|"prefill", drafts)
         decoding = [r for r in self._active if r.last is not None]
@@ -726,6 +737,7 @@ class LoadedModel:
             drafts: list[int] = []
             if spec_on:
                 drafts = self._propose(r)
+                catchup = self._drafter.catchup_ns if self._drafter is not None else 0
             feeds.append(Feed(r.seq.id, [r.last, *drafts], len(r.seq.tokens), 1 + len(drafts)))
             owners.append((r, "decode", drafts))
             budget -= 1 + len(drafts)
@@ -741,7 +753,6 @@ class LoadedModel:
             cap -= len(chunk)
         if not feeds:
             return
-        t_step = time.perf_counter_ns()
         rows = self._evaluate(feeds, owners)
         if rows is None:
             return
@@ -758,7 +769,7 @@ class LoadedModel:
             if r not in self._active or not out_rows:
                 continue
             try:
-                self._sample(r, kind, drafts, f, out_rows, step_ns)
+                self._sample(r, kind, drafts, f, out_rows, step_ns, catchup)
             except Exception as e:  # noqa: BLE001 - one sequence failing ends only its stream
                 log.warning("a request on %s failed: %s", self.name, e, exc_info=log.isEnabledFor(logging.DEBUG))
                 self._end(r, "error", error=e)
@@ -800,9 +811,10 @@ class LoadedModel:
         if k <= 0:
             return []
         history = [*r.seq.tokens, r.last]
-        return [int(t) for t in drafter.propose(history, k)[:k]]
+        return [int(t) for t in drafter.propose(history, k, max_catchup=ctl.max_catchup())[:k]]
 
-    def _sample(self, r: _Req, kind: str, drafts: list[int], f: Feed, out_rows: list[int], step_ns: int) -> None:
+    def _sample(self, r: _Req, kind: str, drafts: list[int], f: Feed, out_rows: list[int], step_ns: int,
+                catchup: int = 0) -> None:
         src = self.source
         sampler = r.sampler
         assert sampler is not None and r.seq is not None
@@ -829,9 +841,8 @@ class LoadedModel:
                 src.seq_rm(r.seq.id, keep)
                 del r.seq.tokens[keep:]
         if kind == "decode" and self._controller is not None and len(self._active) == 1:
-            catchup = self._drafter.catchup_ns if (drafts and self._drafter is not None) else 0
             self._controller.record(proposed=len(drafts), accepted=len(toks) - 1 if drafts else 0,
-                                    emitted=len(toks), ns=step_ns - catchup)
+                                    emitted=len(toks), ns=step_ns, overhead_ns=catchup)
         self._emit(r, toks, lps)
 
     def _emit(self, r: _Req, toks: list[int], lps: list[Any]) -> None:
