@@ -1,11 +1,13 @@
-"""The FastAPI app: Ollama's ``/api/*`` and OpenAI's ``/v1/*`` on one engine, behind the security
-middleware (see :mod:`localllm.server.security`).
+"""The FastAPI app: Ollama's ``/api/*``, OpenAI's ``/v1/*`` (Chat Completions, Completions, Responses,
+Embeddings, Models) and Anthropic's ``/v1/messages`` on one engine, behind the security middleware (see
+:mod:`localllm.server.security`).
 
     >>> from localllm.server.app import create_app
     >>> app = create_app()          # doctest: +SKIP  (an Engine on the default store)
 
 Errors leave in the API's own shape: ``{"error": "..."}`` under ``/api``, ``{"error": {"message",
-"type", "param", "code"}}`` under ``/v1``; never a traceback or a filesystem path.
+"type", "param", "code"}}`` under ``/v1``, ``{"type": "error", "error": {"type", "message"}}`` under
+``/v1/messages``; never a traceback or a filesystem path.
 """
 
 from __future__ import annotations
@@ -26,16 +28,8 @@ from localllm.server.security import DEFAULT_MAX_BODY, SecurityMiddleware, origi
 
 log = logging.getLogger("localllm.server")
 
-OAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 503: "api_error"}
-
-
-def error_response(request: Request, status: int, message: str) -> JSONResponse:
-    if request.url.path.startswith("/v1"):
-        kind = OAI_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
-                            status_code=status)
-    return JSONResponse({"error": message}, status_code=status)
+def error_response(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(c.error_payload(request.url.path, status, message, param=param), status_code=status)
 
 
 def validation_message(exc: RequestValidationError) -> str:
@@ -64,8 +58,11 @@ def create_app(engine: Any = None, *, bound_host: str | None = None, api_key: st
     """The app. Settings default to the environment: ``LOCALLLM_HOST`` (the bound host the Host check
     allows), ``LOCALLLM_API_KEY``, ``LOCALLLM_ORIGINS``, ``LOCALLLM_MAX_BODY``."""
     from localllm import config
+    from localllm.server.anthropic_routes import router as anthropic_router
     from localllm.server.ollama_routes import router as ollama_router
     from localllm.server.openai_routes import router as openai_router
+    from localllm.server.responses_routes import ResponseStore
+    from localllm.server.responses_routes import router as responses_router
 
     if engine is None:
         from localllm.engine import Engine
@@ -77,14 +74,17 @@ def create_app(engine: Any = None, *, bound_host: str | None = None, api_key: st
     max_body = max_body if max_body is not None else config.env_int("LOCALLLM_MAX_BODY", DEFAULT_MAX_BODY)
 
     app = FastAPI(title="localllm", version="0.1.0", docs_url=None, redoc_url=None,
-                  description="Ollama- and OpenAI-compatible API of localllm.")
+                  description="Ollama-, OpenAI- and Anthropic-compatible API of localllm.")
     app.state.engine = engine
+    app.state.responses = ResponseStore()  # /v1/responses' previous_response_id, for the server's life
     app.include_router(ollama_router)
     app.include_router(openai_router)
+    app.include_router(responses_router)
+    app.include_router(anthropic_router)
 
     @app.exception_handler(c.APIError)
     async def _api_error(request: Request, exc: c.APIError) -> JSONResponse:
-        return error_response(request, exc.status, c.scrub(exc.message))
+        return error_response(request, exc.status, c.scrub(exc.message), exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -99,7 +99,7 @@ def create_app(engine: Any = None, *, bound_host: str | None = None, api_key: st
             message = "invalid JSON in the request body"
         return error_response(request, exc.status_code, c.scrub(message))
 
-    from localllm.server.ollama_routes import ClientGone
+    from localllm.server.generation import ClientGone
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone) -> JSONResponse:
@@ -133,7 +133,9 @@ def create_app(engine: Any = None, *, bound_host: str | None = None, api_key: st
         allow_origin_regex=origin_regex(origins),
         allow_methods=["GET", "POST", "DELETE", "HEAD", "OPTIONS"],
         allow_headers=["Authorization", "Content-Type", "User-Agent", "Accept", "X-Requested-With",
-                       "OpenAI-Beta", "x-stainless-arch", "x-stainless-lang", "x-stainless-os",
+                       "OpenAI-Beta", "x-api-key", "anthropic-version", "anthropic-beta",
+                       "anthropic-dangerous-direct-browser-access",
+                       "x-stainless-arch", "x-stainless-lang", "x-stainless-os",
                        "x-stainless-package-version", "x-stainless-retry-count", "x-stainless-runtime",
                        "x-stainless-runtime-version", "x-stainless-async", "x-stainless-helper-method",
                        "x-stainless-poll-helper", "x-stainless-custom-poll-interval", "x-stainless-timeout"],

@@ -1,11 +1,14 @@
-"""What both APIs share: request errors, model-name checks, Ollama options → engine options, the
-store behind a thread, and error messages safe to send (no paths, no tracebacks)."""
+"""What every API shares: request errors and their shape per API, model-name checks, Ollama options → engine
+options, ``think`` and logprobs checks, JSON schemas the grammar can follow, tool calls in one shape, stream
+frames (NDJSON, SSE), the store behind a thread, and error messages safe to send (no paths, no tracebacks)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
+import secrets
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,6 +23,7 @@ OLLAMA_COMPAT_VERSION = "0.12.0"
 DIGEST_RE = re.compile(r"^sha256[:-][0-9a-fA-F]{64}$")
 MAX_NUM_CTX = 1 << 20
 MAX_PREDICT = 1 << 20
+MAX_TOP_LOGPROBS = 20
 
 
 class APIError(Exception):
@@ -33,8 +37,61 @@ class APIError(Exception):
         self.param = param
 
 
-def bad_request(message: str) -> APIError:
-    return APIError(400, message)
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+# ------------------------------------------------------------------------------------- error shapes
+
+OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "api_error"}
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   503: "overloaded_error", 529: "overloaded_error"}
+
+
+def api_of(path: str) -> str:
+    """Which API a path belongs to, for the shape of its errors: "anthropic", "openai" or "ollama".
+
+    >>> api_of("/v1/messages"), api_of("/v1/responses"), api_of("/api/chat")
+    ('anthropic', 'openai', 'ollama')
+    """
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
+    return "openai" if path == "/v1" or path.startswith("/v1/") else "ollama"
+
+
+def error_payload(path: str, status: int, message: str, *, param: str | None = None) -> dict[str, Any]:
+    """The error body of the API ``path`` belongs to: Ollama's ``{"error": msg}``, OpenAI's
+    ``{"error": {message, type, param, code}}``, Anthropic's ``{"type": "error", "error": {type, message}}``.
+
+    >>> error_payload("/v1/messages", 404, "no such model")["error"]
+    {'type': 'not_found_error', 'message': 'no such model'}
+    """
+    api = api_of(path)
+    if api == "anthropic":
+        kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message},
+                "request_id": f"req_{secrets.token_hex(12)}"}
+    if api == "openai":
+        kind = OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": message}
+
+
+# ------------------------------------------------------------------------------------------ frames
+
+
+def ndjson(obj: Any) -> bytes:
+    """One NDJSON line (Ollama's streams)."""
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+
+
+def sse(obj: Any, event: str | None = None) -> bytes:
+    """One server-sent event: ``data: {...}`` (Chat Completions), with ``event: <type>`` before it
+    (Responses, Anthropic Messages)."""
+    data = b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    return b"event: " + event.encode() + b"\n" + data if event else data
 
 
 def now_rfc3339() -> str:
@@ -185,15 +242,194 @@ def options_of(options: dict[str, Any] | None, *, defaults: dict[str, Any] | Non
     return s, load
 
 
-def check_format(value: Any) -> str | dict[str, Any] | None:
-    """Ollama's ``format``: ``"json"``, a JSON Schema object, or nothing."""
+def api_options(options: Any, defaults: dict[str, Any] | None = None, *, max_tokens: Any = None,
+                max_field: str = "max_tokens", stop: Any = None, **fields: Any) -> tuple[Sampling, LoadOptions]:
+    """The sampling fields of the OpenAI and Anthropic APIs (plus the ``options`` extension: any Ollama
+    option) → (Sampling, LoadOptions). Explicit top-level fields win over ``options``, which win over the
+    API's ``defaults``; fields left out (None) do not count."""
+    opts: dict[str, Any] = dict(defaults or {})
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request("options must be an object", param="options")
+        opts.update(options)
+    opts.update({k: v for k, v in fields.items() if v is not None})
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise bad_request(f"{max_field} must be at least 1", param=max_field)
+        opts["num_predict"] = max_tokens
+    if stop is not None:
+        opts["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        if len(opts["stop"]) > 16:
+            raise bad_request("stop takes at most 16 sequences", param="stop")
+    return options_of(opts)
+
+
+_EFFORT = {"none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high", "max": "high",
+           "xhigh": "high", "ultra": "high"}
+
+
+def think_from_effort(effort: Any, field: str = "reasoning_effort") -> Any:
+    """OpenAI's ``reasoning_effort`` (or ``reasoning.effort``) → ``think``, as Ollama maps it: none → off,
+    minimal → low, low/medium/high as they are, max/xhigh/ultra → the highest; unset → the model's default.
+
+    >>> think_from_effort("none"), think_from_effort("minimal"), think_from_effort(None)
+    (False, 'low', None)
+    """
+    if effort is None or effort == "":
+        return None
+    if not isinstance(effort, str) or effort not in _EFFORT:
+        raise bad_request(f"invalid reasoning value: {json.dumps(effort)[:40]} (must be none, minimal, low, "
+                          "medium, high, max, xhigh or ultra)", param=field)
+    return _EFFORT[effort]
+
+
+def check_format(value: Any, field: str = "format") -> str | dict[str, Any] | None:
+    """Ollama's ``format``: ``"json"``, a JSON Schema object the grammar can follow, or nothing."""
     if value is None or value == "":
         return None
     if value == "json":
         return "json"
     if isinstance(value, dict):
+        problem = schema_problem(value)
+        if problem:
+            raise bad_request(f"{field}: {problem}", param=field)
         return value
     raise bad_request(f'invalid format: expected "json" or a JSON schema object, got {scrub(str(value))[:60]!r}')
+
+
+SCHEMA_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
+_NO_GRAMMAR = ("not", "if", "then", "else")  # keywords the JSON-schema-to-grammar converter cannot express
+_SUB_SCHEMA = ("additionalProperties", "items", "contains", "propertyNames", "unevaluatedItems")
+_SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def schema_problem(schema: Any, path: str = "") -> str | None:
+    """The first thing in a JSON schema that the grammar constraining the output cannot express, as one
+    sentence naming the keyword; None when the whole schema can be followed.
+
+    >>> schema_problem({"type": "object", "properties": {"a": {"not": {"type": "string"}}}})
+    'the JSON schema keyword "not" (at properties.a) cannot be expressed by the grammar that constrains the output'
+    >>> schema_problem({"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]+$"}}}) is None
+    True
+    """
+    where = f" (at {path})" if path else ""
+    cannot = "cannot be expressed by the grammar that constrains the output"
+    if isinstance(schema, bool):
+        return None
+    if not isinstance(schema, dict):
+        return f"a JSON schema{where} must be an object, not {type(schema).__name__}"
+    for key in _NO_GRAMMAR:
+        if key in schema:
+            return f'the JSON schema keyword "{key}"{where} {cannot}'
+    ref = schema.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
+        return (f'the JSON schema keyword "$ref"{where} may only point inside the schema (#/...), '
+                f"not to {str(ref)[:60]!r}")
+    kind = schema.get("type")
+    for t in kind if isinstance(kind, list) else [kind] if kind is not None else []:
+        if t not in SCHEMA_TYPES:
+            return (f'the JSON schema keyword "type"{where} has {str(t)[:40]!r}, which is not one of '
+                    f'{", ".join(SCHEMA_TYPES)}')
+    pattern = schema.get("pattern")
+    if pattern is not None and not (isinstance(pattern, str) and pattern.startswith("^") and pattern.endswith("$")):
+        return (f'the JSON schema keyword "pattern"{where} must start with ^ and end with $ for the grammar to follow '
+                f"it (got {str(pattern)[:60]!r})")
+    dot = path + "." if path else ""
+    for key in _SUB_SCHEMA:
+        sub = schema.get(key)
+        if isinstance(sub, dict) and (p := schema_problem(sub, dot + key)):
+            return p
+        if isinstance(sub, list) and key == "items":
+            for i, x in enumerate(sub):
+                if p := schema_problem(x, f"{dot}{key}[{i}]"):
+                    return p
+    for key in _SUB_LISTS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, x in enumerate(sub):
+                if p := schema_problem(x, f"{dot}{key}[{i}]"):
+                    return p
+    for key in _SUB_MAPS:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            for name, x in sub.items():
+                if p := schema_problem(x, f"{dot}{key}.{name}"):
+                    return p
+    return None
+
+
+def check_tools(tools: Any, field: str = "tools") -> list[dict[str, Any]] | None:
+    """Tools in OpenAI's/Ollama's shape (``{"type": "function", "function": {name, description, parameters}}``);
+    a malformed one is a 400 naming it."""
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request(f"{field} must be a list", param=field)
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"{field}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                              param=field)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad_request(f"{field}[{i}].function.parameters must be a JSON schema object", param=field)
+    return tools
+
+
+def check_think(value: Any, field: str = "think") -> Any:
+    """A request's ``think`` (True, False, "low", "medium", "high", "max"); Ollama's message otherwise."""
+    from localllm.thinking import parse_think
+
+    try:
+        return parse_think(value)
+    except ValueError as e:
+        raise bad_request(str(e), param=field) from None
+
+
+def check_top_logprobs(value: Any, field: str = "top_logprobs") -> int:
+    if value is None:
+        return 0
+    if not _int_like(value) or not 0 <= int(value) <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"{field} must be between 0 and {MAX_TOP_LOGPROBS}", param=field)
+    return int(value)
+
+
+def normalize_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Backend tool calls (``{"name", "arguments"}`` or ``{"function": {...}}``) → Ollama's shape
+    ``{"id"?, "function": {"index", "name", "arguments": {...}}}``.
+
+    >>> normalize_calls([{"name": "f", "arguments": '{"x": 1}'}])
+    [{'function': {'index': 0, 'name': 'f', 'arguments': {'x': 1}}}]
+    """
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function", call)
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = {"value": args}
+        entry: dict[str, Any] = {"function": {"index": i, "name": fn.get("name", ""), "arguments": args or {}}}
+        if call.get("id"):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def logprob_item(lp: Any, top: bool) -> dict[str, Any]:
+    """One token's logprob as Ollama and OpenAI's Chat Completions write it: ``{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]}`` (alternatives only when asked for)."""
+    item: dict[str, Any] = {"token": lp.token, "logprob": lp.logprob, "bytes": lp.bytes}
+    if top:
+        item["top_logprobs"] = [{"token": t, "logprob": p, "bytes": b} for t, p, b in lp.top]
+    return item
+
+
+def call_id(call: dict[str, Any], prefix: str = "call_") -> str:
+    """A tool call's id, or a fresh one."""
+    return str(call.get("id") or f"{prefix}{secrets.token_hex(12)}")
 
 
 # ---------------------------------------------------------------------------------------- store access
@@ -228,6 +464,10 @@ def capabilities(model: Any) -> list[str]:
     extra = info.get("extra") or {}
     if extra.get("vision") or getattr(model, "vision", False):
         caps.append("vision")
+    from localllm.thinking import thinks
+
+    if thinks(info):
+        caps.append("thinking")
     return caps
 
 

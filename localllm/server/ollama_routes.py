@@ -1,5 +1,7 @@
-"""Ollama's native API (``/api/*``): NDJSON streams by default, ``{"error": "..."}`` errors, metrics
-in nanoseconds. Each handler translates HTTP to engine / store calls and back; nothing else."""
+"""Ollama's native API (``/api/*``): NDJSON streams by default, ``{"error": "..."}`` errors, metrics in
+nanoseconds. The generate and chat handlers translate a body into a :class:`~localllm.server.generation.Call`
+and events back into Ollama's lines (pure functions below); the path between is
+:mod:`localllm.server.generation`. The model-management handlers call the store."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from localllm.engine import Done, GenerateRequest, TextChunk, ToolCalls
 from localllm.server import common as c
+from localllm.server import generation as g
 from localllm.server.schemas import ChatBody, CopyBody, EmbedBody, EmbeddingsBody, GenerateBody, ModelBody, PullBody
 
 router = APIRouter()
@@ -26,6 +29,9 @@ def _engine(request: Request) -> Any:
 
 def _store(request: Request) -> Any:
     return request.app.state.engine.store
+
+
+# ------------------------------------------------------------------------------------ converters (pure)
 
 
 def metrics(stats: Any) -> dict[str, int]:
@@ -43,126 +49,147 @@ def done_reason(done: Done) -> str:
     return "length" if done.finish_reason == "length" else "stop"
 
 
-def normalize_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Backend tool calls (``{"name", "arguments"}`` or ``{"function": {...}}``) → Ollama's shape."""
-    out = []
-    for i, call in enumerate(calls):
-        fn = call.get("function", call)
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                args = {"value": args}
-        entry: dict[str, Any] = {"function": {"index": i, "name": fn.get("name", ""), "arguments": args or {}}}
-        if call.get("id"):
-            entry["id"] = call["id"]
-        out.append(entry)
+def chat_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
+    """Ollama messages → backend messages; also whether any carries images. An assistant turn's
+    ``thinking`` goes to the template as ``thinking`` and ``reasoning_content`` (the names templates read)."""
+    out: list[dict[str, Any]] = []
+    images = False
+    for m in messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.images:
+            images = True
+            msg["images"] = list(m.images)
+        if m.thinking and m.role == "assistant":
+            msg["thinking"] = msg["reasoning_content"] = m.thinking
+        if m.tool_calls:
+            msg["tool_calls"] = [{"type": "function", **({"id": t.id} if t.id else {}),
+                                  "function": {"name": t.function.name, "arguments": t.function.arguments}}
+                                 for t in m.tool_calls]
+        if m.tool_name:
+            msg["name"] = m.tool_name
+            msg["tool_name"] = m.tool_name
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out, images
+
+
+def _common(body: GenerateBody | ChatBody) -> dict[str, Any]:
+    """What generate and chat read alike: sampling, load options, keep-alive, format, think, logprobs."""
+    sampling, options = c.options_of(body.options)
+    top = c.check_top_logprobs(body.top_logprobs)
+    return {"sampling": sampling, "options": options, "keep_alive": c.keep_alive_of(body.keep_alive),
+            "format": c.check_format(body.format), "think": c.check_think(body.think),
+            "logprobs": bool(body.logprobs), "top_logprobs": top if body.logprobs else 0}
+
+
+def generate_call(body: GenerateBody) -> g.Call:
+    """``/api/generate``'s body → the generation (``raw`` sends the prompt untemplated)."""
+    k = _common(body)
+    if body.raw and (body.template or body.system or body.context):
+        raise c.bad_request("raw mode does not support template, system, or context")
+    fields = {"sampling": k["sampling"], "format": k["format"], "logprobs": k["logprobs"],
+              "top_logprobs": k["top_logprobs"]}
+    if body.raw:
+        req = GenerateRequest(prompt=body.prompt or "", **fields)
+    else:
+        user: dict[str, Any] = {"role": "user", "content": body.prompt or ""}
+        if body.images:
+            user["images"] = list(body.images)
+        messages = ([{"role": "system", "content": body.system}] if body.system else []) + [user]
+        req = GenerateRequest(messages=messages, think=k["think"], **fields)
+    return g.Call(body.model, req, k["options"], k["keep_alive"], images=bool(body.images))
+
+
+def chat_call(body: ChatBody) -> g.Call:
+    """``/api/chat``'s body → the generation."""
+    k = _common(body)
+    messages, images = chat_messages(body.messages or [])
+    req = GenerateRequest(messages=messages, sampling=k["sampling"], format=k["format"],
+                          tools=c.check_tools(body.tools), think=k["think"], logprobs=k["logprobs"],
+                          top_logprobs=k["top_logprobs"])
+    return g.Call(body.model, req, k["options"], k["keep_alive"], images=images)
+
+
+def _logprobs(event: TextChunk, top: bool) -> dict[str, Any]:
+    return {"logprobs": [c.logprob_item(lp, top) for lp in event.logprobs]} if event.logprobs else {}
+
+
+def chat_line(model: str, event: TextChunk | ToolCalls | Done, top: bool = False) -> dict[str, Any]:
+    """One ``/api/chat`` stream line: reasoning in ``message.thinking``, the answer in ``message.content``."""
+    base = {"model": model, "created_at": c.now_rfc3339()}
+    if isinstance(event, TextChunk):
+        message: dict[str, Any] = {"role": "assistant", "content": "" if event.thinking else event.text}
+        if event.thinking:
+            message["thinking"] = event.text
+        return {**base, "message": message, "done": False, **_logprobs(event, top)}
+    if isinstance(event, ToolCalls):
+        return {**base, "message": {"role": "assistant", "content": "",
+                                    "tool_calls": c.normalize_calls(event.calls)}, "done": False}
+    return {**base, "message": {"role": "assistant", "content": ""}, "done": True,
+            "done_reason": done_reason(event), **metrics(event.stats)}
+
+
+def generate_line(model: str, event: TextChunk | ToolCalls | Done, top: bool = False) -> dict[str, Any]:
+    """One ``/api/generate`` stream line: reasoning in ``thinking``, the answer in ``response``."""
+    base = {"model": model, "created_at": c.now_rfc3339()}
+    if isinstance(event, TextChunk):
+        line = {**base, "response": "" if event.thinking else event.text, "done": False}
+        if event.thinking:
+            line["thinking"] = event.text
+        return {**line, **_logprobs(event, top)}
+    if isinstance(event, ToolCalls):
+        return {**base, "response": "", "tool_calls": c.normalize_calls(event.calls), "done": False}
+    return {**base, "response": "", "done": True, "done_reason": done_reason(event), **metrics(event.stats)}
+
+
+def chat_result(model: str, r: g.Result, top: bool = False) -> dict[str, Any]:
+    """The non-streaming ``/api/chat`` answer: thinking and content joined apart."""
+    message: dict[str, Any] = {"role": "assistant", "content": r.content}
+    if r.thinking:
+        message["thinking"] = r.thinking
+    if r.calls:
+        message["tool_calls"] = c.normalize_calls(r.calls)
+    out = {"model": model, "created_at": c.now_rfc3339(), "message": message, "done": True,
+           "done_reason": done_reason(r.done), **metrics(r.done.stats)}
+    if r.logprobs:
+        out["logprobs"] = [c.logprob_item(lp, top) for lp in r.logprobs]
     return out
 
 
-class ClientGone(Exception):
-    """The client disconnected before the first byte (answered 499, which nobody reads)."""
+def generate_result(model: str, r: g.Result, top: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": model, "created_at": c.now_rfc3339(), "response": r.content}
+    if r.thinking:
+        out["thinking"] = r.thinking
+    out.update({"done": True, "done_reason": done_reason(r.done), **metrics(r.done.stats)})
+    if r.calls:
+        out["tool_calls"] = c.normalize_calls(r.calls)
+    if r.logprobs:
+        out["logprobs"] = [c.logprob_item(lp, top) for lp in r.logprobs]
+    return out
 
 
-async def first_event(agen: AsyncIterator[Any], request: Request | None = None) -> Any:
-    """The first event, so errors before the first byte get their real status. While waiting (in the
-    queue, for a load, for the prompt) a client that disconnects cancels the request at once."""
-    task = asyncio.ensure_future(agen.__anext__())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.2)
-            if done:
-                return task.result()
-            if request is not None and await request.is_disconnected():
-                task.cancel()
-                raise ClientGone()
-    except BaseException:
-        if not task.done():
-            task.cancel()
-        await agen.aclose()
-        raise
+class LineEncoder:
+    """Events → Ollama's NDJSON lines (``line`` is :func:`chat_line` or :func:`generate_line`); an error after
+    the first line is the last line ``{"error": ...}``."""
 
+    media_type = NDJSON
+    headers: dict[str, str] = {}
 
-async def ndjson_stream(first: Any, agen: AsyncIterator[Any], render: Any) -> AsyncIterator[bytes]:
-    """Render events as NDJSON lines; an error mid-stream becomes the last line ``{"error": ...}``."""
-    try:
-        event = first
-        while True:
-            if isinstance(event, Done) and event.finish_reason == "error":
-                yield (json.dumps({"error": c.scrub(event.error or "generation failed")}) + "\n").encode()
-                return
-            line = render(event)
-            if line is not None:
-                yield (json.dumps(line) + "\n").encode()
-            if isinstance(event, Done):
-                return
-            try:
-                event = await agen.__anext__()
-            except StopAsyncIteration:
-                return
-    except (asyncio.CancelledError, GeneratorExit):
-        raise
-    except Exception as e:  # noqa: BLE001 - reported in the stream
-        _, message = c.status_of(e)
-        yield (json.dumps({"error": message}) + "\n").encode()
-    finally:
-        await agen.aclose()
+    def __init__(self, model: str, line: Any, top: bool):
+        self.model, self.line, self.top = model, line, top
 
+    def head(self) -> list[bytes]:
+        return []
 
-async def collect(first: Any, agen: AsyncIterator[Any]) -> tuple[str, list[dict[str, Any]], Done]:
-    text: list[str] = []
-    calls: list[dict[str, Any]] = []
-    event = first
-    try:
-        while True:
-            if isinstance(event, TextChunk):
-                text.append(event.text)
-            elif isinstance(event, ToolCalls):
-                calls.extend(event.calls)
-            elif isinstance(event, Done):
-                if event.finish_reason == "error":
-                    raise c.APIError(500, event.error or "generation failed")
-                return "".join(text), calls, event
-            try:
-                event = await agen.__anext__()
-            except StopAsyncIteration:
-                raise c.APIError(500, "the generation ended without a result") from None
-    finally:
-        await agen.aclose()
+    def event(self, event: TextChunk | ToolCalls) -> list[bytes]:
+        return [c.ndjson(self.line(self.model, event, self.top))]
 
+    def done(self, done: Done) -> list[bytes]:
+        return [c.ndjson(self.line(self.model, done, self.top))]
 
-async def load_or_unload(request: Request, name: str, keep_alive: float | None, load_options: Any) -> str:
-    """An empty prompt loads the model (``load``); with ``keep_alive: 0`` it unloads it (``unload``)."""
-    engine = _engine(request)
-    if keep_alive == 0:
-        model = await c.run_sync(engine.store.get, name)  # 404 for an unknown model
-        await c.run_sync(engine.unload, name)
-        await c.run_sync(engine.unload, model.name)  # loaded under its canonical name
-        return "unload"
-    await c.run_sync(engine.load, name, load_options, keep_alive=keep_alive)
-    return "load"
-
-
-async def installed(request: Request, name: str) -> Any:
-    return await c.run_sync(_store(request).get, name)
-
-
-async def cap_ctx(request: Request, name: str, load_options: Any) -> Any:
-    """Like Ollama, a ``num_ctx`` above the model's trained context is capped to it."""
-    if load_options.num_ctx is None:
-        return load_options
-    from dataclasses import replace
-
-    trained = c.info_of(await installed(request, name)).get("context_length") or 0
-    if trained and load_options.num_ctx > trained:
-        return replace(load_options, num_ctx=int(trained))
-    return load_options
-
-
-def check_think(think: Any, name: str) -> None:
-    if think not in (None, False, "", "false", "none"):
-        raise c.bad_request(f'"{name}" does not support thinking')
+    def error(self, status: int, message: str) -> list[bytes]:
+        return [c.ndjson({"error": message})]
 
 
 # ------------------------------------------------------------------------------------------ routes
@@ -193,147 +220,33 @@ async def status() -> dict[str, Any]:
 
 @router.post("/api/generate")
 async def generate(body: GenerateBody, request: Request) -> Response:
-    name = c.check_name(body.model)
-    keep_alive = c.keep_alive_of(body.keep_alive)
-    sampling, load_options = c.options_of(body.options)
-    load_options = await cap_ctx(request, name, load_options)
-    fmt = c.check_format(body.format)
-    check_think(body.think, body.model)
-    if body.raw and (body.template or body.system or body.context):
-        raise c.bad_request("raw mode does not support template, system, or context")
-    if body.images:
-        model = await installed(request, name)
-        if "vision" not in c.capabilities(model):
-            raise c.bad_request(f'"{body.model}" does not support images (it is not a multimodal model)')
+    call = generate_call(body)
     if body.suffix:
-        await installed(request, name)
+        await g.installed(request, c.check_name(body.model))
         raise c.bad_request(f'"{body.model}" does not support insert')
     if not body.prompt:
-        reason = await load_or_unload(request, name, keep_alive, load_options)
+        reason = await g.load_or_unload(request, body.model, call.keep_alive, call.options)
         return JSONResponse({"model": body.model, "created_at": c.now_rfc3339(), "response": "", "done": True,
                              "done_reason": reason})
-    if body.raw:
-        req = GenerateRequest(prompt=body.prompt, sampling=sampling, format=fmt)
-    else:
-        messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
-            {"role": "user", "content": body.prompt}]
-        req = GenerateRequest(messages=messages, sampling=sampling, format=fmt)
-    agen = _engine(request).agenerate(name, req, load_options, keep_alive=keep_alive)
-    first = await first_event(agen, request)
-
-    def render(event: Any) -> dict[str, Any] | None:
-        base = {"model": body.model, "created_at": c.now_rfc3339()}
-        if isinstance(event, TextChunk):
-            return {**base, "response": event.text, "done": False}
-        if isinstance(event, ToolCalls):
-            return {**base, "response": "", "tool_calls": normalize_calls(event.calls), "done": False}
-        if isinstance(event, Done):
-            return {**base, "response": "", "done": True, "done_reason": done_reason(event), **metrics(event.stats)}
-        return None
-
+    run = await g.begin(request, call)
+    top = call.request.top_logprobs > 0
     if body.stream:
-        return StreamingResponse(ndjson_stream(first, agen, render), media_type=NDJSON)
-    text, calls, done = await collect(first, agen)
-    out = {"model": body.model, "created_at": c.now_rfc3339(), "response": text, "done": True,
-           "done_reason": done_reason(done), **metrics(done.stats)}
-    if calls:
-        out["tool_calls"] = normalize_calls(calls)
-    return JSONResponse(out)
-
-
-def chat_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
-    """Ollama messages → backend messages; also whether any carries images."""
-    out: list[dict[str, Any]] = []
-    images = False
-    for m in messages:
-        msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
-        if m.images:
-            images = True
-        if m.tool_calls:
-            msg["tool_calls"] = [{"type": "function", **({"id": t.id} if t.id else {}),
-                                  "function": {"name": t.function.name, "arguments": t.function.arguments}}
-                                 for t in m.tool_calls]
-        if m.tool_name:
-            msg["name"] = m.tool_name
-            msg["tool_name"] = m.tool_name
-        if m.tool_call_id:
-            msg["tool_call_id"] = m.tool_call_id
-        out.append(msg)
-    return out, images
+        return run.stream(LineEncoder(body.model, generate_line, top))
+    return JSONResponse(generate_result(body.model, await run.collect(), top))
 
 
 @router.post("/api/chat")
 async def chat(body: ChatBody, request: Request) -> Response:
-    name = c.check_name(body.model)
-    keep_alive = c.keep_alive_of(body.keep_alive)
-    sampling, load_options = c.options_of(body.options)
-    load_options = await cap_ctx(request, name, load_options)
-    fmt = c.check_format(body.format)
-    check_think(body.think, body.model)
+    call = chat_call(body)
     if not body.messages:
-        reason = await load_or_unload(request, name, keep_alive, load_options)
+        reason = await g.load_or_unload(request, body.model, call.keep_alive, call.options)
         return JSONResponse({"model": body.model, "created_at": c.now_rfc3339(),
                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": reason})
-    messages, images = chat_messages(body.messages)
-    if images or body.tools:
-        model = await installed(request, name)
-        caps = c.capabilities(model)
-        if images and "vision" not in caps:
-            raise c.bad_request(f'"{body.model}" does not support images (it is not a multimodal model)')
-        if body.tools and "tools" not in caps:
-            raise c.bad_request(f'"{body.model}" does not support tools')
-    req = GenerateRequest(messages=messages, sampling=sampling, format=fmt, tools=body.tools or None)
-    agen = _engine(request).agenerate(name, req, load_options, keep_alive=keep_alive)
-    first = await first_event(agen, request)
-
-    def render(event: Any) -> dict[str, Any] | None:
-        base = {"model": body.model, "created_at": c.now_rfc3339()}
-        if isinstance(event, TextChunk):
-            return {**base, "message": {"role": "assistant", "content": event.text}, "done": False}
-        if isinstance(event, ToolCalls):
-            return {**base, "message": {"role": "assistant", "content": "",
-                                        "tool_calls": normalize_calls(event.calls)}, "done": False}
-        if isinstance(event, Done):
-            return {**base, "message": {"role": "assistant", "content": ""}, "done": True,
-                    "done_reason": done_reason(event), **metrics(event.stats)}
-        return None
-
+    run = await g.begin(request, call)
+    top = call.request.top_logprobs > 0
     if body.stream:
-        return StreamingResponse(ndjson_stream(first, agen, render), media_type=NDJSON)
-    text, calls, done = await collect(first, agen)
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if calls:
-        message["tool_calls"] = normalize_calls(calls)
-    return JSONResponse({"model": body.model, "created_at": c.now_rfc3339(), "message": message, "done": True,
-                         "done_reason": done_reason(done), **metrics(done.stats)})
-
-
-def shorten(vectors: list[list[float]], dimensions: int | None) -> list[list[float]]:
-    """Matryoshka-style truncation to ``dimensions``, renormalised."""
-    if not dimensions:
-        return vectors
-    out = []
-    for v in vectors:
-        v = v[:dimensions]
-        norm = sum(x * x for x in v) ** 0.5 or 1.0
-        out.append([x / norm for x in v])
-    return out
-
-
-async def embed_texts(request: Request, name: str, texts: list[str], options: dict[str, Any] | None,
-                      keep_alive: float | None) -> tuple[list[list[float]], int, int]:
-    """(vectors, prompt tokens, load ns)."""
-    engine = _engine(request)
-    _, load_options = c.options_of(options)
-    load_options = await cap_ctx(request, name, load_options)
-    was_loaded = engine.is_loaded(name)
-    vectors = await c.run_sync(engine.embed, name, texts, load_options, keep_alive=keep_alive)
-    tokens = 0
-    for t in texts:
-        tokens += len(await c.run_sync(engine.tokenize, name, t))
-    running = None if was_loaded else next((m for m in engine.ps() if m.name == name), None)
-    load_ns = running.load_duration_ns if running is not None else 0
-    return vectors, tokens, load_ns
+        return run.stream(LineEncoder(body.model, chat_line, top))
+    return JSONResponse(chat_result(body.model, await run.collect(), top))
 
 
 @router.post("/api/embed")
@@ -347,8 +260,8 @@ async def embed(body: EmbedBody, request: Request) -> Response:
     if not texts or texts == [""]:
         await c.run_sync(_engine(request).load, name, c.options_of(body.options)[1], keep_alive=keep_alive)
         return JSONResponse({"model": body.model, "embeddings": []})
-    vectors, tokens, load_ns = await embed_texts(request, name, texts, body.options, keep_alive)
-    return JSONResponse({"model": body.model, "embeddings": shorten(vectors, body.dimensions),
+    vectors, tokens, load_ns = await g.embed_texts(request, name, texts, body.options, keep_alive)
+    return JSONResponse({"model": body.model, "embeddings": g.shorten(vectors, body.dimensions),
                          "total_duration": time.perf_counter_ns() - t0, "load_duration": load_ns,
                          "prompt_eval_count": tokens})
 
@@ -359,7 +272,7 @@ async def embeddings(body: EmbeddingsBody, request: Request) -> Response:
     keep_alive = c.keep_alive_of(body.keep_alive)
     if not body.prompt:
         return JSONResponse({"embedding": []})
-    vectors, _, _ = await embed_texts(request, name, [body.prompt], body.options, keep_alive)
+    vectors, _, _ = await g.embed_texts(request, name, [body.prompt], body.options, keep_alive)
     return JSONResponse({"embedding": vectors[0]})
 
 
@@ -379,7 +292,7 @@ async def tags(request: Request) -> dict[str, Any]:
 @router.post("/api/show")
 async def show(body: ModelBody, request: Request) -> Response:
     name = c.check_name(body.model or body.name)
-    model = await installed(request, name)
+    model = await g.installed(request, name)
     info = c.info_of(model)
     arch = info.get("architecture") or "unknown"
     model_info: dict[str, Any] = {"general.architecture": arch}

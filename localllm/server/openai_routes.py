@@ -1,5 +1,11 @@
-"""OpenAI's API (``/v1/*``) on the same engine: SSE streams (``data: {...}\\n\\n`` … ``data: [DONE]``),
-errors as ``{"error": {"message", "type", "param", "code"}}``.
+"""OpenAI's Chat Completions, Completions, Embeddings and Models (``/v1/*``) in front of the same path as
+Ollama's handlers: SSE streams (``data: {...}\\n\\n`` … ``data: [DONE]``), errors as ``{"error": {"message",
+"type", "param", "code"}}``. Each handler translates the body into a
+:class:`~localllm.server.generation.Call` and the events back (pure functions below).
+
+Reasoning arrives in ``message.reasoning`` / ``delta.reasoning`` (Ollama's name) and, with the same text,
+``reasoning_content`` (llama-server's and DeepSeek's), so clients of either find it; assistant turns sent back
+may carry either. ``reasoning_effort`` (or ``reasoning.effort``) sets ``think``.
 
 Extensions (not in OpenAI's API; the README documents them): ``num_ctx`` sets the context size,
 ``options`` takes any Ollama option, ``keep_alive`` is Ollama's.
@@ -12,49 +18,32 @@ import json
 import secrets
 import struct
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from localllm.engine import Done, GenerateRequest, TextChunk, ToolCalls
+from localllm.engine import Done, GenerateRequest, TextChunk, TokenLogprob, ToolCalls
 from localllm.server import common as c
-from localllm.server.ollama_routes import cap_ctx, collect, embed_texts, first_event, normalize_calls, shorten
+from localllm.server import generation as g
 from localllm.server.schemas import ChatCompletionBody, CompletionBody, EmbeddingsOAIBody
 
 router = APIRouter(prefix="/v1")
 FINGERPRINT = "fp_ollama"
+SSE_HEADERS = {"Cache-Control": "no-cache"}
 
 
-def _engine(request: Request) -> Any:
-    return request.app.state.engine
+# ------------------------------------------------------------------------------------ requests (pure)
 
 
-def sampling_of(body: Any, extra_defaults: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """OpenAI fields (+ the ``options``/``num_ctx`` extensions) → (Sampling, LoadOptions).
-    OpenAI's defaults: temperature 1.0, top_p 1.0; explicit top-level fields win over ``options``."""
-    opts: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, **(extra_defaults or {})}
-    if body.options is not None:
-        if not isinstance(body.options, dict):
-            raise c.bad_request("options must be an object")
-        opts.update(body.options)
-    for field, key in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
-                       ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty"),
-                       ("num_ctx", "num_ctx")):
-        value = getattr(body, field, None)
-        if value is not None:
-            opts[key] = value
+def sampling_of(body: ChatCompletionBody | CompletionBody) -> tuple[Any, Any]:
+    """OpenAI fields (+ the ``options``/``num_ctx`` extensions) → (Sampling, LoadOptions); OpenAI's
+    defaults: temperature 1.0, top_p 1.0."""
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-    if max_tokens is not None:
-        if max_tokens < 1:
-            raise c.bad_request("max_tokens must be at least 1")
-        opts["num_predict"] = max_tokens
-    if body.stop is not None:
-        opts["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
-        if len(opts["stop"]) > 16:
-            raise c.bad_request("stop takes at most 16 sequences")
-    return c.options_of(opts)
+    return c.api_options(body.options, {"temperature": 1.0, "top_p": 1.0}, max_tokens=max_tokens, stop=body.stop,
+                         temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                         frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                         num_ctx=body.num_ctx)
 
 
 def response_format(value: dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -69,63 +58,115 @@ def response_format(value: dict[str, Any] | None) -> str | dict[str, Any] | None
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise c.bad_request("response_format.json_schema.schema must be a JSON schema object")
-        return schema
-    raise c.bad_request(f"response_format.type must be text, json_object or json_schema, got {str(kind)[:40]!r}")
+            raise c.bad_request("response_format.json_schema.schema must be a JSON schema object",
+                                param="response_format")
+        return c.check_format(schema, "response_format")
+    raise c.bad_request(f"response_format.type must be text, json_object or json_schema, got {str(kind)[:40]!r}",
+                        param="response_format")
+
+
+def tool_calls_in(calls: list[Any]) -> list[dict[str, Any]]:
+    """An assistant turn's OpenAI tool calls (arguments as a JSON string) → the backend's."""
+    out = []
+    for t in calls:
+        args = t.function.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise c.bad_request(f"tool call arguments for {t.function.name!r} are not valid JSON",
+                                    param="messages") from None
+        out.append({"type": "function", **({"id": t.id} if t.id else {}),
+                    "function": {"name": t.function.name, "arguments": args}})
+    return out
 
 
 def oai_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
     """OpenAI messages → backend messages (text parts joined); also whether any has an image."""
     out: list[dict[str, Any]] = []
     images = False
+    names: dict[str, str] = {}  # tool call id -> function name, for the tool turns that answer them
     for m in messages:
         content = m.content
         if isinstance(content, list):
             texts = []
             for part in content:
-                if part.type == "text":
+                if part.type in ("text", "input_text"):
                     texts.append(part.text or "")
                 elif part.type in ("image_url", "input_image"):
                     images = True
                 else:
-                    raise c.bad_request(f"unsupported content part type {part.type[:40]!r}")
+                    raise c.bad_request(f"unsupported content part type {part.type[:40]!r}", param="messages")
             content = "\n".join(texts)
         msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        reasoning = m.reasoning or m.reasoning_content
+        if reasoning and m.role == "assistant":
+            msg["thinking"] = msg["reasoning_content"] = reasoning
         if m.tool_calls:
-            calls = []
-            for t in m.tool_calls:
-                args = t.function.arguments
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args) if args.strip() else {}
-                    except ValueError:
-                        raise c.bad_request(f"tool call arguments for {t.function.name!r} are not valid JSON") from None
-                calls.append({"type": "function", **({"id": t.id} if t.id else {}),
-                              "function": {"name": t.function.name, "arguments": args}})
-            msg["tool_calls"] = calls
+            msg["tool_calls"] = tool_calls_in(m.tool_calls)
+            names.update({t.id: t.function.name for t in m.tool_calls if t.id})
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
+            if m.tool_call_id in names and not m.name:
+                msg["name"] = msg["tool_name"] = names[m.tool_call_id]
         if m.name:
             msg["name"] = m.name
         out.append(msg)
     return out, images
 
 
-def oai_tool_calls(calls: list[dict[str, Any]], *, with_index: bool = False) -> list[dict[str, Any]]:
+def chat_call(body: ChatCompletionBody) -> g.Call:
+    if not body.messages:
+        raise c.bad_request("[] is too short - 'messages'", param="messages")
+    sampling, options = sampling_of(body)
+    messages, images = oai_messages(body.messages)
+    tools = c.check_tools(body.tools) if body.tools and body.tool_choice != "none" else None
+    effort = body.reasoning_effort if body.reasoning_effort is not None else (
+        body.reasoning.effort if body.reasoning is not None else None)
+    top = c.check_top_logprobs(body.top_logprobs)
+    req = GenerateRequest(messages=messages, sampling=sampling, format=response_format(body.response_format),
+                          tools=tools, think=c.think_from_effort(effort), logprobs=bool(body.logprobs),
+                          top_logprobs=top if body.logprobs else 0)
+    return g.Call(body.model, req, options, c.keep_alive_of(body.keep_alive), images=images)
+
+
+def completion_call(body: CompletionBody) -> tuple[g.Call, str]:
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise c.bad_request("prompt must be a string", param="prompt")
+        prompt = prompt[0]
+    if body.suffix:
+        raise c.bad_request(f'"{body.model}" does not support insert', param="suffix")
+    sampling, options = sampling_of(body)
+    if not prompt:
+        raise c.bad_request("prompt must not be empty", param="prompt")
+    top = c.check_top_logprobs(body.logprobs, "logprobs") if body.logprobs is not None else 0
+    req = GenerateRequest(prompt=prompt, sampling=sampling, logprobs=body.logprobs is not None, top_logprobs=top)
+    return g.Call(body.model, req, options, c.keep_alive_of(body.keep_alive)), prompt
+
+
+# ------------------------------------------------------------------------------------ answers (pure)
+
+
+def tool_calls_out(calls: list[dict[str, Any]], *, start: int = 0, with_index: bool = False) -> list[dict[str, Any]]:
+    """Backend tool calls → OpenAI's (arguments re-serialised as a JSON string)."""
     out = []
-    for i, call in enumerate(normalize_calls(calls)):
+    for i, call in enumerate(c.normalize_calls(calls)):
         fn = call["function"]
-        entry: dict[str, Any] = {"id": call.get("id") or f"call_{secrets.token_hex(6)}", "type": "function",
+        entry: dict[str, Any] = {"id": c.call_id(call), "type": "function",
                                  "function": {"name": fn["name"], "arguments": json.dumps(fn["arguments"])}}
         if with_index:
-            entry["index"] = i
+            entry["index"] = start + i
         out.append(entry)
     return out
 
 
-def usage(stats: Any) -> dict[str, int]:
+def usage(stats: Any) -> dict[str, Any]:
     p, e = int(stats.prompt_eval_count), int(stats.eval_count)
-    return {"prompt_tokens": p, "completion_tokens": e, "total_tokens": p + e}
+    return {"prompt_tokens": p, "completion_tokens": e, "total_tokens": p + e,
+            "prompt_tokens_details": {"cached_tokens": int(stats.prompt_cached_tokens)},
+            "completion_tokens_details": {"reasoning_tokens": int(stats.thinking_tokens)}}
 
 
 def finish(done: Done, tool_calls: bool) -> str:
@@ -134,186 +175,188 @@ def finish(done: Done, tool_calls: bool) -> str:
     return "length" if done.finish_reason == "length" else "stop"
 
 
-def sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+def chat_logprobs(lps: list[TokenLogprob] | None, top: bool) -> dict[str, Any] | None:
+    """``choices[].logprobs`` of Chat Completions: ``{"content": [...], "refusal": None}``."""
+    if not lps:
+        return None
+    return {"content": [c.logprob_item(lp, top) for lp in lps], "refusal": None}
 
 
-async def sse_stream(first: Any, agen: AsyncIterator[Any], chunk: Any, final: Any) -> AsyncIterator[bytes]:
-    """Events → SSE chunks, then ``[DONE]``; an error mid-stream is sent as an error object."""
-    try:
-        event = first
-        while True:
-            if isinstance(event, Done):
-                if event.finish_reason == "error":
-                    yield sse({"error": {"message": c.scrub(event.error or "generation failed"), "type": "api_error",
-                                         "param": None, "code": None}})
-                else:
-                    for obj in final(event):
-                        yield sse(obj)
-                yield b"data: [DONE]\n\n"
-                return
-            obj = chunk(event)
-            if obj is not None:
-                yield sse(obj)
-            try:
-                event = await agen.__anext__()
-            except StopAsyncIteration:
-                yield b"data: [DONE]\n\n"
-                return
-    except Exception as e:  # noqa: BLE001 - reported in the stream
-        _, message = c.status_of(e)
-        yield sse({"error": {"message": message, "type": "api_error", "param": None, "code": None}})
-    finally:
-        await agen.aclose()
+def legacy_logprobs(lps: list[TokenLogprob] | None, top: bool, offset: int) -> dict[str, Any] | None:
+    """``choices[].logprobs`` of (legacy) Completions: parallel lists, ``text_offset`` from ``offset``."""
+    if not lps:
+        return None
+    offsets = []
+    for lp in lps:
+        offsets.append(offset)
+        offset += len(lp.token)
+    return {"tokens": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{t: p for t, p, _ in lp.top} for lp in lps] if top else None, "text_offset": offsets}
 
 
-async def check_caps(request: Request, name: str, model_label: str, *, images: bool, tools: bool) -> None:
-    if not (images or tools):
-        return
-    model = await c.run_sync(_engine(request).store.get, name)
-    caps = c.capabilities(model)
-    if images and "vision" not in caps:
-        raise c.bad_request(f'"{model_label}" does not support images (it is not a multimodal model)')
-    if tools and "tools" not in caps:
-        raise c.bad_request(f'"{model_label}" does not support tools')
+def chat_completion(model: str, r: g.Result, cid: str, created: int, top: bool) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": r.content}
+    if r.thinking:
+        message["reasoning"] = message["reasoning_content"] = r.thinking
+    if r.calls:
+        message["tool_calls"] = tool_calls_out(r.calls)
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": FINGERPRINT,
+            "choices": [{"index": 0, "message": message, "logprobs": chat_logprobs(r.logprobs, top),
+                         "finish_reason": finish(r.done, bool(r.calls))}],
+            "usage": usage(r.done.stats)}
+
+
+def error_frame(message: str, status: int = 500) -> bytes:
+    kind = c.OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return c.sse({"error": {"message": message, "type": kind, "param": None, "code": None}})
+
+
+class ChatEncoder:
+    """Events → ``chat.completion.chunk`` SSE frames: the role first, reasoning and content deltas apart,
+    tool calls with a running index, then the finish reason, usage if asked, ``[DONE]``."""
+
+    media_type = "text/event-stream"
+    headers = SSE_HEADERS
+
+    def __init__(self, model: str, top: bool, include_usage: bool):
+        self.base = {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion.chunk",
+                     "created": int(time.time()), "model": model, "system_fingerprint": FINGERPRINT}
+        self.top, self.include_usage = top, include_usage
+        self.role_sent = False
+        self.calls = 0
+
+    def _chunk(self, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None) -> bytes:
+        if not self.role_sent:
+            delta = {"role": "assistant", **delta}
+            self.role_sent = True
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
+        return c.sse({**self.base, "choices": [choice]})
+
+    def head(self) -> list[bytes]:
+        return []
+
+    def event(self, event: TextChunk | ToolCalls) -> list[bytes]:
+        if isinstance(event, ToolCalls):
+            calls = tool_calls_out(event.calls, start=self.calls, with_index=True)
+            self.calls += len(calls)
+            return [self._chunk({"tool_calls": calls})]
+        if not event.text and not event.logprobs:
+            return []
+        delta = ({"reasoning": event.text, "reasoning_content": event.text} if event.thinking
+                 else {"content": event.text})
+        return [self._chunk(delta, chat_logprobs(event.logprobs, self.top))]
+
+    def done(self, done: Done) -> list[bytes]:
+        out = [self._chunk({}, finish_reason=finish(done, self.calls > 0))]
+        if self.include_usage:
+            out.append(c.sse({**self.base, "choices": [], "usage": usage(done.stats)}))
+        return out + [b"data: [DONE]\n\n"]
+
+    def error(self, status: int, message: str) -> list[bytes]:
+        return [error_frame(message, status)]  # the last event (no [DONE]: the stream failed)
+
+
+class CompletionEncoder:
+    """Events → ``text_completion`` SSE frames (the prompt first with ``echo``); reasoning is not text here."""
+
+    media_type = "text/event-stream"
+    headers = SSE_HEADERS
+
+    def __init__(self, model: str, prompt: str, echo: bool, logprobs: bool, top: bool, include_usage: bool):
+        self.base = {"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion", "created": int(time.time()),
+                     "model": model, "system_fingerprint": FINGERPRINT}
+        self.prompt, self.echo, self.logprobs, self.top, self.include_usage = prompt, echo, logprobs, top, include_usage
+        self.offset = len(prompt) if echo else 0
+
+    def head(self) -> list[bytes]:
+        return []
+
+    def event(self, event: TextChunk | ToolCalls) -> list[bytes]:
+        if not isinstance(event, TextChunk) or event.thinking:
+            return []
+        text = event.text
+        if self.echo:
+            text, self.echo = self.prompt + text, False
+        lp = legacy_logprobs(event.logprobs, self.top, self.offset) if self.logprobs else None
+        self.offset += len(event.text)
+        return [c.sse({**self.base, "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": None}]})]
+
+    def done(self, done: Done) -> list[bytes]:
+        out = [c.sse({**self.base, "choices": [{"text": "", "index": 0, "logprobs": None,
+                                                "finish_reason": finish(done, False)}]})]
+        if self.include_usage:
+            out.append(c.sse({**self.base, "choices": [], "usage": usage(done.stats)}))
+        return out + [b"data: [DONE]\n\n"]
+
+    def error(self, status: int, message: str) -> list[bytes]:
+        return [error_frame(message, status)]  # the last event (no [DONE]: the stream failed)
+
+
+# ------------------------------------------------------------------------------------------ routes
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
-    name = c.check_name(body.model)
-    if not body.messages:
-        raise c.bad_request("[] is too short - 'messages'")
-    keep_alive = c.keep_alive_of(body.keep_alive)
-    sampling, load_options = sampling_of(body)
-    load_options = await cap_ctx(request, name, load_options)
-    fmt = response_format(body.response_format)
-    messages, images = oai_messages(body.messages)
-    tools = body.tools if body.tools and body.tool_choice != "none" else None
-    await check_caps(request, name, body.model, images=images, tools=bool(tools))
-    req = GenerateRequest(messages=messages, sampling=sampling, format=fmt, tools=tools)
-    agen = _engine(request).agenerate(name, req, load_options, keep_alive=keep_alive)
-    first = await first_event(agen, request)
-    cid = f"chatcmpl-{secrets.token_hex(8)}"
-    created = int(time.time())
-    base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-            "system_fingerprint": FINGERPRINT}
-
+    call = chat_call(body)
+    run = await g.begin(request, call)
+    top = call.request.top_logprobs > 0
     if body.stream:
-        state = {"role_sent": False, "tools": False}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        def chunk(event: Any) -> dict[str, Any] | None:
-            delta: dict[str, Any] = {}
-            if not state["role_sent"]:
-                delta["role"] = "assistant"
-                state["role_sent"] = True
-            if isinstance(event, TextChunk):
-                if not event.text and "role" not in delta:
-                    return None
-                delta["content"] = event.text
-            elif isinstance(event, ToolCalls):
-                state["tools"] = True
-                delta["tool_calls"] = oai_tool_calls(event.calls, with_index=True)
-            else:
-                return None
-            return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
-
-        def final(done: Done) -> list[dict[str, Any]]:
-            out = [{**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish(done, state["tools"])}]}]
-            if include_usage:
-                out.append({**base, "choices": [], "usage": usage(done.stats)})
-            return out
-
-        return StreamingResponse(sse_stream(first, agen, chunk, final), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    text, calls, done = await collect(first, agen)
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if calls:
-        message["tool_calls"] = oai_tool_calls(calls)
-    return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": body.model,
-                         "system_fingerprint": FINGERPRINT,
-                         "choices": [{"index": 0, "message": message, "logprobs": None,
-                                      "finish_reason": finish(done, bool(calls))}],
-                         "usage": usage(done.stats)})
+        return run.stream(ChatEncoder(body.model, top, include_usage))
+    result = await run.collect()
+    return JSONResponse(chat_completion(body.model, result, f"chatcmpl-{secrets.token_hex(8)}", int(time.time()), top))
 
 
 @router.post("/completions")
 async def completions(body: CompletionBody, request: Request) -> Response:
-    name = c.check_name(body.model)
-    prompt = body.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise c.bad_request("prompt must be a string")
-        prompt = prompt[0]
-    if body.suffix:
-        raise c.bad_request(f'"{body.model}" does not support insert')
-    keep_alive = c.keep_alive_of(body.keep_alive)
-    sampling, load_options = sampling_of(body)
-    load_options = await cap_ctx(request, name, load_options)
-    if not prompt:
-        raise c.bad_request("prompt must not be empty")
-    req = GenerateRequest(prompt=prompt, sampling=sampling)
-    agen = _engine(request).agenerate(name, req, load_options, keep_alive=keep_alive)
-    first = await first_event(agen, request)
-    cid = f"cmpl-{secrets.token_hex(8)}"
-    created = int(time.time())
-    base = {"id": cid, "object": "text_completion", "created": created, "model": body.model,
-            "system_fingerprint": FINGERPRINT}
-
+    call, prompt = completion_call(body)
+    run = await g.begin(request, call)
+    want_lp, top = call.request.logprobs, call.request.top_logprobs > 0
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        echoed = {"done": not body.echo}
-
-        def chunk(event: Any) -> dict[str, Any] | None:
-            if not isinstance(event, TextChunk):
-                return None
-            text = event.text
-            if not echoed["done"]:
-                text, echoed["done"] = prompt + text, True
-            return {**base, "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": None}]}
-
-        def final(done: Done) -> list[dict[str, Any]]:
-            out = [{**base, "choices": [{"text": "", "index": 0, "logprobs": None,
-                                         "finish_reason": finish(done, False)}]}]
-            if include_usage:
-                out.append({**base, "choices": [], "usage": usage(done.stats)})
-            return out
-
-        return StreamingResponse(sse_stream(first, agen, chunk, final), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    text, _, done = await collect(first, agen)
-    if body.echo:
-        text = prompt + text
-    return JSONResponse({**base, "choices": [{"text": text, "index": 0, "logprobs": None,
-                                              "finish_reason": finish(done, False)}], "usage": usage(done.stats)})
+        return run.stream(CompletionEncoder(body.model, prompt, body.echo, want_lp, top, include_usage))
+    r = await run.collect()
+    text = prompt + r.content if body.echo else r.content
+    lp = legacy_logprobs(r.logprobs, top, len(prompt) if body.echo else 0) if want_lp else None
+    return JSONResponse({"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion",
+                         "created": int(time.time()), "model": body.model, "system_fingerprint": FINGERPRINT,
+                         "choices": [{"text": text, "index": 0, "logprobs": lp,
+                                      "finish_reason": finish(r.done, False)}],
+                         "usage": usage(r.done.stats)})
 
 
 def model_entry(model: Any) -> dict[str, Any]:
-    return {"id": model.name, "object": "model", "created": c.modified_ts(model), "owned_by": "library"}
+    """A model as OpenAI lists it, plus the fields Anthropic's SDK reads from the same ``/v1/models``."""
+    created = c.modified_ts(model)
+    return {"id": model.name, "object": "model", "created": created, "owned_by": "library",
+            "type": "model", "display_name": model.name, "created_at": c.rfc3339(float(created)) if created else None}
 
 
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
-    listed = await c.run_sync(_engine(request).store.list)
-    return {"object": "list", "data": [model_entry(m) for m in listed]}
+    listed = await c.run_sync(g.engine_of(request).store.list)
+    data = [model_entry(m) for m in listed]
+    return {"object": "list", "data": data, "has_more": False,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
 
 @router.get("/models/{model:path}")
 async def model(model: str, request: Request) -> dict[str, Any]:
-    name = c.check_name(model)
-    return model_entry(await c.run_sync(_engine(request).store.get, name))
+    return model_entry(await g.installed(request, c.check_name(model)))
 
 
 @router.post("/embeddings")
 async def embeddings(body: EmbeddingsOAIBody, request: Request) -> Response:
-    name = c.check_name(body.model)
     texts = [body.input] if isinstance(body.input, str) else list(body.input)
     if not texts or any(not t for t in texts):
-        raise c.bad_request("invalid input: expected a non-empty string or a list of non-empty strings")
+        raise c.bad_request("invalid input: expected a non-empty string or a list of non-empty strings", param="input")
     if body.encoding_format not in (None, "float", "base64"):
-        raise c.bad_request("encoding_format must be float or base64")
-    vectors, tokens, _ = await embed_texts(request, name, texts, None, None)
-    vectors = shorten(vectors, body.dimensions)
+        raise c.bad_request("encoding_format must be float or base64", param="encoding_format")
+    vectors, tokens, _ = await g.embed_texts(request, body.model, texts, None, None)
+    vectors = g.shorten(vectors, body.dimensions)
     data = []
     for i, v in enumerate(vectors):
         emb: Any = v

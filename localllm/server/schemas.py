@@ -9,12 +9,15 @@ Extensions beyond the upstream APIs (documented in the README):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 KeepAlive = str | int | float | None
 Format = str | dict[str, Any] | None
+# checked by the handler, so that a wrong value gets Ollama's own message ("invalid think value: ...")
+Think = Annotated[Any, Field(json_schema_extra={"anyOf": [
+    {"type": "boolean"}, {"type": "string", "enum": ["low", "medium", "high", "max"]}, {"type": "null"}]})]
 
 
 class _Body(BaseModel):
@@ -58,7 +61,9 @@ class GenerateBody(_Body):
     keep_alive: KeepAlive = None
     images: list[str] | None = None
     options: dict[str, Any] | None = None
-    think: bool | str | None = None
+    think: Think = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 class ChatBody(_Body):
@@ -69,7 +74,9 @@ class ChatBody(_Body):
     options: dict[str, Any] | None = None
     stream: bool = True
     keep_alive: KeepAlive = None
-    think: bool | str | None = None
+    think: Think = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 class EmbedBody(_Body):
@@ -132,6 +139,8 @@ class OAIMessage(_Body):
     name: str | None = None
     tool_calls: list[OAIToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning: str | None = None  # an assistant turn's reasoning (Ollama's name)
+    reasoning_content: str | None = None  # llama-server's / DeepSeek's name
 
 
 class StreamOptions(_Body):
@@ -157,18 +166,28 @@ class _OAICommon(_Body):
     keep_alive: KeepAlive = Field(default=None, description="localllm extension: Ollama keep_alive")
 
 
+class Reasoning(_Body):
+    effort: str | None = None
+    summary: str | None = None
+
+
 class ChatCompletionBody(_OAICommon):
     messages: list[OAIMessage]
     max_completion_tokens: int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    reasoning_effort: str | None = None
+    reasoning: Reasoning | None = None
 
 
 class CompletionBody(_OAICommon):
     prompt: str | list[str]
     suffix: str | None = None
     echo: bool = False
+    logprobs: int | None = Field(default=None, description="alternatives per token (0-20); the legacy shape")
 
 
 class EmbeddingsOAIBody(_Body):
@@ -177,3 +196,68 @@ class EmbeddingsOAIBody(_Body):
     encoding_format: str | None = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
+
+
+class _Extensions(_Body):
+    """localllm's extensions on the OpenAI-style and Anthropic bodies (documented in the README)."""
+
+    num_ctx: int | None = Field(default=None, ge=1, description="localllm extension: context size in tokens")
+    options: dict[str, Any] | None = Field(default=None, description="localllm extension: Ollama options")
+    keep_alive: KeepAlive = Field(default=None, description="localllm extension: Ollama keep_alive")
+
+
+# ------------------------------------------------------------------------------------- OpenAI Responses
+
+
+class ResponsesBody(_Extensions):
+    model: str
+    input: str | list[dict[str, Any]] | None = None  # items are read by the handler (400 naming a bad one)
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    reasoning: Reasoning | None = None
+    text: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, Any] | None = None
+    truncation: str | None = None
+    user: str | None = None
+
+
+# ------------------------------------------------------------------------------------ Anthropic Messages
+
+
+class AnthropicMessage(_Body):
+    role: str
+    content: str | list[dict[str, Any]]  # blocks are read by the handler (400 naming a bad one)
+
+
+class AnthropicBody(_Extensions):
+    model: str
+    max_tokens: int | None = None
+    messages: list[AnthropicMessage] | None = None
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class AnthropicCountBody(_Body):
+    model: str
+    messages: list[AnthropicMessage] | None = None
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None

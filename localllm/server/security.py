@@ -9,7 +9,8 @@ In order, for every HTTP request:
 2. **CORS** (Starlette's ``CORSMiddleware``, added by the app): loopback origins plus
    ``LOCALLLM_ORIGINS`` (comma separated; ``*`` wildcards allowed, ``*`` alone allows all).
 3. **Bearer token**: with ``LOCALLLM_API_KEY`` set, every endpoint but ``/`` needs
-   ``Authorization: Bearer <key>`` (compared in constant time); CORS preflights pass.
+   ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's SDKs and Claude Code send that),
+   compared in constant time; CORS preflights pass.
 4. **JSON bodies**: every POST/DELETE body is read as JSON whatever its ``Content-Type`` (as Ollama;
    ``curl -d`` sends a form type).
 5. **Body limit**: ``LOCALLLM_MAX_BODY`` bytes (default 32 MiB), by ``Content-Length`` and while
@@ -119,9 +120,11 @@ class SecurityMiddleware:
         if self.api_key and path != "/" and not preflight:
             auth = headers.get("authorization", "")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            key = headers.get("x-api-key", "").strip()
+            if not (hmac.compare_digest(token.encode(), self.api_key.encode())
+                    or hmac.compare_digest(key.encode(), self.api_key.encode())):
                 await _send_error(send, path, 401, "unauthorized: this server needs an Authorization: Bearer <key> "
-                                  "header with the key in LOCALLLM_API_KEY")
+                                  "(or x-api-key: <key>) header with the key in LOCALLLM_API_KEY")
                 return
         length = headers.get("content-length")
         if length is not None:
@@ -175,9 +178,6 @@ async def _send(send: Any, status: int, body: bytes, content_type: str) -> None:
 
 
 async def _send_error(send: Any, path: str, status: int, message: str) -> None:
-    if path.startswith("/v1"):
-        kind = {401: "authentication_error", 413: "invalid_request_error"}.get(status, "invalid_request_error")
-        payload: dict[str, Any] = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    else:
-        payload = {"error": message}
-    await _send(send, status, json.dumps(payload).encode(), "application/json")
+    from localllm.server.common import error_payload
+
+    await _send(send, status, json.dumps(error_payload(path, status, message)).encode(), "application/json")

@@ -1,0 +1,326 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``) on the one generation
+path, so Claude Code and the ``anthropic`` SDKs can talk to a local model: the body is translated into a
+:class:`~localllm.server.generation.Call` and the events into content blocks (pure functions and
+:class:`MessagesEncoder` below). Errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
+
+* ``system`` (a string or text blocks), ``messages`` with text, image (base64), ``tool_use``, ``tool_result``
+  and ``thinking`` blocks, ``max_tokens`` (required), ``stop_sequences``, ``temperature``/``top_p``/``top_k``.
+* ``tools`` (``{name, description, input_schema}``) → tool calls as ``tool_use`` blocks (``stop_reason:
+  "tool_use"``); tools that run on Anthropic's servers (web search...) cannot run here and are left out.
+* ``thinking: {"type": "enabled"}`` (or ``output_config.effort``) → ``think``; reasoning comes back as
+  ``thinking`` blocks. A model that cannot think ignores it (no 400), as Ollama does here.
+* Streams: ``message_start``, ``ping``, per block ``content_block_start`` / ``content_block_delta``
+  (``thinking_delta``, ``text_delta``, ``input_json_delta``) / ``content_block_stop``, ``message_delta``
+  (stop reason, usage), ``message_stop``; an error after the stream began is an ``error`` event.
+* ``x-api-key`` works where a key is configured (:mod:`localllm.server.security`); ``anthropic-version`` and
+  ``anthropic-beta`` headers are accepted and ignored, as are ``cache_control`` and ``metadata``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from localllm.engine import Done, GenerateRequest, TextChunk, ToolCalls
+from localllm.server import common as c
+from localllm.server import generation as g
+from localllm.server.schemas import AnthropicBody, AnthropicCountBody
+
+router = APIRouter(prefix="/v1")
+log = logging.getLogger("localllm.server")
+_IGNORED_BLOCKS = ("redacted_thinking", "server_tool_use", "web_search_tool_result")
+_EFFORT = {"low": "low", "medium": "medium", "high": "high", "max": "high", "xhigh": "high"}
+
+
+# ------------------------------------------------------------------------------------ requests (pure)
+
+
+def system_text(system: Any) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    texts = []
+    for i, block in enumerate(system):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise c.bad_request(f"system[{i}] must be a text block")
+        texts.append(block["text"])
+    return "\n\n".join(texts)
+
+
+def _tool_result_text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise c.bad_request(f"{where}.content must be a string or a list of blocks")
+    texts = []
+    for block in content:
+        if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def messages_in(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
+    """Anthropic messages → backend messages; also whether any carries an image. A user turn's
+    ``tool_result`` blocks become ``tool`` turns placed before its text."""
+    out: list[dict[str, Any]] = []
+    images = False
+    names: dict[str, str] = {}  # tool_use id -> tool name
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if m.role not in ("user", "assistant"):
+            raise c.bad_request(f"{where}.role must be user or assistant")
+        blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
+        texts: list[str] = []
+        thinking: list[str] = []
+        calls: list[dict[str, Any]] = []
+        pics: list[str] = []
+        tools: list[dict[str, Any]] = []
+        for j, block in enumerate(blocks):
+            at = f"{where}.content[{j}]"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text":
+                if not isinstance(block.get("text"), str):
+                    raise c.bad_request(f"{at}.text must be a string")
+                texts.append(block["text"])
+            elif kind == "image":
+                source = block.get("source") or {}
+                if not isinstance(source, dict) or source.get("type") != "base64" or not source.get("data"):
+                    raise c.bad_request(f"{at}: only base64 image sources are supported")
+                images = True
+                pics.append(str(source["data"]))
+            elif kind == "thinking" and m.role == "assistant":
+                if isinstance(block.get("thinking"), str):
+                    thinking.append(block["thinking"])
+            elif kind == "tool_use" and m.role == "assistant":
+                name, tid, args = block.get("name"), block.get("id"), block.get("input", {})
+                if not isinstance(name, str) or not isinstance(tid, str) or not isinstance(args, dict):
+                    raise c.bad_request(f"{at}: a tool_use block needs an id, a name and an input object")
+                names[tid] = name
+                calls.append({"type": "function", "id": tid, "function": {"name": name, "arguments": args}})
+            elif kind == "tool_result" and m.role == "user":
+                tid = block.get("tool_use_id")
+                if not isinstance(tid, str):
+                    raise c.bad_request(f"{at}.tool_use_id must be a string")
+                tool: dict[str, Any] = {"role": "tool", "content": _tool_result_text(block.get("content"), at),
+                                        "tool_call_id": tid}
+                if tid in names:
+                    tool["name"] = tool["tool_name"] = names[tid]
+                tools.append(tool)
+            elif kind in _IGNORED_BLOCKS:
+                continue
+            else:
+                raise c.bad_request(f"{at}: content block type {str(kind)[:40]!r} is not supported in a {m.role} turn")
+        out += tools
+        if texts or pics or calls or thinking or not tools:
+            msg: dict[str, Any] = {"role": m.role, "content": "\n".join(texts)}
+            if pics:
+                msg["images"] = pics
+            if thinking:
+                msg["thinking"] = msg["reasoning_content"] = "\n".join(thinking)
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out, images
+
+
+def tools_in(tools: list[dict[str, Any]] | None, choice: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """Anthropic tools → the backend's; server tools (no ``input_schema``) are left out, with a log line."""
+    if not tools or (choice or {}).get("type") == "none":
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+            raise c.bad_request(f"tools[{i}] must have a name")
+        schema = tool.get("input_schema")
+        if schema is None and tool.get("type") not in (None, "custom"):
+            log.info("tool %s (%s) runs on Anthropic's servers; left out", tool["name"], tool.get("type"))
+            continue
+        if not isinstance(schema, dict):
+            raise c.bad_request(f"tools[{i}].input_schema must be a JSON schema object")
+        fn = {"name": tool["name"], "parameters": schema}
+        if isinstance(tool.get("description"), str):
+            fn["description"] = tool["description"]
+        out.append({"type": "function", "function": fn})
+    return c.check_tools(out) if out else None
+
+
+def think_of(thinking: dict[str, Any] | None, output_config: dict[str, Any] | None) -> Any:
+    if thinking:
+        kind = thinking.get("type")
+        if kind == "enabled":
+            return True
+        if kind == "disabled":
+            return False
+        if kind == "adaptive":
+            return None
+        raise c.bad_request(f"thinking.type must be enabled, disabled or adaptive, got {str(kind)[:40]!r}")
+    effort = (output_config or {}).get("effort")
+    if effort is None:
+        return None
+    if effort not in _EFFORT:
+        raise c.bad_request(f"output_config.effort must be low, medium, high or max, got {str(effort)[:40]!r}")
+    return _EFFORT[effort]
+
+
+def messages_call(body: AnthropicBody) -> g.Call:
+    if not body.model:
+        raise c.bad_request("model is required")
+    if body.max_tokens is None or body.max_tokens <= 0:
+        raise c.bad_request("max_tokens is required and must be positive")
+    if not body.messages:
+        raise c.bad_request("messages is required")
+    messages, images = messages_in(body.messages)
+    system = system_text(body.system)
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    sampling, options = c.api_options(body.options, max_tokens=body.max_tokens, stop=body.stop_sequences,
+                                      temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                      num_ctx=body.num_ctx)
+    req = GenerateRequest(messages=messages, sampling=sampling, tools=tools_in(body.tools, body.tool_choice),
+                          think=think_of(body.thinking, body.output_config))
+    return g.Call(body.model, req, options, c.keep_alive_of(body.keep_alive), images=images, relax_thinking=True)
+
+
+def estimate_tokens(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """A rough prompt size (characters / 4, as Ollama estimates it) for ``message_start``, sent before
+    the prompt's real count is known (``message_delta`` has that)."""
+    chars = sum(len(str(m.get("content") or "")) for m in messages) + len(json.dumps(tools or []))
+    return max(1, chars // 4)
+
+
+# ------------------------------------------------------------------------------------ answers (pure)
+
+
+def stop_reason(done: Done, calls: bool) -> str:
+    if calls:
+        return "tool_use"
+    return "max_tokens" if done.finish_reason == "length" else "end_turn"
+
+
+def usage(stats: Any) -> dict[str, int]:
+    cached = int(stats.prompt_cached_tokens)
+    return {"input_tokens": int(stats.prompt_eval_count) - cached, "output_tokens": int(stats.eval_count),
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def tool_use_blocks(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "tool_use", "id": c.call_id(call, "toolu_"), "name": call["function"]["name"],
+             "input": call["function"]["arguments"] if isinstance(call["function"]["arguments"], dict)
+             else {"value": call["function"]["arguments"]}}
+            for call in c.normalize_calls(calls)]
+
+
+def message_object(mid: str, model: str, r: g.Result) -> dict[str, Any]:
+    """The non-streaming answer: thinking, then text, then tool_use blocks."""
+    content: list[dict[str, Any]] = []
+    if r.thinking:
+        content.append({"type": "thinking", "thinking": r.thinking, "signature": ""})
+    if r.content or not r.calls:
+        content.append({"type": "text", "text": r.content})
+    content += tool_use_blocks(r.calls)
+    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop_reason(r.done, bool(r.calls)), "stop_sequence": None, "usage": usage(r.done.stats)}
+
+
+class MessagesEncoder:
+    """Events → Anthropic's stream: one content block per run of thinking, of text, per tool call."""
+
+    media_type = "text/event-stream"
+    headers = {"Cache-Control": "no-cache"}
+
+    def __init__(self, model: str, input_estimate: int):
+        self.mid = f"msg_{secrets.token_hex(12)}"
+        self.model, self.input_estimate = model, input_estimate
+        self.index = -1  # the open block's index
+        self.open: str | None = None  # "thinking" | "text"
+        self.calls = False
+
+    @staticmethod
+    def _ev(kind: str, **payload: Any) -> bytes:
+        return c.sse({"type": kind, **payload}, event=kind)
+
+    def head(self) -> list[bytes]:
+        message = {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                   "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": self.input_estimate, "output_tokens": 0}}
+        return [self._ev("message_start", message=message), self._ev("ping")]
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        frames = []
+        if self.open == "thinking":
+            frames.append(self._ev("content_block_delta", index=self.index,
+                                   delta={"type": "signature_delta", "signature": ""}))
+        self.open = None
+        return frames + [self._ev("content_block_stop", index=self.index)]
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        frames = self._close()
+        self.index += 1
+        return frames + [self._ev("content_block_start", index=self.index, content_block=block)]
+
+    def event(self, event: TextChunk | ToolCalls) -> list[bytes]:
+        if isinstance(event, ToolCalls):
+            frames: list[bytes] = []
+            for block in tool_use_blocks(event.calls):
+                frames += self._start({**block, "input": {}})
+                frames.append(self._ev("content_block_delta", index=self.index,
+                                       delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
+                frames.append(self._ev("content_block_stop", index=self.index))
+            self.calls = self.calls or bool(event.calls)
+            return frames
+        if not event.text:
+            return []
+        kind = "thinking" if event.thinking else "text"
+        frames = []
+        if self.open != kind:
+            frames = self._start({"type": "thinking", "thinking": "", "signature": ""} if event.thinking
+                                 else {"type": "text", "text": ""})
+            self.open = kind
+        delta = ({"type": "thinking_delta", "thinking": event.text} if event.thinking
+                 else {"type": "text_delta", "text": event.text})
+        return frames + [self._ev("content_block_delta", index=self.index, delta=delta)]
+
+    def done(self, done: Done) -> list[bytes]:
+        frames = self._close()
+        if self.index < 0:  # nothing was said: one empty text block
+            frames += self._start({"type": "text", "text": ""}) + [self._ev("content_block_stop", index=0)]
+        return frames + [self._ev("message_delta", delta={"stop_reason": stop_reason(done, self.calls),
+                                                          "stop_sequence": None}, usage=usage(done.stats)),
+                         self._ev("message_stop")]
+
+    def error(self, status: int, message: str) -> list[bytes]:
+        return [self._ev("error", error=c.error_payload("/v1/messages", status, message)["error"])]
+
+
+# ------------------------------------------------------------------------------------------ routes
+
+
+@router.post("/messages")
+async def messages(body: AnthropicBody, request: Request) -> Response:
+    call = messages_call(body)
+    run = await g.begin(request, call)
+    if body.stream:
+        return run.stream(MessagesEncoder(body.model, estimate_tokens(call.request.messages or [], call.request.tools)))
+    return JSONResponse(message_object(f"msg_{secrets.token_hex(12)}", body.model, await run.collect()))
+
+
+@router.post("/messages/count_tokens")
+async def count_tokens(body: AnthropicCountBody, request: Request) -> dict[str, int]:
+    """The prompt's size in the model's tokens: system, turns and tool schemas tokenized as plain text (the
+    chat template's own markup is not counted, so this is a close estimate)."""
+    name = c.check_name(body.model)
+    await g.installed(request, name)
+    messages, _ = messages_in(body.messages or [])
+    parts = [system_text(body.system)] + [str(m.get("content") or "") for m in messages]
+    parts += [json.dumps(m["tool_calls"]) for m in messages if m.get("tool_calls")]
+    if body.tools:
+        parts.append(json.dumps(body.tools))
+    text = "\n".join(p for p in parts if p)
+    tokens = await c.run_sync(g.engine_of(request).tokenize, name, text) if text else []
+    return {"input_tokens": len(tokens)}

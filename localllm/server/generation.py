@@ -1,0 +1,261 @@
+"""The one generation path of the server: every API's chat and completion handler ends here.
+
+A translator (:mod:`~localllm.server.ollama_routes`, :mod:`~localllm.server.openai_routes`,
+:mod:`~localllm.server.responses_routes`, :mod:`~localllm.server.anthropic_routes`) turns its request body
+into a :class:`Call` and the events back into its own frames (an :class:`Encoder`) or its own JSON (from a
+:class:`Result`), with pure functions. This module does the rest, once:
+
+1. the model name (a name, never a path) and the installed model (an unknown one is a 404 first);
+2. the context cap: a ``num_ctx`` above the model's trained context is capped to it, as Ollama does;
+3. capability checks: tools, images and thinking (400 in Ollama's words, ``"<model>" does not support
+   thinking``; dropped instead where the API relaxes it, as Ollama does for Anthropic's), the logprobs
+   range, a ``format`` schema the grammar can follow;
+4. the engine call (:meth:`~localllm.engine.Engine.agenerate`) and its first event, awaited before any byte
+   is sent, so that what fails before the output (a full queue, a prompt that does not fit, a load that
+   fails) answers with its real status; a client that disconnects meanwhile cancels at once;
+5. streaming the encoder's frames (an error mid-stream becomes the API's own last frame; a client that
+   goes away cancels the request and frees its slot), or collecting one :class:`Result`.
+
+Embeddings share steps 1, 2 and the engine (:func:`embed_texts`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from localllm.engine import Done, Event, GenerateRequest, LoadOptions, TextChunk, TokenLogprob, ToolCalls
+from localllm.server import common as c
+from localllm.thinking import think_on
+
+
+class ClientGone(Exception):
+    """The client disconnected before the first byte (answered 499, which nobody reads)."""
+
+
+@dataclass
+class Call:
+    """One generation as any API asks for it; the translators build it from their request bodies."""
+
+    model: str  # the name as the client wrote it (checked here, echoed in answers, named in errors)
+    request: GenerateRequest
+    options: LoadOptions = field(default_factory=LoadOptions)
+    keep_alive: float | None = None
+    images: bool = False  # some message carries an image
+    relax_thinking: bool = False  # a model that cannot think ignores ``think`` (Anthropic's API) instead of a 400
+
+
+@dataclass
+class Result:
+    """A whole generation, collected: the answer, the reasoning apart, tool calls, logprobs, the end."""
+
+    content: str
+    thinking: str
+    calls: list[dict[str, Any]]  # as the backend gave them; :func:`~localllm.server.common.normalize_calls`
+    logprobs: list[TokenLogprob]
+    done: Done
+
+
+class Encoder(Protocol):
+    """Events → one API's stream frames."""
+
+    media_type: str
+    headers: dict[str, str]
+
+    def head(self) -> list[bytes]:
+        """Frames before the first event (Responses' ``response.created``, Anthropic's ``message_start``)."""
+        ...
+
+    def event(self, event: TextChunk | ToolCalls) -> list[bytes]: ...
+
+    def done(self, done: Done) -> list[bytes]: ...
+
+    def error(self, status: int, message: str) -> list[bytes]:
+        """The API's own last frame for an error after the stream began."""
+        ...
+
+
+# ------------------------------------------------------------------------------------------ the path
+
+
+def engine_of(http: Request) -> Any:
+    return http.app.state.engine
+
+
+async def installed(http: Request, name: str) -> Any:
+    """The installed model (a 404 in the API's shape when there is none)."""
+    return await c.run_sync(engine_of(http).store.get, name)
+
+
+def cap_ctx(options: LoadOptions, model: Any) -> LoadOptions:
+    """Like Ollama, a ``num_ctx`` above the model's trained context is capped to it."""
+    if options.num_ctx is None:
+        return options
+    trained = c.info_of(model).get("context_length") or 0
+    if trained and options.num_ctx > trained:
+        return replace(options, num_ctx=int(trained))
+    return options
+
+
+def check_capabilities(call: Call, model: Any) -> None:
+    """Tools, images and thinking against what the model can do; the logprobs range; the format schema."""
+    req = call.request
+    caps = c.capabilities(model)
+    if req.tools and "tools" not in caps:
+        raise c.bad_request(f'"{call.model}" does not support tools', param="tools")
+    if call.images and "vision" not in caps:
+        raise c.bad_request(f'"{call.model}" does not support images (it is not a multimodal model)')
+    if think_on(req.think) and "thinking" not in caps:
+        if not call.relax_thinking:
+            raise c.bad_request(f'"{call.model}" does not support thinking', param="think")
+        req.think = None
+    if isinstance(req.format, dict) and (problem := c.schema_problem(req.format)):
+        raise c.bad_request(f"format: {problem}", param="format")
+    c.check_top_logprobs(req.top_logprobs)
+
+
+async def begin(http: Request, call: Call) -> Run:
+    """Steps 1–4: checks, the engine call, the first event. Raises (an HTTP error status) before any output."""
+    name = c.check_name(call.model)
+    model = await installed(http, name)
+    check_capabilities(call, model)
+    agen = engine_of(http).agenerate(name, call.request, cap_ctx(call.options, model), keep_alive=call.keep_alive)
+    first = await first_event(agen, http)
+    return Run(first, agen)
+
+
+async def first_event(agen: AsyncIterator[Any], http: Request | None = None) -> Any:
+    """The first event, so errors before the first byte get their real status. While waiting (in the
+    queue, for a load, for the prompt) a client that disconnects cancels the request at once."""
+    task = asyncio.ensure_future(agen.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.2)
+            if done:
+                return task.result()
+            if http is not None and await http.is_disconnected():
+                task.cancel()
+                raise ClientGone()
+    except BaseException:
+        if not task.done():
+            task.cancel()
+        await agen.aclose()
+        raise
+
+
+class Run:
+    """A generation under way: its first event is in hand; stream it or collect it (once)."""
+
+    def __init__(self, first: Event, agen: AsyncIterator[Event]):
+        self.first = first
+        self.agen = agen
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The events up to and including :class:`Done` (fewer if the engine ends without one)."""
+        event = self.first
+        while True:
+            yield event
+            if isinstance(event, Done):
+                return
+            try:
+                event = await self.agen.__anext__()
+            except StopAsyncIteration:
+                return
+
+    def stream(self, encoder: Encoder) -> StreamingResponse:
+        return StreamingResponse(self._frames(encoder), media_type=encoder.media_type, headers=encoder.headers)
+
+    async def _frames(self, enc: Encoder) -> AsyncIterator[bytes]:
+        try:
+            for frame in enc.head():
+                yield frame
+            ended = False
+            async for event in self.events():
+                if isinstance(event, Done):
+                    ended = True
+                    frames = (enc.error(500, c.scrub(event.error or "generation failed"))
+                              if event.finish_reason == "error" else enc.done(event))
+                else:
+                    frames = enc.event(event)
+                for frame in frames:
+                    yield frame
+            if not ended:
+                for frame in enc.error(500, "the generation ended without a result"):
+                    yield frame
+        except Exception as e:  # noqa: BLE001 - reported in the stream, in the API's shape
+            status, message = c.status_of(e)
+            for frame in enc.error(status, message):
+                yield frame
+        finally:
+            await self.agen.aclose()  # a client that went away (the task is cancelled) ends the request here
+
+    async def collect(self) -> Result:
+        content: list[str] = []
+        thinking: list[str] = []
+        calls: list[dict[str, Any]] = []
+        logprobs: list[TokenLogprob] = []
+        try:
+            async for event in self.events():
+                if isinstance(event, TextChunk):
+                    (thinking if event.thinking else content).append(event.text)
+                    logprobs.extend(event.logprobs or ())
+                elif isinstance(event, ToolCalls):
+                    calls.extend(event.calls)
+                elif isinstance(event, Done):
+                    if event.finish_reason == "error":
+                        raise c.APIError(500, event.error or "generation failed")
+                    return Result("".join(content), "".join(thinking), calls, logprobs, event)
+        finally:
+            await self.agen.aclose()
+        raise c.APIError(500, "the generation ended without a result")
+
+
+# ------------------------------------------------------------------------------------------ load, embed
+
+
+async def load_or_unload(http: Request, model: str, keep_alive: float | None, options: LoadOptions) -> str:
+    """An empty prompt loads the model (``load``); with ``keep_alive: 0`` it unloads it (``unload``)."""
+    engine = engine_of(http)
+    name = c.check_name(model)
+    found = await installed(http, name)  # 404 for an unknown model
+    if keep_alive == 0:
+        await c.run_sync(engine.unload, name)
+        await c.run_sync(engine.unload, found.name)  # loaded under its canonical name
+        return "unload"
+    await c.run_sync(engine.load, name, cap_ctx(options, found), keep_alive=keep_alive)
+    return "load"
+
+
+def shorten(vectors: list[list[float]], dimensions: int | None) -> list[list[float]]:
+    """Matryoshka-style truncation to ``dimensions``, renormalised."""
+    if not dimensions:
+        return vectors
+    out = []
+    for v in vectors:
+        v = v[:dimensions]
+        norm = sum(x * x for x in v) ** 0.5 or 1.0
+        out.append([x / norm for x in v])
+    return out
+
+
+async def embed_texts(http: Request, model: str, texts: list[str], options: dict[str, Any] | None,
+                      keep_alive: float | None) -> tuple[list[list[float]], int, int]:
+    """(vectors, prompt tokens, load ns) for ``texts``."""
+    engine = engine_of(http)
+    name = c.check_name(model)
+    found = await installed(http, name)
+    _, load_options = c.options_of(options)
+    load_options = cap_ctx(load_options, found)
+    was_loaded = engine.is_loaded(name)
+    vectors = await c.run_sync(engine.embed, name, texts, load_options, keep_alive=keep_alive)
+    tokens = 0
+    for t in texts:
+        tokens += len(await c.run_sync(engine.tokenize, name, t))
+    running = None if was_loaded else next((m for m in engine.ps() if m.name == name), None)
+    load_ns = running.load_duration_ns if running is not None else 0
+    return vectors, tokens, load_ns
