@@ -161,7 +161,7 @@ def think_of(thinking: dict[str, Any] | None, output_config: dict[str, Any] | No
     effort = (output_config or {}).get("effort")
     if effort is None:
         return None
-    if effort not in _EFFORT:
+    if not isinstance(effort, str) or effort not in _EFFORT:
         raise c.bad_request(f"output_config.effort must be low, medium, high or max, got {str(effort)[:40]!r}")
     return _EFFORT[effort]
 
@@ -180,9 +180,11 @@ def messages_call(body: AnthropicBody) -> g.Call:
     sampling, options = c.api_options(body.options, max_tokens=body.max_tokens, stop=body.stop_sequences,
                                       temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                       num_ctx=body.num_ctx)
-    req = GenerateRequest(messages=messages, sampling=sampling, tools=tools_in(body.tools, body.tool_choice),
+    tools = tools_in(body.tools, body.tool_choice)
+    req = GenerateRequest(messages=messages, sampling=sampling, tools=tools,
                           think=think_of(body.thinking, body.output_config))
-    return g.Call(body.model, req, options, c.keep_alive_of(body.keep_alive), images=images, relax_thinking=True)
+    return g.Call(body.model, req, options, c.keep_alive_of(body.keep_alive), images=images, relax_thinking=True,
+                  force_tools=c.forced_tools(body.tool_choice) if tools else None)
 
 
 def estimate_tokens(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:

@@ -377,6 +377,30 @@ def check_tools(tools: Any, field: str = "tools") -> list[dict[str, Any]] | None
     return tools
 
 
+def forced_tools(choice: Any) -> list[str] | None:
+    """A ``tool_choice`` that forces a call → the tools it allows ([] = any); None when the model decides.
+    Reads OpenAI's (``"required"``, ``{"type": "function", "function": {"name"}}``), the Responses API's
+    (``{"type": "function", "name"}``) and Anthropic's (``{"type": "any"}``, ``{"type": "tool", "name"}``).
+
+    >>> forced_tools("required"), forced_tools({"type": "tool", "name": "f"}), forced_tools("auto")
+    ([], ['f'], None)
+    """
+    if choice in ("required", "any"):
+        return []
+    if not isinstance(choice, dict):
+        return None
+    kind = choice.get("type")
+    if kind in ("any", "required"):
+        return []
+    if kind in ("function", "tool"):
+        fn = choice.get("function")
+        name = choice.get("name") or (fn.get("name") if isinstance(fn, dict) else None)
+        if not isinstance(name, str) or not name:
+            raise bad_request("tool_choice must name the tool it forces", param="tool_choice")
+        return [name]
+    return None
+
+
 def check_think(value: Any, field: str = "think") -> Any:
     """A request's ``think`` (True, False, "low", "medium", "high", "max"); Ollama's message otherwise."""
     from localllm.thinking import parse_think

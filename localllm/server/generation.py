@@ -9,7 +9,8 @@ into a :class:`Call` and the events back into its own frames (an :class:`Encoder
 2. the context cap: a ``num_ctx`` above the model's trained context is capped to it, as Ollama does;
 3. capability checks: tools, images and thinking (400 in Ollama's words, ``"<model>" does not support
    thinking``; dropped instead where the API relaxes it, as Ollama does for Anthropic's), the logprobs
-   range, a ``format`` schema the grammar can follow;
+   range, a ``format`` schema the grammar can follow; a ``tool_choice`` that forces a call becomes the
+   grammar of that call (a parameter schema it cannot express is a 400 naming the keyword);
 4. the engine call (:meth:`~localllm.engine.Engine.agenerate`) and its first event, awaited before any byte
    is sent, so that what fails before the output (a full queue, a prompt that does not fit, a load that
    fails) answers with its real status; a client that disconnects meanwhile cancels at once;
@@ -48,6 +49,9 @@ class Call:
     keep_alive: float | None = None
     images: bool = False  # some message carries an image
     relax_thinking: bool = False  # a model that cannot think ignores ``think`` (Anthropic's API) instead of a 400
+    # tool_choice that forces a call: None = the model decides, [] = any of the tools, [name] = that one; the
+    # answer is then constrained to a call by a grammar built from the tools' parameter schemas
+    force_tools: list[str] | None = None
 
 
 @dataclass
@@ -117,6 +121,39 @@ def check_capabilities(call: Call, model: Any) -> None:
     if isinstance(req.format, dict) and (problem := c.schema_problem(req.format)):
         raise c.bad_request(f"format: {problem}", param="format")
     c.check_top_logprobs(req.top_logprobs)
+    if call.force_tools is not None and req.tools:
+        if req.format is not None:
+            raise c.bad_request("a tool_choice that forces a tool call cannot be combined with a response format",
+                                param="tool_choice")
+        req.format = forced_call_schema(req.tools, call.force_tools)
+
+
+def forced_call_schema(tools: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """The JSON schema of one call to any of ``tools`` (or to those named): ``{"name": <const>, "arguments":
+    <its parameters>}``, the bare-JSON call form the stream parses. Definitions are hoisted to the root so
+    that ``#/$defs/...`` references still resolve.
+
+    >>> forced_call_schema([{"type": "function", "function": {"name": "f"}}], [])["properties"]["name"]
+    {'const': 'f'}
+    """
+    chosen = [t for t in tools if not names or t["function"]["name"] in names]
+    if not chosen:
+        raise c.bad_request(f'tool_choice names "{names[0][:60]}", which is not one of the tools', param="tool_choice")
+    alternatives: list[dict[str, Any]] = []
+    defs: dict[str, Any] = {}
+    for tool in chosen:
+        fn = tool["function"]
+        params = dict(fn.get("parameters") or {"type": "object"})
+        if problem := c.schema_problem(params):
+            raise c.bad_request(f'tools: the parameters of "{fn["name"]}": {problem}', param="tools")
+        for key in ("$defs", "definitions"):
+            if isinstance(params.get(key), dict):
+                defs.setdefault(key, {}).update(params.pop(key))
+        params.pop("$schema", None)
+        alternatives.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                             "required": ["name", "arguments"], "additionalProperties": False})
+    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    return {**schema, **defs}
 
 
 async def begin(http: Request, call: Call) -> Run:

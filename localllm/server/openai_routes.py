@@ -127,7 +127,8 @@ def chat_call(body: ChatCompletionBody) -> g.Call:
     req = GenerateRequest(messages=messages, sampling=sampling, format=response_format(body.response_format),
                           tools=tools, think=c.think_from_effort(effort), logprobs=bool(body.logprobs),
                           top_logprobs=top if body.logprobs else 0)
-    return g.Call(body.model, req, options, c.keep_alive_of(body.keep_alive), images=images)
+    return g.Call(body.model, req, options, c.keep_alive_of(body.keep_alive), images=images,
+                  force_tools=c.forced_tools(body.tool_choice) if tools else None)
 
 
 def completion_call(body: CompletionBody) -> tuple[g.Call, str]:

@@ -192,8 +192,8 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
             out.append(msg)
             last_assistant = None
         elif kind == "reasoning":
-            parts = [p.get("text", "") for p in (item.get("summary") or []) + (item.get("content") or [])
-                     if isinstance(p, dict)]
+            parts = [p.get("text", "") for key in ("summary", "content") if isinstance(item.get(key), list)
+                     for p in item[key] if isinstance(p, dict)]
             text = "\n".join(t for t in parts if isinstance(t, str) and t) or item.get("encrypted_content") or ""
             if isinstance(text, str) and text:
                 thinking.append(text)
@@ -254,7 +254,9 @@ def responses_call(body: ResponsesBody, history: list[dict[str, Any]]) -> tuple[
                           tools=tools_in(body.tools, body.tool_choice),
                           think=c.think_from_effort(body.reasoning.effort if body.reasoning else None, "reasoning"),
                           logprobs=logprobs, top_logprobs=top if logprobs else 0)
-    return g.Call(body.model, req, options, c.keep_alive_of(body.keep_alive), images=images), conversation
+    force = c.forced_tools(body.tool_choice) if req.tools else None
+    return g.Call(body.model, req, options, c.keep_alive_of(body.keep_alive), images=images,
+                  force_tools=force), conversation
 
 
 # ------------------------------------------------------------------------------------ answers (pure)
