@@ -25,10 +25,12 @@ it), a draft (a second model with the same vocabulary, or prompt lookup) propose
 verified in the same evaluation; with several sequences decoding, drafting pauses (the batch already
 fills the machine). An adaptive controller switches drafting off where it does not pay.
 
-Determinism: a seeded request alone gives the same text every time (a fully cached prompt samples from
-the saved logits of its last token instead of evaluating it again). Batched with others, llama.cpp's
-kernels are not batch-invariant on every type: F32 targets give the solo output (tested), quantized ones
-agree closely but can flip a near-tie.
+Determinism: a seeded request repeated gives the same text (a fully cached prompt samples from the saved
+logits of its last token instead of evaluating it again). Batched with others, F32 targets give the solo
+output (tested); quantized kernels are not batch-invariant and agree closely but can flip a near-tie. In
+the shared pool, other requests can leave free cells in another order, so a sequence's new tokens may be
+stored out of position order; attention then sums in another order and the last bits can differ: a
+repeat after other traffic agrees closely, identity is not promised.
 """
 
 from __future__ import annotations
@@ -586,17 +588,20 @@ class LoadedModel:
             self._active.append(req)
             self._counters.requests += 1
 
-    def _free_seq(self, exclude: _Seq | None = None) -> _Seq | None:
-        """An empty sequence id, else the least recently used idle one (emptied)."""
-        empty = [s for s in self._seqs if s.owner is None and not s.tokens and s is not exclude]
+    def _victim(self) -> _Seq | None:
+        """The sequence a new request may take: an empty one, else the idle one used least recently."""
+        empty = [s for s in self._seqs if s.owner is None and not s.tokens]
         if empty:
             return empty[0]
-        idle = sorted((s for s in self._seqs if s.owner is None and s is not exclude), key=lambda s: s.last_used)
-        if not idle:
-            return None
-        victim = idle[0]
-        self._drop(victim)
-        self._counters.evictions += 1
+        idle = [s for s in self._seqs if s.owner is None]
+        return min(idle, key=lambda s: s.last_used) if idle else None
+
+    def _free_seq(self) -> _Seq | None:
+        """An empty sequence id: an empty one, else the least recently used idle one, emptied."""
+        victim = self._victim()
+        if victim is not None and victim.tokens:
+            self._drop(victim)
+            self._counters.evictions += 1
         return victim
 
     def _drop(self, s: _Seq) -> None:
@@ -618,15 +623,18 @@ class LoadedModel:
         if best is not None and best.owner is None and (best_n == len(best.tokens) or best_n == len(prompt)):
             seq = best  # the same conversation continuing (or the same prompt again)
         elif best is not None and best_n > 0:
-            target = self._free_seq(exclude=best)
-            if target is not None and src.seq_cp(best.id, target.id, best_n):
-                target.tokens = list(best.tokens[:best_n])
-                target.prompt_logits = None
-                seq, copied = target, best_n
-            elif best.owner is None:
+            # a shared prefix (a system prompt): copy it into the sequence this request may take, which is
+            # an empty one, else the idle one used least recently (that may be ``best`` itself: then trim it)
+            target = self._victim()
+            if target is best:
                 seq = best
-            else:
-                seq = target
+            elif target is not None:
+                if target.tokens:
+                    self._counters.evictions += 1
+                ok = src.seq_cp(best.id, target.id, best_n)  # empties the target first
+                target.tokens = list(best.tokens[:best_n]) if ok else []
+                target.prompt_logits = None
+                seq, copied = target, (best_n if ok else 0)
         if seq is None:
             seq = self._free_seq()
             if seq is None:  # cannot happen: there are more sequence ids than slots
