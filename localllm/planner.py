@@ -723,7 +723,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
                        f"sliding-window attention (window {info.sliding_window:,}): the KV figure is an upper bound")
     per_tok = info.kv_bytes_per_token(pl.kv)
     reasons.append(kv_reason or f"KV cache {pl.kv}: {per_tok / 1024:,.1f} KiB per token"
-                   + (f", {_gb(mem.kv_cache)} at {n_ctx:,} tokens" if mem.kv_cache else ""))
+                   + (f", {_gb(mem.kv_cache)} for {n_ctx * n_seq:,} tokens"
+                      + (f" ({n_seq} slots × {n_ctx:,})" if n_seq > 1 else "") if mem.kv_cache else ""))
     if fa_reason:
         reasons.append(fa_reason)
     threads = max(hw.physical_cores or hw.logical_cores or 1, 1)

@@ -700,11 +700,20 @@ class Store:
                 while parent != self.paths.manifests and parent.is_dir() and not any(parent.iterdir()):
                     parent.rmdir()
                     parent = parent.parent
-                self._gc_blob(m.digest)
+                if self._gc_blob(m.digest):
+                    self._gc_prompt_cache(m.digest)
                 self._gc_mlx(m)
         finally:
             lock.release()
         return m.name
+
+    def _gc_prompt_cache(self, digest: str) -> None:
+        """Delete the saved prompt prefixes of a model whose file went (``<data>/prompt-cache/<digest>``)."""
+        import shutil
+
+        d = self.paths.prompt_cache / digest.removeprefix("sha256:")
+        if d.is_dir() and d.resolve().parent == self.paths.prompt_cache.resolve():
+            shutil.rmtree(d, ignore_errors=True)
 
     def _gc_mlx(self, m: InstalledModel) -> None:
         """Delete the MLX directories of a removed model that no other manifest uses (call under the store
