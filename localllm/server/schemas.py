@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 KeepAlive = str | int | float | None
+Bool = StrictBool  # true or false, as JSON decoders read it: "yes" or 1 is a 400, not a guess
 Format = str | dict[str, Any] | None
 # checked by the handler, so that a wrong value gets Ollama's own message ("invalid think value: ...")
 Think = Annotated[Any, Field(json_schema_extra={"anyOf": [
@@ -55,14 +56,14 @@ class GenerateBody(_Body):
     system: str | None = None
     template: str | None = None
     context: list[int] | None = None
-    stream: bool = True
-    raw: bool = False
+    stream: Bool = True
+    raw: Bool = False
     format: Format = None
     keep_alive: KeepAlive = None
     images: list[str] | None = None
     options: dict[str, Any] | None = None
     think: Think = None
-    logprobs: bool = False
+    logprobs: Bool = False
     top_logprobs: int | None = None
 
 
@@ -72,17 +73,17 @@ class ChatBody(_Body):
     tools: list[dict[str, Any]] | None = None
     format: Format = None
     options: dict[str, Any] | None = None
-    stream: bool = True
+    stream: Bool = True
     keep_alive: KeepAlive = None
     think: Think = None
-    logprobs: bool = False
+    logprobs: Bool = False
     top_logprobs: int | None = None
 
 
 class EmbedBody(_Body):
     model: str
     input: str | list[str] = ""
-    truncate: bool = True
+    truncate: Bool = True
     dimensions: int | None = Field(default=None, ge=1)
     options: dict[str, Any] | None = None
     keep_alive: KeepAlive = None
@@ -98,14 +99,14 @@ class EmbeddingsBody(_Body):
 class ModelBody(_Body):
     model: str | None = None
     name: str | None = None  # older clients send "name"
-    verbose: bool = False
+    verbose: Bool = False
 
 
 class PullBody(_Body):
     model: str | None = None
     name: str | None = None
-    insecure: bool = False
-    stream: bool = True
+    insecure: Bool = False
+    stream: Bool = True
 
 
 class CopyBody(_Body):
@@ -144,12 +145,12 @@ class OAIMessage(_Body):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class _OAICommon(_Body):
     model: str
-    stream: bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -177,7 +178,7 @@ class ChatCompletionBody(_OAICommon):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    logprobs: bool | None = None
+    logprobs: Bool | None = None
     top_logprobs: int | None = None
     reasoning_effort: str | None = None
     reasoning: Reasoning | None = None
@@ -186,7 +187,7 @@ class ChatCompletionBody(_OAICommon):
 class CompletionBody(_OAICommon):
     prompt: str | list[str]
     suffix: str | None = None
-    echo: bool = False
+    echo: Bool = False
     logprobs: int | None = Field(default=None, description="alternatives per token (0-20); the legacy shape")
 
 
@@ -216,8 +217,8 @@ class ResponsesBody(_Extensions):
     max_output_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    stream: bool = False
+    parallel_tool_calls: Bool | None = None
+    stream: Bool = False
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     top_logprobs: int | None = None
@@ -225,7 +226,7 @@ class ResponsesBody(_Extensions):
     reasoning: Reasoning | None = None
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None
-    store: bool = True
+    store: Bool = True
     metadata: dict[str, Any] | None = None
     truncation: str | None = None
     user: str | None = None
@@ -245,7 +246,7 @@ class AnthropicBody(_Extensions):
     messages: list[AnthropicMessage] | None = None
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
-    stream: bool = False
+    stream: Bool = False
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, ge=0)

@@ -79,10 +79,12 @@ def test_openai_completions_legacy_logprobs(oai):
     lp = r.choices[0].logprobs
     assert "".join(lp.tokens) == r.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
-    assert all(len(top) <= 2 and max(top.values()) == p for top, p in zip(lp.top_logprobs, lp.token_logprobs))
+    tops = zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    assert all(len(top) <= 2 and max(top.values()) == p for top, p in tops)
     echo = oai.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, logprobs=0,
                                   echo=True)
-    assert echo.choices[0].logprobs.text_offset[0] == len("The sky is") and echo.choices[0].logprobs.top_logprobs is None
+    lp = echo.choices[0].logprobs
+    assert lp.text_offset[0] == len("The sky is") and lp.top_logprobs is None
 
 
 @pytest.mark.parametrize("path, body", [
