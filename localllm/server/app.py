@@ -54,9 +54,11 @@ def validation_message(exc: RequestValidationError) -> str:
 
 
 def create_app(engine: Any = None, *, bound_host: str | None = None, api_key: str | None = None,
-               origins: str | None = None, max_body: int | None = None, check_host: bool = True) -> FastAPI:
+               origins: str | None = None, max_body: int | None = None, check_host: bool = True,
+               context_length: int | None = None) -> FastAPI:
     """The app. Settings default to the environment: ``LOCALLLM_HOST`` (the bound host the Host check
-    allows), ``LOCALLLM_API_KEY``, ``LOCALLLM_ORIGINS``, ``LOCALLLM_MAX_BODY``."""
+    allows), ``LOCALLLM_API_KEY``, ``LOCALLLM_ORIGINS``, ``LOCALLLM_MAX_BODY``, ``LOCALLLM_CONTEXT_LENGTH``
+    (the context of requests that do not set ``num_ctx``; 0 = the planner's)."""
     from localllm import config
     from localllm.server.anthropic_routes import router as anthropic_router
     from localllm.server.ollama_routes import router as ollama_router
@@ -77,6 +79,8 @@ def create_app(engine: Any = None, *, bound_host: str | None = None, api_key: st
                   description="Ollama-, OpenAI- and Anthropic-compatible API of localllm.")
     app.state.engine = engine
     app.state.responses = ResponseStore()  # /v1/responses' previous_response_id, for the server's life
+    app.state.context_length = context_length if context_length is not None else (
+        config.env_int("LOCALLLM_CONTEXT_LENGTH", 0) or None)  # num_ctx for requests that set none
     app.include_router(ollama_router)
     app.include_router(openai_router)
     app.include_router(responses_router)

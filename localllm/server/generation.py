@@ -6,7 +6,8 @@ into a :class:`Call` and the events back into its own frames (an :class:`Encoder
 :class:`Result`), with pure functions. This module does the rest, once:
 
 1. the model name (a name, never a path) and the installed model (an unknown one is a 404 first);
-2. the context cap: a ``num_ctx`` above the model's trained context is capped to it, as Ollama does;
+2. the context: the request's ``num_ctx`` or the server's default (``LOCALLLM_CONTEXT_LENGTH``), capped to the
+   model's trained context as Ollama does;
 3. capability checks: tools, images and thinking (400 in Ollama's words, ``"<model>" does not support
    thinking``; dropped instead where the API relaxes it, as Ollama does for Anthropic's), the logprobs
    range, a ``format`` schema the grammar can follow; a ``tool_choice`` that forces a call becomes the
@@ -96,6 +97,15 @@ async def installed(http: Request, name: str) -> Any:
     return await c.run_sync(engine_of(http).store.get, name)
 
 
+def context_of(http: Request, options: LoadOptions, model: Any) -> LoadOptions:
+    """The context a request loads with: its ``num_ctx``, else the server's ``LOCALLLM_CONTEXT_LENGTH`` (for
+    clients that cannot send one, such as Claude Code), else the planner's; capped to the trained context."""
+    default = getattr(http.app.state, "context_length", None)
+    if options.num_ctx is None and default:
+        options = replace(options, num_ctx=int(default))
+    return cap_ctx(options, model)
+
+
 def cap_ctx(options: LoadOptions, model: Any) -> LoadOptions:
     """Like Ollama, a ``num_ctx`` above the model's trained context is capped to it."""
     if options.num_ctx is None:
@@ -161,7 +171,8 @@ async def begin(http: Request, call: Call) -> Run:
     name = c.check_name(call.model)
     model = await installed(http, name)
     check_capabilities(call, model)
-    agen = engine_of(http).agenerate(name, call.request, cap_ctx(call.options, model), keep_alive=call.keep_alive)
+    options = context_of(http, call.options, model)
+    agen = engine_of(http).agenerate(name, call.request, options, keep_alive=call.keep_alive)
     first = await first_event(agen, http)
     return Run(first, agen)
 
@@ -264,7 +275,7 @@ async def load_or_unload(http: Request, model: str, keep_alive: float | None, op
         await c.run_sync(engine.unload, name)
         await c.run_sync(engine.unload, found.name)  # loaded under its canonical name
         return "unload"
-    await c.run_sync(engine.load, name, cap_ctx(options, found), keep_alive=keep_alive)
+    await c.run_sync(engine.load, name, context_of(http, options, found), keep_alive=keep_alive)
     return "load"
 
 

@@ -61,7 +61,8 @@ def test_server_still_answers_after_fuzzing(fuzz_server):
 
 # routes whose body (or path) names a model to run or describe: aimed at the installed one
 MODEL_ROUTES = {"/api/generate", "/api/chat", "/api/embed", "/api/embeddings", "/api/show",
-                "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models/{model}"}
+                "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models/{model}",
+                "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}
 MAX_TOKENS = 4  # what any generated request may generate at most: the run stays short
 
 
@@ -109,6 +110,9 @@ def aim_at_the_model(case: Any) -> None:
         n = body.get("max_completion_tokens")
         if _number(n) and n > MAX_TOKENS:
             body["max_completion_tokens"] = MAX_TOKENS
+        n = body.get("max_output_tokens")  # the Responses API's name
+        if n is None or (_number(n) and n > MAX_TOKENS):
+            body["max_output_tokens"] = MAX_TOKENS
 
 
 def test_no_server_errors_with_the_model_installed(model_fuzz_server):

@@ -118,3 +118,21 @@ def test_streamed_and_whole_answers_agree(url, path, body, api):
     body["stream"] = False
     whole = _whole_text(path, httpx.post(url + path, json=body, timeout=60).json())
     assert streamed and streamed == whole
+
+
+def test_the_servers_default_context(server):
+    """``LOCALLLM_CONTEXT_LENGTH`` (here ``context_length=``) is the context of requests that set none, for
+    clients that cannot send ``num_ctx`` (Claude Code); a request's own ``num_ctx`` still wins."""
+    from tests.server.conftest import start
+
+    srv = start(server.engine, context_length=1536)
+    try:
+        r = httpx.post(srv.url + "/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": MSG}, timeout=60)
+        assert r.status_code == 200
+        assert next(m for m in server.engine.ps() if m.name == MODEL).info.n_ctx == 1536
+        r = httpx.post(srv.url + "/api/chat", json={"model": MODEL, "messages": MSG, "stream": False,
+                                                     "options": {"num_predict": 2, "num_ctx": 1024}}, timeout=60)
+        assert r.status_code == 200
+        assert next(m for m in server.engine.ps() if m.name == MODEL).info.n_ctx == 1024
+    finally:
+        srv.stop()
