@@ -246,9 +246,10 @@ class MessagesEncoder:
         return c.sse({"type": kind, **payload}, event=kind)
 
     def head(self) -> list[bytes]:
-        message = {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": self.input_estimate, "output_tokens": 0}}
+        message: dict[str, Any] = {
+            "id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": self.input_estimate, "output_tokens": 0}}
         return [self._ev("message_start", message=message), self._ev("ping")]
 
     def _close(self) -> list[bytes]:

@@ -476,7 +476,7 @@ def info_of(model: Any) -> dict[str, Any]:
         return info
     from dataclasses import asdict, is_dataclass
 
-    return asdict(info) if is_dataclass(info) else dict(vars(info))
+    return asdict(info) if is_dataclass(info) and not isinstance(info, type) else dict(vars(info))
 
 
 def capabilities(model: Any) -> list[str]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -34,6 +34,9 @@ from fastapi.responses import StreamingResponse
 from localllm.engine import Done, Event, GenerateRequest, LoadOptions, TextChunk, TokenLogprob, ToolCalls
 from localllm.server import common as c
 from localllm.thinking import think_on
+
+if TYPE_CHECKING:
+    from localllm.engine import Engine
 
 
 class ClientGone(Exception):
@@ -88,8 +91,8 @@ class Encoder(Protocol):
 # ------------------------------------------------------------------------------------------ the path
 
 
-def engine_of(http: Request) -> Any:
-    return http.app.state.engine
+def engine_of(http: Request) -> Engine:
+    return http.app.state.engine  # type: ignore[no-any-return]
 
 
 async def installed(http: Request, name: str) -> Any:
@@ -177,6 +180,13 @@ async def begin(http: Request, call: Call) -> Run:
     return Run(first, agen)
 
 
+async def aclose(agen: AsyncIterator[Any]) -> None:
+    """End the engine's stream (which cancels the request and frees its slot if it is still running)."""
+    close = getattr(agen, "aclose", None)
+    if close is not None:
+        await close()
+
+
 async def first_event(agen: AsyncIterator[Any], http: Request | None = None) -> Any:
     """The first event, so errors before the first byte get their real status. While waiting (in the
     queue, for a load, for the prompt) a client that disconnects cancels the request at once."""
@@ -192,7 +202,7 @@ async def first_event(agen: AsyncIterator[Any], http: Request | None = None) -> 
     except BaseException:
         if not task.done():
             task.cancel()
-        await agen.aclose()
+        await aclose(agen)
         raise
 
 
@@ -240,7 +250,7 @@ class Run:
             for frame in enc.error(status, message):
                 yield frame
         finally:
-            await self.agen.aclose()  # a client that went away (the task is cancelled) ends the request here
+            await aclose(self.agen)  # a client that went away (the task is cancelled) ends the request here
 
     async def collect(self) -> Result:
         content: list[str] = []
@@ -259,7 +269,7 @@ class Run:
                         raise c.APIError(500, event.error or "generation failed")
                     return Result("".join(content), "".join(thinking), calls, logprobs, event)
         finally:
-            await self.agen.aclose()
+            await aclose(self.agen)
         raise c.APIError(500, "the generation ended without a result")
 
 

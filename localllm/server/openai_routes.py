@@ -350,7 +350,7 @@ async def model(model: str, request: Request) -> dict[str, Any]:
 
 
 @router.post("/embeddings")
-async def embeddings(body: EmbeddingsOAIBody, request: Request) -> Response:
+async def embeddings(body: EmbeddingsOAIBody, request: Request) -> dict[str, Any]:
     texts = [body.input] if isinstance(body.input, str) else list(body.input)
     if not texts or any(not t for t in texts):
         raise c.bad_request("invalid input: expected a non-empty string or a list of non-empty strings", param="input")
