@@ -177,6 +177,9 @@ async def begin(http: Request, call: Call) -> Run:
     options = context_of(http, call.options, model)
     agen = engine_of(http).agenerate(name, call.request, options, keep_alive=call.keep_alive)
     first = await first_event(agen, http)
+    if isinstance(first, Done) and first.finish_reason == "error":  # failed before any output: a real status
+        await aclose(agen)
+        raise c.APIError(500, first.error or "generation failed")
     return Run(first, agen)
 
 

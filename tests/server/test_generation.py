@@ -136,3 +136,29 @@ def test_the_servers_default_context(server):
         assert next(m for m in server.engine.ps() if m.name == MODEL).info.n_ctx == 1024
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def crash_server(installed_default_model):
+    """A model whose decoding crashes at its first token (the fake source: a real crash cannot be provoked)."""
+    from localllm.engine import Engine
+    from tests.fakes import FakeSource
+    from tests.server.conftest import start
+
+    class CrashesAtOnce(FakeSource):
+        def __init__(self, spec):
+            spec.extra.update(reply="never said", crash_after=0)
+            super().__init__(spec)
+
+    srv = start(Engine(keep_alive=300, backend_class=lambda name: CrashesAtOnce))
+    yield srv
+    srv.stop()
+    srv.engine.close()
+
+
+@pytest.mark.parametrize("path, body, api", STREAMS)
+def test_a_crash_before_any_output_is_a_500(crash_server, path, body, api):
+    r = httpx.post(crash_server.url + path, json={**_limit(path, 20, body), "model": MODEL}, timeout=30)
+    assert r.status_code == 500 and r.headers["content-type"].startswith("application/json"), r.text[:300]
+    message = _message(api, r.json())
+    assert "crashed" in message and "/" not in message
