@@ -20,11 +20,13 @@ if str(ROOT) not in sys.path:
 
 def engine_and_model(model: str) -> tuple[Any, str, Path]:
     """(Engine, installed name, GGUF path) for ``model`` (an alias is pulled if missing, a path is read in place)."""
-    from localllm.commands.run import ensure_model
+    from localllm.answer import ensure_model
     from localllm.engine import Engine
+    from localllm.local import LocalModels
 
     engine = Engine(keep_alive=float("inf"))
-    installed = ensure_model(engine.store, model)
+    installed = ensure_model(LocalModels(engine.store), model)
+    assert installed.path is not None
     return engine, installed.name, Path(installed.path)
 
 

@@ -49,7 +49,7 @@ class Ours:
                 "flash_attn": bool(spec.flash_attn), "n_gpu_layers": spec.n_gpu_layers}
 
     def run(self, tokens: int) -> dict[str, Any]:
-        from localllm.commands.run import stream_answer
+        from localllm.answer import stream_answer
         from localllm.engine import GenerateRequest, Sampling
 
         req = GenerateRequest(prompt=PROMPT, sampling=Sampling(max_tokens=tokens, seed=0, **SAMPLING))

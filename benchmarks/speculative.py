@@ -59,7 +59,7 @@ class Variant:
 
     def __init__(self, model: str, target: str, draft: str, num_draft: int, threads: int, prompt: str,
                  tokens: int):
-        from localllm.commands.run import stream_answer
+        from localllm.answer import stream_answer
         from localllm.engine import GenerateRequest, LoadOptions, Sampling
 
         self.engine, _, _ = engine_and_model(model)
@@ -72,7 +72,7 @@ class Variant:
         stream_answer(self.engine, target, warm, self.options)
 
     def run(self) -> dict[str, Any]:
-        from localllm.commands.run import stream_answer
+        from localllm.answer import stream_answer
 
         clock = ClockWriter()
         ans = stream_answer(self.engine, self.target, self.request, self.options, out=clock)

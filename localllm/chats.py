@@ -69,8 +69,13 @@ def _v2(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX conversation_updated ON conversation(updated_at)")
 
 
+def _v3(db: sqlite3.Connection) -> None:
+    """Answers of thinking models keep their reasoning apart from the answer (NULL for every older row)."""
+    db.execute("ALTER TABLE message ADD COLUMN thinking TEXT")
+
+
 # Index i upgrades a database from user_version i to i + 1. Append only; never edit a released step.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -93,6 +98,7 @@ class Message:
     content: str
     created_at: float = 0.0
     stats: dict[str, Any] | None = None
+    thinking: str | None = None  # a thinking model's reasoning, apart from its answer
 
 
 class ChatStore:
@@ -204,16 +210,18 @@ class ChatStore:
         stats = row["stats"]
         return Message(id=row["id"], conversation_id=row["conversation_id"], role=row["role"],
                        content=row["content"], created_at=row["created_at"],
-                       stats=json.loads(stats) if stats else None)
+                       stats=json.loads(stats) if stats else None, thinking=row["thinking"])
 
     def add_message(self, conversation_id: int, role: str, content: str,
-                    stats: dict[str, Any] | None = None) -> Message:
-        """Append a message and commit it (the conversation moves to the top of the list)."""
+                    stats: dict[str, Any] | None = None, thinking: str | None = None) -> Message:
+        """Append a message and commit it (the conversation moves to the top of the list). ``thinking``: the
+        reasoning that came before an answer."""
         now = time.time()
         with self._lock:
             cur = self._db.execute(
-                "INSERT INTO message (conversation_id, role, content, created_at, stats) VALUES (?,?,?,?,?)",
-                (conversation_id, role, content, now, json.dumps(stats) if stats else None),
+                "INSERT INTO message (conversation_id, role, content, created_at, stats, thinking) "
+                "VALUES (?,?,?,?,?,?)",
+                (conversation_id, role, content, now, json.dumps(stats) if stats else None, thinking or None),
             )
             self._db.execute("UPDATE conversation SET updated_at = ? WHERE id = ?", (now, conversation_id))
             row = self._db.execute("SELECT * FROM message WHERE id = ?", (cur.lastrowid,)).fetchone()
@@ -247,7 +255,8 @@ class ChatStore:
     # ------------------------------------------------------------------ export
 
     def export_markdown(self, conversation_id: int) -> str:
-        """The conversation as a Markdown document (title, settings, then one section per message)."""
+        """The conversation as a Markdown document (title, settings, then one section per message; an answer's
+        reasoning in a ``<details>`` block before it, folded where Markdown renders HTML)."""
         conv = self.get(conversation_id)
         lines = [f"# {conv.title}", ""]
         if conv.model:
@@ -257,7 +266,10 @@ class ChatStore:
         if conv.system:
             lines += ["", "## System", "", conv.system]
         for msg in self.messages(conversation_id):
-            lines += ["", f"## {msg.role.capitalize()}", "", msg.content]
+            lines += ["", f"## {msg.role.capitalize()}", ""]
+            if msg.thinking:
+                lines += ["<details><summary>Thinking</summary>", "", msg.thinking.strip(), "", "</details>", ""]
+            lines.append(msg.content)
         return "\n".join(lines).rstrip() + "\n"
 
     def close(self) -> None:

@@ -1,21 +1,17 @@
-"""A client for a running server over the Ollama API: ``localllm serve`` or a real Ollama.
-
-The faces (``run``, ``list``, ``ps``, ``pull``, ``rm``, ``stop``, the TUI) run the engine in-process by
-default and attach to a server when asked. One call decides::
-
-    from localllm.client import connect
+"""The remote side of :mod:`localllm.api`: :class:`Client` speaks the Ollama API to a running server
+(``localllm serve`` or a real Ollama) and is both a :class:`~localllm.api.Models` and a
+:class:`~localllm.api.Runner`.
 
     client = connect(host)          # host: the --host option's value, or None
     if client is None:               # in-process: no --host, and no server answering on LOCALLLM_HOST
-        engine = Engine()
-        events = engine.generate(name, request, options, cancel=cancel, keep_alive=ka)
-    else:                            # same signature, same event types (TextChunk, ToolCalls, Done)
-        events = client.generate(name, request, options, cancel=cancel, keep_alive=ka)
+        ...                          # localllm.local.LocalModels / LocalRunner
 
-:class:`Client` mirrors the engine and the store where the faces need them: ``generate`` / ``chat``
-(events), ``embed``, ``load``, ``unload``, ``ps`` (:class:`RemoteModel` with ``processor`` and
-``until``), ``list`` / ``get`` / ``show`` / ``pull(progress=)`` / ``remove`` / ``copy``. Errors are the
-project's: :class:`~localllm.errors.ModelNotFoundError` for a 404, ``ServerBusyError`` for a 503,
+Mapping: ``list`` → ``/api/tags``, ``show`` → ``/api/show``, ``pull`` → ``/api/pull`` (streamed progress),
+``remove`` → ``/api/delete``, ``copy`` → ``/api/copy``, ``ps`` → ``/api/ps``, ``load``/``unload`` →
+``/api/generate`` without a prompt (``keep_alive: 0`` unloads), ``generate``/``agenerate`` → ``/api/chat``
+for messages and ``/api/generate`` (raw) for a prompt, streamed NDJSON turned into the engine's events
+(``message.thinking`` / ``thinking`` → ``TextChunk(thinking=True)``). Errors are the project's:
+:class:`~localllm.errors.ModelNotFoundError` for a 404, ``ServerBusyError`` for a 503,
 :class:`~localllm.errors.LocalLLMError` (one sentence) for the rest, including "no server there".
 ``LOCALLLM_API_KEY`` is sent as a bearer token when set.
 """
@@ -26,14 +22,21 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from localllm.api import Installed, ProgressFn, PullProgress, Running
 from localllm.errors import LocalLLMError, ModelNotFoundError
 
+if TYPE_CHECKING:
+    import httpx
+
+    from localllm.api import AsyncEventStream, EventStream
+    from localllm.engine import Done, Event, GenerateRequest, LoadOptions
+
 DEFAULT_TIMEOUT = 600.0
+JSON = dict[str, Any]  # a decoded Ollama API object
 
 
 def base_url(host: str | None = None) -> str:
@@ -64,41 +67,12 @@ def base_url(host: str | None = None) -> str:
     return f"{scheme}://{hostpart}:{port}"
 
 
-def processor(size: int, size_vram: int) -> str:
-    """Ollama's PROCESSOR column.
+def parse_time(value: object) -> datetime | None:
+    """An RFC 3339 time as Go writes it (nanoseconds, ``Z``) → an aware datetime; None if absent or bad.
 
-    >>> processor(100, 0), processor(100, 100), processor(100, 52)
-    ('100% CPU', '100% GPU', '48%/52% CPU/GPU')
+    >>> parse_time("2026-01-01T00:00:00.123456789Z")
+    datetime.datetime(2026, 1, 1, 0, 0, 0, 123456, tzinfo=datetime.timezone.utc)
     """
-    if size_vram <= 0 or size <= 0:
-        return "100% CPU"
-    if size_vram >= size:
-        return "100% GPU"
-    cpu = round((size - size_vram) / size * 100)
-    return f"{cpu}%/{100 - cpu}% CPU/GPU"
-
-
-def until(expires_at: datetime | None, now: datetime | None = None) -> str:
-    """Ollama's UNTIL column: "4 minutes from now", "Never", "Stopping...".
-
-    >>> t = datetime(2026, 1, 1, tzinfo=UTC)
-    >>> until(datetime(2026, 1, 1, 0, 4, 30, tzinfo=UTC), t), until(None, t), until(t, t)
-    ('4 minutes from now', 'Never', 'Stopping...')
-    """
-    if expires_at is None or expires_at.year > 2200:
-        return "Never"
-    now = now or datetime.now(UTC)
-    left = (expires_at - now).total_seconds()
-    if left <= 0:
-        return "Stopping..."
-    for unit, seconds in (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1)):
-        if left >= seconds:
-            n = int(left // seconds)
-            return f"{n} {unit}{'s' if n != 1 else ''} from now"
-    return "Less than a second from now"
-
-
-def parse_time(value: Any) -> datetime | None:
     if not value:
         return None
     text = str(value)
@@ -116,46 +90,61 @@ def parse_time(value: Any) -> datetime | None:
     return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
-@dataclass
-class RemoteModel:
-    """An installed (``list``) or loaded (``ps``) model on the server."""
-
-    name: str
-    digest: str = ""
-    size: int = 0
-    modified: datetime | None = None
-    details: dict[str, Any] = field(default_factory=dict)
-    size_vram: int = 0
-    context_length: int = 0
-    expires_at: datetime | None = None
-    capabilities: list[str] = field(default_factory=list)
-
-    @property
-    def short_id(self) -> str:
-        return self.digest.removeprefix("sha256:")[:12]
-
-    @property
-    def processor(self) -> str:
-        return processor(self.size, self.size_vram)
-
-    @property
-    def until(self) -> str:
-        return until(self.expires_at)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> RemoteModel:
-        return cls(name=d.get("name") or d.get("model") or "", digest=d.get("digest") or "",
-                   size=int(d.get("size") or 0), modified=parse_time(d.get("modified_at")),
-                   details=d.get("details") or {}, size_vram=int(d.get("size_vram") or 0),
-                   context_length=int(d.get("context_length") or 0), expires_at=parse_time(d.get("expires_at")),
-                   capabilities=list(d.get("capabilities") or []))
+def _int(value: object) -> int:
+    return int(value) if isinstance(value, int | float | str) and str(value).strip() else 0
 
 
-def options_json(request: Any = None, options: Any = None) -> dict[str, Any]:
+def _formats(details: JSON) -> list[str]:
+    fmt = str(details.get("format") or "")
+    return [fmt.upper()] if fmt else []
+
+
+def installed_from_tags(d: JSON) -> Installed:
+    """One ``/api/tags`` entry."""
+    details: JSON = d.get("details") or {}
+    return Installed(name=str(d.get("name") or d.get("model") or ""), digest=_digest(d.get("digest")),
+                     size=_int(d.get("size")), modified=parse_time(d.get("modified_at")), formats=_formats(details),
+                     architecture=str(details.get("family") or ""),
+                     parameter_size=str(details.get("parameter_size") or ""),
+                     quantization=str(details.get("quantization_level") or ""),
+                     capabilities=[str(c) for c in d.get("capabilities") or []])
+
+
+def _digest(value: object) -> str:
+    text = str(value or "")
+    return text if not text or text.startswith("sha256:") else f"sha256:{text}"
+
+
+def installed_from_show(name: str, d: JSON, listed: Installed | None) -> Installed:
+    """An ``/api/show`` answer (plus the model's ``/api/tags`` entry for digest, size and time)."""
+    details: JSON = d.get("details") or {}
+    info: JSON = d.get("model_info") or {}
+    arch = str(info.get("general.architecture") or details.get("family") or "")
+    base = listed or Installed(name=name)
+    return Installed(
+        name=base.name, digest=base.digest, size=base.size, modified=base.modified or parse_time(d.get("modified_at")),
+        formats=base.formats or _formats(details), architecture=arch,
+        parameters=_int(info.get("general.parameter_count")), parameter_size=str(details.get("parameter_size") or ""),
+        quantization=str(details.get("quantization_level") or ""),
+        context_length=_int(info.get(f"{arch}.context_length")),
+        embedding_length=_int(info.get(f"{arch}.embedding_length")), n_layers=_int(info.get(f"{arch}.block_count")),
+        vocab_size=_int(info.get(f"{arch}.vocab_size")), chat_template=d.get("template") or None,
+        license=d.get("license") or None, capabilities=[str(c) for c in d.get("capabilities") or []],
+    )
+
+
+def running_from_ps(d: JSON) -> Running:
+    """One ``/api/ps`` entry."""
+    return Running(name=str(d.get("name") or d.get("model") or ""), digest=_digest(d.get("digest")),
+                   size=_int(d.get("size")), size_vram=_int(d.get("size_vram")),
+                   context_length=_int(d.get("context_length")), expires_at=parse_time(d.get("expires_at")))
+
+
+def options_json(request: GenerateRequest | None = None, options: LoadOptions | None = None) -> JSON:
     """Sampling (+ LoadOptions) → Ollama ``options``."""
-    out: dict[str, Any] = {}
-    s = getattr(request, "sampling", None)
-    if s is not None:
+    out: JSON = {}
+    if request is not None:
+        s = request.sampling
         out.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
                    repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n,
                    presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)
@@ -166,32 +155,96 @@ def options_json(request: Any = None, options: Any = None) -> dict[str, Any]:
         if s.stop:
             out["stop"] = list(s.stop)
     if options is not None:
-        for key in ("num_ctx", "num_gpu", "num_thread"):
-            value = getattr(options, key, None)
+        for key, value in (("num_ctx", options.num_ctx), ("num_gpu", options.num_gpu),
+                           ("num_thread", options.num_thread)):
             if value is not None:
                 out[key] = value
     return out
 
 
-def _keep_alive(value: float | None) -> Any:
-    if value is None:
-        return None
-    if value == float("inf"):
-        return -1
-    return value
+def _keep_alive(value: float) -> float | int:
+    return -1 if value == float("inf") else value
+
+
+def request_body(name: str, request: GenerateRequest, options: LoadOptions | None,
+                 keep_alive: float | None) -> tuple[str, JSON]:
+    """(path, body) of a streamed generation: messages → ``/api/chat``, a prompt → raw ``/api/generate``."""
+    body: JSON = {"model": name, "stream": True, "options": options_json(request, options)}
+    if request.format is not None:
+        body["format"] = request.format
+    if request.think is not None:
+        body["think"] = request.think
+    if keep_alive is not None:
+        body["keep_alive"] = _keep_alive(keep_alive)
+    if request.messages is not None:
+        body["messages"] = request.messages
+        if request.tools:
+            body["tools"] = request.tools
+        return "/api/chat", body
+    body.update(prompt=request.prompt, raw=True)
+    return "/api/generate", body
+
+
+class _Events:
+    """Ollama stream lines → the engine's events (one per text piece, tool calls, the closing Done)."""
+
+    def __init__(self, chat: bool):
+        self.chat = chat
+        self.t0 = time.perf_counter_ns()
+        self.thinking = 0  # thinking lines seen: Ollama streams one token per line
+
+    def feed(self, obj: JSON) -> list[Event]:
+        from localllm.engine import Done, Stats, TextChunk, ToolCalls
+
+        out: list[Event] = []
+        msg: JSON = obj.get("message") or {}
+        thought = msg.get("thinking") if self.chat else obj.get("thinking")
+        text = msg.get("content") if self.chat else obj.get("response")
+        calls = msg.get("tool_calls") or obj.get("tool_calls")
+        if thought:
+            self.thinking += 1
+            out.append(TextChunk(str(thought), thinking=True))
+        if text:
+            out.append(TextChunk(str(text)))
+        if calls:
+            out.append(ToolCalls([{"name": (c.get("function") or {}).get("name", ""),
+                                   "arguments": (c.get("function") or {}).get("arguments", {}),
+                                   **({"id": c["id"]} if c.get("id") else {})} for c in calls]))
+        if obj.get("done"):
+            stats = Stats(**{k: _int(obj.get(k)) for k in (
+                "prompt_eval_count", "prompt_eval_duration", "eval_count", "eval_duration",
+                "load_duration", "total_duration")})
+            stats.thinking_tokens = min(self.thinking, stats.eval_count) if stats.eval_count else self.thinking
+            if not stats.total_duration:
+                stats.total_duration = time.perf_counter_ns() - self.t0
+            reason = obj.get("done_reason") or "stop"
+            out.append(Done(stats, finish_reason="length" if reason == "length" else "stop"))
+        return out
+
+    def cancelled(self) -> Done:
+        from localllm.engine import Done, Stats
+
+        return Done(Stats(total_duration=time.perf_counter_ns() - self.t0), finish_reason="cancelled")
 
 
 class Client:
-    """Talks to one server. Cheap to create; one HTTP connection pool."""
+    """Talks to one server: :class:`~localllm.api.Models` and :class:`~localllm.api.Runner` over HTTP.
+    Cheap to create; one connection pool (an asyncio stream opens its own)."""
+
+    remote = True
 
     def __init__(self, host: str | None = None, *, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT):
         import httpx
 
         self.url = base_url(host)
         key = api_key if api_key is not None else os.environ.get("LOCALLLM_API_KEY")
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers,
-                                  timeout=httpx.Timeout(timeout, connect=5.0))
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._timeout = httpx.Timeout(timeout, connect=5.0)
+        self._http = httpx.Client(base_url=self.url, headers=self._headers, timeout=self._timeout)
+
+    @property
+    def label(self) -> str:
+        return f"server {self.url}"
 
     def close(self) -> None:
         self._http.close()
@@ -204,12 +257,11 @@ class Client:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _error(self, status: int, body: bytes | str) -> LocalLLMError:
-        text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    def _error(self, status: int, body: bytes) -> LocalLLMError:
+        text = body.decode(errors="replace")
         try:
-            data = json.loads(text)
-            err = data.get("error", text)
-            message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+            err = json.loads(text).get("error", text)
+            message = str(err.get("message", err)) if isinstance(err, dict) else str(err)
         except (ValueError, AttributeError):
             message = text.strip() or f"HTTP {status}"
         if status == 404:
@@ -224,25 +276,40 @@ class Client:
             return LocalLLMError(f"The server at {self.url} refused the request (403).")
         return LocalLLMError(message)
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    def _unreachable(self, e: Exception) -> LocalLLMError:
+        return LocalLLMError(f"Could not reach a server at {self.url} ({type(e).__name__}); "
+                             "is `localllm serve` (or Ollama) running there?")
+
+    def _request(self, method: str, path: str, body: JSON | None = None) -> httpx.Response:
         import httpx
 
         try:
-            r = self._http.request(method, path, **kwargs)
+            r = self._http.request(method, path, json=body)
         except httpx.HTTPError as e:
             raise self._unreachable(e) from None
         if r.status_code >= 400:
             raise self._error(r.status_code, r.content)
         return r
 
-    def _unreachable(self, e: Exception) -> LocalLLMError:
-        return LocalLLMError(f"Could not reach a server at {self.url} ({type(e).__name__}); "
-                             "is `localllm serve` (or Ollama) running there?")
+    def _json(self, method: str, path: str, body: JSON | None = None) -> JSON:
+        data = self._request(method, path, body).json()
+        return data if isinstance(data, dict) else {}
 
-    def _stream(self, path: str, body: dict[str, Any], cancel: threading.Event | None = None
-                ) -> Iterator[dict[str, Any]]:
-        """POST and yield the NDJSON objects; an ``{"error"}`` line raises. Closing the generator or
-        setting ``cancel`` drops the connection, which makes the server stop generating."""
+    @staticmethod
+    def _line(line: str) -> JSON | None:
+        """One NDJSON line (None for a blank one); an ``{"error"}`` line raises."""
+        if not line.strip():
+            return None
+        obj = json.loads(line)
+        if not isinstance(obj, dict):
+            return None
+        if "error" in obj and len(obj) == 1:
+            raise LocalLLMError(str(obj["error"]))
+        return obj
+
+    def _stream(self, path: str, body: JSON, cancel: threading.Event | None = None) -> Iterator[JSON]:
+        """POST and yield the NDJSON objects. Closing the generator or setting ``cancel`` drops the
+        connection, which makes the server stop generating."""
         import httpx
 
         try:
@@ -252,12 +319,9 @@ class Client:
                 for line in r.iter_lines():
                     if cancel is not None and cancel.is_set():
                         return
-                    if not line.strip():
-                        continue
-                    obj = json.loads(line)
-                    if "error" in obj and len(obj) == 1:
-                        raise LocalLLMError(str(obj["error"]))
-                    yield obj
+                    obj = self._line(line)
+                    if obj is not None:
+                        yield obj
         except httpx.HTTPError as e:
             raise self._unreachable(e) from None
 
@@ -270,124 +334,110 @@ class Client:
             return False
 
     def version(self) -> str:
-        return self._request("GET", "/api/version").json().get("version", "")
+        return str(self._json("GET", "/api/version").get("version", ""))
 
-    # ------------------------------------------------------------------ models (the store's operations)
+    # ------------------------------------------------------------------ Models
 
-    def list(self) -> list[RemoteModel]:
-        return [RemoteModel.from_json(m) for m in self._request("GET", "/api/tags").json().get("models", [])]
+    def list(self) -> list[Installed]:
+        return [installed_from_tags(m) for m in self._json("GET", "/api/tags").get("models", [])]
 
-    def show(self, name: str) -> dict[str, Any]:
-        return self._request("POST", "/api/show", json={"model": name}).json()
+    def show(self, name: str) -> Installed:
+        data = self._json("POST", "/api/show", {"model": name})
+        listed = self.list()
+        # a name without a tag means ":latest" (Ollama's rule); an alias the server resolves otherwise
+        # (smollm2 → smollm2:135m) keeps the name it was asked by, without digest and size
+        wanted = {name, name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"}
+        found = next((m for m in listed if m.name in wanted), None)
+        return installed_from_show(name, data, found)
 
-    def get(self, name: str) -> RemoteModel:
-        """The installed model ``name`` (404 → ModelNotFoundError)."""
-        data = self.show(name)
-        found = next((m for m in self.list() if m.name == name), None)
-        return found or RemoteModel(name=name, details=data.get("details") or {},
-                                    capabilities=data.get("capabilities") or [])
-
-    def pull(self, name: str, *, progress: Callable[[Any], None] | None = None,
-             cancel: threading.Event | None = None) -> None:
-        """Pull on the server; ``progress`` gets :class:`localllm.store.PullProgress` events."""
-        from localllm.store import PullProgress
-
+    def pull(self, name: str, *, progress: ProgressFn | None = None, cancel: threading.Event | None = None,
+             mlx: bool | None = None) -> Installed:
+        """Pull on the server (it pulls into its own store; ``mlx`` is the server's business)."""
         for obj in self._stream("/api/pull", {"model": name, "stream": True}, cancel):
             if progress is not None:
-                progress(PullProgress(status=obj.get("status", ""), digest=obj.get("digest"),
-                                      total=int(obj.get("total") or 0), completed=int(obj.get("completed") or 0)))
+                progress(PullProgress(status=str(obj.get("status", "")), digest=obj.get("digest"),
+                                      total=_int(obj.get("total")), completed=_int(obj.get("completed"))))
         if cancel is not None and cancel.is_set():
             raise LocalLLMError(f"The pull of {name} was cancelled.")
+        return self.show(name)
 
-    def remove(self, name: str) -> None:
-        self._request("DELETE", "/api/delete", json={"model": name})
+    def remove(self, name: str) -> str:
+        self._request("DELETE", "/api/delete", {"model": name})
+        return name
 
-    delete = remove
+    def copy(self, src: str, dst: str) -> str:
+        self._request("POST", "/api/copy", {"source": src, "destination": dst})
+        return dst
 
-    def copy(self, src: str, dst: str) -> None:
-        self._request("POST", "/api/copy", json={"source": src, "destination": dst})
+    # ------------------------------------------------------------------ Runner
 
-    # ------------------------------------------------------------------ running models (the engine's)
-
-    def ps(self) -> list[RemoteModel]:
-        return [RemoteModel.from_json(m) for m in self._request("GET", "/api/ps").json().get("models", [])]
+    def ps(self) -> list[Running]:
+        return [running_from_ps(m) for m in self._json("GET", "/api/ps").get("models", [])]
 
     def is_loaded(self, name: str) -> bool:
         return any(m.name == name for m in self.ps())
 
-    def load(self, name: str, options: Any = None, *, keep_alive: float | None = None) -> None:
-        body: dict[str, Any] = {"model": name, "stream": False, "options": options_json(None, options)}
+    def load(self, name: str, options: LoadOptions | None = None, *, keep_alive: float | None = None) -> Running:
+        body: JSON = {"model": name, "stream": False, "options": options_json(None, options)}
         if keep_alive is not None:
             body["keep_alive"] = _keep_alive(keep_alive)
-        self._request("POST", "/api/generate", json=body)
+        self._request("POST", "/api/generate", body)
+        loaded = self.ps()
+        return next((m for m in loaded if m.name == name), None) or Running(name=name)
 
     def unload(self, name: str) -> bool:
         """Unload ``name`` now (``localllm stop``). True if it was loaded."""
         before = {m.name for m in self.ps()}
-        self._request("POST", "/api/generate", json={"model": name, "keep_alive": 0, "stream": False})
+        self._request("POST", "/api/generate", {"model": name, "keep_alive": 0, "stream": False})
         return bool(before - {m.name for m in self.ps()})
 
-    def generate(self, name: str, request: Any, options: Any = None, *, cancel: threading.Event | None = None,
-                 keep_alive: float | None = None) -> Iterator[Any]:
-        """Like :meth:`localllm.engine.Engine.generate`: TextChunk / ToolCalls events, then one Done.
-        ``request.messages`` goes to ``/api/chat``; ``request.prompt`` to ``/api/generate`` (raw)."""
-        from localllm.engine import Done, Stats, TextChunk, ToolCalls
-
-        body: dict[str, Any] = {"model": name, "stream": True, "options": options_json(request, options)}
-        if request.format is not None:
-            body["format"] = request.format
-        if keep_alive is not None:
-            body["keep_alive"] = _keep_alive(keep_alive)
-        if request.messages is not None:
-            body["messages"] = request.messages
-            if request.tools:
-                body["tools"] = request.tools
-            path = "/api/chat"
-        else:
-            body.update(prompt=request.prompt, raw=True)
-            path = "/api/generate"
-        t0 = time.perf_counter_ns()
+    def generate(self, name: str, request: GenerateRequest, options: LoadOptions | None = None, *,
+                 cancel: threading.Event | None = None, keep_alive: float | None = None) -> EventStream:
+        path, body = request_body(name, request, options, keep_alive)
+        events = _Events(chat=path == "/api/chat")
         stream = self._stream(path, body, cancel)
         try:
             for obj in stream:
-                msg = obj.get("message") or {}
-                text = msg.get("content") if path == "/api/chat" else obj.get("response")
-                calls = msg.get("tool_calls") or obj.get("tool_calls")
-                if text:
-                    yield TextChunk(text)
-                if calls:
-                    yield ToolCalls([{"name": (c.get("function") or {}).get("name", ""),
-                                      "arguments": (c.get("function") or {}).get("arguments", {}),
-                                      **({"id": c["id"]} if c.get("id") else {})} for c in calls])
+                yield from events.feed(obj)
                 if obj.get("done"):
-                    stats = Stats(**{k: int(obj.get(k) or 0) for k in (
-                        "prompt_eval_count", "prompt_eval_duration", "eval_count", "eval_duration",
-                        "load_duration", "total_duration")})
-                    if not stats.total_duration:
-                        stats.total_duration = time.perf_counter_ns() - t0
-                    reason = obj.get("done_reason") or "stop"
-                    yield Done(stats, finish_reason="length" if reason == "length" else "stop")
                     return
             if cancel is not None and cancel.is_set():
-                yield Done(Stats(total_duration=time.perf_counter_ns() - t0), finish_reason="cancelled")
+                yield events.cancelled()
         finally:
             stream.close()
 
-    def chat(self, name: str, messages: list[dict[str, Any]], *, options: Any = None, sampling: Any = None,
-             format: Any = None, tools: list[dict[str, Any]] | None = None, cancel: threading.Event | None = None,
-             keep_alive: float | None = None) -> Iterator[Any]:
-        """Convenience: :meth:`generate` for a list of messages."""
-        from localllm.engine import GenerateRequest, Sampling
+    async def agenerate(self, name: str, request: GenerateRequest, options: LoadOptions | None = None, *,
+                        cancel: threading.Event | None = None, keep_alive: float | None = None) -> AsyncEventStream:
+        import httpx
 
-        req = GenerateRequest(messages=messages, sampling=sampling or Sampling(), format=format, tools=tools)
-        return self.generate(name, req, options, cancel=cancel, keep_alive=keep_alive)
+        path, body = request_body(name, request, options, keep_alive)
+        events = _Events(chat=path == "/api/chat")
+        try:
+            async with httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=self._timeout) as http:
+                async with http.stream("POST", path, json=body) as r:
+                    if r.status_code >= 400:
+                        raise self._error(r.status_code, await r.aread())
+                    async for line in r.aiter_lines():
+                        if cancel is not None and cancel.is_set():
+                            break
+                        obj = self._line(line)
+                        if obj is None:
+                            continue
+                        for event in events.feed(obj):
+                            yield event
+                        if obj.get("done"):
+                            return
+        except httpx.HTTPError as e:
+            raise self._unreachable(e) from None
+        if cancel is not None and cancel.is_set():
+            yield events.cancelled()
 
-    def embed(self, name: str, texts: list[str], options: Any = None, *,
+    def embed(self, name: str, texts: list[str], options: LoadOptions | None = None, *,
               keep_alive: float | None = None) -> list[list[float]]:
-        body: dict[str, Any] = {"model": name, "input": list(texts), "options": options_json(None, options)}
+        body: JSON = {"model": name, "input": list(texts), "options": options_json(None, options)}
         if keep_alive is not None:
             body["keep_alive"] = _keep_alive(keep_alive)
-        return self._request("POST", "/api/embed", json=body).json().get("embeddings", [])
+        return list(self._json("POST", "/api/embed", body).get("embeddings", []))
 
 
 def connect(host: str | None = None) -> Client | None:
@@ -411,31 +461,3 @@ def connect(host: str | None = None) -> Client | None:
             return client
         client.close()
     return None
-
-
-class RemoteEngine:
-    """The part of :class:`localllm.engine.Engine` that ``localllm run`` uses, served by a server.
-
-    ``store`` is the client itself (``get`` / ``pull``), so the same code pulls a missing model on the
-    server. ``ps`` is empty: a server's loaded models carry no session details (``localllm ps --host``
-    shows them)."""
-
-    def __init__(self, client: Client):
-        self.client = client
-        self.store = client
-
-    def generate(self, name: str, request: Any, options: Any = None, *, cancel: threading.Event | None = None,
-                 keep_alive: float | None = None) -> Iterator[Any]:
-        return self.client.generate(name, request, options, cancel=cancel, keep_alive=keep_alive)
-
-    def load(self, name: str, options: Any = None, *, keep_alive: float | None = None) -> None:
-        self.client.load(name, options, keep_alive=keep_alive)
-
-    def unload(self, name: str) -> bool:
-        return self.client.unload(name)
-
-    def ps(self) -> list[Any]:
-        return []
-
-    def close(self) -> None:
-        self.client.close()

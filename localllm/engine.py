@@ -46,7 +46,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -597,7 +597,7 @@ class Engine:
         *,
         cancel: threading.Event | None = None,
         keep_alive: float | None = None,
-    ) -> Iterator[Event]:
+    ) -> Generator[Event, None, None]:
         """Stream events for ``request`` on ``name`` (loaded on demand). The last event is :class:`Done`;
         its ``stats.load_duration`` includes the load if this call loaded the model.
 
@@ -645,12 +645,13 @@ class Engine:
         request: GenerateRequest,
         options: LoadOptions | None = None,
         *,
+        cancel: threading.Event | None = None,
         keep_alive: float | None = None,
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         """:meth:`generate` for asyncio callers: the load runs in a worker thread, the events arrive
         from the model's decode loop through the event loop. Leaving the ``async for`` early (or the
         task being cancelled, as when an HTTP client disconnects) cancels the request at the next step
-        and frees its slot.
+        and frees its slot; so does setting ``cancel`` (the stream then ends with ``Done(finish_reason="cancelled")``).
 
             >>> async def first_words(engine, req):  # doctest: +SKIP
             ...     async for ev in engine.agenerate("smollm2:135m", req):
@@ -658,7 +659,7 @@ class Engine:
             ...             return ev.text
         """
         t_start = time.perf_counter_ns()
-        cancel = threading.Event()
+        cancel = cancel if cancel is not None else threading.Event()
         self._track(cancel)
         try:
             try:

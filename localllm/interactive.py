@@ -8,8 +8,10 @@
     >>> /bye
 
 Ctrl+C stops the answer being written (the prompt comes back); Ctrl+D or ``/bye`` exits. Input
-history lives in ``<data>/history`` unless ``LOCALLLM_NOHISTORY`` is set. A face: generation goes
-through the engine, never a backend.
+history lives in ``<data>/history`` unless ``LOCALLLM_NOHISTORY`` is set. ``/set think`` / ``/set nothink``
+turn a thinking model's reasoning on or off (its reasoning is printed grey before the answer unless
+``--hidethinking``). A face: it talks to a :class:`~localllm.session.Session` (models and runner, in-process
+or on a server), never to the engine or a backend.
 """
 
 from __future__ import annotations
@@ -17,13 +19,17 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-import threading
+from collections.abc import Callable
 from dataclasses import replace
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from localllm.commands.run import RunSettings, ensure_model, overflow_note, print_stats, stream_answer
+from localllm.answer import RunSettings, ensure_model, overflow_note, parse_think_flag, print_stats, stream_answer
 from localllm.engine import BackendError
 from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from localllm.api import Installed
+    from localllm.session import Session
 
 HELP = """Available Commands:
   /set            Set session variables
@@ -46,6 +52,8 @@ SET_HELP = """Available Commands:
   /set noformat          Disable formatting
   /set verbose           Show LLM stats
   /set quiet             Disable LLM stats
+  /set think             Enable thinking
+  /set nothink           Disable thinking
 """
 
 PARAM_HELP = """Available Parameters:
@@ -102,11 +110,13 @@ class Repl:
     with readline editing and history when stdin is a terminal.
     """
 
-    def __init__(self, engine: Any, model: str, settings: RunSettings, *,
-                 out: IO[str] | None = None, err: IO[str] | None = None, read: Any = None):
-        self.engine = engine
+    def __init__(self, session: Session, model: str, settings: RunSettings, *,
+                 out: IO[str] | None = None, err: IO[str] | None = None,
+                 read: Callable[[str], str] | None = None):
+        self.models = session.models
+        self.runner = session.runner
         self.model = model
-        self.settings = replace(settings, sampling=replace(settings.sampling))
+        self.settings = settings.copy()
         self.messages: list[dict[str, Any]] = []
         self.out = out or sys.stdout
         self.err = err or sys.stderr
@@ -118,7 +128,7 @@ class Repl:
 
     def run(self) -> None:
         """Load the model, then read and answer until /bye or Ctrl+D."""
-        self.engine.load(self.model, self.settings.load, keep_alive=self.settings.keep_alive)
+        self.runner.load(self.model, self.settings.load, keep_alive=self.settings.keep_alive)
         self._setup_readline()
         try:
             while True:
@@ -165,16 +175,11 @@ class Repl:
 
     def ask(self, text: str) -> None:
         """Send ``text`` as the next user turn and stream the answer."""
-        from localllm.engine import GenerateRequest
-
         s = self.settings
-        messages = [{"role": "system", "content": s.system}] if s.system else []
-        messages += self.messages + [{"role": "user", "content": text}]
-        request = GenerateRequest(messages=messages, sampling=replace(s.sampling), format=s.format)
-        cancel = threading.Event()
+        request = s.request(self.messages + [{"role": "user", "content": text}])
         try:
-            answer = stream_answer(self.engine, self.model, request, s.load, out=self.out,
-                                   cancel=cancel, keep_alive=s.keep_alive)
+            answer = stream_answer(self.runner, self.model, request, s.load, out=self.out,
+                                   show_thinking=not s.hide_thinking, keep_alive=s.keep_alive)
         except (LocalLLMError, BackendError) as e:  # one sentence; the session goes on
             self.err.write(f"Error: {e}\n")
             return
@@ -190,8 +195,7 @@ class Repl:
         if done is not None:
             dropped = done.stats.dropped_messages
             if dropped:
-                note = overflow_note(done.stats)
-                self.err.write(note + "\n")
+                self.err.write(f"{overflow_note(done.stats)}\n")
                 del self.messages[:dropped]  # the backend left them out; keep our copy in step
             if s.verbose:
                 print_stats(done.stats, self.err)
@@ -269,8 +273,31 @@ class Repl:
         elif what == "nohistory":
             self.history = False
             self._say("Set 'nohistory' mode.")
+        elif what == "think":
+            self._set_think(args[1] if len(args) > 1 else None)
+        elif what == "nothink":
+            s.think = False
+            self._warn_if_it_cannot_think()
+            self._say("Set 'nothink' mode.")
         else:
             self._say(f"Unknown command '/set {args[0]}'. Type /? for help")
+
+    def _set_think(self, level: str | None) -> None:
+        """``/set think [low|medium|high]`` (Ollama's: the level is checked by the model's template)."""
+        try:
+            value = parse_think_flag(level or "true")
+        except LocalLLMError as e:
+            self._say(str(e))
+            return
+        self.settings.think = value
+        self._warn_if_it_cannot_think()
+        self._say(f"Set 'think' mode to '{level}'." if level else "Set 'think' mode.")
+
+    def _warn_if_it_cannot_think(self) -> None:
+        """Ollama's warning (stderr) when the model's template does not think."""
+        info = self._installed()
+        if info is not None and "thinking" not in info.capabilities:
+            self.err.write(f"warning: model {self.model!r} does not support thinking output\n")
 
     def _set_parameter(self, name: str, values: list[str]) -> None:
         name = name.lower()
@@ -306,11 +333,11 @@ class Repl:
         elif what == "system":
             self._say(self.settings.system or "No system message was specified for this model.")
         elif what == "template":
-            tmpl = self._gguf().get("chat_template")
-            self._say(tmpl or "No prompt template was specified for this model.")
+            info = self._installed()
+            self._say((info.chat_template if info else None) or "No prompt template was specified for this model.")
         elif what == "license":
-            lic = self._gguf().get("license")
-            self._say(lic or "No license was specified for this model.")
+            info = self._installed()
+            self._say((info.license if info else None) or "No license was specified for this model.")
         else:
             self._say(f"Unknown command '/show {args[0]}'. Type /? for help")
 
@@ -319,52 +346,47 @@ class Repl:
             self._say("Usage:\n  /load <modelname>")
             return
         try:
-            installed = ensure_model(self.engine.store, args[0])
-            name = getattr(installed, "name", args[0])
+            name = ensure_model(self.models, args[0]).name
             self._say(f"Loading model '{name}'")
-            self.engine.load(name, self.settings.load, keep_alive=self.settings.keep_alive)
+            self.runner.load(name, self.settings.load, keep_alive=self.settings.keep_alive)
         except (LocalLLMError, BackendError) as e:
             self.err.write(f"Error: {e}\n")
             return
         if name != self.model:
-            self.engine.unload(self.model)
+            self.runner.unload(self.model)
         self.model = name
         self.messages.clear()
 
     # -------------------------------------------------------------------------------- /show text
 
-    def _gguf(self) -> dict[str, Any]:
+    def _installed(self) -> Installed | None:
         try:
-            info = getattr(self.engine.store.get(self.model), "info", None) or {}
+            return self.models.show(self.model)
         except LocalLLMError:
-            return {}
-        return dict(info) if isinstance(info, dict) else dict(getattr(info, "__dict__", {}))
+            return None
 
     def info_text(self) -> str:
         """Ollama's ``/show info`` sections, plus how this session loaded the model."""
-        g = self._gguf()
+        m = self._installed()
         rows: list[tuple[str, str]] = []
-        if g:
-            params = g.get("parameters") or 0
-            label = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
-            rows += [("architecture", str(g.get("architecture", "?"))), ("parameters", label),
-                     ("context length", str(g.get("context_length", "?"))),
-                     ("embedding length", str(g.get("n_embd", "?"))),
-                     ("quantization", str(g.get("file_type", "?")))]
+        if m is not None:
+            rows += [("architecture", m.architecture or "?"), ("parameters", m.parameter_label or "?"),
+                     ("context length", str(m.context_length or "?")),
+                     ("embedding length", str(m.embedding_length or "?")), ("quantization", m.quantization or "?")]
         lines = ["  Model"] + [f"    {k:<20}{v}" for k, v in rows]
-        running = next((m for m in self.engine.ps() if m.name == self.model), None)
+        if m is not None and m.capabilities:
+            lines += ["", "  Capabilities"] + [f"    {c}" for c in m.capabilities]
+        running = next((r for r in self.runner.ps() if r.name == self.model), None)
         if running is not None:
-            info = running.info
-            plan = running.plan
-            lines += ["", "  Session",
-                      f"    {'backend':<20}{getattr(plan, 'backend', '?')}",
-                      f"    {'context':<20}{info.n_ctx}",
-                      f"    {'kv cache':<20}{info.kv_cache_type}",
-                      f"    {'gpu layers':<20}{info.n_gpu_layers}/{info.n_layers}",
-                      f"    {'draft':<20}{info.draft or 'none'}"]
-        lic = g.get("license")
-        if lic:
-            lines += ["", "  License", f"    {str(lic).splitlines()[0]}"]
+            lines += ["", "  Session"]
+            session = [("backend", running.backend), ("context", str(running.context_length)),
+                       ("kv cache", running.kv_cache_type),
+                       ("gpu layers", f"{running.n_gpu_layers}/{running.n_layers}" if running.n_layers else ""),
+                       ("draft", running.draft or ("none" if running.backend else "")),
+                       ("processor", running.processor)]
+            lines += [f"    {k:<20}{v}" for k, v in session if v]
+        if m is not None and m.license:
+            lines += ["", "  License", f"    {m.license.splitlines()[0]}"]
         return "\n".join(lines) + "\n"
 
     def parameters_text(self) -> str:
@@ -372,7 +394,8 @@ class Repl:
         rows = [("temperature", s.temperature), ("top_k", s.top_k), ("top_p", s.top_p), ("min_p", s.min_p),
                 ("repeat_penalty", s.repeat_penalty), ("repeat_last_n", s.repeat_last_n),
                 ("seed", s.seed), ("num_predict", s.max_tokens), ("num_ctx", self.settings.load.num_ctx),
-                ("stop", " ".join(s.stop) if s.stop else None)]
+                ("stop", " ".join(s.stop) if s.stop else None),
+                ("think", None if self.settings.think is None else str(self.settings.think).lower())]
         lines = ["Model defined parameters:", "No additional parameters were specified for this model.", "",
                  "User defined parameters:"]
         lines += [f"{k:<30}{v}" for k, v in rows if v is not None]

@@ -53,11 +53,13 @@ def test_table_output(default_model):
 
 def test_prompts_of_two_salts_share_no_prefix(default_model):
     from localllm.engine import Engine
+    from localllm.local import LocalRunner
 
     with Engine() as engine:
-        a = make_prompt(engine, default_model.name, 64, salt=1)
-        b = make_prompt(engine, default_model.name, 64, salt=2)
-        ta, tb = engine.tokenize(default_model.name, a), engine.tokenize(default_model.name, b)
+        runner = LocalRunner(engine)
+        a = make_prompt(runner, default_model.name, 64, salt=1)
+        b = make_prompt(runner, default_model.name, 64, salt=2)
+        ta, tb = runner.tokenize(default_model.name, a), runner.tokenize(default_model.name, b)
     assert abs(len(ta) - 64) <= 4 and abs(len(tb) - 64) <= 4
     assert ta[:2] != tb[:2]
 

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from localllm.cli import cli
-from localllm.commands.run import go_duration, stats_lines
+from localllm.answer import go_duration, stats_lines
 
 STATS_FIELDS = ["total duration", "load duration", "prompt eval count", "prompt eval duration", "prompt eval rate",
                 "eval count", "eval duration", "eval rate", "prompt cache"]
@@ -211,9 +211,10 @@ def test_draft_path_that_is_not_a_gguf_is_refused(default_model, tmp_path):
 
 def test_repl_commands_and_context_overflow_note(default_model):
     """The REPL driven by a list of lines: /set, /show, answers, overflow of a tiny context, /clear, /bye."""
-    from localllm.commands.run import build_settings
+    from localllm.answer import build_settings
     from localllm.engine import Engine
     from localllm.interactive import Repl
+    from localllm.session import open_session
 
     long_msg = "Please remember these words: " + " ".join(["apple banana cherry"] * 25)
     lines = iter(["/set parameter seed 1", "/set parameter num_predict 8", "/set parameter temperature 0",
@@ -227,11 +228,12 @@ def test_repl_commands_and_context_overflow_note(default_model):
 
     out, err = io.StringIO(), io.StringIO()
     with Engine() as engine:
-        repl = Repl(engine, default_model.name, build_settings(num_ctx=256), out=out, err=err, read=read)
+        session = open_session(engine=engine)
+        repl = Repl(session, default_model.name, build_settings(num_ctx=256), out=out, err=err, read=read)
         repl.run()
         assert repl.model == str(default_model.path)  # /load switched to the file
         assert len(repl.messages) == 2  # /clear, then /load cleared; one exchange since
-        assert [m.name for m in engine.ps()] == [str(default_model.path)]  # the old one was unloaded
+        assert [m.name for m in session.runner.ps()] == [str(default_model.path)]  # the old one was unloaded
         assert repl.settings.system == "You are terse."
     o, e = out.getvalue(), err.getvalue()
     assert "Set parameter 'seed' to '1'" in o

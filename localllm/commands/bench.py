@@ -15,7 +15,9 @@ Method (like ``llama-bench``): one warm-up generation per variant, then per repe
   duration. Draft variants also report the acceptance rate.
 
 The KV cache size is what the loaded model reports (``ModelInfo.extra["kv_cache_bytes"]`` when the
-backend sets it, else layers × KV heads × head size × context for the type).
+backend sets it, else layers × KV heads × head size × context for the type): ``Running.kv_cache_bytes``.
+The benchmark runs in-process (:class:`~localllm.local.LocalRunner`: it sizes prompts with the model's
+tokenizer, which a server does not offer).
 """
 
 from __future__ import annotations
@@ -25,12 +27,17 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from localllm.engine import Done, GenerateRequest, LoadOptions
+    from localllm.local import LocalRunner
 
 _WORDS = (
     "river mountain garden window silver morning history engine market planet orange doctor winter "
@@ -58,14 +65,14 @@ def summary(values: list[float]) -> dict[str, Any]:
     return {"mean": round(mean, 4), "std": round(std, 4), "values": values}
 
 
-def make_prompt(engine: Any, name: str, n_tokens: int, salt: int) -> str:
+def make_prompt(runner: LocalRunner, name: str, n_tokens: int, salt: int) -> str:
     """Raw text of about ``n_tokens`` tokens for ``name``; ``salt`` picks the words (and the first one),
     so two salts share no prefix beyond BOS."""
     rng = random.Random(salt)
     words = [f"{_WORDS[salt % len(_WORDS)].capitalize()}{salt}"] + [rng.choice(_WORDS) for _ in range(4 * n_tokens)]
     n_words = max(1, n_tokens)
     for _ in range(4):
-        count = len(engine.tokenize(name, " ".join(words[:n_words])))
+        count = len(runner.tokenize(name, " ".join(words[:n_words])))
         if count == n_tokens:
             break
         n_words = max(1, min(len(words), round(n_words * n_tokens / max(count, 1))))
@@ -109,29 +116,15 @@ class Variant:
         return out
 
 
-def _kv_bytes(engine: Any, name: str, running: Any) -> int | None:
-    info = running.info
-    reported = (info.extra or {}).get("kv_cache_bytes")
-    if reported:
-        return int(reported)
-    try:
-        from localllm.ggufinfo import GGUFInfo
-
-        model = engine.store.get(name)
-        g = GGUFInfo(**model.info) if isinstance(model.info, dict) else model.info
-        return int(g.kv_bytes_per_token(info.kv_cache_type) * info.n_ctx)
-    except Exception:  # the estimate is a nicety; the rates are the point
-        return None
-
-
-def _timed(engine: Any, name: str, request: Any, options: Any) -> tuple[Any, float | None]:
+def _timed(runner: LocalRunner, name: str, request: GenerateRequest, options: LoadOptions
+           ) -> tuple[Done, float | None]:
     """(Done, seconds to the first event) for one request."""
     from localllm.engine import Done
 
     t0 = time.perf_counter()
     first = None
     done = None
-    for event in engine.generate(name, request, options):
+    for event in runner.generate(name, request, options):
         if first is None:
             first = time.perf_counter() - t0
         if isinstance(event, Done):
@@ -143,37 +136,37 @@ def _timed(engine: Any, name: str, request: Any, options: Any) -> tuple[Any, flo
     return done, first
 
 
-def run_variant(engine: Any, name: str, variant: Variant, *, pp: int, tg: int, repetitions: int,
+def run_variant(runner: LocalRunner, name: str, variant: Variant, *, pp: int, tg: int, repetitions: int,
                 num_ctx: int | None, num_thread: int | None, num_draft: int, backend: str,
-                tg_prompt: str = TG_PROMPT, progress: Any = None) -> Variant:
+                tg_prompt: str = TG_PROMPT, progress: Callable[[Variant, int], None] | None = None) -> Variant:
     """Measure one variant in place (errors a user can cause end up in ``variant.error``)."""
     from localllm.engine import BackendError, GenerateRequest, LoadOptions, Sampling
 
     options = LoadOptions(num_ctx=num_ctx, kv_cache_type=variant.kv_cache_type, backend=backend,
                           draft=variant.draft, num_draft=num_draft, num_thread=num_thread)
     try:
-        for running in engine.ps():  # one variant in memory at a time
-            engine.unload(running.name)
+        for loaded in runner.ps():  # one variant in memory at a time
+            runner.unload(loaded.name)
         t0 = time.perf_counter()
-        running = engine.load(name, options)
+        running = runner.load(name, options)
         variant.load_ms = (time.perf_counter() - t0) * 1000
-        variant.kv_cache_bytes = _kv_bytes(engine, name, running)
-        variant.n_ctx = running.info.n_ctx
-        if pp + 8 > running.info.n_ctx or 16 + tg > running.info.n_ctx:
-            raise LocalLLMError(f"--pp {pp} / --tg {tg} do not fit the {running.info.n_ctx}-token context.")
+        variant.kv_cache_bytes = running.kv_cache_bytes
+        variant.n_ctx = n_ctx = running.context_length
+        if pp + 8 > n_ctx or 16 + tg > n_ctx:
+            raise LocalLLMError(f"--pp {pp} / --tg {tg} do not fit the {n_ctx}-token context.")
         greedy = Sampling(temperature=0.0, seed=0, max_tokens=8)
-        _timed(engine, name, GenerateRequest(prompt=tg_prompt, sampling=greedy), options)  # warm-up
+        _timed(runner, name, GenerateRequest(prompt=tg_prompt, sampling=greedy), options)  # warm-up
         for rep in range(repetitions):
-            text = make_prompt(engine, name, pp, salt=1000 + rep)
+            text = make_prompt(runner, name, pp, salt=1000 + rep)
             one = Sampling(temperature=0.0, seed=0, max_tokens=1)
-            done, first = _timed(engine, name, GenerateRequest(prompt=text, sampling=one), options)
+            done, first = _timed(runner, name, GenerateRequest(prompt=text, sampling=one), options)
             s = done.stats
             variant.pp_tokens = s.prompt_eval_count - s.prompt_cached_tokens
             variant.pp_tps.append(s.prompt_eval_rate)
             variant.ttft_ms.append((first or 0.0) * 1000)
             # tg: a short prompt after a long one: the few prompt tokens do not disturb the timing
             gen = Sampling(temperature=0.0, seed=0, max_tokens=tg)
-            done, _ = _timed(engine, name, GenerateRequest(prompt=tg_prompt, sampling=gen), options)
+            done, _ = _timed(runner, name, GenerateRequest(prompt=tg_prompt, sampling=gen), options)
             s = done.stats
             variant.tg_tps.append(s.eval_rate)
             variant.tg_tokens.append(s.eval_count)
@@ -230,8 +223,8 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
     """Benchmark MODEL: prompt processing and generation tokens/s, time to first token, per
     KV cache type and draft variant."""
     from localllm import config
-    from localllm.commands.run import BACKENDS, ensure_model
-    from localllm.engine import KV_CACHE_TYPES, Engine
+    from localllm.answer import BACKENDS, ensure_model
+    from localllm.engine import KV_CACHE_TYPES
 
     kvs = [k.lower() for k in _split_list(kv_cache)] or [config.kv_cache_type()]
     for k in kvs:
@@ -248,11 +241,13 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
         num_ctx = max(2048, pp + tg + 64)
 
     from localllm.commands.convert import ConversionDisplay
+    from localllm.engine import Engine
+    from localllm.local import LocalModels, LocalRunner
 
     engine = Engine(keep_alive=float("inf"), on_convert=ConversionDisplay())
+    runner = LocalRunner(engine)
     try:
-        installed = ensure_model(engine.store, model)
-        name = getattr(installed, "name", model)
+        name = ensure_model(LocalModels(engine.store), model).name
         err = sys.stderr
 
         def progress(v: Variant, rep: int) -> None:
@@ -266,12 +261,12 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
         threads_used = threads
         for kv in kvs:
             for d in drafts:
-                v = run_variant(engine, name, Variant(kv, d), pp=pp, tg=tg, repetitions=repetitions,
+                v = run_variant(runner, name, Variant(kv, d), pp=pp, tg=tg, repetitions=repetitions,
                                 num_ctx=num_ctx, num_thread=threads, num_draft=num_draft, backend=backend,
                                 tg_prompt=tg_prompt, progress=progress)
-                for running in engine.ps():
-                    report_backend = getattr(running.plan, "backend", report_backend)
-                    threads_used = running.model.spec.n_threads
+                for running in runner.ps():
+                    report_backend = running.backend
+                    threads_used = running.n_threads
                 results.append(v.as_dict())
                 if not as_json:  # a line per finished variant, so a long run shows its progress
                     r = results[-1]
@@ -299,4 +294,4 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
         if all("error" in r for r in results):
             raise LocalLLMError(results[0]["error"])
     finally:
-        engine.close()
+        runner.close()

@@ -12,9 +12,15 @@ import click
 @click.command("cp", help="Copy a model to a new name.")
 @click.argument("src")
 @click.argument("dst")
-def command(src: str, dst: str) -> None:
+@click.option("--host", default=None, metavar="URL",
+              help="Talk to a localllm or Ollama server there instead of in-process.")
+def command(src: str, dst: str, host: str | None) -> None:
     """Install DST as another name for SRC."""
-    from localllm.store import Store
+    from localllm.session import open_models
 
-    m = Store().copy(src, dst)
-    click.echo(f"copied '{src}' to '{m.name}'")
+    models = open_models(host)
+    try:
+        copied = models.copy(src, dst)
+    finally:
+        models.close()
+    click.echo(f"copied '{src}' to '{copied}'")

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from localllm.api import Installed
 
 
 def human_size(n: int) -> str:
@@ -57,34 +61,37 @@ def format_table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def as_json(m: Installed, remote: bool) -> dict[str, Any]:
+    """One model of ``list --json``: the store's record in-process, name/digest/size for a server."""
+    if remote:
+        return {"name": m.name, "digest": m.digest, "size": m.size}
+    return {"name": m.name, "digest": m.digest, "path": m.path, "size": m.size,
+            "modified": m.modified.isoformat() if m.modified else None, "source": m.source, "local": m.local,
+            "quant": m.quant, "catalog": m.catalog, "mlx_path": m.mlx_path, "formats": m.formats,
+            "mlx_repo": m.mlx_repo, "mlx_revision": m.mlx_revision}
+
+
 @click.command("list", help="List installed models.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--json", "json_out", is_flag=True, help="Machine-readable output.")
 @click.option("--host", default=None, metavar="URL",
               help="Talk to a localllm or Ollama server there instead of in-process.")
-def command(as_json: bool, host: str | None) -> None:
+def command(json_out: bool, host: str | None) -> None:
     """List installed models, newest first."""
-    import os
+    from localllm.session import open_models
 
-    if host or os.environ.get("LOCALLLM_HOST", "").strip():
-        from localllm.client import connect
-
-        client = connect(host)
-        if client is not None:
-            with client:
-                remote = client.list()
-            if as_json:
-                click.echo(json.dumps([{"name": m.name, "digest": m.digest, "size": m.size} for m in remote], indent=2))
-                return
-            rows = [["NAME", "ID", "SIZE", "MODIFIED"]]
-            rows += [[m.name, m.short_id, human_size(m.size), ago(m.modified) if m.modified else ""] for m in remote]
-            click.echo(format_table(rows))
-            return
-    from localllm.store import Store
-
-    models = Store().list()
-    if as_json:
-        click.echo(json.dumps([{k: v for k, v in m.as_dict().items() if k != "info"} for m in models], indent=2))
+    models = open_models(host)
+    try:
+        listed = models.list()
+    finally:
+        models.close()
+    if json_out:
+        click.echo(json.dumps([as_json(m, models.remote) for m in listed], indent=2))
         return
-    rows = [["NAME", "ID", "SIZE", "FORMATS", "MODIFIED"]]
-    rows += [[m.name, m.short_id, human_size(m.size), "+".join(m.formats), ago(m.modified)] for m in models]
+    # a server's list has no formats column (Ollama's has none)
+    head = ["NAME", "ID", "SIZE", "MODIFIED"] if models.remote else ["NAME", "ID", "SIZE", "FORMATS", "MODIFIED"]
+    rows = [head]
+    for m in listed:
+        when = ago(m.modified) if m.modified else ""
+        cells = [m.name, m.short_id, human_size(m.size)] + ([] if models.remote else ["+".join(m.formats)])
+        rows.append(cells + [when])
     click.echo(format_table(rows))

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import click
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
+
+    from localllm.api import Installed, Models, PullProgress
 
 
 class PlainProgress:
@@ -24,12 +29,12 @@ class PlainProgress:
     def __init__(self, out: TextIO, every: float = 2.0):
         self.out = out
         self.every = every
-        self._status = None
+        self._status: str | None = None
         self._last = 0.0
         self._t0 = time.monotonic()
         self._c0 = 0
 
-    def __call__(self, p: Any) -> None:
+    def __call__(self, p: PullProgress) -> None:
         from localllm.download import fmt_bytes
 
         now = time.monotonic()
@@ -69,10 +74,10 @@ class RichProgress:
             TimeRemainingColumn(), console=Console(file=out), transient=False,
         )
         self.progress.start()
-        self._task = None
-        self._status = None
+        self._task: TaskID | None = None
+        self._status: str | None = None
 
-    def __call__(self, p: Any) -> None:
+    def __call__(self, p: PullProgress) -> None:
         if p.status != self._status:
             self._status = p.status
             if self._task is not None:
@@ -95,12 +100,13 @@ def make_progress(out: TextIO | None = None) -> PlainProgress | RichProgress:
     return RichProgress(out) if out.isatty() else PlainProgress(out)
 
 
-def pull_with_progress(store: Any, name: str, out: TextIO | None = None, *, mlx: bool | None = None) -> Any:
-    """Pull ``name`` into ``store`` showing progress on ``out`` (stderr); returns the InstalledModel.
-    ``mlx``: fetch the catalog's MLX weights too (None: the store decides, i.e. on Apple Silicon)."""
+def pull_with_progress(models: Models, name: str, out: TextIO | None = None, *, mlx: bool | None = None
+                       ) -> Installed:
+    """Pull ``name`` showing progress on ``out`` (stderr); returns the installed model. ``mlx``: fetch the
+    catalog's MLX weights too (None: the store decides, i.e. on Apple Silicon)."""
     bar = make_progress(out)
     try:
-        return store.pull(name, progress=bar) if mlx is None else store.pull(name, progress=bar, mlx=mlx)
+        return models.pull(name, progress=bar, mlx=mlx)
     finally:
         bar.close()
 
@@ -114,23 +120,19 @@ def pull_with_progress(store: Any, name: str, out: TextIO | None = None, *, mlx:
               help="Talk to a localllm or Ollama server there instead of in-process.")
 def command(name: str, quiet: bool, mlx: bool | None, host: str | None) -> None:
     """Download NAME: an alias (smollm2:135m, qwen2.5:7b-q8_0) or hf.co/user/repo[:QUANT]."""
-    from localllm.client import connect
-    from localllm.store import Store
+    from localllm.names import parse_name
+    from localllm.session import open_models
 
-    client = connect(host)
-    if client is not None:  # the server pulls into its own store
-        from localllm.names import parse_name
-
-        parse_name(name, allow_path=False)
-        with client:
-            client.pull(name) if quiet else pull_with_progress(client, name)
-            click.echo(f"success: {name} ({client.get(name).short_id})")
-        return
-    store = Store()
+    parse_name(name, allow_path=False)  # a bad name is one sentence before anything is asked of a server
+    models = open_models(host)
     try:
-        model = store.pull(name, mlx=mlx) if quiet else pull_with_progress(store, name, mlx=mlx)
+        model = models.pull(name, mlx=mlx) if quiet else pull_with_progress(models, name, mlx=mlx)
     except KeyboardInterrupt:
         click.echo("\nInterrupted; the partial download is kept and the next pull resumes it.", err=True)
         sys.exit(130)
-    if not quiet:
+    finally:
+        models.close()
+    if models.remote:
+        click.echo(f"success: {name} ({model.short_id})")
+    elif not quiet:
         click.echo(f"success: {model.name} ({model.short_id}, {' + '.join(model.formats)})")

@@ -18,19 +18,21 @@ import click
 @click.pass_context
 def command(ctx: click.Context, names: tuple[str, ...], host: str | None) -> None:
     """Remove NAMES (local files given by path are never deleted)."""
-    from localllm.client import connect
     from localllm.errors import LocalLLMError
-    from localllm.store import Store
+    from localllm.session import open_models
 
-    store = connect(host) or Store()
+    models = open_models(host)
     failed = False
-    for name in names:
-        try:
-            removed = store.remove(name) or name
-        except LocalLLMError as e:
-            click.echo(f"Error: {e}", err=True)
-            failed = True
-        else:
-            click.echo(f"deleted '{removed}'")
+    try:
+        for name in names:
+            try:
+                removed = models.remove(name)
+            except LocalLLMError as e:
+                click.echo(f"Error: {e}", err=True)
+                failed = True
+            else:
+                click.echo(f"deleted '{removed}'")
+    finally:
+        models.close()
     if failed:
         ctx.exit(1)

@@ -5,52 +5,48 @@
     $ localllm show smollm2:135m --json
 
 Shows architecture, parameters, context length, quantization, the chat template (first lines unless
-``--template``), license, and where the file is.
+``--template``), capabilities (completion, tools, thinking), license, and where the file is. With
+``--host`` the server's ``/api/show`` answers (no file section but the digest).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from localllm.api import Installed
 
 TEMPLATE_LINES = 6
 
 
-def _license(m: Any) -> str | None:
-    lic = m.info.get("license")
-    if not lic and m.catalog is not None:
-        lic = m.catalog.license
-    return lic
-
-
-def details(m: Any) -> dict[str, Any]:
+def details(m: Installed) -> dict[str, Any]:
     """What ``show --json`` prints: the model's facts in one flat dict."""
-    info = m.info
-    params = int(info.get("parameters") or 0)
     return {
         "name": m.name,
-        "architecture": info.get("architecture"),
-        "parameters": params,
-        "parameters_label": f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M",
-        "context_length": info.get("context_length"),
-        "embedding_length": info.get("n_embd"),
-        "layers": info.get("n_layers"),
-        "vocab_size": info.get("vocab_size"),
-        "quantization": info.get("file_type"),
-        "chat_template": info.get("chat_template"),
-        "license": _license(m),
-        "path": str(m.path),
+        "architecture": m.architecture or None,
+        "parameters": m.parameters,
+        "parameters_label": m.parameter_label or None,
+        "context_length": m.context_length or None,
+        "embedding_length": m.embedding_length or None,
+        "layers": m.n_layers or None,
+        "vocab_size": m.vocab_size or None,
+        "quantization": m.quantization or None,
+        "chat_template": m.chat_template,
+        "license": m.license,
+        "capabilities": m.capabilities,
+        "path": m.path,
         "digest": m.digest,
         "size": m.size,
         "source": m.source,
         "local": m.local,
-        "draft": m.catalog.draft if m.catalog else None,
-        "mlx_path": str(m.mlx_path) if m.mlx_path else None,
-        "formats": list(getattr(m, "formats", ["GGUF"])),
-        "mlx_source": getattr(m, "mlx_source", None),
-        "template_note": m.catalog.template_note if m.catalog else None,
+        "draft": m.draft,
+        "mlx_path": m.mlx_path,
+        "formats": m.formats,
+        "mlx_source": m.mlx_source,
+        "template_note": m.template_note,
     }
 
 
@@ -72,10 +68,15 @@ def render(d: dict[str, Any], full_template: bool) -> str:
         out += ["    " + line for line in shown]
         if len(shown) < len(lines):
             out.append(f"    … {len(lines) - len(shown)} more lines (--template shows all)")
+    if d["capabilities"]:
+        out += ["", "  Capabilities"] + [f"    {c}" for c in d["capabilities"]]
     out += ["", "  License", f"    {d['license'] or 'unknown'}"]
-    out += ["", "  File", f"    {'path':<20}{d['path']}", f"    {'size':<20}{human_size(d['size'])}",
-            f"    {'digest':<20}{d['digest']}", f"    {'source':<20}{d['source']}"]
-    out.append(f"    {'formats':<20}{', '.join(d['formats'])}")
+    if d["path"]:  # in-process: the file itself
+        out += ["", "  File", f"    {'path':<20}{d['path']}", f"    {'size':<20}{human_size(d['size'])}",
+                f"    {'digest':<20}{d['digest']}", f"    {'source':<20}{d['source']}"]
+        out.append(f"    {'formats':<20}{', '.join(d['formats'])}")
+    elif d["digest"]:
+        out += ["", "  File", f"    {'size':<20}{human_size(d['size'])}", f"    {'digest':<20}{d['digest']}"]
     if d["draft"]:
         out.append(f"    {'suggested draft':<20}{d['draft']}")
     if d["mlx_path"]:
@@ -87,12 +88,17 @@ def render(d: dict[str, Any], full_template: bool) -> str:
 @click.argument("name")
 @click.option("--template", "full_template", is_flag=True, help="Print the whole chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def command(name: str, full_template: bool, as_json: bool) -> None:
+@click.option("--host", default=None, metavar="URL",
+              help="Talk to a localllm or Ollama server there instead of in-process.")
+def command(name: str, full_template: bool, as_json: bool, host: str | None) -> None:
     """Show NAME: an installed model or a local .gguf file."""
-    from localllm.store import Store
+    from localllm.session import open_models
 
-    m = Store().get(name)
-    d = details(m)
+    models = open_models(host)
+    try:
+        d = details(models.show(name))
+    finally:
+        models.close()
     if as_json:
         click.echo(json.dumps(d, indent=2))
     else:

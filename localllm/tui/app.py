@@ -5,6 +5,10 @@
 Screens are app modes (F2 chat, F3 models, F4 hardware; F1 lists every key). Every binding has an
 id; ``[keymap]`` in the config file remaps it (see :mod:`localllm.tui.settings`), and the command
 palette (Ctrl+P) offers the same actions through :class:`ActionCommands`.
+
+The screens' data source is a :class:`~localllm.session.Session` (``app.session``): the models and the
+runner (in-process, or a server with ``--host``), and in-process the advisor (fit verdicts, catalog,
+hardware). Made on first use, from a worker (it may be slow).
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 from localllm.chats import ChatStore
 from localllm.config import DEFAULT_MODEL
+from localllm.session import Session, open_session
 
 from . import settings
-from .backend_adapter import ChatBackend, make_backend
 from .chat import ChatScreen, MessageView, PromptInput
 from .models import HardwareScreen, ModelsScreen
 
@@ -93,12 +97,12 @@ class LocalLLMApp(App):
     ]
 
     def __init__(self, model: str | None = None, host: str | None = None, *,
-                 backend: ChatBackend | None = None, chats: ChatStore | None = None):
+                 session: Session | None = None, chats: ChatStore | None = None):
         super().__init__()
         self.requested_model = model
         self.host = host
-        self._backend = backend
-        self._backend_lock = threading.Lock()
+        self._session = session
+        self._session_lock = threading.Lock()
         self._own_chats = chats is None
         self.chats = chats or ChatStore()
         self.model = model or settings.default_model() or DEFAULT_MODEL
@@ -112,17 +116,18 @@ class LocalLLMApp(App):
     # ------------------------------------------------------------------ services
 
     @property
-    def backend(self) -> ChatBackend:
-        """The engine or the server client, made on first use (from a worker: it may be slow)."""
-        with self._backend_lock:
-            if self._backend is None:
-                self._backend = make_backend(self.host)
-            return self._backend
+    def session(self) -> Session:
+        """The in-process engine or the server, made on first use (from a worker: it may be slow)."""
+        with self._session_lock:
+            if self._session is None:
+                self._session = open_session(self.host)
+            return self._session
 
     @property
-    def backend_label(self) -> str:
-        if self._backend is not None:
-            return self._backend.label
+    def session_label(self) -> str:
+        """``in-process`` or ``server URL`` (before the session exists: what it will be)."""
+        if self._session is not None:
+            return self._session.label
         return self.host or "in-process"
 
     def default_model_name(self) -> str:
@@ -137,7 +142,7 @@ class LocalLLMApp(App):
         """Installed model names (cached; refreshed when the model manager changes them)."""
         if self._model_names is None:
             try:
-                self._model_names = self.backend.model_names()
+                self._model_names = [m.name for m in self.session.models.list()]
             except Exception:  # noqa: BLE001 - the settings modal still lets the current model stay
                 self._model_names = []
         return self._model_names
@@ -156,8 +161,8 @@ class LocalLLMApp(App):
         screen = self.chat_screen
         if screen is not None and screen.cancel is not None:
             screen.cancel.set()  # the generator stops at the next token; the model is freed by close()
-        if self._backend is not None:
-            self._backend.close()
+        if self._session is not None:
+            self._session.close()
         if self._own_chats:
             self.chats.close()
 
@@ -179,5 +184,5 @@ class LocalLLMApp(App):
 def run(model: str | None = None, host: str | None = None) -> None:
     """Open the app (``localllm chat``). With ``host``, the server is checked first, so a wrong address
     is one sentence on the terminal rather than an error inside the app."""
-    backend = make_backend(host) if host else None
-    LocalLLMApp(model=model, host=host, backend=backend).run()
+    session = open_session(host) if host else None
+    LocalLLMApp(model=model, host=host, session=session).run()

@@ -1,11 +1,14 @@
 """The chat screen: conversations on the left, the streaming conversation on the right, a prompt and a
 status line below.
 
-Streaming: a thread worker runs the (blocking) backend generator and hands each event to the event
-loop without waiting (``call_soon_threadsafe``); an async worker writes the text through
-``Markdown.get_stream`` (which merges fragments when the screen cannot keep up) and, at the end, sets
-the whole answer once so code fences render complete. The message list is anchored to the bottom:
-it follows the stream until the user scrolls up, and picks it up again when they scroll back down.
+Streaming: an async worker iterates the runner's async stream (``Runner.agenerate``: the events of an
+in-process model's decode loop, or of a server's NDJSON stream, arrive on the event loop without a thread
+of ours) and writes the text through ``Markdown.get_stream`` (which merges fragments when the screen cannot
+keep up); at the end it sets the whole answer once so code fences render complete. A thinking model's
+reasoning streams first into a dimmed, collapsible block above the answer (:class:`ThinkingView`), which
+folds when the answer starts; it is saved with the message and comes back folded when the chat is
+reopened. The message list is anchored to the bottom: it follows the stream until the user scrolls up, and
+picks it up again when they scroll back down.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from contextlib import aclosing
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from textual import events, on, work
@@ -21,14 +26,19 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer, Label, Markdown, OptionList, Static, TextArea
+from textual.widget import Widget
+from textual.widgets import Collapsible, Footer, Label, Markdown, OptionList, Static, TextArea
 from textual.widgets.option_list import Option
 
 from localllm.chats import DEFAULT_TITLE, Conversation
 
-from .backend_adapter import AnswerInfo
-
 if TYPE_CHECKING:
+    from textual.widgets.markdown import MarkdownStream
+
+    from localllm.engine import Done, GenerateRequest, LoadOptions, Stats
+    from localllm.session import Session
+    from localllm.thinking import ThinkValue
+
     from .app import LocalLLMApp
 
 
@@ -36,6 +46,91 @@ EMPTY_HINT = """\
 Type a message below and press Enter (Ctrl+J adds a newline, Esc stops an answer).
 
 F3 models: pull, delete, set the default · F4 this machine · F1 every key · Ctrl+P commands"""
+
+
+@dataclass
+class AnswerInfo:
+    """What the status line says about the last answer (filled in while it streams)."""
+
+    model: str = ""
+    where: str = ""  # where it ran: "llamacpp CPU", "server http://… 100% CPU"
+    ttft_s: float | None = None
+    stats: Stats | None = None  # of the Done event
+    finish_reason: str = ""
+    load_s: float | None = None  # the model load this answer waited for
+
+
+# the settings modal's words → the request's think
+THINK: dict[str, ThinkValue] = {"on": True, "off": False, "low": "low", "medium": "medium", "high": "high"}
+
+
+def request_from(messages: list[dict[str, Any]], params: dict[str, Any]) -> tuple[GenerateRequest, LoadOptions]:
+    """A conversation's messages and parameters (the settings modal's) → the runner's request and load options."""
+    from localllm.engine import GenerateRequest, LoadOptions, Sampling
+
+    sampling = Sampling()
+    for key in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
+        if params.get(key) not in (None, ""):
+            setattr(sampling, key, params[key])
+    load = LoadOptions(num_ctx=int(params["num_ctx"]) if params.get("num_ctx") else None,
+                       draft=str(params["draft"]) if params.get("draft") else "auto")
+    think = THINK.get(str(params.get("think")))  # unset: the model's default
+    return GenerateRequest(messages=messages, sampling=sampling, think=think), load
+
+
+def describe_loaded(session: Session, model: str) -> str:
+    """Where ``model`` runs, for the status line: ``llamacpp CPU``, ``llamacpp GPU 20/30``, ``server URL 100% CPU``."""
+    try:
+        running = next((r for r in session.runner.ps() if r.name == model), None)
+    except Exception:  # noqa: BLE001 - an Ollama without /api/ps still chats
+        running = None
+    if session.remote:
+        return f"{session.label} {running.processor}" if running is not None else session.label
+    if running is None:
+        return ""
+    where = f"GPU {running.n_gpu_layers}/{running.n_layers}" if running.n_gpu_layers else "CPU"
+    return f"{running.backend} {where}"
+
+
+class ThinkingView(Collapsible):
+    """A thinking model's reasoning above its answer: dimmed, folded or unfolded by a click (or Enter) on its
+    title. Open while the reasoning streams; folded once the answer starts and when a saved chat is shown."""
+
+    DEFAULT_CSS = """
+    ThinkingView {
+        background: transparent;
+        border-top: none;
+        padding: 0;
+        margin: 0 0 1 0;
+    }
+    ThinkingView > CollapsibleTitle {
+        padding: 0;
+        color: $text-muted;
+    }
+    ThinkingView > Contents {
+        padding: 0 0 0 2;
+    }
+    ThinkingView .thinking-text {
+        color: $text-muted;
+        text-style: italic;
+    }
+    """
+
+    def __init__(self, text: str, *, streaming: bool = False):
+        self.text = text
+        self._body = Static(text, markup=False, classes="thinking-text")
+        super().__init__(self._body, title="Thinking…" if streaming else "Thinking", collapsed=not streaming,
+                         classes="thinking")
+
+    def show(self, text: str) -> None:
+        """The reasoning so far (while it streams)."""
+        self.text = text
+        self._body.update(text)
+
+    def finish(self) -> None:
+        """The reasoning is over: fold it."""
+        self.title = "Thinking"
+        self.collapsed = True
 
 
 class PromptInput(TextArea):
@@ -129,15 +224,19 @@ class MessageView(Vertical, can_focus=True):
         Binding("k", "copy_code", "Copy code", id="message.copy_code"),
     ]
 
-    def __init__(self, role: str, content: str, message_id: int | None = None, stopped: bool = False):
+    def __init__(self, role: str, content: str, message_id: int | None = None, stopped: bool = False,
+                 thinking: str = ""):
         super().__init__(classes=f"message {role}")
         self.role, self.content, self.message_id = role, content, message_id
+        self.thinking = thinking
         self.stopped = stopped
         self._code_index = 0
 
     def compose(self) -> ComposeResult:
         label = {"user": "You", "assistant": "Assistant", "system": "System"}.get(self.role, self.role)
         yield Label(label + (" (stopped)" if self.stopped else ""), classes="role")
+        if self.thinking:
+            yield ThinkingView(self.thinking)
         yield Markdown(self.content, classes="body")
 
     @property
@@ -166,13 +265,15 @@ class MessageView(Vertical, can_focus=True):
     def on_click(self, event: events.Click) -> None:
         from textual.widgets._markdown import MarkdownFence
 
-        node = event.widget
+        node: Widget | None = event.widget
         while node is not None and node is not self:
+            if isinstance(node, ThinkingView):  # folds or unfolds (its title's own click); no copy
+                return
             if isinstance(node, MarkdownFence):
                 self.app.copy_to_clipboard(node.code)
                 self.notify("Code block copied.", timeout=2)
                 return
-            node = node.parent
+            node = node.parent if isinstance(node.parent, Widget) else None
         self.action_copy()
 
 
@@ -266,8 +367,8 @@ class ChatScreen(Screen):
         self.last_info = None
         if self.conversation is not None:
             saved = self.lapp.chats.messages(self.conversation.id)
-            views = [MessageView(m.role, m.content, m.id, stopped=(m.stats or {}).get("finish_reason") == "cancelled")
-                     for m in saved]
+            views = [MessageView(m.role, m.content, m.id, thinking=m.thinking or "",
+                                 stopped=(m.stats or {}).get("finish_reason") == "cancelled") for m in saved]
             answers = [m for m in saved if m.role == "assistant"]
             self.last_info = info_from_saved(answers[-1].stats) if answers else None
             if views:
@@ -447,75 +548,79 @@ class ChatScreen(Screen):
         self.stream_answer(view, self.conversation.id, self.model, self.history(),
                            dict(self.conversation.params), self.cancel, info)
 
-    @work(thread=True, group="generate")
-    def produce(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, model: str,
-                messages: list[dict[str, str]], params: dict[str, Any], cancel: threading.Event,
-                info: AnswerInfo) -> None:
-        """Run the blocking generator; hand every event to the UI without waiting for it."""
-
-        def hand(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the app has quit and its loop is closed: stop generating
-                cancel.set()
-
-        try:
-            backend = self.lapp.backend
-            for event in backend.chat(model, messages, params, cancel, info):
-                hand((event, time.perf_counter()))
-        except Exception as e:  # noqa: BLE001 - shown to the user as one sentence
-            hand((e, time.perf_counter()))
-        finally:
-            hand(None)
-
     @work(group="answer")
     async def stream_answer(self, view: MessageView, conversation_id: int, model: str,
                             messages: list[dict[str, str]], params: dict[str, Any], cancel: threading.Event,
                             info: AnswerInfo) -> None:
         from localllm.engine import Done, TextChunk
 
-        queue: asyncio.Queue = asyncio.Queue()
-        self.produce(asyncio.get_running_loop(), queue, model, messages, params, cancel, info)
         parts: list[str] = []
+        thought = ""
+        thinking_view: ThinkingView | None = None
         done: Done | None = None
         error: str | None = None
         t_end = time.perf_counter()
         markdown = view.markdown
-        stream: Any = Markdown.get_stream(markdown)
+        stream: MarkdownStream | None = Markdown.get_stream(markdown)
         try:
-            while (item := await queue.get()) is not None:
-                event, t_end = item
-                if isinstance(event, TextChunk):
-                    if not parts and view.is_attached:
-                        self.update_status(f"{model}: answering… (Esc stops)")
-                    parts.append(event.text)
-                    if stream is not None and markdown.is_attached:
-                        await stream.write(event.text)
-                    elif stream is not None:  # the user opened another conversation: keep the text only
-                        await stream.stop()
-                        stream = None
-                elif isinstance(event, Done):
-                    done = event
-                    if event.finish_reason == "error":
-                        error = event.error or "the backend failed"
-                elif isinstance(event, Exception):
-                    error = _error_text(event, model)
+            session = await asyncio.to_thread(lambda: self.lapp.session)  # made on first use: may be slow
+            request, options = request_from(messages, params)
+            t0 = time.perf_counter()
+            async with aclosing(session.runner.agenerate(model, request, options, cancel=cancel)) as answer:
+                async for event in answer:
+                    t_end = time.perf_counter()
+                    if isinstance(event, TextChunk):
+                        if info.ttft_s is None:
+                            info.ttft_s = t_end - t0
+                        if event.thinking:
+                            thought += event.text
+                            if thinking_view is not None:
+                                thinking_view.show(thought)
+                            elif view.is_attached:
+                                self.update_status(f"{model}: thinking… (Esc stops)")
+                                thinking_view = ThinkingView(thought, streaming=True)
+                                await view.mount(thinking_view, before=markdown)
+                            continue
+                        if not parts and view.is_attached:
+                            self.update_status(f"{model}: answering… (Esc stops)")
+                            if thinking_view is not None:
+                                thinking_view.finish()
+                        parts.append(event.text)
+                        if stream is not None and markdown.is_attached:
+                            await stream.write(event.text)
+                        elif stream is not None:  # the user opened another conversation: keep the text only
+                            await stream.stop()
+                            stream = None
+                    elif isinstance(event, Done):
+                        done = event
+                        info.stats, info.finish_reason = event.stats, event.finish_reason
+                        if event.finish_reason == "error":
+                            error = event.error or "the model stopped with an error"
+                        if event.stats.load_duration:  # TTFT is the answer's: the model load is shown on its own
+                            info.load_s = event.stats.load_duration / 1e9
+                            if info.ttft_s is not None:
+                                info.ttft_s = max(0.0, info.ttft_s - info.load_s)
+                        info.where = await asyncio.to_thread(describe_loaded, session, model)
+        except Exception as e:  # noqa: BLE001 - shown to the user as one sentence
+            error = _error_text(e, model)
         finally:
             if stream is not None:
                 await stream.stop()
         text = "".join(parts)
         stopped = cancel.is_set() or (done is not None and done.finish_reason == "cancelled")
-        if text:  # saved whatever the screen shows now
+        if text or thought:  # saved whatever the screen shows now
             msg = self.lapp.chats.add_message(conversation_id, "assistant", text,
-                                              _stats_dict(done, info, model, stopped))
+                                              _stats_dict(done, info, model, stopped), thinking=thought or None)
             view.message_id = msg.id
         elif error is None and not stopped:
             error = "the model returned an empty answer"
         self.generating = False
         self.cancel = None
         if view.is_attached:
-            view.content = text
-            if text:
+            view.content, view.thinking = text, thought
+            if thinking_view is not None:
+                thinking_view.finish()
+            if text or thought:
                 await markdown.update(text)  # one full render: complete code fences (oterm #308)
                 self.call_after_refresh(self._on_screen, t_end)
                 if stopped:
@@ -541,16 +646,16 @@ class ChatScreen(Screen):
         if text is not None:
             status.update(text)
             return
-        status.update(status_text(self.model, self.lapp.backend_label, self.last_info))
+        status.update(status_text(self.model, self.lapp.session_label, self.last_info))
 
 
-def status_text(model: str, backend_label: str, info: AnswerInfo | None) -> str:
-    """The status line: model, backend, context used, TTFT, tokens/s, draft acceptance of the last answer.
+def status_text(model: str, where: str, info: AnswerInfo | None) -> str:
+    """The status line: model, where it runs, tokens/s, TTFT, context used, draft acceptance of the last answer.
 
     >>> status_text("smollm2:135m", "in-process", None)
     'smollm2:135m · in-process · no answer yet'
     """
-    parts = [model, (info.backend if info and info.backend else backend_label)]
+    parts = [model, (info.where if info and info.where else where)]
     stats = info.stats if info else None
     if stats is None:
         parts.append("no answer yet" if info is None or info.ttft_s is None else "stopped")
@@ -564,8 +669,8 @@ def status_text(model: str, backend_label: str, info: AnswerInfo | None) -> str:
         parts.append(f"ctx {stats.context_used}/{stats.n_ctx}")
     acceptance = stats.draft_acceptance
     parts.append(f"draft {acceptance:.0%}" if acceptance is not None else "no draft")
-    if info.extra.get("load_s"):
-        parts.append(f"load {_duration(info.extra['load_s'])}")
+    if info.load_s:
+        parts.append(f"load {_duration(info.load_s)}")
     return " · ".join(parts)
 
 
@@ -592,17 +697,19 @@ def _title(text: str) -> str:
     return line if len(line) <= 40 else line[:39] + "…"
 
 
-def _stats_dict(done: Any, info: AnswerInfo, model: str, stopped: bool) -> dict[str, Any]:
+def _stats_dict(done: Done | None, info: AnswerInfo, model: str, stopped: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"model": model, "finish_reason": "cancelled" if stopped else
                            (done.finish_reason if done is not None else "stop")}
     if info.ttft_s is not None:
         out["ttft_ms"] = round(info.ttft_s * 1000, 1)
-    if info.backend:
-        out["backend"] = info.backend
+    if info.where:
+        out["backend"] = info.where  # the key older chats have
     if done is not None and done.stats is not None:
         s = done.stats
         out.update(eval_count=s.eval_count, tokens_per_s=round(s.eval_rate, 2), context_used=s.context_used,
                    n_ctx=s.n_ctx, draft_proposed=s.draft_proposed, draft_accepted=s.draft_accepted)
+        if s.thinking_tokens:
+            out["thinking_tokens"] = s.thinking_tokens
     return out
 
 
@@ -625,6 +732,6 @@ def info_from_saved(stats: dict[str, Any] | None) -> AnswerInfo | None:
               draft_proposed=int(stats.get("draft_proposed") or 0),
               draft_accepted=int(stats.get("draft_accepted") or 0))
     ttft = stats.get("ttft_ms")
-    return AnswerInfo(model=str(stats.get("model") or ""), backend=str(stats.get("backend") or ""),
+    return AnswerInfo(model=str(stats.get("model") or ""), where=str(stats.get("backend") or ""),
                       ttft_s=float(ttft) / 1000 if ttft is not None else None, stats=s,
                       finish_reason=str(stats.get("finish_reason") or ""))

@@ -79,14 +79,18 @@ PARAM_FIELDS: list[tuple[str, str, str]] = [
     ("seed", "Seed", "random"),
     ("num_ctx", "Context (tokens)", "planner decides"),
     ("draft", "Draft", "auto | none | ngram | MODEL"),
+    ("think", "Think", "model default | on | off | low | medium | high"),
 ]
+THINK_WORDS = {"on": "on", "true": "on", "yes": "on", "off": "off", "false": "off", "no": "off",
+               "low": "low", "medium": "medium", "high": "high", "max": "high"}
 
 
 def parse_params(values: dict[str, str]) -> dict[str, Any]:
     """Validate the settings form; one clear sentence per mistake.
 
-    >>> parse_params({"temperature": "0.2", "seed": "7", "top_p": "", "num_ctx": "2048", "draft": "ngram"})
-    {'temperature': 0.2, 'seed': 7, 'num_ctx': 2048, 'draft': 'ngram'}
+    >>> parse_params({"temperature": "0.2", "seed": "7", "top_p": "", "num_ctx": "2048", "draft": "ngram",
+    ...               "think": "Off"})
+    {'temperature': 0.2, 'seed': 7, 'num_ctx': 2048, 'draft': 'ngram', 'think': 'off'}
     """
     out: dict[str, Any] = {}
     for key, label, _ in PARAM_FIELDS:
@@ -102,11 +106,14 @@ def parse_params(values: dict[str, str]) -> dict[str, Any]:
                 value = int(raw)
                 if key == "num_ctx" and not 128 <= value <= 1 << 20:
                     raise ValueError
+            elif key == "think":
+                value = THINK_WORDS[raw.lower()]
             else:
                 value = raw
-        except ValueError:
+        except (ValueError, KeyError):
             hint = {"temperature": "a number from 0 to 5", "top_p": "a number from 0 to 1",
-                    "seed": "a whole number", "num_ctx": "a whole number of tokens from 128"}[key]
+                    "seed": "a whole number", "num_ctx": "a whole number of tokens from 128",
+                    "think": "on, off, low, medium or high"}[key]
             raise LocalLLMError(f"{label} must be {hint}, got {raw!r}.") from None
         out[key] = value
     return out

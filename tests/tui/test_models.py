@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from textual.widgets import DataTable, Markdown, ProgressBar
 
+from localllm.session import Session, open_session
 from localllm.tui.app import LocalLLMApp
-from localllm.tui.backend_adapter import LocalBackend
 from localllm.tui.models import HardwareScreen, ModelsScreen
 
 from .test_chat import wait_until
@@ -15,12 +15,12 @@ from .test_chat import wait_until
 pytestmark = pytest.mark.asyncio
 
 
-def local_backend(catalog):
+def local_session(catalog) -> Session:
     from localllm.config import paths
     from localllm.engine import Engine
     from localllm.store import Store
 
-    return LocalBackend(Engine(store=Store(paths(), catalog=catalog)))
+    return open_session(engine=Engine(store=Store(paths(), catalog=catalog)))
 
 
 def column(table: DataTable, index: int) -> list[str]:
@@ -31,8 +31,8 @@ async def test_pull_shows_progress_cancels_resumes_and_installs_then_delete(tui_
     catalog, handler = mirror
     monkeypatch.delenv("LOCALLLM_MODELS")  # a fresh, empty models dir under the tmp home
     handler.delay_per_chunk = 0.02  # ~12 MB/s: slow enough to cancel mid-way
-    backend = local_backend(catalog)
-    app = LocalLLMApp(model="tuitest:135m", chats=chats, backend=backend)
+    session = local_session(catalog)
+    app = LocalLLMApp(model="tuitest:135m", chats=chats, session=session)
     async with app.run_test(size=(120, 36)) as pilot:
         await pilot.press("f3")
         screen = app.screen
@@ -52,7 +52,7 @@ async def test_pull_shows_progress_cancels_resumes_and_installs_then_delete(tui_
         await pilot.press("x")
         await wait_until(pilot, lambda: screen.pulling is None, timeout=30)
         assert "cancelled" in str(screen.query_one("#pull-status").render())
-        assert backend.store.list() == []
+        assert session.models.list() == []
         stopped_at = bar.progress
 
         handler.delay_per_chunk = 0.0
@@ -67,7 +67,7 @@ async def test_pull_shows_progress_cancels_resumes_and_installs_then_delete(tui_
         assert column(installed, 0) == ["tuitest:135m"]
         assert column(installed, 2) == ["Q4_1"]
         assert column(installed, 4)[0] in ("CPU", "fits on GPU") or "partial" in column(installed, 4)[0]
-        assert [m.name for m in backend.store.list()] == ["tuitest:135m"]
+        assert [m.name for m in session.models.list()] == ["tuitest:135m"]
 
         # set it as the default model (written to the config file)
         installed.focus()
@@ -82,12 +82,12 @@ async def test_pull_shows_progress_cancels_resumes_and_installs_then_delete(tui_
         await pilot.pause()
         await pilot.press("n")  # first: no
         await pilot.pause()
-        assert [m.name for m in backend.store.list()] == ["tuitest:135m"]
+        assert [m.name for m in session.models.list()] == ["tuitest:135m"]
         await pilot.press("d")
         await pilot.pause()
         await pilot.press("y")
         await wait_until(pilot, lambda: installed.row_count == 0, timeout=30)
-        assert backend.store.list() == []
+        assert session.models.list() == []
 
 
 async def test_hardware_view_shows_probe_and_plan(tui_home, chats):

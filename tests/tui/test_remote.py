@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from textual.widgets import DataTable
 
+from localllm.session import open_session
 from localllm.tui.app import LocalLLMApp
-from localllm.tui.backend_adapter import RemoteBackend, make_backend
 
 from .test_chat import MODEL, wait_until
 
@@ -26,10 +26,10 @@ def server(tui_home):
 
 @pytest.mark.asyncio
 async def test_chat_and_models_through_a_server(server, chats):
-    backend = make_backend(server.url)
-    assert isinstance(backend, RemoteBackend)
+    session = open_session(server.url)
+    assert session.remote and session.advisor is None
     conv = chats.create(title="Remote", model=MODEL, params={"seed": 1, "temperature": 0, "max_tokens": 300})
-    app = LocalLLMApp(model=MODEL, host=server.url, chats=chats, backend=backend)
+    app = LocalLLMApp(model=MODEL, host=server.url, chats=chats, session=session)
     async with app.run_test(size=(100, 30)) as pilot:
         screen = app.screen
         await pilot.press(*"Tell me a long story about a cat.", "enter")
@@ -66,4 +66,4 @@ def test_unreachable_host_is_one_sentence(tui_home):
     from localllm.errors import LocalLLMError
 
     with pytest.raises(LocalLLMError, match="No server is answering"):
-        make_backend("127.0.0.1:9")
+        open_session("127.0.0.1:9")

@@ -1,7 +1,7 @@
 """Snapshots of the main screens (``pytest --snapshot-update`` after checking the SVGs by eye).
 
-Deterministic on purpose: fixed conversations, and :class:`StaticBackend` rows for the model manager
-and the hardware view (a real probe differs from machine to machine); no timings are shown.
+Deterministic on purpose: fixed conversations, and a static session (``static_session``) for the model
+manager and the hardware view (a real probe differs from machine to machine); no timings are shown.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from localllm.chats import ChatStore
 from localllm.tui.app import LocalLLMApp
 
-from .conftest import StaticBackend
+from .conftest import static_session
 from .test_chat import wait_until
 
 ANSWER = """The sky looks blue because of **Rayleigh scattering**:
@@ -36,7 +36,7 @@ def snap_app(tmp_path, monkeypatch):
     conv = chats.create(title="Why is the sky blue?", model="smollm2:135m")
     chats.add_message(conv.id, "user", "Why is the sky blue?")
     chats.add_message(conv.id, "assistant", ANSWER)
-    yield LocalLLMApp(model="smollm2:135m", chats=chats, backend=StaticBackend())
+    yield LocalLLMApp(model="smollm2:135m", chats=chats, session=static_session())
     chats.close()
 
 
@@ -72,3 +72,32 @@ def test_settings_modal(snap_compare, snap_app):
 
 def test_help_screen(snap_compare, snap_app):
     assert snap_compare(snap_app, terminal_size=(110, 40), press=["f1"])
+
+
+def test_chat_screen_with_thinking(snap_compare, tmp_path, monkeypatch):
+    """A thinking model's answers: the reasoning dimmed above each answer, the first unfolded, the last folded."""
+    monkeypatch.setenv("LOCALLLM_HOME", "/nonexistent/localllm-home")
+    chats = ChatStore(tmp_path / "chats.sqlite3")
+    conv = chats.create(title="Two plus two", model="qwen3:0.6b")
+    chats.add_message(conv.id, "user", "What is two plus two?")
+    chats.add_message(conv.id, "assistant", "Two plus two is **4**.",
+                      thinking="The user asks for a sum. Two and two make four; no trick in the question.")
+    chats.add_message(conv.id, "user", "And three plus three?")
+    chats.add_message(conv.id, "assistant", "Six.", thinking="Three plus three: six.")
+    app = LocalLLMApp(model="qwen3:0.6b", chats=chats, session=static_session())
+
+    async def run_before(pilot):
+        from textual.widgets._collapsible import CollapsibleTitle
+
+        from localllm.tui.chat import ThinkingView
+
+        await pilot.pause()
+        await pilot.click(pilot.app.screen.query(ThinkingView).first().query_one(CollapsibleTitle))
+        await pilot.pause()
+        pilot.app.screen.query_one("#prompt").focus()
+        await pilot.pause()
+
+    try:
+        assert snap_compare(app, terminal_size=(100, 30), run_before=run_before)
+    finally:
+        chats.close()

@@ -1,0 +1,386 @@
+"""What ``localllm run``, its ``>>>`` prompt (:mod:`localllm.interactive`) and ``localllm bench`` share:
+the run settings (flags → engine options, checked in one sentence each), streaming one answer to the
+terminal (reasoning shown as Ollama shows it), Ollama's ``--verbose`` stats block, and getting a model
+that is not installed yet.
+
+    >>> from localllm.engine import Stats
+    >>> settings = build_settings(temperature=0, think="high")
+    >>> settings.sampling.temperature, settings.think
+    (0, 'high')
+    >>> print("\\n".join(stats_lines(Stats(eval_count=12, thinking_tokens=5, eval_duration=10**8))))
+    eval count:           12 token(s)
+    thinking tokens:      5 token(s)
+    eval duration:        100ms
+    eval rate:            120.00 tokens/s
+    prompt cache:         0 token(s) reused
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from types import FrameType
+from typing import IO, TYPE_CHECKING, Any
+
+from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from localllm.api import Installed, Models, Runner
+    from localllm.engine import Done, GenerateRequest, LoadOptions, Sampling, Stats
+    from localllm.thinking import ThinkValue
+
+BACKENDS = ("auto", "llamacpp", "mlx")
+
+# Ollama's colours for reasoning on a terminal (readline.ColorGrey / ColorBold / ColorDefault)
+GREY, BOLD, RESET = "\x1b[38;5;245m", "\x1b[1m", "\x1b[0m"
+THINKING_OPEN, THINKING_CLOSE = "Thinking...\n", "...done thinking.\n\n"
+
+
+# ------------------------------------------------------------------------------------------ stats
+
+
+def go_duration(ns: int | float) -> str:
+    """Format nanoseconds the way Go's ``time.Duration.String`` does (Ollama prints its stats so).
+
+    >>> go_duration(0), go_duration(5_000_000), go_duration(130_869_000), go_duration(1_234_567_891)
+    ('0s', '5ms', '130.869ms', '1.234567891s')
+    >>> go_duration(62_500_000_000), go_duration(3_600_000_000_000), go_duration(999), go_duration(1500)
+    ('1m2.5s', '1h0m0s', '999ns', '1.5µs')
+    """
+    ns = int(ns)
+    if ns == 0:
+        return "0s"
+    sign = "-" if ns < 0 else ""
+    u = abs(ns)
+
+    def frac(value: int, digits: int) -> str:
+        whole, rest = divmod(value, 10**digits)
+        tail = f"{rest:0{digits}d}".rstrip("0")
+        return f"{whole}.{tail}" if tail else str(whole)
+
+    if u < 1_000:
+        return f"{sign}{u}ns"
+    if u < 1_000_000:
+        return f"{sign}{frac(u, 3)}µs"
+    if u < 1_000_000_000:
+        return f"{sign}{frac(u, 6)}ms"
+    hours, rem = divmod(u, 3_600_000_000_000)
+    minutes, rem = divmod(rem, 60_000_000_000)
+    out = frac(rem, 9) + "s"
+    if hours or minutes:
+        out = f"{minutes}m" + out
+    if hours:
+        out = f"{hours}h" + out
+    return sign + out
+
+
+def stats_lines(stats: Stats) -> list[str]:
+    """Ollama's ``--verbose`` block (``api.Metrics.Summary``) plus our thinking, prompt-cache and draft lines.
+
+    Ollama prints a line only when its value is non-zero; so do we. The prompt eval rate counts the
+    tokens actually evaluated (cached ones excluded), which is what the duration measured; ``thinking
+    tokens`` are the part of ``eval count`` that was reasoning.
+    """
+    lines: list[str] = []
+    if stats.total_duration > 0:
+        lines.append(f"total duration:       {go_duration(stats.total_duration)}")
+    if stats.load_duration > 0:
+        lines.append(f"load duration:        {go_duration(stats.load_duration)}")
+    if stats.prompt_eval_count > 0:
+        lines.append(f"prompt eval count:    {stats.prompt_eval_count} token(s)")
+    if stats.prompt_eval_duration > 0:
+        lines.append(f"prompt eval duration: {go_duration(stats.prompt_eval_duration)}")
+        lines.append(f"prompt eval rate:     {stats.prompt_eval_rate:.2f} tokens/s")
+    if stats.eval_count > 0:
+        lines.append(f"eval count:           {stats.eval_count} token(s)")
+    if stats.thinking_tokens > 0:
+        lines.append(f"thinking tokens:      {stats.thinking_tokens} token(s)")
+    if stats.eval_duration > 0:
+        lines.append(f"eval duration:        {go_duration(stats.eval_duration)}")
+        lines.append(f"eval rate:            {stats.eval_rate:.2f} tokens/s")
+    lines.append(f"prompt cache:         {stats.prompt_cached_tokens} token(s) reused")
+    if stats.draft_proposed:
+        lines.append(
+            f"draft acceptance:     {stats.draft_accepted / stats.draft_proposed:.2%} "
+            f"({stats.draft_accepted}/{stats.draft_proposed} token(s))"
+        )
+    return lines
+
+
+def print_stats(stats: Stats, err: IO[str] | None = None) -> None:
+    err = err or sys.stderr
+    err.write("\n".join(stats_lines(stats)) + "\n")
+    err.flush()
+
+
+def overflow_note(stats: Stats) -> str | None:
+    """The stderr line for turns dropped to fit the context, or None."""
+    n = stats.dropped_messages
+    if not n:
+        return None
+    return (f"Note: the conversation no longer fits the {stats.n_ctx}-token context; "
+            f"the {n} oldest message(s) were left out of this answer.")
+
+
+# ------------------------------------------------------------------------------------------ streaming
+
+
+@dataclass
+class Answer:
+    """What one generation produced."""
+
+    text: str = ""
+    thinking: str = ""  # the reasoning, apart from the answer
+    done: Done | None = None
+    cancelled: bool = False
+    first_token_s: float | None = None  # seconds from the call to the first text (reasoning included)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _Display:
+    """Writes an answer as it streams: reasoning between Ollama's ``Thinking...`` / ``...done thinking.``
+    lines (grey on a terminal) unless hidden, then the answer."""
+
+    def __init__(self, out: IO[str] | None, show_thinking: bool):
+        self.out = out
+        self.show_thinking = show_thinking and out is not None
+        self.color = out is not None and _isatty(out)
+        self.open = False  # inside the reasoning block
+        self.last = ""
+
+    def _write(self, text: str) -> None:
+        assert self.out is not None
+        self.out.write(text)
+        self.out.flush()
+        if text:
+            self.last = text
+
+    def thinking(self, text: str) -> None:
+        if not self.show_thinking:
+            return
+        if not self.open:
+            self.open = True
+            self._write(f"{GREY}{BOLD}{THINKING_OPEN}{RESET}{GREY}" if self.color else THINKING_OPEN)
+        self._write(text)
+
+    def close_thinking(self) -> None:
+        if not self.open:
+            return
+        self.open = False
+        end = "" if self.last.endswith("\n") else "\n"
+        self._write(f"{end}{GREY}{BOLD}{THINKING_CLOSE}{RESET}" if self.color else end + THINKING_CLOSE)
+
+    def answer(self, text: str) -> None:
+        if self.out is None:
+            return
+        self.close_thinking()
+        self._write(text)
+
+
+def stream_answer(
+    runner: Runner,
+    name: str,
+    request: GenerateRequest,
+    options: LoadOptions | None = None,
+    *,
+    out: IO[str] | None = None,
+    show_thinking: bool = True,
+    cancel: threading.Event | None = None,
+    keep_alive: float | None = None,
+) -> Answer:
+    """Run one generation in this thread, writing it to ``out`` as it arrives (flushed per piece).
+
+    Ctrl+C stops it: while the answer streams, SIGINT sets ``cancel`` instead of raising (in the main
+    thread), so the generation stops at its next step wherever it is (loading, evaluating the prompt,
+    decoding; a server sees the connection drop) and the partial answer comes back with ``cancelled=True``.
+    Errors raised by the runner are re-raised here.
+
+    >>> # answer = stream_answer(session.runner, "smollm2:135m", GenerateRequest(prompt="Hi"), out=sys.stdout)
+    """
+    from localllm.engine import Done, TextChunk, ToolCalls
+
+    cancel = cancel or threading.Event()
+    answer = Answer()
+    display = _Display(out, show_thinking)
+    parts: list[str] = []
+    thoughts: list[str] = []
+    t0 = time.perf_counter()
+    with _ctrl_c_sets(cancel):
+        events = runner.generate(name, request, options, cancel=cancel, keep_alive=keep_alive)
+        try:
+            for event in events:
+                if isinstance(event, TextChunk):
+                    if answer.first_token_s is None:
+                        answer.first_token_s = time.perf_counter() - t0
+                    if event.thinking:
+                        thoughts.append(event.text)
+                        display.thinking(event.text)
+                    else:
+                        parts.append(event.text)
+                        display.answer(event.text)
+                elif isinstance(event, ToolCalls):
+                    answer.tool_calls.extend(event.calls)
+                elif isinstance(event, Done):
+                    answer.done = event
+        except KeyboardInterrupt:  # not the main thread's handler: leaving the stream cancels it
+            cancel.set()
+        finally:
+            events.close()
+            display.close_thinking()  # ended (or stopped) while reasoning: close the block, reset the colour
+    answer.text = "".join(parts)
+    answer.thinking = "".join(thoughts)
+    answer.cancelled = cancel.is_set() or (answer.done is not None and answer.done.finish_reason == "cancelled")
+    return answer
+
+
+@contextmanager
+def _ctrl_c_sets(cancel: threading.Event) -> Iterator[None]:
+    """SIGINT sets ``cancel`` (instead of raising KeyboardInterrupt) inside the block, in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        cancel.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _isatty(stream: object) -> bool:
+    try:
+        return bool(stream.isatty())  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):
+        return False
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+def ensure_model(models: Models, name: str) -> Installed:
+    """The installed model for ``name``; a missing catalog/Hub model is pulled first (with the pull
+    command's progress display). A local path is never pulled: it is read in place or refused, and
+    an unknown alias fails in pull with its suggestions."""
+    from localllm.errors import ModelNotFoundError
+
+    try:
+        return models.show(name)
+    except ModelNotFoundError:
+        from localllm.names import parse_name
+
+        if parse_name(name, allow_path=True).kind == "path":
+            raise
+    from localllm.commands.pull import pull_with_progress
+
+    pull_with_progress(models, name)
+    return models.show(name)
+
+
+# ------------------------------------------------------------------------------------------ settings
+
+
+@dataclass
+class RunSettings:
+    """Everything ``run`` and the REPL need beyond the model name."""
+
+    sampling: Sampling
+    load: LoadOptions
+    system: str | None = None
+    format: str | None = None
+    verbose: bool = False
+    keep_alive: float | None = None
+    think: ThinkValue = None  # None: the model's default (a thinking model thinks)
+    hide_thinking: bool = False  # think, but do not print the reasoning
+
+    def copy(self) -> RunSettings:
+        """A copy whose sampling options can change without touching this one."""
+        return replace(self, sampling=replace(self.sampling))
+
+    def request(self, messages: list[dict[str, Any]]) -> GenerateRequest:
+        """A chat request for ``messages`` with these settings (system prompt first, when set)."""
+        from localllm.engine import GenerateRequest
+
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return GenerateRequest(messages=head + messages, sampling=replace(self.sampling), format=self.format,
+                               think=self.think)
+
+
+def parse_think_flag(value: str | None) -> ThinkValue:
+    """``--think[=true|false|low|medium|high|max]`` → the request's ``think`` (``max`` is the highest level).
+
+    >>> parse_think_flag(None), parse_think_flag("true"), parse_think_flag("false"), parse_think_flag("max")
+    (None, True, False, 'high')
+    """
+    if value is None:
+        return None
+    from localllm.thinking import parse_think
+
+    word = value.strip().lower()
+    try:
+        return parse_think({"true": True, "false": False}.get(word, word))
+    except ValueError as e:
+        raise LocalLLMError(f"{str(e)[0].upper()}{str(e)[1:]}.") from None
+
+
+def build_settings(
+    *,
+    temperature: float | None = None,
+    seed: int | None = None,
+    num_predict: int | None = None,
+    num_ctx: int | None = None,
+    system: str | None = None,
+    fmt: str | None = None,
+    draft: str | None = None,
+    num_draft: int | None = None,
+    kv_cache: str | None = None,
+    backend: str = "auto",
+    verbose: bool = False,
+    keepalive: str | None = None,
+    think: str | None = None,
+    hide_thinking: bool = False,
+) -> RunSettings:
+    """Validate the flags (one sentence per mistake) and turn them into engine options.
+
+    >>> s = build_settings(temperature=0, seed=1, kv_cache="q8_0")
+    >>> s.sampling.temperature, s.sampling.seed, s.load.kv_cache_type
+    (0, 1, 'q8_0')
+    """
+    from localllm.engine import KV_CACHE_TYPES, LoadOptions, Sampling, parse_keep_alive
+
+    if kv_cache is not None and kv_cache.lower() not in KV_CACHE_TYPES:
+        raise LocalLLMError(f"Unknown KV cache type {kv_cache!r}: choose one of {', '.join(KV_CACHE_TYPES)}.")
+    if backend not in BACKENDS:
+        raise LocalLLMError(f"Unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}.")
+    if fmt is not None and fmt != "json":
+        raise LocalLLMError(f"Unknown format {fmt!r}: only 'json' is supported.")
+    if num_ctx is not None and num_ctx < 1:
+        raise LocalLLMError(f"--num-ctx must be a positive number of tokens, got {num_ctx}.")
+    if num_draft is not None and num_draft < 1:
+        raise LocalLLMError(f"--num-draft must be at least 1, got {num_draft}.")
+    if temperature is not None and temperature < 0:
+        raise LocalLLMError(f"--temperature must be 0 or more, got {temperature}.")
+    sampling = Sampling()
+    if temperature is not None:
+        sampling.temperature = temperature
+    if seed is not None:
+        sampling.seed = seed
+    if num_predict is not None:
+        sampling.max_tokens = num_predict
+    load = LoadOptions(
+        num_ctx=num_ctx,
+        kv_cache_type=kv_cache.lower() if kv_cache else None,
+        backend=backend,
+        draft=(draft or "auto").strip() or "auto",
+        num_draft=num_draft or 4,
+    )
+    ka = parse_keep_alive(keepalive) if keepalive not in (None, "") else None
+    return RunSettings(sampling=sampling, load=load, system=system, format=fmt, verbose=verbose, keep_alive=ka,
+                       think=parse_think_flag(think), hide_thinking=hide_thinking)

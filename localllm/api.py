@@ -1,0 +1,277 @@
+"""The seams the faces talk through: :class:`Models` (the store's side) and :class:`Runner` (the engine's
+side), plus :class:`Advisor` (what fits this machine, in-process only) and the dataclasses they return.
+
+Two implementations, one interface::
+
+    Models / Runner / Advisor   in-process  localllm.local.LocalModels / LocalRunner / LocalAdvisor
+                                            (a Store, an Engine, the planner, the catalog, the probe)
+    Models / Runner             remote      localllm.client.Client (a localllm or Ollama server, Ollama API)
+
+A face gets both from :func:`localllm.session.open_session` (``--host URL`` picks the remote one) and never
+asks which one it got: the CLI (``localllm/cli.py``, ``localllm/commands``, ``localllm/interactive.py``) and
+the TUI (``localllm/tui``) use nothing else to list, pull, remove, run and unload models.
+
+Errors are the project's: :class:`~localllm.errors.ModelNotFoundError` for an unknown model,
+:class:`~localllm.errors.LocalLLMError` (one sentence) for anything else a user can cause; a backend's
+:class:`~backends.base.BackendError` passes through the in-process runner as it is.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncGenerator, Callable, Generator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Protocol
+
+from localllm.store import PullProgress
+
+if TYPE_CHECKING:
+    from localllm.engine import Event, GenerateRequest, LoadOptions
+    from localllm.hardware import HardwareInfo
+
+    EventStream = Generator[Event, None, None]  # a stream of events the consumer may close early
+    AsyncEventStream = AsyncGenerator[Event, None]
+
+__all__ = [
+    "Advisor", "AsyncEventStream", "CatalogItem", "EventStream", "Fit", "Installed", "Models", "ProgressFn",
+    "PullProgress", "Runner", "Running", "processor", "until",
+]
+
+ProgressFn = Callable[[PullProgress], None]
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+@dataclass
+class Installed:
+    """An installed model: what ``list`` and ``show`` print and the model manager lists.
+
+    A server fills what the Ollama API says (``/api/tags`` for :meth:`Models.list`, ``/api/show`` too for
+    :meth:`Models.show`); the fields below ``capabilities`` are known in-process only."""
+
+    name: str
+    digest: str = ""  # "sha256:<hex>"
+    size: int = 0  # bytes of the weights file
+    modified: datetime | None = None
+    formats: list[str] = field(default_factory=list)  # ["GGUF"], ["GGUF", "MLX"]; [] when a server does not say
+    architecture: str = ""
+    parameters: int = 0  # parameter count (0: unknown)
+    parameter_size: str = ""  # the label a server gives ("135M"); see parameter_label
+    quantization: str = ""  # "Q4_1", "Q4_K_M"
+    context_length: int = 0  # the training context
+    embedding_length: int = 0
+    n_layers: int = 0
+    vocab_size: int = 0
+    chat_template: str | None = None
+    license: str | None = None
+    capabilities: list[str] = field(default_factory=list)  # "completion", "tools", "thinking", ...
+    # in-process only
+    path: str | None = None  # the .gguf
+    source: str = ""
+    local: bool = False  # a .gguf path used in place
+    quant: str | None = None  # the quant the catalog name asked for
+    catalog: str | None = None  # the catalog entry's name
+    draft: str | None = None  # the catalog's suggested draft model
+    template_note: str | None = None
+    mlx_path: str | None = None
+    mlx_source: str | None = None  # "mlx-community/X@1a2b3c4d5e6f", "converted from the GGUF"
+    mlx_repo: str | None = None
+    mlx_revision: str | None = None
+
+    @property
+    def short_id(self) -> str:
+        return self.digest.removeprefix("sha256:")[:12]
+
+    @property
+    def parameter_label(self) -> str:
+        """``134.5M``, ``7.6B`` from the count, else the server's label.
+
+        >>> Installed("m", parameters=134_515_008).parameter_label, Installed("m", parameter_size="8B").parameter_label
+        ('134.5M', '8B')
+        """
+        p = self.parameters
+        if not p:
+            return self.parameter_size
+        return f"{p / 1e9:.1f}B" if p >= 1e9 else f"{p / 1e6:.1f}M"
+
+
+class Models(Protocol):
+    """Installed models: list, show, pull (with progress), remove, copy."""
+
+    @property
+    def label(self) -> str:
+        """Where the models live: ``"in-process"`` or ``"server http://127.0.0.1:11434"``."""
+
+    @property
+    def remote(self) -> bool:
+        """True for a server (whose answers carry less than the local store knows)."""
+
+    def list(self) -> list[Installed]:
+        """Installed models, newest first."""
+
+    def show(self, name: str) -> Installed:
+        """One model by name (an alias resolves: ``smollm2`` → ``smollm2:135m``; in-process also a ``.gguf``
+        path). Raises :class:`~localllm.errors.ModelNotFoundError`."""
+
+    def pull(self, name: str, *, progress: ProgressFn | None = None, cancel: threading.Event | None = None,
+             mlx: bool | None = None) -> Installed:
+        """Download and install ``name``; ``progress`` gets :class:`PullProgress` events (Ollama's phases);
+        ``cancel`` stops it (the partial download is kept for a resume). ``mlx``: the catalog's MLX weights
+        too (in-process; None = on Apple Silicon)."""
+
+    def remove(self, name: str) -> str:
+        """Remove ``name``; returns the installed name that went (``smollm2`` → ``smollm2:135m``)."""
+
+    def copy(self, src: str, dst: str) -> str:
+        """Install ``dst`` as another name for ``src``; returns the new name."""
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def processor(size: int, size_vram: int) -> str:
+    """Ollama's PROCESSOR column.
+
+    >>> processor(100, 0), processor(100, 100), processor(100, 52)
+    ('100% CPU', '100% GPU', '48%/52% CPU/GPU')
+    """
+    if size_vram <= 0 or size <= 0:
+        return "100% CPU"
+    if size_vram >= size:
+        return "100% GPU"
+    cpu = round((size - size_vram) / size * 100)
+    return f"{cpu}%/{100 - cpu}% CPU/GPU"
+
+
+def until(expires_at: datetime | None, now: datetime | None = None) -> str:
+    """Ollama's UNTIL column: "4 minutes from now", "Never", "Stopping...".
+
+    >>> t = datetime(2026, 1, 1, tzinfo=UTC)
+    >>> until(datetime(2026, 1, 1, 0, 4, 30, tzinfo=UTC), t), until(None, t), until(t, t)
+    ('4 minutes from now', 'Never', 'Stopping...')
+    """
+    if expires_at is None or expires_at.year > 2200:
+        return "Never"
+    now = now or datetime.now(UTC)
+    left = (expires_at - now).total_seconds()
+    if left <= 0:
+        return "Stopping..."
+    for unit, seconds in (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1)):
+        if left >= seconds:
+            n = int(left // seconds)
+            return f"{n} {unit}{'s' if n != 1 else ''} from now"
+    return "Less than a second from now"
+
+
+@dataclass
+class Running:
+    """A loaded model, as ``ps`` shows it. A server fills what ``/api/ps`` says; the fields below
+    ``expires_at`` are known in-process only (``""`` / 0 / None otherwise)."""
+
+    name: str
+    digest: str = ""
+    size: int = 0  # bytes in memory (weights + KV)
+    size_vram: int = 0  # of which on the GPU
+    context_length: int = 0  # tokens per sequence in this load
+    expires_at: datetime | None = None  # None = never
+    backend: str = ""  # "llamacpp" | "mlx"
+    kv_cache_type: str = ""
+    n_gpu_layers: int = 0
+    n_layers: int = 0
+    draft: str | None = None  # "ngram", a draft model's path, None
+    n_threads: int | None = None
+    slots: int = 0  # sequences that decode together
+    kv_cache_bytes: int | None = None  # the KV cache's size (reported, else estimated)
+
+    @property
+    def short_id(self) -> str:
+        return self.digest.removeprefix("sha256:")[:12]
+
+    @property
+    def processor(self) -> str:
+        return processor(self.size, self.size_vram)
+
+    @property
+    def until(self) -> str:
+        return until(self.expires_at)
+
+
+class Runner(Protocol):
+    """Running models: generate (a sync or an async stream of events), load, unload, ps.
+
+    Events are the engine's: :class:`~localllm.engine.TextChunk` (``thinking=True`` for reasoning),
+    :class:`~localllm.engine.ToolCalls`, and one closing :class:`~localllm.engine.Done`. Leaving a stream
+    early (``break``, closing it, a cancelled task) or setting ``cancel`` stops the generation at its next
+    step; a stream stopped by ``cancel`` still ends with ``Done(finish_reason="cancelled")``."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def remote(self) -> bool: ...
+
+    def generate(self, name: str, request: GenerateRequest, options: LoadOptions | None = None, *,
+                 cancel: threading.Event | None = None, keep_alive: float | None = None) -> EventStream:
+        """The events of ``request`` on ``name`` (loaded on demand), in the caller's thread."""
+
+    def agenerate(self, name: str, request: GenerateRequest, options: LoadOptions | None = None, *,
+                  cancel: threading.Event | None = None, keep_alive: float | None = None) -> AsyncEventStream:
+        """:meth:`generate` for asyncio callers (the loop is never blocked)."""
+
+    def load(self, name: str, options: LoadOptions | None = None, *, keep_alive: float | None = None) -> Running:
+        """Load ``name`` now (or find it loaded with compatible options)."""
+
+    def unload(self, name: str) -> bool:
+        """Unload ``name`` once its generations end; True if it was loaded."""
+
+    def ps(self) -> list[Running]:
+        """Loaded models, the one that expires last first."""
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------- advice
+
+
+@dataclass
+class Fit:
+    """The planner's verdict for one model on this machine."""
+
+    model: str = ""  # the installed name it was planned for ("" for a catalog estimate)
+    backend: str = ""  # "llamacpp" | "mlx"
+    verdict: str = ""  # "gpu" | "partial" | "cpu" | "too_big"; "" when unknown
+    text: str = "?"  # "fits on GPU", "partial offload 20/32 layers", "CPU", "too big"; "≈ CPU" estimated
+    n_gpu_layers: int = 0
+    n_ctx: int = 0
+    kv_cache_type: str = ""
+    reasons: list[str] = field(default_factory=list)  # the planner's, one line per decision
+    estimated: bool = False  # from the download size only (the GGUF is not on this machine)
+
+
+@dataclass
+class CatalogItem:
+    """A catalog entry with its verdict for this machine."""
+
+    name: str
+    size: int = 0  # bytes of the default quant, roughly
+    description: str = ""
+    draft: str | None = None
+    installed: bool = False
+    fit: Fit = field(default_factory=Fit)
+
+
+class Advisor(Protocol):
+    """What this machine is and what fits it (the planner, the catalog, the hardware probe): in-process only."""
+
+    def fit(self, name: str) -> Fit:
+        """The plan for an installed model (raises :class:`~localllm.errors.LocalLLMError` when it cannot)."""
+
+    def catalog(self) -> list[CatalogItem]:
+        """Every catalog entry with its verdict: exact for installed models, else estimated from the size."""
+
+    def hardware(self) -> HardwareInfo:
+        """The probe of this machine."""
