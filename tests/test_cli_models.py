@@ -61,8 +61,9 @@ def test_show_prints_the_model_facts(default_model):
 
 def test_long_templates_are_truncated_unless_asked(default_model):
     from localllm.commands.show import TEMPLATE_LINES, details, render
+    from localllm.local import installed
 
-    d = details(default_model)
+    d = details(installed(default_model))
     d["chat_template"] = "\n".join(f"line {i}" for i in range(40))
     short, full = render(d, full_template=False), render(d, full_template=True)
     assert f"line {TEMPLATE_LINES - 1}" in short and f"line {TEMPLATE_LINES}\n" not in short

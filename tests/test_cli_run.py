@@ -17,8 +17,8 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from localllm.cli import cli
 from localllm.answer import go_duration, stats_lines
+from localllm.cli import cli
 
 STATS_FIELDS = ["total duration", "load duration", "prompt eval count", "prompt eval duration", "prompt eval rate",
                 "eval count", "eval duration", "eval rate", "prompt cache"]

@@ -68,3 +68,50 @@ def test_too_small_context_is_a_400_not_a_crash(url):
                                              "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
     assert r.status_code == 400
     assert r.json() == {"error": "num_ctx must be at least 256 tokens, got 16."}
+
+
+# ------------------------------------------------------------------------------------------ thinking over --host
+
+THINKER = "smollm2-think:135m"
+
+
+@pytest.fixture(scope="module")
+def think_url(default_model_path, tmp_path_factory):
+    """A server whose one model thinks: the default GGUF with Qwen3's template and the thinking grammar."""
+    from tests.fixtures_thinking import THINK_GBNF, write_thinking_model
+    from tests.server.derived import grammar_backend, install_derived, serve
+
+    store = install_derived(write_thinking_model(default_model_path), THINKER, tmp_path_factory.mktemp("think"))
+    srv = serve(store, grammar_backend(THINK_GBNF))
+    yield srv.url
+    srv.stop()
+    srv.engine.close()
+
+
+def test_run_with_host_prints_the_servers_reasoning(think_url, empty_home):
+    from localllm.answer import THINKING_CLOSE, THINKING_OPEN
+
+    out = CliRunner().invoke(cli, ["run", THINKER, "--host", think_url, "--think", "--verbose", "--temperature", "0",
+                                   "--seed", "1", "What is two plus two?"])
+    assert out.exit_code == 0, out.output
+    assert out.stdout.startswith(THINKING_OPEN) and THINKING_CLOSE in out.stdout and "think>" not in out.stdout
+    thought, answer = out.stdout[len(THINKING_OPEN):].split(THINKING_CLOSE)
+    assert thought.strip() and answer.strip().endswith(".")
+    assert "thinking tokens:" in out.stderr  # counted from the stream's thinking lines
+
+
+@pytest.mark.asyncio
+async def test_async_stream_from_a_server_carries_thinking_apart(think_url):
+    from localllm.client import Client
+    from localllm.engine import Done, GenerateRequest, Sampling, TextChunk
+
+    req = GenerateRequest(messages=[{"role": "user", "content": "What is two plus two?"}], think=True,
+                          sampling=Sampling(temperature=0, seed=1))
+    with Client(think_url) as client:
+        events = [e async for e in client.agenerate(THINKER, req)]
+        sync = list(client.generate(THINKER, req))
+    kinds = ["thinking" if e.thinking else "content" for e in events if isinstance(e, TextChunk)]
+    assert kinds[0] == "thinking" and kinds[-1] == "content" and kinds == sorted(kinds, key=lambda k: k == "content")
+    assert isinstance(events[-1], Done) and events[-1].stats.thinking_tokens == kinds.count("thinking")
+    text = lambda evs, t: "".join(e.text for e in evs if isinstance(e, TextChunk) and e.thinking == t)  # noqa: E731
+    assert (text(events, True), text(events, False)) == (text(sync, True), text(sync, False))  # one decoder

@@ -41,9 +41,11 @@ def test_generate_yields_the_engine_event_types(client, server):
 
 def test_store_operations(client):
     assert MODEL in [m.name for m in client.list()]
-    assert client.get(MODEL).details["family"] == "llama"
+    shown = client.show(MODEL)
+    assert (shown.architecture, shown.short_id, shown.context_length) == ("llama", "b179c9523d0e", 8192)
+    assert shown.capabilities[0] == "completion" and "thinking" not in shown.capabilities
     seen = []
-    client.pull(MODEL, progress=seen.append)
+    assert client.pull(MODEL, progress=seen.append).name == MODEL
     assert seen[-1].status == "success"
     client.copy(MODEL, "client-copy:x")
     assert "client-copy:x" in [m.name for m in client.list()]
