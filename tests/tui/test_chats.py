@@ -88,3 +88,28 @@ def test_delete_cascades_history_and_export(tmp_path):
     with pytest.raises(LocalLLMError):
         store.rename(b.id, "   ")
     store.close()
+
+
+def test_v2_database_gains_the_thinking_column_and_keeps_its_chats(tmp_path):
+    path = tmp_path / "v2.sqlite3"
+    db = sqlite3.connect(path, isolation_level=None)
+    chats_mod.MIGRATIONS[0](db)
+    chats_mod.MIGRATIONS[1](db)  # a database written before thinking was saved
+    db.execute("PRAGMA user_version = 2")
+    db.execute("INSERT INTO conversation (title, created_at, updated_at) VALUES ('kept', 1, 1)")
+    db.execute("INSERT INTO message (conversation_id, role, content, created_at, stats) "
+               "VALUES (1, 'assistant', 'an answer', 1, '{\"eval_count\": 2}')")
+    db.close()
+
+    store = ChatStore(path)
+    assert store.version == SCHEMA_VERSION >= 3
+    [conv] = store.conversations()
+    [old] = store.messages(conv.id)
+    assert (old.content, old.stats, old.thinking) == ("an answer", {"eval_count": 2}, None)
+    store.add_message(conv.id, "assistant", "Four.", {"eval_count": 9}, thinking="Two and two make four.")
+    new = store.messages(conv.id)[-1]
+    assert (new.content, new.thinking) == ("Four.", "Two and two make four.")
+    md = store.export_markdown(conv.id)
+    assert "## Assistant\n\nan answer" in md  # no empty block for an answer without reasoning
+    assert "## Assistant\n\n<details><summary>Thinking</summary>\n\nTwo and two make four.\n\n</details>\n\nFour." in md
+    store.close()
