@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from backends.base import (
     Feed,
@@ -169,9 +169,11 @@ class MLXSource(TokenSource):
         self._pieces: dict[int, bytes] = {}
         self._json_vocab: Any = None
         self._bos_prepend = self._adds_bos()
+        self._special_ids = set(getattr(self._tok._tokenizer, "all_special_ids", []) or [])
         from mlx.utils import tree_flatten
 
-        self._weights_bytes = sum(v.nbytes for _, v in tree_flatten(self._model.parameters()))
+        weights = cast(list[tuple[str, Any]], tree_flatten(self._model.parameters()))
+        self._weights_bytes = sum(v.nbytes for _, v in weights)
         self._info = ModelInfo(
             architecture=str(self._config.get("model_type", "unknown")),
             n_ctx=self._n_ctx,
@@ -202,7 +204,7 @@ class MLXSource(TokenSource):
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not an MLX model directory (config.json is missing).")
         try:
-            model, tok, config = mlx_lm.load(str(path), return_config=True)
+            model, tok, config = cast(tuple[Any, Any, dict[str, Any]], mlx_lm.load(str(path), return_config=True))
         except (FileNotFoundError, ValueError, KeyError, RuntimeError, OSError) as e:
             raise ModelLoadError(f"MLX could not load the model at {path}: {e}") from e
         return model, tok, config
@@ -267,24 +269,46 @@ class MLXSource(TokenSource):
         return str(self._tok.decode(list(tokens)))
 
     def piece(self, token: int) -> bytes:
-        """The bytes one token adds (byte-level BPE decoded through the tokenizer's own byte table)."""
+        """The bytes one token adds: from the byte-level BPE table, else from a SentencePiece token's text
+        (``▁`` is a space, ``<0xNN>`` a raw byte); control tokens add nothing."""
         p = self._pieces.get(token)
         if p is None:
-            vocab = self._byte_vocab()
-            b = vocab[token] if token < len(vocab) else None
+            vocab = self._byte_vocab(required=False)
+            b = vocab[token] if vocab is not None and token < len(vocab) else None
             if b is None:
-                b = self._tok.decode([token]).encode("utf-8")
+                b = self._sentencepiece_piece(token)
             p = self._pieces[token] = b
         return p
 
-    def _byte_vocab(self) -> list[bytes | None]:
+    def _sentencepiece_piece(self, token: int) -> bytes:
+        import re
+
+        if token in self._special_ids:
+            return b""
+        text = self._tok._tokenizer.convert_ids_to_tokens(token)
+        if not isinstance(text, str):
+            return b""
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", text)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return text.replace("\u2581", " ").encode("utf-8")
+
+    def _byte_vocab(self, required: bool = True) -> list[bytes | None] | None:
         if self._json_vocab is None:
             from backends.mlx_json import JSONConstraint
 
             try:
                 self._json_vocab = JSONConstraint.vocabulary(self._tok)
             except ValueError as e:
+                if not required:
+                    self._json_vocab = False
+                    return None
                 raise UnsupportedError(f"This MLX tokenizer has no byte-level vocabulary ({e}).") from e
+        if self._json_vocab is False:
+            if required:
+                raise UnsupportedError("JSON mode on MLX needs a byte-level BPE vocabulary (this one is "
+                                       "SentencePiece).")
+            return None
         return self._json_vocab[0]  # type: ignore[no-any-return]
 
     def is_eog(self, token: int) -> bool:
@@ -365,8 +389,9 @@ class MLXSource(TokenSource):
     def _json_constraint(self, fmt: str | dict[str, Any] | None) -> Any:
         from backends.mlx_json import JSONConstraint, compile_schema
 
-        self._byte_vocab()  # raises UnsupportedError for a vocabulary the automaton cannot handle
-        n_logits = max(int(self._config.get("vocab_size") or 0), len(self._json_vocab[0]))
+        vocab = self._byte_vocab()  # raises UnsupportedError for a vocabulary the automaton cannot handle
+        assert vocab is not None
+        n_logits = max(int(self._config.get("vocab_size") or 0), len(vocab))
         start = compile_schema(fmt) if isinstance(fmt, dict) else None
         return JSONConstraint(self._json_vocab, self._eos, n_logits, start)
 

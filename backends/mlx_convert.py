@@ -655,7 +655,7 @@ def _spm_tokenizer(g: _GGUF, tokens: list[str], types: list[int]) -> Any:
     tk = Tokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, types, scores), unk_token=unk,
                               fuse_unk=True, byte_fallback=True))
     add_prefix = bool(g.get("tokenizer.ggml.add_space_prefix", True))
-    steps = [normalizers.Replace(" ", "▁")]
+    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", "▁")]
     if add_prefix:
         steps.insert(0, normalizers.Prepend("▁"))
     tk.normalizer = normalizers.Sequence(steps)

@@ -53,6 +53,7 @@ class JSONState:
     def feed(self, data: bytes) -> JSONState | None:
         s: JSONState | None = self
         for b in data:
+            assert s is not None
             s = s.step(b)
             if s is None:
                 return None
@@ -376,6 +377,7 @@ class SchemaState:
     def feed(self, data: bytes) -> SchemaState | None:
         s: SchemaState | None = self
         for b in data:
+            assert s is not None
             s = s.step(b)
             if s is None:
                 return None
@@ -442,9 +444,9 @@ def _step(items: tuple[Any, ...], b: int) -> tuple[Any, ...] | None:  # noqa: C9
             return None
         if integer and b in b".eE":
             return None
-        nxt = st.step(b)
-        if nxt is not None and nxt.mode == "number":
-            return (("num", integer, nxt.aux), *rest)
+        after = st.step(b)
+        if after is not None and after.mode == "number":
+            return (("num", integer, after.aux), *rest)
         if phase in ("zero", "int", "frac", "expdig"):
             return _step(rest, b)  # the number ended: this byte belongs to what follows
         return None

@@ -43,14 +43,15 @@ class LazyGroup(click.Group):
             if e.name == module_name:
                 return None
             raise
-        return module.command
+        command: click.Command = module.command
+        return command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, help_) for name, (_, help_) in COMMANDS.items()]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
-    def invoke(self, ctx: click.Context):  # one sentence and exit 1 for errors a user can cause
+    def invoke(self, ctx: click.Context) -> object:  # one sentence and exit 1 for errors a user can cause
         from localllm.errors import LocalLLMError
 
         try:
@@ -85,8 +86,8 @@ def cli(ctx: click.Context) -> None:
     Environment: LOCALLLM_HOME, LOCALLLM_HOST, LOCALLLM_KEEP_ALIVE, ... (see the README).
     """
     if ctx.invoked_subcommand is None:
-        if sys.stdin.isatty() and sys.stdout.isatty() and "chat" in COMMANDS:
-            cmd = ctx.command.get_command(ctx, "chat")  # type: ignore[union-attr]
+        if sys.stdin.isatty() and sys.stdout.isatty() and isinstance(ctx.command, click.Group):
+            cmd = ctx.command.get_command(ctx, "chat")
             if cmd is not None:
                 ctx.invoke(cmd)
                 return

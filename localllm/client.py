@@ -18,11 +18,12 @@ for messages and ``/api/generate`` (raw) for a prompt, streamed NDJSON turned in
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -307,7 +308,8 @@ class Client:
             raise LocalLLMError(str(obj["error"]))
         return obj
 
-    def _stream(self, path: str, body: JSON, cancel: threading.Event | None = None) -> Iterator[JSON]:
+    def _stream(self, path: str, body: JSON, cancel: threading.Event | None = None
+                ) -> Generator[JSON, None, None]:
         """POST and yield the NDJSON objects. Closing the generator or setting ``cancel`` drops the
         connection, which makes the server stop generating."""
         import httpx
@@ -338,7 +340,7 @@ class Client:
 
     # ------------------------------------------------------------------ Models
 
-    def list(self) -> list[Installed]:
+    def list(self) -> builtins.list[Installed]:
         return [installed_from_tags(m) for m in self._json("GET", "/api/tags").get("models", [])]
 
     def show(self, name: str) -> Installed:
@@ -371,7 +373,7 @@ class Client:
 
     # ------------------------------------------------------------------ Runner
 
-    def ps(self) -> list[Running]:
+    def ps(self) -> builtins.list[Running]:
         return [running_from_ps(m) for m in self._json("GET", "/api/ps").get("models", [])]
 
     def is_loaded(self, name: str) -> bool:
@@ -432,12 +434,12 @@ class Client:
         if cancel is not None and cancel.is_set():
             yield events.cancelled()
 
-    def embed(self, name: str, texts: list[str], options: LoadOptions | None = None, *,
-              keep_alive: float | None = None) -> list[list[float]]:
+    def embed(self, name: str, texts: builtins.list[str], options: LoadOptions | None = None, *,
+              keep_alive: float | None = None) -> builtins.list[builtins.list[float]]:
         body: JSON = {"model": name, "input": list(texts), "options": options_json(None, options)}
         if keep_alive is not None:
             body["keep_alive"] = _keep_alive(keep_alive)
-        return list(self._json("POST", "/api/embed", body).get("embeddings", []))
+        return builtins.list(self._json("POST", "/api/embed", body).get("embeddings", []))
 
 
 def connect(host: str | None = None) -> Client | None:

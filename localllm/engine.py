@@ -78,9 +78,10 @@ from localllm import config
 from localllm.errors import LocalLLMError, ModelNotFoundError
 
 if TYPE_CHECKING:
+    from localllm.hardware import HardwareInfo
     from localllm.mlxmodels import ConversionProgress
     from localllm.planner import Plan
-    from localllm.store import InstalledModel
+    from localllm.store import InstalledModel, Store
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds (Ollama: 5m)
 MIN_CTX = 256  # llama.cpp pads contexts to 256 tokens; below that a chat template alone may not fit
@@ -216,7 +217,8 @@ class Engine:
     """Loaded models, keep-alive, memory-aware residency, a bounded queue and serialised access.
     Thread-safe."""
 
-    def __init__(self, store: Any = None, *, keep_alive: float | None = None, hardware: Any = None,
+    def __init__(self, store: Store | None = None, *, keep_alive: float | None = None,
+                 hardware: HardwareInfo | None = None,
                  max_loaded: int | None = None, max_queue: int | None = None,
                  memory_budget: int | None = None,
                  backend_class: Callable[[str], type[TokenSource]] | None = None,
@@ -254,7 +256,7 @@ class Engine:
     # ------------------------------------------------------------------ services
 
     @property
-    def hardware(self) -> Any:
+    def hardware(self) -> HardwareInfo:
         if self._hardware is None:
             from localllm.hardware import probe
 
@@ -816,16 +818,3 @@ def _close_open_engines() -> None:
     for engine in list(_open_engines):
         engine.close(timeout=EXIT_TIMEOUT)
 
-
-def _acquire(lock: Any, cancel: threading.Event | None, *, give_up: bool = False) -> bool:
-    """Acquire ``lock`` (a Lock or Semaphore), polling ``cancel``. False if cancelled first
-    (``give_up=True``), else a cancelled wait raises :class:`LocalLLMError`."""
-    if cancel is None:
-        lock.acquire()
-        return True
-    while not lock.acquire(timeout=0.05):
-        if cancel.is_set():
-            if give_up:
-                return False
-            raise LocalLLMError("The request was cancelled while waiting for another model to load.")
-    return True

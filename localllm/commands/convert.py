@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 import click
 
 from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+    from localllm.mlxmodels import ConversionProgress
 
 
 class ConversionDisplay:
@@ -35,17 +40,17 @@ class ConversionDisplay:
         self.err = err or sys.stderr
         self.bar = bar and _isatty(self.err)
         self.delay = delay
-        self._progress: Any = None
-        self._task: Any = None
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
 
-    def __call__(self, event: Any) -> None:  # localllm.mlxmodels.ConversionProgress
+    def __call__(self, event: ConversionProgress) -> None:
         if event.stage == "start":
             self.err.write(f"converting {event.name} to MLX (once, offline)…\n")
             self.err.flush()
         elif event.stage == "progress":
             if self._progress is None and self.bar and event.seconds > self.delay and event.total:
                 self._start(event.name, event.total)
-            if self._progress is not None:
+            if self._progress is not None and self._task is not None:
                 self._progress.update(self._task, completed=event.done, total=event.total or None)
         else:
             self.close()
@@ -65,7 +70,7 @@ class ConversionDisplay:
             self._progress = None
 
 
-def _isatty(stream: Any) -> bool:
+def _isatty(stream: IO[str]) -> bool:
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):

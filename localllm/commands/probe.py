@@ -12,11 +12,16 @@ Nothing is loaded: the plan is the planner's estimate from the GGUF metadata and
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
 from localllm.config import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from localllm.hardware import HardwareInfo
+    from localllm.planner import Plan
+    from localllm.store import InstalledModel
 
 
 def _size(n: int | None) -> str:
@@ -25,8 +30,8 @@ def _size(n: int | None) -> str:
     return f"{n / 1024**3:.1f} GiB" if n >= 1024**3 else f"{n / 1024**2:.0f} MiB"
 
 
-def plan_for_model(name: str, hw: Any, *, num_ctx: int | None, kv_cache_type: str, backend: str,
-                   num_gpu: int | None) -> tuple[Any, Any, str | None]:
+def plan_for_model(name: str, hw: HardwareInfo, *, num_ctx: int | None, kv_cache_type: str, backend: str,
+                   num_gpu: int | None) -> tuple[InstalledModel | None, Plan | None, str | None]:
     """(installed model or None, plan or None, why there is no plan). A model that is not installed
     yields no plan (the planner needs its GGUF metadata); an impossible request yields PlanError's
     sentence."""
@@ -51,7 +56,7 @@ def plan_for_model(name: str, hw: Any, *, num_ctx: int | None, kv_cache_type: st
     return model, p, None
 
 
-def _hardware_rows(hw: Any) -> list[tuple[str, str]]:
+def _hardware_rows(hw: HardwareInfo) -> list[tuple[str, str]]:
     rows = [("System", f"{hw.os} {hw.arch}"),
             ("CPU", f"{hw.cpu_model}: {hw.physical_cores} physical / {hw.logical_cores} logical cores"),
             ("SIMD", " ".join(hw.simd) or "none found"),
@@ -74,7 +79,7 @@ def _hardware_rows(hw: Any) -> list[tuple[str, str]]:
     return rows
 
 
-def render(hw: Any, name: str, model: Any, p: Any, why: str | None) -> None:
+def render(hw: HardwareInfo, name: str, model: InstalledModel | None, p: Plan | None, why: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -656,10 +656,10 @@ def status_text(model: str, where: str, info: AnswerInfo | None) -> str:
     'smollm2:135m · in-process · no answer yet'
     """
     parts = [model, (info.where if info and info.where else where)]
-    stats = info.stats if info else None
-    if stats is None:
+    if info is None or info.stats is None:
         parts.append("no answer yet" if info is None or info.ttft_s is None else "stopped")
         return " · ".join(parts)
+    stats = info.stats
     if info.finish_reason == "cancelled":
         parts.append("stopped")
     parts.append(f"{stats.eval_rate:.1f} tok/s")
