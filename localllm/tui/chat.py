@@ -158,7 +158,7 @@ class PromptInput(TextArea):
         self._draft = ""
 
     def _own_keys(self) -> dict[str, str]:
-        keymap = getattr(self.app, "_keymap", {}) or {}
+        keymap = self.app._keymap  # noqa: SLF001 - the keys the config file remapped
         out: dict[str, str] = {}
         for b in self.BINDINGS:
             assert isinstance(b, Binding) and b.id
