@@ -313,7 +313,7 @@ class LoadedModel:
         self._pcache: PromptCache | None = None
         self._before_load = before_load
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._main, name=f"localllm-decode-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=f"localllm-model-{name}", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._load_error is not None:
@@ -563,6 +563,14 @@ class LoadedModel:
 
     def _admit(self) -> None:
         src = self.source
+        with self._wake:  # requests whose consumer left while they waited leave the queue at once
+            gone = [r for r in self._incoming if r.channel.cancel.is_set()]
+            for r in gone:
+                self._incoming.remove(r)
+        for r in gone:
+            for ev in r.stream.close("cancelled"):
+                r.channel.put(ev)
+            r.channel.close()
         while True:
             with self._wake:
                 if not self._incoming or len(self._active) >= self.slots:

@@ -612,14 +612,8 @@ class Engine:
             return
         self._track(cancel)
         try:
-            try:
-                running, was_loaded, events = self._start(name, request, options or LoadOptions(), cancel,
-                                                          keep_alive, t_start)
-            except LocalLLMError as e:
-                if cancel.is_set() and "cancelled" in str(e):
-                    yield Done(Stats(), finish_reason="cancelled")
-                    return
-                raise
+            running, was_loaded, events = self._start(name, request, options or LoadOptions(), cancel,
+                                                      keep_alive, t_start)
             try:
                 for event in events:
                     self._finish(running, event, was_loaded, t_start)

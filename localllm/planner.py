@@ -629,13 +629,20 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     n_seq = slot_choices[-1]
 
     def pick(backend_: str, device_: str, fa_: bool, shrink: bool = True) -> tuple[int, _Layout]:
+        """The first context that fits, and at it the most slots that fit without moving a layer off the
+        GPU (more slots never cost GPU placement: a second request is worth less than speed for the first)."""
         nonlocal n_seq
         for c in candidates if shrink else candidates[:1]:
-            for s_ in slot_choices:
+            base = pl.layout(backend_, device_, c * slot_choices[-1], fa_)
+            if not base.fits:
+                continue
+            n_seq = slot_choices[-1]
+            for s_ in slot_choices[:-1]:
                 lay = pl.layout(backend_, device_, c * s_, fa_)
-                if lay.fits:
+                if lay.fits and lay.ngl >= base.ngl:
                     n_seq = s_
                     return c, lay
+            return c, base
         n_seq = slot_choices[-1]  # nothing fits: describe the smallest setup at the first context
         return candidates[0], pl.layout(backend_, device_, candidates[0] * n_seq, fa_)
 

@@ -418,7 +418,7 @@ def test_engine_close_joins_every_thread_it_started(backend, home_for, monkeypat
     req = GenerateRequest(prompt="Hello", sampling=Sampling(temperature=0, max_tokens=2))
     events = list(engine.generate(DEFAULT_MODEL, req, LoadOptions(backend=backend, num_ctx=512)))
     assert events[-1].finish_reason in ("stop", "length")
-    assert engine.ps()[0].backend.name == backend
+    assert engine.ps()[0].backend == backend
     mine = [t for t in threading.enumerate() if t not in before]
     assert {t.name for t in mine} >= {"localllm-keepalive", f"localllm-model-{DEFAULT_MODEL}"}
     engine.close()

@@ -147,7 +147,7 @@ def test_engine_converts_on_first_use_then_runs_on_mlx(own_home: Path):
             out = list(engine.generate("smollm2:135m", req, LoadOptions(num_ctx=1024, backend="mlx", draft=draft)))
             text = "".join(getattr(e, "text", "") for e in out)
             assert "Paris" in text and out[-1].finish_reason in ("stop", "length")
-            assert engine.ps()[0].backend.name == "mlx"
+            assert engine.ps()[0].backend == "mlx"
     finally:
         engine.close()
     stages = [e.stage for e in events]

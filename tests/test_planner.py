@@ -191,7 +191,7 @@ def test_70b_on_a_laptop_does_not_fit_and_says_by_how_much(laptop):
 def test_8b_on_a_laptop_runs_on_the_cpu(laptop):
     p = plan(LLAMA31_8B, laptop)
     assert (p.backend, p.device, p.verdict, p.verdict_text) == ("llamacpp", "cpu", "cpu", "CPU")
-    assert p.n_threads == 8 and p.flash_attn is False
+    assert p.n_threads == 8 and p.flash_attn is True  # llama.cpp's auto setting turns it on for the CPU
     assert "no usable GPU (NVML not available: simulated; nvidia-smi not found)" in line(p, "backend")
 
 
@@ -229,13 +229,14 @@ def test_a_model_too_big_at_any_context_is_a_verdict_not_an_error(laptop):
 
 
 def test_q8_0_kv_halves_the_kv_estimate_and_turns_on_flash_attention(laptop):
-    f16 = plan(LLAMA31_8B, laptop, num_ctx=8192)
-    q8 = plan(LLAMA31_8B, laptop, num_ctx=8192, kv_cache_type="q8_0")
+    f16 = plan(LLAMA31_8B, laptop, num_ctx=8192, num_parallel=1)
+    q8 = plan(LLAMA31_8B, laptop, num_ctx=8192, kv_cache_type="q8_0", num_parallel=1)
     assert f16.memory.kv_cache == 8192 * 128 * 1024  # 128 KiB per token: 1 GiB at 8k
     assert q8.memory.kv_cache == f16.memory.kv_cache * 34 // 64  # q8_0 blocks: 34 bytes per 32 values
-    assert f16.flash_attn is False and q8.flash_attn is True
+    assert q8.flash_attn is True  # a quantized V cache needs it (f16 on the CPU: llama.cpp's auto, on too)
+    assert "needs it for a quantized (q8_0) V cache" in line(q8, "flash attention")
     assert "quantized (q8_0) V cache" in line(q8, "flash attention")
-    q4 = plan(LLAMA31_8B, laptop, num_ctx=8192, kv_cache_type="q4_0")
+    q4 = plan(LLAMA31_8B, laptop, num_ctx=8192, kv_cache_type="q4_0", num_parallel=1)
     assert q4.memory.kv_cache == f16.memory.kv_cache * 18 // 64 and q4.flash_attn
 
 
@@ -482,8 +483,10 @@ def test_default_model_on_every_simulated_machine(smollm2, desktop_4090, desktop
     for hw in (desktop_4090, desktop_8gb):
         p = plan(smollm2, hw)
         assert (p.verdict, p.n_gpu_layers, p.n_ctx) == ("gpu", 31, 4096)  # 30 layers + output; min(8192, 4096)
-    p = plan(smollm2, laptop)
+    p = plan(smollm2, laptop, num_parallel=1)
     assert (p.verdict, p.n_ctx) == ("cpu", 4096) and p.memory.total < 512 * MiB
+    p = plan(smollm2, laptop)  # 4 slots: one KV pool of 4 × 4,096 tokens
+    assert (p.n_seq, p.n_ctx) == (4, 4096) and p.memory.kv_cache == 4 * 4096 * smollm2.kv_bytes_per_token("f16")
     p = plan(smollm2, mac16(mlx=True, mlx_metal=True), mlx_model=True)
     assert p.backend == "mlx" and p.verdict == "gpu"
 

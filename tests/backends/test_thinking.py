@@ -373,30 +373,27 @@ def test_thinking_model_fixture_is_the_default_model_with_qwen3s_template(thinki
 
 
 def test_llamacpp_renders_the_thinking_model_and_it_thinks(thinking_model_path, backend_factory):
-    """The llama.cpp backend sees a Qwen3-style template; rendered with enable_thinking on/off through
-    llama-cpp-python's formatter it gives Qwen3's two prompts; under THINK_GBNF the real model writes a thought,
-    and the stream, cut into the model's own tokens, splits into thinking and content."""
-    import llama_cpp
+    """The llama.cpp backend sees a Qwen3-style template; rendered with enable_thinking on/off it gives
+    Qwen3's two prompts; under THINK_GBNF the real model writes a thought, and the stream, cut into the
+    model's own tokens, splits into thinking and content — as TextChunk(thinking=True) events."""
+    from backends.base import GenerateRequest, Sampling, TextChunk
 
-    b = backend_factory("llamacpp", fresh=True, model_path=str(thinking_model_path))
+    from tests.fixtures_thinking import THINK_GBNF
+
+    b = backend_factory("llamacpp", fresh=True, model_path=str(thinking_model_path), extra={"grammar": THINK_GBNF})
     style = thinking_style(b.info.chat_template, b.info.architecture)
     assert style == QWEN3
-    plain = b.render_chat(USER)
-    fmt = b._formatter(True)  # the backend's own Jinja formatter; render_chat does not take template kwargs yet
-    on = fmt(messages=USER, **render_kwargs(style, True)).prompt
-    off = fmt(messages=USER, **render_kwargs(style, False)).prompt
+    plain = b.call(lambda s: s.render(USER))
+    on = b.call(lambda s: s.render(USER, template_kwargs=render_kwargs(style, True)))
+    off = b.call(lambda s: s.render(USER, template_kwargs=render_kwargs(style, False)))
     assert plain == on and on.endswith("<|im_start|>assistant\n")
     assert off == on + "<think>\n\n</think>\n\n"
 
-    llm = b._llm
-    toks = llm.tokenize(on.encode(), add_bos=False, special=True)
-    out = llm.create_completion(toks, max_tokens=120, temperature=0.0,
-                                grammar=llama_cpp.LlamaGrammar.from_string(THINK_GBNF, verbose=False))
-    text = out["choices"][0]["text"]
-    assert text.startswith("<think>\n") and "\n</think>\n\n" in text
-    pieces = [llm.detokenize([t]).decode("utf-8", "replace") for t in llm.tokenize(text.encode(), add_bos=False)]
-    assert "".join(pieces) == text and not any("<think>" in p or "</think>" in p for p in pieces)  # tags cut up
-    got = run(splitter_for(style, True, on), pieces)
-    thought, answer = text[len("<think>\n"):].split("</think>\n\n")
-    assert got == [("thinking", thought), ("content", answer)]  # whitespace before </think> stays (as Ollama)
-    assert thought.endswith("\n") and answer.endswith(".") and len(answer) > 2
+    events = list(b.generate(GenerateRequest(messages=USER, sampling=Sampling(temperature=0.0, max_tokens=120))))
+    chunks = [e for e in events if isinstance(e, TextChunk)]
+    thought = "".join(c.text for c in chunks if c.thinking)
+    answer = "".join(c.text for c in chunks if not c.thinking)
+    assert len(chunks) > 4 and thought and answer  # streamed in many pieces, split into the two kinds
+    assert "<think>" not in thought + answer and "</think>" not in thought + answer
+    assert answer.endswith(".") and len(answer) > 2
+    assert events[-1].stats.thinking_tokens > 0

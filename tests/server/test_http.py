@@ -184,9 +184,10 @@ def _wait(cond, timeout=10.0) -> bool:
     return cond()
 
 
-def test_queue_full_is_503_and_a_queued_disconnect_leaves_the_queue(installed_default_model):
+def test_queue_full_is_503_and_a_queued_disconnect_leaves_the_queue(installed_default_model, monkeypatch):
     from localllm.engine import Engine
 
+    monkeypatch.setenv("LOCALLLM_NUM_PARALLEL", "1")  # one slot: the second request must wait
     srv = start(Engine(keep_alive=300, max_queue=1))
     try:
         long_body = {"model": MODEL, "prompt": LONG_PROMPT, "raw": True, "options": {"num_predict": 3000, "seed": 3}}
