@@ -277,6 +277,11 @@ class TokenSource(abc.ABC):
     def available(cls) -> tuple[bool, str]:
         """(importable on this machine, reason when not)."""
 
+    @classmethod
+    def on_thread(cls) -> None:
+        """Called first on the decode loop's thread, before anything else runs there (a first-use
+        conversion included): a library that keeps per-thread state registers its cleanup here."""
+
     # ---- what it is
     @property
     @abc.abstractmethod

@@ -477,6 +477,7 @@ class LoadedModel:
 
     def _load(self) -> None:
         spec = self.spec
+        self._source_class.on_thread()
         if self._before_load is not None:  # e.g. a first-use conversion, on the thread that will run the model
             self._before_load()
         src = self._source_class(spec)

@@ -20,6 +20,7 @@ MLX runs the whole model on its device.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -35,6 +36,43 @@ from backends.base import (
 )
 
 KV_BITS = {"f16": None, "q8_0": 8, "q4_0": 4}
+
+
+class _ThreadRelease:
+    """Frees the MLX state of the thread that holds it, as that thread ends.
+
+    MLX keeps per-thread state: streams (``mlx_lm``'s ``generation_stream`` is a thread-local stream) and
+    the ``mx.compile`` cache, whose entries hold Python callables (mlx-lm compiles its activations and
+    samplers). If a thread that ran a model simply ends, C++ destroys that cache in the thread's TLS
+    destructors, after Python has let the thread go; the destructors take the GIL, and if the interpreter
+    is finalizing by then, CPython ends the thread with ``pthread_exit`` inside a ``noexcept`` destructor:
+    ``terminate called without an active exception``, exit 134. ``mx.clear_streams()`` empties both while
+    the thread is still a Python thread. The thread can run no MLX work after it, so it is called from
+    here: an instance lives in a ``threading.local`` and Python drops it (and runs ``__del__``, on that
+    thread, with the GIL) when the thread's state is cleared, before ``Thread.join()`` returns.
+    """
+
+    def __del__(self) -> None:
+        import mlx.core as mx
+
+        clear = getattr(mx, "clear_streams", None)  # mlx >= 0.32
+        if clear is not None:
+            try:
+                clear()
+            except Exception:  # noqa: BLE001 - the thread is ending; nothing to report to
+                pass
+
+
+_thread_state = threading.local()
+
+
+def _hold_thread() -> None:
+    """Mark the current thread as one that runs MLX work, so its MLX state is freed when it ends. The main
+    thread is left alone: its state lives until the process exits, which MLX handles itself."""
+    if threading.current_thread() is threading.main_thread():
+        return
+    if getattr(_thread_state, "release", None) is None:
+        _thread_state.release = _ThreadRelease()
 _FALLBACK_TEMPLATE = (  # ChatML, for models without a chat template (base models: chat is of little use)
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -129,6 +167,11 @@ class MLXSource(TokenSource):
             return False, f"MLX is installed without a backend ({e}); pip install 'mlx[cpu]' on Linux."
         return True, ""
 
+    @classmethod
+    def on_thread(cls) -> None:
+        if cls.available()[0]:
+            _hold_thread()  # this thread's MLX state is freed as it ends, before it is joined
+
     def __init__(self, spec: LoadSpec):
         super().__init__(spec)
         ok, why = self.available()
@@ -137,6 +180,7 @@ class MLXSource(TokenSource):
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
+        _hold_thread()  # the decode loop's thread: its MLX state goes with it, before it is joined
         self._mx = mx
         self._closed = False
         path = Path(spec.model_path)
