@@ -281,6 +281,7 @@ class TokenSource(abc.ABC):
     def on_thread(cls) -> None:
         """Called first on the decode loop's thread, before anything else runs there (a first-use
         conversion included): a library that keeps per-thread state registers its cleanup here."""
+        return None
 
     # ---- what it is
     @property
