@@ -24,8 +24,7 @@ kernels are batch-invariant: F32 on CPU (tested); F16 and quantized targets agre
 near-tie (measured: F16 + n-gram diverged after 662 characters, Q4_1 + n-gram identical for 201).
 
 Backend-specific knobs in ``LoadSpec.extra``: ``chat_template`` (override the GGUF's), ``n_threads_batch``,
-``use_mmap`` (default True), ``draft_p_min`` (a draft model stops proposing below this probability; 0),
-``spec_window`` (tokens per throughput window of the speculative controller; 24).
+``use_mmap`` (default True), ``draft_p_min`` (a draft model stops proposing below this probability; 0).
 """
 
 from __future__ import annotations
@@ -446,7 +445,7 @@ class LlamaCppBackend(Backend):
             self._info.size_bytes += int(draft_llm._model.size())
         else:
             raise UnsupportedError(f"Unknown draft kind {d.kind!r}; use a model or ngram.")
-        self._controller = SpecController(max(1, d.num_draft), window=int(spec.extra.get("spec_window", 24)))
+        self._controller = SpecController(max(1, d.num_draft))
 
     # ------------------------------------------------------------------ properties
 

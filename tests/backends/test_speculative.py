@@ -99,7 +99,7 @@ def test_a_draft_that_does_not_pay_is_switched_off_and_stays_off():
     m = Machine(**F32_Q4, accept=0.35)  # mostly rejected: each step costs more than the tokens it yields
     slow = session(ctl, m, requests=20, tokens=200)
     # the first request pays the probe that learns: ~9% here is the draft's catch-up on the 100-token prompt
-    assert slow[0] < 1.15, slow
+    assert slow[0] < 1.16, slow
     later = slow[1:]
     assert sum(later) / len(later) < 1.02 and max(later) < 1.08, slow  # a later probe costs its request < 8%
     probes = ctl.probes
