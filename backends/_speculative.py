@@ -135,6 +135,12 @@ class ModelDraft(LlamaDraftModel):
         self._holes: list[tuple[int, int]] = []
         self.catchup_ns = 0
         self.catchup_tokens = 0
+        try:  # the first evaluation of a context allocates its buffers: at load, not in the first probe
+            decode(llm, [int(llm.token_bos())], logits_all=False)
+        except Exception:  # noqa: BLE001 - a warm-up only
+            pass
+        if not rewind(llm, 0):
+            llm.reset()
 
     def _confident(self) -> bool:
         if self.p_min <= 0:
@@ -294,7 +300,7 @@ class SpecController:
         self.catchup_limit, self.learn_catchup, self.samples = catchup_limit, learn_catchup, samples
         self._plain: list[float] = []  # ns of the last plain steps
         self._costs: list[float] = []  # c of the last drafting steps (in plain steps)
-        self._raw: list[tuple[int, float]] = []  # (k, ns) of drafting steps taken before p was known
+        self._raw: list[tuple[int, float, float, int]] = []  # (k, ns net, ns, emitted): steps before p was known
         self._acc, self._tried = 3.5, 5.0  # decayed sums of accepted and of judged drafts (a prior of 0.7)
         self.mode = "spec"  # the first probe learns what drafting does
         self._probing = self._learning = True
@@ -388,8 +394,8 @@ class SpecController:
         rejected = 1 if accepted < proposed else 0  # drafts after the first rejection were not judged
         self._acc = 0.85 * self._acc + accepted
         self._tried = 0.85 * self._tried + accepted + rejected
-        if p is None:
-            self._raw.append((proposed, net))
+        if p is None:  # judged (and charged) at the end of the first probe
+            self._raw.append((proposed, net, float(ns), emitted))
         else:
             self._costs = [*self._costs[-(self.samples - 1):], max(0.0, (net / p - 1) / proposed)]
         if self._learning:  # no cost model yet: all accepted → one more, else what was accepted + 1
@@ -401,7 +407,9 @@ class SpecController:
             if self._learning:
                 self._learn_catchup_ns += overhead_ns
             self._plain_next = True
-            scale = 2 if self._learning else 1  # the first probe learns from scratch: longer
+            # the first probe learns from scratch: twice as long, unless the answer is already clear
+            clear = self.p is not None and not 0.85 <= self.best()[1] * self.margin <= 1.2
+            scale = 2 if self._learning and not clear else 1
             short = self._probe_steps < self.probe * scale or self._probe_tok < self.probe_tokens * scale
             if (short and self._probe_steps < 3 * self.probe * scale) or len(self._plain) < 3:
                 return
@@ -416,12 +424,13 @@ class SpecController:
     def _end_probe(self) -> None:
         p = self.p
         assert p is not None
-        for k, net in self._raw:
+        for k, net, ns, emitted in self._raw:
             self._costs = [*self._costs[-(self.samples - 1):], max(0.0, (net / p - 1) / k)]
+            self.credit -= ns - emitted * p
         self._raw = []
-        if self._learning:  # the draft's first catch-up (the prompt) is the price of having a draft: not charged
+        if self._learning:  # the draft's first catch-up (the prompt) is the price of having a draft: refunded
             self._probe_ns -= self._learn_catchup_ns
-            self.credit -= self._probe_ns - self._probe_tok * p
+            self.credit += self._learn_catchup_ns
         self._probe_cost = max(self._probe_ns - self._probe_tok * p, 0.0)
         self._probing = self._learning = False
         if self._decide():

@@ -3,7 +3,8 @@
 * target F32 (the default model requantized with llama.cpp's quantizer) with the Q4_1 default model as
   draft (same vocabulary), and with n-gram (prompt-lookup) drafting;
 * target Q4_1 with n-gram drafting (quantized kernels are not batch-invariant, so agreement with plain
-  decoding is reported rather than assumed).
+  decoding is reported rather than assumed), and with itself as the draft model: every drafted token costs
+  as much as a plain step, so that draft can never pay; it shows the controller's back-off.
 
 Every variant (plain included) is loaded once in its own process, and the rounds alternate between them
 (plain, draft, n-gram, plain, ..., the order rotating each round) so that the load of a shared machine hits
@@ -18,6 +19,7 @@ cannot pay, which is where the controller's back-off shows).
 
     python benchmarks/speculative.py --num-draft 8 --tokens 200 --rounds 5
     python benchmarks/speculative.py --only f32 --rounds 7 --threads 2
+    python benchmarks/speculative.py --only q4 --prompt story --rounds 7
 
 Targets: never more than 5% slower than plain (README); model draft > 1x where it can pay; n-gram >= 1.5x
 on repeated text. Reference: llama.cpp's speculative example on the F32/Q4_1 pair, 2 threads, greedy,
@@ -104,7 +106,7 @@ def main() -> None:
     del _engine
     f32_path = derived_model(q4_path, "F32")
     groups = [("F32", str(f32_path), [("none", "none"), ("Q4_1 draft", str(q4_path)), ("ngram", "ngram")]),
-              ("Q4_1", str(q4_path), [("none", "none"), ("ngram", "ngram")])]
+              ("Q4_1", str(q4_path), [("none", "none"), ("ngram", "ngram"), ("self-draft", str(q4_path))])]
     if args.only:
         groups = [g for g in groups if g[0].lower().startswith(args.only[:2])]
     print(f"load average at start: {load_average()}; {threads} threads, {args.tokens} tokens, prompt "
