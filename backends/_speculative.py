@@ -314,6 +314,9 @@ class SpecController:
         self._since = 0  # plain tokens since drafting stopped
         self._probe_cost = 0.0  # what the last probe lost against plain decoding (ns); the next must be covered
         self.probes, self.lost_probes = 1, 0
+        self.loss_ns = 0.0  # what drafting cost beyond plain decoding, catch-up included (negative: gained)
+        self.decode_ns = 0.0  # all decode steps reported
+        self.tokens = self.drafted_tokens = 0  # tokens emitted, and of those by drafting steps
 
     # ------------------------------------------------------------------ the model
 
@@ -377,6 +380,9 @@ class SpecController:
         net = float(max(ns - overhead_ns, 1))
         p = self.p
         drafted = proposed > 0 or overhead_ns > 0
+        self.decode_ns += ns
+        self.tokens += emitted
+        self.drafted_tokens += emitted if proposed else 0
         if p is not None:
             equiv = emitted * p
             loss = 0.0
@@ -384,6 +390,7 @@ class SpecController:
                 c = self.cost_per_draft()
                 cost = net if c is None or not proposed else min(net, 3 * p * (1 + proposed * c))
                 loss = cost + overhead_ns - equiv
+                self.loss_ns += loss
             self.credit = min(self.credit + self.budget * equiv - loss, self.budget * self.cap_tokens * p)
         if not proposed:  # a plain step (or a draft with nothing to propose): a sample of p
             self._plain = [*self._plain[-(self.samples - 1):], net]
@@ -427,6 +434,7 @@ class SpecController:
         for k, net, ns, emitted in self._raw:
             self._costs = [*self._costs[-(self.samples - 1):], max(0.0, (net / p - 1) / k)]
             self.credit -= ns - emitted * p
+            self.loss_ns += ns - emitted * p
         self._raw = []
         if self._learning:  # the draft's first catch-up (the prompt) is the price of having a draft: refunded
             self._probe_ns -= self._learn_catchup_ns
@@ -449,10 +457,14 @@ class SpecController:
 
     def state(self) -> dict[str, Any]:
         """For stats and benchmarks: mode, N, plain rate (tokens/s), cost of a drafted token (in plain steps),
-        acceptance, the expected speed-up of the best N, the budget's credit (ms), probes."""
+        acceptance, the expected speed-up of the best N, the budget's credit (ms), probes, tokens made by
+        drafting steps, and what drafting cost against plain decoding so far by the controller's own
+        accounting (the same seconds compared, so another job's load cancels out; negative: it gained)."""
         c, p = self.cost_per_draft(), self.p
         k, gain = self.best()
         return {"mode": self.mode, "n": self.n, "rate_plain": round(1e9 / p, 2) if p else None,
                 "draft_cost": round(c, 3) if c is not None else None, "accept": round(self.accept, 3),
                 "best_n": k, "expected_speedup": round(gain, 3), "credit_ms": round(self.credit / 1e6, 1),
-                "gap": self.gap, "probes": self.probes, "lost_probes": self.lost_probes}
+                "gap": self.gap, "probes": self.probes, "lost_probes": self.lost_probes,
+                "drafted_tokens": f"{self.drafted_tokens}/{self.tokens}",
+                "cost_vs_plain": f"{100 * self.loss_ns / max(self.decode_ns - self.loss_ns, 1):+.1f}%"}
