@@ -4,11 +4,12 @@ Drafts implement llama-cpp-python's ``LlamaDraftModel`` interface (``draft(input
 they also plug into ``Llama(draft_model=...)``; our own token loop calls them with the sequence so far
 (prompt + accepted tokens + the token just sampled) and verifies the proposal in one target batch.
 
-The :class:`SpecController` adapts the number of drafted tokens to the measured acceptance and switches
-drafting off when it does not pay: it compares decode throughput in windows with and without drafting,
-keeps drafting only while it is at least as fast as plain decoding (minus a 3% margin), and pays for
-every probe out of a time budget (2% of the plain-equivalent decode time, a draft model's catch-up
-included), with probes ever rarer and a draft model's catch-up bounded during them.
+The :class:`SpecController` (backend-neutral: it sees only proposed/accepted/emitted tokens and times)
+picks how many tokens to draft from a cost model it measures online (a plain step, and what a drafted
+token adds to a step, side by side in the same seconds; the acceptance rate), switches drafting off when
+the best expected speed-up is below 1.03, and pays for every later probe out of a time budget (2% of the
+plain-equivalent decode time, a draft model's catch-up included), with probes ever rarer and a draft
+model's catch-up bounded during them.
 """
 
 from __future__ import annotations
