@@ -3,14 +3,18 @@
 * target F32 (the default model requantized with llama.cpp's quantizer) with the Q4_1 default model as
   draft (same vocabulary), and with n-gram (prompt-lookup) drafting;
 * target Q4_1 with n-gram drafting (quantized kernels are not batch-invariant, so agreement with plain
-  decoding is reported rather than assumed).
+  decoding is reported rather than assumed), and with itself as the draft model: every drafted token costs
+  as much as a plain step, so that draft can never pay; it shows the controller's back-off.
 
 Every variant (plain included) is loaded once in its own process, and the rounds alternate between them
 (plain, draft, n-gram, plain, ..., the order rotating each round) so that the load of a shared machine hits
 all alike; a variant's speed-up is the median of its per-round ratios to plain in the same round, with the
-spread (min–max) of those ratios and the ratio of medians beside it. The adaptive controller keeps its
-state for as long as the model is loaded, as in `localllm serve`; round 1 is the first request after
-loading (the controller has not measured anything yet) and is also shown on its own.
+spread (min–max) of those ratios and the ratio of medians beside it. Two figures that another job's load
+disturbs less: tokens per second of the process's CPU time (with one thread, the work done), and the
+controller's own accounting (each drafting step against the plain steps it interleaves, same seconds).
+The adaptive controller keeps its state for as long as the model is loaded, as in `localllm serve`;
+round 1 is the first request after loading (the controller has not measured anything yet) and is also
+shown on its own.
 
 The prompt asks the model to repeat a text with small edits, so the answer repeats the prompt (the case
 n-gram drafting is for). ``--prompt story`` asks for a free story instead (nothing to copy: n-gram drafting
@@ -18,6 +22,7 @@ cannot pay, which is where the controller's back-off shows).
 
     python benchmarks/speculative.py --num-draft 8 --tokens 200 --rounds 5
     python benchmarks/speculative.py --only f32 --rounds 7 --threads 2
+    python benchmarks/speculative.py --only q4 --prompt story --rounds 7
 
 Targets: never more than 5% slower than plain (README); model draft > 1x where it can pay; n-gram >= 1.5x
 on repeated text. Reference: llama.cpp's speculative example on the F32/Q4_1 pair, 2 threads, greedy,
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from typing import Any
 
 from _common import ClockWriter, Side, default_threads, derived_model, engine_and_model, load_average, spread
@@ -75,11 +81,14 @@ class Variant:
         from localllm.answer import stream_answer
 
         clock = ClockWriter()
+        cpu0 = time.process_time()
         ans = stream_answer(self.engine, self.target, self.request, self.options, out=clock)
+        cpu = time.process_time() - cpu0
         s = ans.done.stats
         wall = (s.eval_count - 1) / (clock.last - clock.first) if clock.last and clock.first else 0.0
         ctl = self.running.backend.controller if hasattr(self.running.backend, "controller") else None
-        return {"rate": s.eval_rate, "wall": wall, "text": ans.text, "tokens": s.eval_count,
+        return {"rate": s.eval_rate, "wall": wall, "cpu_rate": s.eval_count / cpu if cpu > 0 else 0.0,
+                "text": ans.text, "tokens": s.eval_count,
                 "proposed": s.draft_proposed, "accepted": s.draft_accepted,
                 "controller": ctl.state() if ctl is not None else None}
 
@@ -104,7 +113,7 @@ def main() -> None:
     del _engine
     f32_path = derived_model(q4_path, "F32")
     groups = [("F32", str(f32_path), [("none", "none"), ("Q4_1 draft", str(q4_path)), ("ngram", "ngram")]),
-              ("Q4_1", str(q4_path), [("none", "none"), ("ngram", "ngram")])]
+              ("Q4_1", str(q4_path), [("none", "none"), ("ngram", "ngram"), ("self-draft", str(q4_path))])]
     if args.only:
         groups = [g for g in groups if g[0].lower().startswith(args.only[:2])]
     print(f"load average at start: {load_average()}; {threads} threads, {args.tokens} tokens, prompt "
@@ -133,13 +142,14 @@ def main() -> None:
             walls = [x["wall"] for x in rs]
             ratios = [x["wall"] / p["wall"] for x, p in zip(rs, plain, strict=True)]
             stats_ratios = [x["rate"] / p["rate"] for x, p in zip(rs, plain, strict=True)]
+            cpu_ratios = [x["cpu_rate"] / p["cpu_rate"] for x, p in zip(rs, plain, strict=True)]
             later = ratios[1:] or ratios
             prop = sum(x["proposed"] for x in rs)
             acc = sum(x["accepted"] for x in rs)
             same = all(x["text"] == plain[0]["text"] for x in rs)
             agree = min(common_prefix(x["text"], plain[0]["text"]) for x in rs)
             row = {"target": label, "draft": dlabel, "wall_tok_s": walls, "stats_tok_s": [x["rate"] for x in rs],
-                   "ratios": ratios, "stats_ratios": stats_ratios,
+                   "ratios": ratios, "stats_ratios": stats_ratios, "cpu_ratios": cpu_ratios,
                    "speedup_median": statistics.median(ratios),
                    "speedup_of_medians": statistics.median(walls) / statistics.median(x["wall"] for x in plain),
                    "acceptance": acc / prop if prop else None, "proposed": prop, "identical": same,
@@ -152,7 +162,11 @@ def main() -> None:
                   f"x{row['speedup_of_medians']:.3f})   proposed {prop:5d} accepted {acc_s:>4}   {verdict}",
                   flush=True)
             if rs[-1]["controller"]:
-                print(f"      controller after the last round: {rs[-1]['controller']}")
+                ctl = rs[-1]["controller"]
+                print(f"      per CPU second (tokens / process CPU time): x{spread(cpu_ratios)}; by the controller's "
+                      f"own accounting: drafting steps made {ctl['drafted_tokens']} tokens and cost "
+                      f"{ctl['cost_vs_plain']} against plain decoding")
+                print(f"      controller after the last round: {ctl}")
     print(f"load average at end: {load_average()}")
     if args.json:
         print(json.dumps(report))

@@ -440,7 +440,8 @@ class Store:
                 model = self._with_mlx(existing)
             else:
                 model = self._pull_locked(plan, install_ref, rep, cancel)
-            if want_mlx and model.mlx_repo is None:
+            # asked for: the catalog's MLX weights; by default: any MLX build (a converted one will do)
+            if want_mlx and model.mlx_repo is None and (mlx or model.mlx_path is None):
                 model = self._pull_mlx(plan, install_ref, model, rep, cancel, required=bool(mlx))
             rep.phase("success")
             return model

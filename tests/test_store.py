@@ -428,7 +428,13 @@ def test_mlx_is_fetched_by_default_only_on_apple_silicon(store, hub, monkeypatch
     monkeypatch.setattr(store_mod, "apple_silicon", lambda: False)
     assert store.pull("smollm2:135m").formats == ["GGUF"] and hub.calls == []
     monkeypatch.setattr(store_mod, "apple_silicon", lambda: True)
-    assert store.pull("smollm2:135m").formats == ["GGUF", "MLX"]
+    conv = paths().models / "mlx" / SMOL_SHA  # a converted build already runs on MLX: nothing to fetch
+    conv.mkdir(parents=True)
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        (conv / f).write_text("{}")
+    assert store.pull("smollm2:135m").mlx_source == "converted from the GGUF" and hub.calls == []
+    shutil.rmtree(conv)
+    assert store.pull("smollm2:135m").formats == ["GGUF", "MLX"] and hub.calls
     assert store.pull("smollm2:135m", mlx=False).formats == ["GGUF", "MLX"]  # installed stays installed
 
 

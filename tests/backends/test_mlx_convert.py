@@ -153,6 +153,31 @@ def test_q4_1_and_q8_0_blocks_are_repacked_bit_for_bit(default_model_path: Path,
             assert mx.array_equal(a, b.astype(a.dtype)).item(), (gguf_name, suffix)
 
 
+@pytest.mark.parametrize("ftype", ["q4_0", "q8_0", "f16"])
+def test_other_kept_types_equal_mlx_s_own_gguf_reader(ftype: str, default_model_path: Path, tmp_path: Path):
+    """Q4_0 and an all-Q8_0 file (llama.cpp's quantizer, from the default model) are repacked bit for bit;
+    F16 weights stay float (cast to float32) with the same values."""
+    import mlx.core as mx
+
+    codes = {"q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+             "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = codes[ftype], True, 2
+    src = tmp_path / f"m-{ftype}.gguf"
+    assert llama_cpp.llama_model_quantize(str(default_model_path).encode(), str(src).encode(), params) == 0
+    out = convert_gguf(src, tmp_path / "out")
+    ours, theirs = mx.load(str(out / "model.safetensors")), mx.load(str(src))
+    for gguf_name, name in (("blk.5.attn_v", "model.layers.5.self_attn.v_proj"), ("token_embd", "model.embed_tokens"),
+                            ("blk.5.ffn_gate", "model.layers.5.mlp.gate_proj")):
+        if f"{gguf_name}.scales" in theirs:
+            for suffix in ("weight", "scales", "biases"):
+                a, b = ours[f"{name}.{suffix}"], theirs[f"{gguf_name}.{suffix}"]
+                assert mx.array_equal(a, b.astype(a.dtype)).item(), (ftype, gguf_name, suffix)
+        else:
+            a, b = ours[f"{name}.weight"], theirs[f"{gguf_name}.weight"]
+            assert a.dtype == mx.float32 and mx.array_equal(a, b.astype(mx.float32)).item(), (ftype, gguf_name)
+
+
 def test_default_model_f32_conversion_gives_llama_cpp_greedy_tokens(derived_model, converted):
     """Issue 9's weak test made strong: 40 greedy tokens of a chat answer, token for token."""
     f32 = derived_model("f32")

@@ -5,8 +5,9 @@ The controller is pure logic over reported measurements, so it is driven here by
 (deterministic: a seeded RNG, no wall clock): plain steps cost ``plain`` ms per token; a drafting step with
 k drafts costs ``k * draft`` + ``verify(k)`` ms, with acceptance drawn per token; a draft model that has
 not seen the last tokens first catches up at ``catchup`` ms per token (as many as the controller allows,
-the rest skipped). Noise: every step's time is scaled by a random factor, and a few steps are preempted
-(10x). The budget is "never more than 5% slower than plain decoding" (README).
+the rest skipped). Noise: every step's time is scaled by a random factor, and now and then another job
+takes the core for 100 ms (the longer a step, the likelier). The budget is "never more than 5% slower than
+plain decoding" (README).
 """
 
 from __future__ import annotations
@@ -29,15 +30,15 @@ class Machine:
     accept: float  # per-token acceptance probability
     catchup: float = 0.0  # ms per token a draft model catches up (0: n-gram drafts)
     noise: float = 0.0  # relative spread of every step's time
-    preempt: float = 0.0  # probability that a step takes 10x (another job ran)
+    preempt: float = 0.0  # preemptions per ms of work: each one adds 100 ms (another job ran)
     rng: random.Random = field(default_factory=lambda: random.Random(7))
     unseen: int = 0  # tokens the draft has not evaluated yet
 
     def jitter(self, ms: float) -> float:
-        f = 1.0 + self.noise * (2 * self.rng.random() - 1)
-        if self.rng.random() < self.preempt:
-            f *= 10
-        return ms * f
+        out = ms * (1.0 + self.noise * (2 * self.rng.random() - 1))
+        if self.rng.random() < ms * self.preempt:
+            out += 100.0
+        return out
 
     def step(self, ctl: SpecController, room: int) -> tuple[int, float, float]:
         """One decode step as the backend runs it: (emitted, ms, ms plain decoding would take for them)."""
@@ -62,7 +63,7 @@ class Machine:
     @property
     def mean_factor(self) -> float:
         """What noise and preemption add to a step on average (plain decoding pays it too)."""
-        return 1.0 + 9.0 * self.preempt
+        return 1.0 + 100.0 * self.preempt
 
 
 def session(ctl: SpecController, m: Machine, requests: int, tokens: int, prompt: int = 100) -> list[float]:
@@ -99,7 +100,7 @@ def test_a_draft_that_does_not_pay_is_switched_off_and_stays_off():
     m = Machine(**F32_Q4, accept=0.35)  # mostly rejected: each step costs more than the tokens it yields
     slow = session(ctl, m, requests=20, tokens=200)
     # the first request pays the probe that learns: ~9% here is the draft's catch-up on the 100-token prompt
-    assert slow[0] < 1.15, slow
+    assert slow[0] < 1.16, slow
     later = slow[1:]
     assert sum(later) / len(later) < 1.02 and max(later) < 1.08, slow  # a later probe costs its request < 8%
     probes = ctl.probes
@@ -111,14 +112,14 @@ def test_a_draft_that_does_not_pay_is_switched_off_and_stays_off():
 def test_the_budget_holds_on_a_noisy_machine():
     for accept in (0.2, 0.5, 0.7):
         ctl = SpecController(8)
-        m = Machine(**F32_Q4, accept=accept, noise=0.3, preempt=0.02, rng=random.Random(int(accept * 100)))
+        m = Machine(**F32_Q4, accept=accept, noise=0.3, preempt=0.001, rng=random.Random(int(accept * 100)))
         slow = session(ctl, m, requests=30, tokens=200)
         assert sum(slow[1:]) / len(slow[1:]) < 1.05, (accept, slow)
 
 
 def test_a_winning_draft_survives_noise():
     ctl = SpecController(8)
-    m = Machine(**F32_Q4, accept=0.95, noise=0.3, preempt=0.02)
+    m = Machine(**F32_Q4, accept=0.95, noise=0.3, preempt=0.001)
     slow = session(ctl, m, requests=12, tokens=200)
     assert sum(slow[1:]) / len(slow[1:]) < 0.92 and ctl.lost_probes == 0, slow
 
