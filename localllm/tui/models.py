@@ -37,7 +37,7 @@ class ModelRow:
     formats: str = "GGUF"  # the weight formats installed: "GGUF" or "GGUF+MLX"
 
 
-SERVER_FIT = Fit(backend="server", text="(server decides)")
+SERVER_FIT = Fit(text="(server decides)")  # a server picks the backend itself
 
 
 def model_rows(session: Session) -> list[ModelRow]:
