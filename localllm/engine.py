@@ -647,7 +647,8 @@ class Engine:
         """:meth:`generate` for asyncio callers: the load runs in a worker thread, the events arrive
         from the model's decode loop through the event loop. Leaving the ``async for`` early (or the
         task being cancelled, as when an HTTP client disconnects) cancels the request at the next step
-        and frees its slot; so does setting ``cancel`` (the stream then ends with ``Done(finish_reason="cancelled")``).
+        and frees its slot; so does setting ``cancel`` (the stream then ends with
+        ``Done(finish_reason="cancelled")``).
 
             >>> async def first_words(engine, req):  # doctest: +SKIP
             ...     async for ev in engine.agenerate("smollm2:135m", req):
@@ -658,11 +659,18 @@ class Engine:
         cancel = cancel if cancel is not None else threading.Event()
         self._track(cancel)
         try:
+            started = asyncio.ensure_future(asyncio.to_thread(
+                self._start, name, request, options or LoadOptions(), cancel, keep_alive, t_start))
             try:
-                running, was_loaded, events = await asyncio.to_thread(
-                    self._start, name, request, options or LoadOptions(), cancel, keep_alive, t_start)
-            except asyncio.CancelledError:
-                cancel.set()
+                running, was_loaded, events = await asyncio.shield(started)
+            except asyncio.CancelledError:  # the caller left during the load: the thread goes on, its
+                cancel.set()  # request is cancelled, and the model's reference is returned once it is done
+
+                def release(f: asyncio.Future[tuple[RunningModel, bool, Channel[Event]]]) -> None:
+                    if not f.cancelled() and f.exception() is None:
+                        self._checkin(f.result()[0], keep_alive)
+
+                started.add_done_callback(release)
                 raise
             try:
                 async for event in events:

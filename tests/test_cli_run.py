@@ -142,7 +142,8 @@ def test_local_gguf_path_works_as_model(default_model_path):
 def test_format_json_gives_json(default_model):
     import json
 
-    r = run_cli(default_model.name, "Give the name and age of a person as JSON.", "--format", "json",
+    r = run_cli(default_model.name, "Give the name and age of a person as a JSON object with the keys name and age.",
+                "--format", "json",
                 "--num-predict", "200", "--temperature", "0")
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout)  # the whole answer is one JSON document (the grammar closes it)
