@@ -185,6 +185,9 @@ class Running:
     draft: str | None = None  # "ngram", a draft model's path, None
     n_threads: int | None = None
     slots: int = 0  # sequences that decode together
+    slots_busy: int = 0  # of which decoding a request now
+    prompt_cache_entries: int = 0  # saved prompt prefixes on disk for this model
+    prompt_cache_bytes: int = 0
     kv_cache_bytes: int | None = None  # the KV cache's size (reported, else estimated)
 
     @property

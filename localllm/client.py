@@ -138,7 +138,10 @@ def running_from_ps(d: JSON) -> Running:
     """One ``/api/ps`` entry."""
     return Running(name=str(d.get("name") or d.get("model") or ""), digest=_digest(d.get("digest")),
                    size=_int(d.get("size")), size_vram=_int(d.get("size_vram")),
-                   context_length=_int(d.get("context_length")), expires_at=parse_time(d.get("expires_at")))
+                   context_length=_int(d.get("context_length")), expires_at=parse_time(d.get("expires_at")),
+                   slots=_int(d.get("slots")), slots_busy=_int(d.get("slots_busy")),
+                   prompt_cache_entries=_int((d.get("prompt_cache") or {}).get("entries")),
+                   prompt_cache_bytes=_int((d.get("prompt_cache") or {}).get("bytes")))
 
 
 def options_json(request: GenerateRequest | None = None, options: LoadOptions | None = None) -> JSON:

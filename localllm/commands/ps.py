@@ -1,8 +1,11 @@
 """``localllm ps``: the models a server holds in memory, as ``ollama ps`` prints them.
 
     $ localllm ps
-    NAME            ID              SIZE      PROCESSOR    CONTEXT    UNTIL
-    smollm2:135m    b179c9523d0e    191 MB    100% CPU     4096       4 minutes from now
+    NAME            ID              SIZE      PROCESSOR    CONTEXT    SLOTS    PROMPT CACHE    UNTIL
+    smollm2:135m    b179c9523d0e    474 MB    100% CPU     4096       1/4      2 (97 MB)       4 minutes from now
+
+SLOTS: requests decoding now / requests that can decode together. PROMPT CACHE: saved prompt prefixes
+on disk for the model (restored by a later process instead of evaluated again).
 
 Models live in a server (``localllm serve``); ``localllm run`` loads them only for its own run, so
 without a server nothing is loaded.
@@ -34,11 +37,16 @@ def command(host: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([{"name": m.name, "id": m.short_id, "size": m.size, "size_vram": m.size_vram,
                                 "processor": m.processor, "context": m.context_length,
+                                "slots": m.slots, "slots_busy": m.slots_busy,
+                                "prompt_cache": {"entries": m.prompt_cache_entries, "bytes": m.prompt_cache_bytes},
                                 "expires_at": m.expires_at.isoformat() if m.expires_at else None,
                                 "until": m.until} for m in models], indent=2))
         return
-    rows = [("NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL")]
-    rows += [(m.name, m.short_id, human_size(m.size), m.processor, str(m.context_length), m.until) for m in models]
+    rows = [("NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "SLOTS", "PROMPT CACHE", "UNTIL")]
+    rows += [(m.name, m.short_id, human_size(m.size), m.processor, str(m.context_length),
+              f"{m.slots_busy}/{m.slots}" if m.slots else "-",
+              f"{m.prompt_cache_entries} ({human_size(m.prompt_cache_bytes)})" if m.prompt_cache_entries else "-",
+              m.until) for m in models]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         click.echo("    ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())

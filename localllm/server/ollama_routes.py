@@ -322,6 +322,17 @@ async def show(body: ModelBody, request: Request) -> Response:
     })
 
 
+def _slots(m: Any) -> dict[str, Any]:
+    try:
+        lm = m.metrics
+    except Exception:  # noqa: BLE001 - unloading right now
+        return {}
+    return {"slots": lm.slots, "slots_busy": lm.slots_busy, "queued": lm.waiting, "kv_cells": lm.kv_cells,
+            "kv_cells_used": lm.kv_tokens_active, "kv_cells_cached": lm.kv_tokens_idle,
+            "prompt_cache": {"entries": lm.prompt_cache_entries, "bytes": lm.prompt_cache_bytes,
+                             "hits": lm.prompt_cache_hits, "misses": lm.prompt_cache_misses}}
+
+
 @router.get("/api/ps")
 async def ps(request: Request) -> dict[str, Any]:
     out = []
@@ -331,6 +342,8 @@ async def ps(request: Request) -> dict[str, Any]:
             "details": c.details_of(m.installed) if m.installed is not None else {},
             "expires_at": c.rfc3339(m.expires_at_wall), "size_vram": int(m.size_vram),
             "context_length": int(m.info.n_ctx),
+            # beyond Ollama's fields (its clients ignore them): the decode loop's slots and KV pool
+            **_slots(m),
         })
     return {"models": out}
 

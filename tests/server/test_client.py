@@ -4,6 +4,7 @@ server."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -84,8 +85,9 @@ def test_cli_ps_and_stop(url, client, monkeypatch):
     out = runner.invoke(cli, ["ps", "--host", url])
     assert out.exit_code == 0, out.output
     header, row = out.output.splitlines()[:2]
-    assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
+    assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "SLOTS", "PROMPT", "CACHE", "UNTIL"]
     assert row.startswith(MODEL) and "100% CPU" in row and "minutes from now" in row
+    assert re.search(r"\s0/[1-9]\d*\s", row), row  # idle slots: busy/total from the server's /api/ps
     out = runner.invoke(cli, ["stop", MODEL, "--host", url])
     assert out.exit_code == 0, out.output
     assert not client.is_loaded(MODEL)
