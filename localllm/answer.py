@@ -103,7 +103,8 @@ def stats_lines(stats: Stats) -> list[str]:
     if stats.eval_duration > 0:
         lines.append(f"eval duration:        {go_duration(stats.eval_duration)}")
         lines.append(f"eval rate:            {stats.eval_rate:.2f} tokens/s")
-    lines.append(f"prompt cache:         {stats.prompt_cached_tokens} token(s) reused")
+    restored = f" ({stats.prompt_restored_tokens} restored from disk)" if stats.prompt_restored_tokens else ""
+    lines.append(f"prompt cache:         {stats.prompt_cached_tokens} token(s) reused{restored}")
     if stats.draft_proposed:
         lines.append(
             f"draft acceptance:     {stats.draft_accepted / stats.draft_proposed:.2%} "

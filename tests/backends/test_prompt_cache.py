@@ -142,3 +142,36 @@ def test_a_full_disk_skips_the_save_and_the_answer_comes(default_model_path, tmp
         assert m.prompt_cache.stats.save_errors >= 1
     monkeypatch.setattr(os, "replace", real)
     assert not list(tmp_path.rglob("*")) or not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_a_second_localllm_run_restores_the_system_prompt_and_rm_deletes_the_entries(tmp_path, default_model):
+    """The CLI as a script uses it: the second `localllm run` with the same long system prompt restores it
+    from disk (``--verbose`` says so); `localllm rm` of the model deletes its saved prefixes."""
+    import shutil
+
+    from localllm.config import paths
+    from tests.support import install_copy  # the default model hard-linked into an empty home
+
+    home = tmp_path / "home"
+    install_copy(home / "data" / "models", paths().models)
+    env = {**os.environ, "LOCALLLM_HOME": str(home), "OMP_WAIT_POLICY": "PASSIVE"}
+    system = SYSTEM.replace("careful", "thorough")
+
+    def run(q: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "localllm", "run", default_model.name, q, "--system", system,
+                               "--verbose", "--num-predict", "8", "--temperature", "0"], env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    first = run("What does rule 3 say?")
+    assert first.returncode == 0, first.stderr
+    assert "restored from disk" not in first.stderr
+    cache = home / "data" / "prompt-cache"
+    assert list(cache.rglob(f"*{SUFFIX}")), "the first run saved nothing"
+    second = run("What does rule 9 say?")
+    assert second.returncode == 0, second.stderr
+    assert "restored from disk" in second.stderr, second.stderr
+    rm = subprocess.run([sys.executable, "-m", "localllm", "rm", default_model.name], env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert rm.returncode == 0, rm.stderr
+    assert not list(cache.rglob(f"*{SUFFIX}"))
+    shutil.rmtree(home, ignore_errors=True)
