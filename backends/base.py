@@ -37,6 +37,10 @@ KVCacheType = Literal["f16", "q8_0", "q4_0"]
 KV_CACHE_TYPES: tuple[str, ...] = ("f16", "q8_0", "q4_0")
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 ThinkValue = bool | Literal["low", "medium", "high"] | None
+FALLBACK_CHAT_TEMPLATE = (  # ChatML, for models without a chat template (base models: chat is of little use)
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 class BackendError(Exception):

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import (
+    FALLBACK_CHAT_TEMPLATE,
     KV_CACHE_TYPES,
     BackendError,
     Feed,
@@ -58,10 +59,6 @@ KV_GGML_TYPE = {"f16": 1, "q8_0": 8, "q4_0": 2}
 KV_BLOCK = {"f16": 1, "q8_0": 32, "q4_0": 32}
 KV_BYTES_PER_ELEM = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
-_FALLBACK_TEMPLATE = (  # ChatML, for GGUFs without a chat template (base models: chat is of little use)
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 # ------------------------------------------------------------------------------------ native logging
 
@@ -197,10 +194,6 @@ def _seed32(seed: int | None) -> int:
 
 
 
-_FALLBACK_TEMPLATE = (  # ChatML, for GGUFs without a chat template (base models: chat is of little use)
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 _backend_initialised = False
 
 
@@ -561,7 +554,7 @@ class LlamaCppSource(TokenSource):
         if f is None:
             from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-            f = Jinja2ChatFormatter(template=self._template or _FALLBACK_TEMPLATE, eos_token=self._eos_text,
+            f = Jinja2ChatFormatter(template=self._template or FALLBACK_CHAT_TEMPLATE, eos_token=self._eos_text,
                                     bos_token=self._bos_text, add_generation_prompt=add_generation_prompt)
             self._formatters[add_generation_prompt] = f
         return f

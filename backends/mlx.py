@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from backends.base import (
+    FALLBACK_CHAT_TEMPLATE,
     Feed,
     LoadSpec,
     ModelInfo,
@@ -73,10 +74,6 @@ def _hold_thread() -> None:
         return
     if getattr(_thread_state, "release", None) is None:
         _thread_state.release = _ThreadRelease()
-_FALLBACK_TEMPLATE = (  # ChatML, for models without a chat template (base models: chat is of little use)
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 class _MLXSampler:
@@ -365,7 +362,7 @@ class MLXSource(TokenSource):
         if tools:
             kwargs["tools"] = tools
         if not self._tok.has_chat_template:
-            kwargs["chat_template"] = _FALLBACK_TEMPLATE
+            kwargs["chat_template"] = FALLBACK_CHAT_TEMPLATE
         try:
             return str(self._tok.apply_chat_template(messages, **kwargs))
         except Exception as e:  # noqa: BLE001 - jinja errors, raise_exception() from the template
