@@ -178,9 +178,14 @@ class _ModelDrafter:
         self.name = source.spec.model_path
         self.tokens: list[int] = []  # what the draft's sequence holds (the target's history minus the holes)
         self.p_min = p_min
-        self.catchup_ns = 0
+        self.catchup_ns = self.catchup_tokens = 0
         self._holes: list[tuple[int, int]] = []
         self._greedy = source.sampler(Sampling(temperature=0, repeat_penalty=1.0), None)
+        try:  # the first evaluation of a context allocates its buffers: at load, not in the first probe
+            source.evaluate([Feed(0, source.prompt_tokens("")[:1] or [0], 0, 1)])
+            source.seq_rm(0)
+        except Exception:  # noqa: BLE001 - a warm-up only
+            pass
 
     def _eval(self, toks: list[int], outputs: int) -> list[int]:
         rows: list[int] = []
@@ -200,7 +205,7 @@ class _ModelDrafter:
         return history
 
     def propose(self, history: list[int], k: int, max_catchup: int | None = None) -> list[int]:
-        self.catchup_ns = 0
+        self.catchup_ns = self.catchup_tokens = 0
         view = self._view(history)
         k = min(k, self.source.n_ctx - len(view) - 1)
         if k <= 0 or not view:
@@ -223,7 +228,7 @@ class _ModelDrafter:
         t0 = time.perf_counter_ns()
         rows = self._eval(new, 1)
         if len(new) > 2:  # more than a normal step's one or two tokens: catching up
-            self.catchup_ns = time.perf_counter_ns() - t0
+            self.catchup_ns, self.catchup_tokens = time.perf_counter_ns() - t0, len(new)
         out: list[int] = []
         while True:
             if self.p_min > 0 and not self._confident(rows[-1]):

@@ -15,10 +15,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-import numpy as np
 import pytest
 
-from backends._speculative import ModelDraft, SpecController
+from backends._speculative import SpecController
 
 
 @dataclass
@@ -163,30 +162,30 @@ def test_catchup_is_bounded_only_while_probing():
 
 @pytest.fixture(scope="module")
 def draft(default_model_path):
-    import llama_cpp
+    from backends.base import LoadSpec
+    from backends.llamacpp import LlamaCppSource
+    from backends.loop import _ModelDrafter
 
-    llm = llama_cpp.Llama(model_path=str(default_model_path), n_ctx=512, n_batch=512, n_threads=2, verbose=False)
-    d = ModelDraft(llm, num_pred_tokens=4)
+    d = _ModelDrafter(LlamaCppSource(LoadSpec(str(default_model_path), n_ctx=512, n_threads=2)))
     yield d
     d.close()
 
 
 def test_draft_catchup_skips_old_tokens_and_keeps_following(draft):
-    llm = draft.llm
-    text = b"The quick brown fox jumps over the lazy dog. " * 12
-    ids = np.array(llm.tokenize(text, add_bos=True), dtype=np.intc)
+    src = draft.source
+    ids = src.prompt_tokens("The quick brown fox jumps over the lazy dog. " * 12)
     assert len(ids) > 100
-    llm.reset()
-    draft._holes = []
-    out = draft(ids[:20], n=4)
-    assert len(out) == 4 and draft.catchup_tokens == 20 and llm.n_tokens == 20 + 3
-    out = draft(ids, n=4, max_catchup=16)  # 80+ unseen tokens: only the last 16 are evaluated
+    src.seq_rm(0)
+    draft.tokens, draft._holes = [], []
+    out = draft.propose(ids[:20], 4)
+    assert len(out) == 4 and draft.catchup_tokens == 20 and len(draft.tokens) == 20 + 3
+    out = draft.propose(ids, 4, max_catchup=16)  # 80+ unseen tokens: only the last 16 are evaluated
     assert draft.catchup_tokens == 16 and len(draft._holes) == 1
     at, skipped = draft._holes[0]  # kept: the 20 tokens (and any of its 3 drafts that were right)
     assert 20 <= at <= 23 and at + skipped + 16 == len(ids)
-    assert llm.n_tokens == at + 16 + 3 and len(out) == 4  # the skipped tokens take no positions
-    more = np.concatenate([ids, out[:2]])
-    draft(more, n=4, max_catchup=16)  # a normal step: one or two new tokens, no catch-up
+    assert len(draft.tokens) == at + 16 + 3 and len(out) == 4  # the skipped tokens take no positions
+    more = [*ids, *out[:2]]
+    draft.propose(more, 4, max_catchup=16)  # a normal step: one or two new tokens, no catch-up
     assert draft.catchup_tokens == 0 and len(draft._holes) == 1
-    draft(ids[:10], n=4)  # another sequence that differs before the hole: the hole is forgotten
-    assert draft._holes == [] and llm.n_tokens == 10 + 3
+    draft.propose(ids[:10], 4)  # another sequence that differs before the hole: the hole is forgotten
+    assert draft._holes == [] and len(draft.tokens) == 10 + 3
