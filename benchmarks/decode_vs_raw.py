@@ -8,7 +8,9 @@ so that the load of a shared machine hits all of them alike. Greedy sampling wit
 both Python sides; each side's rate is the wall-clock rate between its first and its last generated token,
 so load and prompt time are left out. ``llama-bench`` reports its own tg rate (one repetition per round,
 after its warm-up), once with its default flash attention (auto) and once with ``-fa off`` (what our
-backend uses today with an f16 KV cache); pp512 is measured once at the end for reference.
+backend used before it left flash attention to llama.cpp); pp512 is measured once at the end for reference.
+The raw side gets the flash-attention setting llama.cpp chose for ours (auto), and ours keeps its default
+slots (its KV pool is n_ctx × slots cells; one sequence decodes) unless ``--num-parallel`` sets them.
 
     python benchmarks/decode_vs_raw.py                       # default model, 5 rounds of 128 tokens
     python benchmarks/decode_vs_raw.py --rounds 10 --tokens 128 --threads 2
@@ -36,17 +38,25 @@ SAMPLING = dict(temperature=0.0, top_k=40, top_p=0.9, min_p=0.0, repeat_penalty=
 class Ours:
     """The engine and `localllm run`'s streaming path, in its own process."""
 
-    def __init__(self, model: str, num_ctx: int, threads: int):
+    def __init__(self, model: str, num_ctx: int, threads: int, num_parallel: int | None = None):
         from localllm.engine import LoadOptions
 
         self.engine, self.name, _ = engine_and_model(model)
-        self.options = LoadOptions(num_ctx=num_ctx, draft="none", num_thread=threads, kv_cache_type="f16")
+        self.options = LoadOptions(num_ctx=num_ctx, draft="none", num_thread=threads, kv_cache_type="f16",
+                                   num_parallel=num_parallel)
         self.running = self.engine.load(self.name, self.options)
 
     def info(self) -> dict[str, Any]:
-        spec = self.running.backend.spec
-        return {"n_ctx": self.running.info.n_ctx, "n_batch": spec.n_batch, "n_threads": spec.n_threads,
-                "flash_attn": bool(spec.flash_attn), "n_gpu_layers": spec.n_gpu_layers}
+        """What the raw side must match: context, batch, threads, GPU layers and whether llama.cpp turned flash
+        attention on (our backend leaves it on auto; the raw ``Llama`` takes a bool)."""
+        src = self.running.model.source  # the token source of the model's decode loop
+        spec = src.spec
+        return {"n_ctx": self.running.info.n_ctx, "n_batch": spec.n_batch,
+                "n_threads": spec.n_threads or getattr(src, "n_threads", None),
+                "flash_attn": bool(getattr(src, "flash_attn", spec.flash_attn)), "n_gpu_layers": spec.n_gpu_layers}
+
+    def slots(self) -> int:
+        return int(self.running.metrics.slots)
 
     def run(self, tokens: int) -> dict[str, Any]:
         from localllm.answer import stream_answer
@@ -99,6 +109,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="default: physical cores (the backend's default)")
     ap.add_argument("--num-ctx", type=int, default=2048)
+    ap.add_argument("--num-parallel", type=int, default=None, help="our slots (default: the planner's)")
     ap.add_argument("--no-llama-bench", action="store_true", help="skip the llama-bench ceiling")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -107,8 +118,10 @@ def main() -> None:
     _engine, name, path = engine_and_model(args.model)  # pulls an alias if missing, before any side starts
     del _engine
     print(f"load average at start: {load_average()}", flush=True)
-    ours = Side("localllm", Ours, model=args.model, num_ctx=args.num_ctx, threads=threads)
+    ours = Side("localllm", Ours, model=args.model, num_ctx=args.num_ctx, threads=threads,
+                num_parallel=args.num_parallel)
     info = ours.call("info")
+    slots = ours.call("slots")
     raw = Side("raw Llama.generate", Raw, path=str(path), **info)
     bench = None
     if not args.no_llama_bench:
@@ -149,9 +162,9 @@ def main() -> None:
                                            reps=3)}
 
     mo, mr = median(results["ours"]), median(results["raw"])
-    print(f"\nmodel {name} ({Path(path).name}), {threads} threads, n_ctx {info['n_ctx']}, flash attention "
-          f"{'on' if info['flash_attn'] else 'off'} (ours and raw), {args.tokens} tokens, {args.rounds} rounds, "
-          "each side in its own process, alternating")
+    print(f"\nmodel {name} ({Path(path).name}), {threads} threads, n_ctx {info['n_ctx']} (ours: {slots} slots), "
+          f"flash attention {'on' if info['flash_attn'] else 'off'} (ours and raw), {args.tokens} tokens, "
+          f"{args.rounds} rounds, each side in its own process, alternating")
     print(f"load average at end: {load_average()}")
     print(f"localllm run path : median {mo:7.2f} tok/s   per round {spread(results['ours'])}")
     print(f"raw Llama.generate: median {mr:7.2f} tok/s   per round {spread(results['raw'])}")
@@ -161,7 +174,7 @@ def main() -> None:
     out: dict[str, Any] = {"model": name, "threads": threads, "tokens": args.tokens, **results,
                            "ratio_medians": mo / mr, "ratio_best": max(results["ours"]) / max(results["raw"])}
     if bench is not None:
-        for key, label in (("lb_auto", "fa auto (llama.cpp default)"), ("lb_off", "fa off (our setting)")):
+        for key, label in (("lb_auto", "fa auto (llama.cpp default)"), ("lb_off", "fa off")):
             ml = median(results[key])
             print(f"llama-bench tg{args.tokens} {label:28}: median {ml:7.2f} tok/s   ours / it: ratio of medians "
                   f"{mo / ml:.3f}, best vs best {max(results['ours']) / max(results[key]):.3f}")
