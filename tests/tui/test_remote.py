@@ -49,6 +49,7 @@ async def test_chat_and_models_through_a_server(server, chats):
             return not screen.generating and last.role == "assistant" and last.stats["finish_reason"] != "cancelled"
 
         await wait_until(pilot, answered, timeout=120)
+        await wait_until(pilot, lambda: "tok/s" in str(screen.query_one("#status").render()), timeout=30)
         status = str(screen.query_one("#status").render())
         assert f"server {server.url}" in status and "tok/s" in status and "TTFT" in status, status
 
