@@ -55,7 +55,7 @@ class _Ours:
         self.engine.store.set_mlx_path(self.name, Path(mlx_dir))
         self.options = LoadOptions(num_ctx=num_ctx, draft="none", backend="mlx", kv_cache_type="f16")
         running = self.engine.load(self.name, self.options)
-        assert running.backend.name == "mlx", running.backend.name
+        assert running.backend == "mlx", running.backend
         self.tokens = tokens
 
     def run(self) -> float:
@@ -264,14 +264,15 @@ def agreement() -> dict[str, Any]:
 
 def runtime(model: str, tokens: int, num_ctx: int) -> dict[str, Any]:
     from backends.base import DraftSpec, GenerateRequest, LoadSpec, Sampling, TextChunk
-    from backends.mlx import MLXBackend
+    from backends.loop import LoadedModel
+    from backends.registry import load
     from localllm.mlxmodels import convert_installed
     from localllm.store import Store
 
     m = Store().ensure(model)
     mlx_dir = str(m.mlx_path or convert_installed(m))
     greedy = dict(temperature=0.0, repeat_penalty=1.0)
-    b = MLXBackend(LoadSpec(model_path=mlx_dir, n_ctx=num_ctx))
+    b = load("mlx", LoadSpec(model_path=mlx_dir, n_ctx=num_ctx))
     msgs = [{"role": "system", "content": "You are a helpful assistant."}]
     ttft, cached = [], []
     for q in ["What is the capital of France?", "And of Italy?", "Which one is bigger?", "Name a river in each.",
@@ -289,17 +290,17 @@ def runtime(model: str, tokens: int, num_ctx: int) -> dict[str, Any]:
     b.close()
     req = GenerateRequest(prompt=PROMPT, sampling=Sampling(max_tokens=tokens, **greedy))
 
-    def rate(backend: MLXBackend) -> float:
+    def rate(backend: LoadedModel) -> float:
         times = [(time.perf_counter(), ev.tokens) for ev in backend.generate(req) if isinstance(ev, TextChunk)]
         return sum(k for _, k in times[1:]) / (times[-1][0] - times[0][0])
 
-    plain = MLXBackend(LoadSpec(model_path=mlx_dir, n_ctx=num_ctx))
-    spec = MLXBackend(LoadSpec(model_path=mlx_dir, n_ctx=num_ctx, draft=DraftSpec(kind="model", path=mlx_dir)))
-    status = spec.info.extra["draft_status"]
+    plain = load("mlx", LoadSpec(model_path=mlx_dir, n_ctx=num_ctx))
+    spec = load("mlx", LoadSpec(model_path=mlx_dir, n_ctx=num_ctx, draft=DraftSpec(kind="model", path=mlx_dir)))
     plain_r, spec_r = [], []
     for _ in range(2):
         plain_r.append(rate(plain))
         spec_r.append(rate(spec))
+    status = spec.controller.state() if spec.controller is not None else None
     plain.close()
     spec.close()
     return {"ttft_s": ttft, "ttft_turn5_over_turn1": ttft[-1] / ttft[0], "cached_tokens": cached,

@@ -60,9 +60,9 @@ serve({addr!r}, engine=Engine(keep_alive=float('inf'), backend_class=fake_backen
 
 
 def fake_backend_class(name: str):
-    from backends.fake import FakeBackend
+    from tests.fakes import FakeSource
 
-    class Instant(FakeBackend):
+    class Instant(FakeSource):
         def __init__(self, spec):
             spec.extra.update(reply="x" * 100_000, chunk=1)
             super().__init__(spec)
