@@ -96,6 +96,14 @@ class Server:
 
         return float(psutil.Process(self.proc.pid).memory_info().rss) / 1e6
 
+    def anon_mb(self) -> float:
+        """Of the resident memory, the part not backed by files (RSS − shared: heap, KV pool, buffers; the
+        memory-mapped weights are file-backed)."""
+        import psutil
+
+        m = psutil.Process(self.proc.pid).memory_info()
+        return float(m.rss - getattr(m, "shared", 0)) / 1e6
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

@@ -15,7 +15,10 @@ Per round (the order of the two sides alternates from round to round, each side 
   + completion tokens, from each stream's usage) / wall time from the first request sent to the last
   stream's end; streams that stop early count their real tokens;
 * ``llama-bench -n 128 -p 0 -fa auto -r 1``: tg128, the single-stream ceiling, beside our B = 1 stream's
-  decode rate (its tokens after the first / the time between the first and the last).
+  decode rate (its tokens after the first / the time between the first and the last);
+* with ``--in-process``, the same B requests straight into the engine (``Engine.generate`` from B threads,
+  no HTTP, no client: the decode loop's own rate) in a third process, to tell the loop's cost from the
+  server's and the clients'.
 
 Targets: total ≥ 0.9× llama-batched-bench at B = 4, ≥ 0.85× at B = 8; one stream's decode ≥ 0.97× tg128.
 The clients run in this process (asyncio, one connection per stream), so on a 2-core machine they compete
@@ -31,7 +34,7 @@ import time
 from typing import Any
 
 import _serve
-from _common import default_threads, load_average
+from _common import Side, default_threads, engine_and_model, load_average
 from _serve import Localllm, Tokens, med, model_path, story_prompt, stream
 
 
@@ -68,6 +71,43 @@ async def ours_round(url: str, model: str, prompts: list[str], gen: int, extra: 
             "short": sum(1 for r in rs if r.completion_tokens < gen)}
 
 
+class InProc:
+    """The engine and its decode loop without the server: B threads each consume ``Engine.generate``."""
+
+    def __init__(self, model: str, threads: int, num_ctx: int, slots: int):
+        from localllm.engine import LoadOptions
+
+        self.engine, self.name, _ = engine_and_model(model)
+        self.options = LoadOptions(num_ctx=num_ctx, num_thread=threads, num_parallel=slots)
+        self.engine.load(self.name, self.options)
+        self.run(["Hello there", "Once upon a time"], 8)  # warm-up, as the server gets
+
+    def run(self, prompts: list[str], gen: int) -> dict[str, Any]:
+        import threading
+
+        from localllm.engine import Done, GenerateRequest, Sampling
+
+        counts: list[tuple[int, int]] = [(0, 0)] * len(prompts)
+
+        def work(i: int, p: str) -> None:
+            req = GenerateRequest(prompt=p, sampling=Sampling(max_tokens=gen, temperature=0.8, seed=1000 + i))
+            for ev in self.engine.generate(self.name, req, self.options):
+                if isinstance(ev, Done):
+                    counts[i] = (ev.stats.prompt_eval_count, ev.stats.eval_count)
+
+        ts = [threading.Thread(target=work, args=(i, p)) for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        wall = time.perf_counter() - t0
+        return {"total": sum(a + b for a, b in counts) / wall, "short": sum(1 for _, b in counts if b < gen)}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2:135m")
@@ -78,6 +118,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-ctx", type=int, default=2048, help="context per sequence of localllm's slots")
     ap.add_argument("--kvu", action="store_true", help="also run llama-batched-bench with -kvu (unified KV)")
+    ap.add_argument("--in-process", action="store_true", help="also run the B requests through the engine "
+                    "in-process (no server, no clients), a third side")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     threads = args.threads or default_threads()
@@ -91,7 +133,8 @@ def main() -> None:
           f"load average at start {load_average()}", flush=True)
     extra = {"num_ctx": args.num_ctx, "options": {"num_thread": threads}}
     res: dict[str, Any] = {"ref": {b: [] for b in batches}, "kvu": {b: [] for b in batches},
-                           "ours": {b: [] for b in batches}, "tg": [], "decode1": [], "load": []}
+                           "ours": {b: [] for b in batches}, "inproc": {b: [] for b in batches}, "tg": [],
+                           "decode1": [], "load": []}
     serial = [0]
 
     def prompts(b: int) -> list[str]:
@@ -101,6 +144,8 @@ def main() -> None:
             out.append(tok.exact(story_prompt(serial[0]), args.prompt))
         return out
 
+    inproc = (Side("in-process engine", InProc, model=args.model, threads=threads, num_ctx=args.num_ctx,
+                   slots=max(batches)) if args.in_process else None)
     with Localllm({"LOCALLLM_NUM_PARALLEL": str(max(batches)), "LOCALLLM_PROMPT_CACHE_SIZE": "0"}) as srv:
         try:
             warm = asyncio.run(ours_round(srv.url, args.model, prompts(2), 16, extra))  # load + warm up
@@ -126,17 +171,28 @@ def main() -> None:
                         if b == 1:
                             res["decode1"].append(r["decode"])
 
-                for side in ((run_ref, run_ours) if rnd % 2 == 0 else (run_ours, run_ref)):
+                def run_inproc() -> None:
+                    assert inproc is not None
+                    for b in batches:
+                        r = inproc.call("run", prompts=prompts(b), gen=args.gen)
+                        res["inproc"][b].append(r["total"])
+
+                sides = [run_ref, run_ours] + ([run_inproc] if inproc is not None else [])
+                for side in (sides if rnd % 2 == 0 else sides[::-1]):
                     side()
                 res["load"].append(load_average())
                 line = "  ".join(f"B={b}: ours {res['ours'][b][-1]:.1f} / ref {res['ref'][b][-1]:.1f} = "
-                                 f"{res['ours'][b][-1] / res['ref'][b][-1]:.3f}" for b in batches)
+                                 f"{res['ours'][b][-1] / res['ref'][b][-1]:.3f}"
+                                 + (f" (in-process {res['inproc'][b][-1]:.1f})" if inproc is not None else "")
+                                 for b in batches)
                 if res["decode1"]:
                     line += (f"   1-stream decode {res['decode1'][-1]:.1f} / tg{args.gen} {res['tg'][-1]:.1f} = "
                              f"{res['decode1'][-1] / res['tg'][-1]:.3f}")
                 print(f"round {rnd + 1}: {line}   (load {res['load'][-1]})", flush=True)
         finally:
             srv.remove_home()
+            if inproc is not None:
+                inproc.close()
 
     print(f"\nload average at end: {load_average()}")
     print(f"{'B':>3} {'localllm tok/s':>16} {'batched-bench S':>16} {'ratio (median of rounds)':>26} target"
@@ -150,6 +206,9 @@ def main() -> None:
         if args.kvu:
             kr = [o / r for o, r in zip(res["ours"][b], res["kvu"][b], strict=True)]
             line += f" {med(res['kvu'][b]):>9.1f} {med(kr):>9.3f}"
+        if inproc is not None:
+            ir = [o / r for o, r in zip(res["inproc"][b], res["ref"][b], strict=True)]
+            line += f"   in-process engine {med(res['inproc'][b]):.1f} tok/s = {med(ir):.3f}× batched-bench"
         print(line)
         out[f"ratio_{b}"] = med(ratios)
     if 1 in batches:

@@ -95,12 +95,14 @@ async def soak(srv: Localllm, model: str, args: argparse.Namespace, tok: Tokens,
         while True:
             m = await asyncio.to_thread(srv.metrics)
             log["samples"].append({"t": round(time.monotonic() - t0, 1), "rss_mb": round(srv.rss_mb(), 1),
+                                   "anon_mb": round(srv.anon_mb(), 1),
                                    "busy": m.get("localllm_slots_busy", 0),
                                    "kv_used": m.get("localllm_kv_cells_used", 0),
                                    "kv_cached": m.get("localllm_kv_cells_cached", 0),
                                    "queue": m.get("localllm_queue_depth", 0), "load": load_average()})
             s = log["samples"][-1]
-            print(f"  t={s['t']:6.1f}s RSS {s['rss_mb']:7.1f} MB busy {s['busy']:.0f} queue {s['queue']:.0f} KV used "
+            print(f"  t={s['t']:6.1f}s RSS {s['rss_mb']:7.1f} MB (anonymous {s['anon_mb']:7.1f}) busy {s['busy']:.0f} "
+                  f"queue {s['queue']:.0f} KV used "
                   f"{s['kv_used']:.0f} cached {s['kv_cached']:.0f}; {sum(log['kinds'].values())} requests, "
                   f"{len(log['errors'])} errors (load {s['load']})", flush=True)
             await asyncio.sleep(args.every)
@@ -156,8 +158,14 @@ def main() -> None:
           f"{m1.get('localllm_kv_evictions_total', 0):.0f}; prompt tokens evaluated "
           f"{m1.get('localllm_prompt_tokens_total', 0):.0f}, reused "
           f"{m1.get('localllm_prompt_tokens_cached_total', 0):.0f}")
+    anon = [s["anon_mb"] for s in log["samples"]]
     print(f"RSS first {rss[0]:.1f} MB, last {rss[-1]:.1f} MB, max {max(rss):.1f} MB; first-minute median "
-          f"{med(first_min):.1f}, last-minute median {med(last_min):.1f} MB")
+          f"{med(first_min):.1f}, last-minute median {med(last_min):.1f} MB; anonymous first {anon[0]:.1f}, last "
+          f"{anon[-1]:.1f}, max {max(anon):.1f} MB")
+    steps = [(a["t"], b["rss_mb"] - a["rss_mb"]) for a, b in zip(log["samples"], log["samples"][1:], strict=False)
+             if abs(b["rss_mb"] - a["rss_mb"]) >= 5]
+    if steps:
+        print("RSS steps of 5 MB or more between samples (s, MB): " + ", ".join(f"{t:.0f}: {d:+.1f}" for t, d in steps))
     for e in log["errors"][:5]:
         print("  error:", e)
     if args.json:
