@@ -86,7 +86,7 @@ class Variant:
         cpu = time.process_time() - cpu0
         s = ans.done.stats
         wall = (s.eval_count - 1) / (clock.last - clock.first) if clock.last and clock.first else 0.0
-        ctl = self.running.model.controller
+        ctl = self.running.model.controller  # the decode loop's speculative-decoding controller (None: plain)
         return {"rate": s.eval_rate, "wall": wall, "cpu_rate": s.eval_count / cpu if cpu > 0 else 0.0,
                 "text": ans.text, "tokens": s.eval_count,
                 "proposed": s.draft_proposed, "accepted": s.draft_accepted,
