@@ -115,6 +115,8 @@ class Sampling:
     seed: int | None = None  # same seed + same request -> same text
     max_tokens: int = -1  # -1 = until stop / context end
     stop: list[str] = field(default_factory=list)
+    # token id -> added to its logit before sampling (OpenAI's logit_bias: -100 bans a token, +100 all but forces it)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -33,7 +33,7 @@ class Channel(Generic[T]):
         self._cv = threading.Condition()
         self._closed = False
         self._error: BaseException | None = None
-        self._wakers: list[Callable[[], None]] = []
+        self._wakers: dict[Callable[[], None], bool] = {}  # an async consumer's wake-up -> parked (waiting for it)
 
     # ---------------------------------------------------------------- producer side
 
@@ -41,9 +41,18 @@ class Channel(Generic[T]):
         with self._cv:
             self._items.append(item)
             self._cv.notify_all()
-            wakers = list(self._wakers)
+            wakers = self._armed()
         for w in wakers:
             w()
+
+    def _armed(self) -> list[Callable[[], None]]:
+        """The async consumers parked on an empty queue, disarmed: each is woken once, not once per item (a
+        wake-up is a cross-thread call into the event loop; a consumer that is still busy with earlier items
+        finds the new ones without it). Call under the lock."""
+        armed = [w for w, parked in self._wakers.items() if parked]
+        for w in armed:
+            self._wakers[w] = False
+        return armed
 
     def fail(self, error: BaseException) -> None:
         """End the stream with ``error`` (raised in the consumer after the items already put)."""
@@ -116,7 +125,7 @@ class Channel(Generic[T]):
                 self.cancel.set()
 
         with self._cv:
-            self._wakers.append(wake)
+            self._wakers[wake] = False
         finished = False
         try:
             while True:
@@ -125,6 +134,7 @@ class Channel(Generic[T]):
                         ok, item = self._take()
                     except LookupError:
                         ready.clear()
+                        self._wakers[wake] = True  # parked: the next put or close wakes it
                         ok, item = None, None  # type: ignore[assignment]
                 if ok is None:
                     await ready.wait()
@@ -135,7 +145,6 @@ class Channel(Generic[T]):
                 yield item  # type: ignore[misc]
         finally:
             with self._cv:
-                if wake in self._wakers:
-                    self._wakers.remove(wake)
+                self._wakers.pop(wake, None)
             if not finished:
                 self.cancel.set()

@@ -106,6 +106,17 @@ class _MLXSampler:
             if s.frequency_penalty:
                 self._procs.append(make_frequency_penalty(s.frequency_penalty, n))
         self._json = src._json_constraint(fmt) if fmt not in (None, "", "text") else None
+        self._bias = None
+        if s.logit_bias:
+            n_logits = src.info.n_vocab
+            bad = [t for t in s.logit_bias if not 0 <= t < n_logits]
+            if bad:
+                raise UnsupportedError(f"logit_bias names token {bad[0]}, which this model's vocabulary "
+                                       f"(0-{n_logits - 1}) does not have.")
+            bias = [0.0] * n_logits
+            for t, b in s.logit_bias.items():
+                bias[t] = float(b)
+            self._bias = mx.array(bias, dtype=mx.float32)
 
     def _pick(self, logits: Any) -> int:
         mx = self._mx
@@ -116,6 +127,8 @@ class _MLXSampler:
             toks = mx.array(self.history, dtype=mx.int32)
             for p in self._procs:
                 row = p(toks, row)
+        if self._bias is not None:
+            row = row + self._bias[: row.shape[-1]]
         if self._json is not None:
             row = self._json.apply(row)
         if self._temp <= 0:

@@ -131,7 +131,6 @@ class Localllm(Server):
         full = {**os.environ, "LOCALLLM_HOME": str(self.home), "LOCALLLM_MODELS": str(models_dir()),
                 "LOCALLLM_HOST": f"127.0.0.1:{port}", "LOCALLLM_KEEP_ALIVE": "-1",
                 "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
-        full.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         with open(LOG, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "localllm", "serve"], env=full,
                                          stdout=subprocess.DEVNULL, stderr=log)
@@ -165,7 +164,7 @@ class LlamaCppServer(Server):
                 [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--n_threads", str(threads),
                  "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx), "--host", "127.0.0.1", "--port",
                  str(port), "--model_alias", "bench", "--interrupt_requests", str(interrupt)],
-                env={**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")},
+                env=dict(os.environ),
                 stdout=subprocess.DEVNULL, stderr=log)
         self.url = f"http://127.0.0.1:{port}"
         _wait_ready(self.url, self.proc, "/v1/models")
@@ -181,6 +180,14 @@ class Tokens:
         import llama_cpp
 
         self.llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+
+    def eog(self) -> list[int]:
+        """The end-of-generation tokens (EOS, end of turn...): what ``logit_bias`` -100 keeps out for streams
+        that must run their full length, as llama.cpp's tools do."""
+        import llama_cpp
+
+        vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        return [t for t in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
 
     def count(self, text: str, bos: bool = True) -> int:
         return len(self.llm.tokenize(text.encode(), add_bos=bos, special=False))

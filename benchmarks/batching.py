@@ -11,9 +11,10 @@ Per round (the order of the two sides alternates from round to round, each side 
   (prompt + generated tokens) / time;
 * ``localllm serve`` (``LOCALLLM_NUM_PARALLEL`` = the largest B, so slots >= B; one server for the whole
   run): B streams through ``/v1/completions`` at once, each a distinct raw 32-token prompt (nothing shared,
-  nothing cached from an earlier round) and ``max_tokens`` 128 at temperature 0.8; total tokens/s = (prompt
-  + completion tokens, from each stream's usage) / wall time from the first request sent to the last
-  stream's end; streams that stop early count their real tokens;
+  nothing cached from an earlier round) and ``max_tokens`` 128 at temperature 0.8, the end-of-generation tokens
+  kept out with ``logit_bias`` -100 so that every stream runs its 128 tokens as llama.cpp's tools do
+  (``--allow-eos``: streams may stop early and count their real tokens); total tokens/s = (prompt +
+  completion tokens, from each stream's usage) / wall time from the first request sent to the last stream's end;
 * ``llama-bench -n 128 -p 0 -fa auto -r 1``: tg128, the single-stream ceiling, beside our B = 1 stream's
   decode rate (its tokens after the first / the time between the first and the last);
 * with ``--in-process``, the same B requests straight into the engine (``Engine.generate`` from B threads,
@@ -82,7 +83,7 @@ class InProc:
         self.engine.load(self.name, self.options)
         self.run(["Hello there", "Once upon a time"], 8)  # warm-up, as the server gets
 
-    def run(self, prompts: list[str], gen: int) -> dict[str, Any]:
+    def run(self, prompts: list[str], gen: int, logit_bias: dict[int, float] | None = None) -> dict[str, Any]:
         import threading
 
         from localllm.engine import Done, GenerateRequest, Sampling
@@ -90,7 +91,8 @@ class InProc:
         counts: list[tuple[int, int]] = [(0, 0)] * len(prompts)
 
         def work(i: int, p: str) -> None:
-            req = GenerateRequest(prompt=p, sampling=Sampling(max_tokens=gen, temperature=0.8, seed=1000 + i))
+            req = GenerateRequest(prompt=p, sampling=Sampling(max_tokens=gen, temperature=0.8, seed=1000 + i,
+                                                              logit_bias=dict(logit_bias or {})))
             for ev in self.engine.generate(self.name, req, self.options):
                 if isinstance(ev, Done):
                     counts[i] = (ev.stats.prompt_eval_count, ev.stats.eval_count)
@@ -120,6 +122,8 @@ def main() -> None:
     ap.add_argument("--kvu", action="store_true", help="also run llama-batched-bench with -kvu (unified KV)")
     ap.add_argument("--in-process", action="store_true", help="also run the B requests through the engine "
                     "in-process (no server, no clients), a third side")
+    ap.add_argument("--allow-eos", action="store_true", help="let streams end at an end-of-generation token (by "
+                    "default logit_bias -100 keeps them out, so every stream runs --gen tokens like llama.cpp's tools)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     threads = args.threads or default_threads()
@@ -131,7 +135,10 @@ def main() -> None:
     llama_tools.build()
     print(f"model {args.model} ({path.name}), {threads} threads, B = {batches}, {args.prompt}+{args.gen} tokens; "
           f"load average at start {load_average()}", flush=True)
-    extra = {"num_ctx": args.num_ctx, "options": {"num_thread": threads}}
+    extra: dict[str, Any] = {"num_ctx": args.num_ctx, "options": {"num_thread": threads}}
+    bias = {} if args.allow_eos else {t: -100.0 for t in tok.eog()}
+    if bias:
+        extra["logit_bias"] = {str(t): b for t, b in bias.items()}
     res: dict[str, Any] = {"ref": {b: [] for b in batches}, "kvu": {b: [] for b in batches},
                            "ours": {b: [] for b in batches}, "inproc": {b: [] for b in batches}, "tg": [],
                            "decode1": [], "load": []}
@@ -174,7 +181,7 @@ def main() -> None:
                 def run_inproc() -> None:
                     assert inproc is not None
                     for b in batches:
-                        r = inproc.call("run", prompts=prompts(b), gen=args.gen)
+                        r = inproc.call("run", prompts=prompts(b), gen=args.gen, logit_bias=bias)
                         res["inproc"][b].append(r["total"])
 
                 sides = [run_ref, run_ours] + ([run_inproc] if inproc is not None else [])

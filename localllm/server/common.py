@@ -411,6 +411,23 @@ def check_think(value: Any, field: str = "think") -> Any:
         raise bad_request(str(e), param=field) from None
 
 
+def logit_bias(value: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token id as a string -> bias in [-100, 100]) -> {token id: bias}.
+
+    >>> logit_bias({"2": -100, "17": 5.5})
+    {2: -100.0, 17: 5.5}
+    """
+    out: dict[int, float] = {}
+    for key, bias in (value or {}).items():
+        if not key.strip().isdigit():
+            raise bad_request(f"logit_bias keys must be token ids (integers), not {key!r}", param="logit_bias")
+        if not -100 <= bias <= 100:
+            raise bad_request(f"logit_bias values must be between -100 and 100 (token {key}: {bias})",
+                              param="logit_bias")
+        out[int(key)] = float(bias)
+    return out
+
+
 def check_top_logprobs(value: Any, field: str = "top_logprobs") -> int:
     if value is None:
         return 0

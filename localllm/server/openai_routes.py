@@ -40,10 +40,12 @@ def sampling_of(body: ChatCompletionBody | CompletionBody) -> tuple[Any, Any]:
     """OpenAI fields (+ the ``options``/``num_ctx`` extensions) → (Sampling, LoadOptions); OpenAI's
     defaults: temperature 1.0, top_p 1.0."""
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-    return c.api_options(body.options, {"temperature": 1.0, "top_p": 1.0}, max_tokens=max_tokens, stop=body.stop,
-                         temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                         frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                         num_ctx=body.num_ctx)
+    sampling, load = c.api_options(body.options, {"temperature": 1.0, "top_p": 1.0}, max_tokens=max_tokens,
+                                   stop=body.stop, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                                   frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                                   num_ctx=body.num_ctx)
+    sampling.logit_bias = c.logit_bias(body.logit_bias)
+    return sampling, load
 
 
 def response_format(value: dict[str, Any] | None) -> str | dict[str, Any] | None:

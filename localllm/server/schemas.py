@@ -159,6 +159,7 @@ class _OAICommon(_Body):
     seed: int | None = None
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
     n: int | None = Field(default=None, ge=1, le=1)
     user: str | None = None
     # extensions (not in OpenAI's API): the context size, any Ollama option, keep-alive

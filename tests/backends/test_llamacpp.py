@@ -300,3 +300,39 @@ def test_controller_backs_off_when_drafting_is_slower():
 def test_controller_keeps_drafting_when_it_pays():
     frac, speed = _simulate(SpecController(8), plain_ms=10, spec_ms_per_token=5, tokens=2000)
     assert frac > 0.85 and speed < 0.6
+
+
+@pytest.mark.parametrize("repeat, freq, presence, last_n",
+                         [(1.1, 0.0, 0.0, 64), (1.5, 0.3, 0.6, 5), (0.8, -0.2, 0.0, 3)])
+def test_penalties_match_llama_cpp_penalties_sampler(repeat, freq, presence, last_n):
+    """Our in-place penalties give the very logits of llama.cpp's own penalties sampler after the same history
+    (one that wrapped past last_n included), on a vocabulary-sized row."""
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+    from llama_cpp import _internals as internals
+
+    from backends.llamacpp import Penalties
+
+    n_vocab = 49152
+    rng = np.random.default_rng(7)
+    history = [int(t) for t in rng.integers(0, 40, size=30)] + [3, 3, 3]
+    ours = Penalties(last_n, repeat, freq, presence)
+    native = llama_cpp.llama_sampler_init_penalties(n_vocab, last_n, repeat, freq, presence)
+    try:
+        for t in history:
+            ours.accept(t)
+            llama_cpp.llama_sampler_accept(native, t)
+        logits = rng.normal(0, 4, size=n_vocab).astype(np.single)
+        cur = internals.LlamaTokenDataArray(n_vocab=n_vocab)
+        cur.copy_logits(logits.copy())
+        llama_cpp.llama_sampler_apply(native, ctypes.byref(cur.candidates))
+        expect = np.empty(n_vocab, dtype=np.single)
+        expect[cur.candidates_data.id[:n_vocab]] = cur.candidates_data.logit[:n_vocab]
+    finally:
+        llama_cpp.llama_sampler_free(native)
+    row = logits.copy()
+    ours.apply(row)
+    assert not np.array_equal(row, logits)
+    np.testing.assert_array_equal(row, expect)

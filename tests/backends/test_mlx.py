@@ -321,3 +321,15 @@ def test_cancelled_before_start_evaluates_nothing(plain):
     cancel.set()
     text, done, _ = collect(plain.generate(GenerateRequest(messages=BIKE, sampling=greedy(8)), cancel))
     assert text == "" and done.finish_reason == "cancelled" and done.stats.eval_count == 0
+
+
+def test_logit_bias_bans_a_token_and_refuses_one_outside_the_vocabulary(plain):
+    """OpenAI's logit_bias on MLX: -100 keeps greedy's first pick out, a token id past the vocabulary is refused."""
+    req = GenerateRequest(prompt="The capital of France is", sampling=greedy(1))
+    first = plain.tokenize(collect(plain.generate(req))[0])
+    assert first
+    banned = GenerateRequest(prompt="The capital of France is", sampling=greedy(1, logit_bias={first[0]: -100.0}))
+    other = collect(plain.generate(banned))[0]
+    assert other and plain.tokenize(other)[:1] != first[:1]
+    with pytest.raises(UnsupportedError, match="does not have"):
+        collect(plain.generate(GenerateRequest(prompt="x", sampling=greedy(1, logit_bias={10**9: 1.0}))))

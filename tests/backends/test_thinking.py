@@ -378,7 +378,6 @@ def test_llamacpp_renders_the_thinking_model_and_it_thinks(thinking_model_path, 
     model's own tokens, splits into thinking and content — as TextChunk(thinking=True) events."""
     from backends.base import GenerateRequest, Sampling, TextChunk
 
-    from tests.fixtures_thinking import THINK_GBNF
 
     b = backend_factory("llamacpp", fresh=True, model_path=str(thinking_model_path), extra={"grammar": THINK_GBNF})
     style = thinking_style(b.info.chat_template, b.info.architecture)

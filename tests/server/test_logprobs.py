@@ -102,3 +102,31 @@ def test_out_of_range_is_400(url, path, body):
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and "must be between 0 and 20" in err["message"]
         assert err["param"] in ("top_logprobs", "logprobs")
+
+
+def test_openai_logit_bias_bans_and_forces_tokens(oai, default_model):
+    """``logit_bias``: -100 keeps a token out (greedy takes the next best), +100 makes it the pick; both APIs."""
+    import llama_cpp
+
+    base = oai.completions.create(model=MODEL, prompt="The sky is", max_tokens=1, temperature=0, logprobs=2)
+    lp = base.choices[0].logprobs
+    first, runner_up = lp.tokens[0], [t for t in lp.top_logprobs[0] if t != lp.tokens[0]][0]
+    vocab = llama_cpp.Llama(str(default_model.path), vocab_only=True, verbose=False)
+    tok = vocab.tokenize(first.encode(), add_bos=False, special=False)
+    assert len(tok) == 1 and vocab.detokenize(tok).decode() == first
+    banned = oai.completions.create(model=MODEL, prompt="The sky is", max_tokens=1, temperature=0,
+                                    logit_bias={str(tok[0]): -100})
+    assert banned.choices[0].text == runner_up
+    chat = oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, temperature=0.9, seed=3,
+                                       logit_bias={str(tok[0]): 100})
+    assert chat.choices[0].message.content == first * 3
+
+
+@pytest.mark.parametrize("bias, says", [
+    ({"hello": 1}, "keys must be token ids"),
+    ({"5": 101}, "between -100 and 100"),
+    ({"99999999": 1}, "does not have"),
+])
+def test_openai_logit_bias_bad_input_is_400(oai, bias, says):
+    with pytest.raises(openai.BadRequestError, match=says):
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=1, logit_bias=bias)

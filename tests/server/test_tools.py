@@ -28,10 +28,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.fixture(scope="module")
 def tool_server(installed_default_model):
-    from tests.fakes import FakeSource
-
     from localllm.engine import Engine
     from localllm.server import common
+    from tests.fakes import FakeSource
 
     class ToolCalling(FakeSource):
         def __init__(self, spec):
