@@ -66,6 +66,7 @@ from backends.stream import RequestStream
 log = logging.getLogger("backends.loop")
 T = TypeVar("T")
 
+JOIN_MIN = 64  # shared prompt tokens worth waiting for another request's prefill (half of it: worth a copy)
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
 
 
@@ -106,6 +107,7 @@ class _Req:
     last: int | None = None  # sampled, sent, not yet evaluated
     saved: Any = None  # logits to sample the first token from (prompt fully cached)
     admitted: int = 0  # ns
+    no_join: bool = False  # the backend cannot copy cells (recurrent memory): never wait for another prefill
 
 
 @dataclass
@@ -700,7 +702,9 @@ class LoadedModel:
     def _save_prefixes(self, r: _Req) -> None:
         """After a request ends: save the KV state of its long prefixes (where the system prompt ends, and
         the whole prompt: the next turn of a chat starts with it) unless the disk already has them. The
-        copy is taken here, on the loop thread (a few milliseconds); the file is written in the background."""
+        copy is taken here, on the loop thread, once the request's answer is complete (about 50 ms for 2,000
+        tokens of an f16 cache on a small model: the other streams wait one step that long); the file is written
+        in the background."""
         pc, seq = self._pcache, r.seq
         if pc is None or seq is None:
             return
@@ -768,6 +772,8 @@ class LoadedModel:
             if r.last is not None or cap <= 0:
                 continue
             assert r.seq is not None
+            if self._join(r):
+                continue  # an earlier request is evaluating the same prefix: copy it when it is there
             rest = r.stream.prompt[len(r.seq.tokens):]
             chunk = rest[:cap]
             feeds.append(Feed(r.seq.id, chunk, len(r.seq.tokens), 1 if len(chunk) == len(rest) else 0))
@@ -795,6 +801,43 @@ class LoadedModel:
             except Exception as e:  # noqa: BLE001 - one sequence failing ends only its stream
                 log.warning("a request on %s failed: %s", self.name, e, exc_info=log.isEnabledFor(logging.DEBUG))
                 self._end(r, "error", error=e)
+
+    def _join(self, r: _Req) -> bool:
+        """Share a prefix with the requests around ``r`` while it is still being evaluated: copy what another
+        sequence already holds of ``r``'s prompt (a system prompt that an earlier request has evaluated since
+        ``r`` was admitted), and return True (``r`` waits this step) while an earlier request is still
+        evaluating a longer shared prefix. Four clients that send the same long system prompt at once thus
+        evaluate it once, not four times side by side."""
+        seq = r.seq
+        assert seq is not None
+        prompt = r.stream.prompt
+        have, limit = len(seq.tokens), len(prompt) - 1  # the last prompt token is evaluated for its logits
+        if r.no_join or limit - have < JOIN_MIN:
+            return False
+        for q in self._active:  # the requests admitted before r
+            if q is r:
+                break
+            if q.seq is None or q.last is not None:
+                continue
+            n = min(common_prefix(q.stream.prompt, prompt), limit)
+            if n - have >= JOIN_MIN and len(q.seq.tokens) < n:
+                return True
+        best, best_n = None, have
+        for s in self._seqs:
+            if s is not seq and s.tokens:
+                n = min(common_prefix(s.tokens, prompt), limit)
+                if n > best_n:
+                    best, best_n = s, n
+        if best is not None and best_n - have >= JOIN_MIN // 2:
+            if not self.source.seq_cp(best.id, seq.id, best_n):
+                seq.tokens, seq.prompt_logits, r.no_join = [], None, True  # the copy emptied it
+                return False
+            seq.tokens, seq.prompt_logits = list(best.tokens[:best_n]), None
+            gained = best_n - have
+            r.stream.stats.prompt_cached_tokens += gained
+            self._counters.prompt_tokens_cached += gained
+            self._counters.prompt_tokens_copied += gained
+        return False
 
     def _evaluate(self, feeds: list[Feed], owners: list[tuple[_Req, str, list[int]]]) -> list[list[int]] | None:
         """Evaluate, freeing idle sequences (LRU) or deferring prompt chunks while the pool is full."""
@@ -886,13 +929,14 @@ class LoadedModel:
         if r in self._active:
             self._active.remove(r)
         seq = r.seq
+        save = False
         if seq is not None:
             seq.owner = None
             seq.last_used = time.monotonic()
             if reason in ("cancelled", "error"):
                 self._drop(seq)  # a stream that did not finish: its cells are freed now
-            elif self._pcache is not None:
-                self._save_prefixes(r)
+            else:
+                save = self._pcache is not None
             r.stream.stats.context_used = len(seq.tokens)
         if r.sampler is not None:
             r.sampler.close()
@@ -905,6 +949,8 @@ class LoadedModel:
         for ev in r.stream.close(reason):
             r.channel.put(ev)
         r.channel.close()
+        if save:  # after the answer is complete: the client never waits for the copy of the state
+            self._save_prefixes(r)
 
 
 __all__ = ["LoadedModel", "LoopMetrics", "common_prefix", "vocab_problem"]

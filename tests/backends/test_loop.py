@@ -80,6 +80,32 @@ def test_a_shared_system_prompt_is_evaluated_once(f32_model):
     assert after.prompt_tokens_copied > before.prompt_tokens_copied
 
 
+def _empty_pool(model) -> None:
+    model.call(lambda s: [s.seq_rm(i) for i in range(s.n_seq_ids)])
+    model._seqs[:] = [type(s)(s.id) for s in model._seqs]
+
+
+def test_a_system_prompt_sent_by_four_clients_at_once_is_evaluated_once(f32_model):
+    """Four requests with the same long system prompt arriving together: the later ones wait for the first
+    one's prefill of the shared part and copy it, instead of evaluating it four times side by side; the
+    answers are the ones each gets alone."""
+    asks = ("Where are the hammers?", "Do you sell nails?", "Where is the paint?", "Any garden hoses?")
+    _empty_pool(f32_model)
+    solo = []
+    for q in asks:
+        solo.append(collect(f32_model.generate(chat(q, n=8, system=SYSTEM)))[:2])
+        _empty_pool(f32_model)
+    before = f32_model.metrics()
+    together = run_together(f32_model, [chat(q, n=8, system=SYSTEM) for q in asks])
+    after = f32_model.metrics()
+    assert [t for t, _ in together] == [t for t, _ in solo]
+    prompt = solo[0][1].stats.prompt_eval_count
+    evaluated = after.prompt_tokens_evaluated - before.prompt_tokens_evaluated
+    assert evaluated < prompt + 3 * 20, f"{evaluated} prompt tokens evaluated for four {prompt}-token prompts"
+    cached = sorted(d.stats.prompt_cached_tokens for _, d in together)  # type: ignore[attr-defined]
+    assert cached[0] == 0 and all(c >= prompt - 20 for c in cached[1:]), cached
+
+
 def test_a_disconnect_frees_its_slot_and_cells_within_a_step(f32_model):
     gen = f32_model.generate(chat("Count from 1 to 300, one number per line.", n=300))
     for ev in gen:
