@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from localllm.config import paths
 from localllm.errors import LocalLLMError
@@ -56,20 +56,48 @@ class ConversionProgress:
     error: str | None = None
 
 
+class GGUFModel(Protocol):
+    """What conversion reads of an installed model (:class:`~localllm.store.InstalledModel` is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def digest(self) -> str | None: ...  # "sha256:<hex>"
+
+    @property
+    def path(self) -> str | os.PathLike[str]: ...  # the .gguf
+
+
+class InstalledLike(GGUFModel, Protocol):
+    """An installed model as the planner sees it: its GGUF and the MLX weights the store found."""
+
+    @property
+    def mlx_path(self) -> Path | None: ...
+
+    @property
+    def mlx_source(self) -> str | None: ...
+
+
+if TYPE_CHECKING:
+    from localllm.hardware import HardwareInfo
+    from localllm.planner import MLXWeights
+
+
 def mlx_root() -> Path:
     """The folder holding every MLX model directory."""
     return paths().models / "mlx"
 
 
-def _key(model: Any) -> str:
-    digest = str(getattr(model, "digest", "") or "")
+def _key(model: GGUFModel) -> str:
+    digest = str(model.digest or "")
     hexpart = digest.split(":", 1)[-1].lower()
     if not re.fullmatch(r"[0-9a-f]{16,128}", hexpart):
-        raise ValueError(f"installed model {getattr(model, 'name', model)!r} has no sha256 digest")
+        raise ValueError(f"installed model {model.name!r} has no sha256 digest")
     return hexpart
 
 
-def mlx_dir_path(model: Any) -> Path:
+def mlx_dir_path(model: GGUFModel) -> Path:
     """Where the MLX directory of ``model`` lives (whether or not it exists yet)."""
     return mlx_root() / _key(model)
 
@@ -83,7 +111,7 @@ def _complete(p: Path) -> bool:
     )
 
 
-def mlx_dir_for(model: Any) -> Path | None:
+def mlx_dir_for(model: GGUFModel) -> Path | None:
     """The complete MLX directory for an installed model, or None. Looks only; never converts.
 
     >>> mlx_dir_for(type("M", (), {"digest": "sha256:" + "0" * 64})())   # doctest: +SKIP
@@ -95,7 +123,7 @@ def mlx_dir_for(model: Any) -> Path | None:
     return p if _complete(p) else None
 
 
-def convertible(model: Any) -> tuple[bool, str]:
+def convertible(model: GGUFModel) -> tuple[bool, str]:
     """(the GGUF can become an MLX model, the reason when not). Reads the header only."""
     from backends.base import BackendError
     from backends.mlx_convert import check_convertible
@@ -117,7 +145,7 @@ def cannot_convert_sentence(name: str, why: str) -> str:
             f"run it with --backend llamacpp, or install an MLX build of it.")
 
 
-def mlx_for_plan(model: Any, hw: Any, backend: str) -> Any:
+def mlx_for_plan(model: InstalledLike, hw: HardwareInfo, backend: str) -> MLXWeights | None:
     """What the planner gets as ``mlx=`` for ``model`` on ``hw`` (:class:`~localllm.planner.MLXWeights`:
     installed weights, a GGUF that converts on first use, or why not), or None for ``backend="llamacpp"``.
 
@@ -134,7 +162,7 @@ def mlx_for_plan(model: Any, hw: Any, backend: str) -> Any:
     return mw
 
 
-def convert_installed(model: Any, *, force: bool = False, dtype: str = "float32",
+def convert_installed(model: GGUFModel, *, force: bool = False, dtype: str = "float32",
                       progress: Callable[[int, int], None] | None = None) -> Path:
     """Build (once) and return the MLX directory of an installed GGUF model.
 
@@ -149,7 +177,7 @@ def convert_installed(model: Any, *, force: bool = False, dtype: str = "float32"
         try:
             target = mlx_dir_path(model)
         except ValueError as e:
-            raise ConversionError(f"Cannot convert {getattr(model, 'name', model)}: it has no sha256 digest.") from e
+            raise ConversionError(f"Cannot convert {model.name}: it has no sha256 digest.") from e
         if not force and _complete(target):
             return target
         try:
@@ -162,7 +190,7 @@ def convert_installed(model: Any, *, force: bool = False, dtype: str = "float32"
 
         src = Path(os.fspath(model.path))
         if not src.is_file():
-            raise ConversionError(f"The GGUF of {getattr(model, 'name', src.name)} is missing: {src}.")
+            raise ConversionError(f"The GGUF of {model.name} is missing: {src}.")
         try:
             return convert_gguf(src, target, dtype=dtype, progress=progress)
         except BackendError as e:

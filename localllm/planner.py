@@ -36,11 +36,14 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from localllm.errors import PlanError
 from localllm.ggufinfo import GGUFInfo
 from localllm.hardware import GiB, HardwareInfo, MiB, metal_budget_rule
+
+if TYPE_CHECKING:
+    from localllm.mlxmodels import InstalledLike
 
 LLAMA_CPP_VERSION = "0.3.36"
 CUDA_ADVICE = (f'CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir '
@@ -87,17 +90,17 @@ def mlx_dtype(device: str) -> str:
     return "float16" if device == "metal" else "float32"
 
 
-def mlx_weights(model: Any, hw: HardwareInfo | None = None, *, backend: str = "auto") -> MLXWeights:
+def mlx_weights(model: InstalledLike, hw: HardwareInfo | None = None, *, backend: str = "auto") -> MLXWeights:
     """What MLX can run for an installed model (a :class:`~localllm.store.InstalledModel`).
 
     Looks at the MLX directory the store found, else — where the answer matters (Apple Silicon with mlx,
     or ``backend="mlx"``) — at whether the GGUF converts, from its header (cached per file, so planning
     stays fast). Never converts anything."""
-    mlx_path = getattr(model, "mlx_path", None)
+    mlx_path = model.mlx_path
     if mlx_path is not None and Path(mlx_path).is_dir():
         size = sum(p.stat().st_size for p in Path(mlx_path).glob("*.safetensors"))
         return MLXWeights(installed=True, weights_bytes=size or None,
-                          source=str(getattr(model, "mlx_source", None) or "installed"))
+                          source=str(model.mlx_source or "installed"))
     mlx_ok = hw is not None and hw.backend("mlx").available
     if backend != "mlx" and not (hw is not None and hw.apple_silicon and mlx_ok):
         return MLXWeights()

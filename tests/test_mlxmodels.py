@@ -84,11 +84,11 @@ def test_mlx_for_plan_says_the_gguf_converts_until_mlx_weights_exist(home: Path,
     from localllm.hardware import probe
 
     hw = probe()
-    mw = mlx_for_plan(SimpleNamespace(name="x", path=default_model.path, mlx_path=None), hw, "mlx")
+    mw = mlx_for_plan(SimpleNamespace(name="x", path=default_model.path, mlx_path=None, mlx_source=None), hw, "mlx")
     assert mw.convertible and not mw.installed and mw.usable
     built = tmp_path / "mlx-dir"
     built.mkdir()
-    assert mlx_for_plan(SimpleNamespace(name="x", path=default_model.path, mlx_path=built), hw, "mlx").installed
+    assert mlx_for_plan(SimpleNamespace(name="x", path=default_model.path, mlx_path=built, mlx_source=None), hw, "mlx").installed
 
 
 def test_convert_installed_builds_once_under_the_digest(home: Path, default_model):

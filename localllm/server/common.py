@@ -15,6 +15,7 @@ from typing import Any
 from localllm.engine import LoadOptions, Sampling, parse_keep_alive
 from localllm.errors import InvalidNameError, LocalLLMError
 from localllm.names import parse_name
+from localllm.store import InstalledModel
 
 log = logging.getLogger("localllm.server")
 
@@ -485,25 +486,19 @@ def template_supports_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template  # type: ignore[operator]
 
 
-def info_of(model: Any) -> dict[str, Any]:
-    info = getattr(model, "info", None)
-    if info is None:
-        return {}
-    if isinstance(info, dict):
-        return info
-    from dataclasses import asdict, is_dataclass
-
-    return asdict(info) if is_dataclass(info) and not isinstance(info, type) else dict(vars(info))
+def info_of(model: InstalledModel) -> dict[str, Any]:
+    """The GGUF metadata cached at install (``GGUFInfo.as_dict()``)."""
+    return model.info or {}
 
 
-def capabilities(model: Any) -> list[str]:
+def capabilities(model: InstalledModel) -> list[str]:
     """What a model can do, as ``/api/show`` lists it."""
     info = info_of(model)
     caps = ["completion"]
     if template_supports_tools(info.get("chat_template")):
         caps.append("tools")
     extra = info.get("extra") or {}
-    if extra.get("vision") or getattr(model, "vision", False):
+    if extra.get("vision"):
         caps.append("vision")
     from localllm.thinking import thinks
 
@@ -512,7 +507,7 @@ def capabilities(model: Any) -> list[str]:
     return caps
 
 
-def details_of(model: Any) -> dict[str, Any]:
+def details_of(model: InstalledModel) -> dict[str, Any]:
     """Ollama's ``details`` block."""
     info = info_of(model)
     arch = info.get("architecture") or ""
@@ -522,48 +517,29 @@ def details_of(model: Any) -> dict[str, Any]:
         label = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{round(params / 1e6)}M"
     return {
         "parent_model": "",
-        "format": "mlx" if getattr(model, "path", None) is None and getattr(model, "mlx_path", None) else "gguf",
+        "format": "gguf",  # every installed model has its GGUF (MLX weights come beside it)
         "family": arch,
         "families": [arch] if arch else None,
         "parameter_size": label or "",
-        "quantization_level": info.get("file_type") or getattr(model, "quant", None) or "",
+        "quantization_level": info.get("file_type") or model.quant or "",
     }
 
 
-def digest_hex(model: Any) -> str:
-    d = str(getattr(model, "digest", "") or "")
+def digest_hex(model: InstalledModel) -> str:
+    d = model.digest or ""
     return d.split(":", 1)[1] if ":" in d else d
 
 
-def modified_of(model: Any) -> str:
-    for attr in ("modified_at", "modified", "installed_at", "mtime"):
-        v = getattr(model, attr, None)
-        if v is None:
-            continue
-        if isinstance(v, datetime):
-            return v.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        if isinstance(v, int | float):
-            return rfc3339(float(v))
-        return str(v)
-    return now_rfc3339()
+def modified_of(model: InstalledModel) -> str:
+    return model.modified.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def modified_ts(model: Any) -> int:
-    for attr in ("modified_at", "modified", "installed_at", "mtime"):
-        v = getattr(model, attr, None)
-        if isinstance(v, datetime):
-            return int(v.timestamp())
-        if isinstance(v, int | float):
-            return int(v)
-    return 0
+def modified_ts(model: InstalledModel) -> int:
+    return int(model.modified.timestamp())
 
 
-def size_of(model: Any) -> int:
-    for attr in ("size", "size_bytes"):
-        v = getattr(model, attr, None)
-        if isinstance(v, int):
-            return v
-    return int(info_of(model).get("file_size") or 0)
+def size_of(model: InstalledModel) -> int:
+    return int(model.size or info_of(model).get("file_size") or 0)
 
 
 # ------------------------------------------------------------------------------------- safe messages

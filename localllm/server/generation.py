@@ -33,6 +33,7 @@ from fastapi.responses import StreamingResponse
 
 from localllm.engine import Done, Event, GenerateRequest, LoadOptions, TextChunk, TokenLogprob, ToolCalls
 from localllm.server import common as c
+from localllm.store import InstalledModel
 from localllm.thinking import think_on
 
 if TYPE_CHECKING:
@@ -95,12 +96,12 @@ def engine_of(http: Request) -> Engine:
     return http.app.state.engine  # type: ignore[no-any-return]
 
 
-async def installed(http: Request, name: str) -> Any:
+async def installed(http: Request, name: str) -> InstalledModel:
     """The installed model (a 404 in the API's shape when there is none)."""
     return await c.run_sync(engine_of(http).store.get, name)
 
 
-def context_of(http: Request, options: LoadOptions, model: Any) -> LoadOptions:
+def context_of(http: Request, options: LoadOptions, model: InstalledModel) -> LoadOptions:
     """The context a request loads with: its ``num_ctx``, else the server's ``LOCALLLM_CONTEXT_LENGTH`` (for
     clients that cannot send one, such as Claude Code), else the planner's; capped to the trained context."""
     default = getattr(http.app.state, "context_length", None)
@@ -109,7 +110,7 @@ def context_of(http: Request, options: LoadOptions, model: Any) -> LoadOptions:
     return cap_ctx(options, model)
 
 
-def cap_ctx(options: LoadOptions, model: Any) -> LoadOptions:
+def cap_ctx(options: LoadOptions, model: InstalledModel) -> LoadOptions:
     """Like Ollama, a ``num_ctx`` above the model's trained context is capped to it."""
     if options.num_ctx is None:
         return options
@@ -119,7 +120,7 @@ def cap_ctx(options: LoadOptions, model: Any) -> LoadOptions:
     return options
 
 
-def check_capabilities(call: Call, model: Any) -> None:
+def check_capabilities(call: Call, model: InstalledModel) -> None:
     """Tools, images and thinking against what the model can do; the logprobs range; the format schema."""
     req = call.request
     caps = c.capabilities(model)

@@ -18,6 +18,7 @@ from localllm.engine import Done, GenerateRequest, TextChunk, ToolCalls
 from localllm.server import common as c
 from localllm.server import generation as g
 from localllm.server.schemas import ChatBody, CopyBody, EmbedBody, EmbeddingsBody, GenerateBody, ModelBody, PullBody
+from localllm.store import InstalledModel
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"
@@ -276,7 +277,7 @@ async def embeddings(body: EmbeddingsBody, request: Request) -> Response:
     return JSONResponse({"embedding": vectors[0]})
 
 
-def tag_entry(model: Any) -> dict[str, Any]:
+def tag_entry(model: InstalledModel) -> dict[str, Any]:
     return {"name": model.name, "model": model.name, "modified_at": c.modified_of(model),
             "size": c.size_of(model), "digest": c.digest_hex(model), "details": c.details_of(model),
             "capabilities": c.capabilities(model)}

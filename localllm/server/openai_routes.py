@@ -27,6 +27,7 @@ from localllm.engine import Done, GenerateRequest, TextChunk, TokenLogprob, Tool
 from localllm.server import common as c
 from localllm.server import generation as g
 from localllm.server.schemas import ChatCompletionBody, CompletionBody, EmbeddingsOAIBody
+from localllm.store import InstalledModel
 
 router = APIRouter(prefix="/v1")
 FINGERPRINT = "fp_ollama"
@@ -331,7 +332,7 @@ async def completions(body: CompletionBody, request: Request) -> Response:
                          "usage": usage(r.done.stats)})
 
 
-def model_entry(model: Any) -> dict[str, Any]:
+def model_entry(model: InstalledModel) -> dict[str, Any]:
     """A model as OpenAI lists it, plus the fields Anthropic's SDK reads from the same ``/v1/models``."""
     created = c.modified_ts(model)
     return {"id": model.name, "object": "model", "created": created, "owned_by": "library",
