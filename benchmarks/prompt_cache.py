@@ -14,7 +14,7 @@ cache; the installed models are read in place):
    ≤ 0.10 with the load excluded.
 2. **The request that writes the entry** vs the same request with the cache off: two servers side by side,
    one with the cache on, one with ``LOCALLLM_PROMPT_CACHE_SIZE=0``, each request a new system prompt (a
-   nonce), order alternating; total request time (the state copy is taken on the loop thread before the
+   nonce), order alternating; total request time (the state copy is taken on the loop thread right after the
    final event; the file is written in the background, and the next request waits until it is on disk so that
    the write does not land in the other server's time). Target: on / off ≤ 1.05.
 3. **Bytes on disk per 1,000 tokens** for each ``LOCALLLM_KV_CACHE_TYPE`` in ``--kv``: file size (header +

@@ -15,3 +15,64 @@ def test_mypy_is_clean(test_cache):
                        capture_output=True, text=True, timeout=580)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert r.stdout.startswith("Success: no issues found"), r.stdout
+
+
+def _imports(path, module: str, package: bool, known: set[str]) -> set[str]:
+    """The project modules ``module`` imports at run time, lazy imports in functions included (not the ones
+    under ``if TYPE_CHECKING:``)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for b in node.body for n in ast.walk(b))
+    out: set[str] = set()
+    base = module.split(".") if package else module.split(".")[:-1]
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level:
+                mod = ".".join(base[: len(base) - node.level + 1] + ([mod] if mod else []))
+            subs = {f"{mod}.{a.name}" for a in node.names} & known  # `from pkg import module`
+            out.update(subs or {mod})
+    return {m for m in out if m.split(".")[0] in ("localllm", "backends")}
+
+
+def test_no_import_cycles_in_localllm_and_backends():
+    """No cycle among the project's modules, counting imports inside functions (the run ⇄ interactive kind)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    modules: dict[str, Path] = {}
+    for pkg in ("localllm", "backends"):
+        for p in (root / pkg).rglob("*.py"):
+            parts = list(p.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = p
+    known = set(modules)
+    graph = {m: {i for i in _imports(p, m, p.name == "__init__.py", known) if i in modules and i != m}
+             for m, p in modules.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert len(graph) > 40 and any(graph.values())
