@@ -198,7 +198,7 @@ def main() -> None:
         print(f"writing request / cache off: {med(w):.3f} [{min(w):.3f}–{max(w):.3f}] (target ≤ 1.05); entry on disk "
               f"median {med([r['to_disk'] for r in out['write']]) * 1000:.0f} ms after the answer; time after the "
               f"first token, on − off: median {med(after):.0f} ms [{min(after):.0f}–{max(after):.0f}] (the state "
-              f"copies taken before the final event)")
+              f"copy follows the final event: about 0 when the answer does not wait for it)")
     for kv, es in out["sizes"].items():
         print(f"bytes on disk per 1,000 tokens, {kv}: {med([b / t * 1000 for t, b in es]) / 1e6:.2f} MB")
     if args.json:
