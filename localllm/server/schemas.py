@@ -159,7 +159,10 @@ class _OAICommon(_Body):
     seed: int | None = None
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="token id (a string) -> bias in [-100, 100] added to its logit",
+        json_schema_extra={"propertyNames": {"pattern": "^[0-9]{1,5}$"},
+                           "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
     n: int | None = Field(default=None, ge=1, le=1)
     user: str | None = None
     # extensions (not in OpenAI's API): the context size, any Ollama option, keep-alive

@@ -126,7 +126,8 @@ def test_no_server_errors_with_the_model_installed(model_fuzz_server):
         operation = result.ok()
         # bodies with many nested parts are mostly invalid when generated at random (rightly 400s): more
         # examples there, so that valid ones reach the model too (~1 in 5 is valid: 0.8^60 ≈ 1e-6 of none)
-        examples = 60 if operation.path in ("/v1/chat/completions", "/v1/responses", "/v1/messages") else 20
+        examples = 60 if operation.path in ("/v1/chat/completions", "/v1/completions", "/v1/responses",
+                                            "/v1/messages") else 20
 
         @given(case=operation.as_strategy())
         @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None,
