@@ -88,7 +88,8 @@ def test_mlx_for_plan_says_the_gguf_converts_until_mlx_weights_exist(home: Path,
     assert mw.convertible and not mw.installed and mw.usable
     built = tmp_path / "mlx-dir"
     built.mkdir()
-    assert mlx_for_plan(SimpleNamespace(name="x", path=default_model.path, mlx_path=built, mlx_source=None), hw, "mlx").installed
+    with_weights = SimpleNamespace(name="x", path=default_model.path, mlx_path=built, mlx_source=None)
+    assert mlx_for_plan(with_weights, hw, "mlx").installed
 
 
 def test_convert_installed_builds_once_under_the_digest(home: Path, default_model):
