@@ -401,6 +401,14 @@ class TokenSource(abc.ABC):
 # ------------------------------------------------------------------------------------ context policy
 
 
+def check_logit_bias(bias: dict[int, float], n_vocab: int) -> None:
+    """Refuse a ``logit_bias`` that names a token outside the model's vocabulary (ids ``0..n_vocab-1``)."""
+    bad = [t for t in bias if not 0 <= t < n_vocab]
+    if bad:
+        raise UnsupportedError(f"logit_bias names token {bad[0]}, which this model's vocabulary "
+                               f"(0-{n_vocab - 1}) does not have.")
+
+
 def answer_reserve(max_tokens: int, n_ctx: int) -> int:
     """Tokens kept free for the answer: ``max_tokens``, else n_ctx/8 (64..1024); at most half the context."""
     want = max_tokens if max_tokens and max_tokens > 0 else min(max(n_ctx // 8, 64), 1024)

@@ -48,6 +48,7 @@ from backends.base import (
     Sampling,
     TokenSource,
     UnsupportedError,
+    check_logit_bias,
 )
 
 log = logging.getLogger("backends.llamacpp")
@@ -668,6 +669,7 @@ class LlamaCppSource(TokenSource):
         import llama_cpp
 
         s = sampling
+        check_logit_bias(s.logit_bias, self._n_vocab)
         grammar = None
         gbnf = self.spec.extra.get("grammar") if fmt in (None, "", "text") else None  # a load-wide GBNF (tests)
         if fmt not in (None, "", "text"):
@@ -684,11 +686,6 @@ class LlamaCppSource(TokenSource):
             llama_cpp.llama_sampler_chain_add(chain, smpl)  # the chain owns it now
 
         if s.logit_bias:
-            bad = [t for t in s.logit_bias if not 0 <= t < self._n_vocab]
-            if bad:
-                llama_cpp.llama_sampler_free(chain)
-                raise UnsupportedError(f"logit_bias names token {bad[0]}, which this model's vocabulary "
-                                       f"(0-{self._n_vocab - 1}) does not have.")
             arr = (llama_cpp.llama_logit_bias * len(s.logit_bias))()
             for i, (t, b) in enumerate(s.logit_bias.items()):
                 arr[i] = llama_cpp.llama_logit_bias(int(t), float(b))

@@ -34,6 +34,7 @@ from backends.base import (
     Sampling,
     TokenSource,
     UnsupportedError,
+    check_logit_bias,
 )
 
 KV_BITS = {"f16": None, "q8_0": 8, "q4_0": 4}
@@ -109,10 +110,7 @@ class _MLXSampler:
         self._bias = None
         if s.logit_bias:
             n_logits = src.info.n_vocab
-            bad = [t for t in s.logit_bias if not 0 <= t < n_logits]
-            if bad:
-                raise UnsupportedError(f"logit_bias names token {bad[0]}, which this model's vocabulary "
-                                       f"(0-{n_logits - 1}) does not have.")
+            check_logit_bias(s.logit_bias, n_logits)
             bias = [0.0] * n_logits
             for t, b in s.logit_bias.items():
                 bias[t] = float(b)
