@@ -576,18 +576,14 @@ class LoadedModel:
             for r in gone:
                 self._incoming.remove(r)
         for r in gone:
-            for ev in r.stream.close("cancelled"):
-                r.channel.put(ev)
-            r.channel.close()
+            self._close_cancelled(r)
         while True:
             with self._wake:
                 if not self._incoming or len(self._active) >= self.slots:
                     break
                 req = self._incoming.popleft()
             if req.channel.cancel.is_set():
-                for ev in req.stream.close("cancelled"):
-                    req.channel.put(ev)
-                req.channel.close()
+                self._close_cancelled(req)
                 continue
             try:
                 prompt = req.stream.prepare(src)
@@ -603,6 +599,13 @@ class LoadedModel:
             self._place(req, prompt)
             self._active.append(req)
             self._counters.requests += 1
+
+    @staticmethod
+    def _close_cancelled(r: _Req) -> None:
+        """End a request that was cancelled before it was admitted (it holds no sequence yet)."""
+        for ev in r.stream.close("cancelled"):
+            r.channel.put(ev)
+        r.channel.close()
 
     def _victim(self) -> _Seq | None:
         """The sequence a new request may take: an empty one, else the idle one used least recently."""
