@@ -37,8 +37,10 @@ BACKENDS = ["llamacpp", pytest.param("mlx", marks=pytest.mark.mlx)]
 CRASH = re.compile(r"terminate called|Traceback|Fatal Python error|Segmentation fault|Aborted|core dumped"
                    r"|^#\d+ |\[New LWP|\[Inferior", re.M)
 CONVERTING = f"converting {DEFAULT_MODEL} to MLX (once, offline)…"
+# uvicorn's own shutdown lines; "background tasks" shows when a finished stream's task is still unwinding as the
+# last connection closes (timing), which is a clean stop too; its ERROR "Cancel N running task(s)" is not allowed
 SERVE_LINES = (r"localllm serving the Ollama API on http://127\.0\.0\.1:\d+ and the OpenAI API on .*/v1",
-               r"INFO: +(Started server process|Waiting for (application|connections)|Shutting down"
+               r"INFO: +(Started server process|Waiting for (application|connections|background tasks)|Shutting down"
                r"|Finished server process)\b.*")
 
 
