@@ -5,7 +5,9 @@ Loads an MLX model directory (``config.json``, ``model*.safetensors`` 4/8-bit, H
 id has its own mlx-lm prompt cache (a list of per-layer caches); :meth:`MLXSource.evaluate` runs the
 model on each sequence's tokens in turn (MLX has no batch over sequences of different lengths in one
 pass without padding, so several requests interleave step by step rather than share a matrix). A
-shared prefix is copied by slicing the cache arrays.
+shared prefix is copied by slicing the cache arrays; for the prompt cache on disk a sequence's caches are
+saved as raw arrays cut to its length (:meth:`MLXSource.state_save`) and checked against the model's
+shape before they are loaded.
 
 Sampling is ours, per request: a private random key per request (``seed`` reproduces the text whatever
 else runs), temperature / top-k / top-p / min-p through mlx-lm's functions, penalties over the tokens
@@ -38,6 +40,7 @@ from backends.base import (
 )
 
 KV_BITS = {"f16": None, "q8_0": 8, "q4_0": 4}
+_UINT = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}  # a dtype's bits as raw integers, by item size
 
 
 class _ThreadRelease:
@@ -494,6 +497,93 @@ class MLXSource(TokenSource):
             new.append(d)
         self._mx.eval([x.state for x in new])
         self._caches[dst] = new
+        return True
+
+    # ------------------------------------------------------------------ sequence states (prompt cache)
+
+    def state_key(self) -> str | None:
+        """MLX and mlx-lm versions, KV type and device; None for sliding-window and other caches that do
+        not hold a whole prefix."""
+        from importlib.metadata import version
+
+        if self._cache_kinds - {"KVCache"}:
+            return None
+        return (f"mlx-{version('mlx')} mlx_lm-{version('mlx-lm')} kv={self._info.kv_cache_type} "
+                f"group={self._kv_group} device={self._mx.default_device()}")
+
+    def state_save(self, seq: int) -> bytes:
+        """One sequence's caches as bytes: a length-prefixed JSON header (per layer: offset, and dtype and
+        shape of each array) and then the arrays' raw bytes, cut to the positions the sequence holds."""
+        import json
+
+        import numpy as np
+        from mlx_lm.models.cache import QuantizedKVCache
+
+        cache = self._caches.get(seq)
+        if not cache:
+            raise UnsupportedError(f"Sequence {seq} holds nothing to save.")
+        n = cache[0].offset
+        layers: list[dict[str, Any]] = []
+        blobs: list[bytes] = []
+        for c in cache:
+            quant = isinstance(c, QuantizedKVCache)
+            parts = [*c.keys, *c.values] if quant else [c.keys, c.values]
+            arrays = []
+            for a in parts:
+                a = a[..., :n, :]
+                raw = np.array(a.view(getattr(self._mx, _UINT[a.dtype.size]))).tobytes()
+                arrays.append({"dtype": str(a.dtype).removeprefix("mlx.core."), "shape": list(a.shape)})
+                blobs.append(raw)
+            layers.append({"quant": [c.group_size, c.bits] if quant else None, "arrays": arrays})
+        head = json.dumps({"format": 1, "offset": n, "layers": layers}).encode()
+        return len(head).to_bytes(8, "little") + head + b"".join(blobs)
+
+    def state_load(self, seq: int, data: bytes) -> bool:
+        """Restore :meth:`state_save`'s bytes into ``seq``; False (``seq`` untouched) for bytes that do not
+        fit this model: another layer count, head count, KV type or dtype."""
+        import json
+
+        import numpy as np
+        from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+        mx = self._mx
+        try:
+            size = int.from_bytes(data[:8], "little")
+            head = json.loads(data[8:8 + size])
+            n, layers = int(head["offset"]), head["layers"]
+            if head.get("format") != 1 or n <= 0 or len(layers) != len(self._model.layers):
+                return False
+            quant = [self._kv_group, self._kv_bits] if self._kv_bits is not None else None
+            heads = int(self._config.get("num_key_value_heads") or self._config["num_attention_heads"])
+            pos, new = 8 + size, []
+            for layer in layers:
+                if layer["quant"] != quant or len(layer["arrays"]) != (6 if quant else 2):
+                    return False
+                arrays = []
+                for a in layer["arrays"]:
+                    dtype, shape = getattr(mx, a["dtype"]), tuple(a["shape"])
+                    if len(shape) != 4 or shape[:3] != (1, heads, n):
+                        return False
+                    count = int(np.prod(shape)) * dtype.size
+                    if pos + count > len(data):
+                        return False
+                    raw = np.frombuffer(data, dtype=f"<u{dtype.size}", count=count // dtype.size, offset=pos)
+                    arrays.append(mx.array(raw.reshape(shape)).view(dtype))
+                    pos += count
+                if quant:
+                    c: Any = QuantizedKVCache(group_size=quant[0], bits=quant[1])
+                    c.keys, c.values = tuple(arrays[:3]), tuple(arrays[3:])
+                else:
+                    c = KVCache()
+                    c.keys, c.values = arrays
+                c.offset = n
+                new.append(c)
+            if pos != len(data):
+                return False
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return False
+        mx.eval([x.state for x in new])
+        self._caches[seq] = new
         return True
 
     # ------------------------------------------------------------------ the rest

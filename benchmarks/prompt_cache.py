@@ -2,6 +2,7 @@
 
     python benchmarks/prompt_cache.py                          # 3 rounds, f16 / q8_0 / q4_0 sizes
     python benchmarks/prompt_cache.py --rounds 3 --system 2000 --threads 2 --kv f16,q8_0,q4_0
+    python benchmarks/prompt_cache.py --backend mlx --system 600 --rounds 1 --write-reps 1   # mlx[cpu] is slow
 
 Three measures, each server a ``localllm serve`` process in a fresh home (``LOCALLLM_HOME``: an empty prompt
 cache; the installed models are read in place):
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -95,8 +97,11 @@ def main() -> None:
     ap.add_argument("--kv", default="f16,q8_0,q4_0", help="KV types for measure 3 ('' to skip)")
     ap.add_argument("--predict", type=int, default=8)
     ap.add_argument("--num-ctx", type=int, default=4096)
+    ap.add_argument("--backend", default=None, help="LOCALLLM_BACKEND for the servers (default: the probe's pick)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.backend:
+        os.environ["LOCALLLM_BACKEND"] = args.backend  # the servers inherit it
     threads = args.threads or default_threads()
     tok = Tokens(model_path(args.model))
     opts = {"num_ctx": args.num_ctx, "num_thread": threads, "num_predict": args.predict, "temperature": 0}
@@ -105,8 +110,9 @@ def main() -> None:
     def sysp() -> str:
         return system_prompt(args.system, tok, nonce=uuid.uuid4().hex[:12])
 
-    print(f"model {m}, {threads} threads, ~{args.system}-token system prompt; load average at start {load_average()}",
-          flush=True)
+    backend = args.backend or "the default backend"
+    print(f"model {m} on {backend}, {threads} threads, ~{args.system}-token system prompt; load average at start "
+          f"{load_average()}", flush=True)
     out: dict[str, Any] = {"restart": [], "write": [], "sizes": {}}
     for k in range(args.rounds):  # ---------------------------------------------------------------- 1. restart
         a, b = sysp(), sysp()

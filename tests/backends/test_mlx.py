@@ -19,6 +19,7 @@ pytest.importorskip("mlx_lm")
 
 from backends.base import DraftSpec, GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError  # noqa: E402
 from backends.mlx import MLXSource  # noqa: E402
+from backends.prompt_cache import PromptCacheSpec  # noqa: E402
 from backends.registry import load  # noqa: E402
 from tests.backends.conftest import collect  # noqa: E402
 
@@ -333,3 +334,98 @@ def test_logit_bias_bans_a_token_and_refuses_one_outside_the_vocabulary(plain):
     assert other and plain.tokenize(other)[:1] != first[:1]
     with pytest.raises(UnsupportedError, match="does not have"):
         collect(plain.generate(GenerateRequest(prompt="x", sampling=greedy(1, logit_bias={10**9: 1.0}))))
+
+
+# ------------------------------------------------------------------------------ prompt cache on disk
+
+SYSTEM = "You are terse. " + " ".join(f"Rule {i}: cite rule {i}." for i in range(8))  # ~70 tokens
+ASK = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What does rule 3 say?"}]
+
+CHILD = """
+import json, sys
+sys.path.insert(0, {root!r})
+from backends.base import GenerateRequest, LoadSpec
+from backends.prompt_cache import PromptCacheSpec
+from backends.registry import load
+from tests.backends.conftest import collect
+from tests.backends.test_mlx import ASK, greedy
+spec = PromptCacheSpec({cache!r}, "test-model mlx", min_tokens=16)
+with load("mlx", LoadSpec(model_path={model!r}, n_ctx=1024, n_seq=1), prompt_cache=spec) as m:
+    text, done, _ = collect(m.generate(GenerateRequest(messages=ASK, sampling=greedy(8))))
+stats = done.stats
+print(json.dumps({{"text": text, "restored": stats.prompt_restored_tokens, "prompt": stats.prompt_eval_count}}))
+"""
+
+
+def _mlx_cached(mlx_dir: Path, cache: Path, kv: str = "f16"):
+    spec = PromptCacheSpec(str(cache), "test-model mlx", min_tokens=16)
+    return load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=1024, n_seq=1, kv_cache_type=kv), prompt_cache=spec)
+
+
+def test_a_second_process_restores_the_prompt_from_disk_and_answers_the_same(mlx_dir: Path, tmp_path: Path):
+    import os
+    import subprocess
+    import sys
+
+    code = CHILD.format(root=str(Path(__file__).resolve().parents[2]), cache=str(tmp_path), model=str(mlx_dir))
+
+    def child() -> dict:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ))
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first = child()
+    assert first["restored"] == 0 and list(tmp_path.glob("*.kv")), "nothing was saved"
+    again = child()
+    assert again["restored"] == first["prompt"] - 1  # all but the last token, whose logits are not saved
+    assert again["text"] == first["text"]
+
+
+def test_quantized_kv_restores_its_own_entries_and_misses_the_others(mlx_dir: Path, tmp_path: Path):
+    with _mlx_cached(mlx_dir, tmp_path) as m:  # an f16 entry
+        collect(m.generate(GenerateRequest(messages=ASK, sampling=greedy(4))))
+    answers = []
+    for _ in range(2):
+        with _mlx_cached(mlx_dir, tmp_path, kv="q8_0") as m:
+            text, done, _ = collect(m.generate(GenerateRequest(messages=ASK, sampling=greedy(4))))
+            answers.append((text, done.stats.prompt_restored_tokens))
+    assert answers[0][1] == 0  # the f16 entry is another key: a miss, not a load
+    assert answers[1][1] == done.stats.prompt_eval_count - 1 and answers[1][0] == answers[0][0]
+
+
+def _reshaped(state: bytes, change) -> bytes:
+    """``state`` (from ``state_save``) with its header changed by ``change(header)``."""
+    size = int.from_bytes(state[:8], "little")
+    head = json.loads(state[8:8 + size])
+    change(head)
+    raw = json.dumps(head).encode()
+    return len(raw).to_bytes(8, "little") + raw + state[8 + size:]
+
+
+def test_a_state_that_does_not_fit_the_model_is_refused_and_removed(mlx_dir: Path, tmp_path: Path, caplog):
+    from backends.prompt_cache import PromptCache
+
+    with _mlx_cached(mlx_dir, tmp_path) as m:
+        ref, _, _ = collect(m.generate(GenerateRequest(messages=ASK, sampling=greedy(4))))
+        key = f"test-model mlx {m.source.state_key()}"
+        m.call(lambda _src: None)  # the copy is taken after the answer: wait for it, then for the write
+        assert m.prompt_cache is not None
+        m.prompt_cache.flush()
+        entry = max(tmp_path.glob("*.kv"))  # the whole prompt (names start with the token count)
+        tokens = json.loads(entry.read_bytes().split(b"\n", 1)[0])["tokens"]
+        good = m.call(lambda s: s.state_save(next(i for i, c in s._caches.items() if c)))
+        bad = {"one layer fewer": _reshaped(good, lambda h: h["layers"].pop()),
+               "other heads": _reshaped(good, lambda h: [a.__setitem__("shape", [1, 9, *a["shape"][2:]])
+                                                         for layer in h["layers"] for a in layer["arrays"]]),
+               "quantized": _reshaped(good, lambda h: [layer.__setitem__("quant", [64, 8]) for layer in h["layers"]]),
+               "truncated": good[:-10], "not a state": b"nonsense"}
+        for why, data in bad.items():
+            assert m.call(lambda s, d=data: s.state_load(7, d)) is False, why
+        assert m.call(lambda s: s.state_load(7, good)) is True
+    pc = PromptCache(tmp_path, key=key, max_bytes=1 << 30, min_tokens=16)
+    assert pc.save_now(tokens, bad["one layer fewer"])  # a well-formed entry the backend cannot use
+    with _mlx_cached(mlx_dir, tmp_path) as m:
+        text, done, _ = collect(m.generate(GenerateRequest(messages=ASK, sampling=greedy(4))))
+    assert done.stats.prompt_restored_tokens == 0 and text == ref
+    assert "the backend refused it" in caplog.text
