@@ -59,6 +59,8 @@ class _EngineCollector(Collector):
             "kv_cells": "Cells in the model's KV pool (tokens, all sequences together).",
             "kv_cells_used": "KV cells held by running requests.",
             "kv_cells_cached": "KV cells kept by idle sequences for prefix reuse.",
+            "kv_tokens_parked": "Tokens of idle sequences parked in host memory while others decode.",
+            "kv_parked_bytes": "Host memory holding parked idle sequences' KV state.",
             "model_memory_bytes": "Memory the loaded model holds (weights and KV cache), best estimate.",
             "prompt_cache_entries": "Saved prompt prefixes on disk for the model.",
             "prompt_cache_bytes": "Bytes of saved prompt prefixes on disk for the model.",
@@ -86,6 +88,7 @@ class _EngineCollector(Collector):
             name = [m.name]
             for k, v in (("slots", lm.slots), ("slots_busy", lm.slots_busy), ("kv_cells", lm.kv_cells),
                          ("kv_cells_used", lm.kv_tokens_active), ("kv_cells_cached", lm.kv_tokens_idle),
+                         ("kv_tokens_parked", lm.kv_tokens_parked), ("kv_parked_bytes", lm.kv_parked_bytes),
                          ("model_memory_bytes", m.size), ("prompt_cache_entries", lm.prompt_cache_entries),
                          ("prompt_cache_bytes", lm.prompt_cache_bytes)):
                 g[k].add_metric(name, v)

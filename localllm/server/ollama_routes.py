@@ -330,6 +330,7 @@ def _slots(m: Any) -> dict[str, Any]:
         return {}
     return {"slots": lm.slots, "slots_busy": lm.slots_busy, "queued": lm.waiting, "kv_cells": lm.kv_cells,
             "kv_cells_used": lm.kv_tokens_active, "kv_cells_cached": lm.kv_tokens_idle,
+            "kv_tokens_parked": lm.kv_tokens_parked,
             "prompt_cache": {"entries": lm.prompt_cache_entries, "bytes": lm.prompt_cache_bytes,
                              "hits": lm.prompt_cache_hits, "misses": lm.prompt_cache_misses}}
 

@@ -224,3 +224,30 @@ def test_pool_metrics_move(default_model_path):
         assert m1.requests == m0.requests + 1 and m1.generated_tokens > m0.generated_tokens
         assert m1.prompt_tokens_evaluated > 0 and m1.kv_tokens_idle > 0 and m1.kv_tokens_active == 0
         assert m1.kv_cells == 1024
+
+
+def test_idle_kv_is_parked_while_others_decode_and_comes_back(derived_model):
+    """Two requests decode together: an idle conversation's cells leave the pool (its state waits in host
+    memory, so attention does not span it) and come back when it continues, with the same answer."""
+    conv = chat("Tell me about the sea.", n=16)
+    others = [chat("Tell me about the moon.", n=16), chat("Name three trees.", n=16)]
+    texts = []
+    for no_park in (False, True):
+        spec = LoadSpec(str(derived_model("f32")), n_ctx=1024, n_seq=2, n_threads=2, extra={"no_park": no_park})
+        with load("llamacpp", spec) as m:
+            first, done1, _ = collect(m.generate(conv))
+            held = done1.stats.context_used
+            run_together(m, others)
+            met = m.metrics()
+            if not no_park:
+                assert met.kv_tokens_parked >= held and met.kv_parked_bytes > 0  # the conversation, parked
+                assert met.kv_tokens_idle > 0  # the two that just ended stay: nothing runs beside them now
+            follow = GenerateRequest(messages=[*conv.messages, {"role": "assistant", "content": first},
+                                               {"role": "user", "content": "And the ocean?"}],
+                                     sampling=Sampling(temperature=0.0, max_tokens=16))
+            text, done, _ = collect(m.generate(follow))
+            assert done.stats.prompt_cached_tokens >= held - 2  # the turn so far came back, not evaluated again
+            if not no_park:
+                assert m.metrics().kv_tokens_parked < met.kv_tokens_parked
+            texts.append(text)
+    assert texts[0] == texts[1]
