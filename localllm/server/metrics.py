@@ -5,7 +5,8 @@ What a monitoring stack reads (all names start with ``localllm_``; per model whe
 * requests by route and status (``requests_total``), requests waiting for a slot or a load
   (``queue_depth``);
 * slots busy / total, KV cells used by running requests, kept by idle prefixes, and in the pool
-  (``slots_busy``, ``slots``, ``kv_cells_used``, ``kv_cells_cached``, ``kv_cells``);
+  (``slots_busy``, ``slots``, ``kv_cells_used``, ``kv_cells_cached``, ``kv_cells``); idle prefixes parked
+  in host memory while others decode (``kv_tokens_parked``, ``kv_parked_bytes``);
 * prompt tokens evaluated, reused from the pool, copied between sequences, restored from disk; tokens
   generated (``*_tokens_total``); draft tokens proposed and accepted;
 * time to first token and time per output token (histograms, seconds);
