@@ -312,6 +312,12 @@ class TokenSource(abc.ABC):
         """Several sequences in one :meth:`evaluate` run as one batched pass (not one after another)."""
         return False
 
+    @property
+    def shared_pool(self) -> bool:
+        """All sequences' cells live in one pool whose attention spans them all (llama.cpp's unified KV), so
+        cells kept by idle sequences cost the decoding ones work: the loop parks them while others run."""
+        return False
+
     # ---- text
     @abc.abstractmethod
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:

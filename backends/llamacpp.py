@@ -537,6 +537,10 @@ class LlamaCppSource(TokenSource):
     def can_batch(self) -> bool:
         return True
 
+    @property
+    def shared_pool(self) -> bool:
+        return not self._recurrent
+
     # ------------------------------------------------------------------ text
 
     def _tokenize(self, text: str, add_bos: bool, special: bool) -> list[int]:

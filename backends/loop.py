@@ -510,7 +510,7 @@ class LoadedModel:
             if d is not None:
                 self._setup_draft(src, d)
             pc, state_key = self._pcache_spec, src.state_key()
-            self._can_park = src.can_batch and state_key is not None and not spec.extra.get("no_park")
+            self._can_park = src.shared_pool and state_key is not None and not spec.extra.get("no_park")
             self._park_budget = max(1, src.info.kv_cells // 2)
             if pc is not None and pc.max_bytes > 0 and state_key is not None:
                 self._pcache = PromptCache(pc.root, key=f"{pc.model_key} {state_key}", max_bytes=pc.max_bytes,

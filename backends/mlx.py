@@ -2,9 +2,10 @@
 
 Loads an MLX model directory (``config.json``, ``model*.safetensors`` 4/8-bit, HF tokenizer), e.g. an
 ``mlx-community`` repo or one built offline from a GGUF by :mod:`backends.mlx_convert`. Each sequence
-id has its own mlx-lm prompt cache (a list of per-layer caches); :meth:`MLXSource.evaluate` runs the
-model on each sequence's tokens in turn (MLX has no batch over sequences of different lengths in one
-pass without padding, so several requests interleave step by step rather than share a matrix). A
+id has its own mlx-lm prompt cache (a list of per-layer caches) while it prefills; the sequences that
+decode one token in a step are moved into rows of mlx-lm's ``BatchKVCache`` (left padded) and run as one
+forward pass (:meth:`MLXSource.evaluate`), and leave it for anything else (a prompt, drafts, a trim, a
+copy, a save). With a quantized KV cache (mlx-lm has no batched one) the sequences take turns. A
 shared prefix is copied by slicing the cache arrays; for the prompt cache on disk a sequence's caches are
 saved as raw arrays cut to its length (:meth:`MLXSource.state_save`) and checked against the model's
 shape before they are loaded.
@@ -220,6 +221,12 @@ class MLXSource(TokenSource):
                                        f"and this model's is {head_dim}.")
             self._kv_group = group
         self._caches: dict[int, list[Any]] = {}
+        # sequences decoding together: one mlx-lm BatchKVCache per layer, a row per sequence (plain caches only)
+        self._batch_ok = self._kv_bits is None and kinds == {"KVCache"} and not spec.extra.get("no_batch")
+        self._bcache: list[Any] | None = None
+        self._bseqs: list[int] = []  # row order
+        self._blens: dict[int, int] = {}  # tokens each row holds
+        self.batched_steps = 0  # evaluations that ran several sequences in one pass
         self._rows: list[Any] = []
         self._pieces: dict[int, bytes] = {}
         self._json_vocab: Any = None
@@ -243,7 +250,7 @@ class MLXSource(TokenSource):
             n_seq=self._slots,
             kv_cells=self._n_ctx * self._slots,
             extra={"device": str(mx.default_device()), "quantization": self._config.get("quantization"),
-                   "cache": sorted(kinds), "batched": False},
+                   "cache": sorted(kinds), "batched": self._batch_ok},
         )
 
     # ------------------------------------------------------------------ loading
@@ -284,9 +291,13 @@ class MLXSource(TokenSource):
     # ------------------------------------------------------------------ what it is
 
     @property
+    def can_batch(self) -> bool:
+        return self._batch_ok
+
+    @property
     def info(self) -> ModelInfo:
         kv = 0
-        for cache in self._caches.values():
+        for cache in [*self._caches.values(), self._bcache or []]:
             for c in cache:
                 kv += int(getattr(c, "nbytes", 0) or 0)
         self._info.size_bytes = self._weights_bytes + kv
@@ -385,6 +396,7 @@ class MLXSource(TokenSource):
     # ------------------------------------------------------------------ evaluation
 
     def _cache(self, seq: int) -> list[Any]:
+        self._unbatch([seq])
         c = self._caches.get(seq)
         if c is None:
             c = self._caches[seq] = self._new_cache()
@@ -398,11 +410,21 @@ class MLXSource(TokenSource):
         return [QuantizedKVCache(group_size=self._kv_group, bits=self._kv_bits) for _ in self._model.layers]
 
     def evaluate(self, feeds: Sequence[Feed]) -> list[list[int]]:
+        """Sequences that decode one token each run as one batched pass (rows of a ``BatchKVCache``, left
+        padded); prompts, drafts and a lone sequence run one pass each on their own caches."""
         mx = self._mx
         self._rows = []
-        out: list[list[int]] = []
+        out: list[list[int]] = [[] for _ in feeds]
         pending: list[Any] = []
-        for f in feeds:
+        together = [i for i, f in enumerate(feeds) if self._batch_ok and len(f.tokens) == 1 and f.pos > 0
+                    and f.outputs == 1]
+        if len(together) < 2:
+            together = []
+        self._unbatch([q for q in self._bseqs if q not in {feeds[i].seq for i in together}])
+        self._unbatch([feeds[i].seq for i in together if self._blens.get(feeds[i].seq, feeds[i].pos) != feeds[i].pos])
+        for i, f in enumerate(feeds):
+            if i in together and f.seq in self._blens:
+                continue
             cache = self._cache(f.seq)
             have = cache[0].offset if cache else 0
             if have != f.pos:
@@ -411,18 +433,71 @@ class MLXSource(TokenSource):
                     cache = self._cache(f.seq)
                 else:
                     raise UnsupportedError(f"Sequence {f.seq} holds {have} tokens, not {f.pos}.")
+            if i in together:
+                continue  # joins the batch below
             logits = self._model(mx.array(f.tokens, dtype=mx.uint32)[None], cache=cache)
-            mine = []
             if f.outputs:
                 rows = logits[0, len(f.tokens) - f.outputs:, :]
                 for j in range(f.outputs):
                     self._rows.append(rows[j])
-                    mine.append(len(self._rows) - 1)
+                    out[i].append(len(self._rows) - 1)
                 pending.append(rows)
             pending.extend(c.state for c in cache)
-            out.append(mine)
+        if together:
+            self._batch_in([feeds[i].seq for i in together if feeds[i].seq not in self._blens])
+            assert self._bcache is not None
+            token = {feeds[i].seq: feeds[i].tokens[0] for i in together}
+            logits = self._model(mx.array([[token[q]] for q in self._bseqs], dtype=mx.uint32), cache=self._bcache)
+            row_of = {q: r for r, q in enumerate(self._bseqs)}
+            rows = logits[:, -1, :]
+            for i in together:
+                self._rows.append(rows[row_of[feeds[i].seq]])
+                out[i].append(len(self._rows) - 1)
+            for q in self._bseqs:
+                self._blens[q] += 1
+            pending.append(rows)
+            pending.extend(x for c in self._bcache for x in (c.keys, c.values))
+            self.batched_steps += 1
         mx.eval(pending)
         return out
+
+    def _batch_in(self, seqs: list[int]) -> None:
+        """Move these sequences' own caches into the batch (new rows at the end)."""
+        if not seqs:
+            return
+        from mlx_lm.models.cache import BatchKVCache
+
+        caches = [self._caches.pop(q) for q in seqs]
+        merged = [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]
+        if self._bcache is None:
+            self._bcache = merged
+        else:
+            for b, m in zip(self._bcache, merged, strict=True):
+                b.extend(m)
+        for q, c in zip(seqs, caches, strict=True):
+            self._bseqs.append(q)
+            self._blens[q] = c[0].offset
+
+    def _unbatch(self, seqs: list[int]) -> None:
+        """Give these sequences their own caches again (taken out of the batch's rows)."""
+        gone = [q for q in seqs if q in self._blens]
+        if not gone or self._bcache is None:
+            return
+        mx = self._mx
+        for q in gone:
+            r = self._bseqs.index(q)
+            self._caches[q] = [b.extract(r) for b in self._bcache]
+        keep = [r for r, q in enumerate(self._bseqs) if q not in gone]
+        self._bseqs = [self._bseqs[r] for r in keep]
+        for q in gone:
+            del self._blens[q]
+        if keep:
+            idx = mx.array(keep)
+            for b in self._bcache:
+                b.filter(idx)
+        else:
+            self._bcache = None
+        mx.eval([x for q in gone for c in self._caches[q] for x in (c.keys, c.values)])
 
     def logits(self, row: int) -> Any:
         import numpy as np
@@ -460,6 +535,7 @@ class MLXSource(TokenSource):
     def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> bool:
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
+        self._unbatch([seq])
         cache = self._caches.get(seq)
         if cache is None:
             return True
@@ -480,6 +556,7 @@ class MLXSource(TokenSource):
         """Copy the first ``n`` positions of ``src`` into ``dst`` (plain and quantized caches)."""
         from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+        self._unbatch([src, dst])
         self._caches.pop(dst, None)
         cache = self._caches.get(src)
         if not cache or n <= 0 or any(type(c) not in (KVCache, QuantizedKVCache) for c in cache):
@@ -519,6 +596,7 @@ class MLXSource(TokenSource):
         import numpy as np
         from mlx_lm.models.cache import QuantizedKVCache
 
+        self._unbatch([seq])
         cache = self._caches.get(seq)
         if not cache:
             raise UnsupportedError(f"Sequence {seq} holds nothing to save.")
@@ -583,6 +661,7 @@ class MLXSource(TokenSource):
         except (ValueError, KeyError, TypeError, AttributeError):
             return False
         mx.eval([x.state for x in new])
+        self._unbatch([seq])
         self._caches[seq] = new
         return True
 
@@ -608,6 +687,7 @@ class MLXSource(TokenSource):
             return
         self._closed = True
         self._caches.clear()
+        self._bcache, self._bseqs, self._blens = None, [], {}
         self._rows = []
         self._model = None
         try:

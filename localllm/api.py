@@ -186,6 +186,7 @@ class Running:
     n_threads: int | None = None
     slots: int = 0  # sequences that decode together
     slots_busy: int = 0  # of which decoding a request now
+    batched: bool = True  # the slots decode in one pass per step; False: they take turns (MLX with a quantized KV)
     prompt_cache_entries: int = 0  # saved prompt prefixes on disk for this model
     prompt_cache_bytes: int = 0
     kv_cache_bytes: int | None = None  # the KV cache's size (reported, else estimated)

@@ -178,6 +178,11 @@ class RunningModel:
         return self.model.metrics()
 
     @property
+    def batched(self) -> bool:
+        """Whether its slots decode in one batched pass per step (else they take turns, one pass each)."""
+        return self.model.source.can_batch
+
+    @property
     def active(self) -> int:
         """Requests decoding now."""
         return self.model.metrics().slots_busy

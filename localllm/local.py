@@ -135,7 +135,7 @@ def running(m: RunningModel) -> Running:
         expires_at=None if wall is None else datetime.fromtimestamp(wall, UTC), backend=m.backend,
         kv_cache_type=info.kv_cache_type, n_gpu_layers=info.n_gpu_layers, n_layers=info.n_layers, draft=info.draft,
         n_threads=m.model.spec.n_threads, slots=info.n_seq, kv_cache_bytes=_kv_bytes(m),
-        slots_busy=m.metrics.slots_busy, prompt_cache_entries=m.metrics.prompt_cache_entries,
+        slots_busy=m.metrics.slots_busy, batched=m.batched, prompt_cache_entries=m.metrics.prompt_cache_entries,
         prompt_cache_bytes=m.metrics.prompt_cache_bytes,
     )
 

@@ -14,8 +14,12 @@ without a server nothing is loaded.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from localllm.api import Running
 
 
 @click.command("ps")
@@ -37,14 +41,19 @@ def command(host: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([{"name": m.name, "id": m.short_id, "size": m.size, "size_vram": m.size_vram,
                                 "processor": m.processor, "context": m.context_length,
-                                "slots": m.slots, "slots_busy": m.slots_busy,
+                                "slots": m.slots, "slots_busy": m.slots_busy, "batched": m.batched,
                                 "prompt_cache": {"entries": m.prompt_cache_entries, "bytes": m.prompt_cache_bytes},
                                 "expires_at": m.expires_at.isoformat() if m.expires_at else None,
                                 "until": m.until} for m in models], indent=2))
         return
     rows = [("NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "SLOTS", "PROMPT CACHE", "UNTIL")]
-    rows += [(m.name, m.short_id, human_size(m.size), m.processor, str(m.context_length),
-              f"{m.slots_busy}/{m.slots}" if m.slots else "-",
+
+    def slots(m: Running) -> str:
+        if not m.slots:
+            return "-"
+        return f"{m.slots_busy}/{m.slots}" + ("" if m.batched or m.slots < 2 else " (taking turns)")
+
+    rows += [(m.name, m.short_id, human_size(m.size), m.processor, str(m.context_length), slots(m),
               f"{m.prompt_cache_entries} ({human_size(m.prompt_cache_bytes)})" if m.prompt_cache_entries else "-",
               m.until) for m in models]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

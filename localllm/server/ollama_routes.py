@@ -328,7 +328,8 @@ def _slots(m: Any) -> dict[str, Any]:
         lm = m.metrics
     except Exception:  # noqa: BLE001 - unloading right now
         return {}
-    return {"slots": lm.slots, "slots_busy": lm.slots_busy, "queued": lm.waiting, "kv_cells": lm.kv_cells,
+    return {"slots": lm.slots, "slots_busy": lm.slots_busy, "batched": m.batched, "queued": lm.waiting,
+            "kv_cells": lm.kv_cells,
             "kv_cells_used": lm.kv_tokens_active, "kv_cells_cached": lm.kv_tokens_idle,
             "kv_tokens_parked": lm.kv_tokens_parked,
             "prompt_cache": {"entries": lm.prompt_cache_entries, "bytes": lm.prompt_cache_bytes,

@@ -187,6 +187,37 @@ def test_two_threads_are_served_together(plain):
     assert len(out) == 2 and out[0] == out[1] and "Paris" in out[0]
 
 
+# ------------------------------------------------------------------------------ batched slots
+
+
+def test_concurrent_streams_decode_in_one_pass_and_equal_their_solo_output(mlx_dir: Path):
+    asks = [[{"role": "user", "content": q}] for q in ("Tell me a story about a cat.", "Write a poem about rain.",
+                                                      "Explain gravity to a child.")]
+    with load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=1024, n_seq=3)) as m:
+        assert m.source.can_batch and m.info.extra["batched"] is True
+        solo = [collect(m.generate(GenerateRequest(messages=a, sampling=greedy(10))))[0] for a in asks]
+        assert m.source.batched_steps == 0  # alone, each is its own pass
+        out: list[str | None] = [None] * len(asks)
+
+        def work(i: int) -> None:
+            out[i] = collect(m.generate(GenerateRequest(messages=asks[i], sampling=greedy(10))))[0]
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(asks))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert m.source.batched_steps > 0  # rows of one BatchKVCache, left padded
+        assert out == solo
+        again = collect(m.generate(GenerateRequest(messages=asks[1], sampling=greedy(10))))
+        assert again[0] == solo[1] and again[1].stats.prompt_cached_tokens > 0  # its cache left the batch intact
+
+
+def test_quantized_kv_slots_take_turns(mlx_dir: Path):
+    with load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=512, n_seq=2, kv_cache_type="q8_0")) as m:
+        assert not m.source.can_batch and m.info.extra["batched"] is False  # no batched quantized cache in mlx-lm
+
+
 # ------------------------------------------------------------------------------ KV quantization
 
 

@@ -88,6 +88,7 @@ def test_cli_ps_and_stop(url, client, monkeypatch):
     assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "SLOTS", "PROMPT", "CACHE", "UNTIL"]
     assert row.startswith(MODEL) and "100% CPU" in row and "minutes from now" in row
     assert re.search(r"\s0/[1-9]\d*\s", row), row  # idle slots: busy/total from the server's /api/ps
+    assert [m.batched for m in client.ps()] == [True] and "taking turns" not in row  # llama.cpp batches
     out = runner.invoke(cli, ["stop", MODEL, "--host", url])
     assert out.exit_code == 0, out.output
     assert not client.is_loaded(MODEL)
