@@ -1,0 +1,104 @@
+"""Where one stream's decode rate goes (issue 11): the same request through the official openai client,
+through a bare httpx SSE reader, and straight into the engine (no HTTP), against ``llama-bench`` tg128.
+
+    python benchmarks/single_stream.py                 # 4 rounds, 256 tokens after a 32-token prompt
+    python benchmarks/single_stream.py --rounds 6 --tokens 128
+
+One ``localllm serve`` for the two HTTP clients, the engine in its own process (``_common.Side``), and
+``llama-bench`` run in each round, all called in turn. Decode rate = (tokens − 1) / (last token − first
+token), temperature 0.8, end-of-generation tokens banned so every stream runs its tokens. The differences
+are the openai SDK's cost per chunk, then the server's (HTTP, SSE frames), then the loop's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+import _serve
+import httpx
+import llama_tools
+from _common import Side, default_threads, engine_and_model, load_average
+from _serve import Localllm, Tokens, med, model_path, story_prompt, stream
+
+
+class Engine:
+    """The engine in this process: the decode loop's own rate for one stream."""
+
+    def __init__(self, model: str, threads: int):
+        from localllm.engine import LoadOptions
+
+        self.engine, self.name, _ = engine_and_model(model)
+        self.options = LoadOptions(num_ctx=2048, num_thread=threads)
+        self.engine.load(self.name, self.options)
+
+    def run(self, prompt: str, tokens: int, seed: int, bias: dict[int, float]) -> float:
+        from localllm.engine import GenerateRequest, Sampling, TextChunk
+
+        req = GenerateRequest(prompt=prompt, sampling=Sampling(max_tokens=tokens, temperature=0.8, seed=seed,
+                                                               logit_bias=bias))
+        ts = [time.perf_counter() for ev in self.engine.generate(self.name, req, self.options)
+              if isinstance(ev, TextChunk) and ev.text]
+        return (len(ts) - 1) / (ts[-1] - ts[0])
+
+
+def bare(url: str, model: str, prompt: str, tokens: int, seed: int, bias: dict[str, float]) -> float:
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.8, "seed": seed,
+            "stream": True, "logit_bias": bias}
+    times = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"text":""' not in line:
+                times.append(time.perf_counter())
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+async def sdk(url: str, model: str, prompt: str, tokens: int, seed: int, bias: dict[str, float]) -> float:
+    client = _serve.async_client(url)
+    try:
+        r = await stream(client, model, prompt=prompt, max_tokens=tokens, temperature=0.8, seed=seed,
+                         extra_body={"logit_bias": bias})
+    finally:
+        await client.close()
+    return r.decode_rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2:135m")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    threads = args.threads or default_threads()
+    path = model_path(args.model)
+    tok = Tokens(path)
+    bias = {t: -100.0 for t in tok.eog()}
+    sbias = {str(t): b for t, b in bias.items()}
+    res: dict[str, list[float]] = {"openai client": [], "bare httpx": [], "engine in-process": [], "tg128": []}
+    print(f"model {args.model}, {threads} threads, {args.tokens} tokens; load average {load_average()}", flush=True)
+    engine = Side("engine", Engine, model=args.model, threads=threads)
+    try:
+        with Localllm({"LOCALLLM_PROMPT_CACHE_SIZE": "0"}) as srv:
+            asyncio.run(sdk(srv.url, args.model, "Hello", 8, 0, sbias))  # load
+            for k in range(args.rounds):
+                p = [tok.exact(story_prompt(100 + 3 * k + j), 32) for j in range(3)]
+                res["openai client"].append(asyncio.run(sdk(srv.url, args.model, p[0], args.tokens, k, sbias)))
+                res["bare httpx"].append(bare(srv.url, args.model, p[1], args.tokens, k, sbias))
+                res["engine in-process"].append(engine.call("run", prompt=p[2], tokens=args.tokens, seed=k,
+                                                            bias=bias))
+                recs: list[dict[str, Any]] = llama_tools.llama_bench(path, threads=threads, flash_attn="auto",
+                                                                     n_prompt=0, n_gen=128, reps=1)
+                res["tg128"].append(float(recs[0]["avg_ts"]))
+                print(f"round {k + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in res.items())
+                      + f" tok/s   (load {load_average()})", flush=True)
+    finally:
+        engine.close()
+    tg = med(res["tg128"])
+    print("\n" + "\n".join(f"{n:>18}: {med(v):6.1f} tok/s = {med(v) / tg:.3f} of tg128" for n, v in res.items()))
+
+
+if __name__ == "__main__":
+    main()
