@@ -18,9 +18,9 @@ events. Each step of the loop:
    stream (stops, UTF-8, tools, thinking, limits) and sends the events;
 5. ends finished, cancelled and failed requests at once: their slot is free the same step, the cells of
    a cancelled or failed sequence are dropped, a finished sequence's cells stay as an idle prefix for
-   the next request until the pool needs them (least recently used first); while several requests run,
-   idle sequences are parked in host memory instead (attention spans every cell up to the highest in
-   use) and copied back when their conversation returns.
+   the next request until the pool needs them (least recently used first); while several requests run
+   (or one beside 512+ idle tokens), idle sequences are parked in host memory instead (attention spans
+   every cell up to the highest in use) and copied back when their conversation returns.
 
 Speculative decoding is a step policy: while exactly one sequence decodes (and no grammar constrains
 it), a draft (a second model with the same vocabulary, or prompt lookup) proposes tokens that are
