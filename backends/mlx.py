@@ -478,26 +478,29 @@ class MLXSource(TokenSource):
             self._bseqs.append(q)
             self._blens[q] = c[0].offset
 
-    def _unbatch(self, seqs: list[int]) -> None:
-        """Give these sequences their own caches again (taken out of the batch's rows)."""
+    def _unbatch(self, seqs: list[int], *, keep: bool = True) -> None:
+        """Give these sequences their own caches again (taken out of the batch's rows); ``keep=False``: just
+        drop their rows (a sequence being emptied)."""
         gone = [q for q in seqs if q in self._blens]
         if not gone or self._bcache is None:
             return
         mx = self._mx
         for q in gone:
             r = self._bseqs.index(q)
-            self._caches[q] = [b.extract(r) for b in self._bcache]
-        keep = [r for r, q in enumerate(self._bseqs) if q not in gone]
-        self._bseqs = [self._bseqs[r] for r in keep]
+            if keep:
+                self._caches[q] = [b.extract(r) for b in self._bcache]
+        rows = [r for r, q in enumerate(self._bseqs) if q not in gone]
+        self._bseqs = [self._bseqs[r] for r in rows]
         for q in gone:
             del self._blens[q]
-        if keep:
-            idx = mx.array(keep)
+        if rows:
+            idx = mx.array(rows)
             for b in self._bcache:
                 b.filter(idx)
         else:
             self._bcache = None
-        mx.eval([x for q in gone for c in self._caches[q] for x in (c.keys, c.values)])
+        if keep:
+            mx.eval([x for q in gone for c in self._caches[q] for x in (c.keys, c.values)])
 
     def logits(self, row: int) -> Any:
         import numpy as np
@@ -535,7 +538,7 @@ class MLXSource(TokenSource):
     def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> bool:
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-        self._unbatch([seq])
+        self._unbatch([seq], keep=p0 > 0)
         cache = self._caches.get(seq)
         if cache is None:
             return True
@@ -556,7 +559,8 @@ class MLXSource(TokenSource):
         """Copy the first ``n`` positions of ``src`` into ``dst`` (plain and quantized caches)."""
         from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-        self._unbatch([src, dst])
+        self._unbatch([dst], keep=False)
+        self._unbatch([src])
         self._caches.pop(dst, None)
         cache = self._caches.get(src)
         if not cache or n <= 0 or any(type(c) not in (KVCache, QuantizedKVCache) for c in cache):
@@ -661,7 +665,7 @@ class MLXSource(TokenSource):
         except (ValueError, KeyError, TypeError, AttributeError):
             return False
         mx.eval([x.state for x in new])
-        self._unbatch([seq])
+        self._unbatch([seq], keep=False)
         self._caches[seq] = new
         return True
 
