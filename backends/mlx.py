@@ -42,6 +42,17 @@ from backends.base import (
 
 KV_BITS = {"f16": None, "q8_0": 8, "q4_0": 4}
 _UINT = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}  # a dtype's bits as raw integers, by item size
+KV_DTYPES = ("float16", "bfloat16", "float32", "uint32")  # what a saved KV array may be (uint32: packed quants)
+
+
+def _kv_cache(keys: Any, values: Any, offset: int, quant: tuple[int, int] | None) -> Any:
+    """An mlx-lm cache holding ``keys``/``values`` (arrays, or (w, scales, biases) tuples when ``quant`` is
+    (group size, bits)) at ``offset`` positions."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    c = KVCache() if quant is None else QuantizedKVCache(group_size=quant[0], bits=quant[1])
+    c.keys, c.values, c.offset = keys, values, offset
+    return c
 
 
 class _ThreadRelease:
@@ -420,7 +431,8 @@ class MLXSource(TokenSource):
                     and f.outputs == 1]
         if len(together) < 2:
             together = []
-        self._unbatch([q for q in self._bseqs if q not in {feeds[i].seq for i in together}])
+        decoding = {feeds[i].seq for i in together}
+        self._unbatch([q for q in self._bseqs if q not in decoding])
         self._unbatch([feeds[i].seq for i in together if self._blens.get(feeds[i].seq, feeds[i].pos) != feeds[i].pos])
         for i, f in enumerate(feeds):
             if i in together and f.seq in self._blens:
@@ -571,11 +583,8 @@ class MLXSource(TokenSource):
                 return type(x)(cut(y) for y in x)
             return x[..., :n, :]
 
-        new = []
-        for c in cache:
-            d = type(c)() if isinstance(c, KVCache) else QuantizedKVCache(group_size=c.group_size, bits=c.bits)
-            d.keys, d.values, d.offset = cut(c.keys), cut(c.values), n
-            new.append(d)
+        new = [_kv_cache(cut(c.keys), cut(c.values), n,
+                         (c.group_size, c.bits) if isinstance(c, QuantizedKVCache) else None) for c in cache]
         self._mx.eval([x.state for x in new])
         self._caches[dst] = new
         return True
@@ -626,7 +635,6 @@ class MLXSource(TokenSource):
         import json
 
         import numpy as np
-        from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
         mx = self._mx
         try:
@@ -643,6 +651,8 @@ class MLXSource(TokenSource):
                     return False
                 arrays = []
                 for a in layer["arrays"]:
+                    if a["dtype"] not in KV_DTYPES:
+                        return False
                     dtype, shape = getattr(mx, a["dtype"]), tuple(a["shape"])
                     if len(shape) != 4 or shape[:3] != (1, heads, n):
                         return False
@@ -653,13 +663,9 @@ class MLXSource(TokenSource):
                     arrays.append(mx.array(raw.reshape(shape)).view(dtype))
                     pos += count
                 if quant:
-                    c: Any = QuantizedKVCache(group_size=quant[0], bits=quant[1])
-                    c.keys, c.values = tuple(arrays[:3]), tuple(arrays[3:])
+                    new.append(_kv_cache(tuple(arrays[:3]), tuple(arrays[3:]), n, (quant[0], quant[1])))
                 else:
-                    c = KVCache()
-                    c.keys, c.values = arrays
-                c.offset = n
-                new.append(c)
+                    new.append(_kv_cache(arrays[0], arrays[1], n, None))
             if pos != len(data):
                 return False
         except (ValueError, KeyError, TypeError, AttributeError):

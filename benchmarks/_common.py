@@ -92,6 +92,19 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} [{min(values):.3f}–{max(values):.3f}]"
 
 
+def run_together(work: Callable[[int], None], n: int) -> float:
+    """Run ``work(0) .. work(n-1)`` on ``n`` threads at once; the wall time from the first start to the last end."""
+    import threading
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def default_threads() -> int:
     """The backend's default thread count (physical cores), so both sides of a comparison get the same."""
     from backends.llamacpp import physical_cores

@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 import _serve
-from _common import Side, default_threads, engine_and_model, load_average
+from _common import Side, default_threads, engine_and_model, load_average, run_together
 from _serve import Localllm, Tokens, med, model_path, story_prompt, stream
 
 
@@ -84,26 +84,18 @@ class InProc:
         self.run(["Hello there", "Once upon a time"], 8)  # warm-up, as the server gets
 
     def run(self, prompts: list[str], gen: int, logit_bias: dict[int, float] | None = None) -> dict[str, Any]:
-        import threading
-
         from localllm.engine import Done, GenerateRequest, Sampling
 
         counts: list[tuple[int, int]] = [(0, 0)] * len(prompts)
 
-        def work(i: int, p: str) -> None:
-            req = GenerateRequest(prompt=p, sampling=Sampling(max_tokens=gen, temperature=0.8, seed=1000 + i,
+        def work(i: int) -> None:
+            req = GenerateRequest(prompt=prompts[i], sampling=Sampling(max_tokens=gen, temperature=0.8, seed=1000 + i,
                                                               logit_bias=dict(logit_bias or {})))
             for ev in self.engine.generate(self.name, req, self.options):
                 if isinstance(ev, Done):
                     counts[i] = (ev.stats.prompt_eval_count, ev.stats.eval_count)
 
-        ts = [threading.Thread(target=work, args=(i, p)) for i, p in enumerate(prompts)]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        wall = time.perf_counter() - t0
+        wall = run_together(work, len(prompts))
         return {"total": sum(a + b for a, b in counts) / wall, "short": sum(1 for _, b in counts if b < gen)}
 
     def close(self) -> None:

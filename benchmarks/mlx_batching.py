@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 from typing import Any
 
-from _common import Side, engine_and_model, load_average
+from _common import Side, engine_and_model, load_average, run_together
 from _serve import med, story_prompt
 
 
@@ -39,11 +38,15 @@ class Ours:
 
     def __init__(self, model: str, slots: int, batched: bool):
         from backends.base import LoadSpec
+        from backends.mlx import MLXSource
         from backends.registry import load
 
         self.m = load("mlx", LoadSpec(model_path=_mlx_dir(model), n_ctx=1024, n_seq=slots,
                                       extra={"no_batch": not batched}))
-        self.eog = [t for t in range(self.m.info.n_vocab) if self.m.source.is_eog(t)]
+        src = self.m.source
+        assert isinstance(src, MLXSource)
+        self.src = src
+        self.eog = [t for t in range(self.m.info.n_vocab) if src.is_eog(t)]
 
     def run(self, prompts: list[str], gen: int) -> dict[str, Any]:
         from backends.base import Done, GenerateRequest, Sampling
@@ -57,16 +60,9 @@ class Ours:
                 if isinstance(ev, Done):
                     counts[i] = (ev.stats.prompt_eval_count, ev.stats.eval_count)
 
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
-        steps = getattr(self.m.source, "batched_steps", 0)
+        wall = run_together(work, len(prompts))
         return {"total": sum(a + b for a, b in counts) / wall, "generated": sum(b for _, b in counts),
-                "batched_steps": steps}
+                "batched_steps": self.src.batched_steps}
 
 
 class MlxLm:
@@ -82,19 +78,16 @@ class MlxLm:
         from mlx_lm.generate import batch_generate
 
         ids = [list(self.tok.encode(p)) for p in prompts]
-        vocab = self.model.args.vocab_size if hasattr(self.model, "args") else None
-        ban = mx.zeros((vocab,)) if vocab else None
-        if ban is not None:
-            ban[mx.array(list(self.tok.eos_token_ids))] = -100.0
+        eos = mx.array(list(self.tok.eos_token_ids))
 
         def no_eos(_tokens: Any, logits: Any) -> Any:
-            return logits + ban if ban is not None else logits
+            return logits.at[..., eos].add(-100.0)
 
         t0 = time.perf_counter()
         r = batch_generate(self.model, self.tok, ids, max_tokens=gen, logits_processors=[no_eos],
                            return_token_ids=True)
         wall = time.perf_counter() - t0
-        generated = sum(len(t) for t in r.token_ids) if getattr(r, "token_ids", None) else gen * len(prompts)
+        generated = sum(len(t) for t in r.token_ids)
         return {"total": (sum(len(i) for i in ids) + generated) / wall, "generated": generated}
 
 
