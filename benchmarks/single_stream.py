@@ -7,13 +7,19 @@ through a bare httpx SSE reader, and straight into the engine (no HTTP), against
 One ``localllm serve`` for the two HTTP clients, the engine in its own process (``_common.Side``), and
 ``llama-bench`` run in each round, all called in turn. Decode rate = (tokens − 1) / (last token − first
 token), temperature 0.8, end-of-generation tokens banned so every stream runs its tokens. The differences
-are the openai SDK's cost per chunk, then the server's (HTTP, SSE frames), then the loop's.
+are the openai SDK's cost per chunk, then the server's (HTTP, SSE frames), then the loop's. The server
+loads the model with ``--threads`` (default: physical cores) like the other sides, and the CPU time per
+token of the server's event loop thread and of the client (this process) is printed beside the rates:
+on a machine whose cores all decode, that CPU is taken from the decode (Linux: read from ``/proc``).
+
+    python benchmarks/single_stream.py --threads 1    # leave the client and the event loop a core
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -55,6 +61,22 @@ def bare(url: str, model: str, prompt: str, tokens: int, seed: int, bias: dict[s
     return (len(times) - 1) / (times[-1] - times[0])
 
 
+def thread_cpu(pid: int, tid: int) -> float:
+    """CPU seconds (user + system) that thread ``tid`` of process ``pid`` has used (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(cpu: dict[str, list[float]], name: str, pid: int, tokens: int, fn: Any, *args: Any) -> float:
+    """``fn(*args)``'s decode rate; appends the CPU per token of the server's event loop and of this client."""
+    loop0, me0 = thread_cpu(pid, pid), time.process_time()
+    rate = fn(*args)
+    cpu[f"{name}: server event loop"].append((thread_cpu(pid, pid) - loop0) / tokens * 1e3)
+    cpu[f"{name}: client"].append((time.process_time() - me0) / tokens * 1e3)
+    return float(rate)
+
+
 async def sdk(url: str, model: str, prompt: str, tokens: int, seed: int, bias: dict[str, float]) -> float:
     client = _serve.async_client(url)
     try:
@@ -63,6 +85,10 @@ async def sdk(url: str, model: str, prompt: str, tokens: int, seed: int, bias: d
     finally:
         await client.close()
     return r.decode_rate
+
+
+def sdk_run(*args: Any) -> float:
+    return asyncio.run(sdk(*args))
 
 
 def main() -> None:
@@ -78,15 +104,23 @@ def main() -> None:
     bias = {t: -100.0 for t in tok.eog()}
     sbias = {str(t): b for t, b in bias.items()}
     res: dict[str, list[float]] = {"openai client": [], "bare httpx": [], "engine in-process": [], "tg128": []}
+    cpu: dict[str, list[float]] = {f"{n}: {w}": [] for n in ("openai client", "bare httpx")
+                                   for w in ("server event loop", "client")}
     print(f"model {args.model}, {threads} threads, {args.tokens} tokens; load average {load_average()}", flush=True)
     engine = Side("engine", Engine, model=args.model, threads=threads)
     try:
         with Localllm({"LOCALLLM_PROMPT_CACHE_SIZE": "0"}) as srv:
-            asyncio.run(sdk(srv.url, args.model, "Hello", 8, 0, sbias))  # load
+            # load with the threads of the other sides (the OpenAI API has no option for it); kept loaded
+            httpx.post(srv.url + "/api/generate", timeout=600, json={
+                "model": args.model, "prompt": "Hello", "stream": False, "keep_alive": -1,
+                "options": {"num_thread": threads, "num_ctx": 2048, "num_predict": 1}}).raise_for_status()
+            pid = srv.proc.pid
             for k in range(args.rounds):
                 p = [tok.exact(story_prompt(100 + 3 * k + j), 32) for j in range(3)]
-                res["openai client"].append(asyncio.run(sdk(srv.url, args.model, p[0], args.tokens, k, sbias)))
-                res["bare httpx"].append(bare(srv.url, args.model, p[1], args.tokens, k, sbias))
+                res["openai client"].append(measured(cpu, "openai client", pid, args.tokens, sdk_run, srv.url,
+                                                     args.model, p[0], args.tokens, k, sbias))
+                res["bare httpx"].append(measured(cpu, "bare httpx", pid, args.tokens, bare, srv.url, args.model,
+                                                  p[1], args.tokens, k, sbias))
                 res["engine in-process"].append(engine.call("run", prompt=p[2], tokens=args.tokens, seed=k,
                                                             bias=bias))
                 recs: list[dict[str, Any]] = llama_tools.llama_bench(path, threads=threads, flash_attn="auto",
@@ -98,6 +132,8 @@ def main() -> None:
         engine.close()
     tg = med(res["tg128"])
     print("\n" + "\n".join(f"{n:>18}: {med(v):6.1f} tok/s = {med(v) / tg:.3f} of tg128" for n, v in res.items()))
+    print("\nCPU per token (ms), beside the decode's:\n"
+          + "\n".join(f"{n:>34}: {med(v):.3f}" for n, v in cpu.items()))
 
 
 if __name__ == "__main__":

@@ -336,3 +336,86 @@ def test_penalties_match_llama_cpp_penalties_sampler(repeat, freq, presence, las
     ours.apply(row)
     assert not np.array_equal(row, logits)
     np.testing.assert_array_equal(row, expect)
+
+
+SAMPLINGS = {
+    "defaults": Sampling(seed=11),
+    "bias and penalties": Sampling(seed=5, temperature=1.3, logit_bias={13: 4.0, 30: -100.0, 1000: 2.5},
+                                   repeat_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+    "top-k 3, min-p": Sampling(seed=2, temperature=1.0, top_k=3, top_p=1.0, min_p=0.05),
+    "top-k 100": Sampling(seed=3, temperature=2.0, top_k=100, top_p=0.99),
+    "top-k 0 (whole row)": Sampling(seed=4, temperature=0.9, top_k=0, top_p=0.95),
+    "greedy with bias": Sampling(temperature=0.0, logit_bias={260: 5.0}, repeat_penalty=1.2),  # 260: " the"
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_sampler_draws_what_llama_cpp_draws_from_the_whole_row(default_model_path, name):
+    """Our samplers hand llama.cpp's chain only the candidates that can win (the close ones, for top-k); the
+    tokens drawn, seed for seed, are those of llama.cpp's own chain over the whole vocabulary (penalties and
+    bias samplers included), on real logits rows: 70 teacher-forced positions of a real text."""
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+    from llama_cpp import _internals as internals
+
+    from backends.base import Feed
+
+    s = SAMPLINGS[name]
+    src = LlamaCppSource(LoadSpec(model_path=str(default_model_path), n_ctx=256))
+    try:
+        toks = src.tokenize(PASSAGE + " " + PASSAGE)[:70]
+        rows = src.evaluate([Feed(0, toks, 0, len(toks))])[0]
+        n_vocab = src._n_vocab
+        view = [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(src._ctx, r), shape=(n_vocab,)) for r in rows]
+        original = [v.copy() for v in view]
+
+        ref = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        add = lambda smpl: llama_cpp.llama_sampler_chain_add(ref, smpl)  # noqa: E731
+        add(llama_cpp.llama_sampler_init_penalties(n_vocab, s.repeat_last_n, s.repeat_penalty,
+                                                   s.frequency_penalty, s.presence_penalty))
+        if s.logit_bias:
+            arr = (llama_cpp.llama_logit_bias * len(s.logit_bias))(
+                *(llama_cpp.llama_logit_bias(t, b) for t, b in s.logit_bias.items()))
+            add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(s.logit_bias), arr))
+        if s.temperature <= 0:
+            add(llama_cpp.llama_sampler_init_greedy())
+        else:
+            if s.top_k > 0:
+                add(llama_cpp.llama_sampler_init_top_k(s.top_k))
+            if 0 < s.top_p < 1:
+                add(llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
+            if s.min_p > 0:
+                add(llama_cpp.llama_sampler_init_min_p(s.min_p, 1))
+            add(llama_cpp.llama_sampler_init_temp(s.temperature))
+            add(llama_cpp.llama_sampler_init_dist(s.seed))
+        ours = src.sampler(s, None)
+        sizes: list[int] = []
+        apply = ours._apply
+        ours._apply = lambda ids, logits: sizes.append(len(ids)) or apply(ids, logits)  # type: ignore[method-assign]
+        expect, got = [], []
+        try:
+            for r, v, orig in zip(rows, view, original, strict=True):
+                cur = internals.LlamaTokenDataArray(n_vocab=n_vocab)
+                cur.copy_logits(orig.copy())
+                llama_cpp.llama_sampler_apply(ref, ctypes.byref(cur.candidates))
+                tok = int(cur.candidates_data.id[cur.candidates.selected])
+                llama_cpp.llama_sampler_accept(ref, tok)
+                expect.append(tok)
+                v[:] = orig  # the row as the decode left it
+                got.append(ours.sample(r))
+        finally:
+            llama_cpp.llama_sampler_free(ref)
+            ours.close()
+    finally:
+        src.close()
+    assert got == expect
+    assert len(set(got)) > 10  # real draws over varied rows, not one token
+    if s.temperature <= 0:
+        assert not sizes  # an argmax
+        assert 260 in got and sum(int(o.argmax()) != t for o, t in zip(original, got, strict=True)) > 5
+    elif s.top_k == 0:
+        assert sizes and all(n == n_vocab for n in sizes)
+    else:
+        assert sizes and max(sizes) < n_vocab / 2  # the chain saw the close candidates only
