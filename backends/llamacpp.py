@@ -732,7 +732,7 @@ class LlamaCppSource(TokenSource):
     def _row_view(self, ptr: Any) -> Any:
         """The context's logits row at ``ptr`` as a float32 array, without a copy (valid until the next
         evaluation)."""
-        return np.frombuffer(self._row_type.from_address(ctypes.addressof(ptr.contents)), dtype=np.single)
+        return np.frombuffer(memoryview(self._row_type.from_address(ctypes.addressof(ptr.contents))), dtype=np.single)
 
     def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | None) -> _ChainSampler:
         import llama_cpp
