@@ -256,6 +256,7 @@ class Penalties:
 
 _TOKEN_DATA = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)  # llama_token_data
 PREFILTER_WIDTHS = (8.0, 16.0)  # logit distances below the best tried before the whole vocabulary is handed over
+PREFILTER_MAX = 4096  # candidates above the previous row's threshold beyond which this row's best is looked up
 
 
 class _ChainSampler:
@@ -279,6 +280,7 @@ class _ChainSampler:
         self._prefilter = prefilter  # False: the chain has the bias and sees the whole row (a grammar)
         self._top_k = top_k
         self._greedy = greedy
+        self._last_best: float | None = None  # the best logit of the previous row (a first threshold to try)
         items = sorted((bias or {}).items())
         self._bias_ids = np.array([t for t, _ in items], dtype=np.intp)
         self._bias = np.array([b for _, b in items], dtype=np.single)
@@ -325,7 +327,16 @@ class _ChainSampler:
         if self._greedy:
             return int(row.argmax())  # the first of equal maxima, as llama.cpp's greedy sampler
         if self._top_k > 0:
+            # Any threshold that at least k tokens reach keeps the k best: try the previous row's best first
+            # (one pass fewer over the row), then widths below this row's best.
+            if self._last_best is not None:
+                ids = np.flatnonzero(row >= self._last_best - PREFILTER_WIDTHS[0])
+                if self._top_k <= ids.size <= PREFILTER_MAX:
+                    logits = row[ids]
+                    self._last_best = float(logits.max())
+                    return self._apply(ids.astype(np.intc), logits)
             best = row.max()
+            self._last_best = float(best)
             for width in PREFILTER_WIDTHS:
                 ids = np.flatnonzero(row >= best - width)
                 if ids.size >= self._top_k:

@@ -131,7 +131,11 @@ def main() -> None:
     finally:
         engine.close()
     tg = med(res["tg128"])
+    # the machine's speed drifts between rounds: each side is also read against the tg128 of its own round
+    ratios = {n: [a / b for a, b in zip(v, res["tg128"], strict=True)] for n, v in res.items() if n != "tg128"}
     print("\n" + "\n".join(f"{n:>18}: {med(v):6.1f} tok/s = {med(v) / tg:.3f} of tg128" for n, v in res.items()))
+    print("\nper round, against that round's tg128 (median [range]):\n" + "\n".join(
+        f"{n:>18}: {med(r):.3f} [{min(r):.3f}-{max(r):.3f}]" for n, r in ratios.items()))
     print("\nCPU per token (ms), beside the decode's:\n"
           + "\n".join(f"{n:>34}: {med(v):.3f}" for n, v in cpu.items()))
 
