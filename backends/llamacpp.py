@@ -254,7 +254,6 @@ class Penalties:
         row[ids] = lg - (n * self.frequency + (n > 0).astype(np.single) * self.presence)
 
 
-_TOKEN_DATA = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)  # llama_token_data
 PREFILTER_WIDTHS = (8.0, 16.0)  # logit distances below the best tried before the whole vocabulary is handed over
 PREFILTER_MAX = 4096  # candidates above the previous row's threshold beyond which this row's best is looked up
 
@@ -313,7 +312,7 @@ class _ChainSampler:
         else:
             if self._penalties is not None:
                 self._penalties.apply(row)
-            tok = self._apply(np.arange(row.shape[0], dtype=np.intc), row)
+            tok = self._apply(self._src._all_ids, row)
         llama_cpp.llama_sampler_accept(self._chain, tok)
         if self._penalties is not None:
             self._penalties.accept(tok)
@@ -343,7 +342,7 @@ class _ChainSampler:
                 ids = np.flatnonzero(row >= best - width)
                 if ids.size >= self._top_k:
                     return self._apply(ids.astype(np.intc), row[ids])
-        return self._apply(np.arange(row.shape[0], dtype=np.intc), row)
+        return self._apply(self._src._all_ids, row)
 
     def _apply(self, ids: Any, logits: Any) -> int:
         """Run the chain over the candidates ``ids`` with ``logits`` (ascending ids, as llama.cpp builds them)."""
@@ -429,7 +428,9 @@ class LlamaCppSource(TokenSource):
         try:
             self._vocab = llama_cpp.llama_model_get_vocab(self._model)
             self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-            self._candidates = np.zeros(self._n_vocab, dtype=_TOKEN_DATA)  # the samplers' candidates (one thread)
+            # the samplers' candidates (llama_token_data; one thread samples) and every token id, made once
+            self._candidates = np.zeros(self._n_vocab, dtype=np.dtype(llama_cpp.llama_token_data))
+            self._all_ids = np.arange(self._n_vocab, dtype=np.intc)
             self._row_type = ctypes.c_float * self._n_vocab
             cp = llama_cpp.llama_context_default_params()
             cp.n_ctx = spec.n_ctx * slots
@@ -793,7 +794,8 @@ class LlamaCppSource(TokenSource):
             add(llama_cpp.llama_sampler_init_dist(_seed32(s.seed)))
         return _ChainSampler(self, chain, penalties, prefilter=prefilter, greedy=greedy,
                              top_k=int(s.top_k) if s.top_k and s.top_k > 0 else 0,
-                             bias={int(t): float(b) for t, b in (s.logit_bias or {}).items()})
+                             bias={int(t): float(b) for t, b in s.logit_bias.items()} if prefilter and s.logit_bias
+                             else None)
 
     # ------------------------------------------------------------------ KV cells
 

@@ -10,7 +10,8 @@ token), temperature 0.8, end-of-generation tokens banned so every stream runs it
 are the openai SDK's cost per chunk, then the server's (HTTP, SSE frames), then the loop's. The server
 loads the model with ``--threads`` (default: physical cores) like the other sides, and the CPU time per
 token of the server's event loop thread and of the client (this process) is printed beside the rates:
-on a machine whose cores all decode, that CPU is taken from the decode (Linux: read from ``/proc``).
+on a machine whose cores all decode, that CPU is taken from the decode (``psutil``; the event loop is the
+server's main thread, whose thread id is the process id on Linux).
 
     python benchmarks/single_stream.py --threads 1    # leave the client and the event loop a core
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 from typing import Any
 
@@ -62,10 +62,10 @@ def bare(url: str, model: str, prompt: str, tokens: int, seed: int, bias: dict[s
 
 
 def thread_cpu(pid: int, tid: int) -> float:
-    """CPU seconds (user + system) that thread ``tid`` of process ``pid`` has used (Linux ``/proc``)."""
-    with open(f"/proc/{pid}/task/{tid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds (user + system) that thread ``tid`` of process ``pid`` has used."""
+    import psutil
+
+    return next(t.user_time + t.system_time for t in psutil.Process(pid).threads() if t.id == tid)
 
 
 def measured(cpu: dict[str, list[float]], name: str, pid: int, tokens: int, fn: Any, *args: Any) -> float:
