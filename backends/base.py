@@ -13,9 +13,10 @@ Above it, in this package:
   many sequences per step (continuous batching), chunked prefill, a KV pool with prefix sharing,
   speculative decoding as a step policy;
 * :mod:`backends.channel` — the one bridge from that thread to a consumer (sync or asyncio);
-* :mod:`backends.registry` — backend names to classes (``"llamacpp"``, ``"mlx"``).
+* :mod:`backends.descriptor` — each backend described once (name, whether it runs here, weights, KV types,
+  schema rules, memory, install); :mod:`backends.registry` — names to classes, and loading.
 
-Adding a backend is one file: a :class:`TokenSource` subclass, plus one line in the registry.
+Adding a backend is one file: a :class:`TokenSource` subclass, plus one descriptor registered.
 
 Errors (all subclasses of :class:`BackendError`, each message one clear sentence)::
 
@@ -33,8 +34,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
-KVCacheType = Literal["f16", "q8_0", "q4_0"]
-KV_CACHE_TYPES: tuple[str, ...] = ("f16", "q8_0", "q4_0")
+from backends.descriptor import KV_CACHE_TYPES, KVCacheType  # noqa: F401 - KV_CACHE_TYPES re-exported
+from backends.descriptor import get as descriptor_of
+
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 ThinkValue = bool | Literal["low", "medium", "high"] | None
 FALLBACK_CHAT_TEMPLATE = (  # ChatML, for models without a chat template (base models: chat is of little use)
@@ -279,9 +281,10 @@ class TokenSource(abc.ABC):
         self.spec = spec
 
     @classmethod
-    @abc.abstractmethod
     def available(cls) -> tuple[bool, str]:
-        """(importable on this machine, reason when not)."""
+        """(usable on this machine, why not and how to install it): the check of this backend's descriptor
+        (:meth:`backends.descriptor.Backend.available`), the one the probe shows."""
+        return descriptor_of(cls.name).available()
 
     @classmethod
     def on_thread(cls) -> None:

@@ -356,6 +356,19 @@ def _node(schema: Any) -> tuple[Any, ...]:  # noqa: C901 - one keyword per branc
     return ("arr", _node(schema.get("items", {})), int(schema.get("minItems", 0)), schema.get("maxItems"), 0, "open")
 
 
+def schema_problem(schema: Any) -> str | None:
+    """The part of a JSON schema MLX's constraint cannot follow (one sentence), or None (the backend's rules).
+
+    >>> schema_problem({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}]}}})
+    'this JSON schema cannot be followed on MLX: anyOf is not supported'
+    """
+    try:
+        compile_schema(schema)
+    except SchemaError as e:
+        return f"this JSON schema cannot be followed on MLX: {e}"
+    return None
+
+
 @dataclass(frozen=True)
 class SchemaState:
     """A stack of pending grammar nodes (head first); empty = the object is complete."""
