@@ -69,7 +69,7 @@ class Backend:
     def rank(self, apple_silicon: bool) -> int:
         return self.apple_priority if apple_silicon and self.apple_priority is not None else self.priority
 
-    def source_class(self) -> type:
+    def source_class(self) -> Any:
         """Its :class:`~backends.base.TokenSource` class (imports the backend's module)."""
         module, cls = self.source.split(":")
         return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
@@ -116,6 +116,11 @@ def unregister(name: str) -> None:
 def names() -> list[str]:
     """Every registered backend's name, in registration order."""
     return list(_REGISTRY)
+
+
+def registered() -> list[Backend]:
+    """Every registered backend, in registration order."""
+    return list(_REGISTRY.values())
 
 
 def get(name: str) -> Backend:

@@ -27,14 +27,33 @@ from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
+import click
+
 from localllm.errors import LocalLLMError
+from localllm.hardware import BACKEND_CHOICES as BACKENDS  # "auto" and every registered backend, read live
 
 if TYPE_CHECKING:
     from localllm.api import Installed, Models, Runner
     from localllm.engine import Done, GenerateRequest, LoadOptions, Sampling, Stats
     from localllm.thinking import ThinkValue
 
-BACKENDS = ("auto", "llamacpp", "mlx")
+
+
+class BackendChoice(click.Choice):
+    """``--backend``: ``auto`` or a registered backend's name, the registry read when the option is parsed (a
+    backend registered after the command was built is a choice too)."""
+
+    def __init__(self) -> None:
+        super().__init__(list(BACKENDS))
+
+    @property  # type: ignore[override]
+    def choices(self) -> tuple[str, ...]:
+        return tuple(BACKENDS)
+
+    @choices.setter
+    def choices(self, value: Any) -> None:
+        pass  # click.Choice.__init__ sets it: the registry is the choices
+
 
 # Ollama's colours for reasoning on a terminal (readline.ColorGrey / ColorBold / ColorDefault)
 GREY, BOLD, RESET = "\x1b[38;5;245m", "\x1b[1m", "\x1b[0m"

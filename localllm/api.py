@@ -178,7 +178,7 @@ class Running:
     size_vram: int = 0  # of which on the GPU
     context_length: int = 0  # tokens per sequence in this load
     expires_at: datetime | None = None  # None = never
-    backend: str = ""  # "llamacpp" | "mlx"
+    backend: str = ""  # a backend's name (backends.descriptor)
     kv_cache_type: str = ""
     n_gpu_layers: int = 0
     n_layers: int = 0
@@ -246,7 +246,7 @@ class Fit:
     """The planner's verdict for one model on this machine."""
 
     model: str = ""  # the installed name it was planned for ("" for a catalog estimate)
-    backend: str = ""  # "llamacpp" | "mlx"
+    backend: str = ""  # a backend's name (backends.descriptor)
     verdict: str = ""  # "gpu" | "partial" | "cpu" | "too_big"; "" when unknown
     text: str = "?"  # "fits on GPU", "partial offload 20/32 layers", "CPU", "too big"; "≈ CPU" estimated
     n_gpu_layers: int = 0

@@ -6,8 +6,8 @@ and **never raises**: every part that cannot be read degrades to "none found" an
 
     >>> from localllm.hardware import probe
     >>> hw = probe()  # doctest: +SKIP
-    >>> hw.physical_cores, hw.gpus, hw.backends["llamacpp"].gpu_offload  # doctest: +SKIP
-    (2, [], False)
+    >>> hw.physical_cores, hw.gpus, [(b.label, b.available) for b in hw.backends.values()]  # doctest: +SKIP
+    (2, [], [('llama.cpp', True), ('MLX', False)])
     >>> hw.notes  # doctest: +SKIP
     ['NVML not available: NVML Shared Library Not Found', 'nvidia-smi not found on PATH']
 
@@ -23,23 +23,30 @@ Sources, in order of preference:
   (Metal's ``recommendedMaxWorkingSetSize``) when MLX is importable; an ``iogpu.wired_limit_mb``
   the user raised; else Ollama's former rule (``gpu/gpu_darwin.go``): 2/3 of RAM up to 36 GiB,
   3/4 above.
-* Backends: ``llama_cpp`` importable, ``llama_supports_gpu_offload()`` and the GPU backend compiled
-  in (parsed from ``llama_print_system_info()``); ``mlx.core`` + ``mlx_lm`` importable and MLX's
-  default device.
+* Backends: each registered backend's own check (:meth:`backends.descriptor.Backend.status`: for llama.cpp
+  ``llama_cpp`` importable, ``llama_supports_gpu_offload()`` and the GPU backend compiled in; for MLX
+  ``mlx.core`` + ``mlx_lm`` importable and MLX's default device), the same check that decides whether the
+  backend loads.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import platform
 import re
 import shutil
 import subprocess
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
+
+from backends import descriptor
+from backends.descriptor import BackendStatus, parse_gpu_backend
+
+__all__ = ["BACKEND_CHOICES", "GPU", "BackendStatus", "HardwareInfo", "backend_names", "metal_budget_rule",
+           "parse_gpu_backend", "parse_nvidia_smi", "probe", "probe_nvidia_smi", "probe_nvml", "schema_problem",
+           "simd_from_flags"]
 
 GiB = 1024**3
 MiB = 1024**2
@@ -71,10 +78,6 @@ _MAC_ARM_FEATURES = {
     "hw.optional.arm.FEAT_SME2": "sme2",
 }
 
-# what llama_print_system_info() names a compiled-in GPU backend → the name we show
-_GPU_BACKENDS = {"CUDA": "CUDA", "METAL": "Metal", "MTL": "Metal", "VULKAN": "Vulkan", "HIP": "HIP",
-                 "ROCM": "HIP", "SYCL": "SYCL", "CANN": "CANN", "MUSA": "MUSA", "OPENCL": "OpenCL"}
-
 
 @dataclass
 class GPU:
@@ -90,19 +93,6 @@ class GPU:
 
 
 @dataclass
-class BackendStatus:
-    """Can this backend run here, and can it use the GPU?"""
-
-    name: str  # "llamacpp" | "mlx"
-    available: bool
-    reason: str  # one line: why (not) available, e.g. "llama-cpp-python 0.3.36, CPU-only build"
-    gpu_offload: bool  # the build can put work on a GPU (CUDA/Metal/... for llama.cpp; Metal/CUDA for MLX)
-    detail: str = ""  # llama.cpp's system info / MLX's device
-    gpu_backend: str | None = None  # "CUDA", "Metal", "Vulkan"... (compiled in); None = CPU only
-    version: str | None = None
-
-
-@dataclass
 class HardwareInfo:
     os: str  # "Linux", "Darwin", "Windows"
     arch: str  # "x86_64", "arm64", "aarch64"
@@ -115,7 +105,7 @@ class HardwareInfo:
     gpus: list[GPU] = field(default_factory=list)
     apple_silicon: bool = False
     metal_budget: int | None = None  # bytes Metal may keep resident (Apple Silicon only)
-    backends: dict[str, BackendStatus] = field(default_factory=dict)  # "llamacpp", "mlx"
+    backends: dict[str, BackendStatus] = field(default_factory=dict)  # every registered backend, by name
     notes: list[str] = field(default_factory=list)  # why something was not found
 
     @property
@@ -389,65 +379,51 @@ def _is_apple_silicon(os_name: str, arch: str, notes: list[str]) -> bool:
 # ------------------------------------------------------------------------------------------ backends
 
 
-def parse_gpu_backend(system_info: str) -> str | None:
-    """The GPU backend named in ``llama_print_system_info()``, or None for a CPU-only build.
-
-    >>> parse_gpu_backend("CPU : SSE3 = 1 | AVX2 = 1 | LLAMAFILE = 1 |")
-    >>> parse_gpu_backend("CUDA : ARCHS = 890 | USE_GRAPHS = 1 | CPU : AVX2 = 1 |")
-    'CUDA'
-    """
-    for m in re.finditer(r"(?:^|\|)\s*([A-Za-z][A-Za-z0-9_]*)\s*:", system_info):
-        name = _GPU_BACKENDS.get(m.group(1).upper())
-        if name:
-            return name
-    return None
+def backend_names() -> list[str]:
+    """Every registered backend's name (what ``--backend`` takes besides ``auto``)."""
+    return descriptor.names()
 
 
-def _llamacpp_status() -> BackendStatus:
-    try:
-        import llama_cpp
-    except Exception as e:  # ImportError, or OSError when the shared library cannot load
-        return BackendStatus("llamacpp", False, f"llama-cpp-python is not importable: {_short_error(e)}", False)
-    version = getattr(llama_cpp, "__version__", None)
-    try:
-        offload = bool(llama_cpp.llama_supports_gpu_offload())
-    except Exception as e:
-        return BackendStatus("llamacpp", True, f"llama-cpp-python {version}; GPU offload unknown: "
-                             f"{_short_error(e)}", False, version=version)
-    try:
-        info = llama_cpp.llama_print_system_info()
-        info = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
-    except Exception:
-        info = ""
-    gpu = parse_gpu_backend(info) if offload else None
-    if offload:
-        reason = f"llama-cpp-python {version}, GPU offload via {gpu or 'a GPU backend'}"
-    else:
-        reason = f"llama-cpp-python {version}, CPU-only build"
-    return BackendStatus("llamacpp", True, reason, offload, info.strip(), gpu_backend=gpu if offload else None,
-                         version=version)
+class _Choices(Sequence[str]):
+    """``"auto"`` and every registered backend's name, read from the registry each time it is looked at (a
+    backend registered after this module was imported is in it)."""
+
+    def _all(self) -> tuple[str, ...]:
+        return ("auto", *descriptor.names())
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._all()[i]
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
 
 
-def _mlx_status() -> BackendStatus:
-    try:
-        import mlx.core as mx
-    except Exception as e:
-        return BackendStatus("mlx", False, f"mlx is not importable: {_short_error(e)}", False)
-    version = getattr(mx, "__version__", None)
-    try:
-        device = str(mx.default_device())
-        metal = bool(mx.metal.is_available())
-        cuda = bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
-    except Exception as e:
-        return BackendStatus("mlx", False, f"mlx is installed but not usable: {_short_error(e)}", False,
-                             version=version)
-    gpu = "Metal" if metal else "CUDA" if cuda else None
-    if importlib.util.find_spec("mlx_lm") is None:
-        return BackendStatus("mlx", False, f"mlx {version} is importable but mlx-lm is not installed", bool(gpu),
-                             device, gpu_backend=gpu, version=version)
-    where = f"on {gpu}" if gpu else "on the CPU only"
-    return BackendStatus("mlx", True, f"mlx {version} with mlx-lm, {where}", bool(gpu), device,
-                         gpu_backend=gpu, version=version)
+BACKEND_CHOICES: Sequence[str] = _Choices()
+
+
+def _backend_status(b: descriptor.Backend, notes: list[str]) -> BackendStatus:
+    return _guarded(b.status, BackendStatus(b.name, False, "probe failed", False, label=b.label), notes, b.label)
+
+
+def schema_problem(schema: Any, backend: str = "auto") -> str | None:
+    """The first thing in a JSON schema that ``backend``'s structured output cannot follow (one sentence), or
+    None. For ``"auto"`` (the planner picks per model) a schema is refused only when no backend that runs here
+    can follow it, in the words of the one the planner tries first."""
+    if backend != "auto":
+        return descriptor.get(backend).schema_problem(schema)
+    hw = probe()
+    order = descriptor.ranked(hw.apple_silicon)
+    runnable = [b for b in order if hw.backend(b.name).available] or order[:1]
+    first = None
+    for b in runnable:
+        problem = b.schema_problem(schema)
+        if problem is None:
+            return None
+        first = first or problem
+    return first
 
 
 def _guarded(fn, fallback, notes: list[str], what: str):
@@ -484,14 +460,11 @@ def _probe() -> HardwareInfo:
     elif os_name != "Darwin":  # no NVIDIA driver exists for current macOS
         gpus = _guarded(lambda: _nvidia(notes), [], notes, "NVIDIA")
 
-    backends = {
-        "llamacpp": _guarded(_llamacpp_status, BackendStatus("llamacpp", False, "probe failed", False), notes,
-                             "llama.cpp"),
-        "mlx": _guarded(_mlx_status, BackendStatus("mlx", False, "probe failed", False), notes, "MLX"),
-    }
-    if not simd and backends["llamacpp"].detail:  # e.g. Windows: take what llama.cpp's build reports
-        simd = [n for n in _SIMD_ORDER
-                if re.search(rf"\b{re.escape(n)}\s*=\s*1", backends["llamacpp"].detail, re.IGNORECASE)]
+    backends = {b.name: _backend_status(b, notes) for b in descriptor.registered()}
+    for b in backends.values():
+        if simd:
+            break  # e.g. Windows: take the CPU features a backend's build reports (llama.cpp's system info)
+        simd = [n for n in _SIMD_ORDER if re.search(rf"\b{re.escape(n)}\s*=\s*1", b.detail, re.IGNORECASE)]
     return HardwareInfo(os=os_name, arch=arch, cpu_model=cpu_model, physical_cores=physical, logical_cores=logical,
                         simd=simd, ram_total=ram_total, ram_available=ram_available, gpus=gpus,
                         apple_silicon=apple, metal_budget=metal_budget, backends=backends, notes=notes)

@@ -1,6 +1,7 @@
-"""Where MLX builds of installed models live, and making one from the GGUF the store holds.
+"""MLX weights of installed models, in one place: where they live, what MLX has for a model (installed
+weights, a GGUF that converts, or why not) and making them from the GGUF the store holds.
 
-One directory per GGUF, keyed by the GGUF's digest, under ``paths().models / "mlx"``::
+One directory per GGUF, keyed by the GGUF's digest, under :func:`mlx_root` (``<models>/mlx``)::
 
     <models>/mlx/<sha256 hex of the GGUF>/   config.json, model.safetensors, tokenizer.json, ...
 
@@ -16,13 +17,18 @@ from the GGUF with :mod:`backends.mlx_convert` (Q4_0/Q4_1/Q8_0 stay quantized)::
     PosixPath('/home/me/.local/share/localllm/models/mlx/b179c952...')
 
 MLX converts on first use: while planning, the engine (and ``probe``) ask :func:`mlx_for_plan` what MLX has
-for the model (installed weights, a GGUF that converts, or why not: for ``--backend mlx`` one sentence
-saying why and what to do); a plan with ``mlx_convert`` set makes the engine build the directory on the
-model's load thread before loading it, reporting :class:`ConversionProgress` to the face that asked.
+for the model (:class:`MLXWeights`: installed weights, a GGUF that converts, or why not: for ``--backend
+mlx`` one sentence saying why and what to do) and hand it to the pure planner; a plan with ``mlx_convert``
+set makes the engine build the directory on the model's load thread before loading it, reporting
+:class:`ConversionProgress` to the face that asked. Whether a GGUF converts is read from its header once
+per file and kept under ``<cache>/mlx-convertible`` (this module owns that cache; the planner reads no file).
+(Fetching MLX weights from the Hub is the store's, in :mod:`localllm.mlxpull`.)
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import threading
@@ -31,8 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from backends import descriptor
+from backends.descriptor import MLX
 from localllm.config import paths
 from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from localllm.hardware import HardwareInfo
 
 _lock = threading.Lock()
 
@@ -79,14 +90,35 @@ class InstalledLike(GGUFModel, Protocol):
     def mlx_source(self) -> str | None: ...
 
 
-if TYPE_CHECKING:
-    from localllm.hardware import HardwareInfo
-    from localllm.planner import MLXWeights
+@dataclass(frozen=True)
+class MLXWeights:
+    """What MLX has for a model: installed weights, or a GGUF that converts (on first use)."""
+
+    installed: bool = False  # a complete MLX directory exists (downloaded or converted)
+    convertible: bool = False  # the GGUF converts to MLX (checked from its header)
+    why_not: str = ""  # why the GGUF does not convert (one sentence), when not installed
+    weights_bytes: int | None = None  # the MLX weights: the directory's size, or the conversion's estimate
+    source: str = ""  # "mlx-community/X@1a2b3c", "converted from the GGUF", "Q4_K → 4-bit, ..." (the plan)
+
+    @property
+    def usable(self) -> bool:
+        return self.installed or self.convertible
 
 
-def mlx_root() -> Path:
-    """The folder holding every MLX model directory."""
-    return paths().models / "mlx"
+def mlx_root(models: Path | None = None) -> Path:
+    """The folder holding every MLX model directory (under ``models``, default the configured models dir)."""
+    return (paths().models if models is None else models) / MLX
+
+
+def mlx_dtype(device: str) -> str:
+    """The float type a conversion for ``device`` uses: float16 on Metal (half the size), float32 on the
+    CPU (mlx's CPU kernels are ~30× slower with float16 scales)."""
+    return "float16" if device == "metal" else "float32"
+
+
+def takes_mlx(backend: str) -> bool:
+    """Whether ``backend`` (a name, or ``"auto"``) loads MLX weights."""
+    return backend in descriptor.names() and descriptor.get(backend).weights == MLX
 
 
 def _key(model: GGUFModel) -> str:
@@ -145,19 +177,73 @@ def cannot_convert_sentence(name: str, why: str) -> str:
             f"run it with --backend llamacpp, or install an MLX build of it.")
 
 
+def mlx_weights(model: InstalledLike, hw: HardwareInfo | None = None, *, backend: str = "auto") -> MLXWeights:
+    """What MLX can run for an installed model (a :class:`~localllm.store.InstalledModel`).
+
+    Looks at the MLX directory the store found, else — where the answer matters (Apple Silicon with mlx,
+    or a ``backend`` that loads MLX weights) — at whether the GGUF converts, from its header (cached per
+    file, so planning stays fast). Never converts anything."""
+    mlx_path = model.mlx_path
+    if mlx_path is not None and Path(mlx_path).is_dir():
+        size = sum(p.stat().st_size for p in Path(mlx_path).glob("*.safetensors"))
+        return MLXWeights(installed=True, weights_bytes=size or None,
+                          source=str(model.mlx_source or "installed"))
+    statuses = [hw.backend(b.name) for b in descriptor.taking(MLX)] if hw is not None else []
+    mlx_ok = any(s.available for s in statuses)
+    if not takes_mlx(backend) and not (hw is not None and hw.apple_silicon and mlx_ok):
+        return MLXWeights()
+    device = "metal" if any(s.gpu_backend == "Metal" for s in statuses) else "cpu"
+    return _convertible(Path(model.path), mlx_dtype(device))
+
+
+def _convertible(path: Path, dtype: str) -> MLXWeights:
+    """Whether the GGUF at ``path`` converts (and to how many bytes), from its header; kept per file, converter
+    version and dtype under ``<cache>/mlx-convertible``."""
+    try:
+        st = path.stat()
+        import backends.mlx_convert as mc
+
+        version = hashlib.sha256(Path(mc.__file__).read_bytes()).hexdigest()[:12]
+    except OSError as e:
+        return MLXWeights(why_not=f"its GGUF cannot be read ({e.strerror or e})")
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{version}|{dtype}".encode()).hexdigest()
+    cache = paths().cache / "mlx-convertible" / f"{key[:32]}.json"
+    try:
+        d = json.loads(cache.read_text())
+        return MLXWeights(convertible=d["convertible"], why_not=d["why_not"], weights_bytes=d["bytes"],
+                          source=d["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from backends.base import BackendError
+
+    try:
+        info = mc.inspect_gguf(path, dtype=dtype)
+        out = MLXWeights(convertible=True, weights_bytes=info.estimated_bytes,
+                         source=", ".join(f"{t} {p}" for t, p in sorted(info.policy.items()) if p != "float"))
+    except BackendError as e:
+        out = MLXWeights(why_not=str(e).rstrip("."))
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"convertible": out.convertible, "why_not": out.why_not,
+                                   "bytes": out.weights_bytes, "source": out.source}))
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return out
+
+
 def mlx_for_plan(model: InstalledLike, hw: HardwareInfo, backend: str) -> MLXWeights | None:
-    """What the planner gets as ``mlx=`` for ``model`` on ``hw`` (:class:`~localllm.planner.MLXWeights`:
-    installed weights, a GGUF that converts on first use, or why not), or None for ``backend="llamacpp"``.
+    """What the planner gets as ``mlx=`` for ``model`` on ``hw`` (:class:`MLXWeights`: installed weights, a
+    GGUF that converts on first use, or why not), or None for a ``backend`` asked for that loads a GGUF.
 
-    For ``backend="mlx"`` on a machine where MLX runs, a model with no MLX weights whose GGUF cannot
-    convert raises :class:`ConversionError` (:func:`cannot_convert_sentence`: why, and what to do). Reads
-    the GGUF header at most (cached per file by the planner)."""
-    if backend == "llamacpp":
+    For a ``backend`` that loads MLX weights, on a machine where it runs, a model with no MLX weights whose GGUF
+    cannot convert raises :class:`ConversionError` (:func:`cannot_convert_sentence`: why, and what to do).
+    Reads the GGUF header at most (cached per file)."""
+    if backend in descriptor.names() and not takes_mlx(backend):
         return None
-    from localllm.planner import mlx_weights
-
     mw = mlx_weights(model, hw, backend=backend)
-    if backend == "mlx" and not mw.usable and mw.why_not and hw.backend("mlx").available:
+    if takes_mlx(backend) and not mw.usable and mw.why_not and hw.backend(backend).available:
         raise ConversionError(cannot_convert_sentence(model.name, mw.why_not))
     return mw
 

@@ -35,24 +35,22 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from backends import descriptor
+from backends.descriptor import GGUF, KV_CACHE_TYPES, LLAMA_CPP_VERSION, Backend
 from localllm.errors import PlanError
 from localllm.ggufinfo import GGUFInfo
-from localllm.hardware import GiB, HardwareInfo, MiB, metal_budget_rule
+from localllm.hardware import BACKEND_CHOICES, BackendStatus, GiB, HardwareInfo, MiB, metal_budget_rule
+from localllm.mlxmodels import MLXWeights, mlx_dtype  # noqa: F401 - mlx_dtype: re-exported for the engine
 
-if TYPE_CHECKING:
-    from localllm.mlxmodels import InstalledLike
-
-LLAMA_CPP_VERSION = "0.3.36"
 CUDA_ADVICE = (f'CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir '
                f'llama-cpp-python=={LLAMA_CPP_VERSION}')
 METAL_ADVICE = (f'CMAKE_ARGS="-DGGML_METAL=on" pip install --force-reinstall --no-cache-dir '
                 f'llama-cpp-python=={LLAMA_CPP_VERSION}')
 
-KV_TYPES = ("f16", "q8_0", "q4_0")
-BACKENDS = ("auto", "llamacpp", "mlx")
+KV_TYPES = KV_CACHE_TYPES
+BACKENDS = BACKEND_CHOICES  # "auto" and every registered backend's name
 DEFAULT_CTX = 4096  # llama.cpp --fit's floor (--fit-ctx) and Ollama's default num_ctx
 MIN_CTX = 512  # the smallest context the planner shrinks to on its own
 N_UBATCH = 512  # llama.cpp's default physical batch: the compute buffer scales with it
@@ -67,85 +65,6 @@ FA_HEAD_DIMS = {64, 80, 96, 112, 128, 256}  # head sizes llama.cpp's CUDA/Metal 
 def _gb(n: float) -> str:
     """Bytes as GiB, the unit GPU and RAM sizes are sold in (a "24 GB" card is 24 GiB)."""
     return f"{n / GiB:.1f} GiB" if abs(n) >= GiB else f"{n / MiB:.0f} MiB"
-
-
-@dataclass(frozen=True)
-class MLXWeights:
-    """What MLX has for a model: installed weights, or a GGUF that converts (on first use)."""
-
-    installed: bool = False  # a complete MLX directory exists (downloaded or converted)
-    convertible: bool = False  # the GGUF converts to MLX (checked from its header)
-    why_not: str = ""  # why the GGUF does not convert (one sentence), when not installed
-    weights_bytes: int | None = None  # the MLX weights: the directory's size, or the conversion's estimate
-    source: str = ""  # "mlx-community/X@1a2b3c", "converted from the GGUF", "Q4_K → 4-bit, ..." (the plan)
-
-    @property
-    def usable(self) -> bool:
-        return self.installed or self.convertible
-
-
-def mlx_dtype(device: str) -> str:
-    """The float type a conversion for ``device`` uses: float16 on Metal (half the size), float32 on the
-    CPU (mlx's CPU kernels are ~30× slower with float16 scales)."""
-    return "float16" if device == "metal" else "float32"
-
-
-def mlx_weights(model: InstalledLike, hw: HardwareInfo | None = None, *, backend: str = "auto") -> MLXWeights:
-    """What MLX can run for an installed model (a :class:`~localllm.store.InstalledModel`).
-
-    Looks at the MLX directory the store found, else — where the answer matters (Apple Silicon with mlx,
-    or ``backend="mlx"``) — at whether the GGUF converts, from its header (cached per file, so planning
-    stays fast). Never converts anything."""
-    mlx_path = model.mlx_path
-    if mlx_path is not None and Path(mlx_path).is_dir():
-        size = sum(p.stat().st_size for p in Path(mlx_path).glob("*.safetensors"))
-        return MLXWeights(installed=True, weights_bytes=size or None,
-                          source=str(model.mlx_source or "installed"))
-    mlx_ok = hw is not None and hw.backend("mlx").available
-    if backend != "mlx" and not (hw is not None and hw.apple_silicon and mlx_ok):
-        return MLXWeights()
-    device = "metal" if hw is not None and hw.backend("mlx").gpu_backend == "Metal" else "cpu"
-    return _convertible(Path(model.path), mlx_dtype(device))
-
-
-def _convertible(path: Path, dtype: str) -> MLXWeights:
-    import hashlib
-    import json
-
-    from localllm.config import paths
-
-    try:
-        st = path.stat()
-        import backends.mlx_convert as mc
-
-        version = hashlib.sha256(Path(mc.__file__).read_bytes()).hexdigest()[:12]
-    except OSError as e:
-        return MLXWeights(why_not=f"its GGUF cannot be read ({e.strerror or e})")
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{version}|{dtype}".encode()).hexdigest()
-    cache = paths().cache / "mlx-convertible" / f"{key[:32]}.json"
-    try:
-        d = json.loads(cache.read_text())
-        return MLXWeights(convertible=d["convertible"], why_not=d["why_not"], weights_bytes=d["bytes"],
-                          source=d["source"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    from backends.base import BackendError
-
-    try:
-        info = mc.inspect_gguf(path, dtype=dtype)
-        out = MLXWeights(convertible=True, weights_bytes=info.estimated_bytes,
-                         source=", ".join(f"{t} {p}" for t, p in sorted(info.policy.items()) if p != "float"))
-    except BackendError as e:
-        out = MLXWeights(why_not=str(e).rstrip("."))
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"convertible": out.convertible, "why_not": out.why_not,
-                                   "bytes": out.weights_bytes, "source": out.source}))
-        os.replace(tmp, cache)
-    except OSError:
-        pass
-    return out
 
 
 @dataclass
@@ -176,7 +95,7 @@ class MemoryEstimate:
 
 @dataclass
 class Plan:
-    backend: Literal["llamacpp", "mlx"]
+    backend: str  # a registered backend's name (backends.descriptor)
     device: Literal["cuda", "metal", "cpu"]
     n_gpu_layers: int  # llama.cpp's meaning: n_layers + 1 = all layers and the output layer
     n_layers: int
@@ -201,7 +120,7 @@ class Plan:
     @property
     def summary(self) -> str:
         """One line: ``"llama.cpp on CUDA, fits on GPU, 4,096-token context, 5.9 GiB"``."""
-        name = {"llamacpp": "llama.cpp", "mlx": "MLX"}[self.backend]
+        name = descriptor.get(self.backend).label if self.backend in descriptor.names() else self.backend
         where = {"cuda": "CUDA", "metal": "Metal", "cpu": "CPU"}[self.device]
         slots = f", {self.n_seq} slots" if self.n_seq > 1 else ""
         return (f"{name} on {where}, {self.verdict_text}, {self.n_ctx:,}-token context{slots}, "
@@ -440,10 +359,11 @@ class _Planner:
         return _Layout(mem, self.L + 1 if device != "cpu" else 0, (self.draft.n_layers + 1) if self.draft and
                        device != "cpu" else 0, True, "")
 
-    def layout(self, backend: str, device: str, n_ctx: int, fa: bool) -> _Layout:
-        return self.mlx_layout(device, n_ctx) if backend == "mlx" else self.llama_layout(device, n_ctx, fa)
+    def layout(self, backend: Backend, device: str, n_ctx: int, fa: bool) -> _Layout:
+        """How ``backend`` places the model: one unified pool (MLX), or layers offloaded to a GPU (llama.cpp)."""
+        return self.mlx_layout(device, n_ctx) if backend.memory == "unified" else self.llama_layout(device, n_ctx, fa)
 
-    def max_ctx(self, backend: str, device: str, fa: bool, ngl: int, n_seq: int = 1) -> int | None:
+    def max_ctx(self, backend: Backend, device: str, fa: bool, ngl: int, n_seq: int = 1) -> int | None:
         """Largest context (a multiple of 256, ≤ the training context) that keeps the layout at
         least as good (same number of GPU layers), or None when even MIN_CTX does not."""
         cap = self.info.context_length or 131072
@@ -465,9 +385,48 @@ class _Planner:
         return lo
 
 
-def _llama_device(hw: HardwareInfo, reasons: list[str], advice: list[str]) -> str:
-    """Which device llama.cpp can use here; appends the reason (and advice) lines."""
-    llama = hw.backend("llamacpp")
+def _device(b: Backend, hw: HardwareInfo, reasons: list[str], advice: list[str], name: str, mw: MLXWeights,
+            passed: list[Backend], status: dict[str, BackendStatus], *, asked: bool) -> str:
+    """The device ``b`` runs on here; appends the reason lines: why it (and not the backends ``passed``, tried
+    before it) and, where a better setup exists, the advice."""
+    converts = (f"its GGUF converts to {b.label} (once, offline, before the first load: {mw.source})" if mw.source
+                else f"its GGUF converts to {b.label} (once, offline, before the first load)")
+    prepared = "" if b.weights == GGUF or mw.installed else f"; {converts}"
+    if b.memory == "unified":
+        gb = status[b.name].gpu_backend
+        device = "metal" if gb == "Metal" else "cuda" if gb == "CUDA" else "cpu"
+        if asked:
+            reasons.append(f"backend {b.label} ({device}): asked for with --backend {b.name}{prepared}")
+        elif passed:
+            first = passed[0]
+            reasons.append(f"backend {b.label} ({device}): {first.label} is not importable "
+                           f"({status[first.name].reason}){prepared}")
+        else:
+            where = device.capitalize() if device == "metal" else device.upper()
+            reasons.append(f"backend {b.label} on {where}: Apple Silicon, {b.name} importable and "
+                           + (f"{b.label} weights of {name} installed ({mw.source or 'found'})" if mw.installed
+                              else converts))
+        return device
+    for p in passed:  # the ones the priority list tried first
+        st = status[p.name]
+        ready = p.weights == GGUF or mw.usable
+        if ready and not st.available:
+            reasons.append(f"{p.label} not used: {st.reason}")
+            advice.append(f"{p.install}  ({p.install_note})" if p.install_note else p.install)
+        elif st.available and not ready:
+            reasons.append(f"{p.label} not used: no {p.label} weights of {name} are installed and "
+                           f"{mw.why_not[0].lower() + mw.why_not[1:]}" if mw.why_not else
+                           f"{p.label} not used: no {p.label} build of {name} is installed")
+    before = len(reasons)
+    device = _layers_device(b, hw, reasons, advice)
+    if asked and len(reasons) > before:
+        reasons[-1] += f" (asked for with --backend {b.name})"
+    return device
+
+
+def _layers_device(b: Backend, hw: HardwareInfo, reasons: list[str], advice: list[str]) -> str:
+    """Which device a backend that offloads layers (llama.cpp) can use here; appends the reason (and advice)."""
+    llama = hw.backend(b.name)
     nvidia = hw.nvidia_gpus
     gpu_names = ", ".join(f"{g.name} ({_gb(g.total_bytes)})" for g in nvidia)
     cc = next((g.compute_capability for g in nvidia if g.compute_capability), None)
@@ -476,38 +435,38 @@ def _llama_device(hw: HardwareInfo, reasons: list[str], advice: list[str]) -> st
                    + (f'  (add -DCMAKE_CUDA_ARCHITECTURES={cc.replace(".", "")} to CMAKE_ARGS to build for this '
                       f"GPU only, much faster)" if cc else ""))
     if not llama.available:
-        reasons.append(f"llama.cpp: {llama.reason}")
+        reasons.append(f"{b.label}: {llama.reason}")
         if nvidia:
             advice.append(cuda_advice.replace("is idle because llama.cpp was built for the CPU only",
                                               "needs a CUDA build of llama.cpp"))
             return "cpu"
         if hw.apple_silicon:
-            advice.append(f"pip install llama-cpp-python=={LLAMA_CPP_VERSION}  (Metal is on by default on macOS)")
+            advice.append(f"{b.install}  (Metal is on by default on macOS)")
             return "metal"
-        advice.append(f"pip install llama-cpp-python=={LLAMA_CPP_VERSION}")
+        advice.append(b.install)
         return "cpu"
     if llama.gpu_offload:
         gb = llama.gpu_backend
         if nvidia and gb in ("CUDA", "Vulkan", None):
             via = f" via {gb}" if gb and gb != "CUDA" else ""
-            reasons.append(f"backend llama.cpp on CUDA{via}: {gpu_names} and a GPU-capable llama.cpp build")
+            reasons.append(f"backend {b.label} on CUDA{via}: {gpu_names} and a GPU-capable llama.cpp build")
             return "cuda"
         if hw.apple_silicon and gb in ("Metal", None):
-            reasons.append("backend llama.cpp on Metal: Apple Silicon and a Metal build of llama.cpp")
+            reasons.append(f"backend {b.label} on Metal: Apple Silicon and a Metal build of llama.cpp")
             return "metal"
         found = gpu_names or ("Apple Silicon GPU" if hw.apple_silicon else "none")
-        reasons.append(f"backend llama.cpp on the CPU: the build offloads via {gb or 'a GPU backend'}, "
+        reasons.append(f"backend {b.label} on the CPU: the build offloads via {gb or 'a GPU backend'}, "
                        f"but no such GPU was found (GPUs: {found})")
         return "cpu"
     if nvidia:
-        reasons.append(f"backend llama.cpp on the CPU: {gpu_names} found, but this llama.cpp build is CPU-only")
+        reasons.append(f"backend {b.label} on the CPU: {gpu_names} found, but this llama.cpp build is CPU-only")
         advice.append(cuda_advice)
     elif hw.apple_silicon:
-        reasons.append("backend llama.cpp on the CPU: this llama.cpp build has no Metal support")
+        reasons.append(f"backend {b.label} on the CPU: this llama.cpp build has no Metal support")
         advice.append(f"Install a Metal build of llama.cpp: {METAL_ADVICE}")
     else:
         why = "; ".join(n for n in hw.notes if "NVML" in n or "nvidia-smi" in n) or "none detected"
-        reasons.append(f"backend llama.cpp on the CPU: no usable GPU ({why})")
+        reasons.append(f"backend {b.label} on the CPU: no usable GPU ({why})")
     return "cpu"
 
 
@@ -544,82 +503,55 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     reasons: list[str] = []
     advice: list[str] = []
     mw = mlx if mlx is not None else MLXWeights(installed=mlx_model)
-    llama, mlx_status = hw.backend("llamacpp"), hw.backend("mlx")
-    mlx_device = ("metal" if mlx_status.gpu_backend == "Metal" else "cuda" if mlx_status.gpu_backend == "CUDA"
-                  else "cpu")
-    converts = (f"its GGUF converts to MLX (once, offline, before the first load: {mw.source})" if mw.source
-                else "its GGUF converts to MLX (once, offline, before the first load)")
+    order = descriptor.ranked(hw.apple_silicon)  # the priority list for "auto"
+    status = {b.name: hw.backend(b.name) for b in order}
 
-    # 1. backend ------------------------------------------------------------------------------
-    chosen: str
-    mlx_fallback_reason = None
-    if backend == "mlx":
-        if not mlx_status.available:
-            raise PlanError(f"--backend mlx cannot be used here: {mlx_status.reason}.")
-        if not mw.usable:
+    def ready(b: Backend) -> bool:
+        """Its weights are installed or can be prepared (a GGUF always is)."""
+        return b.weights == GGUF or mw.usable
+
+    # 1. backend: the one asked for, else the first of the priority list that runs here and has weights ------
+    chosen: Backend
+    if backend != "auto":
+        chosen = descriptor.get(backend)
+        st = status[chosen.name]
+        if not st.available:
+            raise PlanError(f"--backend {chosen.name} cannot be used here: {st.reason}.")
+        if not ready(chosen):
             if mw.why_not:
-                raise PlanError(f"--backend mlx cannot run {name}: no MLX weights are installed for it and "
-                                f"{mw.why_not[0].lower() + mw.why_not[1:]}.")
-            raise PlanError(f"--backend mlx needs MLX weights of {name}, and none are installed for it.")
-        chosen = "mlx"
-        reasons.append(f"backend MLX ({mlx_device}): asked for with --backend mlx"
-                       + ("" if mw.installed else f"; {converts}"))
-    elif backend == "llamacpp":
-        if not llama.available:
-            raise PlanError(f"--backend llamacpp cannot be used here: {llama.reason}.")
-        chosen = "llamacpp"
-    elif hw.apple_silicon and mlx_status.available and mw.usable:
-        chosen = "mlx"
+                raise PlanError(f"--backend {chosen.name} cannot run {name}: no {chosen.label} weights are installed "
+                                f"for it and {mw.why_not[0].lower() + mw.why_not[1:]}.")
+            raise PlanError(f"--backend {chosen.name} needs {chosen.label} weights of {name}, and none are installed "
+                            f"for it.")
+        passed: list[Backend] = []
     else:
-        chosen = "llamacpp"
-        if hw.apple_silicon and mw.usable and not mlx_status.available:
-            mlx_fallback_reason = f"MLX not used: {mlx_status.reason}"
-            advice.append("pip install 'localllm[mlx]'  (MLX is usually the fastest backend on Apple Silicon)")
-        elif hw.apple_silicon and mlx_status.available and not mw.usable:
-            mlx_fallback_reason = (f"MLX not used: no MLX weights of {name} are installed and "
-                                   f"{mw.why_not[0].lower() + mw.why_not[1:]}" if mw.why_not else
-                                   f"MLX not used: no MLX build of {name} is installed")
-        elif not llama.available and mlx_status.available and mw.usable:
-            chosen = "mlx"
-            reasons.append(f"backend MLX ({mlx_device}): llama.cpp is not importable ({llama.reason})"
-                           + ("" if mw.installed else f"; {converts}"))
+        chosen = next((b for b in order if status[b.name].available and ready(b)),
+                      next((b for b in order if b.weights == GGUF), order[0]))
+        passed = order[:order.index(chosen)]  # tried first, and why not is said below
 
     kv_reason = None
-    if chosen == "mlx" and kv != "f16":
-        bits = 8 if kv == "q8_0" else 4
-        if info.head_dim_k % 64 or info.sliding_window:
-            why = (f"head size {info.head_dim_k} is not a multiple of MLX's group size 64" if info.head_dim_k % 64
-                   else "the model's sliding-window (rotating) cache cannot be quantized")
-            if backend == "mlx":
-                raise PlanError(f"MLX cannot quantize this model's KV cache to {kv}: {why}.")
-            kv_reason = f"KV cache f16: MLX cannot use {kv} for this model ({why})"
+    if kv not in chosen.kv_cache_types:
+        raise PlanError(f"{chosen.label} has no {kv} KV cache (it has {', '.join(chosen.kv_cache_types)}).")
+    if chosen.kv_problem is not None and kv != "f16":
+        why = chosen.kv_problem(kv, info.head_dim_k, info.sliding_window)
+        if why:
+            if backend != "auto":
+                raise PlanError(f"{chosen.label} cannot quantize this model's KV cache to {kv}: {why}.")
+            kv_reason = f"KV cache f16: {chosen.label} cannot use {kv} for this model ({why})"
             kv = "f16"
         else:
-            kv_reason = f"KV cache {kv}: MLX kv_bits={bits}"
+            kv_reason = f"KV cache {kv}: {chosen.label} kv_bits={8 if kv == 'q8_0' else 4}"
 
     pl = _Planner(info, hw, kv, num_gpu, draft, mw.weights_bytes)
-    device: str
-    if chosen == "mlx":
-        device = mlx_device
-        if backend != "mlx" and not reasons:
-            where = device.capitalize() if device == "metal" else device.upper()
-            reasons.append(f"backend MLX on {where}: Apple Silicon, mlx importable and "
-                           + (f"MLX weights of {name} installed ({mw.source or 'found'})" if mw.installed
-                              else converts))
-    else:
-        if mlx_fallback_reason:
-            reasons.append(mlx_fallback_reason)
-        device = _llama_device(hw, reasons, advice)
-        if backend == "llamacpp" and reasons:
-            reasons[-1] += " (asked for with --backend llamacpp)"
-    if num_gpu == 0 and chosen == "llamacpp" and device != "cpu":
+    device = _device(chosen, hw, reasons, advice, name, mw, passed, status, asked=backend != "auto")
+    if num_gpu == 0 and chosen.memory == "layers" and device != "cpu":
         device = "cpu"
         reasons.append("all layers on the CPU: asked for with num_gpu 0")
     elif num_gpu and num_gpu > 0 and device == "cpu":
         reasons.append(f"num_gpu {num_gpu} ignored: there is no GPU this build can use")
 
     # 2. context (and the MLX budget fallback) -------------------------------------------------
-    fa, fa_reason = (False, None) if chosen == "mlx" else pl.flash_attn(device)
+    fa, fa_reason = (False, None) if chosen.memory == "unified" else pl.flash_attn(device)
     if num_ctx is not None:
         candidates = [num_ctx]
     else:
@@ -631,7 +563,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     slot_choices = [num_parallel] if num_parallel else [s for s in (DEFAULT_PARALLEL, 2, 1) if s <= DEFAULT_PARALLEL]
     n_seq = slot_choices[-1]
 
-    def pick(backend_: str, device_: str, fa_: bool, shrink: bool = True) -> tuple[int, _Layout]:
+    def pick(backend_: Backend, device_: str, fa_: bool, shrink: bool = True) -> tuple[int, _Layout]:
         """The first context that fits, and at it the most slots that fit without moving a layer off the
         GPU (more slots never cost GPU placement: a second request is worth less than speed for the first)."""
         nonlocal n_seq
@@ -649,16 +581,18 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
         n_seq = slot_choices[-1]  # nothing fits: describe the smallest setup at the first context
         return candidates[0], pl.layout(backend_, device_, candidates[0] * n_seq, fa_)
 
-    # an automatic MLX choice that does not fit goes to llama.cpp rather than to a smaller context
-    mlx_auto = chosen == "mlx" and backend == "auto" and device == "metal" and llama.available
-    n_ctx, lay = pick(chosen, device, fa, shrink=not mlx_auto)
-    if mlx_auto and not lay.fits:
-        reasons.append(f"MLX not used: {lay.why}; falling back to llama.cpp, which can keep part of the model "
-                       f"on the CPU")
-        chosen, kv_reason = "llamacpp", None
+    # an automatic choice of a unified-memory backend (MLX on Metal) that does not fit goes to the next backend
+    # of the priority list that runs here (llama.cpp) rather than to a smaller context
+    later = [b for b in order[order.index(chosen) + 1:] if status[b.name].available and ready(b)]
+    fallback = later[0] if backend == "auto" and chosen.memory == "unified" and device != "cpu" and later else None
+    n_ctx, lay = pick(chosen, device, fa, shrink=fallback is None)
+    if fallback is not None and not lay.fits:
+        reasons.append(f"{chosen.label} not used: {lay.why}; falling back to {fallback.label}"
+                       + (", which can keep part of the model on the CPU" if fallback.memory == "layers" else ""))
+        chosen, kv_reason = fallback, None
         pl = _Planner(info, hw, (kv_cache_type or "f16").lower(), num_gpu, draft)
-        device = _llama_device(hw, reasons, advice)
-        fa, fa_reason = pl.flash_attn(device)
+        device = _device(chosen, hw, reasons, advice, name, mw, [], status, asked=False)
+        fa, fa_reason = (False, None) if chosen.memory == "unified" else pl.flash_attn(device)
         n_ctx, lay = pick(chosen, device, fa)
 
     if not lay.fits and num_ctx is not None:
@@ -674,7 +608,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     mem = lay.mem
     if not lay.fits:
         verdict, verdict_text = "too_big", "does not fit"
-    elif chosen == "mlx":
+    elif chosen.memory == "unified":
         verdict, verdict_text = ("gpu", "fits on GPU") if device != "cpu" else ("cpu", "CPU")
     elif lay.ngl >= L + 1:
         verdict, verdict_text = "gpu", "fits on GPU"
@@ -691,14 +625,14 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     elif verdict != "too_big":
         reasons.append(f"{n_seq} parallel slot{'s' if n_seq > 1 else ''}: fewer than {DEFAULT_PARALLEL} so the "
                        f"{n_ctx:,}-token context fits")
-    if chosen == "mlx" and mw.weights_bytes:
-        reasons.append(f"MLX weights {_gb(mw.weights_bytes)}: " + (
-            "the installed MLX directory" if mw.installed else "the conversion's size (requantized tensors counted)")
-            + f"; the GGUF is {_gb(info.file_size)}")
+    if chosen.weights != GGUF and mw.weights_bytes:
+        reasons.append(f"{chosen.label} weights {_gb(mw.weights_bytes)}: " + (
+            f"the installed {chosen.label} directory" if mw.installed
+            else "the conversion's size (requantized tensors counted)") + f"; the GGUF is {_gb(info.file_size)}")
     budget, _, budget_desc = pl.gpu_budget(device)
     if verdict == "too_big":
         reasons.append(f"does not fit: {name} {lay.why}")
-    elif chosen == "llamacpp" and device != "cpu":
+    elif chosen.memory == "layers" and device != "cpu":
         if num_gpu is not None and num_gpu >= 0:
             over = mem.gpu > budget
             reasons.append(f"{min(lay.ngl, L)} of {L} layers on the GPU: asked for with num_gpu {num_gpu}"
@@ -711,8 +645,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
                            f"(keeping {GPU_MARGIN // MiB} MiB spare); the rest run on the CPU, slower")
         else:
             reasons.append(f"no layer fits on the GPU ({budget_desc}): CPU only")
-    elif chosen == "mlx" and device == "metal":
-        reasons.append(f"MLX keeps the model in unified memory: {_gb(mem.gpu)} of {budget_desc}")
+    elif chosen.memory == "unified" and device == "metal":
+        reasons.append(f"{chosen.label} keeps the model in unified memory: {_gb(mem.gpu)} of {budget_desc}")
     if verdict != "too_big" and hw.ram_available and (mem.total if device == "metal" else mem.cpu) > hw.ram_available:
         reasons.append(f"RAM is tight: the CPU side needs {_gb(mem.total if device == 'metal' else mem.cpu)} and "
                        f"{_gb(hw.ram_available)} is free now; other programs may be paged out")
@@ -727,9 +661,9 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
         reasons.append(f"context {n_ctx:,} tokens: the default, min(model's {ctx_train:,}, {DEFAULT_CTX:,})"
                        if ctx_train else f"context {n_ctx:,} tokens: the default (the model states none)")
     if info.sliding_window:
-        reasons.append(f"sliding-window attention (window {info.sliding_window:,}): llama.cpp keeps a full-size "
-                       f"cache by default (swa_full), so the KV figure counts every layer at full context"
-                       if chosen == "llamacpp" else
+        reasons.append(f"sliding-window attention (window {info.sliding_window:,}): {chosen.label} keeps a "
+                       f"full-size cache by default (swa_full), so the KV figure counts every layer at full context"
+                       if chosen.memory == "layers" else
                        f"sliding-window attention (window {info.sliding_window:,}): the KV figure is an upper bound")
     per_tok = info.kv_bytes_per_token(pl.kv)
     reasons.append(kv_reason or f"KV cache {pl.kv}: {per_tok / 1024:,.1f} KiB per token"
@@ -752,8 +686,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
             max_ctx = pl.max_ctx(chosen, device, fa, min(lay.ngl, L + 1), n_seq)
         except Exception:
             max_ctx = None
-    return Plan(backend=chosen, device=device, n_gpu_layers=lay.ngl, n_layers=L, n_ctx=n_ctx,  # type: ignore[arg-type]
+    return Plan(backend=chosen.name, device=device, n_gpu_layers=lay.ngl, n_layers=L, n_ctx=n_ctx,  # type: ignore[arg-type]
                 kv_cache_type=pl.kv, flash_attn=fa, n_threads=threads, verdict=verdict,  # type: ignore[arg-type]
                 verdict_text=verdict_text, memory=mem, reasons=reasons, advice="\n".join(advice) or None,
                 draft_n_gpu_layers=lay.draft_ngl, max_ctx=max_ctx, n_seq=n_seq,
-                mlx_convert=chosen == "mlx" and not mw.installed)
+                mlx_convert=chosen.converts_from is not None and not mw.installed)

@@ -42,6 +42,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from backends import descriptor
+from backends.descriptor import MLX
 from localllm.catalog import Catalog, CatalogEntry, Mirror
 from localllm.config import Paths
 from localllm.config import paths as default_paths
@@ -84,6 +86,11 @@ class InstalledModel:
         if self.mlx_repo:
             return f"{self.mlx_repo}@{(self.mlx_revision or '?')[:12]}"
         return "converted from the GGUF"
+
+    def weights_path(self, backend: str) -> Path | None:
+        """The weights ``backend`` (a registered name) loads for this model: the GGUF, or the MLX directory
+        (None while there is none)."""
+        return self.mlx_path if descriptor.get(backend).weights == MLX else self.path
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -224,8 +231,8 @@ class Store:
                 catalog=entry,
                 mlx_path=Path(data["mlx_path"]) if data.get("mlx_path") else None,
                 quant=data.get("quant"),
-                mlx_repo=(data.get("mlx") or {}).get("repo"),
-                mlx_revision=(data.get("mlx") or {}).get("revision"),
+                mlx_repo=(data.get(MLX) or {}).get("repo"),
+                mlx_revision=(data.get(MLX) or {}).get("revision"),
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -512,7 +519,9 @@ class Store:
     # ------------------------------------------------------------------------------------ MLX weights
     def mlx_download_dir(self, repo: str, revision: str) -> Path:
         """Where the MLX snapshot ``repo@revision`` lives once fetched."""
-        return self.paths.models / "mlx" / f"hf-{repo.replace('/', '--')}-{revision[:12]}"
+        from localllm.mlxmodels import mlx_root
+
+        return mlx_root(self.paths.models) / f"hf-{repo.replace('/', '--')}-{revision[:12]}"
 
     def _pull_mlx(self, plan: _Plan, install_ref: ModelRef, model: InstalledModel, rep: _Reporter,
                   cancel: threading.Event | None, *, required: bool) -> InstalledModel:
@@ -543,7 +552,7 @@ class Store:
         with self._store_lock():
             path = self._manifest_path(install_ref)
             data = json.loads(path.read_text(encoding="utf-8"))
-            data["mlx"] = {"repo": repo, "revision": snap.revision, "path": str(snap.path), "size": snap.size,
+            data[MLX] = {"repo": repo, "revision": snap.revision, "path": str(snap.path), "size": snap.size,
                            "files": snap.files, "fetched": _now().isoformat()}
             data["mlx_path"] = str(snap.path)
             self._write_manifest(install_ref, data)
@@ -721,7 +730,9 @@ class Store:
         lock): the downloaded one it recorded and the one converted from its GGUF (keyed by digest)."""
         import shutil
 
-        root = (self.paths.models / "mlx").resolve()
+        from localllm.mlxmodels import mlx_root
+
+        root = mlx_root(self.paths.models).resolve()
         used_paths: set[str] = set()
         used_digests: set[str] = set()
         for p in self._manifest_files():

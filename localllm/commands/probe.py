@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 
 import click
 
+from localllm.answer import BackendChoice
 from localllm.config import DEFAULT_MODEL
+from localllm.planner import KV_TYPES
 
 if TYPE_CHECKING:
     from localllm.hardware import HardwareInfo
@@ -73,9 +75,8 @@ def _hardware_rows(hw: HardwareInfo) -> list[tuple[str, str]]:
                                            + (f" ({extra})" if extra else "")))
     if hw.apple_silicon:
         rows.append(("Metal budget", _size(hw.metal_budget)))
-    labels = {"llamacpp": "llama.cpp", "mlx": "MLX"}
     for key, b in hw.backends.items():
-        rows.append((labels.get(key, key), f"{'yes' if b.available else 'no'}: {b.reason}"))
+        rows.append((b.label or key, f"{'yes' if b.available else 'no'}: {b.reason}"))
     return rows
 
 
@@ -115,9 +116,9 @@ def render(hw: HardwareInfo, name: str, model: InstalledModel | None, p: Plan | 
               help="Model to plan for: an installed name or a local .gguf path.")
 @click.option("--ctx", "num_ctx", type=click.IntRange(min=1), default=None,
               help="Context size to plan for (default: min(model's, 4096), shrunk to fit).")
-@click.option("--kv-cache-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default=None,
+@click.option("--kv-cache-type", type=click.Choice(KV_TYPES), default=None,
               help="KV cache type (default: LOCALLLM_KV_CACHE_TYPE or f16).")
-@click.option("--backend", type=click.Choice(["auto", "llamacpp", "mlx"]), default="auto", show_default=True,
+@click.option("--backend", type=BackendChoice(), default="auto", show_default=True,
               help="Backend to plan for.")
 @click.option("--num-gpu", type=int, default=None, help="Layers to offload (0 = CPU only).")
 @click.option("--json", "as_json", is_flag=True, help="Print HardwareInfo as JSON, with the model and the plan.")

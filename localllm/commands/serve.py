@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import click
 
+from localllm.answer import BackendChoice
+
 ENV_HELP = """\b
 Environment:
   LOCALLLM_HOST               address to bind (127.0.0.1:11434)
@@ -28,7 +30,7 @@ Environment:
               help="Address to listen on (default: LOCALLLM_HOST or 127.0.0.1:11434).")
 @click.option("--keep-alive", "keep_alive", default=None, metavar="DURATION",
               help="Default keep-alive for loaded models (5m, 1h, seconds, -1 = forever).")
-@click.option("--backend", type=click.Choice(["auto", "llamacpp", "mlx"]), default=None,
+@click.option("--backend", type=BackendChoice(), default=None,
               help="Backend for every request (default: LOCALLLM_BACKEND or auto, the planner's choice).")
 @click.option("--debug", is_flag=True, help="Log every request.")
 def command(address: str | None, keep_alive: str | None, backend: str | None, debug: bool) -> None:
