@@ -7,6 +7,7 @@ probe's own code runs unpatched.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import stat
@@ -274,7 +275,7 @@ def test_apple_silicon_budget_from_mlx(monkeypatch):
     assert hw.metal_budget == 19 * GiB
     mlx = hw.backends["mlx"]
     assert mlx.gpu_backend == "Metal" and mlx.gpu_offload
-    assert mlx.available == (hardware.importlib.util.find_spec("mlx_lm") is not None)
+    assert mlx.available == (importlib.util.find_spec("mlx_lm") is not None)
 
 
 def test_raised_wired_limit_wins(monkeypatch):

@@ -185,3 +185,23 @@ def test_a_cancelled_first_use_conversion_leaves_nothing(own_home: Path):
     root = own_home / "data" / "models" / "mlx"
     assert not root.exists() or not any(root.iterdir())  # no half-written directory
     assert _installed().mlx_path is None
+
+
+def test_mlx_weights_live_in_one_module_and_the_planner_reads_no_file():
+    """The planner imports the MLX weights module and nothing that owns files; the MLX weights module does not
+    import the planner back, not even for a type (no import circle of any kind)."""
+    import ast
+
+    import localllm.mlxmodels
+    import localllm.planner
+
+    def imported(module) -> set[str]:
+        tree = ast.parse(Path(module.__file__).read_text())
+        return {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+    planner, weights = imported(localllm.planner), imported(localllm.mlxmodels)
+    assert "localllm.mlxmodels" in planner and "localllm.planner" not in weights
+    assert not planner & {"localllm.config", "localllm.store", "json", "hashlib", "pathlib"}
+    src = Path(localllm.planner.__file__).read_text()
+    assert "mlx-convertible" not in src and "mlx-convertible" in Path(localllm.mlxmodels.__file__).read_text()

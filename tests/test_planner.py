@@ -19,7 +19,8 @@ import pytest
 from localllm.errors import PlanError
 from localllm.ggufinfo import GGUFInfo, read_gguf
 from localllm.hardware import GPU, BackendStatus, GiB, HardwareInfo, MiB, probe
-from localllm.planner import CUDA_OVERHEAD, GPU_MARGIN, HOST_OVERHEAD, MLXWeights, estimate, mlx_weights, plan
+from localllm.mlxmodels import MLXWeights, mlx_weights
+from localllm.planner import CUDA_OVERHEAD, GPU_MARGIN, HOST_OVERHEAD, estimate, plan
 
 
 def meta(name: str, *, size: int, layers: int, embd: int, heads: int, kv_heads: int, head_dim: int, ctx: int,
