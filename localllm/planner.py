@@ -23,12 +23,17 @@ Layers are offloaded like Ollama's ``EstimateGPULayers``: all of them (plus the 
 they fit in free VRAM minus a 512 MiB margin, else as many as fit. ``n_gpu_layers`` follows
 llama.cpp: ``n_layers + 1`` means every layer and the output layer.
 
-On Apple Silicon with mlx importable the planner picks MLX when it can run the model: MLX weights are
-installed (pulled from the catalog's ``mlx_repo`` or converted before), or the GGUF converts (then
-``Plan.mlx_convert`` is set: the caller converts it once, offline, before loading). Otherwise — a GGUF
-the converter refuses (the reason is one of the plan's lines), or a model over the Metal budget —
-llama.cpp on Metal. :func:`mlx_weights` says what MLX has for an installed model; the MLX memory
-figure counts the MLX weights' own size (the requantized one for a conversion), not the GGUF's.
+The backend is the first of a priority list (:func:`backends.descriptor.ranked`: the backends' own
+descriptors, MLX first on Apple Silicon, llama.cpp first elsewhere) that runs here and has weights for the
+model; the descriptor says how its memory is counted (layers offloaded to a GPU, or one unified pool), which
+KV types it takes and how it installs. So on Apple Silicon with mlx importable the planner picks MLX when it
+can run the model: MLX weights are installed (pulled from the catalog's ``mlx_repo`` or converted before), or
+the GGUF converts (then ``Plan.mlx_convert`` is set: the caller converts it once, offline, before loading).
+Otherwise — a GGUF the converter refuses (the reason is one of the plan's lines), or a model over the Metal
+budget — llama.cpp on Metal. What MLX has for an installed model is the caller's to ask
+(:func:`localllm.mlxmodels.mlx_for_plan`, which owns the files and their cache) and comes in as ``mlx=``;
+the MLX memory figure counts the MLX weights' own size (the requantized one for a conversion), not the
+GGUF's. The planner reads no file.
 """
 
 from __future__ import annotations
@@ -478,7 +483,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     ``num_ctx``: a context size to honour (refused with numbers if the model or memory cannot take
     it); None = min(training context, 4096), shrunk to fit. ``num_gpu``: layers to offload (Ollama's
     meaning; 0 = CPU, negative or None = decide). ``mlx``: what MLX has for this model
-    (:func:`mlx_weights`); ``mlx_model=True`` is the short form of "MLX weights are installed".
+    (:func:`localllm.mlxmodels.mlx_weights`); ``mlx_model=True`` is the short form of "MLX weights are installed".
     ``draft``: a draft model for speculative decoding, planned beside it. ``num_parallel``: sequences
     decoding at once (slots; one KV pool holds ``n_ctx`` tokens for each); None = 4 where that fits,
     fewer where it does not (the context is kept first). Raises :class:`PlanError`
