@@ -50,7 +50,7 @@ def test_real_probe_describes_this_machine():
 def test_real_probe_says_why_no_gpu_was_found():
     hw = probe(refresh=True)
     if hw.gpus:
-        pytest.skip("this machine has a GPU")
+        pytest.skip("hardware: this machine has a GPU")
     text = " ".join(hw.notes)
     assert "NVML" in text or hw.os == "Darwin"
     assert "nvidia-smi" in text or hw.os == "Darwin"
