@@ -152,16 +152,11 @@ def kv_type_problem(kv_type: str, head_dim_k: int, head_dim_v: int) -> str | Non
 
 
 def _head_dims_from_file(path: Path) -> tuple[int, int]:
-    """(head_dim_k, head_dim_v) from the GGUF header via ggml's ``gguf`` reader; (0, 0) if unknown."""
+    """(head_dim_k, head_dim_v) from the GGUF's key-value section (read in milliseconds); (0, 0) if unknown."""
     try:
-        from gguf import GGUFReader
+        from backends.gguf_header import read_header
 
-        fields = GGUFReader(str(path), "r").fields
-
-        def val(key: str) -> Any:
-            f = fields.get(key)
-            return f.contents() if f is not None else None
-
+        val = read_header(path, tensors=False).fields.get
         arch = val("general.architecture")
         n_embd, n_head = val(f"{arch}.embedding_length"), val(f"{arch}.attention.head_count")
         if isinstance(n_head, list):
