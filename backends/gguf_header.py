@@ -30,6 +30,7 @@ _CODE = {T.UINT8: "B", T.INT8: "b", T.UINT16: "H", T.INT16: "h", T.UINT32: "I", 
 EAGER_ARRAY = 1024  # arrays up to this length are read with the header; longer ones on demand
 # limits of ggml (ggml.h, src/gguf.cpp), as newer gguf packages' reader mirrors them
 MAX_DIMS = 4
+MAX_NAME = 64  # GGML_MAX_NAME: a tensor name and its NUL
 MAX_STRING = MAX_ARRAY = 1024 * 1024 * 1024
 
 
@@ -51,17 +52,14 @@ class LazyArray:
         return self.count
 
     def read(self) -> Any:
-        """The elements: a numpy array for numbers, a list otherwise."""
+        """The elements: a numpy array for numbers, a list of strings for strings."""
         if self.type in _CODE:
             import numpy as np
 
             return np.fromfile(self.path, dtype=np.dtype(self.byteorder + _CODE[self.type]), count=self.count,
                                offset=self.offset)
         with open(self.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            r = _Reader(self.path, buf, self.byteorder, self.offset)
-            if self.type != T.STRING:
-                return [r.value(self.type) for _ in range(self.count)]
-            out, unpack, pos = [], r._u64.unpack_from, self.offset
+            out, unpack, pos = [], struct.Struct(self.byteorder + "Q").unpack_from, self.offset
             for _ in range(self.count):
                 n = unpack(buf, pos)[0]
                 out.append(buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"))
@@ -110,26 +108,26 @@ def read_header(path: str | os.PathLike[str], *, tensors: bool = True) -> GGUFHe
             fields: dict[str, Any] = {}
             for key, value in r.items(n_kv):
                 if key in fields:
-                    raise GGUFHeaderError(f"it has the key {key} twice")
+                    raise GGUFHeaderError(f"it has the key {key[:80]!r} twice")
                 fields[key] = value
             if not tensors:
                 return GGUFHeader(version, fields, [], 0, size)
             infos = [r.tensor_info() for _ in range(n_tensors)]
             align = fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
             if type(align) is not int or align <= 0 or align & (align - 1):
-                raise GGUFHeaderError(f"its general.alignment ({align!r}) is not a power of two")
+                raise GGUFHeaderError(f"its general.alignment ({str(align)[:40]}) is not a power of two")
             start = -(-r.pos // align) * align
     seen: set[str] = set()
     out = []
     for name, shape, raw_type, rel in infos:
         if name in seen:
-            raise GGUFHeaderError(f"it has the tensor {name} twice")
+            raise GGUFHeaderError(f"it has the tensor {name!r} twice")
         seen.add(name)
         try:
             qtype = GGMLQuantizationType(raw_type)
             block, type_size = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
-            raise GGUFHeaderError(f"tensor {name} has the unknown type {raw_type}") from None
+            raise GGUFHeaderError(f"tensor {name!r} has the unknown type {raw_type}") from None
         n = 1
         for d in shape:
             n *= d
@@ -195,6 +193,8 @@ class _Reader:
         if vtype != T.ARRAY:
             raise GGUFHeaderError(f"it has a value of unhandled type {vtype.name}")
         etype, count = self._type(), self.u64()
+        if etype == T.ARRAY:
+            raise GGUFHeaderError("it has an array of arrays, which ggml does not read")
         if count > MAX_ARRAY:
             raise GGUFHeaderError("it holds an implausibly long array")
         if count <= EAGER_ARRAY:
@@ -208,7 +208,7 @@ class _Reader:
         if code is not None:
             self._need(count * struct.calcsize(code))
             self.pos += count * struct.calcsize(code)
-        elif etype == T.STRING:  # each string is its u64 length and its bytes: walk the lengths
+        else:  # strings: each is its u64 length and its bytes, so walk the lengths
             unpack, buf, pos, end = self._u64.unpack_from, self.buf, self.pos, self.size - 8
             for _ in range(count):
                 if pos > end:
@@ -216,14 +216,13 @@ class _Reader:
                 pos += 8 + unpack(buf, pos)[0]
             self.pos = pos
             self._need(0)
-        else:
-            for _ in range(count):
-                self.value(etype)
 
     def tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self.string()
+        if len(name.encode()) >= MAX_NAME:
+            raise GGUFHeaderError(f"a tensor name is longer than ggml allows ({MAX_NAME - 1} bytes)")
         n_dims = self.u32()
         if n_dims > MAX_DIMS:
-            raise GGUFHeaderError(f"tensor {name} has {n_dims} dimensions (ggml allows {MAX_DIMS})")
+            raise GGUFHeaderError(f"tensor {name!r} has {n_dims} dimensions (ggml allows {MAX_DIMS})")
         shape = tuple(self.u64() for _ in range(n_dims))
         return name, shape, self.u32(), self.u64()
