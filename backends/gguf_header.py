@@ -9,7 +9,7 @@ scalars, strings and short arrays, and seeks past long arrays, which stay in the
 
 >>> h = read_header("model.gguf")  # doctest: +SKIP
 >>> h.fields["general.architecture"], len(h.fields["tokenizer.ggml.tokens"]), h.tensors[0].n_bytes  # doctest: +SKIP
-('llama', 49152, 14155776)
+('llama', 49152, 30081024)
 """
 
 from __future__ import annotations
