@@ -438,6 +438,7 @@ class Engine:
                 draft=self._draft_spec(model, options, p.backend),
                 embedding=options.embedding,
                 verbose=os.environ.get("LOCALLLM_DEBUG", "") not in ("", "0"),
+                extra={"head_dims": (model.info.get("head_dim_k", 0), model.info.get("head_dim_v", 0))},
             )
             cls = self._backend_class(p.backend)
             t0 = time.perf_counter_ns()

@@ -61,6 +61,13 @@ def test_invalid_kv_type_is_refused(default_model_path):
     assert kv_type_problem("q8_0", 64, 64) is None
 
 
+def test_quantized_kv_is_checked_with_the_head_sizes_the_engine_read(default_model_path):
+    """The engine passes the head sizes it read at install (``extra["head_dims"]``); the check uses them
+    rather than reading the GGUF header again (the file's are 64, which q8_0 would take)."""
+    with pytest.raises(UnsupportedError, match="multiple of 32.*this model has 72"):
+        LlamaCppSource(LoadSpec(str(default_model_path), kv_cache_type="q8_0", extra={"head_dims": (72, 72)}))
+
+
 def _one_sentence(msg: str) -> bool:
     return "\n" not in msg and msg.endswith(".") and len(msg) < 400
 
