@@ -369,7 +369,7 @@ def test_probe_command_json(default_model):
 
 
 def test_probe_command_local_file(default_model_path):
-    r = _cli("--model", str(default_model_path), "--ctx", "8192")  # read in place (read_gguf: slow-ish)
+    r = _cli("--model", str(default_model_path), "--ctx", "8192")  # read in place
     assert r.exit_code == 0 and "8,192-token context" in r.output
 
 
