@@ -1,10 +1,14 @@
-"""The engine's residency decisions use the planner's numbers (``Plan.memory.total``), not a guess."""
+"""The engine's residency: decisions use the planner's numbers (``Plan.memory.total``), not a guess; no load
+waits behind another model's stream; generation and embeddings share one loaded model."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
-from localllm.engine import Engine, LoadOptions
+from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling
 
 MODEL = "smollm2:135m"
 
@@ -55,3 +59,60 @@ def test_eviction_follows_the_plans_memory_totals(two_models):
         assert [m.name for m in engine.ps()] == [small]
     finally:
         engine.close()
+
+
+def _wait_until(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_load_does_not_wait_for_another_models_stream(two_models):
+    """Model A streams a long answer while a request for A with another context unloads it (the old A closes
+    when its stream ends): loading model B meanwhile takes a load's time, not the rest of A's stream."""
+    store, (a, b) = two_models
+    with Engine(store, keep_alive=300) as engine:
+        req = GenerateRequest(prompt="Count to a thousand:", sampling=Sampling(temperature=0, max_tokens=4000))
+        stream = engine.generate(a, req, LoadOptions(num_ctx=512))
+        try:
+            next(stream)  # A streams: its request holds the model until the generator ends
+            (old_a,) = engine.ps()
+            reload = threading.Thread(target=engine.load, args=(a, LoadOptions(num_ctx=1024)), daemon=True)
+            reload.start()
+            _wait_until(lambda: all(m is not old_a for m in engine.ps()))  # A is being unloaded
+            load_b = threading.Thread(target=engine.load, args=(b, LoadOptions(num_ctx=512)), daemon=True)
+            load_b.start()
+            load_b.join(30)
+            assert not load_b.is_alive(), "loading B waited for A's stream to end"
+            assert engine.is_loaded(b)
+            assert not old_a.model.closed  # A's stream is still going
+        finally:
+            stream.close()
+        reload.join(30)
+        assert not reload.is_alive()
+        _wait_until(lambda: old_a.model.closed)  # its last request gone, the old A closed
+        assert {m.name: m.info.n_ctx for m in engine.ps()} == {a: 1024, b: 512}
+
+
+def test_an_embed_between_chats_loads_the_model_once(default_model):
+    """generate, embed, generate on one engine: one load serves all three (no reload for the embeddings nor
+    back), and the vectors are those of a model loaded for embeddings alone."""
+    texts = ["The sky is blue.", "Paris is the capital of France."]
+    req = GenerateRequest(prompt="Hello", sampling=Sampling(temperature=0, max_tokens=4))
+    with Engine(keep_alive=300) as engine:
+        first = list(engine.generate(MODEL, req))
+        (loaded,) = engine.ps()
+        vectors = engine.embed(MODEL, texts)
+        again = list(engine.generate(MODEL, req))
+        assert [m is loaded for m in engine.ps()] == [True]
+        assert first[-1].stats.load_duration > 0 and again[-1].stats.load_duration == 0
+    with Engine(keep_alive=300) as engine:
+        alone = engine.embed(MODEL, texts)  # loaded for embeddings: it serves a chat too, without a reload
+        (loaded,) = engine.ps()
+        assert loaded.options.embedding
+        list(engine.generate(MODEL, req))
+        assert [m is loaded for m in engine.ps()] == [True]
+    assert len(vectors) == len(alone) == 2
+    for v, w in zip(vectors, alone, strict=True):
+        assert v == pytest.approx(w, abs=1e-5)
