@@ -288,23 +288,23 @@ class Engine:
             if running is not None:
                 return running
             model, p = self.loader.plan(name, options)
+            running = self._reuse(model.name, options, ka, alias=name)  # loaded under its canonical name
+            if running is not None:
+                return running
             self.loader.check_fits(model, p)
-            with self._lock:
-                running = self._reuse(model.name, options, ka, alias=name)
-                if running is not None:
-                    return running
-                old = self._lookup(model.name)  # loaded with other options: it closes once its requests end
-                close_old = old is not None and self._retire(old) and old.refs == 0
-            if old is not None and close_old:
-                self._close(old)
             need = self._estimate(p)
             _acquire(self._load_lock, cancel)
             try:
                 if self._closed.is_set():
                     raise LocalLLMError("localllm is shutting down; no model is loaded any more.")
-                running = self._reuse(model.name, options, ka, alias=name)  # loaded by another request meanwhile
-                if running is not None:
-                    return running
+                with self._lock:
+                    running = self._reuse(model.name, options, ka, alias=name)  # loaded by another request meanwhile
+                    if running is not None:
+                        return running
+                    old = self._lookup(model.name)  # loaded with other options: it closes once its requests end
+                    close_old = old is not None and self._retire(old) and old.refs == 0
+                if old is not None and close_old:
+                    self._close(old)
                 if self._make_room(need):
                     return self._load(name, model, options, p, need, ka, cancel)
             finally:
