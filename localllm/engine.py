@@ -22,9 +22,9 @@ Scheduling (Ollama's, ``server/sched.go``):
 
 * several models stay loaded at once while the planner's memory estimates fit the memory that was
   free when the first one loaded (``memory_budget=`` overrides it); past that, or past
-  ``LOCALLLM_MAX_LOADED_MODELS`` (0 = as memory allows), the idle model used least recently is
-  unloaded first; if every model in the way is busy the load waits for one to go idle (a model being
-  unloaded counts until it has closed);
+  ``LOCALLLM_MAX_LOADED_MODELS`` (0 = as memory allows), the idle models used least recently are
+  unloaded first, as many as make room; while busy models stand in the way nothing is unloaded and the
+  load waits for them, holding up no other load (a model being unloaded counts until it has closed);
 * each model keeps its keep-alive (``LOCALLLM_KEEP_ALIVE``, 5m; the last request's ``keep_alive``
   wins; 0 = unload as soon as it is idle; negative = forever);
 * at most ``LOCALLLM_MAX_QUEUE`` (512) requests wait for a load or a slot; one more raises
@@ -398,31 +398,42 @@ class Engine:
         return int(ram * 0.9) + int(vram * 0.9)
 
     def _in_the_way(self, need: int, budget: int) -> list[RunningModel] | None:
-        """None when ``need`` more bytes fit the budget and the count stays under ``max_loaded``; else the
-        idle models that may go, least recently used first (empty: those in the way are busy). The first
-        model always fits (the planner already said whether it does). Hold ``_lock``."""
+        """None when ``need`` more bytes fit the budget and the count stays under ``max_loaded``; else the idle
+        models to unload for it, least recently used first, or ``[]`` when that would not do (busy models are
+        in the way: unloading idle ones would not make room yet). The first model always fits (the planner
+        already said whether it does). Hold ``_lock``."""
         resident = [*(m for m in self._models.values() if not m.closed), *self._leaving]
-        used = sum(m.estimate or m.size for m in resident)
-        too_many = self.max_loaded > 0 and len(resident) >= self.max_loaded
-        too_big = bool(resident) and used + need > budget
-        if not resident or not (too_many or too_big):
+        used, count = sum(m.estimate or m.size for m in resident), len(resident)
+
+        def fits() -> bool:
+            return count == 0 or ((self.max_loaded <= 0 or count < self.max_loaded) and used + need <= budget)
+
+        if fits():
             return None
-        return sorted((m for m in self._models.values() if m.refs == 0 and not m.closed), key=lambda m: m.last_used)
+        victims = []
+        for m in sorted((m for m in resident if m.refs == 0 and not m.closed), key=lambda m: m.last_used):
+            victims.append(m)
+            used, count = used - (m.estimate or m.size), count - 1
+            if fits():
+                return victims
+        return []
 
     def _make_room(self, need: int) -> bool:
-        """Unload idle models, least recently used first, until ``need`` fits; False when busy models are
-        in the way (the caller waits for them with :meth:`_wait_for_room`, outside the load lock)."""
+        """Unload idle models, least recently used first, until ``need`` fits; False (nothing unloaded) when
+        busy models are in the way (the caller waits for them with :meth:`_wait_for_room`, outside the load
+        lock)."""
         budget = self._budget()
         while True:
             with self._lock:
-                idle = self._in_the_way(need, budget)
-                if idle is None:
+                victims = self._in_the_way(need, budget)
+                if victims is None:
                     return True
-                if not idle:
+                if not victims:
                     return False
-                victim = idle[0]
-                self._retire(victim)
-            self._close(victim)
+                for m in victims:
+                    self._retire(m)
+            for m in victims:
+                self._close(m)
 
     def _wait_for_room(self, need: int, cancel: threading.Event | None) -> None:
         """Wait until room for ``need`` can be made (a model in the way went idle or closed), holding no lock."""

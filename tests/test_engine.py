@@ -116,3 +116,32 @@ def test_an_embed_between_chats_loads_the_model_once(default_model):
     assert len(vectors) == len(alone) == 2
     for v, w in zip(vectors, alone, strict=True):
         assert v == pytest.approx(w, abs=1e-5)
+
+
+def test_a_load_waiting_for_a_busy_models_memory_does_not_hold_up_one_that_fits(two_models):
+    """Model A streams; X needs A's memory, so its load waits for A's stream to end (A is busy, it cannot be
+    evicted); meanwhile B, which fits beside A, loads at once instead of queueing behind X."""
+    store, (a, x) = two_models
+    small, big = LoadOptions(num_ctx=512), LoadOptions(num_ctx=8192)
+    with Engine(store, keep_alive=300) as probe_engine:
+        p_small, p_big = probe_engine.plan_for(a, small)[1], probe_engine.plan_for(x, big)[1]
+    assert p_big.memory.total > p_small.memory.total
+    with Engine(store, keep_alive=300, memory_budget=2 * p_small.memory.total) as engine:  # A + B, not A + X
+        req = GenerateRequest(prompt="Count to a thousand:", sampling=Sampling(temperature=0, max_tokens=4000))
+        stream = engine.generate(a, req, small)
+        try:
+            next(stream)  # A streams
+            load_x = threading.Thread(target=engine.load, args=(x, big), daemon=True)
+            load_x.start()
+            time.sleep(1.0)  # X is waiting for A's memory
+            assert load_x.is_alive() and not engine.is_loaded(x)
+            load_b = threading.Thread(target=engine.load, args=(MODEL, small), daemon=True)
+            load_b.start()
+            load_b.join(30)
+            assert not load_b.is_alive(), "loading B waited behind X, which waits for A's stream"
+            assert {m.name for m in engine.ps()} == {a, MODEL}
+        finally:
+            stream.close()
+        load_x.join(30)
+        assert not load_x.is_alive()
+        assert [m.name for m in engine.ps()] == [x]  # A and B (idle) made room for X
