@@ -73,7 +73,7 @@ def test_a_load_does_not_wait_for_another_models_stream(two_models):
     when its stream ends): loading model B meanwhile takes a load's time, not the rest of A's stream."""
     store, (a, b) = two_models
     with Engine(store, keep_alive=300) as engine:
-        req = GenerateRequest(prompt="Count to a thousand:", sampling=Sampling(temperature=0, max_tokens=4000))
+        req = GenerateRequest(prompt="Count to a thousand:", sampling=Sampling(temperature=0, max_tokens=200))
         stream = engine.generate(a, req, LoadOptions(num_ctx=512))
         try:
             next(stream)  # A streams: its request holds the model until the generator ends
@@ -127,7 +127,7 @@ def test_a_load_waiting_for_a_busy_models_memory_does_not_hold_up_one_that_fits(
         p_small, p_big = probe_engine.plan_for(a, small)[1], probe_engine.plan_for(x, big)[1]
     assert p_big.memory.total > p_small.memory.total
     with Engine(store, keep_alive=300, memory_budget=2 * p_small.memory.total) as engine:  # A + B, not A + X
-        req = GenerateRequest(prompt="Count to a thousand:", sampling=Sampling(temperature=0, max_tokens=4000))
+        req = GenerateRequest(prompt="Count to a thousand:", sampling=Sampling(temperature=0, max_tokens=200))
         stream = engine.generate(a, req, small)
         try:
             next(stream)  # A streams
