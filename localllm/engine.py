@@ -402,7 +402,7 @@ class Engine:
         models to unload for it, least recently used first, or ``[]`` when that would not do (busy models are
         in the way: unloading idle ones would not make room yet). The first model always fits (the planner
         already said whether it does). Hold ``_lock``."""
-        resident = [*(m for m in self._models.values() if not m.closed), *self._leaving]
+        resident = [*self._models.values(), *self._leaving]
         used, count = sum(m.estimate or m.size for m in resident), len(resident)
 
         def fits() -> bool:
@@ -448,8 +448,7 @@ class Engine:
 
     def _enter_queue(self) -> None:
         with self._lock:
-            waiting = self._pending + sum(m.model.metrics().waiting for m in self._models.values() if not m.closed)
-            if self.max_queue > 0 and waiting >= self.max_queue:
+            if self.max_queue > 0 and self.pending >= self.max_queue:
                 raise ServerBusyError()
             self._pending += 1
 
@@ -461,7 +460,7 @@ class Engine:
     def pending(self) -> int:
         """Requests waiting for a load or a slot now."""
         with self._lock:
-            return self._pending + sum(m.model.metrics().waiting for m in self._models.values() if not m.closed)
+            return self._pending + sum(m.model.metrics().waiting for m in self._models.values())
 
     # ------------------------------------------------------------------ work
 
@@ -614,7 +613,7 @@ class Engine:
     def ps(self) -> list[RunningModel]:
         """Loaded models, the one that expires last first (as ``/api/ps``)."""
         with self._lock:
-            return sorted((m for m in self._models.values() if not m.closed), key=lambda m: -m.expires_in)
+            return sorted(self._models.values(), key=lambda m: -m.expires_in)
 
     def is_loaded(self, name: str) -> bool:
         running = self._lookup(name)
