@@ -9,72 +9,17 @@ first use; this command does it ahead of time (or again, with ``--force``).
     /home/me/.local/share/localllm/models/mlx/b179c9523d0e...
     $ localllm run smollm2:135m --backend mlx "Hello"
 
-:class:`ConversionDisplay` is how every command shows a conversion on stderr: one line when it starts
-(``converting smollm2:135m to MLX (once, offline)…``) and, on a terminal, a progress bar once it has taken
-more than a second.
+The conversion shows on stderr as every command shows one (:class:`localllm.cli.display.ConversionDisplay`).
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from typing import IO, TYPE_CHECKING
 
 import click
 
+from localllm.cli.display import ConversionDisplay
 from localllm.errors import LocalLLMError
-
-if TYPE_CHECKING:
-    from rich.progress import Progress, TaskID
-
-    from localllm.mlxmodels import ConversionProgress
-
-
-class ConversionDisplay:
-    """Shows MLX conversions on ``err`` (stderr): give it as ``Engine(on_convert=...)``.
-
-    One line when a conversion starts; on a terminal (``bar=True`` and ``err`` a TTY), a transient rich
-    progress bar over the GGUF's tensor bytes once the conversion has run for more than ``delay`` seconds."""
-
-    def __init__(self, err: IO[str] | None = None, *, bar: bool = True, delay: float = 1.0):
-        self.err = err or sys.stderr
-        self.bar = bar and _isatty(self.err)
-        self.delay = delay
-        self._progress: Progress | None = None
-        self._task: TaskID | None = None
-
-    def __call__(self, event: ConversionProgress) -> None:
-        if event.stage == "start":
-            self.err.write(f"converting {event.name} to MLX (once, offline)…\n")
-            self.err.flush()
-        elif event.stage == "progress":
-            if self._progress is None and self.bar and event.seconds > self.delay and event.total:
-                self._start(event.name, event.total)
-            if self._progress is not None and self._task is not None:
-                self._progress.update(self._task, completed=event.done, total=event.total or None)
-        else:
-            self.close()
-
-    def _start(self, name: str, total: int) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                  TimeElapsedColumn(), console=Console(file=self.err), transient=True)
-        self._progress.start()
-        self._task = self._progress.add_task(f"converting {name}", total=total)
-
-    def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
-
-
-def _isatty(stream: IO[str]) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
 
 
 @click.command("convert")
