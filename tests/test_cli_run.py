@@ -214,8 +214,8 @@ def test_draft_path_that_is_not_a_gguf_is_refused(default_model, tmp_path):
 def test_repl_commands_and_context_overflow_note(default_model):
     """The REPL driven by a list of lines: /set, /show, answers, overflow of a tiny context, /clear, /bye."""
     from localllm.cli.answer import build_settings
-    from localllm.engine import Engine
     from localllm.cli.interactive import Repl
+    from localllm.engine import Engine
     from localllm.session import open_session
 
     long_msg = "Please remember these words: " + " ".join(["apple banana cherry"] * 25)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import IO, TYPE_CHECKING, TextIO
 
@@ -112,7 +113,7 @@ def ago(when: datetime, now: datetime | None = None) -> str:
     return f"{int(s // (86400 * 365))} years ago"
 
 
-def format_table(rows: list[list[str]] | list[tuple[str, ...]]) -> str:
+def format_table(rows: Sequence[Sequence[str]]) -> str:
     """Columns left-aligned, four spaces apart, no trailing blanks (``ollama list`` and ``ollama ps``)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["    ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]

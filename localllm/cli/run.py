@@ -23,9 +23,9 @@ from typing import IO
 
 import click
 
+from localllm.api import Runner
 from localllm.cli.answer import RunSettings, build_settings, ensure_model, overflow_note, print_stats, stream_answer
 from localllm.cli.display import isatty
-from localllm.api import Runner
 from localllm.errors import LocalLLMError
 
 
