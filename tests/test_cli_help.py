@@ -39,16 +39,29 @@ def _start(*args: str, stdin: int = subprocess.DEVNULL) -> subprocess.Popen[str]
                             stderr=subprocess.PIPE, text=True)
 
 
+def _finish(p: subprocess.Popen[str]) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr); a process still running after TIMEOUT is killed and fails the test."""
+    try:
+        stdout, stderr = p.communicate(timeout=TIMEOUT)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return p.returncode, stdout, stderr
+
+
 @pytest.fixture(scope="module")
-def helps(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
+def helps() -> dict[str, tuple[int, str, str]]:
     """``localllm --help`` and ``localllm CMD --help`` for every command, started together (a second or two of
     wall time instead of one per command): name ('' for the top level) -> (exit status, stdout, stderr)."""
     procs = {name: _start(*([name] if name else []), "--help") for name in ["", *COMMANDS]}
-    out = {}
-    for name, p in procs.items():
-        stdout, stderr = p.communicate(timeout=TIMEOUT)
-        out[name] = (p.returncode, stdout, stderr)
-    return out
+    try:
+        return {name: _finish(p) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def test_every_command_has_a_usage_line_here():
@@ -81,12 +94,12 @@ def test_bare_localllm_on_a_pipe_prints_the_help(helps):
         master, slave = pty.openpty() if terminal_in else (None, None)
         p = _start(stdin=subprocess.DEVNULL if slave is None else slave)
         try:
-            stdout, stderr = p.communicate(timeout=TIMEOUT)
+            code, stdout, stderr = _finish(p)
         finally:
             for fd in (master, slave):
                 if fd is not None:
                     os.close(fd)
-        assert (p.returncode, stderr) == (0, ""), stderr
+        assert (code, stderr) == (0, ""), stderr
         assert stdout == helps[""][1]
 
 
