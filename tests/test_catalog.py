@@ -212,6 +212,6 @@ def test_models_toml_ships_in_a_normal_wheel(tmp_path):
         names = set(z.namelist())
         assert "localllm/models.toml" in names
         text = z.read("localllm/models.toml").decode()
-        assert "localllm/commands/pull.py" in names and "localllm/commands/list.py" in names
+        assert "localllm/cli/pull.py" in names and "localllm/cli/list.py" in names
     cat = Catalog.from_toml(text)
     assert cat.get("smollm2:135m").mirrors

@@ -563,7 +563,7 @@ def private_default(home, default_model):
 
 def test_probe_and_the_engine_pick_mlx_for_a_convertible_gguf_on_a_mac(private_default, capsys):
     """What ``localllm probe`` and ``run --verbose`` print come from these plans."""
-    from localllm.commands import probe as probe_cmd
+    from localllm.cli import probe as probe_cmd
     from localllm.engine import Engine
 
     mac = mac16(mlx=True, mlx_metal=True)

@@ -331,7 +331,7 @@ def test_hub_download_checks_the_lfs_hash_and_follows_redirects(home, server, de
 def test_rich_progress_on_a_tty_and_plain_lines_otherwise(tmp_path):
     import io
 
-    from localllm.commands.pull import PlainProgress, RichProgress, make_progress
+    from localllm.cli.display import PlainProgress, RichProgress, make_progress
     from localllm.store import PullProgress
 
     class TTY(io.StringIO):

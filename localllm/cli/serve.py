@@ -33,7 +33,7 @@ Environment:
 @click.option("--debug", is_flag=True, help="Log every request.")
 def command(address: str | None, keep_alive: str | None, backend: str | None, debug: bool) -> None:
     """Serve the Ollama and OpenAI APIs (streaming, several models, keep-alive)."""
-    from localllm.commands.convert import ConversionDisplay
+    from localllm.cli.display import ConversionDisplay
     from localllm.engine import Engine, parse_keep_alive
     from localllm.server.run import serve
 
