@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -129,7 +129,7 @@ def test_context_length_and_keep_alive_show_in_ps(served):
     assert m["context_length"] == 1024
     assert m["slots"] == 1
     expires = datetime.fromisoformat(m["expires_at"].replace("Z", "+00:00"))
-    left = expires - datetime.now(timezone.utc)
+    left = expires - datetime.now(UTC)
     assert timedelta(minutes=50) < left <= timedelta(hours=1, minutes=1), left
 
 
