@@ -177,7 +177,7 @@ def test_a_full_queue_answers_503(served):
 
 def test_prompt_cache_size_zero_saves_nothing(served):
     url, home = served
-    long_prompt = " ".join(f"word{i}" for i in range(700))  # well over the 512-token save threshold
+    long_prompt = " ".join(f"word{i}" for i in range(180))  # ~700 tokens: over the 512-token save threshold
     r = _generate(url, prompt=long_prompt, n=2)
     assert r.status_code == 200, r.text
     time.sleep(1)  # a save would run in the background after the answer
@@ -200,11 +200,17 @@ def test_max_loaded_models_keeps_one(served):
 @pytest.mark.parametrize("var,value,word", [
     ("LOCALLLM_KV_CACHE_TYPE", "q3_x", "LOCALLLM_KV_CACHE_TYPE"),
     ("LOCALLLM_PROMPT_CACHE_SIZE", "lots", "LOCALLLM_PROMPT_CACHE_SIZE"),
-    ("LOCALLLM_HOST", "127.0.0.1:notaport", "port"),
+    ("LOCALLLM_KEEP_ALIVE", "forever", "keep_alive"),
+    ("LOCALLLM_MAX_QUEUE", "many", "LOCALLLM_MAX_QUEUE"),
+    ("LOCALLLM_NUM_PARALLEL", "-2", "LOCALLLM_NUM_PARALLEL"),
+    ("LOCALLLM_HOST", "127.0.0.1:notaport", "HOST:PORT"),
 ])
 def test_a_bad_value_is_one_sentence_and_a_non_zero_exit(tmp_path, var, value, word):
+    """Refused at start, before anything binds (a server that started would answer at the free port)."""
+    env = _env(tmp_path, LOCALLLM_HOST=f"127.0.0.1:{_free_port()}")
+    env[var] = value
     r = subprocess.run([sys.executable, "-m", "localllm", "serve"], stdin=subprocess.DEVNULL, capture_output=True,
-                       text=True, timeout=120, env=_env(tmp_path, **{var: value}))
+                       text=True, timeout=120, env=env)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
