@@ -378,10 +378,6 @@ class TokenSource(abc.ABC):
         """Whether the tail of a sequence can be dropped (``seq_rm`` from a position on): what drafts need."""
         return not self.info.recurrent
 
-    def cells_used(self) -> int:
-        """KV cells in use (all sequences), when the backend can tell; -1 otherwise."""
-        return -1
-
     # ---- prompt cache on disk (optional)
     def state_key(self) -> str | None:
         """What a saved sequence state depends on besides the model and tokens (build, KV type...);
