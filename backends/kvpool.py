@@ -319,12 +319,15 @@ class KVPool:
             if n > budget:
                 self.drop(s)
                 continue
-            while self.parked_tokens() + n > budget:
+            while self.parked_tokens() + n > budget:  # (n <= budget: empties before nothing is parked)
                 old = min((p for p in self.seqs if p.parked is not None), key=lambda p: p.last_used, default=None)
-                if old is None:
+                if old is None or old.last_used > s.last_used:
                     break
                 self.drop(old)
                 self.counters.evictions += 1
+            if self.parked_tokens() + n > budget:  # what is parked was used more recently: this one goes
+                self.drop(s)
+                continue
             try:
                 data = src.state_save(s.id)
             except Exception as e:  # noqa: BLE001 - a state that cannot be taken: the cells just go

@@ -54,6 +54,10 @@ def f32_model(derived_model):
     m.close()
 
 
+def _empty_pool(model) -> None:
+    model.call(lambda s: model.pool.clear())
+
+
 def test_concurrent_streams_equal_their_solo_output_on_f32(f32_model):
     solo = [collect(f32_model.generate(chat(q)))[0] for q in QUESTIONS]
     steps0 = f32_model.metrics().steps
@@ -66,8 +70,7 @@ def test_concurrent_streams_equal_their_solo_output_on_f32(f32_model):
 
 
 def test_a_shared_system_prompt_is_evaluated_once(f32_model):
-    f32_model.call(lambda s: [s.seq_rm(i) for i in range(s.n_seq_ids)])  # an empty pool
-    f32_model._seqs[:] = [type(s)(s.id) for s in f32_model._seqs]
+    _empty_pool(f32_model)
     before = f32_model.metrics()
     first = collect(f32_model.generate(chat("Where are the hammers?", n=8, system=SYSTEM)))[1]
     rest = run_together(f32_model, [chat(q, n=8, system=SYSTEM) for q in
@@ -78,11 +81,6 @@ def test_a_shared_system_prompt_is_evaluated_once(f32_model):
     assert evaluated < first.stats.prompt_eval_count + 3 * 20, evaluated  # not 4 × the system prompt
     assert all(d.stats.prompt_cached_tokens >= sys_tokens for _, d in rest)  # type: ignore[attr-defined]
     assert after.prompt_tokens_copied > before.prompt_tokens_copied
-
-
-def _empty_pool(model) -> None:
-    model.call(lambda s: [s.seq_rm(i) for i in range(s.n_seq_ids)])
-    model._seqs[:] = [type(s)(s.id) for s in model._seqs]
 
 
 def test_a_system_prompt_sent_by_four_clients_at_once_is_evaluated_once(f32_model):
