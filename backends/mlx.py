@@ -24,6 +24,7 @@ MLX runs the whole model on its device.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -232,7 +233,8 @@ class MLXSource(TokenSource):
                                        f"and this model's is {head_dim}.")
             self._kv_group = group
         self._caches: dict[int, list[Any]] = {}
-        self._kv_bytes = 0  # of all caches, counted on the loop's thread after each change (see ``info``)
+        self._kv_bytes = 0  # of all caches, counted on the loop's thread after it changes them (see ``info``)
+        self._kv_counted = 0.0  # when (monotonic)
         # sequences decoding together: one mlx-lm BatchKVCache per layer, a row per sequence (plain caches only)
         self._batch_ok = self._kv_bits is None and kinds == {"KVCache"} and not spec.extra.get("no_batch")
         self._bcache: list[Any] | None = None
@@ -309,7 +311,8 @@ class MLXSource(TokenSource):
     @property
     def info(self) -> ModelInfo:
         """What the model is, its size with the KV caches now. Read from any thread (``ps``, ``/metrics``, every
-        request) while the loop's thread changes the caches: it reads only the total that thread keeps."""
+        request) while the loop's thread changes the caches: it reads only the total that thread keeps (during
+        decoding, at most 0.1 s old)."""
         self._info.size_bytes = self._weights_bytes + self._kv_bytes
         if self._on_gpu():
             self._info.vram_bytes = self._info.size_bytes
@@ -470,7 +473,7 @@ class MLXSource(TokenSource):
             pending.extend(x for c in self._bcache for x in (c.keys, c.values))
             self.batched_steps += 1
         mx.eval(pending)
-        self._count_kv()
+        self._count_kv(every=0.1)
         return out
 
     def _batch_in(self, seqs: list[int]) -> None:
@@ -569,7 +572,7 @@ class MLXSource(TokenSource):
         if not can_trim_prompt_cache(cache):
             return False
         trim_prompt_cache(cache, have - p0)
-        self._count_kv()
+        self._count_kv(every=0.1)
         return True
 
     def seq_cp(self, src: int, dst: int, n: int) -> bool:
@@ -595,8 +598,13 @@ class MLXSource(TokenSource):
         self._count_kv()
         return True
 
-    def _count_kv(self) -> None:
-        """Count the bytes of all KV caches, on the loop's thread after it changed them (``info`` reads it)."""
+    def _count_kv(self, every: float = 0.0) -> None:
+        """Count the bytes of all KV caches, on the loop's thread after it changed them (``info`` reads it);
+        ``every``: not again within that many seconds (a count costs ~0.1 ms with 3 sequences: not per step)."""
+        now = time.monotonic()
+        if every and now - self._kv_counted < every:
+            return
+        self._kv_counted = now
         kv = 0
         for cache in [*self._caches.values(), self._bcache or []]:
             for c in cache:
