@@ -10,8 +10,9 @@ Above it, in this package:
 * :mod:`backends.stream` — per request: prompt fitting, stop strings, UTF-8, tool calls, thinking,
   limits, stats and the closing :class:`Done`, the same for every backend;
 * :mod:`backends.loop` — one decode loop per loaded model, on the one thread that owns the source:
-  many sequences per step (continuous batching), chunked prefill, a KV pool with prefix sharing,
-  speculative decoding as a step policy;
+  many sequences per step (continuous batching), chunked prefill, speculative decoding as a step policy;
+* :mod:`backends.kvpool` — that model's KV pool: which tokens each sequence holds, prefix sharing,
+  parking, victims, the prompt cache on disk; :mod:`backends.drafting` — what proposes the drafts;
 * :mod:`backends.channel` — the one bridge from that thread to a consumer (sync or asyncio);
 * :mod:`backends.registry` — backend names to classes (``"llamacpp"``, ``"mlx"``).
 
