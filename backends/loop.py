@@ -62,8 +62,8 @@ from backends.base import (
     TokenSource,
 )
 from backends.channel import Channel
-from backends.drafting import Drafter, NgramDrafter, setup_draft, vocab_problem
-from backends.kvpool import KVPool, Seq, common_prefix
+from backends.drafting import Drafter, setup_draft
+from backends.kvpool import KVPool, Seq
 from backends.prompt_cache import PromptCache, PromptCacheSpec
 from backends.stream import RequestStream
 
@@ -611,6 +611,4 @@ class LoadedModel:
             self.pool.save_prefixes(seq, r.stream.prompt, r.stream.cache_points)
 
 
-_NgramDrafter = NgramDrafter  # the names these had here before (tests import them from here)
-
-__all__ = ["LoadedModel", "LoopMetrics", "common_prefix", "vocab_problem"]
+__all__ = ["LoadedModel", "LoopMetrics"]

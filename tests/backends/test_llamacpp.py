@@ -11,7 +11,7 @@ import pytest
 from backends._speculative import SpecController
 from backends._stops import StopMatcher, Utf8Stream, parse_tool_calls
 from backends.base import DraftSpec, GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError
-from backends.loop import _NgramDrafter, vocab_problem
+from backends.drafting import NgramDrafter, vocab_problem
 from backends.registry import load
 from backends.stream import RequestStream
 from tests.backends.conftest import collect
@@ -272,8 +272,8 @@ def test_tool_call_parsing():
 
 def test_ngram_draft_proposes_the_continuation():
     ids = [1, 2, 3, 4, 5, 6, 9, 9, 1, 2, 3]
-    assert _NgramDrafter().propose(ids, 3) == [4, 5, 6]
-    assert _NgramDrafter().propose([1, 2, 3], 3) == []
+    assert NgramDrafter().propose(ids, 3) == [4, 5, 6]
+    assert NgramDrafter().propose([1, 2, 3], 3) == []
 
 
 def _simulate(ctl: SpecController, plain_ms: float, spec_ms_per_token: float, tokens: int) -> tuple[float, float]:
