@@ -518,11 +518,16 @@ class Engine:
                     self._finish(running, event, was_loaded, t_start)
                     yield event
             finally:
-                if not events.closed:
-                    cancel.set()
-                self._checkin(running, keep_alive)
+                self._release(running, events, cancel, keep_alive)
         finally:
             self._untrack(cancel)
+
+    def _release(self, running: RunningModel, events: Channel[Event], cancel: threading.Event,
+                 keep_alive: float | None) -> None:
+        """A stream's consumer is done: a request it left before its end is cancelled, the reference returned."""
+        if not events.closed:
+            cancel.set()
+        self._checkin(running, keep_alive)
 
     def _track(self, cancel: threading.Event) -> None:
         with self._lock:
@@ -576,9 +581,7 @@ class Engine:
                     self._finish(running, event, was_loaded, t_start)
                     yield event
             finally:
-                if not events.closed:
-                    cancel.set()
-                self._checkin(running, keep_alive)
+                self._release(running, events, cancel, keep_alive)
         finally:
             self._untrack(cancel)
 
