@@ -1,7 +1,7 @@
 """The speculative-decoding controller, one for every backend: how many tokens to draft at the next step.
 
-The drafts themselves (prompt lookup, a draft model following the target) and their verification in the
-target's batch are steps of the decode loop (:mod:`backends.loop`).
+The drafts themselves (prompt lookup, a draft model following the target) are :mod:`backends.drafting`'s;
+their verification in the target's batch is a step of the decode loop (:mod:`backends.loop`).
 
 The :class:`SpecController` (backend-neutral: it sees only proposed/accepted/emitted tokens and times)
 picks how many tokens to draft from a cost model it measures online (a plain step, and what a drafted

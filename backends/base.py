@@ -10,8 +10,9 @@ Above it, in this package:
 * :mod:`backends.stream` — per request: prompt fitting, stop strings, UTF-8, tool calls, thinking,
   limits, stats and the closing :class:`Done`, the same for every backend;
 * :mod:`backends.loop` — one decode loop per loaded model, on the one thread that owns the source:
-  many sequences per step (continuous batching), chunked prefill, a KV pool with prefix sharing,
-  speculative decoding as a step policy;
+  many sequences per step (continuous batching), chunked prefill, speculative decoding as a step policy;
+* :mod:`backends.kvpool` — that model's KV pool: which tokens each sequence holds, prefix sharing,
+  parking, victims, the prompt cache on disk; :mod:`backends.drafting` — what proposes the drafts;
 * :mod:`backends.channel` — the one bridge from that thread to a consumer (sync or asyncio);
 * :mod:`backends.descriptor` — each backend described once (name, whether it runs here, weights, KV types,
   schema rules, memory, install); :mod:`backends.registry` — names to classes, and loading.
@@ -380,10 +381,6 @@ class TokenSource(abc.ABC):
     def can_rewind(self) -> bool:
         """Whether the tail of a sequence can be dropped (``seq_rm`` from a position on): what drafts need."""
         return not self.info.recurrent
-
-    def cells_used(self) -> int:
-        """KV cells in use (all sequences), when the backend can tell; -1 otherwise."""
-        return -1
 
     # ---- prompt cache on disk (optional)
     def state_key(self) -> str | None:

@@ -20,7 +20,8 @@ levels are mapped wrongly by llama-cpp-python (we install our own callback).
 Backend-specific knobs in ``LoadSpec.extra``: ``chat_template`` (override the GGUF's), ``n_threads_batch``,
 ``use_mmap`` (default True), ``n_seq_ids`` (sequence ids in the pool; default 2 × slots, so idle
 conversations keep their prefix while others run), ``grammar`` (a GBNF grammar for every request that
-asks for no format: tests make a small model "think" with it).
+asks for no format: tests make a small model "think" with it), ``head_dims`` ((K, V) head sizes from
+metadata the caller has read, so that a quantized KV cache is checked without reading the GGUF header).
 """
 
 from __future__ import annotations
@@ -152,16 +153,11 @@ def kv_type_problem(kv_type: str, head_dim_k: int, head_dim_v: int) -> str | Non
 
 
 def _head_dims_from_file(path: Path) -> tuple[int, int]:
-    """(head_dim_k, head_dim_v) from the GGUF header via ggml's ``gguf`` reader; (0, 0) if unknown."""
+    """(head_dim_k, head_dim_v) from the GGUF's key-value section (read in milliseconds); (0, 0) if unknown."""
     try:
-        from gguf import GGUFReader
+        from backends.gguf_header import read_header
 
-        fields = GGUFReader(str(path), "r").fields
-
-        def val(key: str) -> Any:
-            f = fields.get(key)
-            return f.contents() if f is not None else None
-
+        val = read_header(path, tensors=False).fields.get
         arch = val("general.architecture")
         n_embd, n_head = val(f"{arch}.embedding_length"), val(f"{arch}.attention.head_count")
         if isinstance(n_head, list):
@@ -410,7 +406,8 @@ class LlamaCppSource(TokenSource):
         if quantized_kv:
             if spec.flash_attn is False:
                 raise UnsupportedError(f"A {kv} KV cache needs flash attention; do not switch it off, or use f16.")
-            problem = kv_type_problem(kv, *_head_dims_from_file(path))
+            dims = tuple(spec.extra.get("head_dims") or ())  # what the caller read already, else the file's
+            problem = kv_type_problem(kv, *(dims if any(dims) else _head_dims_from_file(path)))
             if problem:
                 raise UnsupportedError(f"{path.name}: {problem} Use --kv-cache f16.")
         self.n_threads = spec.n_threads or physical_cores()

@@ -24,6 +24,7 @@ MLX runs the whole model on its device.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -232,6 +233,8 @@ class MLXSource(TokenSource):
                                        f"and this model's is {head_dim}.")
             self._kv_group = group
         self._caches: dict[int, list[Any]] = {}
+        self._kv_bytes = 0  # of all caches, counted on the loop's thread after it changes them (see ``info``)
+        self._kv_counted = 0.0  # when (monotonic)
         # sequences decoding together: one mlx-lm BatchKVCache per layer, a row per sequence (plain caches only)
         self._batch_ok = self._kv_bits is None and kinds == {"KVCache"} and not spec.extra.get("no_batch")
         self._bcache: list[Any] | None = None
@@ -307,11 +310,10 @@ class MLXSource(TokenSource):
 
     @property
     def info(self) -> ModelInfo:
-        kv = 0
-        for cache in [*self._caches.values(), self._bcache or []]:
-            for c in cache:
-                kv += int(getattr(c, "nbytes", 0) or 0)
-        self._info.size_bytes = self._weights_bytes + kv
+        """What the model is, its size with the KV caches now. Read from any thread (``ps``, ``/metrics``, every
+        request) while the loop's thread changes the caches: it reads only the total that thread keeps (during
+        decoding, at most 0.1 s old)."""
+        self._info.size_bytes = self._weights_bytes + self._kv_bytes
         if self._on_gpu():
             self._info.vram_bytes = self._info.size_bytes
         return self._info
@@ -471,6 +473,7 @@ class MLXSource(TokenSource):
             pending.extend(x for c in self._bcache for x in (c.keys, c.values))
             self.batched_steps += 1
         mx.eval(pending)
+        self._count_kv(every=0.1)
         return out
 
     def _batch_in(self, seqs: list[int]) -> None:
@@ -548,23 +551,28 @@ class MLXSource(TokenSource):
         return bool(can_trim_prompt_cache(make_prompt_cache(self._model))) and not (self._cache_kinds - {"KVCache"})
 
     def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> bool:
+        """Drop positions ``[p0, p1)``: all of them, or a tail; False (nothing changed) for a range that
+        ends before the tokens do (only tails can be removed) or a cache that cannot be trimmed."""
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-        self._unbatch([seq], keep=p0 > 0)
+        p0 = max(0, p0)
         cache = self._caches.get(seq)
-        if cache is None:
+        have = self._blens[seq] if seq in self._blens else (cache[0].offset if cache else 0)
+        end = have if p1 < 0 else min(p1, have)
+        if p0 == 0 and end >= have:  # the whole sequence
+            self._unbatch([seq], keep=False)
+            self._caches.pop(seq, None)
+            self._count_kv()
             return True
-        have = cache[0].offset if cache else 0
-        if p0 <= 0:
-            del self._caches[seq]
-            return True
-        if p1 not in (-1,) and p1 < have:
+        if end <= p0:
+            return True  # nothing in the range
+        if end < have:
             return False  # only tails can be removed
-        if p0 >= have:
-            return True
+        cache = self._cache(seq)
         if not can_trim_prompt_cache(cache):
             return False
         trim_prompt_cache(cache, have - p0)
+        self._count_kv(every=0.1)
         return True
 
     def seq_cp(self, src: int, dst: int, n: int) -> bool:
@@ -587,7 +595,21 @@ class MLXSource(TokenSource):
                          (c.group_size, c.bits) if isinstance(c, QuantizedKVCache) else None) for c in cache]
         self._mx.eval([x.state for x in new])
         self._caches[dst] = new
+        self._count_kv()
         return True
+
+    def _count_kv(self, every: float = 0.0) -> None:
+        """Count the bytes of all KV caches, on the loop's thread after it changed them (``info`` reads it);
+        ``every``: not again within that many seconds (a count costs ~0.1 ms with 3 sequences: not per step)."""
+        now = time.monotonic()
+        if every and now - self._kv_counted < every:
+            return
+        self._kv_counted = now
+        kv = 0
+        for cache in [*self._caches.values(), self._bcache or []]:
+            for c in cache:
+                kv += int(getattr(c, "nbytes", 0) or 0)
+        self._kv_bytes = kv
 
     # ------------------------------------------------------------------ sequence states (prompt cache)
 
@@ -673,6 +695,7 @@ class MLXSource(TokenSource):
         mx.eval([x.state for x in new])
         self._unbatch([seq], keep=False)
         self._caches[seq] = new
+        self._count_kv()
         return True
 
     # ------------------------------------------------------------------ the rest
@@ -698,6 +721,7 @@ class MLXSource(TokenSource):
         self._closed = True
         self._caches.clear()
         self._bcache, self._bseqs, self._blens = None, [], {}
+        self._kv_bytes = 0
         self._rows = []
         self._model = None
         try:

@@ -162,6 +162,10 @@ class PromptCache:
             return data
         return None
 
+    def remove(self, tokens: list[int], why: str) -> None:
+        """Remove the entry of ``tokens`` (one its reader refused), with one log line."""
+        self.discard(self._path(tokens), why)
+
     def discard(self, path: Path, why: str) -> None:
         """Remove a bad entry, with one log line."""
         log.warning("prompt cache: removed %s (%s)", path.name, why)

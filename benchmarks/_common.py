@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
 
 def engine_and_model(model: str) -> tuple[Any, str, Path]:
     """(Engine, installed name, GGUF path) for ``model`` (an alias is pulled if missing, a path is read in place)."""
-    from localllm.answer import ensure_model
+    from localllm.cli.answer import ensure_model
     from localllm.engine import Engine
     from localllm.local import LocalModels
 

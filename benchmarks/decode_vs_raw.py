@@ -59,7 +59,7 @@ class Ours:
         return int(self.running.metrics.slots)
 
     def run(self, tokens: int) -> dict[str, Any]:
-        from localllm.answer import stream_answer
+        from localllm.cli.answer import stream_answer
         from localllm.engine import GenerateRequest, Sampling
 
         req = GenerateRequest(prompt=PROMPT, sampling=Sampling(max_tokens=tokens, seed=0, **SAMPLING))

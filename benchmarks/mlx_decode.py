@@ -60,7 +60,7 @@ class _Ours:
 
     def run(self) -> float:
         from backends.base import GenerateRequest, Sampling
-        from localllm.answer import stream_answer
+        from localllm.cli.answer import stream_answer
 
         req = GenerateRequest(prompt=PROMPT, sampling=Sampling(max_tokens=self.tokens, seed=0, temperature=0.0,
                                                                repeat_penalty=1.0))

@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from localllm.answer import stream_answer
+    from localllm.cli.answer import stream_answer
     from localllm.engine import GenerateRequest, LoadOptions, Sampling
 
     engine, name, _path = engine_and_model(args.model)

@@ -65,7 +65,7 @@ class Variant:
 
     def __init__(self, model: str, target: str, draft: str, num_draft: int, threads: int, prompt: str,
                  tokens: int):
-        from localllm.answer import stream_answer
+        from localllm.cli.answer import stream_answer
         from localllm.engine import GenerateRequest, LoadOptions, Sampling
 
         self.engine, _, _ = engine_and_model(model)
@@ -78,7 +78,7 @@ class Variant:
         stream_answer(self.engine, target, warm, self.options)
 
     def run(self) -> dict[str, Any]:
-        from localllm.answer import stream_answer
+        from localllm.cli.answer import stream_answer
 
         clock = ClockWriter()
         cpu0 = time.process_time()

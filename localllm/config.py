@@ -147,3 +147,14 @@ def prompt_cache_size() -> int:
         return parse_size(value)
     except ValueError:
         raise SystemExit(f"LOCALLLM_PROMPT_CACHE_SIZE must be a size like 2GiB, 500MB or 0, got {value!r}.") from None
+
+
+def check_settings() -> None:
+    """Read every server setting of the environment once, so a bad value stops ``serve`` at start with
+    its one sentence (``SystemExit``) instead of failing each request later."""
+    kv_cache_type()
+    prompt_cache_size()
+    for name in ("LOCALLLM_NUM_PARALLEL", "LOCALLLM_CONTEXT_LENGTH", "LOCALLLM_MAX_BODY", "LOCALLLM_MAX_QUEUE",
+                 "LOCALLLM_MAX_LOADED_MODELS"):
+        if env_int(name, 0) < 0:
+            raise SystemExit(f"{name} must be 0 or more, got {os.environ[name].strip()!r}.")

@@ -1,5 +1,6 @@
-"""The engine owns loaded models: load on demand through the planner, keep-alive, serialised access,
-cancellation. Faces (CLI, server, TUI) talk to it and never to a backend.
+"""The engine owns loaded models: residency (checkout/checkin, keep-alive, eviction, the queue bound) and
+cancellation. Loading is the loader's (:mod:`localllm.loader`: plan → spec → weights → decode loop). Faces
+(CLI, server, TUI) talk to the engine and never to a backend.
 
     >>> from localllm.engine import Engine, GenerateRequest, Sampling, TextChunk
     >>> with Engine() as engine:
@@ -11,15 +12,19 @@ cancellation. Faces (CLI, server, TUI) talk to it and never to a backend.
 Concurrency: each loaded model runs on its own decode loop (:class:`backends.loop.LoadedModel`): one
 thread owns the model, and up to ``num_parallel`` requests decode together in one batch per step
 (continuous batching; ``LOCALLLM_NUM_PARALLEL``, default: 4 slots where the planner's memory estimate
-for one KV pool of 4 contexts fits). Only one model loads at a time. Closing a generator, or setting
-``cancel``, ends that request at the next step and frees its slot and KV cells.
+for one KV pool of 4 contexts fits). Only one model loads at a time, but no lock is held while anything
+waits for a stream: a load that needs the memory of busy models waits for them outside it, and a model
+unloaded while it streams closes when its last request ends. Closing a generator, or setting ``cancel``,
+ends that request at the next step and frees its slot and KV cells. Generation and embeddings share one
+loaded model (llama.cpp makes its embedding context on the same weights when first asked).
 
 Scheduling (Ollama's, ``server/sched.go``):
 
 * several models stay loaded at once while the planner's memory estimates fit the memory that was
   free when the first one loaded (``memory_budget=`` overrides it); past that, or past
-  ``LOCALLLM_MAX_LOADED_MODELS`` (0 = as memory allows), the idle model used least recently is
-  unloaded first; if every model is busy the load waits for one to go idle;
+  ``LOCALLLM_MAX_LOADED_MODELS`` (0 = as memory allows), the idle models used least recently are
+  unloaded first, as many as make room; while busy models stand in the way nothing is unloaded and the
+  load waits for them, holding up no other load (a model being unloaded counts until it has closed);
 * each model keeps its keep-alive (``LOCALLLM_KEEP_ALIVE``, 5m; the last request's ``keep_alive``
   wins; 0 = unload as soon as it is idle; negative = forever);
 * at most ``LOCALLLM_MAX_QUEUE`` (512) requests wait for a load or a slot; one more raises
@@ -32,10 +37,6 @@ waits for a load in progress, closes every model on its own thread and joins tha
 keep-alive thread, so no thread that ran native code is still ending when the interpreter shuts down
 (an MLX thread ending during ``Py_FinalizeEx`` aborts the process). An engine still open at exit is
 closed by an ``atexit`` hook. A closed engine loads nothing more.
-
-``--backend mlx`` on a model with no MLX weights converts its GGUF on first use (once, offline; see
-:mod:`localllm.mlxmodels`), on the model's decode thread before it loads; ``Engine(on_convert=...)``
-receives the :class:`~localllm.mlxmodels.ConversionProgress` events a face shows.
 """
 
 from __future__ import annotations
@@ -72,10 +73,9 @@ from backends.base import (  # noqa: F401
 )
 from backends.channel import Channel
 from backends.loop import LoadedModel, LoopMetrics
-from backends.prompt_cache import PromptCacheSpec
-from backends.registry import source_class
 from localllm import config
-from localllm.errors import LocalLLMError, ModelNotFoundError
+from localllm.errors import LocalLLMError
+from localllm.loader import Loader, LoadOptions
 
 if TYPE_CHECKING:
     from localllm.hardware import HardwareInfo
@@ -84,7 +84,6 @@ if TYPE_CHECKING:
     from localllm.store import InstalledModel, Store
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds (Ollama: 5m)
-MIN_CTX = 256  # llama.cpp pads contexts to 256 tokens; below that a chat template alone may not fit
 DEFAULT_MAX_QUEUE = 512
 BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
 
@@ -127,28 +126,7 @@ def parse_keep_alive(value: Any, default: float | None = None) -> float:
     return sum(float(n) * unit[u] for n, u in parts)
 
 
-def _env_parallel() -> int | None:
-    """``LOCALLLM_NUM_PARALLEL`` (slots per model); unset or 0 = let the planner decide."""
-    n = config.env_int("LOCALLLM_NUM_PARALLEL", 0)
-    return n if n > 0 else None
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """How to load a model. ``None`` means "let the planner decide"."""
-
-    num_ctx: int | None = None
-    num_gpu: int | None = None  # layers to offload; None = planner, 0 = CPU
-    kv_cache_type: str | None = None  # f16 | q8_0 | q4_0; None = LOCALLLM_KV_CACHE_TYPE
-    backend: str = "auto"  # auto | llamacpp | mlx
-    draft: str = "auto"  # auto (catalog pairing if installed) | none | ngram | NAME | PATH
-    num_draft: int = 4
-    num_thread: int | None = None
-    embedding: bool = False
-    num_parallel: int | None = None  # slots; None = LOCALLLM_NUM_PARALLEL, else the planner (4 where it fits)
-
-
-@dataclass
+@dataclass(eq=False)
 class RunningModel:
     """A loaded model as ``ps`` shows it."""
 
@@ -164,7 +142,7 @@ class RunningModel:
     last_used: float = field(default_factory=time.monotonic)
     refs: int = 0  # requests holding or waiting for this model (never evicted while > 0)
     estimate: int = 0  # the planner's memory estimate (bytes) used for residency decisions
-    closed: bool = False
+    closed: bool = False  # unloaded: no new request gets it (its model closes when the last one ends)
     installed: InstalledModel | None = None  # details for ps
 
     @property
@@ -212,14 +190,9 @@ class RunningModel:
         left = self.expires_in
         return None if left == float("inf") else time.time() + max(0.0, left)
 
-    @property
-    def stopping(self) -> bool:
-        """Asked to unload (keep-alive 0 or expired) while a request still holds it."""
-        return self.refs > 0 and self.keep_alive == 0
-
 
 class Engine:
-    """Loaded models, keep-alive, memory-aware residency, a bounded queue and serialised access.
+    """Loaded models, keep-alive, memory-aware residency, a bounded queue and serialised loads.
     Thread-safe."""
 
     def __init__(self, store: Store | None = None, *, keep_alive: float | None = None,
@@ -233,25 +206,21 @@ class Engine:
 
             store = Store()
         self.store = store
-        self._hardware = hardware
+        self.loader = Loader(store, hardware=hardware, backend=backend, backend_class=backend_class,
+                             on_convert=on_convert)
         self.keep_alive = parse_keep_alive(None) if keep_alive is None else keep_alive
         self.max_loaded = config.env_int("LOCALLLM_MAX_LOADED_MODELS", 0) if max_loaded is None else max_loaded
         self.max_queue = config.env_int("LOCALLLM_MAX_QUEUE", DEFAULT_MAX_QUEUE) if max_queue is None else max_queue
-        self._backend_class = backend_class or source_class  # backend name -> TokenSource class (tests swap it)
         self.memory_budget = memory_budget  # bytes for all loaded models; None = free RAM (+VRAM) at first load
         self._baseline: tuple[int, int] | None = None  # (free RAM, free VRAM) with nothing loaded
         self.observers: list[Callable[[str, Stats], None]] = []  # called with (model, stats) as each generation ends
-        self._models: dict[str, RunningModel] = {}
+        self._models: dict[str, RunningModel] = {}  # in service, by the store's canonical name
+        self._leaving: set[RunningModel] = set()  # unloaded, not closed yet (their memory still counts)
         self._aliases: dict[str, str] = {}  # requested name -> loaded key (the store's canonical name)
-        self._lock = threading.RLock()  # guards _models, refs, _pending
-        self._idle = threading.Condition(self._lock)  # notified when a model's refs drop or it unloads
-        self._load_lock = threading.Lock()  # one load at a time
+        self._lock = threading.RLock()  # guards _models, _leaving, _aliases, refs, _pending
+        self._idle = threading.Condition(self._lock)  # notified when a model's refs drop or it closes
+        self._load_lock = threading.Lock()  # one load at a time (held while loading, never while waiting)
         self._pending = 0  # requests waiting for a load or a slot
-        self.on_convert = on_convert  # first-use MLX conversion progress, for the face to show
-        # the backend for requests that leave it to the planner (``LoadOptions.backend == "auto"``)
-        self.backend = (backend or config.env_str("LOCALLLM_BACKEND", "auto")).lower()
-        if self.backend not in ("auto", "llamacpp", "mlx"):
-            raise LocalLLMError(f"LOCALLLM_BACKEND must be auto, llamacpp or mlx, got {self.backend!r}.")
         self._stops: set[threading.Event] = set()  # the cancel events of running generations
         self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="localllm-keepalive", daemon=True)
@@ -262,109 +231,27 @@ class Engine:
 
     @property
     def hardware(self) -> HardwareInfo:
-        if self._hardware is None:
-            from localllm.hardware import probe
+        return self.loader.hardware
 
-            self._hardware = probe()
-        return self._hardware
+    @property
+    def backend(self) -> str:
+        """The backend for requests that leave it to the planner (``Engine(backend=)`` / ``LOCALLLM_BACKEND``)."""
+        return self.loader.backend
+
+    @property
+    def on_convert(self) -> Callable[[ConversionProgress], None] | None:
+        """Receives first-use MLX conversion progress, for the face to show."""
+        return self.loader.on_convert
+
+    @on_convert.setter
+    def on_convert(self, notify: Callable[[ConversionProgress], None] | None) -> None:
+        self.loader.on_convert = notify
 
     def plan_for(self, name: str, options: LoadOptions | None = None) -> tuple[InstalledModel, Plan]:
         """(installed model, plan) without loading anything."""
-        from localllm.ggufinfo import GGUFInfo
-        from localllm.mlxmodels import mlx_for_plan
-        from localllm.planner import plan
+        return self.loader.plan(name, options)
 
-        options = self._default_backend(options or LoadOptions())
-        if options.num_ctx is not None and options.num_ctx < MIN_CTX:
-            raise LocalLLMError(f"num_ctx must be at least {MIN_CTX} tokens, got {options.num_ctx}.")
-        model = self.store.get(name)
-        info = GGUFInfo(**model.info)
-        kv = options.kv_cache_type or config.kv_cache_type()
-        p = plan(
-            info,
-            self.hardware,
-            num_ctx=options.num_ctx,
-            kv_cache_type=kv,
-            backend=options.backend,
-            num_gpu=options.num_gpu,
-            mlx_model=model.mlx_path is not None,
-            # MLX weights installed / the GGUF converts on first use (Plan.mlx_convert) / why not
-            mlx=mlx_for_plan(model, self.hardware, options.backend),
-            num_parallel=options.num_parallel or _env_parallel(),
-        )
-        return model, p
-
-    def _default_backend(self, options: LoadOptions) -> LoadOptions:
-        """``options`` with the engine's backend (``Engine(backend=)`` / ``LOCALLLM_BACKEND``) where it says auto."""
-        if options.backend == "auto" and self.backend != "auto":
-            return replace(options, backend=self.backend)
-        return options
-
-    def _convert(self, model: InstalledModel, cancel: threading.Event | None, dtype: str) -> None:
-        """Build the MLX weights of ``model`` from its GGUF (first use of ``--backend mlx``), record them in
-        the store and set ``model.mlx_path``. Runs on the model's decode thread before it loads; reports to
-        ``on_convert``; ``cancel`` or closing the engine stops it at the next progress report (nothing
-        half-written is kept)."""
-        from localllm.mlxmodels import ConversionProgress, convert_installed
-
-        notify = self.on_convert
-        t0 = time.monotonic()
-
-        def progress(done: int, total: int) -> None:
-            if self._closed.is_set():
-                raise LocalLLMError(f"The conversion of {model.name} to MLX was stopped: localllm is shutting down.")
-            if cancel is not None and cancel.is_set():
-                raise LocalLLMError(f"The conversion of {model.name} to MLX was cancelled.")
-            if notify is not None:
-                notify(ConversionProgress(model.name, "progress", done, total, time.monotonic() - t0))
-
-        if notify is not None:
-            notify(ConversionProgress(model.name, "start"))
-        try:
-            path = convert_installed(model, dtype=dtype, progress=progress)
-        except BaseException as e:
-            if notify is not None:
-                notify(ConversionProgress(model.name, "failed", seconds=time.monotonic() - t0, error=str(e)))
-            raise
-        if not model.local:  # a local .gguf path has no manifest: its MLX dir is found by digest
-            self.store.set_mlx_path(model.name, path)
-        model.mlx_path = path
-        if notify is not None:
-            notify(ConversionProgress(model.name, "done", seconds=time.monotonic() - t0))
-
-    def _prompt_cache_spec(self, model: InstalledModel, backend: str) -> PromptCacheSpec | None:
-        """Where this model's saved prompt prefixes live (``LOCALLLM_PROMPT_CACHE_SIZE``; 0 = none)."""
-        size = config.prompt_cache_size()
-        if size <= 0 or not model.digest:
-            return None
-        root = config.paths().prompt_cache
-        return PromptCacheSpec(str(root / model.digest.removeprefix("sha256:")), f"{model.digest} {backend}",
-                               max_bytes=size, budget_root=str(root))
-
-    def _draft_spec(self, model: InstalledModel, options: LoadOptions, backend: str) -> DraftSpec | None:
-        choice = (options.draft or "auto").strip()
-        if choice == "none":
-            return None
-        if choice == "ngram":
-            return DraftSpec(kind="ngram", num_draft=options.num_draft)
-        if choice == "auto":
-            draft_name = model.catalog.draft if model.catalog is not None else None
-            if not draft_name:
-                return None
-            try:
-                draft = self.store.get(draft_name)
-            except ModelNotFoundError:
-                return None  # suggested draft not installed: plain decoding
-        else:
-            draft = self.store.get(choice)
-        path = draft.mlx_path if backend == "mlx" else draft.path
-        if path is None and choice == "auto":
-            return None  # the suggested draft has no build for this backend: plain decoding
-        if path is None:
-            raise LocalLLMError(f"Draft model {draft.name} has no {backend} weights installed.")
-        return DraftSpec(kind="model", path=str(path), num_draft=options.num_draft)
-
-    # ------------------------------------------------------------------ loading
+    # ------------------------------------------------------------------ checkout / checkin
 
     def load(self, name: str, options: LoadOptions | None = None, *, keep_alive: float | None = None) -> RunningModel:
         """Load ``name`` (or return it if already loaded with compatible options)."""
@@ -376,163 +263,98 @@ class Engine:
         with self._lock:
             return self._models.get(self._aliases.get(name, name))
 
+    def _reuse(self, name: str, options: LoadOptions, keep_alive: float, *,
+               alias: str | None = None) -> RunningModel | None:
+        """The model loaded under ``name`` with one more reference, if its options suit ``options`` (``alias``:
+        the name the request used, remembered for the next lookup); else None."""
+        with self._lock:
+            running = self._lookup(name)
+            if running is None or running.closed or not self._compatible(running, options):
+                return None
+            if alias is not None:
+                self._aliases[alias] = running.name
+            running.refs += 1
+            self._touch(running, keep_alive)
+            return running
+
     def _checkout(self, name: str, options: LoadOptions, keep_alive: float | None,
                   cancel: threading.Event | None) -> RunningModel:
         """The loaded model for ``name`` with one more reference (so nothing evicts it); loads it if
         needed, one load at a time. Pair with :meth:`_checkin`."""
         ka = self.keep_alive if keep_alive is None else keep_alive
-        options = self._default_backend(options)
-        with self._lock:  # fast path: loaded and compatible, no need to queue behind a load
-            running = self._lookup(name)
-            if running is not None and not running.closed and self._compatible(running, options):
-                running.refs += 1
-                self._touch(running, ka)
+        options = self.loader.options(options)
+        while True:
+            running = self._reuse(name, options, ka)  # loaded and compatible: no need to queue behind a load
+            if running is not None:
                 return running
-        _acquire(self._load_lock, cancel)
-        try:
-            if self._closed.is_set():
-                raise LocalLLMError("localllm is shutting down; no model is loaded any more.")
-            with self._lock:
-                running = self._lookup(name)
-                if running is not None and not running.closed and self._compatible(running, options):
-                    running.refs += 1
-                    self._touch(running, ka)
-                    return running
-            model, p = self.plan_for(name, options)
-            with self._lock:
-                key = model.name
-                running = self._models.get(key)
-                if running is not None and not running.closed and self._compatible(running, options):
-                    self._aliases[name] = key
-                    running.refs += 1
-                    self._touch(running, ka)
-                    return running
-            if running is not None:  # reload with other options once it is idle
-                self._unload_key(key)
-            if p.verdict == "too_big":
-                from localllm.errors import PlanError
-
-                why = next((r for r in p.reasons if r.startswith("does not fit")), None)
-                if why:
-                    raise PlanError(why.removeprefix("does not fit: ").rstrip(".") + "; it does not fit this machine.")
-                raise PlanError(f"{model.name} does not fit this machine: {'; '.join(p.reasons)}")
+            model, p = self.loader.plan(name, options)
+            running = self._reuse(model.name, options, ka, alias=name)  # loaded under its canonical name
+            if running is not None:
+                return running
+            self.loader.check_fits(model, p)
             need = self._estimate(p)
-            self._make_room(need, cancel)
-            path = model.mlx_path if p.backend == "mlx" else model.path
-            before_load = None
-            if p.mlx_convert:  # on the thread that will run it (MLX keeps per-thread state)
-                from localllm.planner import mlx_dtype
+            _acquire(self._load_lock, cancel)
+            try:
+                if self._closed.is_set():
+                    raise LocalLLMError("localllm is shutting down; no model is loaded any more.")
+                with self._lock:
+                    running = self._reuse(model.name, options, ka, alias=name)  # loaded by another request meanwhile
+                    if running is not None:
+                        return running
+                    old = self._lookup(model.name)  # loaded with other options: it closes once its requests end
+                    close_old = old is not None and self._retire(old) and old.refs == 0
+                if old is not None and close_old:
+                    self._close(old)
+                if self._make_room(need):
+                    return self._load(name, model, options, p, need, ka, cancel)
+            finally:
+                self._load_lock.release()
+            self._wait_for_room(need, cancel)  # the models in the way are busy: wait, holding no lock
 
-                def before_load() -> None:
-                    self._convert(model, cancel, mlx_dtype(p.device))
-                    spec.model_path = str(model.mlx_path)
-
-            spec = LoadSpec(
-                model_path=str(path),
-                n_ctx=p.n_ctx,
-                n_seq=p.n_seq,
-                n_gpu_layers=p.n_gpu_layers,
-                n_threads=options.num_thread or p.n_threads,
-                kv_cache_type=p.kv_cache_type,  # type: ignore[arg-type]
-                flash_attn=None if p.kv_cache_type == "f16" else True,  # llama.cpp decides (auto)
-                draft=self._draft_spec(model, options, p.backend),
-                embedding=options.embedding,
-                verbose=os.environ.get("LOCALLLM_DEBUG", "") not in ("", "0"),
-            )
-            cls = self._backend_class(p.backend)
-            t0 = time.perf_counter_ns()
-            loaded = LoadedModel(cls, spec, name=model.name, prompt_cache=self._prompt_cache_spec(model, p.backend),
-                                 before_load=before_load)
-            load_ns = time.perf_counter_ns() - t0
-            now = time.monotonic()
-            running = RunningModel(
-                name=model.name,
-                digest=model.digest,
-                model=loaded,
-                options=options,
-                plan=p,
-                loaded_at=time.time(),
-                load_duration_ns=load_ns,
-                keep_alive=ka,
-                expires_at=now + ka,
-                refs=1,
-                estimate=need,
-                installed=model,
-            )
-            with self._lock:
-                self._models[key] = running
-                self._aliases[name] = key
-            return running
-        finally:
-            self._load_lock.release()
+    def _load(self, name: str, model: InstalledModel, options: LoadOptions, p: Plan, need: int,
+              keep_alive: float, cancel: threading.Event | None) -> RunningModel:
+        """Load ``model`` through the loader and put it in service with one reference. Hold ``_load_lock``."""
+        loaded, load_ns = self.loader.load(model, options, p, cancel)
+        now = time.monotonic()
+        running = RunningModel(
+            name=model.name,
+            digest=model.digest,
+            model=loaded,
+            options=options,
+            plan=p,
+            loaded_at=time.time(),
+            load_duration_ns=load_ns,
+            keep_alive=keep_alive,
+            expires_at=now + keep_alive,
+            refs=1,
+            estimate=need,
+            installed=model,
+        )
+        with self._lock:
+            self._models[model.name] = running
+            self._aliases[name] = model.name
+        return running
 
     def _checkin(self, running: RunningModel, keep_alive: float | None) -> None:
-        """Drop a reference; keep-alive starts counting when the last one goes (0 = unload now)."""
+        """Drop a reference; keep-alive starts counting when the last one goes (0 = unload now). The last
+        reference of an unloaded model closes it."""
         with self._lock:
             running.refs -= 1
             if keep_alive is not None:
                 running.keep_alive = keep_alive
             self._touch(running, running.keep_alive)
-            unload_now = running.refs == 0 and running.keep_alive == 0 and not running.closed
+            close_now = running.refs == 0 and (running.closed or running.keep_alive == 0)
+            if close_now:
+                self._retire(running)
             self._idle.notify_all()
-        if unload_now:
-            self._unload_key(running.name, only=running)
-
-    @staticmethod
-    def _estimate(p: Plan) -> int:
-        """Bytes the planner expects this load to take (weights + KV + compute + overhead, draft included),
-        RAM and VRAM together: ``Plan.memory.total``."""
-        return int(p.memory.total)
-
-    def _budget(self) -> int:
-        """Memory all loaded models may take together: ``memory_budget``, else what was free (RAM +
-        GPU memory) before the first model loaded (re-measured whenever nothing is loaded)."""
-        if self.memory_budget is not None:
-            return self.memory_budget
-        with self._lock:
-            empty = not self._models
-        if self._baseline is None or empty:
-            from localllm.hardware import probe
-
-            hw = probe(refresh=True)
-            self._hardware = hw
-            # unified memory (Apple Silicon): the GPU's budget is already part of RAM
-            vram = 0 if hw.apple_silicon else sum(g.free_bytes for g in hw.nvidia_gpus)
-            self._baseline = (hw.ram_available, vram)
-        ram, vram = self._baseline
-        return int(ram * 0.9) + int(vram * 0.9)
-
-    def _make_room(self, need: int, cancel: threading.Event | None) -> None:
-        """Unload idle models, least recently used first, until ``need`` fits the budget and the
-        count is under ``max_loaded``. Waits while every loaded model is busy. The first model
-        always loads (the planner already said whether it fits)."""
-        budget = self._budget()
-        with self._lock:
-            while True:
-                live = [m for m in self._models.values() if not m.closed]
-                used = sum(m.estimate or m.size for m in live)
-                too_many = self.max_loaded > 0 and len(live) >= self.max_loaded
-                too_big = bool(live) and used + need > budget
-                if not live or not (too_many or too_big):
-                    return
-                idle = sorted((m for m in live if m.refs == 0), key=lambda m: m.last_used)
-                if idle:
-                    victim = idle[0]
-                    self._lock.release()
-                    try:
-                        self._unload_key(victim.name, only=victim)
-                    finally:
-                        self._lock.acquire()
-                    continue
-                if cancel is not None and cancel.is_set():
-                    raise LocalLLMError("The request was cancelled while waiting for memory.")
-                self._idle.wait(0.1)
+        if close_now:
+            self._close(running)
 
     @staticmethod
     def _compatible(running: RunningModel, options: LoadOptions) -> bool:
+        """Whether ``running`` can serve a request that asks for ``options`` (``None`` and ``auto`` take what
+        is loaded; ``embedding`` does not matter: every loaded model embeds)."""
         want, have = options, running.options
-        if want.embedding and not have.embedding:
-            return False
         if want.num_ctx is not None and want.num_ctx != running.info.n_ctx:
             return False
         for f in ("num_gpu", "kv_cache_type", "num_thread", "num_parallel"):
@@ -549,12 +371,84 @@ class Engine:
         running.last_used = time.monotonic()
         running.expires_at = running.last_used + keep_alive
 
+    # ------------------------------------------------------------------ memory
+
+    @staticmethod
+    def _estimate(p: Plan) -> int:
+        """Bytes the planner expects this load to take (weights + KV + compute + overhead, draft included),
+        RAM and VRAM together: ``Plan.memory.total``."""
+        return int(p.memory.total)
+
+    def _budget(self) -> int:
+        """Memory all loaded models may take together: ``memory_budget``, else what was free (RAM +
+        GPU memory) before the first model loaded (re-measured whenever nothing is loaded)."""
+        if self.memory_budget is not None:
+            return self.memory_budget
+        with self._lock:
+            empty = not self._models and not self._leaving
+        if self._baseline is None or empty:
+            from localllm.hardware import probe
+
+            hw = probe(refresh=True)
+            self.loader.hardware = hw
+            # unified memory (Apple Silicon): the GPU's budget is already part of RAM
+            vram = 0 if hw.apple_silicon else sum(g.free_bytes for g in hw.nvidia_gpus)
+            self._baseline = (hw.ram_available, vram)
+        ram, vram = self._baseline
+        return int(ram * 0.9) + int(vram * 0.9)
+
+    def _in_the_way(self, need: int, budget: int) -> list[RunningModel] | None:
+        """None when ``need`` more bytes fit the budget and the count stays under ``max_loaded``; else the idle
+        models to unload for it, least recently used first, or ``[]`` when that would not do (busy models are
+        in the way: unloading idle ones would not make room yet). The first model always fits (the planner
+        already said whether it does). Hold ``_lock``."""
+        resident = [*self._models.values(), *self._leaving]
+        used, count = sum(m.estimate or m.size for m in resident), len(resident)
+
+        def fits() -> bool:
+            return count == 0 or ((self.max_loaded <= 0 or count < self.max_loaded) and used + need <= budget)
+
+        if fits():
+            return None
+        victims = []
+        for m in sorted((m for m in resident if m.refs == 0 and not m.closed), key=lambda m: m.last_used):
+            victims.append(m)
+            used, count = used - (m.estimate or m.size), count - 1
+            if fits():
+                return victims
+        return []
+
+    def _make_room(self, need: int) -> bool:
+        """Unload idle models, least recently used first, until ``need`` fits; False (nothing unloaded) when
+        busy models are in the way (the caller waits for them with :meth:`_wait_for_room`, outside the load
+        lock)."""
+        budget = self._budget()
+        while True:
+            with self._lock:
+                victims = self._in_the_way(need, budget)
+                if victims is None:
+                    return True
+                if not victims:
+                    return False
+                for m in victims:
+                    self._retire(m)
+            for m in victims:
+                self._close(m)
+
+    def _wait_for_room(self, need: int, cancel: threading.Event | None) -> None:
+        """Wait until room for ``need`` can be made (a model in the way went idle or closed), holding no lock."""
+        budget = self._budget()
+        with self._idle:
+            while self._in_the_way(need, budget) == [] and not self._closed.is_set():
+                if cancel is not None and cancel.is_set():
+                    raise LocalLLMError("The request was cancelled while waiting for memory.")
+                self._idle.wait(0.1)
+
     # ------------------------------------------------------------------ queue
 
     def _enter_queue(self) -> None:
         with self._lock:
-            waiting = self._pending + sum(m.model.metrics().waiting for m in self._models.values() if not m.closed)
-            if self.max_queue > 0 and waiting >= self.max_queue:
+            if self.max_queue > 0 and self.pending >= self.max_queue:
                 raise ServerBusyError()
             self._pending += 1
 
@@ -566,7 +460,7 @@ class Engine:
     def pending(self) -> int:
         """Requests waiting for a load or a slot now."""
         with self._lock:
-            return self._pending + sum(m.model.metrics().waiting for m in self._models.values() if not m.closed)
+            return self._pending + sum(m.model.metrics().waiting for m in self._models.values())
 
     # ------------------------------------------------------------------ work
 
@@ -624,11 +518,16 @@ class Engine:
                     self._finish(running, event, was_loaded, t_start)
                     yield event
             finally:
-                if not events.closed:
-                    cancel.set()
-                self._checkin(running, keep_alive)
+                self._release(running, events, cancel, keep_alive)
         finally:
             self._untrack(cancel)
+
+    def _release(self, running: RunningModel, events: Channel[Event], cancel: threading.Event,
+                 keep_alive: float | None) -> None:
+        """A stream's consumer is done: a request it left before its end is cancelled, the reference returned."""
+        if not events.closed:
+            cancel.set()
+        self._checkin(running, keep_alive)
 
     def _track(self, cancel: threading.Event) -> None:
         with self._lock:
@@ -682,14 +581,14 @@ class Engine:
                     self._finish(running, event, was_loaded, t_start)
                     yield event
             finally:
-                if not events.closed:
-                    cancel.set()
-                self._checkin(running, keep_alive)
+                self._release(running, events, cancel, keep_alive)
         finally:
             self._untrack(cancel)
 
     def embed(self, name: str, texts: list[str], options: LoadOptions | None = None,
               *, keep_alive: float | None = None) -> list[list[float]]:
+        """One vector per text. A model already loaded for generation serves it as it is; a model loaded here
+        makes its embedding context at load (and serves generation too)."""
         options = replace(options or LoadOptions(), embedding=True)
         self._enter_queue()
         queued = True
@@ -717,52 +616,66 @@ class Engine:
     def ps(self) -> list[RunningModel]:
         """Loaded models, the one that expires last first (as ``/api/ps``)."""
         with self._lock:
-            return sorted((m for m in self._models.values() if not m.closed), key=lambda m: -m.expires_in)
+            return sorted(self._models.values(), key=lambda m: -m.expires_in)
 
     def is_loaded(self, name: str) -> bool:
         running = self._lookup(name)
         return running is not None and not running.closed
 
     def unload(self, name: str) -> bool:
-        """Unload ``name`` once its running generations finish. True if it was loaded."""
+        """Unload ``name``: no new request gets it, and it closes once its running generations finish (this
+        call waits for that, holding no lock: other models load meanwhile). True if it was loaded."""
         with self._lock:
-            key = self._aliases.get(name, name)
-            if key not in self._models:
-                for k, m in self._models.items():  # a name the store resolves differently
-                    if m.name == name:
-                        key = k
-        return self._unload_key(key)
-
-    def _unload_key(self, key: str, only: RunningModel | None = None, *, wait: bool = True,
-                    deadline: float | None = None) -> bool:
-        """Unload the model under ``key``; ``wait`` for its requests to finish first (else cancel them).
-        With a ``deadline`` (monotonic) a model still busy then is cancelled and closed."""
-        with self._lock:
-            running = self._models.get(key)
-            if running is None or (only is not None and running is not only):
+            running = self._lookup(name)
+            if running is None:
+                running = next((m for m in self._models.values() if m.name == name), None)
+            if running is None:
                 return False
-            del self._models[key]
-            for alias in [a for a, k in self._aliases.items() if k == key]:
+        self._unload(running)
+        with self._idle:
+            while running in self._leaving:
+                self._idle.wait(0.1)
+        return True
+
+    def _unload(self, running: RunningModel) -> None:
+        """Take ``running`` out of service; it closes now if nothing holds it, else when its last request
+        ends (:meth:`_checkin`). Returns at once."""
+        with self._lock:
+            close_now = self._retire(running) and running.refs == 0
+        if close_now:
+            self._close(running)
+
+    def _retire(self, running: RunningModel) -> bool:
+        """Out of service, into ``_leaving`` (its memory counts until :meth:`_close`). False if it was out
+        already. Hold ``_lock``."""
+        if running.closed:
+            return False
+        running.closed = True
+        if self._models.get(running.name) is running:
+            del self._models[running.name]
+            for alias in [a for a, k in self._aliases.items() if k == running.name]:
                 del self._aliases[alias]
-            running.closed = True
+        self._leaving.add(running)
+        return True
+
+    def _close(self, running: RunningModel) -> None:
+        """Close a retired model's decode loop (cancelling what still runs on it) and forget it."""
         try:
-            while wait and (running.refs > 0 or running.model.busy):  # let running generations finish
-                if deadline is not None and time.monotonic() >= deadline:
-                    break
-                time.sleep(0.02)
             running.model.close()
         finally:
             with self._lock:
-                self._idle.notify_all()  # waiters see ``closed`` and load again
-        return True
+                self._leaving.discard(running)
+                self._idle.notify_all()  # a load waiting for memory goes on; waiters see ``closed``
 
     def _reap_loop(self) -> None:
         while not self._closed.wait(0.25):
             now = time.monotonic()
             with self._lock:
-                expired = [(k, m) for k, m in self._models.items() if m.refs == 0 and m.expires_at <= now]
-            for k, m in expired:
-                self._unload_key(k, only=m)
+                expired = [m for m in self._models.values() if m.refs == 0 and m.expires_at <= now]
+                for m in expired:
+                    self._retire(m)
+            for m in expired:
+                self._close(m)
 
     def cancel_all(self) -> None:
         """Stop every running generation at its next step (each ends with ``finish_reason="cancelled"``);
@@ -781,12 +694,17 @@ class Engine:
             self._closed.set()
             for stop in self._stops:
                 stop.set()
+        self.loader.stop()
         _open_engines.discard(self)
         # a load in progress finishes (a conversion stops) before the models close
         locked = self._load_lock.acquire(timeout=-1 if timeout is None else timeout)
         try:
-            for key in list(self._models):
-                self._unload_key(key, wait=False, deadline=deadline)
+            with self._lock:
+                for m in list(self._models.values()):
+                    self._retire(m)
+                models = list(self._leaving)
+            for m in models:  # held ones too: their requests were cancelled above
+                self._close(m)
         finally:
             if locked:
                 self._load_lock.release()
@@ -800,18 +718,14 @@ class Engine:
         self.close()
 
 
-def _acquire(lock: Any, cancel: threading.Event | None, *, give_up: bool = False) -> bool:
-    """Acquire ``lock`` (a Lock or Semaphore), polling ``cancel``. False if cancelled first
-    (``give_up=True``), else a cancelled wait raises :class:`LocalLLMError`."""
+def _acquire(lock: threading.Lock, cancel: threading.Event | None) -> None:
+    """Acquire ``lock``, polling ``cancel``: a cancelled wait raises :class:`LocalLLMError`."""
     if cancel is None:
         lock.acquire()
-        return True
+        return
     while not lock.acquire(timeout=0.05):
         if cancel.is_set():
-            if give_up:
-                return False
             raise LocalLLMError("The request was cancelled while waiting for another model to load.")
-    return True
 
 
 _open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -824,4 +738,3 @@ def _close_open_engines() -> None:
     the backends keep per thread) while Python can still run them."""
     for engine in list(_open_engines):
         engine.close(timeout=EXIT_TIMEOUT)
-

@@ -1,4 +1,4 @@
-"""Read and validate GGUF metadata with the ``gguf`` package (ggml's own reader).
+"""Read and validate GGUF metadata (``backends.gguf_header``: the ``gguf`` package's layout, long arrays skipped).
 
 ``read_gguf(path)`` returns a :class:`GGUFInfo` or raises :class:`InvalidModelFileError` with one
 sentence. A file whose header, tensor offsets or tensor sizes do not fit its length is refused
@@ -7,10 +7,9 @@ here, before any backend sees it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,28 +82,17 @@ class GGUFInfo:
         return asdict(self)
 
 
-def _scalar(fields: dict, key: str, default: Any = None) -> Any:
-    f = fields.get(key)
-    if f is None:
-        return default
-    try:
-        value = f.contents()
-    except Exception:
-        return default
-    return value
-
-
-def read_gguf(path: str | os.PathLike[str], *, cache: bool = True) -> GGUFInfo:
+def read_gguf(path: str | os.PathLike[str], *, digest: str | None = None) -> GGUFInfo:
     """Parse and validate ``path``. Raises :class:`InvalidModelFileError` on anything wrong.
 
-    The ``gguf`` reader parses the whole vocabulary (seconds on a slow machine), so the result is
-    cached under the cache dir, keyed by the file's path, size and modification time.
+    With ``digest`` (the file's ``sha256:...``, which the store knows) the result is cached under the cache
+    dir by content, so a file is read once however many names or paths it has.
     """
     p = Path(path)
-    key_file = _cache_file(p) if cache else None
+    key_file = _cache_file(digest) if digest else None
     if key_file is not None and key_file.is_file():
         try:
-            return GGUFInfo(**json.loads(key_file.read_text()))
+            return replace(GGUFInfo(**json.loads(key_file.read_text())), path=str(p))
         except (OSError, ValueError, TypeError):
             pass
     info = _read_gguf(p)
@@ -119,66 +107,63 @@ def read_gguf(path: str | os.PathLike[str], *, cache: bool = True) -> GGUFInfo:
     return info
 
 
-def _cache_file(p: Path) -> Path | None:
-    try:
-        st = p.stat()
-    except OSError:
-        return None
-    from localllm.config import paths
-
-    key = hashlib.sha256(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
-    return paths().cache / "gguf-info" / f"{key}.json"
-
-
-def _read_gguf(p: Path) -> GGUFInfo:
+def check_gguf_file(p: Path) -> None:
+    """Refuse, in one sentence, a path that is not a file or does not start with the GGUF magic."""
     if not p.is_file():
         raise InvalidModelFileError(f"{p} is not a file.")
-    size = p.stat().st_size
     with open(p, "rb") as fh:
         magic = fh.read(4)
     if magic != GGUF_MAGIC:
         raise InvalidModelFileError(f"{p.name} is not a GGUF file (it does not start with the GGUF magic).")
 
-    from gguf import GGUFReader
+
+def _cache_file(digest: str) -> Path:
+    from localllm.config import paths
+
+    return paths().cache / "gguf-info" / f"{digest.removeprefix('sha256:')}.json"
+
+
+def _read_gguf(p: Path) -> GGUFInfo:
+    check_gguf_file(p)
+    from backends.gguf_header import GGUFHeaderError, read_header
 
     try:
-        reader = GGUFReader(p, "r")
-    except Exception as e:  # truncated header/tensor table: numpy memmap or struct errors
-        raise InvalidModelFileError(
-            f"{p.name} is corrupt or truncated: its GGUF header cannot be read ({type(e).__name__})."
-        ) from None
+        header = read_header(p)
+    except (GGUFHeaderError, OSError) as e:
+        raise InvalidModelFileError(f"{p.name} is corrupt or truncated: {e}.") from None
+    size = header.file_size
 
     end = 0
     n_params = 0
     # weight bytes by where llama.cpp puts them (the planner splits GPU/CPU with this)
     split: dict[str, Any] = {"token_embd": 0, "output": None, "other": 0, "layers": {}}
-    for t in reader.tensors:
+    for t in header.tensors:
         if t.name.startswith("blk.") and t.name.split(".")[1].isdigit():
             i = int(t.name.split(".")[1])
-            split["layers"][i] = split["layers"].get(i, 0) + int(t.n_bytes)
+            split["layers"][i] = split["layers"].get(i, 0) + t.n_bytes
         elif t.name == "token_embd.weight":
-            split["token_embd"] += int(t.n_bytes)
+            split["token_embd"] += t.n_bytes
         elif t.name == "output.weight":
-            split["output"] = int(t.n_bytes)  # None = tied to token_embd
+            split["output"] = t.n_bytes  # None = tied to token_embd
         else:
-            split["other"] += int(t.n_bytes)
-        stop = int(t.data_offset) + int(t.n_bytes)
+            split["other"] += t.n_bytes
+        stop = t.offset + t.n_bytes
         if stop > size:
             raise InvalidModelFileError(
                 f"{p.name} is truncated: tensor {t.name} ends at byte {stop:,} but the file has {size:,} bytes."
             )
         end = max(end, stop)
-        n_params += int(t.n_elements)
-    if not reader.tensors:
+        n_params += t.n_elements
+    if not header.tensors:
         raise InvalidModelFileError(f"{p.name} holds no tensors.")
 
-    f = reader.fields
-    arch = _scalar(f, "general.architecture")
+    f = header.fields
+    arch = f.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise InvalidModelFileError(f"{p.name} has no general.architecture in its metadata.")
 
     def a(key: str, default: Any = None) -> Any:
-        return _scalar(f, f"{arch}.{key}", default)
+        return f.get(f"{arch}.{key}", default)
 
     n_embd = int(a("embedding_length", 0) or 0)
     n_head = a("attention.head_count", 0) or 0
@@ -195,14 +180,14 @@ def _read_gguf(p: Path) -> GGUFInfo:
     vocab = a("vocab_size")
     if vocab is None:
         tokens = f.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else 0
-    ftype = _scalar(f, "general.file_type")
+        vocab = len(tokens) if tokens is not None else 0
+    ftype = f.get("general.file_type")
     sw = a("attention.sliding_window")
     return GGUFInfo(
         path=str(p),
         file_size=size,
         architecture=arch,
-        name=_scalar(f, "general.name"),
+        name=f.get("general.name"),
         n_layers=int(a("block_count", 0) or 0),
         n_embd=n_embd,
         n_head=n_head,
@@ -213,11 +198,11 @@ def _read_gguf(p: Path) -> GGUFInfo:
         vocab_size=int(vocab),
         file_type=FILE_TYPES.get(int(ftype), f"type {ftype}") if ftype is not None else "unknown",
         parameters=n_params,
-        chat_template=_scalar(f, "tokenizer.chat_template"),
-        license=_scalar(f, "general.license"),
+        chat_template=f.get("tokenizer.chat_template"),
+        license=f.get("general.license"),
         sliding_window=int(sw) if isinstance(sw, int | float) else None,
-        tokenizer_model=_scalar(f, "tokenizer.ggml.model"),
-        bos_token_id=_scalar(f, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_scalar(f, "tokenizer.ggml.eos_token_id"),
+        tokenizer_model=f.get("tokenizer.ggml.model"),
+        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=f.get("tokenizer.ggml.eos_token_id"),
         extra={"tensor_bytes": {**split, "layers": [split["layers"][i] for i in sorted(split["layers"])]}},
     )

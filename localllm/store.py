@@ -353,13 +353,15 @@ class Store:
         return total
 
     def _local(self, path: Path) -> InstalledModel:
-        from localllm.ggufinfo import read_gguf
+        from localllm.ggufinfo import check_gguf_file, read_gguf
 
-        info = read_gguf(path)
+        check_gguf_file(path)  # before it is hashed
         st = path.stat()
+        digest = "sha256:" + self._local_digest(path, st)
+        info = read_gguf(path, digest=digest)
         return InstalledModel(
             name=str(path),
-            digest="sha256:" + self._local_digest(path, st),
+            digest=digest,
             path=path,
             size=st.st_size,
             modified=datetime.fromtimestamp(st.st_mtime, UTC),
@@ -370,11 +372,11 @@ class Store:
         )
 
     def _local_digest(self, path: Path, st: os.stat_result) -> str:
-        """sha256 of a local file, cached by (path, size, mtime) so it is computed once."""
+        """sha256 of a local file, cached by (path, size, mtime, inode) so it is computed once."""
         from localllm.download import sha256_file
 
         cache = self.paths.cache / "local-digests.json"
-        key = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+        key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
         try:
             known = json.loads(cache.read_text())
         except (OSError, ValueError):
@@ -487,7 +489,7 @@ class Store:
         file = external or self.blob_path(hexdigest)
         rep.phase("validating model file")
         try:
-            info = read_gguf(file)
+            info = read_gguf(file, digest="sha256:" + hexdigest)
         except InvalidModelFileError as e:
             if external is None:
                 with self._store_lock():

@@ -10,14 +10,13 @@ checked in Ollama's words. The work itself (rendering ``think``, splitting the s
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from backends._thinking import LEVELS, ThinkStyle, thinking_style
 from backends._thinking import parse_think as _parse
+from backends.base import ThinkValue
 
-__all__ = ["LEVELS", "ThinkStyle", "parse_think", "style_of", "thinks", "think_on"]
-
-ThinkValue = bool | Literal["low", "medium", "high"] | None
+__all__ = ["LEVELS", "ThinkStyle", "ThinkValue", "parse_think", "style_of", "thinks", "think_on"]
 
 
 def parse_think(value: Any) -> ThinkValue:

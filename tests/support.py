@@ -66,6 +66,8 @@ class Route:
     cut_after: int | None = None  # close the connection after this many body bytes (once)
     redirect: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    hold: threading.Event | None = None  # once ``hold_after`` body bytes are sent, wait until it is set (2 min)
+    hold_after: int = 0
 
 
 @dataclass
@@ -128,6 +130,8 @@ class MirrorServer:
                         self.wfile.write(data[pos:pos + n])
                         pos += n
                         hit.sent += n
+                        if route.hold is not None and hit.sent >= route.hold_after:
+                            route.hold.wait(120)
                         if route.rate:
                             ahead = hit.sent / route.rate - (time.monotonic() - t0)
                             if ahead > 0:

@@ -7,7 +7,7 @@ import json
 from click.testing import CliRunner
 
 from localllm.cli import cli
-from localllm.commands.bench import make_prompt, summary
+from localllm.cli.bench import make_prompt, summary
 
 
 def bench(*args: str):

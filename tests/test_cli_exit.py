@@ -227,7 +227,7 @@ def test_backend_mlx_on_a_gguf_that_cannot_convert_is_one_sentence(tmp_path):
 
 
 def test_conversion_display_shows_a_bar_only_after_a_second_on_a_terminal():
-    from localllm.commands.convert import ConversionDisplay
+    from localllm.cli.display import ConversionDisplay
     from localllm.mlxmodels import ConversionProgress
 
     class Terminal(io.StringIO):

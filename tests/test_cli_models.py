@@ -60,7 +60,7 @@ def test_show_prints_the_model_facts(default_model):
 
 
 def test_long_templates_are_truncated_unless_asked(default_model):
-    from localllm.commands.show import TEMPLATE_LINES, details, render
+    from localllm.cli.show import TEMPLATE_LINES, details, render
     from localllm.local import installed
 
     d = details(installed(default_model))

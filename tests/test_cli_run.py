@@ -17,8 +17,9 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from localllm.answer import go_duration, stats_lines
 from localllm.cli import cli
+from localllm.cli.answer import stats_lines
+from localllm.cli.display import go_duration
 
 STATS_FIELDS = ["total duration", "load duration", "prompt eval count", "prompt eval duration", "prompt eval rate",
                 "eval count", "eval duration", "eval rate", "prompt cache"]
@@ -212,9 +213,9 @@ def test_draft_path_that_is_not_a_gguf_is_refused(default_model, tmp_path):
 
 def test_repl_commands_and_context_overflow_note(default_model):
     """The REPL driven by a list of lines: /set, /show, answers, overflow of a tiny context, /clear, /bye."""
-    from localllm.answer import build_settings
+    from localllm.cli.answer import build_settings
+    from localllm.cli.interactive import Repl
     from localllm.engine import Engine
-    from localllm.interactive import Repl
     from localllm.session import open_session
 
     long_msg = "Please remember these words: " + " ".join(["apple banana cherry"] * 25)

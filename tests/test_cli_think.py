@@ -12,8 +12,8 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from localllm.answer import GREY, RESET, THINKING_CLOSE, THINKING_OPEN, build_settings
 from localllm.cli import cli
+from localllm.cli.answer import GREY, RESET, THINKING_CLOSE, THINKING_OPEN, build_settings
 from tests.fixtures_thinking import THINK_GBNF, write_thinking_model
 
 ASK = "What is two plus two?"
@@ -37,7 +37,7 @@ class Tty(io.StringIO):
 
 
 def one_shot(thinker, out: io.StringIO, **flags) -> tuple[int, str, str]:
-    from localllm.commands.run import one_shot as run_once
+    from localllm.cli.run import one_shot as run_once
 
     name, session = thinker
     err = io.StringIO()
@@ -74,7 +74,7 @@ def test_hidethinking_prints_the_answer_only(thinker):
 
 
 def test_repl_set_think_and_nothink(thinker, default_model):
-    from localllm.interactive import Repl
+    from localllm.cli.interactive import Repl
 
     name, session = thinker
     lines = iter(["/set think", ASK, "/set nothink", "/set think high", "/set think maybe", "/show parameters",

@@ -51,7 +51,7 @@ def test_real_probe_describes_this_machine():
 def test_real_probe_says_why_no_gpu_was_found():
     hw = probe(refresh=True)
     if hw.gpus:
-        pytest.skip("this machine has a GPU")
+        pytest.skip("hardware: this machine has a GPU")
     text = " ".join(hw.notes)
     assert "NVML" in text or hw.os == "Darwin"
     assert "nvidia-smi" in text or hw.os == "Darwin"
@@ -370,7 +370,7 @@ def test_probe_command_json(default_model):
 
 
 def test_probe_command_local_file(default_model_path):
-    r = _cli("--model", str(default_model_path), "--ctx", "8192")  # read in place (read_gguf: slow-ish)
+    r = _cli("--model", str(default_model_path), "--ctx", "8192")  # read in place
     assert r.exit_code == 0 and "8,192-token context" in r.output
 
 

@@ -521,7 +521,7 @@ def test_estimate_matches_llamacpps_own_buffers(smollm2, kv, fa, ctx):
     """Load the default model in llama.cpp and compare the buffer sizes it logs with the estimate."""
     pytest.importorskip("llama_cpp")
     if probe().backends["llamacpp"].gpu_offload:
-        pytest.skip("a GPU build places buffers differently; this calibrates the CPU path")
+        pytest.skip("hardware: a GPU build places buffers differently; this calibrates the CPU path")
     out = subprocess.run([sys.executable, "-c", _LOAD.format(path=smollm2.path, ctx=ctx, fa=fa, t=_GGML_TYPE[kv])],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -564,7 +564,7 @@ def private_default(home, default_model):
 
 def test_probe_and_the_engine_pick_mlx_for_a_convertible_gguf_on_a_mac(private_default, capsys):
     """What ``localllm probe`` and ``run --verbose`` print come from these plans."""
-    from localllm.commands import probe as probe_cmd
+    from localllm.cli import probe as probe_cmd
     from localllm.engine import Engine
 
     mac = mac16(mlx=True, mlx_metal=True)

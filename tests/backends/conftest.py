@@ -31,11 +31,7 @@ MODEL_FIXTURE = {"llamacpp": "default_model_path", "mlx": "default_mlx_dir"}
 
 TEST_CACHE = Path(os.environ.get("LOCALLLM_TEST_CACHE", "~/.cache/localllm-tests")).expanduser()
 
-# llama.cpp's OpenMP threads spin-wait between graph ops; on a machine shared with other jobs (CI, the
-# 2-core build box) a spinning thread steals the core a working one needs and a token takes 10-20x
-# longer (measured: 0.19-0.62 s vs 0.03 s per token at load 7). Passive waiting keeps the tests stable.
-# It only works if set before llama_cpp (libgomp) is first imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OMP_WAIT_POLICY=PASSIVE is set by the root conftest, for every test and subprocess.
 
 
 def _available(name: str) -> tuple[bool, str]:

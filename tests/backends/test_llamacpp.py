@@ -11,7 +11,7 @@ import pytest
 from backends._speculative import SpecController
 from backends._stops import StopMatcher, Utf8Stream, parse_tool_calls
 from backends.base import DraftSpec, GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError
-from backends.loop import _NgramDrafter, vocab_problem
+from backends.drafting import NgramDrafter, vocab_problem
 from backends.registry import load
 from backends.stream import RequestStream
 from tests.backends.conftest import collect
@@ -59,6 +59,13 @@ def test_invalid_kv_type_is_refused(default_model_path):
     # a head size the quantized block does not divide (llama.cpp refuses it with flash attention)
     assert "multiple of 32" in kv_type_problem("q4_0", 72, 72)
     assert kv_type_problem("q8_0", 64, 64) is None
+
+
+def test_quantized_kv_is_checked_with_the_head_sizes_the_engine_read(default_model_path):
+    """The engine passes the head sizes it read at install (``extra["head_dims"]``); the check uses them
+    rather than reading the GGUF header again (the file's are 64, which q8_0 would take)."""
+    with pytest.raises(UnsupportedError, match="multiple of 32.*this model has 72"):
+        LlamaCppSource(LoadSpec(str(default_model_path), kv_cache_type="q8_0", extra={"head_dims": (72, 72)}))
 
 
 def _one_sentence(msg: str) -> bool:
@@ -265,8 +272,8 @@ def test_tool_call_parsing():
 
 def test_ngram_draft_proposes_the_continuation():
     ids = [1, 2, 3, 4, 5, 6, 9, 9, 1, 2, 3]
-    assert _NgramDrafter().propose(ids, 3) == [4, 5, 6]
-    assert _NgramDrafter().propose([1, 2, 3], 3) == []
+    assert NgramDrafter().propose(ids, 3) == [4, 5, 6]
+    assert NgramDrafter().propose([1, 2, 3], 3) == []
 
 
 def _simulate(ctl: SpecController, plain_ms: float, spec_ms_per_token: float, tokens: int) -> tuple[float, float]:

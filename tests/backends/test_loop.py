@@ -12,6 +12,7 @@ import time
 import pytest
 
 from backends.base import BackendError, GenerateRequest, LoadSpec, Sampling, TextChunk
+from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
 from tests.backends.conftest import collect
 from tests.fakes import FakeSource
@@ -54,6 +55,10 @@ def f32_model(derived_model):
     m.close()
 
 
+def _empty_pool(model) -> None:
+    model.call(lambda s: model.pool.clear())
+
+
 def test_concurrent_streams_equal_their_solo_output_on_f32(f32_model):
     solo = [collect(f32_model.generate(chat(q)))[0] for q in QUESTIONS]
     steps0 = f32_model.metrics().steps
@@ -66,8 +71,7 @@ def test_concurrent_streams_equal_their_solo_output_on_f32(f32_model):
 
 
 def test_a_shared_system_prompt_is_evaluated_once(f32_model):
-    f32_model.call(lambda s: [s.seq_rm(i) for i in range(s.n_seq_ids)])  # an empty pool
-    f32_model._seqs[:] = [type(s)(s.id) for s in f32_model._seqs]
+    _empty_pool(f32_model)
     before = f32_model.metrics()
     first = collect(f32_model.generate(chat("Where are the hammers?", n=8, system=SYSTEM)))[1]
     rest = run_together(f32_model, [chat(q, n=8, system=SYSTEM) for q in
@@ -78,11 +82,6 @@ def test_a_shared_system_prompt_is_evaluated_once(f32_model):
     assert evaluated < first.stats.prompt_eval_count + 3 * 20, evaluated  # not 4 × the system prompt
     assert all(d.stats.prompt_cached_tokens >= sys_tokens for _, d in rest)  # type: ignore[attr-defined]
     assert after.prompt_tokens_copied > before.prompt_tokens_copied
-
-
-def _empty_pool(model) -> None:
-    model.call(lambda s: [s.seq_rm(i) for i in range(s.n_seq_ids)])
-    model._seqs[:] = [type(s)(s.id) for s in model._seqs]
 
 
 def test_a_system_prompt_sent_by_four_clients_at_once_is_evaluated_once(f32_model):
@@ -119,6 +118,30 @@ def test_a_disconnect_frees_its_slot_and_cells_within_a_step(f32_model):
     m = f32_model.metrics()
     assert m.slots_busy == 0 and m.kv_tokens_active == 0
     assert time.monotonic() - t0 < 1.0
+
+
+def test_a_cancelled_request_keeps_its_evaluated_prompt_in_the_pool_and_on_disk(default_model_path, tmp_path):
+    """A client that leaves at the first token (a user pressing stop, an agent aborting): the prompt it had
+    evaluated stays, so the next request with the same system prompt evaluates only its own question, and the
+    disk cache has it for the next process."""
+    system = SYSTEM * 4
+    spec = PromptCacheSpec(str(tmp_path), "test-model", min_tokens=256)
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=2048, n_seq=1, n_threads=2),
+              prompt_cache=spec) as m:
+        gen = m.generate(chat("Where are the hammers?", n=64, system=system))
+        for ev in gen:
+            if isinstance(ev, TextChunk):
+                break
+        gen.close()
+        t0 = time.monotonic()
+        while len(list(tmp_path.glob("*.kv"))) < 2 and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        saved = sorted(int(p.name.split("-")[0]) for p in tmp_path.glob("*.kv"))
+        before = m.metrics()
+        done = collect(m.generate(chat("Do you sell nails?", n=4, system=system)))[1]
+        evaluated = m.metrics().prompt_tokens_evaluated - before.prompt_tokens_evaluated
+    assert len(saved) == 2 and saved[0] > 500, saved  # where the system prompt ends, and the whole prompt
+    assert done.stats.prompt_eval_count > 500 and evaluated < 30, evaluated
 
 
 def test_a_long_prompt_does_not_stall_streams_in_flight(default_model_path):
@@ -251,3 +274,20 @@ def test_idle_kv_is_parked_while_others_decode_and_comes_back(derived_model):
                 assert m.metrics().kv_tokens_parked < met.kv_tokens_parked
             texts.append(text)
     assert texts[0] == texts[1]
+
+
+def test_parking_goes_on_after_the_pool_was_emptied(default_model_path):
+    """The parked total is the parked sequences' own: a pool emptied while a conversation was parked (and then
+    a bigger one to park beside others) parks within its budget instead of failing the requests."""
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=256, n_seq=2, n_threads=2)) as m:
+        assert m.pool.park_budget == 256
+        collect(m.generate(chat("Tell me about the sea.", n=40)))
+        run_together(m, [chat("Name a tree.", n=8), chat("Name a bird.", n=8)])
+        assert m.metrics().kv_tokens_parked > 40  # the first conversation, parked beside the two
+        _empty_pool(m)
+        long = chat("Summarise: " + "the quick brown fox jumps over the lazy dog. " * 12, n=40)
+        held = collect(m.generate(long))[1].stats.context_used
+        assert 150 < held <= 256
+        out = run_together(m, [chat("Name a fish.", n=8), chat("Name a city.", n=8)])
+        assert all(done.finish_reason in ("stop", "length") for _, done in out)  # type: ignore[attr-defined]
+        assert m.metrics().kv_tokens_parked >= held

@@ -17,7 +17,15 @@ import pytest
 pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'localllm[mlx-cpu]')")
 pytest.importorskip("mlx_lm")
 
-from backends.base import DraftSpec, GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError  # noqa: E402
+from backends.base import (  # noqa: E402
+    DraftSpec,
+    Feed,
+    GenerateRequest,
+    LoadSpec,
+    ModelLoadError,
+    Sampling,
+    UnsupportedError,
+)
 from backends.mlx import MLXSource  # noqa: E402
 from backends.prompt_cache import PromptCacheSpec  # noqa: E402
 from backends.registry import load  # noqa: E402
@@ -185,6 +193,55 @@ def test_two_threads_are_served_together(plain):
     for t in threads:
         t.join(120)
     assert len(out) == 2 and out[0] == out[1] and "Paris" in out[0]
+
+
+def test_info_can_be_read_from_other_threads_while_requests_run(mlx_dir: Path):
+    """``ps``, ``/metrics`` and every request read a loaded model's info from other threads while the loop's
+    thread moves caches in and out of the batch: a reader hammering it never fails and sees the KV grow."""
+    with load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=512, n_seq=3)) as m:
+        base = m.info.size_bytes
+        errors: list[BaseException] = []
+        sizes: list[int] = []
+        stop = threading.Event()
+
+        def hammer() -> None:
+            while not stop.is_set():
+                try:
+                    sizes.append(m.info.size_bytes)
+                except Exception as e:  # noqa: BLE001 - what the test looks for
+                    errors.append(e)
+
+        def ask(q: str) -> None:
+            collect(m.generate(GenerateRequest(messages=[{"role": "user", "content": q}], sampling=greedy(4))))
+
+        readers = [threading.Thread(target=hammer) for _ in range(2)]
+        askers = [threading.Thread(target=ask, args=(q,)) for q in ("Name a tree.", "Name a bird.", "Name a fish.")]
+        for t in readers + askers:
+            t.start()
+        for t in askers:
+            t.join(120)
+        stop.set()
+        for t in readers:
+            t.join(10)
+        assert not errors, errors[:3]
+        assert m.source.batched_steps > 0 and max(sizes) > base  # the caches moved, and the reader saw them
+
+
+def test_seq_rm_keeps_a_sequence_when_the_range_ends_before_its_tokens(plain):
+    """``seq_rm(seq, 0, p1)`` with ``p1`` inside the tokens is not a tail: refused, the cache untouched (it used
+    to drop the whole sequence); a range past the end, or to the end, empties it."""
+    def probe(src: MLXSource) -> list[object]:
+        plain.pool.clear()
+        ids = src.prompt_tokens("The quick brown fox jumps over the lazy dog.")
+        src.evaluate([Feed(1, ids, 0, 1)])
+        held = lambda: src._caches[1][0].offset if 1 in src._caches else 0  # noqa: E731
+        out: list[object] = [len(ids), src.seq_rm(1, 0, 5), held(), src.seq_rm(1, 0, 0), held(),
+                             src.seq_rm(1, 3, 5), held(), src.seq_rm(1, 6), held(), src.seq_rm(1, 0, 100), held()]
+        src.seq_rm(1)
+        return out
+
+    n, *got = plain.call(probe)
+    assert got == [False, n, True, n, False, n, True, 6, True, 0]
 
 
 # ------------------------------------------------------------------------------ batched slots

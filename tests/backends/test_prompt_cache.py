@@ -117,9 +117,11 @@ def test_an_unwritable_cache_skips_the_save_and_the_answer_comes(default_model_p
     ro.mkdir()
     os.chmod(ro, 0o500)
     try:
-        if os.access(ro, os.W_OK):
-            pytest.skip("running as a user who can write anywhere (root): use the full-disk case below")
-        with _model(default_model_path, ro) as m:
+        target = ro
+        if os.access(ro, os.W_OK):  # root writes anywhere: a cache under a regular file is unwritable for all
+            (tmp_path / "a-file").write_text("")
+            target = tmp_path / "a-file" / "cache"
+        with _model(default_model_path, target) as m:
             text, done, _ = collect(m.generate(ask("Hi")))
             assert text and done.finish_reason in ("stop", "length")
     finally:

@@ -89,7 +89,7 @@ def think_url(default_model_path, tmp_path_factory):
 
 
 def test_run_with_host_prints_the_servers_reasoning(think_url, empty_home):
-    from localllm.answer import THINKING_CLOSE, THINKING_OPEN
+    from localllm.cli.answer import THINKING_CLOSE, THINKING_OPEN
 
     out = CliRunner().invoke(cli, ["run", THINKER, "--host", think_url, "--think", "--verbose", "--temperature", "0",
                                    "--seed", "1", "What is two plus two?"])

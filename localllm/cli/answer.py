@@ -1,4 +1,4 @@
-"""What ``localllm run``, its ``>>>`` prompt (:mod:`localllm.interactive`) and ``localllm bench`` share:
+"""What ``localllm run``, its ``>>>`` prompt (:mod:`localllm.cli.interactive`) and ``localllm bench`` share:
 the run settings (flags → engine options, checked in one sentence each), streaming one answer to the
 terminal (reasoning shown as Ollama shows it), Ollama's ``--verbose`` stats block, and getting a model
 that is not installed yet.
@@ -29,6 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import click
 
+from localllm.cli.display import go_duration, isatty, pull_with_progress
 from localllm.errors import LocalLLMError
 from localllm.hardware import BACKEND_CHOICES as BACKENDS  # "auto" and every registered backend, read live
 
@@ -61,41 +62,6 @@ THINKING_OPEN, THINKING_CLOSE = "Thinking...\n", "...done thinking.\n\n"
 
 
 # ------------------------------------------------------------------------------------------ stats
-
-
-def go_duration(ns: int | float) -> str:
-    """Format nanoseconds the way Go's ``time.Duration.String`` does (Ollama prints its stats so).
-
-    >>> go_duration(0), go_duration(5_000_000), go_duration(130_869_000), go_duration(1_234_567_891)
-    ('0s', '5ms', '130.869ms', '1.234567891s')
-    >>> go_duration(62_500_000_000), go_duration(3_600_000_000_000), go_duration(999), go_duration(1500)
-    ('1m2.5s', '1h0m0s', '999ns', '1.5µs')
-    """
-    ns = int(ns)
-    if ns == 0:
-        return "0s"
-    sign = "-" if ns < 0 else ""
-    u = abs(ns)
-
-    def frac(value: int, digits: int) -> str:
-        whole, rest = divmod(value, 10**digits)
-        tail = f"{rest:0{digits}d}".rstrip("0")
-        return f"{whole}.{tail}" if tail else str(whole)
-
-    if u < 1_000:
-        return f"{sign}{u}ns"
-    if u < 1_000_000:
-        return f"{sign}{frac(u, 3)}µs"
-    if u < 1_000_000_000:
-        return f"{sign}{frac(u, 6)}ms"
-    hours, rem = divmod(u, 3_600_000_000_000)
-    minutes, rem = divmod(rem, 60_000_000_000)
-    out = frac(rem, 9) + "s"
-    if hours or minutes:
-        out = f"{minutes}m" + out
-    if hours:
-        out = f"{hours}h" + out
-    return sign + out
 
 
 def stats_lines(stats: Stats) -> list[str]:
@@ -169,7 +135,7 @@ class _Display:
     def __init__(self, out: IO[str] | None, show_thinking: bool):
         self.out = out
         self.show_thinking = show_thinking and out is not None
-        self.color = out is not None and _isatty(out)
+        self.color = out is not None and isatty(out)
         self.open = False  # inside the reasoning block
         self.last = ""
 
@@ -275,13 +241,6 @@ def _ctrl_c_sets(cancel: threading.Event) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _isatty(stream: object) -> bool:
-    try:
-        return bool(stream.isatty())  # type: ignore[attr-defined]
-    except (AttributeError, ValueError):
-        return False
-
-
 # ------------------------------------------------------------------------------------------ models
 
 
@@ -298,8 +257,6 @@ def ensure_model(models: Models, name: str) -> Installed:
 
         if parse_name(name, allow_path=True).kind == "path":
             raise
-    from localllm.commands.pull import pull_with_progress
-
     pull_with_progress(models, name)
     return models.show(name)
 

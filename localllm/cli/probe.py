@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from localllm.answer import BackendChoice
+from localllm.cli.answer import BackendChoice
+from localllm.cli.display import binary_size
 from localllm.config import DEFAULT_MODEL
 from localllm.planner import KV_TYPES
 
@@ -24,12 +25,6 @@ if TYPE_CHECKING:
     from localllm.hardware import HardwareInfo
     from localllm.planner import Plan
     from localllm.store import InstalledModel
-
-
-def _size(n: int | None) -> str:
-    if not n:
-        return "?"
-    return f"{n / 1024**3:.1f} GiB" if n >= 1024**3 else f"{n / 1024**2:.0f} MiB"
 
 
 def plan_for_model(name: str, hw: HardwareInfo, *, num_ctx: int | None, kv_cache_type: str, backend: str,
@@ -62,7 +57,7 @@ def _hardware_rows(hw: HardwareInfo) -> list[tuple[str, str]]:
     rows = [("System", f"{hw.os} {hw.arch}"),
             ("CPU", f"{hw.cpu_model}: {hw.physical_cores} physical / {hw.logical_cores} logical cores"),
             ("SIMD", " ".join(hw.simd) or "none found"),
-            ("RAM", f"{_size(hw.ram_total)} total, {_size(hw.ram_available)} available")]
+            ("RAM", f"{binary_size(hw.ram_total)} total, {binary_size(hw.ram_available)} available")]
     if not hw.gpus:
         rows.append(("GPU", "none found"))
     for g in hw.gpus:
@@ -71,10 +66,10 @@ def _hardware_rows(hw: HardwareInfo) -> list[tuple[str, str]]:
         else:
             extra = ", ".join(x for x in (f"driver {g.driver}" if g.driver else "",
                                           f"compute {g.compute_capability}" if g.compute_capability else "") if x)
-            rows.append((f"GPU {g.index}", f"{g.name}: {_size(g.free_bytes)} free of {_size(g.total_bytes)}"
+            rows.append((f"GPU {g.index}", f"{g.name}: {binary_size(g.free_bytes)} free of {binary_size(g.total_bytes)}"
                                            + (f" ({extra})" if extra else "")))
     if hw.apple_silicon:
-        rows.append(("Metal budget", _size(hw.metal_budget)))
+        rows.append(("Metal budget", binary_size(hw.metal_budget)))
     for key, b in hw.backends.items():
         rows.append((b.label or key, f"{'yes' if b.available else 'no'}: {b.reason}"))
     return rows

@@ -1,7 +1,7 @@
 """``localllm run MODEL [PROMPT...]``: like ``ollama run``.
 
 One-shot when a prompt is given or stdin is piped (stdin first, then the prompt words, joined by a
-space, as Ollama does); otherwise the interactive ``>>>`` prompt (:mod:`localllm.interactive`).
+space, as Ollama does); otherwise the interactive ``>>>`` prompt (:mod:`localllm.cli.interactive`).
 A missing model is pulled first, with the same progress display as ``localllm pull``.
 
     $ localllm run smollm2:135m "Why is the sky blue?"
@@ -13,7 +13,7 @@ Output: the answer streams to stdout as it arrives; when stdout is not a termina
 text. A thinking model's reasoning comes first, between ``Thinking...`` and ``...done thinking.``
 (grey on a terminal; ``--hidethinking`` leaves it out, ``--think=false`` asks the model not to think).
 ``--verbose`` prints Ollama's stats block to stderr, plus the thinking, prompt-cache and draft lines.
-What the REPL and ``bench`` share with this command lives in :mod:`localllm.answer`.
+What the REPL and ``bench`` share with this command lives in :mod:`localllm.cli.answer`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from typing import IO
 
 import click
 
-from localllm.answer import RunSettings, build_settings, ensure_model, overflow_note, print_stats, stream_answer
 from localllm.api import Runner
+from localllm.cli.answer import RunSettings, build_settings, ensure_model, overflow_note, print_stats, stream_answer
+from localllm.cli.display import isatty
 from localllm.errors import LocalLLMError
 
 
@@ -82,22 +83,22 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
         keepalive=keepalive, think=think, hide_thinking=hidethinking,
     )
     prompts = list(prompt)
-    piped = not _isatty(sys.stdin)
+    piped = not isatty(sys.stdin)
     if piped:
         data = sys.stdin.read()
         if data:
             prompts.insert(0, data)
     # Ollama: interactive only with nothing to answer and a terminal on both ends
-    interactive = not prompts and not piped and _isatty(sys.stdout)
+    interactive = not prompts and not piped and isatty(sys.stdout)
 
-    from localllm.commands.convert import ConversionDisplay
+    from localllm.cli.display import ConversionDisplay
     from localllm.session import open_session
 
     session = open_session(host, keep_alive=settings.keep_alive, on_convert=ConversionDisplay())
     try:
         name = ensure_model(session.models, model).name
         if interactive:
-            from localllm.interactive import Repl
+            from localllm.cli.interactive import Repl
 
             Repl(session, name, settings).run()
             return
@@ -133,10 +134,3 @@ def one_shot(runner: Runner, name: str, text: str, settings: RunSettings,
         if settings.verbose:
             print_stats(done.stats, err)
     return 130 if answer.cancelled else 0
-
-
-def _isatty(stream: object) -> bool:
-    try:
-        return bool(stream.isatty())  # type: ignore[attr-defined]
-    except (AttributeError, ValueError):
-        return False

@@ -51,7 +51,7 @@ def details(m: Installed) -> dict[str, Any]:
 
 
 def render(d: dict[str, Any], full_template: bool) -> str:
-    from localllm.commands.list import human_size
+    from localllm.cli.display import human_size
 
     out = ["  Model"]
     rows = [("architecture", d["architecture"]), ("parameters", d["parameters_label"]),

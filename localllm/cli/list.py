@@ -11,54 +11,14 @@ Kept light: no rich, httpx or gguf import (the manifests carry everything shown)
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from localllm.cli.display import ago, format_table, human_size
+
 if TYPE_CHECKING:
     from localllm.api import Installed
-
-
-def human_size(n: int) -> str:
-    """Decimal units as Ollama prints them: ``human_size(98362432) == '98 MB'``."""
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            if unit == "B":
-                return f"{n} B"
-            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
-        value /= 1000
-    raise AssertionError  # pragma: no cover
-
-
-def ago(when: datetime, now: datetime | None = None) -> str:
-    """Ollama-style relative time.
-
-    >>> from datetime import timedelta
-    >>> t = datetime(2025, 1, 1, tzinfo=UTC)
-    >>> ago(t, t), ago(t, t + timedelta(seconds=70)), ago(t, t + timedelta(hours=3)), ago(t, t + timedelta(days=40))
-    ('Less than a second ago', 'About a minute ago', '3 hours ago', '5 weeks ago')
-    """
-    now = now or datetime.now(UTC)
-    s = max((now - when).total_seconds(), 0)
-    if s < 1:
-        return "Less than a second ago"
-    steps = [(60, "second", 1), (3600, "minute", 60), (86400, "hour", 3600), (86400 * 14, "day", 86400),
-             (86400 * 60, "week", 86400 * 7), (86400 * 730, "month", 86400 * 30)]
-    for limit, unit, div in steps:
-        if s < limit:
-            n = int(s // div)
-            if n == 1:
-                return f"About a{'n' if unit == 'hour' else ''} {unit} ago"
-            return f"{n} {unit}s ago"
-    return f"{int(s // (86400 * 365))} years ago"
-
-
-def format_table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["    ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    return "\n".join(lines)
 
 
 def as_json(m: Installed, remote: bool) -> dict[str, Any]:

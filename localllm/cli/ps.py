@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def command(host: str | None, as_json: bool) -> None:
     """List loaded models."""
+    from localllm.cli.display import format_table, human_size
     from localllm.client import Client, connect
-    from localllm.commands.list import human_size
 
     client = connect(host) or Client()
     if not client.is_running(timeout=1.0):
@@ -56,6 +56,4 @@ def command(host: str | None, as_json: bool) -> None:
     rows += [(m.name, m.short_id, human_size(m.size), m.processor, str(m.context_length), slots(m),
               f"{m.prompt_cache_entries} ({human_size(m.prompt_cache_bytes)})" if m.prompt_cache_entries else "-",
               m.until) for m in models]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        click.echo("    ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    click.echo(format_table(rows))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from localllm.answer import BackendChoice
+from localllm.cli.answer import BackendChoice
 
 ENV_HELP = """\b
 Environment:
@@ -35,11 +35,13 @@ Environment:
 @click.option("--debug", is_flag=True, help="Log every request.")
 def command(address: str | None, keep_alive: str | None, backend: str | None, debug: bool) -> None:
     """Serve the Ollama and OpenAI APIs (streaming, several models, keep-alive)."""
-    from localllm.commands.convert import ConversionDisplay
+    from localllm import config
+    from localllm.cli.display import ConversionDisplay
     from localllm.engine import Engine, parse_keep_alive
     from localllm.server.run import serve
 
-    ka = parse_keep_alive(keep_alive) if keep_alive else None
+    config.check_settings()  # a bad LOCALLLM_* value: one sentence now, not an error on every request
+    ka = parse_keep_alive(keep_alive) if keep_alive else parse_keep_alive(None)
     # serve() binds before the engine does any work: a busy port is one sentence at once. A first-use MLX
     # conversion is a line in the log (no bar: the request log shares stderr).
     serve(address, engine=lambda: Engine(keep_alive=ka, backend=backend, on_convert=ConversionDisplay(bar=False)),

@@ -1,5 +1,8 @@
-"""The ``localllm`` command. Each subcommand lives in ``localllm/commands/<name>.py`` and is imported
-only when used, so ``localllm --help`` and ``localllm list`` start fast.
+"""The ``localllm`` command, all of it in this package. Each subcommand is a module here (``pull.py``,
+``run.py``, ...) exposing a click object named ``command``, imported only when used, so ``localllm --help``
+and ``localllm list`` start fast. No command imports another: what several share is ``answer.py`` (run
+settings, streaming an answer, the stats block, pulling a missing model), ``interactive.py`` (the ``>>>``
+prompt) and ``display.py`` (tty checks, sizes, durations, tables, progress bars).
 
 A face: it parses and prints; work goes through the engine and the services.
 """
@@ -13,25 +16,25 @@ import click
 
 # name -> (module, one-line help). The help is here so `--help` needs no imports.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "pull": ("localllm.commands.pull", "Download a model (resumable, sha256-verified)."),
-    "run": ("localllm.commands.run", "Run a model: one-shot with a prompt, else an interactive chat."),
-    "chat": ("localllm.commands.chat", "Open the terminal app (chat + model manager)."),
-    "list": ("localllm.commands.list", "List installed models."),
-    "ps": ("localllm.commands.ps", "List loaded models."),
-    "show": ("localllm.commands.show", "Show a model's details."),
-    "rm": ("localllm.commands.rm", "Remove models."),
-    "cp": ("localllm.commands.cp", "Copy a model to a new name."),
-    "stop": ("localllm.commands.stop", "Unload a running model."),
-    "serve": ("localllm.commands.serve", "Serve the Ollama and OpenAI APIs."),
-    "probe": ("localllm.commands.probe", "Show this machine's hardware and the backend localllm picks."),
-    "convert": ("localllm.commands.convert", "Convert an installed GGUF model to MLX, offline (no download)."),
-    "bench": ("localllm.commands.bench", "Benchmark a model: prompt/generation speed, TTFT, drafts, KV types."),
+    "pull": ("localllm.cli.pull", "Download a model (resumable, sha256-verified)."),
+    "run": ("localllm.cli.run", "Run a model: one-shot with a prompt, else an interactive chat."),
+    "chat": ("localllm.cli.chat", "Open the terminal app (chat + model manager)."),
+    "list": ("localllm.cli.list", "List installed models."),
+    "ps": ("localllm.cli.ps", "List loaded models."),
+    "show": ("localllm.cli.show", "Show a model's details."),
+    "rm": ("localllm.cli.rm", "Remove models."),
+    "cp": ("localllm.cli.cp", "Copy a model to a new name."),
+    "stop": ("localllm.cli.stop", "Unload a running model."),
+    "serve": ("localllm.cli.serve", "Serve the Ollama and OpenAI APIs."),
+    "probe": ("localllm.cli.probe", "Show this machine's hardware and the backend localllm picks."),
+    "convert": ("localllm.cli.convert", "Convert an installed GGUF model to MLX, offline (no download)."),
+    "bench": ("localllm.cli.bench", "Benchmark a model: prompt/generation speed, TTFT, drafts, KV types."),
 }
 
 
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return list(COMMANDS)
+        return [*COMMANDS]  # not list(): importing localllm.cli.list binds the name `list` in this module
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
@@ -86,7 +89,9 @@ def cli(ctx: click.Context) -> None:
     Environment: LOCALLLM_HOME, LOCALLLM_HOST, LOCALLLM_KEEP_ALIVE, ... (see the README).
     """
     if ctx.invoked_subcommand is None:
-        if sys.stdin.isatty() and sys.stdout.isatty() and isinstance(ctx.command, click.Group):
+        from localllm.cli.display import isatty
+
+        if isatty(sys.stdin) and isatty(sys.stdout) and isinstance(ctx.command, click.Group):
             cmd = ctx.command.get_command(ctx, "chat")
             if cmd is not None:
                 ctx.invoke(cmd)

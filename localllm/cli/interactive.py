@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import IO, TYPE_CHECKING, Any
 
-from localllm.answer import RunSettings, ensure_model, overflow_note, parse_think_flag, print_stats, stream_answer
+from localllm.cli.answer import RunSettings, ensure_model, overflow_note, parse_think_flag, print_stats, stream_answer
+from localllm.cli.display import isatty
 from localllm.engine import BackendError
 from localllm.errors import LocalLLMError
 
@@ -408,7 +409,7 @@ class Repl:
     # -------------------------------------------------------------------------------- readline
 
     def _setup_readline(self) -> None:
-        if self._read is not input or not sys.stdin.isatty():
+        if self._read is not input or not isatty(sys.stdin):
             return
         try:
             import readline

@@ -223,7 +223,7 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
     """Benchmark MODEL: prompt processing and generation tokens/s, time to first token, per
     KV cache type and draft variant."""
     from localllm import config
-    from localllm.answer import BACKENDS, ensure_model
+    from localllm.cli.answer import BACKENDS, ensure_model
     from localllm.engine import KV_CACHE_TYPES
 
     kvs = [k.lower() for k in _split_list(kv_cache)] or [config.kv_cache_type()]
@@ -240,7 +240,7 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
     if num_ctx is None:
         num_ctx = max(2048, pp + tg + 64)
 
-    from localllm.commands.convert import ConversionDisplay
+    from localllm.cli.display import ConversionDisplay, isatty
     from localllm.engine import Engine
     from localllm.local import LocalModels, LocalRunner
 
@@ -251,7 +251,7 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
         err = sys.stderr
 
         def progress(v: Variant, rep: int) -> None:
-            if not as_json and err.isatty():
+            if not as_json and isatty(err):
                 err.write(f"\r{v.kv_cache_type}/{v.draft}: repetition {rep + 1}/{repetitions} "
                           f"pp {v.pp_tps[-1]:.1f} tg {v.tg_tps[-1]:.1f} tok/s   ")
                 err.flush()
@@ -273,9 +273,9 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
                     line = (f"{kv}/{d}: {r['error']}" if "error" in r else
                             f"{kv}/{d}: pp {_fmt(r['pp_tps'])} tok/s, tg {_fmt(r['tg_tps'])} tok/s, "
                             f"TTFT {_fmt(r['ttft_ms'])} ms")
-                    err.write(("\r" if err.isatty() else "") + line + "\n")
+                    err.write(("\r" if isatty(err) else "") + line + "\n")
                     err.flush()
-        if not as_json and err.isatty():
+        if not as_json and isatty(err):
             err.write("\r" + " " * 78 + "\r")
         report = {
             "model": name,

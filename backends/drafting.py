@@ -1,0 +1,200 @@
+"""Drafts for speculative decoding: what proposes tokens, behind one interface, and how a load sets it up.
+
+A :class:`Drafter` proposes up to ``k`` tokens that may follow a sequence's history; the decode loop
+(:mod:`backends.loop`) verifies them in the target's batch, and the :class:`~backends._speculative.SpecController`
+decides how many to ask for (0: decode plainly). Two drafters: :class:`NgramDrafter` (prompt lookup) and
+:class:`ModelDrafter` (a second, smaller model with the same vocabulary). :func:`setup_draft` makes the drafter
+and the controller a :class:`~backends.base.DraftSpec` asks for, refusing what cannot work in one sentence.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from backends._speculative import SpecController
+from backends.base import BackendError, DraftSpec, Feed, LoadSpec, Sampling, TokenSource, UnsupportedError
+from backends.kvpool import common_prefix
+
+
+class Drafter(Protocol):
+    """Proposes tokens for the target to verify. Runs on the decode loop's thread."""
+
+    name: str
+    catchup_ns: int  # what the last :meth:`propose` spent catching up on tokens it had not seen (0: none)
+
+    def propose(self, history: list[int], k: int, max_catchup: int | None = None) -> list[int]:
+        """Up to ``k`` tokens that may follow ``history`` (the target sequence's tokens and its last sampled
+        one); ``max_catchup``: evaluate at most that many unseen tokens first (None: all)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class NgramDrafter:
+    """Prompt lookup: the tokens that followed the last occurrence of the current n-gram."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.catchup_ns = 0
+
+    def propose(self, history: list[int], k: int, max_catchup: int | None = None) -> list[int]:
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(history) <= n:
+                continue
+            tail = history[-n:]
+            for i in range(len(history) - n - 1, -1, -1):
+                if history[i : i + n] == tail:
+                    return history[i + n : i + n + k]
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A second, smaller model proposes tokens greedily; its one sequence follows the target's history
+    (the common prefix is kept, only new tokens are evaluated).
+
+    ``max_catchup`` bounds that catch-up: with more unseen tokens pending (the prompt, or a stretch decoded
+    plainly while drafting was off), only the last ``max_catchup`` are evaluated and the older ones skipped.
+    The draft's context then has a hole, which costs it some foresight but keeps a probe cheap; the holes
+    are remembered (where, in the draft's own positions, and how many target tokens were skipped), so later
+    calls map the target's sequence onto the draft's cache; a history that differs before a hole drops it.
+    ``catchup_ns`` tells the controller what the last call spent catching up."""
+
+    def __init__(self, source: TokenSource, p_min: float = 0.0):
+        self.source = source
+        self.name = source.spec.model_path
+        self.tokens: list[int] = []  # what the draft's sequence holds (the target's history minus the holes)
+        self.p_min = p_min
+        self.catchup_ns = self.catchup_tokens = 0
+        self._holes: list[tuple[int, int]] = []
+        self._greedy = source.sampler(Sampling(temperature=0, repeat_penalty=1.0), None)
+        try:  # the first evaluation of a context allocates its buffers: at load, not in the first probe
+            source.evaluate([Feed(0, source.prompt_tokens("")[:1] or [0], 0, 1)])
+            source.seq_rm(0)
+        except Exception:  # noqa: BLE001 - a warm-up only
+            pass
+
+    def _eval(self, toks: list[int], outputs: int) -> list[int]:
+        rows: list[int] = []
+        step = self.source.n_batch
+        for i in range(0, len(toks), step):
+            chunk = toks[i : i + step]
+            last = i + step >= len(toks)
+            rows = self.source.evaluate([Feed(0, chunk, len(self.tokens), outputs if last else 0)])[0]
+            self.tokens.extend(chunk)
+        return rows
+
+    def _view(self, history: list[int]) -> list[int]:
+        for at, skipped in self._holes:
+            if len(history) <= at:
+                break
+            history = history[:at] + history[at + skipped :]
+        return history
+
+    def propose(self, history: list[int], k: int, max_catchup: int | None = None) -> list[int]:
+        self.catchup_ns = self.catchup_tokens = 0
+        view = self._view(history)
+        k = min(k, self.source.n_ctx - len(view) - 1)
+        if k <= 0 or not view:
+            return []
+        keep = common_prefix(self.tokens, view)
+        if any(at >= keep for at, _ in self._holes):  # the history changed before a hole: forget it
+            self._holes = [h for h in self._holes if h[0] < keep]
+            view = self._view(history)
+        if keep >= len(view):
+            keep = len(view) - 1  # evaluate the last token again for fresh logits
+        if not self.source.seq_rm(0, keep):
+            self.source.seq_rm(0)
+            keep, self._holes, view = 0, [], list(history)
+        del self.tokens[keep:]
+        new = view[keep:]
+        if max_catchup is not None and len(new) > max(int(max_catchup), 2):
+            skip = len(new) - int(max_catchup)
+            self._holes.append((len(self.tokens), skip))
+            new = new[skip:]
+        t0 = time.perf_counter_ns()
+        rows = self._eval(new, 1)
+        if len(new) > 2:  # more than a normal step's one or two tokens: catching up
+            self.catchup_ns, self.catchup_tokens = time.perf_counter_ns() - t0, len(new)
+        out: list[int] = []
+        while True:
+            if self.p_min > 0 and not self._confident(rows[-1]):
+                break
+            tok = self._greedy.sample(rows[-1])
+            out.append(tok)
+            if len(out) >= k:
+                break
+            rows = self._eval([tok], 1)
+        return out
+
+    def _confident(self, row: int) -> bool:
+        import numpy as np
+
+        x = np.asarray(self.source.logits(row), dtype=np.float64)
+        return bool(1.0 / np.exp(x - x.max()).sum() >= self.p_min)
+
+    def close(self) -> None:
+        self._greedy.close()
+        self.source.close()
+
+
+def vocab_problem(target: TokenSource, draft: TokenSource) -> str | None:
+    """Why ``draft`` cannot draft for ``target`` (one sentence), or None when every token id means the same
+    bytes to both (sizes may differ by padding: up to 128 ids)."""
+    nt, nd = target.info.n_vocab, draft.info.n_vocab
+    if abs(nt - nd) > 128:
+        return (f"The draft model's vocabulary ({nd} tokens) differs from the model's ({nt}); "
+                "a draft must share the tokenizer.")
+    for i in range(min(nt, nd)):
+        if target.piece(i) != draft.piece(i):
+            return (f"The draft model tokenizes differently from the model (token {i} differs); "
+                    "a draft must share the tokenizer.")
+    return None
+
+
+def setup_draft(src: TokenSource, d: DraftSpec, source_class: type[TokenSource],
+                spec: LoadSpec) -> tuple[Drafter, SpecController]:
+    """The drafter and controller that ``d`` asks for beside the loaded target ``src`` (a draft model is
+    loaded with ``source_class``, like the target from ``spec``); records the draft in ``src.info``."""
+    if not src.can_rewind():
+        raise UnsupportedError(
+            f"Speculative decoding is not available for this {src.info.architecture} model: its cache "
+            "(recurrent/hybrid memory or a sliding window) is not trimmable, so rejected draft tokens cannot be "
+            "rolled back; use --draft none.")
+    drafter: Drafter
+    if d.kind == "ngram":
+        drafter = NgramDrafter()
+        src.info.draft = "ngram"
+    elif d.kind == "model":
+        if not d.path:
+            raise UnsupportedError("A draft model needs a path to its file.")
+        dspec = LoadSpec(model_path=d.path, n_ctx=src.n_ctx, n_seq=1, n_gpu_layers=d.n_gpu_layers,
+                         n_threads=spec.n_threads, n_batch=spec.n_batch, verbose=spec.verbose,
+                         extra={k: v for k, v in spec.extra.items() if k in ("use_mmap",)})
+        try:
+            dsrc = source_class(dspec)
+        except BackendError as e:
+            raise type(e)(f"The draft model could not be loaded: {e}") from None
+        problem = vocab_problem(src, dsrc)
+        if problem is None and not dsrc.can_rewind():
+            problem = ("The draft model's cache (recurrent/hybrid or sliding window) cannot roll back "
+                       "rejected tokens.")
+        if problem:
+            dsrc.close()
+            raise UnsupportedError(problem)
+        drafter = ModelDrafter(dsrc, p_min=float(spec.extra.get("draft_p_min", 0.0)))
+        src.info.draft = d.path
+        src.info.size_bytes += dsrc.info.size_bytes
+    else:
+        raise UnsupportedError(f"Unknown draft kind {d.kind!r}; use a model or ngram.")
+    # draft_always: draft every step whatever the timings say (tests of exactness)
+    controller = SpecController(max(1, d.num_draft), margin=0.0 if spec.extra.get("draft_always") else 0.97)
+    return drafter, controller
+
+
+__all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "setup_draft", "vocab_problem"]

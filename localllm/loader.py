@@ -1,0 +1,241 @@
+"""The loader: plan → load. From an installed model and :class:`LoadOptions` it makes the planner's
+:class:`~localllm.planner.Plan`, the :class:`LoadSpec` with its draft (:class:`DraftSpec`) and prompt cache
+(:class:`PromptCacheSpec`), prepares the weights the backend takes (an MLX conversion on first use) and starts
+the model's decode loop (:class:`backends.loop.LoadedModel`). Which models stay loaded, for how long and who
+uses them is the engine's (:mod:`localllm.engine`); the loader keeps nothing of a model it has loaded.
+
+``--backend mlx`` on a model with no MLX weights converts its GGUF on first use (once, offline; see
+:mod:`localllm.mlxmodels`), on the model's decode thread before it loads; ``on_convert`` receives the
+:class:`~localllm.mlxmodels.ConversionProgress` events a face shows.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from backends.base import DraftSpec, LoadSpec, TokenSource
+from backends.loop import LoadedModel
+from backends.prompt_cache import PromptCacheSpec
+from backends.registry import source_class
+from localllm import config
+from localllm.errors import LocalLLMError, ModelNotFoundError, PlanError
+
+if TYPE_CHECKING:
+    from localllm.hardware import HardwareInfo
+    from localllm.mlxmodels import ConversionProgress
+    from localllm.planner import Plan
+    from localllm.store import InstalledModel, Store
+
+# The smallest num_ctx a request may ask for: llama.cpp pads contexts to 256 tokens; below that a chat
+# template alone may not fit. (The planner's own MIN_CTX, 512, is the smallest it shrinks to unasked.)
+MIN_CTX = 256
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load a model. ``None`` means "let the planner decide"."""
+
+    num_ctx: int | None = None
+    num_gpu: int | None = None  # layers to offload; None = planner, 0 = CPU
+    kv_cache_type: str | None = None  # f16 | q8_0 | q4_0; None = LOCALLLM_KV_CACHE_TYPE
+    backend: str = "auto"  # auto | llamacpp | mlx
+    draft: str = "auto"  # auto (catalog pairing if installed) | none | ngram | NAME | PATH
+    num_draft: int = 4
+    num_thread: int | None = None
+    embedding: bool = False  # make the embedding context at load (any loaded model embeds on demand)
+    num_parallel: int | None = None  # slots; None = LOCALLLM_NUM_PARALLEL, else the planner (4 where it fits)
+
+
+def _env_parallel() -> int | None:
+    """``LOCALLLM_NUM_PARALLEL`` (slots per model); unset or 0 = let the planner decide."""
+    n = config.env_int("LOCALLLM_NUM_PARALLEL", 0)
+    return n if n > 0 else None
+
+
+class Loader:
+    """Plans and loads models of ``store``; thread-safe (it holds no state per model)."""
+
+    def __init__(self, store: Store, *, hardware: HardwareInfo | None = None, backend: str | None = None,
+                 backend_class: Callable[[str], type[TokenSource]] | None = None,
+                 on_convert: Callable[[ConversionProgress], None] | None = None):
+        self.store = store
+        self._hardware = hardware
+        self._backend_class = backend_class or source_class  # backend name -> TokenSource class (tests swap it)
+        self.on_convert = on_convert  # first-use MLX conversion progress, for the face to show
+        # the backend for requests that leave it to the planner (``LoadOptions.backend == "auto"``)
+        self.backend = (backend or config.env_str("LOCALLLM_BACKEND", "auto")).lower()
+        if self.backend not in ("auto", "llamacpp", "mlx"):
+            raise LocalLLMError(f"LOCALLLM_BACKEND must be auto, llamacpp or mlx, got {self.backend!r}.")
+        self._stopped = threading.Event()
+
+    @property
+    def hardware(self) -> HardwareInfo:
+        """The machine the plans are made for (probed on first use)."""
+        if self._hardware is None:
+            from localllm.hardware import probe
+
+            self._hardware = probe()
+        return self._hardware
+
+    @hardware.setter
+    def hardware(self, hw: HardwareInfo) -> None:
+        self._hardware = hw
+
+    def stop(self) -> None:
+        """Stop a conversion in progress (at its next progress report); used when the engine closes."""
+        self._stopped.set()
+
+    # ------------------------------------------------------------------ plan
+
+    def options(self, options: LoadOptions) -> LoadOptions:
+        """``options`` with the loader's backend (``Engine(backend=)`` / ``LOCALLLM_BACKEND``) where it says auto."""
+        if options.backend == "auto" and self.backend != "auto":
+            return replace(options, backend=self.backend)
+        return options
+
+    def plan(self, name: str, options: LoadOptions | None = None) -> tuple[InstalledModel, Plan]:
+        """(installed model, plan) without loading anything."""
+        from localllm.ggufinfo import GGUFInfo
+        from localllm.mlxmodels import mlx_for_plan
+        from localllm.planner import plan
+
+        options = self.options(options or LoadOptions())
+        if options.num_ctx is not None and options.num_ctx < MIN_CTX:
+            raise LocalLLMError(f"num_ctx must be at least {MIN_CTX} tokens, got {options.num_ctx}.")
+        model = self.store.get(name)
+        info = GGUFInfo(**model.info)
+        kv = options.kv_cache_type or config.kv_cache_type()
+        p = plan(
+            info,
+            self.hardware,
+            num_ctx=options.num_ctx,
+            kv_cache_type=kv,
+            backend=options.backend,
+            num_gpu=options.num_gpu,
+            mlx_model=model.mlx_path is not None,
+            # MLX weights installed / the GGUF converts on first use (Plan.mlx_convert) / why not
+            mlx=mlx_for_plan(model, self.hardware, options.backend),
+            num_parallel=options.num_parallel or _env_parallel(),
+        )
+        return model, p
+
+    @staticmethod
+    def check_fits(model: InstalledModel, p: Plan) -> None:
+        """Raise :class:`PlanError` (the planner's reason) when ``p`` says the model does not fit this machine."""
+        if p.verdict != "too_big":
+            return
+        why = next((r for r in p.reasons if r.startswith("does not fit")), None)
+        if why:
+            raise PlanError(why.removeprefix("does not fit: ").rstrip(".") + "; it does not fit this machine.")
+        raise PlanError(f"{model.name} does not fit this machine: {'; '.join(p.reasons)}")
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, model: InstalledModel, options: LoadOptions, p: Plan,
+             cancel: threading.Event | None) -> tuple[LoadedModel, int]:
+        """Load ``model`` as ``p`` says (converting its weights first where the plan asks): (its decode loop,
+        load time in ns). ``cancel`` stops a conversion."""
+        spec = self.spec(model, options, p)
+        before_load = None
+        if p.mlx_convert:  # on the thread that will run it (MLX keeps per-thread state)
+            from localllm.planner import mlx_dtype
+
+            def before_load() -> None:
+                self._convert(model, cancel, mlx_dtype(p.device))
+                spec.model_path = str(model.mlx_path)
+
+        cls = self._backend_class(p.backend)
+        t0 = time.perf_counter_ns()
+        loaded = LoadedModel(cls, spec, name=model.name, prompt_cache=self.prompt_cache_spec(model, p.backend),
+                             before_load=before_load)
+        return loaded, time.perf_counter_ns() - t0
+
+    def spec(self, model: InstalledModel, options: LoadOptions, p: Plan) -> LoadSpec:
+        """What the backend is given to load ``model`` as planned (``model_path`` set by the conversion when the
+        plan converts first)."""
+        path = model.mlx_path if p.backend == "mlx" else model.path
+        return LoadSpec(
+            model_path=str(path),
+            n_ctx=p.n_ctx,
+            n_seq=p.n_seq,
+            n_gpu_layers=p.n_gpu_layers,
+            n_threads=options.num_thread or p.n_threads,
+            kv_cache_type=p.kv_cache_type,  # type: ignore[arg-type]
+            flash_attn=None if p.kv_cache_type == "f16" else True,  # llama.cpp decides (auto)
+            draft=self.draft_spec(model, options, p.backend),
+            embedding=options.embedding,
+            verbose=os.environ.get("LOCALLLM_DEBUG", "") not in ("", "0"),
+            # the head sizes read with the model's metadata: a quantized KV cache is checked without the header
+            extra={"head_dims": (model.info.get("head_dim_k", 0), model.info.get("head_dim_v", 0))},
+        )
+
+    def prompt_cache_spec(self, model: InstalledModel, backend: str) -> PromptCacheSpec | None:
+        """Where this model's saved prompt prefixes live (``LOCALLLM_PROMPT_CACHE_SIZE``; 0 = none)."""
+        size = config.prompt_cache_size()
+        if size <= 0 or not model.digest:
+            return None
+        root = config.paths().prompt_cache
+        return PromptCacheSpec(str(root / model.digest.removeprefix("sha256:")), f"{model.digest} {backend}",
+                               max_bytes=size, budget_root=str(root))
+
+    def draft_spec(self, model: InstalledModel, options: LoadOptions, backend: str) -> DraftSpec | None:
+        """The draft ``options.draft`` names (``auto``: the catalog's pairing where it is installed for this
+        backend), or None for plain decoding."""
+        choice = (options.draft or "auto").strip()
+        if choice == "none":
+            return None
+        if choice == "ngram":
+            return DraftSpec(kind="ngram", num_draft=options.num_draft)
+        if choice == "auto":
+            draft_name = model.catalog.draft if model.catalog is not None else None
+            if not draft_name:
+                return None
+            try:
+                draft = self.store.get(draft_name)
+            except ModelNotFoundError:
+                return None  # suggested draft not installed: plain decoding
+        else:
+            draft = self.store.get(choice)
+        path = draft.mlx_path if backend == "mlx" else draft.path
+        if path is None and choice == "auto":
+            return None  # the suggested draft has no build for this backend: plain decoding
+        if path is None:
+            raise LocalLLMError(f"Draft model {draft.name} has no {backend} weights installed.")
+        return DraftSpec(kind="model", path=str(path), num_draft=options.num_draft)
+
+    def _convert(self, model: InstalledModel, cancel: threading.Event | None, dtype: str) -> None:
+        """Build the MLX weights of ``model`` from its GGUF (first use of ``--backend mlx``), record them in
+        the store and set ``model.mlx_path``. Runs on the model's decode thread before it loads; reports to
+        ``on_convert``; ``cancel`` or :meth:`stop` stops it at the next progress report (nothing half-written
+        is kept)."""
+        from localllm.mlxmodels import ConversionProgress, convert_installed
+
+        notify = self.on_convert
+        t0 = time.monotonic()
+
+        def progress(done: int, total: int) -> None:
+            if self._stopped.is_set():
+                raise LocalLLMError(f"The conversion of {model.name} to MLX was stopped: localllm is shutting down.")
+            if cancel is not None and cancel.is_set():
+                raise LocalLLMError(f"The conversion of {model.name} to MLX was cancelled.")
+            if notify is not None:
+                notify(ConversionProgress(model.name, "progress", done, total, time.monotonic() - t0))
+
+        if notify is not None:
+            notify(ConversionProgress(model.name, "start"))
+        try:
+            path = convert_installed(model, dtype=dtype, progress=progress)
+        except BaseException as e:
+            if notify is not None:
+                notify(ConversionProgress(model.name, "failed", seconds=time.monotonic() - t0, error=str(e)))
+            raise
+        if not model.local:  # a local .gguf path has no manifest: its MLX dir is found by digest
+            self.store.set_mlx_path(model.name, path)
+        model.mlx_path = path
+        if notify is not None:
+            notify(ConversionProgress(model.name, "done", seconds=time.monotonic() - t0))
