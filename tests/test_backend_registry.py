@@ -95,7 +95,9 @@ def test_a_registered_backend_serves_a_request_over_http(registered, installed_d
     from tests.server.conftest import FAST, MODEL, start
 
     engine = Engine(keep_alive=300)
-    engine.backend = NAME  # the engine's backend for every request, as `serve --backend testllama` sets it
+    # the backend for every request, as `serve --backend testllama` sets it (Engine(backend=NAME) once the loader
+    # checks the name against the registry instead of its own list)
+    engine.loader.backend = NAME
     srv = start(engine)
     try:
         before = TestLlamaSource.loads
