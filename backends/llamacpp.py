@@ -369,14 +369,6 @@ class LlamaCppSource(TokenSource):
 
     name = "llamacpp"
 
-    @classmethod
-    def available(cls) -> tuple[bool, str]:
-        try:
-            import llama_cpp  # noqa: F401
-        except Exception as e:  # ImportError, or a broken shared library (OSError)
-            return False, f"llama-cpp-python is not importable ({e}); install it with: pip install llama-cpp-python"
-        return True, ""
-
     # ------------------------------------------------------------------ load
 
     def __init__(self, spec: LoadSpec):

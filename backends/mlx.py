@@ -178,20 +178,6 @@ class MLXSource(TokenSource):
     name = "mlx"
 
     @classmethod
-    def available(cls) -> tuple[bool, str]:
-        try:
-            import mlx.core  # noqa: F401
-            import mlx_lm  # noqa: F401
-        except ImportError as e:
-            return False, (
-                f"MLX is not installed ({e.name}): pip install 'localllm[mlx]' on Apple Silicon, "
-                "'localllm[mlx-cpu]' on Linux."
-            )
-        except OSError as e:  # bare mlx wheel without a backend (libmlx.so missing)
-            return False, f"MLX is installed without a backend ({e}); pip install 'mlx[cpu]' on Linux."
-        return True, ""
-
-    @classmethod
     def on_thread(cls) -> None:
         if cls.available()[0]:
             _hold_thread()  # this thread's MLX state is freed as it ends, before it is joined

@@ -111,9 +111,12 @@ def host() -> str:
 
 
 def kv_cache_type() -> str:
+    from backends.descriptor import KV_CACHE_TYPES
+
     value = env_str("LOCALLLM_KV_CACHE_TYPE", "f16").lower()
-    if value not in ("f16", "q8_0", "q4_0"):
-        raise SystemExit(f"LOCALLLM_KV_CACHE_TYPE must be f16, q8_0 or q4_0, got {value!r}.")
+    if value not in KV_CACHE_TYPES:
+        raise SystemExit(f"LOCALLLM_KV_CACHE_TYPE must be {', '.join(KV_CACHE_TYPES[:-1])} or {KV_CACHE_TYPES[-1]}, "
+                         f"got {value!r}.")
     return value
 
 

@@ -147,7 +147,7 @@ class RunningModel:
 
     @property
     def backend(self) -> str:
-        """The inference backend's name (``llamacpp``, ``mlx``)."""
+        """The inference backend's name (a registered :class:`backends.descriptor.Backend`)."""
         return self.plan.backend
 
     @property

@@ -24,6 +24,7 @@ from backends.prompt_cache import PromptCacheSpec
 from backends.registry import source_class
 from localllm import config
 from localllm.errors import LocalLLMError, ModelNotFoundError, PlanError
+from localllm.hardware import BACKEND_CHOICES
 
 if TYPE_CHECKING:
     from localllm.hardware import HardwareInfo
@@ -43,7 +44,7 @@ class LoadOptions:
     num_ctx: int | None = None
     num_gpu: int | None = None  # layers to offload; None = planner, 0 = CPU
     kv_cache_type: str | None = None  # f16 | q8_0 | q4_0; None = LOCALLLM_KV_CACHE_TYPE
-    backend: str = "auto"  # auto | llamacpp | mlx
+    backend: str = "auto"  # auto (the planner's choice) or a registered backend's name
     draft: str = "auto"  # auto (catalog pairing if installed) | none | ngram | NAME | PATH
     num_draft: int = 4
     num_thread: int | None = None
@@ -69,8 +70,10 @@ class Loader:
         self.on_convert = on_convert  # first-use MLX conversion progress, for the face to show
         # the backend for requests that leave it to the planner (``LoadOptions.backend == "auto"``)
         self.backend = (backend or config.env_str("LOCALLLM_BACKEND", "auto")).lower()
-        if self.backend not in ("auto", "llamacpp", "mlx"):
-            raise LocalLLMError(f"LOCALLLM_BACKEND must be auto, llamacpp or mlx, got {self.backend!r}.")
+        choices = BACKEND_CHOICES  # "auto" and every registered backend
+        if self.backend not in choices:
+            raise LocalLLMError(f"LOCALLLM_BACKEND must be {', '.join(choices[:-1])} or {choices[-1]}, "
+                                f"got {self.backend!r}.")
         self._stopped = threading.Event()
 
     @property
@@ -143,7 +146,7 @@ class Loader:
         spec = self.spec(model, options, p)
         before_load = None
         if p.mlx_convert:  # on the thread that will run it (MLX keeps per-thread state)
-            from localllm.planner import mlx_dtype
+            from localllm.mlxmodels import mlx_dtype
 
             def before_load() -> None:
                 self._convert(model, cancel, mlx_dtype(p.device))
@@ -158,7 +161,7 @@ class Loader:
     def spec(self, model: InstalledModel, options: LoadOptions, p: Plan) -> LoadSpec:
         """What the backend is given to load ``model`` as planned (``model_path`` set by the conversion when the
         plan converts first)."""
-        path = model.mlx_path if p.backend == "mlx" else model.path
+        path = model.weights_path(p.backend)
         return LoadSpec(
             model_path=str(path),
             n_ctx=p.n_ctx,
@@ -201,7 +204,7 @@ class Loader:
                 return None  # suggested draft not installed: plain decoding
         else:
             draft = self.store.get(choice)
-        path = draft.mlx_path if backend == "mlx" else draft.path
+        path = draft.weights_path(backend)
         if path is None and choice == "auto":
             return None  # the suggested draft has no build for this backend: plain decoding
         if path is None:

@@ -47,7 +47,7 @@ from backends.descriptor import GGUF, KV_CACHE_TYPES, LLAMA_CPP_VERSION, Backend
 from localllm.errors import PlanError
 from localllm.ggufinfo import GGUFInfo
 from localllm.hardware import BACKEND_CHOICES, BackendStatus, GiB, HardwareInfo, MiB, metal_budget_rule
-from localllm.mlxmodels import MLXWeights, mlx_dtype  # noqa: F401 - mlx_dtype: re-exported for the engine
+from localllm.mlxmodels import MLXWeights
 
 CUDA_ADVICE = (f'CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir '
                f'llama-cpp-python=={LLAMA_CPP_VERSION}')
