@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Literal, Protocol
 from backends.descriptor import KV_CACHE_TYPES, KVCacheType  # noqa: F401 - KV_CACHE_TYPES re-exported
 from backends.descriptor import get as descriptor_of
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+FinishReason = Literal["stop", "length", "cancelled"]  # a failure is an exception, raised to the consumer
 ThinkValue = bool | Literal["low", "medium", "high"] | None
 FALLBACK_CHAT_TEMPLATE = (  # ChatML, for models without a chat template (base models: chat is of little use)
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -216,7 +216,6 @@ class Done:
 
     stats: Stats
     finish_reason: FinishReason = "stop"
-    error: str | None = None  # set with finish_reason="error"
 
 
 Event = TextChunk | ToolCalls | Done

@@ -215,11 +215,11 @@ class RequestStream:
 
     # ------------------------------------------------------------------ end
 
-    def close(self, reason: FinishReason | None = None, error: str | None = None) -> list[Event]:
+    def close(self, reason: FinishReason | None = None) -> list[Event]:
         """Flush what was held back and end with :class:`Done` (``reason`` overrides :attr:`finish`)."""
         finish: FinishReason = reason or self.finish or "stop"
         out: list[Event] = []
-        if finish not in ("cancelled", "error"):
+        if finish != "cancelled":
             tail = self._utf8.flush()
             emit, hit = self._stops.push(tail)
             if not hit:
@@ -236,5 +236,5 @@ class RequestStream:
         else:
             s.eval_duration = now - self.t_first
         s.total_duration = now - self.t0
-        out.append(Done(stats=s, finish_reason=finish, error=error))
+        out.append(Done(stats=s, finish_reason=finish))
         return out

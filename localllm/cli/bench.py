@@ -131,8 +131,6 @@ def _timed(runner: LocalRunner, name: str, request: GenerateRequest, options: Lo
             done = event
     if done is None:
         raise LocalLLMError("The model ended the stream without its final event.")
-    if done.finish_reason == "error":
-        raise LocalLLMError(done.error or "The model stopped with an error.")
     return done, first
 
 

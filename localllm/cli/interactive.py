@@ -184,15 +184,12 @@ class Repl:
         except (LocalLLMError, BackendError) as e:  # one sentence; the session goes on
             self.err.write(f"Error: {e}\n")
             return
-        done = answer.done
-        if done is not None and done.finish_reason == "error":
-            self.err.write(f"Error: {done.error}\n")
-            return
         self.out.write("\n\n" if not answer.cancelled else "\n")
         self.out.flush()
         if answer.cancelled:  # the question and its partial answer are left out of the history
             return
         self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.text}]
+        done = answer.done
         if done is not None:
             dropped = done.stats.dropped_messages
             if dropped:

@@ -26,7 +26,6 @@ import click
 from localllm.api import Runner
 from localllm.cli.answer import RunSettings, build_settings, ensure_model, overflow_note, print_stats, stream_answer
 from localllm.cli.display import isatty
-from localllm.errors import LocalLLMError
 
 
 class RunCommand(click.Command):
@@ -121,12 +120,10 @@ def one_shot(runner: Runner, name: str, text: str, settings: RunSettings,
     request = settings.request([{"role": "user", "content": text}])
     answer = stream_answer(runner, name, request, settings.load, out=out, show_thinking=not settings.hide_thinking,
                            keep_alive=settings.keep_alive)
-    done = answer.done
-    if done is not None and done.finish_reason == "error":
-        raise LocalLLMError(done.error or "The model stopped with an error.")
     if answer.text and not answer.text.endswith("\n"):
         out.write("\n")
     out.flush()
+    done = answer.done
     if done is not None:
         note = overflow_note(done.stats)
         if note:

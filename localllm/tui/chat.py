@@ -594,8 +594,6 @@ class ChatScreen(Screen):
                     elif isinstance(event, Done):
                         done = event
                         info.stats, info.finish_reason = event.stats, event.finish_reason
-                        if event.finish_reason == "error":
-                            error = event.error or "the model stopped with an error"
                         if event.stats.load_duration:  # TTFT is the answer's: the model load is shown on its own
                             info.load_s = event.stats.load_duration / 1e9
                             if info.ttft_s is not None:
