@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from localllm.errors import PullError, SourceUnavailable
 
@@ -342,10 +342,12 @@ def hf_cached_gguf(repo: str, quant: str | None) -> tuple[str, Path] | None:
     return name, Path(os.path.realpath(names[name]))
 
 
-def hf_resolve(repo: str, filename: str | None, quant: str | None) -> HFFile:
-    """Ask the Hub for the file's size and LFS sha256 (one request, ``hf_timeout()`` seconds at most)."""
+def hf_model_info(repo: str, revision: str | None = None, *, offline_what: str = "the file") -> Any:
+    """The Hub's ``model_info`` of ``repo`` with file metadata (one request, ``hf_timeout()`` seconds at
+    most); every failure is one :class:`SourceUnavailable` sentence (offline, gated, missing, HTTP status,
+    unreachable)."""
     if hf_offline():
-        raise SourceUnavailable("Hugging Face: HF_HUB_OFFLINE is set and the file is not in its cache.")
+        raise SourceUnavailable(f"Hugging Face: HF_HUB_OFFLINE is set and {offline_what} is not in its cache.")
     from huggingface_hub import HfApi, constants
     from huggingface_hub import errors as hf_errors
 
@@ -353,16 +355,48 @@ def hf_resolve(repo: str, filename: str | None, quant: str | None) -> HFFile:
     constants.HF_HUB_OFFLINE = False
     api = HfApi(endpoint=hf_endpoint())
     try:
-        info = api.model_info(repo, files_metadata=True, timeout=hf_timeout(), token=hf_token())
+        return api.model_info(repo, revision=revision, files_metadata=True, timeout=hf_timeout(), token=hf_token())
     except hf_errors.GatedRepoError:
         raise SourceUnavailable(f"Hugging Face: {repo} is gated; accept its licence and set HF_TOKEN.") from None
     except hf_errors.RepositoryNotFoundError:
         raise SourceUnavailable(f"Hugging Face: no repo {repo} (or it is private: set HF_TOKEN).") from None
+    except hf_errors.RevisionNotFoundError:
+        raise SourceUnavailable(f"Hugging Face: {repo} has no revision {revision}.") from None
     except hf_errors.HfHubHTTPError as e:
         status = getattr(getattr(e, "response", None), "status_code", "?")
         raise SourceUnavailable(f"Hugging Face answered HTTP {status} for {repo}.") from None
     except Exception as e:  # DNS failure, refused, timeout: the Hub is unreachable
         raise SourceUnavailable(f"Hugging Face is unreachable ({type(e).__name__}).") from None
+
+
+def move_into_place(src: Path, target: Path) -> bool:
+    """Rename ``src`` (a file or a directory) to ``target`` atomically; across file systems, copy next to
+    ``target`` first and rename that. False (and ``src`` removed) when ``target`` already exists: another
+    pull of the same content won the race, and its copy is kept."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        shutil.rmtree(src, ignore_errors=True) if src.is_dir() else src.unlink(missing_ok=True)
+        return False
+    try:
+        os.replace(src, target)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        if src.is_dir():
+            shutil.copytree(src, tmp)
+            os.replace(tmp, target)
+            shutil.rmtree(src, ignore_errors=True)
+        else:
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, target)
+            src.unlink(missing_ok=True)
+    return True
+
+
+def hf_resolve(repo: str, filename: str | None, quant: str | None) -> HFFile:
+    """Ask the Hub for the file's size and LFS sha256 (one request, ``hf_timeout()`` seconds at most)."""
+    info = hf_model_info(repo)
     siblings = {s.rfilename: s for s in (info.siblings or [])}
     if filename is None:
         filename = pick_gguf(siblings, quant, repo)

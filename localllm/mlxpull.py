@@ -72,28 +72,7 @@ def git_blob_sha1(path: Path) -> str:
 
 def hub_listing(repo: str, revision: str | None) -> tuple[str, list[HubFile]]:
     """(commit sha, the MLX files with their sizes and hashes) of ``repo`` at ``revision``."""
-    if dl.hf_offline():
-        raise SourceUnavailable(f"Hugging Face: HF_HUB_OFFLINE is set and the MLX weights of {repo} are not in "
-                                f"its cache.")
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub import errors as hf_errors
-
-    constants.HF_HUB_OFFLINE = False  # read at import; ours is read now (checked above)
-    api = HfApi(endpoint=dl.hf_endpoint())
-    try:
-        info = api.model_info(repo, revision=revision, files_metadata=True, timeout=dl.hf_timeout(),
-                              token=dl.hf_token())
-    except hf_errors.GatedRepoError:
-        raise SourceUnavailable(f"Hugging Face: {repo} is gated; accept its licence and set HF_TOKEN.") from None
-    except hf_errors.RepositoryNotFoundError:
-        raise SourceUnavailable(f"Hugging Face: no repo {repo} (or it is private: set HF_TOKEN).") from None
-    except hf_errors.RevisionNotFoundError:
-        raise SourceUnavailable(f"Hugging Face: {repo} has no revision {revision}.") from None
-    except hf_errors.HfHubHTTPError as e:
-        status = getattr(getattr(e, "response", None), "status_code", "?")
-        raise SourceUnavailable(f"Hugging Face answered HTTP {status} for {repo}.") from None
-    except Exception as e:  # DNS failure, refused, timeout: the Hub is unreachable
-        raise SourceUnavailable(f"Hugging Face is unreachable ({type(e).__name__}).") from None
+    info = dl.hf_model_info(repo, revision, offline_what=f"the MLX weights of {repo}")
     files = [HubFile(s.rfilename, int((s.lfs.size if s.lfs else None) or s.size or 0),
                      s.lfs.sha256 if s.lfs else None, s.blob_id)
              for s in (info.siblings or []) if wanted(s.rfilename)]
@@ -171,24 +150,6 @@ def verify(staging: Path, files: list[HubFile], repo: str) -> None:
                                   f"again.")
 
 
-def _move_into_place(staging: Path, target: Path) -> None:
-    import errno
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():  # another pull of the same snapshot won the race: keep that one
-        shutil.rmtree(staging, ignore_errors=True)
-        return
-    try:
-        os.replace(staging, target)
-    except OSError as e:
-        if e.errno != errno.EXDEV:
-            raise
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        shutil.copytree(staging, tmp)
-        os.replace(tmp, target)
-        shutil.rmtree(staging, ignore_errors=True)
-
-
 def fetch_mlx(repo: str, *, revision: str | None, staging_root: Path, target_for: Callable[[str], Path],
               on_start: Callable[[str, int], None] | None = None, on_bytes: Callable[[int], None] | None = None,
               cancel: threading.Event | None = None) -> MLXSnapshot:
@@ -212,7 +173,7 @@ def fetch_mlx(repo: str, *, revision: str | None, staging_root: Path, target_for
             staging = staging_root / f"mlx-{hashlib.sha256((repo + cached.name).encode()).hexdigest()[:24]}"
             shutil.rmtree(staging, ignore_errors=True)
             _link_tree(cached, staging)
-            _move_into_place(staging, target)
+            dl.move_into_place(staging, target)
         return MLXSnapshot(repo, cached.name, target, _tree_bytes(target), sum(1 for _ in target.iterdir()))
 
     target = target_for(sha)
@@ -249,5 +210,5 @@ def fetch_mlx(repo: str, *, revision: str | None, staging_root: Path, target_for
             os.replace(partial, dest)
     dl._check_cancel(cancel, repo)
     verify(staging, files, repo)
-    _move_into_place(staging, target)
+    dl.move_into_place(staging, target)
     return MLXSnapshot(repo, sha, target, total, len(files))

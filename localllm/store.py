@@ -564,24 +564,11 @@ class Store:
 
     def _install_blob(self, tmp: Path, hexdigest: str) -> Path:
         """Move a verified file into ``blobs/`` atomically (a rename; copy + rename across devices)."""
-        import errno
-        import shutil
+        from localllm import download as dl
 
         target = self.blob_path(hexdigest)
-        target.parent.mkdir(parents=True, exist_ok=True)
         with self._store_lock():
-            if target.is_file():
-                tmp.unlink(missing_ok=True)
-                return target
-            try:
-                os.replace(tmp, target)
-            except OSError as e:
-                if e.errno != errno.EXDEV:
-                    raise
-                staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-                shutil.copyfile(tmp, staging)
-                os.replace(staging, target)
-                tmp.unlink(missing_ok=True)
+            dl.move_into_place(tmp, target)  # a blob already there is the same content: it is kept
         return target
 
     def _check_models_space(self, size: int, what: str) -> None:
