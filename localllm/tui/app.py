@@ -28,6 +28,7 @@ from localllm.session import Session, open_session
 
 from . import settings
 from .chat import ChatScreen, MessageView, PromptInput
+from .host import AppHost
 from .models import HardwareScreen, ModelsScreen
 
 CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "localllm.tcss"
@@ -186,3 +187,8 @@ def run(model: str | None = None, host: str | None = None) -> None:
     is one sentence on the terminal rather than an error inside the app."""
     session = open_session(host) if host else None
     LocalLLMApp(model=model, host=host, session=session).run()
+
+
+def _hosts_the_screens(app: LocalLLMApp) -> AppHost:
+    """For mypy: the app is what the screens type against (:class:`localllm.tui.host.AppHost`)."""
+    return app

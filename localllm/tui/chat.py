@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from localllm.session import Session
     from localllm.thinking import ThinkValue
 
-    from .app import LocalLLMApp
+    from .host import AppHost
 
 
 EMPTY_HINT = """\
@@ -306,7 +306,7 @@ class ChatScreen(Screen):
         self.answer_done = asyncio.Event()
 
     @property
-    def lapp(self) -> LocalLLMApp:
+    def lapp(self) -> AppHost:
         return self.app  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ layout

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from localllm.hardware import HardwareInfo
     from localllm.session import Session
 
-    from .app import LocalLLMApp
+    from .host import AppHost
 
 
 @dataclass
@@ -96,7 +96,7 @@ class ModelsScreen(Screen):
         self.loaded_once = threading.Event()
 
     @property
-    def lapp(self) -> LocalLLMApp:
+    def lapp(self) -> AppHost:
         return self.app  # type: ignore[return-value]
 
     def compose(self) -> ComposeResult:
@@ -292,7 +292,7 @@ class HardwareScreen(Screen):
     BINDINGS = [Binding("r", "refresh", "Refresh", id="hardware.refresh")]
 
     @property
-    def lapp(self) -> LocalLLMApp:
+    def lapp(self) -> AppHost:
         return self.app  # type: ignore[return-value]
 
     def compose(self) -> ComposeResult:
