@@ -25,6 +25,7 @@ from backends.registry import source_class
 from localllm import config
 from localllm.errors import LocalLLMError, ModelNotFoundError, PlanError
 from localllm.hardware import BACKEND_CHOICES
+from localllm.planner import MIN_CTX
 
 if TYPE_CHECKING:
     from localllm.hardware import HardwareInfo
@@ -32,9 +33,6 @@ if TYPE_CHECKING:
     from localllm.planner import Plan
     from localllm.store import InstalledModel, Store
 
-# The smallest num_ctx a request may ask for: llama.cpp pads contexts to 256 tokens; below that a chat
-# template alone may not fit. (The planner's own MIN_CTX, 512, is the smallest it shrinks to unasked.)
-MIN_CTX = 256
 
 
 @dataclass(frozen=True)

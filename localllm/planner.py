@@ -57,7 +57,10 @@ METAL_ADVICE = (f'CMAKE_ARGS="-DGGML_METAL=on" pip install --force-reinstall --n
 KV_TYPES = KV_CACHE_TYPES
 BACKENDS = BACKEND_CHOICES  # "auto" and every registered backend's name
 DEFAULT_CTX = 4096  # llama.cpp --fit's floor (--fit-ctx) and Ollama's default num_ctx
-MIN_CTX = 512  # the smallest context the planner shrinks to on its own
+# the smallest num_ctx a request may ask for: llama.cpp pads contexts to 256 tokens; below that a chat template
+# alone may not fit
+MIN_CTX = 256
+MIN_AUTO_CTX = 512  # the smallest context the planner shrinks to on its own
 N_UBATCH = 512  # llama.cpp's default physical batch: the compute buffer scales with it
 CUDA_OVERHEAD = 457 * MiB  # per GPU: CUDA context + cuBLAS (Ollama's cudaMinimumMemory)
 HOST_OVERHEAD = 128 * MiB  # the process itself (measured: Python + llama.cpp ≈ 48 MiB RSS)
@@ -370,16 +373,16 @@ class _Planner:
 
     def max_ctx(self, backend: Backend, device: str, fa: bool, ngl: int, n_seq: int = 1) -> int | None:
         """Largest context (a multiple of 256, ≤ the training context) that keeps the layout at
-        least as good (same number of GPU layers), or None when even MIN_CTX does not."""
+        least as good (same number of GPU layers), or None when even MIN_AUTO_CTX does not."""
         cap = self.info.context_length or 131072
 
         def ok(c: int) -> bool:
             lay = self.layout(backend, device, c * n_seq, fa)
             return lay.fits and lay.ngl >= ngl
 
-        if not ok(min(MIN_CTX, cap)):
+        if not ok(min(MIN_AUTO_CTX, cap)):
             return None
-        lo, hi = min(MIN_CTX, cap), cap
+        lo, hi = min(MIN_AUTO_CTX, cap), cap
         if ok(hi):
             return hi
         while hi - lo > 256:
@@ -561,7 +564,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
         candidates = [num_ctx]
     else:
         start = min(ctx_train, DEFAULT_CTX) if ctx_train else DEFAULT_CTX
-        candidates = [start] + [c for c in (2048, 1024, MIN_CTX) if c < start]
+        candidates = [start] + [c for c in (2048, 1024, MIN_AUTO_CTX) if c < start]
 
     if num_parallel is not None and not 1 <= num_parallel <= MAX_PARALLEL:
         raise PlanError(f"num_parallel must be between 1 and {MAX_PARALLEL}, got {num_parallel}.")
@@ -601,12 +604,12 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
         n_ctx, lay = pick(chosen, device, fa)
 
     if not lay.fits and num_ctx is not None:
-        smallest = pl.layout(chosen, device, min(MIN_CTX, num_ctx), fa)
+        smallest = pl.layout(chosen, device, min(MIN_AUTO_CTX, num_ctx), fa)
         if smallest.fits:  # the context is the problem, not the model
             best = pl.max_ctx(chosen, device, fa, 0)
             raise PlanError(f"A {num_ctx:,}-token context does not fit: with its "
                             f"{_gb(lay.mem.kv_cache)} KV cache ({pl.kv}) the model {lay.why}; "
-                            f"at most about {best or MIN_CTX:,} tokens fit.")
+                            f"at most about {best or MIN_AUTO_CTX:,} tokens fit.")
 
     # 3. verdict ------------------------------------------------------------------------------
     L = info.n_layers
