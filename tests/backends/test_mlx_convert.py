@@ -35,7 +35,7 @@ pytest.importorskip("mlx_lm")
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from backends import mlx_convert  # noqa: E402
-from backends.base import GenerateRequest, LoadSpec, Sampling, UnsupportedError  # noqa: E402
+from backends.base import GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError  # noqa: E402
 from backends.mlx_convert import convert_gguf, inspect_gguf  # noqa: E402
 from tests.backends import gguf_rewrite  # noqa: E402
 from tests.backends.conftest import TEST_CACHE, _file_key, collect, derive_gguf  # noqa: E402
@@ -382,6 +382,20 @@ def test_unknown_tensor_is_refused(tmp_path: Path):
     w.close()
     with pytest.raises(UnsupportedError, match="does not know the llama GGUF tensor 'blk.0.ssm_conv1d.weight'"):
         inspect_gguf(tmp_path / "x.gguf")
+
+
+# 1 MB: inside the token strings; 60 MB: the header whole, the tensor data cut
+@pytest.mark.parametrize("keep", [1_000_000, 60_000_000])
+def test_truncated_gguf_is_refused_and_nothing_is_written(default_model_path: Path, tmp_path: Path, keep: int):
+    src = tmp_path / "cut.gguf"
+    with open(default_model_path, "rb") as f:
+        src.write_bytes(f.read(keep))
+    with pytest.raises(ModelLoadError, match="Cannot read cut.gguf as GGUF: ") as e:
+        inspect_gguf(src)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ModelLoadError, match="Cannot read cut.gguf as GGUF: "):
+        convert_gguf(src, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]
 
 
 # ------------------------------------------------------------------------------------ atomicity, progress
