@@ -84,6 +84,7 @@ class GGUFHeader:
     tensors: list[TensorInfo]  # empty when read with tensors=False
     data_offset: int  # where the tensor data starts (0 when the tensors were not read)
     file_size: int
+    byteorder: str = "<"  # of every number in the file, tensor data included: "<", or ">" (written big-endian)
 
 
 def read_header(path: str | os.PathLike[str], *, tensors: bool = True) -> GGUFHeader:
@@ -111,7 +112,7 @@ def read_header(path: str | os.PathLike[str], *, tensors: bool = True) -> GGUFHe
                     raise GGUFHeaderError(f"it has the key {key[:80]!r} twice")
                 fields[key] = value
             if not tensors:
-                return GGUFHeader(version, fields, [], 0, size)
+                return GGUFHeader(version, fields, [], 0, size, order)
             infos = [r.tensor_info() for _ in range(n_tensors)]
             align = fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
             if type(align) is not int or align <= 0 or align & (align - 1):
@@ -132,7 +133,7 @@ def read_header(path: str | os.PathLike[str], *, tensors: bool = True) -> GGUFHe
         for d in shape:
             n *= d
         out.append(TensorInfo(name, shape, qtype, start + rel, n, n * type_size // block))
-    return GGUFHeader(version, fields, out, start, size)
+    return GGUFHeader(version, fields, out, start, size, order)
 
 
 class _Reader:

@@ -13,7 +13,7 @@ Architectures (``general.architecture`` → mlx-lm ``model_type``): ``llama`` (L
 SmolLM — Mistral GGUFs are written as ``llama``), ``qwen2``, ``qwen3``, ``gemma3`` (→ ``gemma3_text``) and
 ``phi3`` (Phi-3/3.5 and Phi-4-mini). Anything else is refused by name.
 
-Tensor types, read with ``gguf.GGUFReader`` (memory-mapped, one tensor at a time):
+Tensor types (the header read by ``backends.gguf_header``, each tensor memory-mapped in turn):
 
 * **kept exactly** — Q4_0, Q4_1, Q8_0 are MLX affine blocks already (group 32: ``w = d·q + m``), so their
   bytes are repacked, not requantized: the MLX weights equal llama.cpp's bit for bit;
@@ -49,9 +49,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.base import ModelLoadError, UnsupportedError
+
+if TYPE_CHECKING:
+    from backends.gguf_header import TensorInfo
 
 Progress = Callable[[int, int], None]
 
@@ -179,40 +182,66 @@ _EOG_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|
 
 
 class _GGUF:
-    """The parts of a GGUF the converter reads (``gguf.GGUFReader``: memory-mapped, nothing loaded)."""
+    """The parts of a GGUF the converter reads: the header from :mod:`backends.gguf_header` (the vocabulary
+    read only when asked), each tensor's bytes memory-mapped when it is converted."""
 
     def __init__(self, path: Path):
-        try:
-            from gguf import GGUFReader
+        from backends.gguf_header import read_header
 
-            self.reader = GGUFReader(str(path), "r")
+        try:
+            header = read_header(path)
+            for t in header.tensors:
+                if t.offset + t.n_bytes > header.file_size:
+                    raise ValueError(f"tensor {t.name} ends at byte {t.offset + t.n_bytes:,} but the file has "
+                                     f"{header.file_size:,} bytes")
         except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
             raise ModelLoadError(f"Cannot read {path.name} as GGUF: {e}") from e
         self.path = path
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.fields = header.fields
+        self.byteorder = header.byteorder
+        self.tensors = {t.name: t for t in header.tensors}
         self.arch = str(self.get("general.architecture") or "")
 
     def get(self, key: str, default: Any = None) -> Any:
-        f = self.reader.fields.get(key)
-        if f is None:
+        """A field's value; arrays as lists (long ones read from the file on each call)."""
+        from backends.gguf_header import LazyArray
+
+        v = self.fields.get(key)
+        if v is None:
             return default
-        try:
-            return f.contents()
-        except Exception:  # noqa: BLE001 - a malformed field reads as missing
-            return default
+        if isinstance(v, LazyArray):
+            try:
+                v = v.read()
+            except Exception:  # noqa: BLE001 - a malformed field reads as missing
+                return default
+            return v if isinstance(v, list) else v.tolist()
+        return v
+
+    def has(self, key: str) -> bool:
+        """The field is present and, for an array, not empty (nothing is read)."""
+        from backends.gguf_header import LazyArray
+
+        v = self.fields.get(key)
+        return len(v) > 0 if isinstance(v, list | LazyArray) else bool(v)
 
     def a(self, key: str, default: Any = None) -> Any:
         """An architecture-prefixed key: ``a("block_count")`` is ``<arch>.block_count``."""
         return self.get(f"{self.arch}.{key}", default)
 
-    def drop_vocab(self) -> None:
-        """Forget the vocabulary fields (hundreds of MB of parsed parts for a 262k vocabulary)."""
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-                    "tokenizer.ggml.merges"):
-            self.reader.fields.pop(key, None)
-
     def type_of(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
+        return self.tensors[name].type.name
+
+    def data(self, t: TensorInfo) -> Any:
+        """The tensor's data, memory-mapped (nothing read until used), shaped as ``gguf.GGUFReader`` shapes it:
+        numbers for the float and integer types, rows of bytes for the block types."""
+        import numpy as np
+        from gguf.quants import quant_shape_to_byte_shape
+
+        shape, code = _np_shape(t), _NUMPY_TYPES.get(t.type.name)
+        if code is None:
+            return np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset,
+                             shape=quant_shape_to_byte_shape(shape, t.type))
+        return np.memmap(self.path, dtype=np.dtype(self.byteorder + code), mode="r", offset=t.offset, shape=shape)
 
     def array(self, name: str) -> Any:
         """A float32 numpy copy of a (small, float) tensor, in GGUF's row-major layout."""
@@ -220,11 +249,15 @@ class _GGUF:
         from gguf.quants import dequantize
 
         t = self.tensors[name]
-        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(_np_shape(t))
+        return np.asarray(dequantize(self.data(t), t.type), dtype=np.float32).reshape(_np_shape(t))
 
 
-def _np_shape(t: Any) -> tuple[int, ...]:
-    return tuple(int(x) for x in reversed(t.shape.tolist()))
+# GGML types whose data is numbers, as numpy type codes (the byte order goes before); the rest are blocks of bytes
+_NUMPY_TYPES = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}
+
+
+def _np_shape(t: TensorInfo) -> tuple[int, ...]:
+    return tuple(int(x) for x in reversed(t.shape))
 
 
 # ------------------------------------------------------------------------------------ what converts
@@ -288,9 +321,9 @@ def _check_tokenizer(g: _GGUF) -> str:
                 f"The GGUF's pre-tokenizer {pre!r} is not supported by the MLX converter "
                 f"(supported: {', '.join(SUPPORTED_PRE)})."
             )
-        if not g.get("tokenizer.ggml.merges"):
+        if not g.has("tokenizer.ggml.merges"):
             raise UnsupportedError("This BPE GGUF has no merges (tokenizer.ggml.merges), so MLX cannot tokenize it.")
-    elif g.reader.fields.get("tokenizer.ggml.scores") is None:
+    elif "tokenizer.ggml.scores" not in g.fields:
         raise UnsupportedError("This SentencePiece GGUF has no token scores, so MLX cannot tokenize it.")
     return str(model)
 
@@ -340,14 +373,14 @@ def _inspect(g: _GGUF, dtype: str, policy: str = "mlx") -> ConversionInfo:
     weights = [t for name, t in g.tensors.items() if name not in _CONFIG_TENSORS]
     for t in weights:
         _target_name(arch, t.name)  # raises on an unknown tensor
-    types = Counter(t.tensor_type.name for t in weights)
+    types = Counter(t.type.name for t in weights)
     _refuse_types(types)
     _config(g)  # raises on unsupported hyper-parameters (RoPE scaling, soft-capping, ...)
     size = _DTYPE_SIZE[dtype]
-    est = sum(_out_bytes(t.tensor_type.name, _np_shape(t), size, policy) for t in weights)
+    est = sum(_out_bytes(t.type.name, _np_shape(t), size, policy) for t in weights)
     return ConversionInfo(
         architecture=arch, model_type=ARCHITECTURES[arch], tokenizer=tok, tensor_types=dict(types),
-        policy={t: _policy(t, policy) for t in types}, source_bytes=sum(int(t.n_bytes) for t in g.reader.tensors),
+        policy={t: _policy(t, policy) for t in types}, source_bytes=sum(t.n_bytes for t in g.tensors.values()),
         estimated_bytes=est, dtype=dtype, n_tensors=len(weights),
     )
 
@@ -386,7 +419,7 @@ def _config(g: _GGUF) -> dict[str, Any]:
         raise UnsupportedError("Different key and value head sizes are not supported by the MLX converter.")
     rope_dim = _int(g.a("rope.dimension_count"), head_dim)
     eps = float(g.a("attention.layer_norm_rms_epsilon", 1e-5))
-    n_vocab = _int(g.a("vocab_size")) or len(g.reader.fields["tokenizer.ggml.tokens"].data)
+    n_vocab = _int(g.a("vocab_size")) or len(g.fields["tokenizer.ggml.tokens"])
     tied = "output.weight" not in g.tensors
     cfg: dict[str, Any] = {
         "model_type": ARCHITECTURES[arch],
@@ -543,16 +576,16 @@ class _Converted:
     quant: tuple[int, int] | None  # (group_size, bits)
 
 
-def _convert_tensor(g: _GGUF, t: Any, cfg: dict[str, Any], dtype: Any, policy: str = "mlx") -> _Converted:
+def _convert_tensor(g: _GGUF, t: TensorInfo, cfg: dict[str, Any], dtype: Any, policy: str = "mlx") -> _Converted:
     import mlx.core as mx
     import numpy as np
 
     arch, name = g.arch, t.name
-    ttype = t.tensor_type.name
+    ttype = t.type.name
     target = _target_name(arch, name)
     module, _, suffix = target.rpartition(".")
     shape = _np_shape(t)
-    raw = t.data
+    raw = g.data(t)
     # llama: undo the RoPE row permutation of Q and K (rows of any representation: raw blocks included)
     if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
         n = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
@@ -568,7 +601,7 @@ def _convert_tensor(g: _GGUF, t: Any, cfg: dict[str, Any], dtype: Any, policy: s
 
     requant = _target(ttype, shape, policy)
     if requant is None:
-        w = _floats(np.asarray(raw), t.tensor_type, shape)
+        w = _floats(np.asarray(raw), t.type, shape)
         if arch == "gemma3" and name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + weight); mlx-lm's RMSNorm adds the 1 itself
         return _Converted({target: mx.array(w).astype(dtype)}, None)
@@ -578,7 +611,7 @@ def _convert_tensor(g: _GGUF, t: Any, cfg: dict[str, Any], dtype: Any, policy: s
     step = max(1, _CHUNK_ELEMENTS // cols)
     parts: list[tuple[Any, Any, Any]] = []
     for r in range(0, rows, step):
-        w = _floats(np.asarray(raw[r:r + step]), t.tensor_type, (min(step, rows - r), cols))
+        w = _floats(np.asarray(raw[r:r + step]), t.type, (min(step, rows - r), cols))
         wq, s, b = mx.quantize(mx.array(w), group_size=group, bits=bits)
         mx.eval(wq, s, b)
         parts.append((wq, s.astype(dtype), b.astype(dtype)))
@@ -825,9 +858,8 @@ def convert_gguf(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        # the tokenizer first: then the reader's vocabulary fields can go before the weights come in
+        # the tokenizer first: its vocabulary (read from the file here, not kept) is gone before the weights come in
         cfg["eos_token_id"] = _write_tokenizer(g, tmp, cfg)
-        g.drop_vocab()
         quant = _write_weights(g, cfg, tmp, mx_dtype, policy, progress, total)
         if quant:
             common = Counter(quant.values()).most_common(1)[0][0]

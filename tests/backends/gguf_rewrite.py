@@ -10,6 +10,7 @@ pre-type, ``add_space_prefix``) and copies the tensors byte for byte.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -17,6 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+
+@functools.lru_cache(maxsize=2)
+def _read(src: str, mtime_ns: int) -> Any:
+    import gguf
+
+    return gguf.GGUFReader(src)
+
+
+def _reader(src: Path) -> Any:
+    """``gguf.GGUFReader`` of ``src``, parsed once for all the rewrites of one file (seconds: the vocabulary)."""
+    return _read(str(src), os.stat(src).st_mtime_ns)
 
 
 def _fields(reader: Any, arch_from: str, arch_to: str, drop: set[str]) -> list[tuple[str, Any, Any, Any]]:
@@ -39,7 +52,7 @@ def with_metadata(src: Path, dst: Path, changes: dict[str, tuple[Any, Any]]) -> 
     """A copy of ``src`` with key/values changed or added (``{key: (value, GGUFValueType)}``)."""
     import gguf
 
-    r = gguf.GGUFReader(str(src))
+    r = _reader(src)
     arch = r.fields["general.architecture"].contents()
     tmp = dst.with_name(dst.name + f".part{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), arch)
@@ -88,7 +101,7 @@ def as_architecture(src: Path, dst: Path, arch: str, *, layers: int = 6) -> Path
     qwen3, whose added Q/K norms change the function; the comparison is llama.cpp vs MLX)."""
     import gguf
 
-    r = gguf.GGUFReader(str(src))
+    r = _reader(src)
     assert r.fields["general.architecture"].contents() == "llama"
     n_head = int(r.fields["llama.attention.head_count"].contents())
     n_kv = int(r.fields["llama.attention.head_count_kv"].contents())

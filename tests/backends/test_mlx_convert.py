@@ -35,7 +35,7 @@ pytest.importorskip("mlx_lm")
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from backends import mlx_convert  # noqa: E402
-from backends.base import GenerateRequest, LoadSpec, Sampling, UnsupportedError  # noqa: E402
+from backends.base import GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError  # noqa: E402
 from backends.mlx_convert import convert_gguf, inspect_gguf  # noqa: E402
 from tests.backends import gguf_rewrite  # noqa: E402
 from tests.backends.conftest import TEST_CACHE, _file_key, collect, derive_gguf  # noqa: E402
@@ -89,11 +89,11 @@ def llama_greedy(path: Path, ids: list[int], n: int) -> list[int]:
 
 def mlx_greedy(mlx_dir: Path, ids: list[int], n: int) -> list[int]:
     import mlx.core as mx
-    import mlx_lm
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.utils import load_model
 
-    model, _ = mlx_lm.load(str(mlx_dir))
+    model, _ = load_model(mlx_dir)  # the weights only: gemma's 262k-piece tokenizer takes 5-12 s to load
     steps = generate_step(mx.array(ids), model, sampler=make_sampler(0.0), max_tokens=n)
     return [int(t) for (t, _), _ in zip(steps, range(n), strict=False)]
 
@@ -382,6 +382,20 @@ def test_unknown_tensor_is_refused(tmp_path: Path):
     w.close()
     with pytest.raises(UnsupportedError, match="does not know the llama GGUF tensor 'blk.0.ssm_conv1d.weight'"):
         inspect_gguf(tmp_path / "x.gguf")
+
+
+# 1 MB: inside the token strings; 60 MB: the header whole, the tensor data cut
+@pytest.mark.parametrize("keep", [1_000_000, 60_000_000])
+def test_truncated_gguf_is_refused_and_nothing_is_written(default_model_path: Path, tmp_path: Path, keep: int):
+    src = tmp_path / "cut.gguf"
+    with open(default_model_path, "rb") as f:
+        src.write_bytes(f.read(keep))
+    with pytest.raises(ModelLoadError, match="Cannot read cut.gguf as GGUF: ") as e:
+        inspect_gguf(src)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ModelLoadError, match="Cannot read cut.gguf as GGUF: "):
+        convert_gguf(src, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]
 
 
 # ------------------------------------------------------------------------------------ atomicity, progress
