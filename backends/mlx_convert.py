@@ -1,5 +1,8 @@
 """GGUF → MLX model directory, offline (no Hugging Face, no torch).
 
+One module on purpose (~900 lines): one format change, GGUF to MLX (tensor names, dequantization, the
+quantization block, the tokenizer), read top to bottom.
+
 Any GGUF of an architecture mlx-lm has a model class for, whose tensor names map cleanly onto it,
 becomes a directory that ``mlx_lm.load(dir)`` accepts as it is::
 

@@ -1,5 +1,8 @@
 """The model store: installed models, pull, verify, list, remove, copy.
 
+One module on purpose (~770 lines): the on-disk layout and every operation that changes it (pull, rm, cp),
+under the same locks.
+
 Layout under ``paths().models`` (Ollama-like)::
 
     manifests/library/smollm2/135m.json            one JSON manifest per installed name
