@@ -62,8 +62,9 @@ def test_ollama_tool_calls(tool_server):
                                        stream=True) if c.message.tool_calls]
     assert streamed[0].message.tool_calls[0].function.arguments == {"city": "Paris"}
     # the tool's answer goes back in as a message with the call in the history
-    r = client.chat(TOOL_MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}, r.message,
-                                          {"role": "tool", "content": "sunny", "tool_name": "get_weather"}], tools=TOOLS)
+    history = [{"role": "user", "content": "Weather in Paris?"}, r.message,
+               {"role": "tool", "content": "sunny", "tool_name": "get_weather"}]
+    r = client.chat(TOOL_MODEL, messages=history, tools=TOOLS)
     assert r.done
 
 
