@@ -1,16 +1,16 @@
 """The table of APIs the server speaks (:data:`APIS`): a new API is its module (a :class:`~localllm.server.
 translator.Translator`: routes and error shape) and one line here. :func:`install` builds the app's routes from
-the table and remembers which API each route came from; :func:`api_for` answers that for a request, from the route
-it matched, so that every error leaves in the shape of the API the client speaks."""
+the table; :func:`api_for` says which API a request speaks, from the route it matched (the one that registered
+it), so that every error leaves in the shape of that API."""
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from starlette.routing import BaseRoute, Match
+from starlette.routing import Match, Route
 
 from localllm.server import anthropic_routes, ollama_routes, openai_routes, responses_routes
 from localllm.server.translator import Translator
@@ -24,34 +24,32 @@ APIS: tuple[Translator, ...] = (
 
 
 def install(app: FastAPI) -> None:
-    """Every API's routes on ``app``, each remembered with its API (``app.state.route_api``)."""
-    route_api: dict[BaseRoute, Translator] = {}
+    """Every API's routes on ``app``."""
     for api in APIS:
-        before = len(app.router.routes)
         app.include_router(api.router)
-        route_api.update((route, api) for route in app.router.routes[before:])
-    app.state.route_api = route_api
+
+
+_BY_ENDPOINT: dict[Callable[..., Any], Translator] = {
+    route.endpoint: api for api in APIS for route in api.router.routes if isinstance(route, Route)}
 
 
 def api_for(scope: MutableMapping[str, Any]) -> Translator:
     """The API of a request: the one that registered the route it matched (``scope["route"]``, set by the
-    router), else the route it would match (before routing: the security middleware's refusals), else, for a path
-    that no route knows, the API under whose prefix it is (the longest)."""
-    app = scope["app"]
-    route_api: dict[BaseRoute, Translator] = getattr(app.state, "route_api", {})
-    route = scope.get("route")
-    if route is None:
-        partial = None
-        for candidate in app.router.routes:
-            match, _ = candidate.matches(scope)
+    router), else the route it would match (before routing: the security middleware's refusals; a wrong method
+    counts), else, for a path that no route knows, the API under whose prefix it is (the longest)."""
+    endpoint = getattr(scope.get("route"), "endpoint", None)
+    if endpoint is not None and endpoint in _BY_ENDPOINT:
+        return _BY_ENDPOINT[endpoint]
+    partial = None
+    for api in APIS:
+        for route in api.router.routes:
+            match, _ = route.matches(scope)
             if match == Match.FULL:
-                route = candidate
-                break
+                return api
             if match == Match.PARTIAL and partial is None:
-                partial = candidate  # the path matches, the method does not (a 405)
-        route = route or partial
-    if route in route_api:
-        return route_api[route]
+                partial = api  # the path is the route's, the method is not (a 405)
+    if partial is not None:
+        return partial
     path = scope.get("path", "")
     return max((api for api in APIS if api.owns(path)), key=lambda api: len(api.prefix))
 

@@ -9,9 +9,11 @@ into a :class:`Call` and the events back into its own frames (an :class:`Encoder
 2. the context: the request's ``num_ctx`` or the server's default (``LOCALLLM_CONTEXT_LENGTH``), capped to the
    model's trained context as Ollama does;
 3. capability checks: tools, images and thinking (400 in Ollama's words, ``"<model>" does not support
-   thinking``; dropped instead where the API relaxes it, as Ollama does for Anthropic's), the logprobs
-   range, a ``format`` schema the grammar can follow; a ``tool_choice`` that forces a call becomes the
-   grammar of that call (a parameter schema it cannot express is a 400 naming the keyword);
+   thinking``; dropped instead where the API relaxes it, as Ollama does for Anthropic's); a ``tool_choice``
+   that forces a call becomes the grammar of that call (a parameter schema it cannot express is a 400 naming
+   the keyword). What a request says on its own (options, the logprobs range, a ``format`` schema the grammar
+   can follow) its translator checked, once, in :mod:`~localllm.server.options` and
+   :mod:`~localllm.server.checks`;
 4. the engine call (:meth:`~localllm.engine.Engine.agenerate`) and its first event, awaited before any byte
    is sent, so that what fails before the output (a full queue, a prompt that does not fit, a load that
    fails) answers with its real status; a client that disconnects meanwhile cancels at once;
@@ -66,7 +68,7 @@ class Result:
 
     content: str
     thinking: str
-    calls: list[dict[str, Any]]  # as the backend gave them; :func:`~localllm.server.common.normalize_calls`
+    calls: list[dict[str, Any]]  # as the backend gave them; :func:`~localllm.server.framing.normalize_calls`
     logprobs: list[TokenLogprob]
     done: Done
 
@@ -187,7 +189,7 @@ async def aclose(agen: AsyncIterator[Any]) -> None:
         await close()
 
 
-async def first_event(agen: AsyncIterator[Any], http: Request | None = None) -> Any:
+async def first_event(agen: AsyncIterator[Event], http: Request | None = None) -> Event:
     """The first event, so errors before the first byte get their real status. While waiting (in the
     queue, for a load, for the prompt) a client that disconnects cancels the request at once."""
     task = asyncio.ensure_future(agen.__anext__())
