@@ -93,12 +93,12 @@ def create_app(engine: ServerEngine | None = None, *, bound_host: str | None = N
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        if exc.status_code == 404 and message == "Not Found":
-            message = f"404 page not found: {request.url.path[:100]}"
+        message = scrub(exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail))
+        if exc.status_code == 404 and message == "Not Found":  # the path the client asked for, as it wrote it
+            message = "404 page not found: " + " ".join(request.url.path[:100].split())
         if exc.status_code == 400 and "parsing the body" in message:
             message = "invalid JSON in the request body"
-        return error_response(request, exc.status_code, scrub(message))
+        return error_response(request, exc.status_code, message)
 
     from localllm.server.generation import ClientGone
 
