@@ -149,28 +149,6 @@ def test_empty_prompt_loads_and_keep_alive_zero_unloads(server, url):
     assert MODEL not in [m["name"] for m in httpx.get(url + "/api/ps").json()["models"]]
 
 
-@pytest.mark.parametrize("empty", [[], ""])
-def test_an_empty_embed_loads_the_model_the_next_embed_uses(installed_default_model, empty):
-    """An empty ``/api/embed`` loads the model (clients warm it up so); the real embed after it finds that load:
-    the model loads once, not twice."""
-    from localllm.engine import Engine
-
-    srv = start(Engine(keep_alive=300))
-    try:
-        r = httpx.post(srv.url + "/api/embed", json={"model": MODEL, "input": empty}, timeout=120)
-        assert r.status_code == 200 and r.json() == {"model": MODEL, "embeddings": []}
-        (warm,) = srv.engine.ps()
-        r = httpx.post(srv.url + "/api/embed", json={"model": MODEL, "input": ["a cat", "a dog"]}, timeout=120)
-        body = r.json()
-        assert r.status_code == 200 and len(body["embeddings"]) == 2 and len(body["embeddings"][0]) > 0
-        assert body["load_duration"] == 0, "the real embed loaded the model again"
-        (same,) = srv.engine.ps()
-        assert same is warm, "the model was loaded again"
-    finally:
-        srv.stop()
-        srv.engine.close()
-
-
 def test_keep_alive_expiry_unloads(server, url):
     r = httpx.post(url + "/api/generate", json={"model": MODEL, "prompt": "Hi", "options": FAST, "stream": False,
                                                 "keep_alive": "1s"}, timeout=60)
@@ -357,3 +335,25 @@ def test_unknown_route_is_404_json(url):
                                                           "type": "not_found_error", "param": None, "code": None}
     r = httpx.get(url + "/v1/messages")  # a route's path with another method: its API's shape
     assert r.status_code == 405 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("empty", [[], ""])
+def test_an_empty_embed_loads_the_model_the_next_embed_uses(installed_default_model, empty):
+    """An empty ``/api/embed`` loads the model (clients warm it up so); the real embed after it finds that load:
+    the model loads once, not twice."""
+    from localllm.engine import Engine
+
+    srv = start(Engine(keep_alive=300))
+    try:
+        r = httpx.post(srv.url + "/api/embed", json={"model": MODEL, "input": empty}, timeout=120)
+        assert r.status_code == 200 and r.json() == {"model": MODEL, "embeddings": []}
+        (warm,) = srv.engine.ps()
+        r = httpx.post(srv.url + "/api/embed", json={"model": MODEL, "input": ["a cat", "a dog"]}, timeout=120)
+        body = r.json()
+        assert r.status_code == 200 and len(body["embeddings"]) == 2 and len(body["embeddings"][0]) > 0
+        assert body["load_duration"] == 0, "the real embed loaded the model again"
+        (same,) = srv.engine.ps()
+        assert same is warm, "the model was loaded again"
+    finally:
+        srv.stop()
+        srv.engine.close()
