@@ -200,8 +200,8 @@ def messages_call(body: AnthropicBody) -> g.Call:
     if system:
         messages.insert(0, {"role": "system", "content": system})
     sampling, options = api_options(body.options, max_tokens=body.max_tokens, stop=body.stop_sequences,
-                                      temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                      num_ctx=body.num_ctx)
+                                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                    num_ctx=body.num_ctx)
     tools = tools_in(body.tools, body.tool_choice)
     req = GenerateRequest(messages=messages, sampling=sampling, tools=tools,
                           think=think_of(body.thinking, body.output_config))

@@ -137,7 +137,7 @@ def check_capabilities(call: Call, model: InstalledModel) -> None:
     if call.force_tools is not None and req.tools:
         if req.format is not None:
             raise bad_request("a tool_choice that forces a tool call cannot be combined with a response format",
-                                param="tool_choice")
+                              param="tool_choice")
         req.format = forced_call_schema(req.tools, call.force_tools)
 
 

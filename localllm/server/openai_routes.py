@@ -62,9 +62,9 @@ def sampling_of(body: ChatCompletionBody | CompletionBody) -> tuple[Sampling, Lo
     defaults: temperature 1.0, top_p 1.0."""
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     sampling, load = api_options(body.options, {"temperature": 1.0, "top_p": 1.0}, max_tokens=max_tokens,
-                                   stop=body.stop, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                   frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                                   num_ctx=body.num_ctx)
+                                 stop=body.stop, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                                 frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                                 num_ctx=body.num_ctx)
     sampling.logit_bias = logit_bias(body.logit_bias)
     return sampling, load
 
@@ -82,10 +82,10 @@ def response_format(value: dict[str, Any] | None) -> str | dict[str, Any] | None
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise bad_request("response_format.json_schema.schema must be a JSON schema object",
-                                param="response_format")
+                              param="response_format")
         return check_format(schema, "response_format")
     raise bad_request(f"response_format.type must be text, json_object or json_schema, got {str(kind)[:40]!r}",
-                        param="response_format")
+                      param="response_format")
 
 
 def tool_calls_in(calls: list[Any]) -> list[dict[str, Any]]:
@@ -98,7 +98,7 @@ def tool_calls_in(calls: list[Any]) -> list[dict[str, Any]]:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
                 raise bad_request(f"tool call arguments for {t.function.name!r} are not valid JSON",
-                                    param="messages") from None
+                                  param="messages") from None
         out.append({"type": "function", **({"id": t.id} if t.id else {}),
                     "function": {"name": t.function.name, "arguments": args}})
     return out
@@ -310,7 +310,7 @@ class CompletionEncoder:
 
     def done(self, done: Done) -> list[bytes]:
         out = [sse({**self.base, "choices": [{"text": "", "index": 0, "logprobs": None,
-                                                "finish_reason": finish(done, False)}]})]
+                                              "finish_reason": finish(done, False)}]})]
         if self.include_usage:
             out.append(sse({**self.base, "choices": [], "usage": usage(done.stats)}))
         return out + [b"data: [DONE]\n\n"]

@@ -162,7 +162,7 @@ def api_options(options: Any, defaults: dict[str, Any] | None = None, *, max_tok
 
 
 _EFFORT: dict[str, ThinkValue] = {"none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high",
-                                   "max": "high", "xhigh": "high", "ultra": "high"}
+                                  "max": "high", "xhigh": "high", "ultra": "high"}
 
 
 def think_from_effort(effort: Any, field: str = "reasoning_effort") -> ThinkValue:

@@ -127,13 +127,13 @@ def _text_of(content: Any, where: str) -> tuple[str, list[str]]:
             url = part.get("image_url") or ""
             if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
                 raise bad_request(f"{where}.content[{j}]: only data: URLs (base64) are supported for images",
-                                    param="input")
+                                  param="input")
             images.append(url.split(",", 1)[1])
         elif kind == "refusal":
             continue
         else:
             raise bad_request(f"{where}.content[{j}]: content type {str(kind)[:40]!r} is not supported",
-                                param="input")
+                              param="input")
     return "\n".join(texts), images
 
 
@@ -174,7 +174,7 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
             name, args, cid = item.get("name"), item.get("arguments", "{}"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(cid, str) or not isinstance(args, str):
                 raise bad_request(f"{where}: a function_call needs call_id, name and arguments (a JSON string)",
-                                    param="input")
+                                  param="input")
             try:
                 parsed = json.loads(args) if args.strip() else {}
             except ValueError:
@@ -206,7 +206,7 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
                 thinking.append(text)
         elif kind == "item_reference":
             raise bad_request(f"{where}: item references are not supported; send previous_response_id or the "
-                                "items themselves", param="input")
+                              "items themselves", param="input")
         else:
             raise bad_request(f"{where}: input item type {str(kind)[:40]!r} is not supported", param="input")
     return out, images
@@ -220,7 +220,7 @@ def tools_in(tools: list[dict[str, Any]] | None, choice: Any) -> list[dict[str, 
     for i, tool in enumerate(tools):
         if tool.get("type") != "function":
             raise bad_request(f"tools[{i}]: tool type {str(tool.get('type'))[:40]!r} is not supported; only "
-                                "function tools are", param="tools")
+                              "function tools are", param="tools")
         fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return check_tools(out)
@@ -241,7 +241,7 @@ def text_format(text: dict[str, Any] | None) -> str | dict[str, Any] | None:
             raise bad_request("text.format.schema must be a JSON schema object", param="text")
         return check_format(schema, "text.format.schema")
     raise bad_request(f"text.format.type must be text, json_object or json_schema, got {str(kind)[:40]!r}",
-                        param="text")
+                      param="text")
 
 
 def responses_call(body: ResponsesBody, history: list[dict[str, Any]]) -> tuple[g.Call, list[dict[str, Any]]]:
@@ -253,8 +253,8 @@ def responses_call(body: ResponsesBody, history: list[dict[str, Any]]) -> tuple[
         raise bad_request("input is required", param="input")
     full = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
     sampling, options = api_options(body.options, {"temperature": 1.0, "top_p": 1.0},
-                                      max_tokens=body.max_output_tokens, max_field="max_output_tokens",
-                                      temperature=body.temperature, top_p=body.top_p, num_ctx=body.num_ctx)
+                                    max_tokens=body.max_output_tokens, max_field="max_output_tokens",
+                                    temperature=body.temperature, top_p=body.top_p, num_ctx=body.num_ctx)
     logprobs = LOGPROBS_INCLUDE in (body.include or []) or body.top_logprobs is not None
     top = check_top_logprobs(body.top_logprobs)
     req = GenerateRequest(messages=full, sampling=sampling, format=text_format(body.text),
@@ -488,7 +488,7 @@ async def create(body: ResponsesBody, request: Request) -> Response:
         prev = store.get(body.previous_response_id)
         if prev is None:
             raise APIError(404, f"Previous response with id '{body.previous_response_id[:80]}' not found.",
-                             param="previous_response_id")
+                           param="previous_response_id")
         history = list(prev.messages)
     call, conversation = responses_call(body, history)
     ctx = Context(_id("resp"), body, conversation, store)
