@@ -76,6 +76,7 @@ from backends.base import (  # noqa: F401
 )
 from backends.channel import Channel
 from backends.loop import LoadedModel, LoopMetrics
+from backends.stream import MAX_TOP_LOGPROBS  # noqa: F401 - the limit, for the faces (they never import backends)
 from localllm import config
 from localllm.errors import LocalLLMError
 from localllm.loader import Loader, LoadOptions

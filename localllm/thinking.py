@@ -16,7 +16,7 @@ from backends._thinking import LEVELS, ThinkStyle, thinking_style
 from backends._thinking import parse_think as _parse
 from backends.base import ThinkValue
 
-__all__ = ["LEVELS", "ThinkStyle", "ThinkValue", "parse_think", "style_of", "thinks", "think_on"]
+__all__ = ["LEVELS", "ThinkStyle", "ThinkValue", "parse_think", "style_of", "thinks", "asks_to_think"]
 
 
 def parse_think(value: Any) -> ThinkValue:
@@ -39,6 +39,7 @@ def thinks(info: dict[str, Any]) -> bool:
     return style_of(info) is not None
 
 
-def think_on(value: ThinkValue) -> bool:
-    """Whether ``think`` asks for thinking (True or a level); unset and False do not *ask*."""
+def asks_to_think(value: ThinkValue) -> bool:
+    """Whether a request's ``think`` asks for thinking (True or a level); unset and False do not *ask*. (Whether
+    a model will think is :func:`backends._thinking.think_on`: unset on a thinking model means yes.)"""
     return value is not None and value is not False

@@ -12,20 +12,30 @@ Modules:
   model management), ``openai_routes`` (Chat Completions, Completions, Embeddings, Models),
   ``responses_routes`` (the Responses API and its store of earlier responses), ``anthropic_routes``
   (Messages);
-* ``common`` (what the translators share: errors and their shape per API, options, checks, frames),
-  ``schemas`` (request bodies), ``app`` (the FastAPI app), ``security`` (Host check, keys, body limit),
-  ``metrics`` (``/metrics``), ``run`` (binding and uvicorn).
+* ``apis`` (the table of translators: each API's routes and error shape, :class:`~localllm.server.translator.
+  Translator`; which API a request speaks, from the route it matched);
+* what the translators share: ``errors`` (request errors, safe messages), ``options`` (options, ``think``,
+  logprobs), ``checks`` (names, formats and schemas, tools), ``framing`` (NDJSON and SSE frames, times, tool
+  calls), ``modelinfo`` (an installed model as the APIs describe it), ``protocol`` (the engine as the server uses
+  it), ``schemas`` (request bodies);
+* ``app`` (the FastAPI app), ``security`` (Host check, keys, body limit), ``metrics`` (``/metrics``), ``run``
+  (binding and uvicorn).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from localllm.server.protocol import ServerEngine
 
 
-def create_app(*args: Any, **kwargs: Any) -> Any:
+def create_app(engine: ServerEngine | None = None, **kwargs: Any) -> FastAPI:
     from localllm.server.app import create_app as _create
 
-    return _create(*args, **kwargs)
+    return _create(engine, **kwargs)
 
 
 def serve(*args: Any, **kwargs: Any) -> None:

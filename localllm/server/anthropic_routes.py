@@ -26,15 +26,37 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from localllm.engine import Done, GenerateRequest, TextChunk, ToolCalls
-from localllm.server import common as c
+from localllm.engine import Done, GenerateRequest, Stats, TextChunk, ToolCalls
 from localllm.server import generation as g
+from localllm.server.checks import check_tools, forced_tools
+from localllm.server.errors import bad_request
+from localllm.server.framing import SSE, SSE_HEADERS, call_id, normalize_calls, sse
+from localllm.server.options import api_options, keep_alive_of
+from localllm.server.protocol import engine_of, run_sync
 from localllm.server.schemas import AnthropicBody, AnthropicCountBody
+from localllm.server.translator import Translator
+from localllm.thinking import ThinkValue
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger("localllm.server")
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}, "request_id"}``.
+
+    >>> error_body(404, "no such model")["error"]
+    {'type': 'not_found_error', 'message': 'no such model'}
+    """
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}, "request_id": f"req_{secrets.token_hex(12)}"}
+
+
+API = Translator("anthropic", router, error_body, prefix="/v1/messages")
 _IGNORED_BLOCKS = ("redacted_thinking", "server_tool_use", "web_search_tool_result")
-_EFFORT = {"low": "low", "medium": "medium", "high": "high", "max": "high", "xhigh": "high"}
+_EFFORT: dict[str, ThinkValue] = {"low": "low", "medium": "medium", "high": "high", "max": "high", "xhigh": "high"}
 
 
 # ------------------------------------------------------------------------------------ requests (pure)
@@ -46,7 +68,7 @@ def system_text(system: Any) -> str:
     texts = []
     for i, block in enumerate(system):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise c.bad_request(f"system[{i}] must be a text block")
+            raise bad_request(f"system[{i}] must be a text block")
         texts.append(block["text"])
     return "\n\n".join(texts)
 
@@ -55,7 +77,7 @@ def _tool_result_text(content: Any, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
-        raise c.bad_request(f"{where}.content must be a string or a list of blocks")
+        raise bad_request(f"{where}.content must be a string or a list of blocks")
     texts = []
     for block in content:
         if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
@@ -72,7 +94,7 @@ def messages_in(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if m.role not in ("user", "assistant"):
-            raise c.bad_request(f"{where}.role must be user or assistant")
+            raise bad_request(f"{where}.role must be user or assistant")
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         texts: list[str] = []
         thinking: list[str] = []
@@ -84,12 +106,12 @@ def messages_in(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
                 if not isinstance(block.get("text"), str):
-                    raise c.bad_request(f"{at}.text must be a string")
+                    raise bad_request(f"{at}.text must be a string")
                 texts.append(block["text"])
             elif kind == "image":
                 source = block.get("source") or {}
                 if not isinstance(source, dict) or source.get("type") != "base64" or not source.get("data"):
-                    raise c.bad_request(f"{at}: only base64 image sources are supported")
+                    raise bad_request(f"{at}: only base64 image sources are supported")
                 images = True
                 pics.append(str(source["data"]))
             elif kind == "thinking" and m.role == "assistant":
@@ -98,13 +120,13 @@ def messages_in(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
             elif kind == "tool_use" and m.role == "assistant":
                 name, tid, args = block.get("name"), block.get("id"), block.get("input", {})
                 if not isinstance(name, str) or not isinstance(tid, str) or not isinstance(args, dict):
-                    raise c.bad_request(f"{at}: a tool_use block needs an id, a name and an input object")
+                    raise bad_request(f"{at}: a tool_use block needs an id, a name and an input object")
                 names[tid] = name
                 calls.append({"type": "function", "id": tid, "function": {"name": name, "arguments": args}})
             elif kind == "tool_result" and m.role == "user":
                 tid = block.get("tool_use_id")
                 if not isinstance(tid, str):
-                    raise c.bad_request(f"{at}.tool_use_id must be a string")
+                    raise bad_request(f"{at}.tool_use_id must be a string")
                 tool: dict[str, Any] = {"role": "tool", "content": _tool_result_text(block.get("content"), at),
                                         "tool_call_id": tid}
                 if tid in names:
@@ -113,7 +135,7 @@ def messages_in(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
             elif kind in _IGNORED_BLOCKS:
                 continue
             else:
-                raise c.bad_request(f"{at}: content block type {str(kind)[:40]!r} is not supported in a {m.role} turn")
+                raise bad_request(f"{at}: content block type {str(kind)[:40]!r} is not supported in a {m.role} turn")
         out += tools
         if texts or pics or calls or thinking or not tools:
             msg: dict[str, Any] = {"role": m.role, "content": "\n".join(texts)}
@@ -134,21 +156,21 @@ def tools_in(tools: list[dict[str, Any]] | None, choice: dict[str, Any] | None) 
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
-            raise c.bad_request(f"tools[{i}] must have a name")
+            raise bad_request(f"tools[{i}] must have a name")
         schema = tool.get("input_schema")
         if schema is None and tool.get("type") not in (None, "custom"):
             log.info("tool %s (%s) runs on Anthropic's servers; left out", tool["name"], tool.get("type"))
             continue
         if not isinstance(schema, dict):
-            raise c.bad_request(f"tools[{i}].input_schema must be a JSON schema object")
+            raise bad_request(f"tools[{i}].input_schema must be a JSON schema object")
         fn = {"name": tool["name"], "parameters": schema}
         if isinstance(tool.get("description"), str):
             fn["description"] = tool["description"]
         out.append({"type": "function", "function": fn})
-    return c.check_tools(out) if out else None
+    return check_tools(out) if out else None
 
 
-def think_of(thinking: dict[str, Any] | None, output_config: dict[str, Any] | None) -> Any:
+def think_of(thinking: dict[str, Any] | None, output_config: dict[str, Any] | None) -> ThinkValue:
     if thinking:
         kind = thinking.get("type")
         if kind == "enabled":
@@ -157,34 +179,34 @@ def think_of(thinking: dict[str, Any] | None, output_config: dict[str, Any] | No
             return False
         if kind == "adaptive":
             return None
-        raise c.bad_request(f"thinking.type must be enabled, disabled or adaptive, got {str(kind)[:40]!r}")
+        raise bad_request(f"thinking.type must be enabled, disabled or adaptive, got {str(kind)[:40]!r}")
     effort = (output_config or {}).get("effort")
     if effort is None:
         return None
     if not isinstance(effort, str) or effort not in _EFFORT:
-        raise c.bad_request(f"output_config.effort must be low, medium, high or max, got {str(effort)[:40]!r}")
+        raise bad_request(f"output_config.effort must be low, medium, high or max, got {str(effort)[:40]!r}")
     return _EFFORT[effort]
 
 
 def messages_call(body: AnthropicBody) -> g.Call:
     if not body.model:
-        raise c.bad_request("model is required")
+        raise bad_request("model is required")
     if body.max_tokens is None or body.max_tokens <= 0:
-        raise c.bad_request("max_tokens is required and must be positive")
+        raise bad_request("max_tokens is required and must be positive")
     if not body.messages:
-        raise c.bad_request("messages is required")
+        raise bad_request("messages is required")
     messages, images = messages_in(body.messages)
     system = system_text(body.system)
     if system:
         messages.insert(0, {"role": "system", "content": system})
-    sampling, options = c.api_options(body.options, max_tokens=body.max_tokens, stop=body.stop_sequences,
-                                      temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                      num_ctx=body.num_ctx)
+    sampling, options = api_options(body.options, max_tokens=body.max_tokens, stop=body.stop_sequences,
+                                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                    num_ctx=body.num_ctx)
     tools = tools_in(body.tools, body.tool_choice)
     req = GenerateRequest(messages=messages, sampling=sampling, tools=tools,
                           think=think_of(body.thinking, body.output_config))
-    return g.Call(body.model, req, options, c.keep_alive_of(body.keep_alive), images=images, relax_thinking=True,
-                  force_tools=c.forced_tools(body.tool_choice) if tools else None)
+    return g.Call(body.model, req, options, keep_alive_of(body.keep_alive), images=images, relax_thinking=True,
+                  force_tools=forced_tools(body.tool_choice) if tools else None)
 
 
 def estimate_tokens(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
@@ -203,17 +225,17 @@ def stop_reason(done: Done, calls: bool) -> str:
     return "max_tokens" if done.finish_reason == "length" else "end_turn"
 
 
-def usage(stats: Any) -> dict[str, int]:
+def usage(stats: Stats) -> dict[str, int]:
     cached = int(stats.prompt_cached_tokens)
     return {"input_tokens": int(stats.prompt_eval_count) - cached, "output_tokens": int(stats.eval_count),
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def tool_use_blocks(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"type": "tool_use", "id": c.call_id(call, "toolu_"), "name": call["function"]["name"],
+    return [{"type": "tool_use", "id": call_id(call, "toolu_"), "name": call["function"]["name"],
              "input": call["function"]["arguments"] if isinstance(call["function"]["arguments"], dict)
              else {"value": call["function"]["arguments"]}}
-            for call in c.normalize_calls(calls)]
+            for call in normalize_calls(calls)]
 
 
 def message_object(mid: str, model: str, r: g.Result) -> dict[str, Any]:
@@ -231,8 +253,8 @@ def message_object(mid: str, model: str, r: g.Result) -> dict[str, Any]:
 class MessagesEncoder:
     """Events → Anthropic's stream: one content block per run of thinking, of text, per tool call."""
 
-    media_type = "text/event-stream"
-    headers = {"Cache-Control": "no-cache"}
+    media_type = SSE
+    headers = SSE_HEADERS
 
     def __init__(self, model: str, input_estimate: int):
         self.mid = f"msg_{secrets.token_hex(12)}"
@@ -243,7 +265,7 @@ class MessagesEncoder:
 
     @staticmethod
     def _ev(kind: str, **payload: Any) -> bytes:
-        return c.sse({"type": kind, **payload}, event=kind)
+        return sse({"type": kind, **payload}, event=kind)
 
     def head(self) -> list[bytes]:
         message: dict[str, Any] = {
@@ -298,7 +320,7 @@ class MessagesEncoder:
                          self._ev("message_stop")]
 
     def error(self, status: int, message: str) -> list[bytes]:
-        return [self._ev("error", error=c.error_payload("/v1/messages", status, message)["error"])]
+        return [self._ev("error", error=error_body(status, message)["error"])]
 
 
 # ------------------------------------------------------------------------------------------ routes
@@ -317,13 +339,12 @@ async def messages(body: AnthropicBody, request: Request) -> Response:
 async def count_tokens(body: AnthropicCountBody, request: Request) -> dict[str, int]:
     """The prompt's size in the model's tokens: system, turns and tool schemas tokenized as plain text (the
     chat template's own markup is not counted, so this is a close estimate)."""
-    name = c.check_name(body.model)
-    await g.installed(request, name)
+    name, _ = await g.installed(request, body.model)
     messages, _ = messages_in(body.messages or [])
     parts = [system_text(body.system)] + [str(m.get("content") or "") for m in messages]
     parts += [json.dumps(m["tool_calls"]) for m in messages if m.get("tool_calls")]
     if body.tools:
         parts.append(json.dumps(body.tools))
     text = "\n".join(p for p in parts if p)
-    tokens = await c.run_sync(g.engine_of(request).tokenize, name, text) if text else []
+    tokens = await run_sync(engine_of(request).tokenize, name, text) if text else []
     return {"input_tokens": len(tokens)}

@@ -5,9 +5,10 @@ Embeddings, Models) and Anthropic's ``/v1/messages`` on one engine, behind the s
     >>> from localllm.server.app import create_app
     >>> app = create_app()          # doctest: +SKIP  (an Engine on the default store)
 
-Errors leave in the API's own shape: ``{"error": "..."}`` under ``/api``, ``{"error": {"message",
-"type", "param", "code"}}`` under ``/v1``, ``{"type": "error", "error": {"type", "message"}}`` under
-``/v1/messages``; never a traceback or a filesystem path.
+The routes come from the table of APIs (:data:`localllm.server.apis.APIS`); every error leaves in the shape of
+the API whose route the request matched: ``{"error": "..."}`` for Ollama's, ``{"error": {"message", "type",
+"param", "code"}}`` for OpenAI's, ``{"type": "error", "error": {"type", "message"}}`` for Anthropic's; never a
+traceback or a filesystem path.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,13 +23,17 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from localllm.server import common as c
+from localllm.server import apis
+from localllm.server.errors import APIError, scrub, status_of
+from localllm.server.protocol import ServerEngine
 from localllm.server.security import DEFAULT_MAX_BODY, SecurityMiddleware, origin_regex
 
 log = logging.getLogger("localllm.server")
 
+
 def error_response(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(c.error_payload(request.url.path, status, message, param=param), status_code=status)
+    """An error in the shape of the API whose route ``request`` matched."""
+    return apis.error_response(request.scope, status, message, param)
 
 
 def validation_message(exc: RequestValidationError) -> str:
@@ -50,21 +54,17 @@ def validation_message(exc: RequestValidationError) -> str:
     if kind == "missing":
         return f"{field} is required"
     msg = str(first.get("msg", "invalid value"))
-    return c.scrub(f"invalid value for {field}: {msg}")
+    return scrub(f"invalid value for {field}: {msg}")
 
 
-def create_app(engine: Any = None, *, bound_host: str | None = None, api_key: str | None = None,
+def create_app(engine: ServerEngine | None = None, *, bound_host: str | None = None, api_key: str | None = None,
                origins: str | None = None, max_body: int | None = None, check_host: bool = True,
                context_length: int | None = None) -> FastAPI:
     """The app. Settings default to the environment: ``LOCALLLM_HOST`` (the bound host the Host check
     allows), ``LOCALLLM_API_KEY``, ``LOCALLLM_ORIGINS``, ``LOCALLLM_MAX_BODY``, ``LOCALLLM_CONTEXT_LENGTH``
     (the context of requests that do not set ``num_ctx``; 0 = the planner's)."""
     from localllm import config
-    from localllm.server.anthropic_routes import router as anthropic_router
-    from localllm.server.ollama_routes import router as ollama_router
-    from localllm.server.openai_routes import router as openai_router
     from localllm.server.responses_routes import ResponseStore
-    from localllm.server.responses_routes import router as responses_router
 
     if engine is None:
         from localllm.engine import Engine
@@ -81,14 +81,11 @@ def create_app(engine: Any = None, *, bound_host: str | None = None, api_key: st
     app.state.responses = ResponseStore()  # /v1/responses' previous_response_id, for the server's life
     app.state.context_length = context_length if context_length is not None else (
         config.env_int("LOCALLLM_CONTEXT_LENGTH", 0) or None)  # num_ctx for requests that set none
-    app.include_router(ollama_router)
-    app.include_router(openai_router)
-    app.include_router(responses_router)
-    app.include_router(anthropic_router)
+    apis.install(app)
 
-    @app.exception_handler(c.APIError)
-    async def _api_error(request: Request, exc: c.APIError) -> JSONResponse:
-        return error_response(request, exc.status, c.scrub(exc.message), exc.param)
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request, exc.status, scrub(exc.message), exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -96,12 +93,12 @@ def create_app(engine: Any = None, *, bound_host: str | None = None, api_key: st
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        if exc.status_code == 404 and message == "Not Found":
-            message = f"404 page not found: {request.url.path[:100]}"
+        message = scrub(exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail))
+        if exc.status_code == 404 and message == "Not Found":  # the path the client asked for, as it wrote it
+            message = "404 page not found: " + " ".join(request.url.path[:100].split())
         if exc.status_code == 400 and "parsing the body" in message:
             message = "invalid JSON in the request body"
-        return error_response(request, exc.status_code, c.scrub(message))
+        return error_response(request, exc.status_code, message)
 
     from localllm.server.generation import ClientGone
 
@@ -110,7 +107,7 @@ def create_app(engine: Any = None, *, bound_host: str | None = None, api_key: st
         return error_response(request, 499, "request canceled")
 
     async def _known(request: Request, exc: Exception) -> JSONResponse:
-        status, message = c.status_of(exc)
+        status, message = status_of(exc)
         return error_response(request, status, message)
 
     from localllm.engine import BackendError

@@ -9,9 +9,11 @@ into a :class:`Call` and the events back into its own frames (an :class:`Encoder
 2. the context: the request's ``num_ctx`` or the server's default (``LOCALLLM_CONTEXT_LENGTH``), capped to the
    model's trained context as Ollama does;
 3. capability checks: tools, images and thinking (400 in Ollama's words, ``"<model>" does not support
-   thinking``; dropped instead where the API relaxes it, as Ollama does for Anthropic's), the logprobs
-   range, a ``format`` schema the grammar can follow; a ``tool_choice`` that forces a call becomes the
-   grammar of that call (a parameter schema it cannot express is a 400 naming the keyword);
+   thinking``; dropped instead where the API relaxes it, as Ollama does for Anthropic's); a ``tool_choice``
+   that forces a call becomes the grammar of that call (a parameter schema it cannot express is a 400 naming
+   the keyword). What a request says on its own (options, the logprobs range, a ``format`` schema the grammar
+   can follow) its translator checked, once, in :mod:`~localllm.server.options` and
+   :mod:`~localllm.server.checks`;
 4. the engine call (:meth:`~localllm.engine.Engine.agenerate`) and its first event, awaited before any byte
    is sent, so that what fails before the output (a full queue, a prompt that does not fit, a load that
    fails) answers with its real status; a client that disconnects meanwhile cancels at once;
@@ -26,18 +28,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from localllm.engine import Done, Event, GenerateRequest, LoadOptions, TextChunk, TokenLogprob, ToolCalls
-from localllm.server import common as c
+from localllm.engine import Done, Event, GenerateRequest, LoadOptions, RunningModel, TextChunk, TokenLogprob, ToolCalls
+from localllm.server.checks import check_name, schema_problem
+from localllm.server.errors import APIError, bad_request, status_of
+from localllm.server.modelinfo import capabilities, info_of
+from localllm.server.options import options_of
+from localllm.server.protocol import ServerEngine, engine_of, run_sync
 from localllm.store import InstalledModel
-from localllm.thinking import think_on
-
-if TYPE_CHECKING:
-    from localllm.engine import Engine
+from localllm.thinking import asks_to_think
 
 
 class ClientGone(Exception):
@@ -65,7 +68,7 @@ class Result:
 
     content: str
     thinking: str
-    calls: list[dict[str, Any]]  # as the backend gave them; :func:`~localllm.server.common.normalize_calls`
+    calls: list[dict[str, Any]]  # as the backend gave them; :func:`~localllm.server.framing.normalize_calls`
     logprobs: list[TokenLogprob]
     done: Done
 
@@ -92,13 +95,11 @@ class Encoder(Protocol):
 # ------------------------------------------------------------------------------------------ the path
 
 
-def engine_of(http: Request) -> Engine:
-    return http.app.state.engine  # type: ignore[no-any-return]
-
-
-async def installed(http: Request, name: str) -> InstalledModel:
-    """The installed model (a 404 in the API's shape when there is none)."""
-    return await c.run_sync(engine_of(http).store.get, name)
+async def installed(http: Request, model: Any, field: str = "model") -> tuple[str, InstalledModel]:
+    """A request's model name (a name, never a path: a 400 otherwise) and the installed model (a 404 when there is
+    none)."""
+    name = check_name(model, field)
+    return name, await run_sync(engine_of(http).store.get, name)
 
 
 def context_of(http: Request, options: LoadOptions, model: InstalledModel) -> LoadOptions:
@@ -114,31 +115,29 @@ def cap_ctx(options: LoadOptions, model: InstalledModel) -> LoadOptions:
     """Like Ollama, a ``num_ctx`` above the model's trained context is capped to it."""
     if options.num_ctx is None:
         return options
-    trained = c.info_of(model).get("context_length") or 0
+    trained = info_of(model).get("context_length") or 0
     if trained and options.num_ctx > trained:
         return replace(options, num_ctx=int(trained))
     return options
 
 
 def check_capabilities(call: Call, model: InstalledModel) -> None:
-    """Tools, images and thinking against what the model can do; the logprobs range; the format schema."""
+    """Tools, images and thinking against what the model can do; a forced tool call as a format. (The request's
+    own fields, the logprobs range and the format schema among them, were checked by its translator.)"""
     req = call.request
-    caps = c.capabilities(model)
+    caps = capabilities(model)
     if req.tools and "tools" not in caps:
-        raise c.bad_request(f'"{call.model}" does not support tools', param="tools")
+        raise bad_request(f'"{call.model}" does not support tools', param="tools")
     if call.images and "vision" not in caps:
-        raise c.bad_request(f'"{call.model}" does not support images (it is not a multimodal model)')
-    if think_on(req.think) and "thinking" not in caps:
+        raise bad_request(f'"{call.model}" does not support images (it is not a multimodal model)')
+    if asks_to_think(req.think) and "thinking" not in caps:
         if not call.relax_thinking:
-            raise c.bad_request(f'"{call.model}" does not support thinking', param="think")
+            raise bad_request(f'"{call.model}" does not support thinking', param="think")
         req.think = None
-    if isinstance(req.format, dict) and (problem := c.schema_problem(req.format)):
-        raise c.bad_request(f"format: {problem}", param="format")
-    c.check_top_logprobs(req.top_logprobs)
     if call.force_tools is not None and req.tools:
         if req.format is not None:
-            raise c.bad_request("a tool_choice that forces a tool call cannot be combined with a response format",
-                                param="tool_choice")
+            raise bad_request("a tool_choice that forces a tool call cannot be combined with a response format",
+                              param="tool_choice")
         req.format = forced_call_schema(req.tools, call.force_tools)
 
 
@@ -152,14 +151,14 @@ def forced_call_schema(tools: list[dict[str, Any]], names: list[str]) -> dict[st
     """
     chosen = [t for t in tools if not names or t["function"]["name"] in names]
     if not chosen:
-        raise c.bad_request(f'tool_choice names "{names[0][:60]}", which is not one of the tools', param="tool_choice")
+        raise bad_request(f'tool_choice names "{names[0][:60]}", which is not one of the tools', param="tool_choice")
     alternatives: list[dict[str, Any]] = []
     defs: dict[str, Any] = {}
     for tool in chosen:
         fn = tool["function"]
         params = dict(fn.get("parameters") or {"type": "object"})
-        if problem := c.schema_problem(params):
-            raise c.bad_request(f'tools: the parameters of "{fn["name"]}": {problem}', param="tools")
+        if problem := schema_problem(params):
+            raise bad_request(f'tools: the parameters of "{fn["name"]}": {problem}', param="tools")
         for key in ("$defs", "definitions"):
             if isinstance(params.get(key), dict):
                 defs.setdefault(key, {}).update(params.pop(key))
@@ -172,15 +171,11 @@ def forced_call_schema(tools: list[dict[str, Any]], names: list[str]) -> dict[st
 
 async def begin(http: Request, call: Call) -> Run:
     """Steps 1–4: checks, the engine call, the first event. Raises (an HTTP error status) before any output."""
-    name = c.check_name(call.model)
-    model = await installed(http, name)
+    name, model = await installed(http, call.model)
     check_capabilities(call, model)
     options = context_of(http, call.options, model)
     agen = engine_of(http).agenerate(name, call.request, options, keep_alive=call.keep_alive)
-    first = await first_event(agen, http)
-    if isinstance(first, Done) and first.finish_reason == "error":  # failed before any output: a real status
-        await aclose(agen)
-        raise c.APIError(500, first.error or "generation failed")
+    first = await first_event(agen, http)  # a failure before any output raises here: a real status
     return Run(first, agen)
 
 
@@ -191,7 +186,7 @@ async def aclose(agen: AsyncIterator[Any]) -> None:
         await close()
 
 
-async def first_event(agen: AsyncIterator[Any], http: Request | None = None) -> Any:
+async def first_event(agen: AsyncIterator[Event], http: Request | None = None) -> Event:
     """The first event, so errors before the first byte get their real status. While waiting (in the
     queue, for a load, for the prompt) a client that disconnects cancels the request at once."""
     task = asyncio.ensure_future(agen.__anext__())
@@ -240,8 +235,7 @@ class Run:
             async for event in self.events():
                 if isinstance(event, Done):
                     ended = True
-                    frames = (enc.error(500, c.scrub(event.error or "generation failed"))
-                              if event.finish_reason == "error" else enc.done(event))
+                    frames = enc.done(event)
                 else:
                     frames = enc.event(event)
                 for frame in frames:
@@ -250,7 +244,7 @@ class Run:
                 for frame in enc.error(500, "the generation ended without a result"):
                     yield frame
         except Exception as e:  # noqa: BLE001 - reported in the stream, in the API's shape
-            status, message = c.status_of(e)
+            status, message = status_of(e)
             for frame in enc.error(status, message):
                 yield frame
         finally:
@@ -269,12 +263,10 @@ class Run:
                 elif isinstance(event, ToolCalls):
                     calls.extend(event.calls)
                 elif isinstance(event, Done):
-                    if event.finish_reason == "error":
-                        raise c.APIError(500, event.error or "generation failed")
                     return Result("".join(content), "".join(thinking), calls, logprobs, event)
         finally:
             await aclose(self.agen)
-        raise c.APIError(500, "the generation ended without a result")
+        raise APIError(500, "the generation ended without a result")
 
 
 # ------------------------------------------------------------------------------------------ load, embed
@@ -283,13 +275,12 @@ class Run:
 async def load_or_unload(http: Request, model: str, keep_alive: float | None, options: LoadOptions) -> str:
     """An empty prompt loads the model (``load``); with ``keep_alive: 0`` it unloads it (``unload``)."""
     engine = engine_of(http)
-    name = c.check_name(model)
-    found = await installed(http, name)  # 404 for an unknown model
+    name, found = await installed(http, model)  # 404 for an unknown model
     if keep_alive == 0:
-        await c.run_sync(engine.unload, name)
-        await c.run_sync(engine.unload, found.name)  # loaded under its canonical name
+        await run_sync(engine.unload, name)
+        await run_sync(engine.unload, found.name)  # loaded under its canonical name
         return "unload"
-    await c.run_sync(engine.load, name, context_of(http, options, found), keep_alive=keep_alive)
+    await run_sync(engine.load, name, context_of(http, options, found), keep_alive=keep_alive)
     return "load"
 
 
@@ -307,17 +298,26 @@ def shorten(vectors: list[list[float]], dimensions: int | None) -> list[list[flo
 
 async def embed_texts(http: Request, model: str, texts: list[str], options: dict[str, Any] | None,
                       keep_alive: float | None) -> tuple[list[list[float]], int, int]:
-    """(vectors, prompt tokens, load ns) for ``texts``."""
+    """(vectors, prompt tokens, load ns) for ``texts``. No texts loads the model as embeddings need it (so that
+    the next embed finds it loaded) and answers no vectors; load ns is 0 unless this request loaded the model."""
     engine = engine_of(http)
-    name = c.check_name(model)
-    found = await installed(http, name)
-    _, load_options = c.options_of(options)
-    load_options = cap_ctx(load_options, found)
-    was_loaded = engine.is_loaded(name)
-    vectors = await c.run_sync(engine.embed, name, texts, load_options, keep_alive=keep_alive)
+    name, found = await installed(http, model)
+    _, load_options = options_of(options)
+    load_options = replace(cap_ctx(load_options, found), embedding=True)
+    before = loaded(engine, found.name)
+    vectors: list[list[float]] = []
     tokens = 0
-    for t in texts:
-        tokens += len(await c.run_sync(engine.tokenize, name, t))
-    running = None if was_loaded else next((m for m in engine.ps() if m.name == name), None)
-    load_ns = running.load_duration_ns if running is not None else 0
+    if not texts:
+        await run_sync(engine.load, name, load_options, keep_alive=keep_alive)
+    else:
+        vectors = await run_sync(engine.embed, name, texts, load_options, keep_alive=keep_alive)
+        for t in texts:
+            tokens += len(await run_sync(engine.tokenize, name, t))
+    after = loaded(engine, found.name)
+    load_ns = after.load_duration_ns if after is not None and after is not before else 0
     return vectors, tokens, load_ns
+
+
+def loaded(engine: ServerEngine, name: str) -> RunningModel | None:
+    """The loaded model under its installed ``name`` (None when it is not loaded)."""
+    return next((m for m in engine.ps() if m.name == name), None)

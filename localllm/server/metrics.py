@@ -28,7 +28,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from localllm.engine import Engine, Stats
+    from localllm.engine import Stats
+    from localllm.server.protocol import ServerEngine
 
 disable_created_metrics()  # no *_created series: they double the output and no dashboard reads them
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -39,7 +40,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class _EngineCollector(Collector):
     """Gauges and counters read from the engine's loaded models at scrape time."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: ServerEngine):
         self.engine = engine
 
     def describe(self) -> list[Any]:
@@ -110,7 +111,7 @@ class Metrics:
     """The registry of one app: request counters (middleware), latency histograms (observed as each
     generation ends) and the engine's gauges (read at scrape time)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: ServerEngine):
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("localllm_requests", "HTTP requests answered, by route and status.",
                                 ["route", "method", "status"], registry=self.registry)

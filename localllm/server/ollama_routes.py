@@ -1,12 +1,11 @@
-"""Ollama's native API (``/api/*``): NDJSON streams by default, ``{"error": "..."}`` errors, metrics in
-nanoseconds. The generate and chat handlers translate a body into a :class:`~localllm.server.generation.Call`
-and events back into Ollama's lines (pure functions below); the path between is
-:mod:`localllm.server.generation`. The model-management handlers call the store."""
+"""Ollama's native API (``/api/*``, its translator :data:`API`): NDJSON streams by default, ``{"error": "..."}``
+errors, metrics in nanoseconds. The generate and chat handlers translate a body into a
+:class:`~localllm.server.generation.Call` and events back into Ollama's lines (pure functions below); the path
+between is :mod:`localllm.server.generation`. The model-management handlers call the store."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,28 +13,38 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from localllm.engine import Done, GenerateRequest, TextChunk, ToolCalls
-from localllm.server import common as c
+from localllm.engine import Done, GenerateRequest, RunningModel, Stats, TextChunk, ToolCalls
 from localllm.server import generation as g
+from localllm.server.checks import check_digest, check_format, check_name, check_tools
+from localllm.server.errors import bad_request, status_of
+from localllm.server.framing import NDJSON, logprob_item, ndjson, normalize_calls, now_rfc3339, rfc3339
+from localllm.server.modelinfo import capabilities, details_of, digest_hex, info_of, modified_of, size_of
+from localllm.server.options import check_think, check_top_logprobs, keep_alive_of, options_of
+from localllm.server.protocol import engine_of, run_sync
 from localllm.server.schemas import ChatBody, CopyBody, EmbedBody, EmbeddingsBody, GenerateBody, ModelBody, PullBody
-from localllm.store import InstalledModel
+from localllm.server.translator import Translator
+from localllm.store import InstalledModel, PullProgress, Store
 
 router = APIRouter()
-NDJSON = "application/x-ndjson"
+OLLAMA_COMPAT_VERSION = "0.12.0"  # our answer to /api/version: clients gate features on it, so a recent Ollama
 
 
-def _engine(request: Request) -> Any:
-    return request.app.state.engine
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """Ollama's error shape: ``{"error": "<one sentence>"}``."""
+    return {"error": message}
 
 
-def _store(request: Request) -> Any:
-    return request.app.state.engine.store
+API = Translator("ollama", router, error_body, prefix="")
+
+
+def _store(request: Request) -> Store:
+    return engine_of(request).store
 
 
 # ------------------------------------------------------------------------------------ converters (pure)
 
 
-def metrics(stats: Any) -> dict[str, int]:
+def metrics(stats: Stats) -> dict[str, int]:
     return {
         "total_duration": int(stats.total_duration),
         "load_duration": int(stats.load_duration),
@@ -77,10 +86,10 @@ def chat_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
 
 def _common(body: GenerateBody | ChatBody) -> dict[str, Any]:
     """What generate and chat read alike: sampling, load options, keep-alive, format, think, logprobs."""
-    sampling, options = c.options_of(body.options)
-    top = c.check_top_logprobs(body.top_logprobs)
-    return {"sampling": sampling, "options": options, "keep_alive": c.keep_alive_of(body.keep_alive),
-            "format": c.check_format(body.format), "think": c.check_think(body.think),
+    sampling, options = options_of(body.options)
+    top = check_top_logprobs(body.top_logprobs)
+    return {"sampling": sampling, "options": options, "keep_alive": keep_alive_of(body.keep_alive),
+            "format": check_format(body.format), "think": check_think(body.think),
             "logprobs": bool(body.logprobs), "top_logprobs": top if body.logprobs else 0}
 
 
@@ -88,7 +97,7 @@ def generate_call(body: GenerateBody) -> g.Call:
     """``/api/generate``'s body → the generation (``raw`` sends the prompt untemplated)."""
     k = _common(body)
     if body.raw and (body.template or body.system or body.context):
-        raise c.bad_request("raw mode does not support template, system, or context")
+        raise bad_request("raw mode does not support template, system, or context")
     fields = {"sampling": k["sampling"], "format": k["format"], "logprobs": k["logprobs"],
               "top_logprobs": k["top_logprobs"]}
     if body.raw:
@@ -107,18 +116,18 @@ def chat_call(body: ChatBody) -> g.Call:
     k = _common(body)
     messages, images = chat_messages(body.messages or [])
     req = GenerateRequest(messages=messages, sampling=k["sampling"], format=k["format"],
-                          tools=c.check_tools(body.tools), think=k["think"], logprobs=k["logprobs"],
+                          tools=check_tools(body.tools), think=k["think"], logprobs=k["logprobs"],
                           top_logprobs=k["top_logprobs"])
     return g.Call(body.model, req, k["options"], k["keep_alive"], images=images)
 
 
 def _logprobs(event: TextChunk, top: bool) -> dict[str, Any]:
-    return {"logprobs": [c.logprob_item(lp, top) for lp in event.logprobs]} if event.logprobs else {}
+    return {"logprobs": [logprob_item(lp, top) for lp in event.logprobs]} if event.logprobs else {}
 
 
 def chat_line(model: str, event: TextChunk | ToolCalls | Done, top: bool = False) -> dict[str, Any]:
     """One ``/api/chat`` stream line: reasoning in ``message.thinking``, the answer in ``message.content``."""
-    base = {"model": model, "created_at": c.now_rfc3339()}
+    base = {"model": model, "created_at": now_rfc3339()}
     if isinstance(event, TextChunk):
         message: dict[str, Any] = {"role": "assistant", "content": "" if event.thinking else event.text}
         if event.thinking:
@@ -126,21 +135,21 @@ def chat_line(model: str, event: TextChunk | ToolCalls | Done, top: bool = False
         return {**base, "message": message, "done": False, **_logprobs(event, top)}
     if isinstance(event, ToolCalls):
         return {**base, "message": {"role": "assistant", "content": "",
-                                    "tool_calls": c.normalize_calls(event.calls)}, "done": False}
+                                    "tool_calls": normalize_calls(event.calls)}, "done": False}
     return {**base, "message": {"role": "assistant", "content": ""}, "done": True,
             "done_reason": done_reason(event), **metrics(event.stats)}
 
 
 def generate_line(model: str, event: TextChunk | ToolCalls | Done, top: bool = False) -> dict[str, Any]:
     """One ``/api/generate`` stream line: reasoning in ``thinking``, the answer in ``response``."""
-    base = {"model": model, "created_at": c.now_rfc3339()}
+    base = {"model": model, "created_at": now_rfc3339()}
     if isinstance(event, TextChunk):
         line = {**base, "response": "" if event.thinking else event.text, "done": False}
         if event.thinking:
             line["thinking"] = event.text
         return {**line, **_logprobs(event, top)}
     if isinstance(event, ToolCalls):
-        return {**base, "response": "", "tool_calls": c.normalize_calls(event.calls), "done": False}
+        return {**base, "response": "", "tool_calls": normalize_calls(event.calls), "done": False}
     return {**base, "response": "", "done": True, "done_reason": done_reason(event), **metrics(event.stats)}
 
 
@@ -150,23 +159,23 @@ def chat_result(model: str, r: g.Result, top: bool = False) -> dict[str, Any]:
     if r.thinking:
         message["thinking"] = r.thinking
     if r.calls:
-        message["tool_calls"] = c.normalize_calls(r.calls)
-    out = {"model": model, "created_at": c.now_rfc3339(), "message": message, "done": True,
+        message["tool_calls"] = normalize_calls(r.calls)
+    out = {"model": model, "created_at": now_rfc3339(), "message": message, "done": True,
            "done_reason": done_reason(r.done), **metrics(r.done.stats)}
     if r.logprobs:
-        out["logprobs"] = [c.logprob_item(lp, top) for lp in r.logprobs]
+        out["logprobs"] = [logprob_item(lp, top) for lp in r.logprobs]
     return out
 
 
 def generate_result(model: str, r: g.Result, top: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": model, "created_at": c.now_rfc3339(), "response": r.content}
+    out: dict[str, Any] = {"model": model, "created_at": now_rfc3339(), "response": r.content}
     if r.thinking:
         out["thinking"] = r.thinking
     out.update({"done": True, "done_reason": done_reason(r.done), **metrics(r.done.stats)})
     if r.calls:
-        out["tool_calls"] = c.normalize_calls(r.calls)
+        out["tool_calls"] = normalize_calls(r.calls)
     if r.logprobs:
-        out["logprobs"] = [c.logprob_item(lp, top) for lp in r.logprobs]
+        out["logprobs"] = [logprob_item(lp, top) for lp in r.logprobs]
     return out
 
 
@@ -184,13 +193,13 @@ class LineEncoder:
         return []
 
     def event(self, event: TextChunk | ToolCalls) -> list[bytes]:
-        return [c.ndjson(self.line(self.model, event, self.top))]
+        return [ndjson(self.line(self.model, event, self.top))]
 
     def done(self, done: Done) -> list[bytes]:
-        return [c.ndjson(self.line(self.model, done, self.top))]
+        return [ndjson(self.line(self.model, done, self.top))]
 
     def error(self, status: int, message: str) -> list[bytes]:
-        return [c.ndjson({"error": message})]
+        return [ndjson(error_body(status, message))]
 
 
 # ------------------------------------------------------------------------------------------ routes
@@ -211,7 +220,7 @@ async def version() -> dict[str, str]:
         ours = pkg_version("localllm")
     except PackageNotFoundError:
         ours = "0"
-    return {"version": c.OLLAMA_COMPAT_VERSION, "localllm": ours}
+    return {"version": OLLAMA_COMPAT_VERSION, "localllm": ours}
 
 
 @router.get("/api/status")
@@ -223,11 +232,11 @@ async def status() -> dict[str, Any]:
 async def generate(body: GenerateBody, request: Request) -> Response:
     call = generate_call(body)
     if body.suffix:
-        await g.installed(request, c.check_name(body.model))
-        raise c.bad_request(f'"{body.model}" does not support insert')
+        await g.installed(request, body.model)
+        raise bad_request(f'"{body.model}" does not support insert')
     if not body.prompt:
         reason = await g.load_or_unload(request, body.model, call.keep_alive, call.options)
-        return JSONResponse({"model": body.model, "created_at": c.now_rfc3339(), "response": "", "done": True,
+        return JSONResponse({"model": body.model, "created_at": now_rfc3339(), "response": "", "done": True,
                              "done_reason": reason})
     run = await g.begin(request, call)
     top = call.request.top_logprobs > 0
@@ -241,7 +250,7 @@ async def chat(body: ChatBody, request: Request) -> Response:
     call = chat_call(body)
     if not body.messages:
         reason = await g.load_or_unload(request, body.model, call.keep_alive, call.options)
-        return JSONResponse({"model": body.model, "created_at": c.now_rfc3339(),
+        return JSONResponse({"model": body.model, "created_at": now_rfc3339(),
                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": reason})
     run = await g.begin(request, call)
     top = call.request.top_logprobs > 0
@@ -255,13 +264,12 @@ async def embed(body: EmbedBody, request: Request) -> Response:
     import time
 
     t0 = time.perf_counter_ns()
-    name = c.check_name(body.model)
-    keep_alive = c.keep_alive_of(body.keep_alive)
+    keep_alive = keep_alive_of(body.keep_alive)
     texts = [body.input] if isinstance(body.input, str) else list(body.input)
-    if not texts or texts == [""]:
-        await c.run_sync(_engine(request).load, name, c.options_of(body.options)[1], keep_alive=keep_alive)
+    if not texts or texts == [""]:  # loads the model for the embeddings to come
+        await g.embed_texts(request, body.model, [], body.options, keep_alive)
         return JSONResponse({"model": body.model, "embeddings": []})
-    vectors, tokens, load_ns = await g.embed_texts(request, name, texts, body.options, keep_alive)
+    vectors, tokens, load_ns = await g.embed_texts(request, body.model, texts, body.options, keep_alive)
     return JSONResponse({"model": body.model, "embeddings": g.shorten(vectors, body.dimensions),
                          "total_duration": time.perf_counter_ns() - t0, "load_duration": load_ns,
                          "prompt_eval_count": tokens})
@@ -269,32 +277,31 @@ async def embed(body: EmbedBody, request: Request) -> Response:
 
 @router.post("/api/embeddings")
 async def embeddings(body: EmbeddingsBody, request: Request) -> Response:
-    name = c.check_name(body.model)
-    keep_alive = c.keep_alive_of(body.keep_alive)
+    keep_alive = keep_alive_of(body.keep_alive)
     if not body.prompt:
+        check_name(body.model)
         return JSONResponse({"embedding": []})
-    vectors, _, _ = await g.embed_texts(request, name, [body.prompt], body.options, keep_alive)
+    vectors, _, _ = await g.embed_texts(request, body.model, [body.prompt], body.options, keep_alive)
     return JSONResponse({"embedding": vectors[0]})
 
 
 def tag_entry(model: InstalledModel) -> dict[str, Any]:
-    return {"name": model.name, "model": model.name, "modified_at": c.modified_of(model),
-            "size": c.size_of(model), "digest": c.digest_hex(model), "details": c.details_of(model),
-            "capabilities": c.capabilities(model)}
+    return {"name": model.name, "model": model.name, "modified_at": modified_of(model),
+            "size": size_of(model), "digest": digest_hex(model.digest), "details": details_of(model),
+            "capabilities": capabilities(model)}
 
 
 @router.get("/api/tags")
 @router.head("/api/tags", include_in_schema=False)
 async def tags(request: Request) -> dict[str, Any]:
-    models = await c.run_sync(_store(request).list)
+    models = await run_sync(_store(request).list)
     return {"models": [tag_entry(m) for m in models]}
 
 
 @router.post("/api/show")
 async def show(body: ModelBody, request: Request) -> Response:
-    name = c.check_name(body.model or body.name)
-    model = await g.installed(request, name)
-    info = c.info_of(model)
+    _, model = await g.installed(request, body.model or body.name)
+    info = info_of(model)
     arch = info.get("architecture") or "unknown"
     model_info: dict[str, Any] = {"general.architecture": arch}
     if info.get("parameters"):
@@ -316,14 +323,14 @@ async def show(body: ModelBody, request: Request) -> Response:
         "parameters": "",
         "template": template,
         "system": "",
-        "details": c.details_of(model),
+        "details": details_of(model),
         "model_info": model_info,
-        "capabilities": c.capabilities(model),
-        "modified_at": c.modified_of(model),
+        "capabilities": capabilities(model),
+        "modified_at": modified_of(model),
     })
 
 
-def _slots(m: Any) -> dict[str, Any]:
+def _slots(m: RunningModel) -> dict[str, Any]:
     try:
         lm = m.metrics
     except Exception:  # noqa: BLE001 - unloading right now
@@ -339,11 +346,11 @@ def _slots(m: Any) -> dict[str, Any]:
 @router.get("/api/ps")
 async def ps(request: Request) -> dict[str, Any]:
     out = []
-    for m in _engine(request).ps():
+    for m in engine_of(request).ps():
         out.append({
-            "name": m.name, "model": m.name, "size": int(m.size), "digest": c.digest_hex(m),
-            "details": c.details_of(m.installed) if m.installed is not None else {},
-            "expires_at": c.rfc3339(m.expires_at_wall), "size_vram": int(m.size_vram),
+            "name": m.name, "model": m.name, "size": int(m.size), "digest": digest_hex(m.digest),
+            "details": details_of(m.installed) if m.installed is not None else {},
+            "expires_at": rfc3339(m.expires_at_wall), "size_vram": int(m.size_vram),
             "context_length": int(m.info.n_ctx),
             # beyond Ollama's fields (its clients ignore them): the decode loop's slots and KV pool
             **_slots(m),
@@ -351,31 +358,22 @@ async def ps(request: Request) -> dict[str, Any]:
     return {"models": out}
 
 
-def progress_line(p: Any) -> dict[str, Any]:
+def progress_line(p: PullProgress) -> dict[str, Any]:
     """The store's PullProgress → Ollama's ``{status, digest?, total?, completed?}``."""
-    if isinstance(p, dict):
-        d = dict(p)
-    else:
-        d = {k: getattr(p, k) for k in ("status", "digest", "total", "completed") if getattr(p, k, None) is not None}
-        if "completed" not in d and getattr(p, "done", None) is not None:
-            d["completed"] = p.done
-    out: dict[str, Any] = {"status": str(d.get("status") or "pulling")}
-    digest = d.get("digest")
-    if digest:
-        out["digest"] = str(digest) if str(digest).startswith("sha256:") else f"sha256:{digest}"
+    out: dict[str, Any] = {"status": p.status or "pulling"}
+    if p.digest:
+        out["digest"] = p.digest if p.digest.startswith("sha256:") else f"sha256:{p.digest}"
         if out["status"] in ("downloading", "pulling"):
-            out["status"] = f"pulling {str(digest).removeprefix('sha256:')[:12]}"
-    total = d.get("total")
-    if isinstance(total, int) and total > 0:  # Ollama omits them on phases without a byte count
-        out["total"] = total
-        if isinstance(d.get("completed"), int):
-            out["completed"] = d["completed"]
+            out["status"] = f"pulling {p.digest.removeprefix('sha256:')[:12]}"
+    if p.total > 0:  # Ollama omits them on phases without a byte count
+        out["total"] = p.total
+        out["completed"] = p.completed
     return out
 
 
 @router.post("/api/pull")
 async def pull(body: PullBody, request: Request) -> Response:
-    name = c.check_name(body.model or body.name)
+    name = check_name(body.model or body.name)
     store = _store(request)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -413,7 +411,7 @@ async def pull(body: PullBody, request: Request) -> Response:
     async def lines() -> AsyncIterator[bytes]:
         seen_manifest = False
         try:
-            yield (json.dumps({"status": "pulling manifest"}) + "\n").encode()
+            yield ndjson({"status": "pulling manifest"})
             while True:
                 kind, value = await queue.get()
                 if kind == "progress":
@@ -421,13 +419,13 @@ async def pull(body: PullBody, request: Request) -> Response:
                     if line["status"] == "pulling manifest" and not seen_manifest:
                         seen_manifest = True
                         continue
-                    yield (json.dumps(line) + "\n").encode()
+                    yield ndjson(line)
                 elif kind == "done":
-                    yield (json.dumps({"status": "success"}) + "\n").encode()
+                    yield ndjson({"status": "success"})
                     return
                 else:
-                    _, message = c.status_of(value)
-                    yield (json.dumps({"error": message}) + "\n").encode()
+                    status, message = status_of(value)
+                    yield ndjson(error_body(status, message))
                     return
         finally:
             if not finished.is_set():
@@ -439,32 +437,26 @@ async def pull(body: PullBody, request: Request) -> Response:
 
 @router.delete("/api/delete")
 async def delete(body: ModelBody, request: Request) -> Response:
-    name = c.check_name(body.model or body.name)
+    name = check_name(body.model or body.name)
     store = _store(request)
-    model = await c.run_sync(store.get, name)  # 404 first
-    await c.run_sync(_engine(request).unload, name)
-    await c.run_sync(_engine(request).unload, model.name)
-    await c.run_sync(store.remove, name)
+    model = await run_sync(store.get, name)  # 404 first
+    await run_sync(engine_of(request).unload, name)
+    await run_sync(engine_of(request).unload, model.name)
+    await run_sync(store.remove, name)
     return Response(status_code=200)
 
 
 @router.post("/api/copy")
 async def copy(body: CopyBody, request: Request) -> Response:
-    source = c.check_name(body.source, "source")
-    destination = c.check_name(body.destination, "destination")
-    await c.run_sync(_store(request).copy, source, destination)
+    source = check_name(body.source, "source")
+    destination = check_name(body.destination, "destination")
+    await run_sync(_store(request).copy, source, destination)
     return Response(status_code=200)
 
 
 @router.head("/api/blobs/{digest:path}")
 async def blob_exists(digest: str, request: Request) -> Response:
-    d = c.check_digest(digest)
+    d = check_digest(digest)
     store = _store(request)
-    blob_path = getattr(store, "blob_path", None)
-    if blob_path is not None:
-        exists = await c.run_sync(lambda: blob_path(d).is_file())
-    else:
-        from localllm.config import paths
-
-        exists = (paths().blobs / ("sha256-" + d.split(":", 1)[1])).is_file()
+    exists = await run_sync(lambda: store.blob_path(d).is_file())
     return Response(status_code=200 if exists else 404)

@@ -1,6 +1,6 @@
-"""OpenAI's Chat Completions, Completions, Embeddings and Models (``/v1/*``) in front of the same path as
-Ollama's handlers: SSE streams (``data: {...}\\n\\n`` … ``data: [DONE]``), errors as ``{"error": {"message",
-"type", "param", "code"}}``. Each handler translates the body into a
+"""OpenAI's Chat Completions, Completions, Embeddings and Models (``/v1/*``, its translator :data:`API`) in front
+of the same path as Ollama's handlers: SSE streams (``data: {...}\\n\\n`` … ``data: [DONE]``), errors as
+``{"error": {"message", "type", "param", "code"}}``. Each handler translates the body into a
 :class:`~localllm.server.generation.Call` and the events back (pure functions below).
 
 Reasoning arrives in ``message.reasoning`` / ``delta.reasoning`` (Ollama's name) and, with the same text,
@@ -23,29 +23,49 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from localllm.engine import Done, GenerateRequest, TextChunk, TokenLogprob, ToolCalls
-from localllm.server import common as c
+from localllm.engine import Done, GenerateRequest, LoadOptions, Sampling, Stats, TextChunk, TokenLogprob, ToolCalls
 from localllm.server import generation as g
+from localllm.server.checks import check_format, check_tools, forced_tools
+from localllm.server.errors import bad_request
+from localllm.server.framing import SSE, SSE_HEADERS, call_id, logprob_item, normalize_calls, rfc3339, sse
+from localllm.server.modelinfo import modified_ts
+from localllm.server.options import api_options, check_top_logprobs, keep_alive_of, logit_bias, think_from_effort
+from localllm.server.protocol import engine_of, run_sync
 from localllm.server.schemas import ChatCompletionBody, CompletionBody, EmbeddingsOAIBody
+from localllm.server.translator import Translator
 from localllm.store import InstalledModel
 
 router = APIRouter(prefix="/v1")
 FINGERPRINT = "fp_ollama"
-SSE_HEADERS = {"Cache-Control": "no-cache"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "api_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+    >>> error_body(404, "no such model")["error"]["type"]
+    'not_found_error'
+    """
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+API = Translator("openai", router, error_body, prefix="/v1")
 
 
 # ------------------------------------------------------------------------------------ requests (pure)
 
 
-def sampling_of(body: ChatCompletionBody | CompletionBody) -> tuple[Any, Any]:
+def sampling_of(body: ChatCompletionBody | CompletionBody) -> tuple[Sampling, LoadOptions]:
     """OpenAI fields (+ the ``options``/``num_ctx`` extensions) → (Sampling, LoadOptions); OpenAI's
     defaults: temperature 1.0, top_p 1.0."""
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-    sampling, load = c.api_options(body.options, {"temperature": 1.0, "top_p": 1.0}, max_tokens=max_tokens,
-                                   stop=body.stop, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                   frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                                   num_ctx=body.num_ctx)
-    sampling.logit_bias = c.logit_bias(body.logit_bias)
+    sampling, load = api_options(body.options, {"temperature": 1.0, "top_p": 1.0}, max_tokens=max_tokens,
+                                 stop=body.stop, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                                 frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                                 num_ctx=body.num_ctx)
+    sampling.logit_bias = logit_bias(body.logit_bias)
     return sampling, load
 
 
@@ -61,11 +81,11 @@ def response_format(value: dict[str, Any] | None) -> str | dict[str, Any] | None
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise c.bad_request("response_format.json_schema.schema must be a JSON schema object",
-                                param="response_format")
-        return c.check_format(schema, "response_format")
-    raise c.bad_request(f"response_format.type must be text, json_object or json_schema, got {str(kind)[:40]!r}",
-                        param="response_format")
+            raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                              param="response_format")
+        return check_format(schema, "response_format")
+    raise bad_request(f"response_format.type must be text, json_object or json_schema, got {str(kind)[:40]!r}",
+                      param="response_format")
 
 
 def tool_calls_in(calls: list[Any]) -> list[dict[str, Any]]:
@@ -77,8 +97,8 @@ def tool_calls_in(calls: list[Any]) -> list[dict[str, Any]]:
             try:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
-                raise c.bad_request(f"tool call arguments for {t.function.name!r} are not valid JSON",
-                                    param="messages") from None
+                raise bad_request(f"tool call arguments for {t.function.name!r} are not valid JSON",
+                                  param="messages") from None
         out.append({"type": "function", **({"id": t.id} if t.id else {}),
                     "function": {"name": t.function.name, "arguments": args}})
     return out
@@ -99,7 +119,7 @@ def oai_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
                 elif part.type in ("image_url", "input_image"):
                     images = True
                 else:
-                    raise c.bad_request(f"unsupported content part type {part.type[:40]!r}", param="messages")
+                    raise bad_request(f"unsupported content part type {part.type[:40]!r}", param="messages")
             content = "\n".join(texts)
         msg: dict[str, Any] = {"role": m.role, "content": content or ""}
         reasoning = m.reasoning or m.reasoning_content
@@ -120,34 +140,34 @@ def oai_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
 
 def chat_call(body: ChatCompletionBody) -> g.Call:
     if not body.messages:
-        raise c.bad_request("[] is too short - 'messages'", param="messages")
+        raise bad_request("[] is too short - 'messages'", param="messages")
     sampling, options = sampling_of(body)
     messages, images = oai_messages(body.messages)
-    tools = c.check_tools(body.tools) if body.tools and body.tool_choice != "none" else None
+    tools = check_tools(body.tools) if body.tools and body.tool_choice != "none" else None
     effort = body.reasoning_effort if body.reasoning_effort is not None else (
         body.reasoning.effort if body.reasoning is not None else None)
-    top = c.check_top_logprobs(body.top_logprobs)
+    top = check_top_logprobs(body.top_logprobs)
     req = GenerateRequest(messages=messages, sampling=sampling, format=response_format(body.response_format),
-                          tools=tools, think=c.think_from_effort(effort), logprobs=bool(body.logprobs),
+                          tools=tools, think=think_from_effort(effort), logprobs=bool(body.logprobs),
                           top_logprobs=top if body.logprobs else 0)
-    return g.Call(body.model, req, options, c.keep_alive_of(body.keep_alive), images=images,
-                  force_tools=c.forced_tools(body.tool_choice) if tools else None)
+    return g.Call(body.model, req, options, keep_alive_of(body.keep_alive), images=images,
+                  force_tools=forced_tools(body.tool_choice) if tools else None)
 
 
 def completion_call(body: CompletionBody) -> tuple[g.Call, str]:
     prompt = body.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1:
-            raise c.bad_request("prompt must be a string", param="prompt")
+            raise bad_request("prompt must be a string", param="prompt")
         prompt = prompt[0]
     if body.suffix:
-        raise c.bad_request(f'"{body.model}" does not support insert', param="suffix")
+        raise bad_request(f'"{body.model}" does not support insert', param="suffix")
     sampling, options = sampling_of(body)
     if not prompt:
-        raise c.bad_request("prompt must not be empty", param="prompt")
-    top = c.check_top_logprobs(body.logprobs, "logprobs") if body.logprobs is not None else 0
+        raise bad_request("prompt must not be empty", param="prompt")
+    top = check_top_logprobs(body.logprobs, "logprobs") if body.logprobs is not None else 0
     req = GenerateRequest(prompt=prompt, sampling=sampling, logprobs=body.logprobs is not None, top_logprobs=top)
-    return g.Call(body.model, req, options, c.keep_alive_of(body.keep_alive)), prompt
+    return g.Call(body.model, req, options, keep_alive_of(body.keep_alive)), prompt
 
 
 # ------------------------------------------------------------------------------------ answers (pure)
@@ -156,9 +176,9 @@ def completion_call(body: CompletionBody) -> tuple[g.Call, str]:
 def tool_calls_out(calls: list[dict[str, Any]], *, start: int = 0, with_index: bool = False) -> list[dict[str, Any]]:
     """Backend tool calls → OpenAI's (arguments re-serialised as a JSON string)."""
     out = []
-    for i, call in enumerate(c.normalize_calls(calls)):
+    for i, call in enumerate(normalize_calls(calls)):
         fn = call["function"]
-        entry: dict[str, Any] = {"id": c.call_id(call), "type": "function",
+        entry: dict[str, Any] = {"id": call_id(call), "type": "function",
                                  "function": {"name": fn["name"], "arguments": json.dumps(fn["arguments"])}}
         if with_index:
             entry["index"] = start + i
@@ -166,7 +186,7 @@ def tool_calls_out(calls: list[dict[str, Any]], *, start: int = 0, with_index: b
     return out
 
 
-def usage(stats: Any) -> dict[str, Any]:
+def usage(stats: Stats) -> dict[str, Any]:
     p, e = int(stats.prompt_eval_count), int(stats.eval_count)
     return {"prompt_tokens": p, "completion_tokens": e, "total_tokens": p + e,
             "prompt_tokens_details": {"cached_tokens": int(stats.prompt_cached_tokens)},
@@ -183,7 +203,7 @@ def chat_logprobs(lps: list[TokenLogprob] | None, top: bool) -> dict[str, Any] |
     """``choices[].logprobs`` of Chat Completions: ``{"content": [...], "refusal": None}``."""
     if not lps:
         return None
-    return {"content": [c.logprob_item(lp, top) for lp in lps], "refusal": None}
+    return {"content": [logprob_item(lp, top) for lp in lps], "refusal": None}
 
 
 def legacy_logprobs(lps: list[TokenLogprob] | None, top: bool, offset: int) -> dict[str, Any] | None:
@@ -212,15 +232,15 @@ def chat_completion(model: str, r: g.Result, cid: str, created: int, top: bool) 
 
 
 def error_frame(message: str, status: int = 500) -> bytes:
-    kind = c.OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return c.sse({"error": {"message": message, "type": kind, "param": None, "code": None}})
+    """A stream's last event when it fails after it began (no ``[DONE]`` follows)."""
+    return sse(error_body(status, message))
 
 
 class ChatEncoder:
     """Events → ``chat.completion.chunk`` SSE frames: the role first, reasoning and content deltas apart,
     tool calls with a running index, then the finish reason, usage if asked, ``[DONE]``."""
 
-    media_type = "text/event-stream"
+    media_type = SSE
     headers = SSE_HEADERS
 
     def __init__(self, model: str, top: bool, include_usage: bool):
@@ -237,7 +257,7 @@ class ChatEncoder:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
         if logprobs is not None:
             choice["logprobs"] = logprobs
-        return c.sse({**self.base, "choices": [choice]})
+        return sse({**self.base, "choices": [choice]})
 
     def head(self) -> list[bytes]:
         return []
@@ -256,7 +276,7 @@ class ChatEncoder:
     def done(self, done: Done) -> list[bytes]:
         out = [self._chunk({}, finish_reason=finish(done, self.calls > 0))]
         if self.include_usage:
-            out.append(c.sse({**self.base, "choices": [], "usage": usage(done.stats)}))
+            out.append(sse({**self.base, "choices": [], "usage": usage(done.stats)}))
         return out + [b"data: [DONE]\n\n"]
 
     def error(self, status: int, message: str) -> list[bytes]:
@@ -266,7 +286,7 @@ class ChatEncoder:
 class CompletionEncoder:
     """Events → ``text_completion`` SSE frames (the prompt first with ``echo``); reasoning is not text here."""
 
-    media_type = "text/event-stream"
+    media_type = SSE
     headers = SSE_HEADERS
 
     def __init__(self, model: str, prompt: str, echo: bool, logprobs: bool, top: bool, include_usage: bool):
@@ -286,13 +306,13 @@ class CompletionEncoder:
             text, self.echo = self.prompt + text, False
         lp = legacy_logprobs(event.logprobs, self.top, self.offset) if self.logprobs else None
         self.offset += len(event.text)
-        return [c.sse({**self.base, "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": None}]})]
+        return [sse({**self.base, "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": None}]})]
 
     def done(self, done: Done) -> list[bytes]:
-        out = [c.sse({**self.base, "choices": [{"text": "", "index": 0, "logprobs": None,
-                                                "finish_reason": finish(done, False)}]})]
+        out = [sse({**self.base, "choices": [{"text": "", "index": 0, "logprobs": None,
+                                              "finish_reason": finish(done, False)}]})]
         if self.include_usage:
-            out.append(c.sse({**self.base, "choices": [], "usage": usage(done.stats)}))
+            out.append(sse({**self.base, "choices": [], "usage": usage(done.stats)}))
         return out + [b"data: [DONE]\n\n"]
 
     def error(self, status: int, message: str) -> list[bytes]:
@@ -334,14 +354,14 @@ async def completions(body: CompletionBody, request: Request) -> Response:
 
 def model_entry(model: InstalledModel) -> dict[str, Any]:
     """A model as OpenAI lists it, plus the fields Anthropic's SDK reads from the same ``/v1/models``."""
-    created = c.modified_ts(model)
+    created = modified_ts(model)
     return {"id": model.name, "object": "model", "created": created, "owned_by": "library",
-            "type": "model", "display_name": model.name, "created_at": c.rfc3339(float(created)) if created else None}
+            "type": "model", "display_name": model.name, "created_at": rfc3339(float(created)) if created else None}
 
 
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
-    listed = await c.run_sync(g.engine_of(request).store.list)
+    listed = await run_sync(engine_of(request).store.list)
     data = [model_entry(m) for m in listed]
     return {"object": "list", "data": data, "has_more": False,
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
@@ -349,16 +369,16 @@ async def models(request: Request) -> dict[str, Any]:
 
 @router.get("/models/{model:path}")
 async def model(model: str, request: Request) -> dict[str, Any]:
-    return model_entry(await g.installed(request, c.check_name(model)))
+    return model_entry((await g.installed(request, model))[1])
 
 
 @router.post("/embeddings")
 async def embeddings(body: EmbeddingsOAIBody, request: Request) -> dict[str, Any]:
     texts = [body.input] if isinstance(body.input, str) else list(body.input)
     if not texts or any(not t for t in texts):
-        raise c.bad_request("invalid input: expected a non-empty string or a list of non-empty strings", param="input")
+        raise bad_request("invalid input: expected a non-empty string or a list of non-empty strings", param="input")
     if body.encoding_format not in (None, "float", "base64"):
-        raise c.bad_request("encoding_format must be float or base64", param="encoding_format")
+        raise bad_request("encoding_format must be float or base64", param="encoding_format")
     vectors, tokens, _ = await g.embed_texts(request, body.model, texts, None, None)
     vectors = g.shorten(vectors, body.dimensions)
     data = []

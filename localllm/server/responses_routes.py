@@ -1,6 +1,7 @@
-"""OpenAI's Responses API (``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``) on the one
-generation path: the body is translated into a :class:`~localllm.server.generation.Call` and the events into
-Responses items and stream events (pure functions and :class:`ResponsesEncoder` below).
+"""OpenAI's Responses API (``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``; its translator
+:data:`API`, errors in OpenAI's shape) on the one generation path: the body is translated into a
+:class:`~localllm.server.generation.Call` and the events into Responses items and stream events (pure functions
+and :class:`ResponsesEncoder` below).
 
 * ``input`` is a string (one user turn) or items: messages (roles user, system, developer, assistant; text and
   image parts), ``function_call``, ``function_call_output`` and ``reasoning`` items; ``instructions`` is the
@@ -29,12 +30,18 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from localllm.engine import Done, GenerateRequest, TextChunk, TokenLogprob, ToolCalls
-from localllm.server import common as c
+from localllm.engine import Done, GenerateRequest, Stats, TextChunk, TokenLogprob, ToolCalls
 from localllm.server import generation as g
+from localllm.server.checks import check_format, check_tools, forced_tools
+from localllm.server.errors import APIError, bad_request
+from localllm.server.framing import SSE, SSE_HEADERS, call_id, logprob_item, normalize_calls, sse
+from localllm.server.openai_routes import error_body
+from localllm.server.options import api_options, check_top_logprobs, keep_alive_of, think_from_effort
 from localllm.server.schemas import ResponsesBody
+from localllm.server.translator import Translator
 
 router = APIRouter(prefix="/v1")
+API = Translator("responses", router, error_body, prefix="/v1/responses")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_STORED = 1024  # responses kept for previous_response_id
 MAX_STORED_BYTES = 64 << 20  # and their conversations' size, roughly
@@ -107,26 +114,26 @@ def _text_of(content: Any, where: str) -> tuple[str, list[str]]:
     if isinstance(content, str):
         return content, []
     if not isinstance(content, list):
-        raise c.bad_request(f"{where}.content must be a string or a list of content parts", param="input")
+        raise bad_request(f"{where}.content must be a string or a list of content parts", param="input")
     texts: list[str] = []
     images: list[str] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
             if not isinstance(part.get("text"), str):
-                raise c.bad_request(f"{where}.content[{j}].text must be a string", param="input")
+                raise bad_request(f"{where}.content[{j}].text must be a string", param="input")
             texts.append(part["text"])
         elif kind == "input_image":
             url = part.get("image_url") or ""
             if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
-                raise c.bad_request(f"{where}.content[{j}]: only data: URLs (base64) are supported for images",
-                                    param="input")
+                raise bad_request(f"{where}.content[{j}]: only data: URLs (base64) are supported for images",
+                                  param="input")
             images.append(url.split(",", 1)[1])
         elif kind == "refusal":
             continue
         else:
-            raise c.bad_request(f"{where}.content[{j}]: content type {str(kind)[:40]!r} is not supported",
-                                param="input")
+            raise bad_request(f"{where}.content[{j}]: content type {str(kind)[:40]!r} is not supported",
+                              param="input")
     return "\n".join(texts), images
 
 
@@ -144,12 +151,12 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise c.bad_request(f"{where} must be an object", param="input")
+            raise bad_request(f"{where} must be an object", param="input")
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise c.bad_request(f"{where}.role must be user, system, developer or assistant", param="input")
+                raise bad_request(f"{where}.role must be user, system, developer or assistant", param="input")
             text, imgs = _text_of(item.get("content"), where)
             msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
             if imgs:
@@ -166,12 +173,12 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
         elif kind == "function_call":
             name, args, cid = item.get("name"), item.get("arguments", "{}"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(cid, str) or not isinstance(args, str):
-                raise c.bad_request(f"{where}: a function_call needs call_id, name and arguments (a JSON string)",
-                                    param="input")
+                raise bad_request(f"{where}: a function_call needs call_id, name and arguments (a JSON string)",
+                                  param="input")
             try:
                 parsed = json.loads(args) if args.strip() else {}
             except ValueError:
-                raise c.bad_request(f"{where}.arguments is not valid JSON", param="input") from None
+                raise bad_request(f"{where}.arguments is not valid JSON", param="input") from None
             names[cid] = name
             call = {"type": "function", "id": cid, "function": {"name": name, "arguments": parsed}}
             if last_assistant is None:
@@ -184,7 +191,7 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
         elif kind == "function_call_output":
             cid, output = item.get("call_id"), item.get("output")
             if not isinstance(cid, str):
-                raise c.bad_request(f"{where}.call_id must be a string", param="input")
+                raise bad_request(f"{where}.call_id must be a string", param="input")
             text, _ = _text_of(output, where) if not isinstance(output, str) else (output, [])
             msg = {"role": "tool", "content": text, "tool_call_id": cid}
             if cid in names:
@@ -198,10 +205,10 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
             if isinstance(text, str) and text:
                 thinking.append(text)
         elif kind == "item_reference":
-            raise c.bad_request(f"{where}: item references are not supported; send previous_response_id or the "
-                                "items themselves", param="input")
+            raise bad_request(f"{where}: item references are not supported; send previous_response_id or the "
+                              "items themselves", param="input")
         else:
-            raise c.bad_request(f"{where}: input item type {str(kind)[:40]!r} is not supported", param="input")
+            raise bad_request(f"{where}: input item type {str(kind)[:40]!r} is not supported", param="input")
     return out, images
 
 
@@ -212,11 +219,11 @@ def tools_in(tools: list[dict[str, Any]] | None, choice: Any) -> list[dict[str, 
     out = []
     for i, tool in enumerate(tools):
         if tool.get("type") != "function":
-            raise c.bad_request(f"tools[{i}]: tool type {str(tool.get('type'))[:40]!r} is not supported; only "
-                                "function tools are", param="tools")
+            raise bad_request(f"tools[{i}]: tool type {str(tool.get('type'))[:40]!r} is not supported; only "
+                              "function tools are", param="tools")
         fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
-    return c.check_tools(out)
+    return check_tools(out)
 
 
 def text_format(text: dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -231,10 +238,10 @@ def text_format(text: dict[str, Any] | None) -> str | dict[str, Any] | None:
     if kind == "json_schema":
         schema = fmt.get("schema")
         if not isinstance(schema, dict):
-            raise c.bad_request("text.format.schema must be a JSON schema object", param="text")
-        return c.check_format(schema, "text.format.schema")
-    raise c.bad_request(f"text.format.type must be text, json_object or json_schema, got {str(kind)[:40]!r}",
-                        param="text")
+            raise bad_request("text.format.schema must be a JSON schema object", param="text")
+        return check_format(schema, "text.format.schema")
+    raise bad_request(f"text.format.type must be text, json_object or json_schema, got {str(kind)[:40]!r}",
+                      param="text")
 
 
 def responses_call(body: ResponsesBody, history: list[dict[str, Any]]) -> tuple[g.Call, list[dict[str, Any]]]:
@@ -243,19 +250,19 @@ def responses_call(body: ResponsesBody, history: list[dict[str, Any]]) -> tuple[
     messages, images = input_messages(body.input)
     conversation = history + messages
     if not any(m["role"] != "system" for m in conversation):
-        raise c.bad_request("input is required", param="input")
+        raise bad_request("input is required", param="input")
     full = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
-    sampling, options = c.api_options(body.options, {"temperature": 1.0, "top_p": 1.0},
-                                      max_tokens=body.max_output_tokens, max_field="max_output_tokens",
-                                      temperature=body.temperature, top_p=body.top_p, num_ctx=body.num_ctx)
+    sampling, options = api_options(body.options, {"temperature": 1.0, "top_p": 1.0},
+                                    max_tokens=body.max_output_tokens, max_field="max_output_tokens",
+                                    temperature=body.temperature, top_p=body.top_p, num_ctx=body.num_ctx)
     logprobs = LOGPROBS_INCLUDE in (body.include or []) or body.top_logprobs is not None
-    top = c.check_top_logprobs(body.top_logprobs)
+    top = check_top_logprobs(body.top_logprobs)
     req = GenerateRequest(messages=full, sampling=sampling, format=text_format(body.text),
                           tools=tools_in(body.tools, body.tool_choice),
-                          think=c.think_from_effort(body.reasoning.effort if body.reasoning else None, "reasoning"),
+                          think=think_from_effort(body.reasoning.effort if body.reasoning else None, "reasoning"),
                           logprobs=logprobs, top_logprobs=top if logprobs else 0)
-    force = c.forced_tools(body.tool_choice) if req.tools else None
-    return g.Call(body.model, req, options, c.keep_alive_of(body.keep_alive), images=images,
+    force = forced_tools(body.tool_choice) if req.tools else None
+    return g.Call(body.model, req, options, keep_alive_of(body.keep_alive), images=images,
                   force_tools=force), conversation
 
 
@@ -263,7 +270,7 @@ def responses_call(body: ResponsesBody, history: list[dict[str, Any]]) -> tuple[
 
 
 def _logprobs(lps: list[TokenLogprob]) -> list[dict[str, Any]]:
-    return [c.logprob_item(lp, True) for lp in lps]
+    return [logprob_item(lp, True) for lp in lps]
 
 
 def reasoning_item(iid: str, text: str) -> dict[str, Any]:
@@ -277,14 +284,14 @@ def message_item(iid: str, text: str, lps: list[TokenLogprob], status: str = "co
 
 def call_items(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
-    for call in c.normalize_calls(calls):
+    for call in normalize_calls(calls):
         fn = call["function"]
-        out.append({"id": _id("fc"), "type": "function_call", "status": "completed", "call_id": c.call_id(call),
+        out.append({"id": _id("fc"), "type": "function_call", "status": "completed", "call_id": call_id(call),
                     "name": fn["name"], "arguments": json.dumps(fn["arguments"])})
     return out
 
 
-def usage(stats: Any) -> dict[str, Any]:
+def usage(stats: Stats) -> dict[str, Any]:
     i, o = int(stats.prompt_eval_count), int(stats.eval_count)
     return {"input_tokens": i, "input_tokens_details": {"cached_tokens": int(stats.prompt_cached_tokens)},
             "output_tokens": o, "output_tokens_details": {"reasoning_tokens": int(stats.thinking_tokens)},
@@ -359,8 +366,8 @@ def collected(ctx: Context, r: g.Result) -> dict[str, Any]:
 class ResponsesEncoder:
     """Events → the Responses stream (``event: <type>`` + ``data: {..., "sequence_number"}``)."""
 
-    media_type = "text/event-stream"
-    headers = {"Cache-Control": "no-cache"}
+    media_type = SSE
+    headers = SSE_HEADERS
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
@@ -371,7 +378,7 @@ class ResponsesEncoder:
         self.content: list[str] = []
 
     def _ev(self, kind: str, **payload: Any) -> bytes:
-        frame = c.sse({"type": kind, "sequence_number": self.seq, **payload}, event=kind)
+        frame = sse({"type": kind, "sequence_number": self.seq, **payload}, event=kind)
         self.seq += 1
         return frame
 
@@ -480,8 +487,8 @@ async def create(body: ResponsesBody, request: Request) -> Response:
     if body.previous_response_id:
         prev = store.get(body.previous_response_id)
         if prev is None:
-            raise c.APIError(404, f"Previous response with id '{body.previous_response_id[:80]}' not found.",
-                             param="previous_response_id")
+            raise APIError(404, f"Previous response with id '{body.previous_response_id[:80]}' not found.",
+                           param="previous_response_id")
         history = list(prev.messages)
     call, conversation = responses_call(body, history)
     ctx = Context(_id("resp"), body, conversation, store)
@@ -495,12 +502,12 @@ async def create(body: ResponsesBody, request: Request) -> Response:
 async def retrieve(rid: str, request: Request) -> dict[str, Any]:
     item = _store(request).get(rid)
     if item is None:
-        raise c.APIError(404, f"Response with id '{rid[:80]}' not found.")
+        raise APIError(404, f"Response with id '{rid[:80]}' not found.")
     return item.response
 
 
 @router.delete("/responses/{rid}")
 async def delete(rid: str, request: Request) -> dict[str, Any]:
     if not _store(request).delete(rid):
-        raise c.APIError(404, f"Response with id '{rid[:80]}' not found.")
+        raise APIError(404, f"Response with id '{rid[:80]}' not found.")
     return {"id": rid, "object": "response", "deleted": True}

@@ -17,10 +17,13 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from localllm.server.protocol import ServerEngine
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -188,7 +191,8 @@ def _server_class() -> type:
     return Server
 
 
-def serve(address: str | None = None, *, engine: Any = None, log_level: str = "info") -> None:
+def serve(address: str | None = None, *, engine: ServerEngine | Callable[[], ServerEngine] | None = None,
+          log_level: str = "info") -> None:
     """Run the server in the foreground until Ctrl+C or SIGTERM; then finish the requests in flight (3 s
     at most), close the engine (its models and threads) and return."""
     import os
@@ -202,9 +206,8 @@ def serve(address: str | None = None, *, engine: Any = None, log_level: str = "i
     warning = exposure_warning(host, api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    if callable(engine):  # a factory: build the engine once the address is ours
-        engine = engine()
-    app = create_app(engine, bound_host=host, api_key=api_key)
+    # a factory builds the engine once the address is ours
+    app = create_app(engine() if callable(engine) else engine, bound_host=host, api_key=api_key)
     shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     print(f"localllm serving the Ollama API on http://{shown} and the OpenAI API on http://{shown}/v1",
           file=sys.stderr, flush=True)
@@ -238,8 +241,8 @@ class ServerThread:
                                        name="localllm-server", daemon=True)
 
     @property
-    def engine(self) -> Any:
-        return self.app.state.engine
+    def engine(self) -> ServerEngine:
+        return self.app.state.engine  # type: ignore[no-any-return]
 
     def start(self) -> ServerThread:
         self.thread.start()

@@ -123,7 +123,7 @@ class SecurityMiddleware:
             key = headers.get("x-api-key", "").strip()
             if not (hmac.compare_digest(token.encode(), self.api_key.encode())
                     or hmac.compare_digest(key.encode(), self.api_key.encode())):
-                await _send_error(send, path, 401, "unauthorized: this server needs an Authorization: Bearer <key> "
+                await _send_error(send, scope, 401, "unauthorized: this server needs an Authorization: Bearer <key> "
                                   "(or x-api-key: <key>) header with the key in LOCALLLM_API_KEY")
                 return
         length = headers.get("content-length")
@@ -131,10 +131,10 @@ class SecurityMiddleware:
             try:
                 too_big = int(length) > self.max_body
             except ValueError:
-                await _send_error(send, path, 400, "invalid Content-Length header")
+                await _send_error(send, scope, 400, "invalid Content-Length header")
                 return
             if too_big:
-                await _send_error(send, path, 413, f"request body too large (limit {self.max_body} bytes)")
+                await _send_error(send, scope, 413, f"request body too large (limit {self.max_body} bytes)")
                 return
         if method in ("POST", "DELETE", "PUT") and "json" not in headers.get("content-type", ""):
             # Ollama reads every body as JSON whatever the Content-Type (``curl -d`` sends a form type)
@@ -154,7 +154,7 @@ class SecurityMiddleware:
             body = message.get("body", b"")
             received += len(body)
             if received > self.max_body:
-                await _send_error(send, path, 413, f"request body too large (limit {self.max_body} bytes)")
+                await _send_error(send, scope, 413, f"request body too large (limit {self.max_body} bytes)")
                 return
             chunks.append(body)
             if not message.get("more_body", False):
@@ -177,7 +177,9 @@ async def _send(send: Any, status: int, body: bytes, content_type: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_error(send: Any, path: str, status: int, message: str) -> None:
-    from localllm.server.common import error_payload
+async def _send_error(send: Any, scope: Scope, status: int, message: str) -> None:
+    """A refusal in the shape of the API of the route the request would match."""
+    from localllm.server.apis import api_for
 
-    await _send(send, status, json.dumps(error_payload(path, status, message)).encode(), "application/json")
+    body = api_for(scope).error_body(status, message, None)
+    await _send(send, status, json.dumps(body).encode(), "application/json")

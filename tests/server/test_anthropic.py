@@ -89,6 +89,7 @@ def test_errors_in_anthropic_shape(client, url):
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="no-such-model:1b", max_tokens=5, messages=HI)
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
+    assert "no-such-model:1b" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=MODEL, max_tokens=0, messages=HI)
     assert e.value.body["error"] == {"type": "invalid_request_error",
@@ -100,13 +101,16 @@ def test_errors_in_anthropic_shape(client, url):
         client.messages.create(model=MODEL, max_tokens=5, messages=[
             {"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "x"}}]}])
     assert "'document' is not supported" in e.value.body["error"]["message"]
-    for body in ({"model": MODEL, "messages": HI}, {"model": MODEL, "max_tokens": "ten", "messages": HI},
-                 {"model": MODEL, "max_tokens": 5, "messages": "hello"}, b"{"):
+    for body, needle in (({"model": MODEL, "messages": HI}, "max_tokens is required and must be positive"),
+                         ({"model": MODEL, "max_tokens": "ten", "messages": HI}, "invalid value for max_tokens: "),
+                         ({"model": MODEL, "max_tokens": 5, "messages": "hello"}, "invalid value for messages: "),
+                         (b"{", "invalid JSON in the request body")):
         r = (httpx.post(url + "/v1/messages", content=body) if isinstance(body, bytes)
              else httpx.post(url + "/v1/messages", json=body))
         assert r.status_code == 400, body
         err = r.json()
-        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        assert err["error"]["message"].startswith(needle), err
         assert err["request_id"].startswith("req_")
 
 
@@ -136,6 +140,7 @@ def test_a_mid_stream_error_is_an_error_event(installed_default_model):
         assert "crashed" in last["error"]["message"] and "/" not in last["error"]["message"]
         r = httpx.post(srv.url + "/v1/messages", json={"model": MODEL, "max_tokens": 50, "messages": HI})
         assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
+        assert "crashed" in r.json()["error"]["message"]
     finally:
         srv.stop()
         srv.engine.close()
@@ -153,7 +158,7 @@ def test_x_api_key_where_a_key_is_set(server):
         token = anthropic.Anthropic(base_url=srv.url, auth_token="s3cret", max_retries=0)  # Authorization: Bearer
         assert token.messages.create(model=MODEL, max_tokens=2, messages=HI).content
         r = httpx.get(srv.url + "/api/tags", headers={"x-api-key": "s3cret"})
-        assert r.status_code == 200  # one key for every API
+        assert r.status_code == 200 and MODEL in [m["name"] for m in r.json()["models"]]  # one key for every API
     finally:
         srv.stop()
 

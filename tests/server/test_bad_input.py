@@ -36,10 +36,32 @@ def _is_error(r: httpx.Response, api: str, status: int = 400) -> str:
     return body["error"]["message"]
 
 
+def _answer(path: str, body: dict) -> str:
+    """The text of an answer, after checking it has its API's shape."""
+    if path == "/api/chat":
+        assert body["done"] is True and body["message"]["role"] == "assistant"
+        return body["message"]["content"]
+    if path == "/api/generate":
+        assert body["done"] is True
+        return body["response"]
+    if path == "/v1/chat/completions":
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+        return body["choices"][0]["message"]["content"]
+    if path == "/v1/completions":
+        assert body["object"] == "text_completion"
+        return body["choices"][0]["text"]
+    if path == "/v1/responses":
+        assert body["object"] == "response" and body["output"][0]["type"] == "message"
+        return body["output"][0]["content"][0]["text"]
+    assert body["type"] == "message" and body["content"][0]["type"] == "text"
+    return body["content"][0]["text"]
+
+
 @pytest.mark.parametrize("path, body, api", ROUTES)
 def test_unknown_fields_are_ignored(url, path, body, api):
     r = httpx.post(url + path, json={**body, "frobnicate": True, "x-future": {"a": [1]}}, timeout=60)
     assert r.status_code == 200, r.text
+    assert isinstance(_answer(path, r.json()), str)
 
 
 @pytest.mark.parametrize("path, body, api", ROUTES)
@@ -61,7 +83,8 @@ def test_wrong_types_are_400_in_the_apis_shape(url, path, body, api, field, valu
     ("/v1/messages", ROUTES[5][1], "anthropic", "tools", [{"name": "f", "input_schema": "object"}]),
 ])
 def test_wrong_nested_types(url, path, body, api, field, value):
-    _is_error(httpx.post(url + path, json={**body, field: value}), api)
+    message = _is_error(httpx.post(url + path, json={**body, field: value}), api)
+    assert message.startswith(field) or f" {field}" in message, message
 
 
 BAD_SCHEMAS = [
@@ -98,3 +121,4 @@ def test_schemas_the_grammar_follows_pass(url):
     r = httpx.post(url + "/api/generate", json={"model": MODEL, "prompt": "x", "format": schema, "stream": False,
                                                 "options": {"num_predict": 3}}, timeout=60)
     assert r.status_code == 200, r.text
+    assert r.json()["done"] and r.json()["response"].lstrip().startswith("{"), r.json()  # the schema's object

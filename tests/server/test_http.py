@@ -37,24 +37,32 @@ def test_malformed_json_is_400(url, body, needle):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/api/chat", {"model": 7, "messages": []}),
-    ("/api/chat", {"model": MODEL, "messages": "hello"}),
-    ("/api/chat", {"model": MODEL, "messages": [{"content": "no role"}]}),
-    ("/api/generate", {"model": MODEL, "prompt": ["a"]}),
-    ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"temperature": "hot"}}),
-    ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"num_ctx": -5}}),
-    ("/api/generate", {"model": MODEL, "prompt": "x", "keep_alive": "soon"}),
-    ("/api/generate", {"model": MODEL, "prompt": "x", "format": "yaml"}),
-    ("/api/embed", {"model": MODEL, "input": [1, 2]}),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "x"}),
-    ("/v1/embeddings", {"model": MODEL, "input": [[1, 2, 3]]}),
+@pytest.mark.parametrize("path, body, needle", [
+    ("/api/chat", {"model": 7, "messages": []}, "invalid value for model: "),
+    ("/api/chat", {"model": MODEL, "messages": "hello"}, "invalid value for messages: "),
+    ("/api/chat", {"model": MODEL, "messages": [{"content": "no role"}]}, "messages.0.role is required"),
+    ("/api/generate", {"model": MODEL, "prompt": ["a"]}, "invalid value for prompt: "),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"temperature": "hot"}},
+     'option "temperature" must be of type number'),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"num_ctx": -5}},
+     'option "num_ctx" must be between 1 and '),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "keep_alive": "soon"},
+     "keep_alive must be a duration like '5m' or a number of seconds, got 'soon'"),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "format": "yaml"},
+     "invalid format: expected \"json\" or a JSON schema object, got 'yaml'"),
+    ("/api/embed", {"model": MODEL, "input": [1, 2]}, "invalid value for input"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "x"},
+     "invalid value for temperature: "),
+    ("/v1/embeddings", {"model": MODEL, "input": [[1, 2, 3]]}, "invalid value for input"),
 ])
-def test_wrong_types_are_400(url, path, body):
+def test_wrong_types_are_400(url, path, body, needle):
     r = httpx.post(url + path, json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert (err["message"] if path.startswith("/v1") else err)
+    if path.startswith("/v1"):
+        assert err["type"] == "invalid_request_error"
+        err = err["message"]
+    assert err.startswith(needle), err
 
 
 def test_curl_style_form_content_type_is_read_as_json(url):
@@ -69,6 +77,9 @@ def test_paths_are_never_model_names(url, name):
                        ("/api/chat", {"model": name, "messages": [{"role": "user", "content": "x"}]})):
         r = httpx.post(url + path, json=body)
         assert r.status_code == 400, (path, name)
+        message = r.json()["error"]
+        assert any(why in message for why in ("is a file path, not a model name", "contains control characters",
+                                              "is not a valid model name")), message
 
 
 def test_digest_validation(url):
@@ -89,7 +100,10 @@ def test_oversized_body_is_413(url):
         yield b'"}'
 
     r = httpx.post(url + "/api/generate", content=chunked())
-    assert r.status_code == 413
+    assert r.status_code == 413 and r.json() == {"error": f"request body too large (limit {32 << 20} bytes)"}
+    r = httpx.post(url + "/v1/chat/completions", content=chunked())  # in the shape of the route's API
+    assert r.status_code == 413 and r.json()["error"]["message"].startswith("request body too large")
+    assert r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_bad_host_is_403(url):
@@ -315,4 +329,31 @@ def test_images_and_think_are_refused_for_this_model(url):
 
 def test_unknown_route_is_404_json(url):
     r = httpx.get(url + "/api/nope")
-    assert r.status_code == 404 and "error" in r.json()
+    assert r.status_code == 404 and r.json() == {"error": "404 page not found: /api/nope"}
+    r = httpx.get(url + "/v1/nope")  # a path under an API's prefix: that API's shape
+    assert r.status_code == 404 and r.json()["error"] == {"message": "404 page not found: /v1/nope",
+                                                          "type": "not_found_error", "param": None, "code": None}
+    r = httpx.get(url + "/v1/messages")  # a route's path with another method: its API's shape
+    assert r.status_code == 405 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("empty", [[], ""])
+def test_an_empty_embed_loads_the_model_the_next_embed_uses(installed_default_model, empty):
+    """An empty ``/api/embed`` loads the model (clients warm it up so); the real embed after it finds that load:
+    the model loads once, not twice."""
+    from localllm.engine import Engine
+
+    srv = start(Engine(keep_alive=300))
+    try:
+        r = httpx.post(srv.url + "/api/embed", json={"model": MODEL, "input": empty}, timeout=120)
+        assert r.status_code == 200 and r.json() == {"model": MODEL, "embeddings": []}
+        (warm,) = srv.engine.ps()
+        r = httpx.post(srv.url + "/api/embed", json={"model": MODEL, "input": ["a cat", "a dog"]}, timeout=120)
+        body = r.json()
+        assert r.status_code == 200 and len(body["embeddings"]) == 2 and len(body["embeddings"][0]) > 0
+        assert body["load_duration"] == 0, "the real embed loaded the model again"
+        (same,) = srv.engine.ps()
+        assert same is warm, "the model was loaded again"
+    finally:
+        srv.stop()
+        srv.engine.close()

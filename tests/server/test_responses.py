@@ -153,9 +153,13 @@ def test_bad_requests_in_openai_shape(url, body, needle):
 
 
 def test_unknown_fields_and_unknown_model(client, url):
-    r = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": "x", "max_output_tokens": 2,
-                                                 "prompt_cache_key": "k", "safety_identifier": "s", "future": [1]})
-    assert r.status_code == 200
+    r = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": "Say hello.", "max_output_tokens": 2,
+                                                 "temperature": 0, "prompt_cache_key": "k", "safety_identifier": "s",
+                                                 "future": [1]})
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "response" and body["status"] in ("completed", "incomplete")
+    (item,) = body["output"]
+    assert item["type"] == "message" and item["content"][0]["text"] and 0 < body["usage"]["output_tokens"] <= 2
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model="no-such-model:1b", input="x")
-    assert e.value.body["type"] == "not_found_error"
+    assert e.value.body["type"] == "not_found_error" and "no-such-model:1b" in e.value.body["message"]

@@ -119,7 +119,8 @@ def test_reasoning_in_history_is_accepted(oai):
     first = oai.chat.completions.create(model=THINKER, messages=ASK, temperature=0)
     follow = oai.chat.completions.create(model=THINKER, temperature=0, messages=[
         *ASK, first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And three?"}])
-    assert follow.choices[0].message.content
+    answer = follow.choices[0].message
+    assert _clean((answer.model_extra or {}).get("reasoning")) and _clean(answer.content), answer
 
 
 def test_responses_reasoning_item(oai):
@@ -155,7 +156,7 @@ def test_anthropic_thinking_blocks(think_server):
     again = client.messages.create(model=THINKER, max_tokens=200, messages=[
         *ASK, {"role": "assistant", "content": [b.model_dump() for b in m.content]},
         {"role": "user", "content": "And three?"}])
-    assert again.content
+    assert [b.type for b in again.content] == ["thinking", "text"] and _clean(again.content[1].text), again
 
 
 def test_a_model_that_cannot_think(url):
@@ -168,13 +169,15 @@ def test_a_model_that_cannot_think(url):
     r = httpx.post(url + "/api/chat", json={"model": MODEL, "messages": ASK, "think": False, "stream": False,
                                             "options": {"num_predict": 2}})
     assert r.status_code == 200 and "thinking" not in r.json()["message"]  # think=false is accepted
+    assert r.json()["message"]["content"] and r.json()["done_reason"] == "length"
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ASK, reasoning_effort="high")
-    assert "does not support thinking" in e.value.body["message"]
+    assert e.value.body == {"message": f'"{MODEL}" does not support thinking', "type": "invalid_request_error",
+                            "param": "think", "code": None}
     m = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0).messages.create(
         model=MODEL, max_tokens=3, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024})
-    assert [b.type for b in m.content] == ["text"]
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text and m.stop_reason == "max_tokens"
 
 
 @pytest.mark.parametrize("value", ["x", 3, "MAX", ["low"]])

@@ -1,24 +1,23 @@
-"""Tool calls in both APIs' shapes, through the official clients.
+"""Tool calls in both APIs' shapes, through the official clients. Both servers hold the default model with a
+tool-capable chat template: a copy of its GGUF carrying Qwen2.5-Instruct's template (``<tools>`` in the system
+turn, ``<tool_call>`` answers, ``<tool_response>`` turns), installed in a private store, so the server's own
+capability check (``"tools"`` in ``/api/show``, a 400 for a model without) runs for real.
 
-* The fake backend (it emits a fixed tool call, the template capability check forced on): the server's
-  translation of calls, streamed and not.
-* End to end on the real default model with a tool-capable chat template: a copy of its GGUF carrying
-  Qwen2.5-Instruct's template (``<tools>`` in the system turn, ``<tool_call>`` answers, ``<tool_response>``
-  turns), installed in a private store. The call arrives in ``tool_calls``, the tool's result goes back
+* The fake backend (it emits a fixed tool call): the server's translation of calls, streamed and not.
+* End to end on the real model: the call arrives in ``tool_calls``, the tool's result goes back
   as a ``tool`` message and the next answer repeats it. SmolLM2-135M does not emit a call on its own
   (a system prompt showing the format and few-shot turns were tried: it answers in prose), so the
   *first* turn is constrained with ``format`` (a JSON schema of the call); the second is free."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import ollama
 import openai
 import pytest
 
-from tests.server.conftest import MODEL, start
+from tests.server.derived import install_derived, serve, tool_model
 from tests.support import QWEN25_TEMPLATE
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -26,10 +25,21 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                 "city": {"type": "string"}}, "required": ["city"]}}}]
 
 
+TOOL_MODEL = "smollm2-tools:135m"
+
+
 @pytest.fixture(scope="module")
-def tool_server(installed_default_model):
-    from localllm.engine import Engine
-    from localllm.server import common
+def tool_store(default_model_path, tmp_path_factory):
+    """A private store holding the default model with Qwen2.5's chat template as ``TOOL_MODEL``, installed through
+    the store's own mirror path from a local stand-in (the GGUF and its wheel are made once and cached)."""
+    gguf, wheel = tool_model(default_model_path)
+    store = install_derived(gguf, TOOL_MODEL, tmp_path_factory.mktemp("tools-home"), **wheel)
+    assert store.get(TOOL_MODEL).info["chat_template"] == QWEN25_TEMPLATE
+    return store
+
+
+@pytest.fixture(scope="module")
+def tool_server(tool_store):
     from tests.fakes import FakeSource
 
     class ToolCalling(FakeSource):
@@ -37,43 +47,42 @@ def tool_server(installed_default_model):
             spec.extra.update(tool_calls=[{"name": "get_weather", "arguments": {"city": "Paris"}}])
             super().__init__(spec)
 
-    mp = pytest.MonkeyPatch()
-    mp.setattr(common, "template_supports_tools", lambda template: True)
-    srv = start(Engine(keep_alive=300, backend_class=lambda name: ToolCalling))
+    srv = serve(tool_store, backend_class=lambda name: ToolCalling)
     yield srv
     srv.stop()
     srv.engine.close()
-    mp.undo()
 
 
 def test_ollama_tool_calls(tool_server):
     client = ollama.Client(host=tool_server.url)
-    r = client.chat(MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS)
+    r = client.chat(TOOL_MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS)
     (call,) = r.message.tool_calls
     assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
-    streamed = [c for c in client.chat(MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+    streamed = [c for c in client.chat(TOOL_MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
                                        stream=True) if c.message.tool_calls]
     assert streamed[0].message.tool_calls[0].function.arguments == {"city": "Paris"}
     # the tool's answer goes back in as a message with the call in the history
-    r = client.chat(MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}, r.message,
-                                     {"role": "tool", "content": "sunny", "tool_name": "get_weather"}], tools=TOOLS)
+    history = [{"role": "user", "content": "Weather in Paris?"}, r.message,
+               {"role": "tool", "content": "sunny", "tool_name": "get_weather"}]
+    r = client.chat(TOOL_MODEL, messages=history, tools=TOOLS)
     assert r.done
 
 
 def test_openai_tool_calls(tool_server):
     client = openai.OpenAI(base_url=tool_server.url + "/v1", api_key="x", max_retries=0)
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS)
+    r = client.chat.completions.create(model=TOOL_MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                       tools=TOOLS)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"} and call.id
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+    chunks = list(client.chat.completions.create(model=TOOL_MODEL, messages=[{"role": "user", "content": "Weather?"}],
                                                  tools=TOOLS, stream=True))
     deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert deltas[0][0].function.name == "get_weather" and deltas[0][0].index == 0
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    follow = client.chat.completions.create(model=MODEL, tools=TOOLS, messages=[
+    follow = client.chat.completions.create(model=TOOL_MODEL, tools=TOOLS, messages=[
         {"role": "user", "content": "Weather?"}, choice.message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
     assert follow.choices[0].finish_reason == "tool_calls"
@@ -81,7 +90,6 @@ def test_openai_tool_calls(tool_server):
 
 # ------------------------------------------------------------------------------------------ real model
 
-TOOL_MODEL = "smollm2-tools:135m"
 SECRET = "48613"  # what the tool returns: nowhere else in the conversation, so an answer holding it used it
 SECRET_TOOLS = [{"type": "function", "function": {
     "name": "get_secret_number", "description": "Returns the secret number of a person.",
@@ -96,33 +104,8 @@ GREEDY = {"temperature": 0, "seed": 1, "num_predict": 40}
 
 
 @pytest.fixture(scope="module")
-def qwen_template_server(default_model_path, test_cache, tmp_path_factory):
-    """A server whose private store holds the default model with Qwen2.5's chat template (``TOOL_MODEL``),
-    installed through the store's own mirror path from a local stand-in (the GGUF is made once and cached)."""
-    from localllm.catalog import Catalog
-    from localllm.engine import Engine
-    from localllm.store import Store
-    from tests.support import MirrorServer, Route, build_wheel, file_key, mirror_toml, private_paths, with_chat_template
-
-    key = file_key(default_model_path)
-    gguf = test_cache / "derived" / f"smollm2-135m-{key}-qwen2.5-template.gguf"
-    if not gguf.is_file():
-        with_chat_template(default_model_path, gguf, QWEN25_TEMPLATE)
-    wheel = test_cache / "local-mirror" / f"smollm2-tools-{key}.whl"
-    if not wheel.is_file():
-        build_wheel(gguf, wheel, "smollm2_tools/model.gguf", compress=False)
-    data = wheel.read_bytes()
-    mirror = MirrorServer()
-    mirror.routes["/tools.whl"] = Route(data)
-    with open(gguf, "rb") as f:
-        sha = hashlib.file_digest(f, "sha256").hexdigest()
-    catalog = Catalog.from_toml(mirror_toml(mirror.url + "/tools.whl", data, name=TOOL_MODEL, final_sha=sha,
-                                            size=gguf.stat().st_size, member="smollm2_tools/model.gguf"))
-    store = Store(paths=private_paths(tmp_path_factory.mktemp("tools-home")), catalog=catalog)
-    installed = store.pull(TOOL_MODEL)
-    mirror.close()
-    assert installed.info["chat_template"] == QWEN25_TEMPLATE
-    srv = start(Engine(store=store, keep_alive=300))
+def qwen_template_server(tool_store):
+    srv = serve(tool_store)
     yield srv
     srv.stop()
     srv.engine.close()
