@@ -67,10 +67,11 @@ def test_a_disconnect_mid_stream_frees_the_slot(server, url, path, body, api):
             (running,) = [m for m in server.engine.ps() if m.name == MODEL]
             assert running.active == 1
             t0 = time.monotonic()
-    while running.active and time.monotonic() - t0 < 5:
+    while running.active and time.monotonic() - t0 < 15:
         time.sleep(0.01)
     freed = time.monotonic() - t0
-    assert running.active == 0 and freed < 2, f"{path}: slot still held {freed:.1f}s after the disconnect"
+    # ~0.2 s on a quiet machine; 10 s still fails a generation that runs on to its 3000 tokens
+    assert running.active == 0 and freed < 10, f"{path}: slot still held {freed:.1f}s after the disconnect"
 
 
 def _streamed_text(path: str, raw: str) -> str:

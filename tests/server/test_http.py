@@ -180,15 +180,18 @@ def test_disconnect_mid_stream_cancels_generation(server, url):
     t0 = time.monotonic()
     resp.close()
     client.close()
-    while running.active and time.monotonic() - t0 < 5:
+    while running.active and time.monotonic() - t0 < 15:
         time.sleep(0.01)
     freed = time.monotonic() - t0
-    assert running.active == 0 and freed < 2, f"slot still held {freed:.1f}s after the disconnect"
+    # a quiet 2-core machine frees it within ~0.2 s (the next step); 10 s leaves a loaded one room and still
+    # fails a generation that runs on (3000 tokens take 25 s and more even on a fast machine)
+    assert running.active == 0 and freed < 10, f"slot still held {freed:.1f}s after the disconnect"
     r = httpx.post(url + "/api/generate", json={"model": MODEL, "prompt": "Hi", "options": FAST, "stream": False},
                    timeout=60).json()
     assert r["done"] and r["load_duration"] == 0  # same model instance, not reloaded
     waited = r["total_duration"] - r["prompt_eval_duration"] - r["eval_duration"]
-    assert waited < 1e9, f"the next request waited {waited / 1e9:.1f}s before its prompt was evaluated"
+    # not queued behind the cancelled one (which would hold the slot for its 3000 tokens): ~0.05 s when quiet
+    assert waited < 5e9, f"the next request waited {waited / 1e9:.1f}s before its prompt was evaluated"
 
 
 def _wait(cond, timeout=10.0) -> bool:
