@@ -111,13 +111,16 @@ def test_a_disconnect_frees_its_slot_and_cells_within_a_step(f32_model):
         if isinstance(ev, TextChunk):
             break
     assert f32_model.metrics().slots_busy == 1
+    steps = f32_model.metrics().steps
     gen.close()
     t0 = time.monotonic()
-    while f32_model.metrics().slots_busy and time.monotonic() - t0 < 5:
+    while f32_model.metrics().slots_busy and time.monotonic() - t0 < 60:  # a stuck loop, not a slow machine
         time.sleep(0.01)
     m = f32_model.metrics()
     assert m.slots_busy == 0 and m.kv_tokens_active == 0
-    assert time.monotonic() - t0 < 1.0
+    # "within a step" counted in steps, not seconds (an F32 step takes 0.2-0.6 s on a loaded 2-core machine):
+    # the step in flight when the client left, and at most one more before the slot is freed
+    assert m.steps - steps <= 2, (m.steps - steps, "steps ran for a client that had left")
 
 
 def test_a_cancelled_request_keeps_its_evaluated_prompt_in_the_pool_and_on_disk(default_model_path, tmp_path):
@@ -147,29 +150,34 @@ def test_a_cancelled_request_keeps_its_evaluated_prompt_in_the_pool_and_on_disk(
 def test_a_long_prompt_does_not_stall_streams_in_flight(default_model_path):
     with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=4096, n_seq=2, n_threads=2,
                                    extra={"prefill_chunk": 64})) as m:
-        gaps: list[float] = []
+        times: list[float] = []  # when each of the stream's tokens arrived
         started = threading.Event()
 
         def stream() -> None:
-            last = None
             for ev in m.generate(chat("Count from 1 to 200.", n=120)):
-                now = time.monotonic()
                 if isinstance(ev, TextChunk):
+                    times.append(time.monotonic())
                     started.set()
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
 
         t = threading.Thread(target=stream)
         t.start()
         started.wait(60)
         long_prompt = "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 250  # ~2,500 tokens
-        text, done, _ = collect(m.generate(chat(long_prompt, n=4)))
+        submitted = time.monotonic()
+        first = None
+        done = None
+        for ev in m.generate(chat(long_prompt, n=4)):
+            if first is None and isinstance(ev, TextChunk):
+                first = time.monotonic()  # the prompt is evaluated: its prefill is over
+            done = ev
         t.join(120)
-        assert done.stats.prompt_eval_count > 2000
-        # the prompt took many steps of 64 tokens; the stream kept getting one token per step meanwhile
-        worst = max(gaps)
-        assert worst < done.stats.prompt_eval_duration / 1e9 / 4, (worst, done.stats.prompt_eval_duration)
+        assert first is not None and done.stats.prompt_eval_count > 2000
+        # the prompt took ~40 steps of 64 tokens; the stream got a token in each of them meanwhile. Counted in
+        # tokens, not seconds (a loaded machine stretches every step alike; an unchunked prefill is one step
+        # and gives the stream at most a token or two): at least half as many tokens as the prefill had chunks
+        during = sum(submitted < x < first for x in times)
+        chunks = done.stats.prompt_eval_count // 64
+        assert during >= chunks // 2, (during, chunks)
 
 
 def test_one_crashing_sequence_ends_only_its_stream():
