@@ -21,11 +21,25 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 _WS = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
 MAX_WS_RUN = 8  # consecutive whitespace bytes allowed between tokens of structure
+
+
+_S = TypeVar("_S", "JSONState", "SchemaState")
+
+
+def _feed(state: _S, data: bytes) -> _S | None:
+    """``state`` after the bytes ``data`` one by one; None as soon as one cannot follow."""
+    s: _S | None = state
+    for b in data:
+        assert s is not None
+        s = s.step(b)  # type: ignore[assignment]
+        if s is None:
+            return None
+    return s
 
 
 @dataclass(frozen=True)
@@ -51,13 +65,7 @@ class JSONState:
         return float("inf") if self.mode == "string" else None
 
     def feed(self, data: bytes) -> JSONState | None:
-        s: JSONState | None = self
-        for b in data:
-            assert s is not None
-            s = s.step(b)
-            if s is None:
-                return None
-        return s
+        return _feed(self, data)
 
     def _after_value(self, stack: tuple[str, ...]) -> JSONState:
         return JSONState("after", stack) if stack else JSONState("done")
@@ -388,13 +396,7 @@ class SchemaState:
         return None
 
     def feed(self, data: bytes) -> SchemaState | None:
-        s: SchemaState | None = self
-        for b in data:
-            assert s is not None
-            s = s.step(b)
-            if s is None:
-                return None
-        return s
+        return _feed(self, data)
 
     def step(self, b: int) -> SchemaState | None:
         items = _step(self.items, b)

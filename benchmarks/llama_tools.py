@@ -7,7 +7,8 @@ sdist the project pins, so the ceilings we measure against run the very llama.cp
 Where: ``$LOCALLLM_BENCH_TOOLS`` if set, else ``~/.cache/localllm-bench/llama.cpp-<version>/`` (outside the
 repository: neither the sdist nor the binaries are ever committed). Steps, each skipped when its result is
 already there: ``pip download --no-binary :all: --no-deps llama-cpp-python==<version>`` into ``sdist/``,
-unpack it, ``cmake`` in ``vendor/llama.cpp`` (Release, CPU, ``-DLLAMA_CURL=OFF``, static), build only the
+unpack it, ``cmake`` in ``vendor/llama.cpp`` (Release, CPU, ``-DLLAMA_CURL=OFF``, static, plus ``$CMAKE_ARGS``
+as llama-cpp-python's own build takes them: the README's no-AMX flags give the ceiling the same build), build only the
 two targets with ``-j2`` under ``nice -n 10`` (the machine is shared). A lock file keeps two benchmark
 scripts from building at once. The version is the installed llama-cpp-python's (else the pinned one).
 
@@ -21,6 +22,7 @@ import argparse
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -106,7 +108,7 @@ def build(rebuild: bool = False) -> dict[str, Path]:
             gen = ["-G", "Ninja"] if shutil.which("ninja") else []
             _run([*nice, "cmake", "-S", str(src), "-B", str(bdir), *gen, "-DCMAKE_BUILD_TYPE=Release",
                   "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF",
-                  "-DLLAMA_BUILD_TESTS=OFF"])
+                  "-DLLAMA_BUILD_TESTS=OFF", *shlex.split(os.environ.get("CMAKE_ARGS", ""))])
         _run([*nice, "cmake", "--build", str(bdir), "--config", "Release", "-j2", "--target", *TARGETS])
         missing = [str(p) for p in paths.values() if not p.exists()]
         if missing:
