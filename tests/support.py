@@ -270,3 +270,30 @@ def file_key(path: Path) -> str:
     with open(path, "rb") as f:
         h.update(f.read(1 << 20))
     return f"{path.stat().st_size}-{h.hexdigest()[:12]}"
+
+
+def tiny_gguf(path: Path, arch: str, *, bpe_vocab: bool = False) -> Path:
+    """A small valid GGUF of ``arch``: one block, four tokens, only the embeddings (the store and the planner
+    read it; llama.cpp refuses to load it for the missing layers). ``bpe_vocab`` adds token types and a merge,
+    so llama.cpp's vocabulary loads and the refusal is about the tensors."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(512)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["a", "b", "c", "d"])
+    if bpe_vocab:
+        w.add_token_types([1, 1, 1, 1])
+        w.add_token_merges(["a b"])
+    w.add_tensor("token_embd.weight", np.zeros((4, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

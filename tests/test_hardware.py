@@ -20,6 +20,7 @@ import pytest
 
 from localllm import hardware
 from localllm.hardware import GiB, MiB, parse_gpu_backend, parse_nvidia_smi, probe, simd_from_flags
+from tests.support import tiny_gguf
 
 
 @pytest.fixture(autouse=True)
@@ -374,28 +375,6 @@ def test_probe_command_local_file(default_model_path):
     assert r.exit_code == 0 and "8,192-token context" in r.output
 
 
-def _tiny_gguf(path: Path, arch: str) -> Path:
-    """A small valid GGUF of ``arch`` (the store and the planner read it; nothing loads it)."""
-    import numpy as np
-    from gguf import GGUFWriter
-
-    w = GGUFWriter(str(path), arch)
-    w.add_block_count(1)
-    w.add_context_length(512)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(128)
-    w.add_head_count(4)
-    w.add_head_count_kv(4)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(["a", "b", "c", "d"])
-    w.add_tensor("token_embd.weight", np.zeros((4, 64), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_probe_command_refusals(home, installed_default_model, tmp_path):
     """In a home of its own holding the default model without MLX weights (whatever other tests built in
     the shared test home): an impossible context is refused; ``--backend mlx`` plans a conversion on first
@@ -415,7 +394,7 @@ def test_probe_command_refusals(home, installed_default_model, tmp_path):
     assert r.exit_code == 0, r.output
     assert "backend MLX" in r.output and "its GGUF converts to MLX (once, offline" in r.output
     assert not (models / "mlx").exists()  # planning converts nothing
-    tiny = _tiny_gguf(tmp_path / "tiny-bloom.gguf", "bloom")
+    tiny = tiny_gguf(tmp_path / "tiny-bloom.gguf", "bloom")
     r = _cli("--model", str(tiny), "--backend", "mlx")
     assert r.exit_code == 1
     assert "has no MLX weights and its GGUF cannot be converted to MLX" in r.output and "'bloom'" in r.output

@@ -33,3 +33,17 @@ def server(installed_default_model):
 @pytest.fixture(scope="session")
 def url(server) -> str:
     return server.url
+
+
+@pytest.fixture(scope="module")
+def tool_server(default_model_path, tmp_path_factory):
+    """A server over a private store holding the default model with Qwen2.5's tool-capable chat template
+    (``tests.server.test_tool_choice.TOOL_MODEL``), one per module."""
+    from tests.server.derived import install_derived, serve, tool_model
+    from tests.server.test_tool_choice import TOOL_MODEL
+
+    gguf, wheel = tool_model(default_model_path)
+    srv = serve(install_derived(gguf, TOOL_MODEL, tmp_path_factory.mktemp("tool-server-home"), **wheel))
+    yield srv
+    srv.stop()
+    srv.engine.close()

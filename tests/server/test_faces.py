@@ -5,52 +5,17 @@ error shape with one sentence, and the server goes on serving the model next to 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import ollama
 import openai
 import pytest
 
-from tests.server.derived import install_derived, serve, tool_model
+from tests.server.derived import install_derived, serve
 from tests.server.test_tool_choice import CHAT_TOOLS, QUESTION, TOOL_MODEL
-from tests.support import DEFAULT_MODEL
+from tests.support import DEFAULT_MODEL, tiny_gguf
 
 BROKEN = "broken:tiny"
-
-
-def _unloadable_gguf(path: Path) -> Path:
-    """A GGUF whose header and tensor table are sound (the store installs it) but which lacks every layer
-    tensor but the embeddings, so llama.cpp refuses to load it."""
-    import numpy as np
-    from gguf import GGUFWriter
-
-    w = GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_context_length(512)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(128)
-    w.add_head_count(4)
-    w.add_head_count_kv(4)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(["a", "b", "c", "d"])
-    w.add_token_types([1, 1, 1, 1])
-    w.add_token_merges(["a b"])
-    w.add_tensor("token_embd.weight", np.zeros((4, 64), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-@pytest.fixture(scope="module")
-def tool_server(default_model_path, tmp_path_factory):
-    gguf, wheel = tool_model(default_model_path)
-    srv = serve(install_derived(gguf, TOOL_MODEL, tmp_path_factory.mktemp("faces-tools"), **wheel))
-    yield srv
-    srv.stop()
-    srv.engine.close()
 
 
 def test_a_forced_tool_call_streams_as_deltas(tool_server):
@@ -74,7 +39,7 @@ def broken_server(tmp_path_factory, installed_default_model):
     from tests.support import TEST_HOME, install_copy
 
     home = tmp_path_factory.mktemp("faces-broken")
-    gguf = _unloadable_gguf(tmp_path_factory.mktemp("faces-gguf") / "broken.gguf")
+    gguf = tiny_gguf(tmp_path_factory.mktemp("faces-gguf") / "broken.gguf", "llama", bpe_vocab=True)
     store = install_derived(gguf, BROKEN, home, wheel_name="broken-tiny.whl", member="broken_tiny/model.gguf")
     install_copy(store.paths.models, TEST_HOME / "data" / "models")  # the default model beside it
     srv = serve(store)

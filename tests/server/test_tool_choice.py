@@ -16,8 +16,6 @@ import httpx
 import openai
 import pytest
 
-from tests.server.derived import install_derived, serve, tool_model
-
 TOOL_MODEL = "smollm2-tools:135m"
 SECRET = "48613"  # what the tool returns: nowhere else in the conversation
 QUESTION = "What is the secret number of Alice?"
@@ -29,15 +27,6 @@ RESPONSES_TOOLS = [{"type": "function", "name": "get_secret_number",
 CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in RESPONSES_TOOLS[0].items() if k != "type"}}]
 GREEDY = {"options": {"temperature": 0, "seed": 1}}
 BAD_PARAMS = {"type": "object", "properties": {"person": {"type": "string", "not": {"const": "Bob"}}}}
-
-
-@pytest.fixture(scope="module")
-def tool_server(default_model_path, tmp_path_factory):
-    gguf, wheel = tool_model(default_model_path)
-    srv = serve(install_derived(gguf, TOOL_MODEL, tmp_path_factory.mktemp("tool-choice-home"), **wheel))
-    yield srv
-    srv.stop()
-    srv.engine.close()
 
 
 def test_anthropic_tool_use_round_trip(tool_server):
