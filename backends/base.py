@@ -99,6 +99,7 @@ class LoadSpec:
     flash_attn: bool | None = None  # None = the library decides (llama.cpp: auto)
     draft: DraftSpec | None = None
     embedding: bool = False  # load for embeddings too
+    mmproj: str | None = None  # a vision projector (mmproj GGUF) loaded beside the model: the model takes images
     verbose: bool = False  # let the library log to stderr
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific knobs
 
@@ -137,6 +138,13 @@ class GenerateRequest:
     think: ThinkValue = None  # None = the model's default (a thinking model thinks)
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20 alternatives per token (with logprobs)
+    # raw images (PNG/JPEG bytes) for a ``prompt`` request, in the order of IMAGE_MARKER in it (else prepended);
+    # chat messages carry theirs as ``message["images"]`` (a list of bytes)
+    images: list[bytes] | None = None
+
+    @property
+    def has_images(self) -> bool:
+        return bool(self.images) or any(m.get("images") for m in self.messages or [])
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -163,6 +171,10 @@ class Stats:
     dropped_messages: int = 0  # oldest turns dropped to fit the context
     thinking_tokens: int = 0  # of eval_count, tokens of reasoning
     queue_duration: int = 0  # waited for a free slot
+    images: int = 0  # images in the prompt
+    image_tokens: int = 0  # of prompt_eval_count, positions holding image embeddings
+    images_encoded: int = 0  # of images, encoded by the projector for this request (0: all reused)
+    image_encode_duration: int = 0  # ns spent encoding them
     n_ctx: int = 0
     context_used: int = 0  # tokens of this sequence in the KV cache at the end
 
@@ -242,7 +254,26 @@ class ModelInfo:
     n_seq: int = 1  # sequences that can decode at once
     kv_cells: int = 0  # cells in the KV pool (all sequences together)
     recurrent: bool = False  # recurrent / hybrid memory: no partial KV removal, no drafts
+    vision: bool = False  # a projector is loaded: prompts may hold images
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+IMAGE_MARKER = "<__media__>"  # where an image goes in a rendered prompt (mtmd's default marker)
+
+
+def is_image_token(token: int) -> bool:
+    """Image positions are negative placeholder ids in a prompt's token list (see :meth:`TokenSource.prompt_media`):
+    derived from the image's content hash, so prefix reuse, parking and the disk cache key images by content."""
+    return token < 0
+
+
+@dataclass
+class MediaWork:
+    """What :meth:`TokenSource.encode_images` did for one chunk of a prompt."""
+
+    images: int = 0  # images encoded now (0: their embeddings were cached)
+    tokens: int = 0  # image tokens those produced
+    ns: int = 0  # time the projector took
 
 
 @dataclass
@@ -353,10 +384,36 @@ class TokenSource(abc.ABC):
                add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text the chat template makes of ``messages`` (text-only content)."""
 
+    # ---- images (optional: a backend with a vision projector)
+    @property
+    def vision(self) -> bool:
+        """Whether prompts may hold images (a projector is loaded)."""
+        return False
+
+    def vision_problem(self) -> str:
+        """Why this load cannot take images (one sentence), asked when a request brings one."""
+        return "This model has no vision projector, so it cannot take images."
+
+    def prompt_media(self, text: str, images: list[bytes]) -> list[int]:
+        """The ids of a rendered prompt holding one :data:`IMAGE_MARKER` per image: text tokens, and for each
+        image as many negative placeholder ids as it takes positions (:func:`is_image_token`). Raises
+        :class:`UnsupportedError` for bytes that are not a decodable image."""
+        raise UnsupportedError(self.vision_problem())
+
+    def encode_images(self, tokens: Sequence[int]) -> MediaWork:
+        """Make the embeddings of the images whose placeholders are in ``tokens`` ready for :meth:`evaluate`
+        (encoded now, or found in the cache by content hash)."""
+        return MediaWork()
+
+    def media_counters(self) -> MediaWork:
+        """Images encoded since load (their tokens, the time): the ``/metrics`` counters."""
+        return MediaWork()
+
     # ---- evaluation
     @abc.abstractmethod
     def evaluate(self, feeds: Sequence[Feed]) -> list[list[int]]:
         """Run one step over all ``feeds``; return, per feed, the row handles of its outputs (in order).
+        A feed is all text tokens or all image placeholders (the loop cuts prompt chunks there).
 
         Raises :class:`PoolFullError` (memory unchanged) when the pool has no room for the batch."""
 
@@ -485,11 +542,21 @@ def message_text(content: Any) -> str:
     return str(content)
 
 
-def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages with text-only ``content``; images are refused in one sentence."""
+def text_messages(messages: list[dict[str, Any]], *, images: bool = False) -> list[dict[str, Any]]:
+    """Messages with text-only ``content``. A message's ``images`` (raw bytes) are refused in one sentence, or,
+    with ``images``, kept and announced by one :data:`IMAGE_MARKER` each before the text (as Ollama does)."""
     out = []
     for m in messages:
-        if m.get("images"):
+        imgs = m.get("images")
+        if imgs and not images:
             raise UnsupportedError("This model takes text only; images are not supported.")
-        out.append({**m, "content": message_text(m.get("content"))})
+        text = message_text(m.get("content"))
+        if imgs:
+            text = IMAGE_MARKER * len(imgs) + ("\n" + text if text else "")
+        out.append({**m, "content": text})
     return out
+
+
+def message_images(messages: list[dict[str, Any]]) -> list[bytes]:
+    """The images of ``messages`` in prompt order (the order of their markers once rendered)."""
+    return [bytes(i) for m in messages for i in (m.get("images") or [])]

@@ -65,6 +65,7 @@ class Backend:
     kv_problem: Callable[[str, int, int | None], str | None] | None = field(default=None, compare=False)
     schema_rules: str = ""  # "module:function": a JSON schema -> the first thing it cannot follow, or None
     probe: Callable[[], BackendStatus] | None = field(default=None, compare=False)  # None: the source's check
+    vision: bool = False  # runs a vision projector (LoadSpec.mmproj): models with one prefer it
 
     def rank(self, apple_silicon: bool) -> int:
         return self.apple_priority if apple_silicon and self.apple_priority is not None else self.priority
@@ -235,7 +236,7 @@ def mlx_kv_problem(kv: str, head_dim: int, sliding_window: int | None) -> str | 
 LLAMACPP = register(Backend(
     name="llamacpp", label="llama.cpp", source="backends.llamacpp:LlamaCppSource", weights=GGUF, memory="layers",
     install=f"pip install llama-cpp-python=={LLAMA_CPP_VERSION}", priority=20,
-    schema_rules="backends.llamacpp_schema:schema_problem", probe=llamacpp_status))
+    schema_rules="backends.llamacpp_schema:schema_problem", probe=llamacpp_status, vision=True))
 MLX_BACKEND = register(Backend(
     name="mlx", label="MLX", source="backends.mlx:MLXSource", weights=MLX, memory="unified",
     install="pip install 'localllm[mlx]'", install_note="MLX is usually the fastest backend on Apple Silicon",

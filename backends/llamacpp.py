@@ -36,7 +36,7 @@ import random
 from collections import Counter, deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +46,7 @@ from backends.base import (
     BackendError,
     Feed,
     LoadSpec,
+    MediaWork,
     ModelInfo,
     ModelLoadError,
     PoolFullError,
@@ -53,7 +54,11 @@ from backends.base import (
     TokenSource,
     UnsupportedError,
     check_logit_bias,
+    is_image_token,
 )
+
+if TYPE_CHECKING:
+    from backends.llamacpp_vision import Projector
 
 log = logging.getLogger("backends.llamacpp")
 native_log = logging.getLogger("backends.llamacpp.native")  # llama.cpp's own messages
@@ -288,6 +293,8 @@ class _ChainSampler:
     def sample(self, row: int) -> int:
         import llama_cpp
 
+        if row < 0:  # a row saved from an embeddings-only decode of the same step (an image ended the prompt)
+            return self.sample_logits(self._src.logits(row))
         ptr = llama_cpp.llama_get_logits_ith(self._src._ctx, row)
         if not ptr:
             raise BackendError(f"No logits for batch row {row}.")
@@ -391,6 +398,9 @@ class LlamaCppSource(TokenSource):
         self._ctx: Any = None
         self._batch: Any = None
         self._embed: tuple[Any, Any, int] | None = None
+        self._proj: Projector | None = None  # when spec.mmproj names one
+        self._ebatch: Any = None  # a llama_batch with embd, for image positions
+        self._saved_rows: list[Any] = []
         path = Path(spec.model_path)
         self._path = path
         _check_gguf_file(path)
@@ -461,6 +471,12 @@ class LlamaCppSource(TokenSource):
             self._eog_cache: dict[int, bool] = {}
             self._formatters: dict[bool, Any] = {}
             self.flash_attn = self._flash_attn_enabled(cp)
+            self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
+            if spec.mmproj:
+                from backends.llamacpp_vision import Projector
+
+                self._proj = Projector(spec.mmproj, self._model, self._n_embd, n_threads=self.n_threads,
+                                       use_gpu=spec.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload()))
             self._info = self._build_info()
             if spec.embedding:
                 self._embed_ctx()
@@ -550,6 +566,7 @@ class LlamaCppSource(TokenSource):
         frac = offloaded / (n_layers + 1) if n_layers else 0.0
         desc = ctypes.create_string_buffer(256)
         llama_cpp.llama_model_desc(self._model, desc, 256)
+        proj_bytes = Path(self._proj.path).stat().st_size if self._proj is not None else 0
         return ModelInfo(
             architecture=arch,
             n_ctx=self._n_ctx,
@@ -558,14 +575,17 @@ class LlamaCppSource(TokenSource):
             n_vocab=self._n_vocab,
             chat_template=self._template,
             n_gpu_layers=offloaded,
-            size_bytes=weights + kv_bytes,
+            size_bytes=weights + kv_bytes + proj_bytes,
             vram_bytes=int(weights * frac + (kv_bytes if offloaded else 0)),
             kv_cache_type=self.spec.kv_cache_type,
             draft=None,
             n_seq=max(1, self.spec.n_seq),
             kv_cells=self._pool,
             recurrent=self._recurrent,
+            vision=self._proj is not None,
             extra={
+                "projector": self._proj.path if self._proj is not None else None,
+                "projector_bytes": proj_bytes,
                 "path": str(self._path),
                 "n_params": int(llama_cpp.llama_model_n_params(self._model)),
                 "weights_bytes": weights,
@@ -693,7 +713,94 @@ class LlamaCppSource(TokenSource):
 
     # ------------------------------------------------------------------ evaluation
 
+    # ------------------------------------------------------------------ images
+
+    @property
+    def vision(self) -> bool:
+        return self._proj is not None and self._proj.problem() is None
+
+    def vision_problem(self) -> str:
+        if self._proj is not None:
+            return self._proj.problem() or "This model cannot take images."
+        return super().vision_problem()
+
+    def prompt_media(self, text: str, images: list[bytes]) -> list[int]:
+        if self._proj is None:
+            raise UnsupportedError(self.vision_problem())
+        add_bos = self._add_bos and not (self._bos_text and text.startswith(self._bos_text))
+        return list(self._proj.tokenize(text, images, add_bos))
+
+    def encode_images(self, tokens: Sequence[int]) -> MediaWork:
+        if self._proj is None or not any(is_image_token(t) for t in tokens):
+            return MediaWork()
+        return self._proj.encode(tokens)
+
+    def media_counters(self) -> MediaWork:
+        p = self._proj
+        return MediaWork(p.encoded, p.encoded_tokens, p.encode_ns) if p is not None else MediaWork()
+
+    def _evaluate_images(self, feeds: Sequence[Feed]) -> list[list[int]]:
+        """One embeddings-only decode for the image feeds; rows of their outputs are saved (negative handles),
+        since the token decode of the same step replaces the context's logits."""
+        import llama_cpp
+
+        assert self._proj is not None
+        if self._ebatch is None:
+            self._ebatch = llama_cpp.llama_batch_init(self._n_batch, self._n_embd, 1)
+        b = self._ebatch
+        n, outs = 0, []
+        for f in feeds:
+            k = len(f.tokens)
+            if n + k > self._n_batch:
+                raise BackendError(f"A step of {n + k} image positions exceeds the batch size {self._n_batch}.")
+            rows = self._proj.rows(f.tokens)
+            ctypes.memmove(ctypes.addressof(b.embd.contents) + n * self._n_embd * 4, rows.ctypes.data, rows.nbytes)
+            mine = []
+            for j in range(k):
+                i = n + j
+                b.pos[i], b.n_seq_id[i], b.seq_id[i][0] = f.pos + j, 1, f.seq
+                b.logits[i] = j >= k - f.outputs
+                if b.logits[i]:
+                    mine.append(i)
+            n += k
+            outs.append(mine)
+        b.n_tokens = n
+        rc = llama_cpp.llama_decode(self._ctx, b)
+        if rc == 1:
+            raise PoolFullError("No room in the KV cache for this step.")
+        if rc != 0:
+            raise BackendError(f"llama.cpp failed to evaluate the image (llama_decode returned {rc}).")
+        handles = []
+        for mine in outs:
+            hs = []
+            for i in mine:
+                ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
+                self._saved_rows.append(self._row_view(ptr).copy())
+                hs.append(-len(self._saved_rows))
+            handles.append(hs)
+        return handles
+
     def evaluate(self, feeds: Sequence[Feed]) -> list[list[int]]:
+        self._saved_rows = []
+        kinds = [bool(f.tokens) and is_image_token(f.tokens[0]) for f in feeds]
+        if not any(kinds):
+            return self._evaluate_tokens(feeds)
+        for f, img in zip(feeds, kinds, strict=True):
+            if any(is_image_token(t) != img for t in f.tokens):
+                raise BackendError("A feed mixes image positions and text tokens; the loop must cut it.")
+        img_feeds = [f for f, k in zip(feeds, kinds, strict=True) if k]
+        txt_feeds = [f for f, k in zip(feeds, kinds, strict=True) if not k]
+        img_rows = self._evaluate_images(img_feeds)  # first: the token decode's logits must be the last ones
+        try:
+            txt_rows = self._evaluate_tokens(txt_feeds)
+        except BaseException:
+            for f in img_feeds:  # memory unchanged, as the contract says: drop what the image decode wrote
+                self.seq_rm(f.seq, f.pos, f.pos + len(f.tokens))
+            raise
+        it_img, it_txt = iter(img_rows), iter(txt_rows)
+        return [next(it_img) if k else next(it_txt) for k in kinds]
+
+    def _evaluate_tokens(self, feeds: Sequence[Feed]) -> list[list[int]]:
         import llama_cpp
 
         b = self._batch
@@ -730,6 +837,8 @@ class LlamaCppSource(TokenSource):
     def logits(self, row: int) -> Any:
         import llama_cpp
 
+        if row < 0:
+            return self._saved_rows[-row - 1].copy()
         ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
         if not ptr:
             raise BackendError(f"No logits for batch row {row}.")
@@ -879,6 +988,12 @@ class LlamaCppSource(TokenSource):
         self._closed = True
         import llama_cpp
 
+        if self._proj is not None:  # mtmd before its model and context
+            self._proj.close()
+            self._proj = None
+        if self._ebatch is not None:
+            llama_cpp.llama_batch_free(self._ebatch)
+            self._ebatch = None
         if self._embed is not None:
             ctx, b, _ = self._embed
             llama_cpp.llama_batch_free(b)

@@ -60,6 +60,7 @@ from backends.base import (
     PoolFullError,
     Sampler,
     TokenSource,
+    is_image_token,
 )
 from backends.channel import Channel
 from backends.drafting import Drafter, setup_draft
@@ -116,6 +117,9 @@ class LoopMetrics:
     prompt_cache_hits: int = 0
     prompt_cache_misses: int = 0
     prompt_tokens_restored: int = 0  # prompt tokens restored from disk instead of evaluated
+    images_encoded: int = 0  # by the vision projector (an image whose embeddings or KV cells are kept: not again)
+    image_tokens_encoded: int = 0
+    image_encode_ns: int = 0
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -278,6 +282,9 @@ class LoadedModel:
             m.kv_parked_bytes = u.parked_bytes
             m.prompt_tokens_cached, m.prompt_tokens_copied = pc.prompt_tokens_cached, pc.prompt_tokens_copied
             m.prompt_tokens_restored, m.evictions = pc.prompt_tokens_restored, pc.evictions
+        if self._source is not None:
+            mw = self._source.media_counters()
+            m.images_encoded, m.image_tokens_encoded, m.image_encode_ns = mw.images, mw.tokens, mw.ns
         if self._controller is not None:
             m.drafting = "on" if self._controller.drafting else "paused (not paying)"
         if self.prompt_cache is not None:
@@ -456,8 +463,11 @@ class LoadedModel:
         feeds: list[Feed] = []
         owners: list[tuple[_Req, str, list[int]]] = []  # (request, "decode"|"prefill", drafts)
         decoding = [r for r in self._active if r.last is not None]
+        # drafting is off for a request with images: its history holds image placeholders, which neither a draft
+        # model nor prompt lookup can propose or evaluate as tokens
         spec_on = (self._drafter is not None and self._controller is not None and len(self._active) == 1
-                   and len(decoding) == 1 and not decoding[0].stream.request.format)
+                   and len(decoding) == 1 and not decoding[0].stream.request.format
+                   and not decoding[0].stream.stats.image_tokens)
         for r in decoding:
             assert r.seq is not None and r.last is not None
             drafts: list[int] = []
@@ -468,7 +478,7 @@ class LoadedModel:
             owners.append((r, "decode", drafts))
             budget -= 1 + len(drafts)
         cap = budget if not decoding else min(budget, self.prefill_chunk)
-        for r in self._active:
+        for r in list(self._active):
             if r.last is not None or cap <= 0:
                 continue
             assert r.seq is not None
@@ -480,6 +490,18 @@ class LoadedModel:
                 continue  # an earlier request is evaluating the same prefix: copy it when it is there
             rest = r.stream.prompt[len(r.seq.tokens):]
             chunk = rest[:cap]
+            if r.stream.stats.image_tokens:  # a feed is all text or all image positions (separate decodes)
+                img = is_image_token(chunk[0])
+                cut = next((i for i, t in enumerate(chunk) if is_image_token(t) != img), len(chunk))
+                chunk = chunk[:cut]
+                if img:
+                    try:
+                        work = src.encode_images(chunk)  # the vision tower, only for images not encoded before
+                    except Exception as e:  # noqa: BLE001 - a bad image ends only its own request
+                        self._end(r, "error", error=e)
+                        continue
+                    r.stream.stats.images_encoded += work.images
+                    r.stream.stats.image_encode_duration += work.ns
             feeds.append(Feed(r.seq.id, chunk, len(r.seq.tokens), 1 if len(chunk) == len(rest) else 0))
             owners.append((r, "prefill", []))
             cap -= len(chunk)

@@ -19,6 +19,7 @@ from typing import Any
 from backends import _thinking
 from backends._stops import StopMatcher, Utf8Stream, could_be_tool_call, parse_tool_calls
 from backends.base import (
+    IMAGE_MARKER,
     Done,
     Event,
     FinishReason,
@@ -32,6 +33,8 @@ from backends.base import (
     answer_reserve,
     check_fits,
     fit_messages,
+    is_image_token,
+    message_images,
     text_messages,
 )
 
@@ -71,8 +74,18 @@ class RequestStream:
         if req.top_logprobs and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise UnsupportedError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}.")
         self.stats.n_ctx = n_ctx
+        media = req.has_images
+        if media and not source.vision:
+            raise UnsupportedError(source.vision_problem())
         if req.prompt is not None:
-            toks = source.prompt_tokens(req.prompt)
+            if media:
+                imgs = list(req.images or [])
+                text = req.prompt
+                if IMAGE_MARKER not in text:
+                    text = IMAGE_MARKER * len(imgs) + ("\n" + text if text else "")
+                toks = source.prompt_media(text, imgs)
+            else:
+                toks = source.prompt_tokens(req.prompt)
             check_fits(len(toks), n_ctx)
         else:
             if req.tools and not source.supports_tools():
@@ -81,7 +94,7 @@ class RequestStream:
             if req.think not in (None, False) and style is None:
                 raise UnsupportedError("This model does not support thinking.")
             kwargs = _thinking.render_kwargs(style, req.think)
-            msgs = text_messages(list(req.messages or []))
+            msgs = text_messages(list(req.messages or []), images=media)
             tools = req.tools or None
             last_text = [""]
 
@@ -91,6 +104,8 @@ class RequestStream:
                 if req.add_generation_prompt:
                     text += _thinking.prompt_suffix(style, req.think, text)
                 last_text[0] = text
+                if media:
+                    return source.prompt_media(text, message_images(m))
                 return source.prompt_tokens(text)
 
             toks, self.stats.dropped_messages = fit_messages(msgs, render, n_ctx,
@@ -99,7 +114,8 @@ class RequestStream:
                 split = _thinking.splitter_for(style, req.think, last_text[0])
                 self._split = split if split.style is not None else None
             n_sys = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), len(msgs))
-            if 0 < n_sys < len(msgs) and len(toks) >= 512:  # where a shared system prompt ends
+            # where a shared system prompt ends (one without images)
+            if 0 < n_sys < len(msgs) and len(toks) >= 512 and not message_images(msgs[:n_sys]):
                 head = source.prompt_tokens(source.render(msgs[:n_sys], tools=tools, add_generation_prompt=False,
                                                           template_kwargs=kwargs))
                 n = 0  # templates may end the turn differently when more follows: the common part
@@ -111,6 +127,9 @@ class RequestStream:
             raise UnsupportedError("The prompt is empty and this model has no start token to begin from.")
         self.prompt = toks
         self.stats.prompt_eval_count = len(toks)
+        if media:
+            self.stats.image_tokens = sum(1 for t in toks if is_image_token(t))
+            self.stats.images = len(req.images or []) if req.prompt is not None else len(message_images(msgs))
         self.max_new = n_ctx - len(toks)
         mt = req.sampling.max_tokens
         if mt is not None and mt > 0:

@@ -79,6 +79,9 @@ class Installed:
     mlx_source: str | None = None  # "mlx-community/X@1a2b3c4d5e6f", "converted from the GGUF"
     mlx_repo: str | None = None
     mlx_revision: str | None = None
+    projector_path: str | None = None  # the vision projector (capabilities then include "vision")
+    projector_digest: str | None = None
+    projector_size: int = 0
 
     @property
     def short_id(self) -> str:
@@ -120,6 +123,9 @@ class Models(Protocol):
         """Download and install ``name``; ``progress`` gets :class:`PullProgress` events (Ollama's phases);
         ``cancel`` stops it (the partial download is kept for a resume). ``mlx``: the catalog's MLX weights
         too (in-process; None = on Apple Silicon)."""
+
+    def set_projector(self, name: str, path: str) -> Installed:
+        """Give installed ``name`` the vision projector file at ``path`` (in-process only; a server refuses)."""
 
     def remove(self, name: str) -> str:
         """Remove ``name``; returns the installed name that went (``smollm2`` → ``smollm2:135m``)."""

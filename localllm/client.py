@@ -367,6 +367,10 @@ class Client:
             raise LocalLLMError(f"The pull of {name} was cancelled.")
         return self.show(name)
 
+    def set_projector(self, name: str, path: str) -> Installed:
+        raise LocalLLMError("A projector file is attached in-process only (the server cannot read this machine's "
+                            "files); run `localllm pull NAME --mmproj PATH` without --host on the server's machine.")
+
     def remove(self, name: str) -> str:
         self._request("DELETE", "/api/delete", {"model": name})
         return name

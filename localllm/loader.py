@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from backends import descriptor
 from backends.base import DraftSpec, LoadSpec, TokenSource
 from backends.loop import LoadedModel
 from backends.prompt_cache import PromptCacheSpec
@@ -122,6 +123,7 @@ class Loader:
             # MLX weights installed / the GGUF converts on first use (Plan.mlx_convert) / why not
             mlx=mlx_for_plan(model, self.hardware, options.backend),
             num_parallel=options.num_parallel or _env_parallel(),
+            projector_bytes=model.projector.size if model.projector is not None else 0,
         )
         return model, p
 
@@ -170,6 +172,9 @@ class Loader:
             flash_attn=None if p.kv_cache_type == "f16" else True,  # llama.cpp decides (auto)
             draft=self.draft_spec(model, options, p.backend),
             embedding=options.embedding,
+            # the vision projector, for a backend that runs one (MLX does not: images are refused there)
+            mmproj=str(model.projector.path) if model.projector is not None and descriptor.get(p.backend).vision
+            else None,
             verbose=os.environ.get("LOCALLLM_DEBUG", "") not in ("", "0"),
             # the head sizes read with the model's metadata: a quantized KV cache is checked without the header
             extra={"head_dims": (model.info.get("head_dim_k", 0), model.info.get("head_dim_v", 0))},

@@ -52,11 +52,15 @@ def installed(m: InstalledModel) -> Installed:
         n_layers=int(info.get("n_layers") or 0), vocab_size=int(info.get("vocab_size") or 0),
         chat_template=info.get("chat_template"),
         license=info.get("license") or (m.catalog.license if m.catalog else None),
-        capabilities=capabilities(info), path=str(m.path), source=m.source, local=m.local, quant=m.quant,
+        capabilities=capabilities(info) + (["vision"] if m.projector is not None else []),
+        path=str(m.path), source=m.source, local=m.local, quant=m.quant,
         catalog=m.catalog.name if m.catalog else None, draft=m.catalog.draft if m.catalog else None,
         template_note=m.catalog.template_note if m.catalog else None,
         mlx_path=str(m.mlx_path) if m.mlx_path else None, mlx_source=m.mlx_source, mlx_repo=m.mlx_repo,
         mlx_revision=m.mlx_revision,
+        projector_path=str(m.projector.path) if m.projector else None,
+        projector_digest=m.projector.digest if m.projector else None,
+        projector_size=m.projector.size if m.projector else 0,
     )
 
 
@@ -82,6 +86,11 @@ class LocalModels:
     def pull(self, name: str, *, progress: ProgressFn | None = None, cancel: threading.Event | None = None,
              mlx: bool | None = None) -> Installed:
         return installed(self.store.pull(name, progress=progress, cancel=cancel, mlx=mlx))
+
+    def set_projector(self, name: str, path: str) -> Installed:
+        from pathlib import Path
+
+        return installed(self.store.set_projector(name, Path(path)))
 
     def remove(self, name: str) -> str:
         return self.store.remove(name)

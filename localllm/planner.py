@@ -42,7 +42,7 @@ GGUF's. The planner reads no file.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from backends import descriptor
@@ -483,7 +483,8 @@ def _layers_device(b: Backend, hw: HardwareInfo, reasons: list[str], advice: lis
 
 def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cache_type: str = "f16",
          backend: str = "auto", num_gpu: int | None = None, mlx_model: bool = False,
-         draft: GGUFInfo | None = None, mlx: MLXWeights | None = None, num_parallel: int | None = None) -> Plan:
+         draft: GGUFInfo | None = None, mlx: MLXWeights | None = None, num_parallel: int | None = None,
+         projector_bytes: int = 0) -> Plan:
     """Decide how to load ``info`` on ``hw``.
 
     ``num_ctx``: a context size to honour (refused with numbers if the model or memory cannot take
@@ -492,7 +493,9 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     (:func:`localllm.mlxmodels.mlx_weights`); ``mlx_model=True`` is the short form of "MLX weights are installed".
     ``draft``: a draft model for speculative decoding, planned beside it. ``num_parallel``: sequences
     decoding at once (slots; one KV pool holds ``n_ctx`` tokens for each); None = 4 where that fits,
-    fewer where it does not (the context is kept first). Raises :class:`PlanError`
+    fewer where it does not (the context is kept first). ``projector_bytes``: the size of the model's vision
+    projector (an automatic choice then takes a backend that runs it; its memory is counted with the weights,
+    on the GPU where layers go there). Raises :class:`PlanError`
     for what cannot be done as asked; a model that is simply too big gets ``verdict="too_big"``.
     """
     kv = (kv_cache_type or "f16").lower()
@@ -536,6 +539,11 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
                             f"for it.")
         passed: list[Backend] = []
     else:
+        if projector_bytes:  # a vision model: the backends that run its projector (MLX: mlx-lm has no vision)
+            blind = [b for b in order if not b.vision and status[b.name].available and ready(b)]
+            order = [b for b in order if b.vision] or order
+            for b in blind:
+                reasons.append(f"{b.label} not used: it has no vision, and {name} has a vision projector")
         chosen = next((b for b in order if status[b.name].available and ready(b)),
                       next((b for b in order if b.weights == GGUF), order[0]))
         passed = order[:order.index(chosen)]  # tried first, and why not is said below
@@ -628,6 +636,14 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     else:
         verdict, verdict_text = "cpu", "CPU"
 
+    if projector_bytes:
+        on_gpu = device != "cpu" and (chosen.memory == "unified" or lay.ngl > 0)
+        mem = replace(mem, weights=mem.weights + projector_bytes, total=mem.total + projector_bytes,
+                      gpu=mem.gpu + (projector_bytes if on_gpu else 0),
+                      cpu=mem.cpu + (0 if on_gpu else projector_bytes))
+        reasons.append(f"vision projector {_gb(projector_bytes)} " + (
+            "on the GPU with the model" if on_gpu else "on the CPU") if chosen.vision else
+            f"vision projector {_gb(projector_bytes)} not used: {chosen.label} has no vision (images are refused)")
     reasons.append(f"memory {mem.describe(n_ctx * n_seq, pl.kv)}")
     if num_parallel:
         reasons.append(f"{n_seq} parallel slot{'s' if n_seq > 1 else ''}: asked for with num_parallel")

@@ -57,6 +57,53 @@ MANIFEST_SCHEMA = 1
 
 
 @dataclass
+class Projector:
+    """A vision projector (``mmproj`` GGUF) that goes with a model: the model takes images. Stored as a blob
+    like the weights (Ollama's ``projector`` layer); a local GGUF's is the file beside it, used in place."""
+
+    path: Path
+    digest: str  # "sha256:<hex>"
+    size: int
+    source: str = ""
+    external: bool = False  # used in place (not a blob of the store)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "digest": self.digest, "size": self.size, "source": self.source,
+                "external": self.external}
+
+
+PROJECTOR_PREFERENCE = ("f16", "bf16", "f32", "q8_0")  # which mmproj file of several is taken (llama.cpp's -hf: f16)
+
+
+def pick_projector(names: list[str]) -> str | None:
+    """The projector among file ``names`` (``mmproj*.gguf``): F16 first, as llama.cpp's ``-hf`` and most uploaders.
+
+    >>> pick_projector(["model-Q4_K_M.gguf", "mmproj-model-f32.gguf", "mmproj-model-f16.gguf"])
+    'mmproj-model-f16.gguf'
+    >>> pick_projector(["model.gguf"]) is None
+    True
+    """
+    cands = sorted(n for n in names if Path(n).name.lower().startswith("mmproj") and n.lower().endswith(".gguf"))
+    if not cands:
+        return None
+    for pref in PROJECTOR_PREFERENCE:
+        for n in cands:
+            if pref in Path(n).name.lower().replace("-", "_").replace(".", "_").split("_"):
+                return n
+    return cands[0]
+
+
+def projector_beside(path: Path) -> Path | None:
+    """A projector next to a local GGUF (``mmproj*.gguf`` in the same directory), or None."""
+    try:
+        names = [p.name for p in path.parent.iterdir() if p.is_file() and p.name != path.name]
+    except OSError:
+        return None
+    pick = pick_projector(names)
+    return path.parent / pick if pick else None
+
+
+@dataclass
 class InstalledModel:
     name: str
     digest: str  # "sha256:<hex>"
@@ -71,6 +118,7 @@ class InstalledModel:
     quant: str | None = None
     mlx_repo: str | None = None  # where downloaded MLX weights came from (None: converted or none)
     mlx_revision: str | None = None  # the commit of mlx_repo that was fetched
+    projector: Projector | None = None  # a vision projector: the model takes images
 
     @property
     def short_id(self) -> str:
@@ -102,6 +150,7 @@ class InstalledModel:
             "quant": self.quant, "catalog": self.catalog.name if self.catalog else None,
             "mlx_path": str(self.mlx_path) if self.mlx_path else None, "formats": self.formats,
             "mlx_repo": self.mlx_repo, "mlx_revision": self.mlx_revision, "info": self.info,
+            "projector": self.projector.as_dict() if self.projector else None,
         }
 
 
@@ -158,6 +207,22 @@ class _Reporter:
         if force or now - self._last >= 0.05:
             self._last = now
             self.progress(PullProgress(self.status, self.digest, self.total, self.completed))
+
+
+def check_projector(path: Path, n_embd: int) -> None:
+    """Refuse (one sentence) a file that is not a vision projector GGUF, or one made for another model width."""
+    from backends.gguf_header import read_header
+
+    try:
+        fields = read_header(path, tensors=False).fields
+    except Exception as e:  # noqa: BLE001 - any unreadable header is the same answer
+        raise InvalidModelFileError(f"{path.name} is not a readable GGUF projector ({e}).") from None
+    if fields.get("general.architecture") != "clip" or not fields.get("clip.has_vision_encoder"):
+        raise InvalidModelFileError(f"{path.name} is not a vision projector (mmproj) GGUF.")
+    width = fields.get("clip.vision.projection_dim")
+    if n_embd and width and int(width) != n_embd:
+        raise InvalidModelFileError(f"The projector {path.name} makes {width}-wide embeddings but the model's are "
+                                    f"{n_embd} wide: it belongs to another model.")
 
 
 def _now() -> datetime:
@@ -236,9 +301,23 @@ class Store:
                 quant=data.get("quant"),
                 mlx_repo=(data.get(MLX) or {}).get("repo"),
                 mlx_revision=(data.get(MLX) or {}).get("revision"),
+                projector=self._projector_of(data.get("projector")),
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+    def _projector_of(self, d: dict[str, Any] | None) -> Projector | None:
+        """The manifest's projector, when its file is there whole (a model without it still runs text)."""
+        if not d:
+            return None
+        ext = bool(d.get("external"))
+        path = Path(d["path"]) if ext else self.blob_path(d["digest"])
+        try:
+            if path.stat().st_size != int(d["size"]):
+                return None
+        except OSError:
+            return None
+        return Projector(path, d["digest"], int(d["size"]), str(d.get("source") or ""), ext)
 
     def _write_manifest(self, ref: ModelRef, data: dict[str, Any]) -> Path:
         path = self._manifest_path(ref)
@@ -362,6 +441,12 @@ class Store:
         st = path.stat()
         digest = "sha256:" + self._local_digest(path, st)
         info = read_gguf(path, digest=digest)
+        proj = None
+        beside = projector_beside(path)
+        if beside is not None:
+            check_projector(beside, info.n_embd)
+            pst = beside.stat()
+            proj = Projector(beside, "sha256:" + self._local_digest(beside, pst), pst.st_size, "local file", True)
         return InstalledModel(
             name=str(path),
             digest=digest,
@@ -372,6 +457,7 @@ class Store:
             source="local file",
             local=True,
             quant=info.file_type,
+            projector=proj,
         )
 
     def _local_digest(self, path: Path, st: os.stat_result) -> str:
@@ -666,10 +752,11 @@ class Store:
 
     # ------------------------------------------------------------------------------------ rm / cp
     def _gc_blob(self, digest: str) -> bool:
-        """Delete a blob no manifest uses (call under the store lock). Returns True if deleted."""
+        """Delete a blob no manifest uses (as weights or projector; call under the store lock). True if deleted."""
         for p in self._manifest_files():
             try:
-                if json.loads(p.read_text(encoding="utf-8")).get("digest") == digest:
+                data = json.loads(p.read_text(encoding="utf-8"))
+                if data.get("digest") == digest or (data.get("projector") or {}).get("digest") == digest:
                     return False
             except (OSError, ValueError):
                 continue
@@ -704,10 +791,45 @@ class Store:
                     parent = parent.parent
                 if self._gc_blob(m.digest):
                     self._gc_prompt_cache(m.digest)
+                if m.projector is not None and not m.projector.external:
+                    self._gc_blob(m.projector.digest)
                 self._gc_mlx(m)
         finally:
             lock.release()
         return m.name
+
+    def set_projector(self, name: str, path: Path) -> InstalledModel:
+        """Give installed ``name`` the vision projector at ``path`` (copied into the store, sha256-addressed;
+        ``localllm pull NAME --mmproj PATH``). Refused in one sentence when it is not a projector or does not
+        fit the model (its output width must be the model's embedding width)."""
+        import shutil
+
+        from localllm.download import sha256_file
+
+        ref = parse_name(name, allow_path=False)
+        m = self.get(ref.name)
+        found = self._find(ref)
+        assert found is not None
+        check_projector(path, int(m.info.get("n_embd") or 0))
+        hexdigest = sha256_file(path)
+        target = self.blob_path(hexdigest)
+        if not target.is_file():
+            self.paths.downloads.mkdir(parents=True, exist_ok=True)
+            tmp = self.paths.downloads / f"sha256-{hexdigest}.partial"
+            shutil.copyfile(path, tmp)
+            self._install_blob(tmp, hexdigest)
+        mpath = self._manifest_path(found[0])
+        with self._store_lock():
+            data = json.loads(mpath.read_text(encoding="utf-8"))
+            old = (data.get("projector") or {}).get("digest")
+            data["projector"] = {"digest": "sha256:" + hexdigest, "size": target.stat().st_size,
+                                 "source": f"local file {path.name}", "external": False, "path": str(target)}
+            self._write_manifest(found[0], data)
+            if old and old != data["projector"]["digest"]:
+                self._gc_blob(old)
+        out = self._read_manifest(mpath)
+        assert out is not None
+        return self._with_mlx(out)
 
     def _gc_prompt_cache(self, digest: str) -> None:
         """Delete the saved prompt prefixes of a model whose file went (``<data>/prompt-cache/<digest>``)."""

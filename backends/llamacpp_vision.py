@@ -1,0 +1,277 @@
+"""Images for the llama.cpp token source: a vision projector (mmproj GGUF) loaded with llama.cpp's ``mtmd``.
+
+:class:`Projector` is what :class:`~backends.llamacpp.LlamaCppSource` holds when its :class:`LoadSpec` names
+an ``mmproj``. It turns a rendered prompt with one :data:`~backends.base.IMAGE_MARKER` per image into token
+ids (``mtmd_tokenize``: text chunks and image chunks), where each image chunk becomes as many **negative
+placeholder ids** as it takes positions. Each placeholder is derived from the sha256 of the image's bytes
+and its index, so the decode loop and the KV pool treat an image like any other prompt tokens: a second
+question about the same picture shares the prefix (no evaluation, no encoding), parking and the prompt
+cache on disk key it by content, and the context fit counts it.
+
+Encoding is lazy (:meth:`Projector.encode`): the loop asks for the placeholders of the chunk it is about to
+evaluate, and only images not yet encoded go through the vision tower; their embeddings are kept (LRU, by
+content hash, ``MAX_CACHED_EMBD_BYTES``), so even an image whose KV cells were evicted is not encoded again.
+:meth:`Projector.fill` writes a run of placeholders' embeddings into a ``llama_batch`` with ``embd`` set:
+an embeddings-only decode, since tokens and embeddings cannot share one ``llama_decode`` (see
+shared/reference/vision-mtmd.md).
+
+Not supported yet, refused in one sentence: projectors that need non-causal attention for the image
+(Gemma 3) and models with M-RoPE positions (Qwen2-VL family), whose image chunks take fewer positions than
+tokens; audio.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backends.base import IMAGE_MARKER, BackendError, MediaWork, ModelLoadError, UnsupportedError, is_image_token
+
+log = logging.getLogger("backends.llamacpp")
+
+MAX_CACHED_EMBD_BYTES = 512 << 20  # image embeddings kept for reuse (a 576-token image of a 4096-wide model: 9 MB)
+MAX_IMAGES = 4096  # images whose placeholder ids are remembered (those of prompts being evaluated, and more)
+
+
+@dataclass
+class _Image:
+    key: str  # sha256 hex of the image bytes
+    ids: list[int]  # the placeholder ids of its positions
+    chunk: Any = None  # an owned copy of its mtmd image chunk, until encoded
+    embd: Any = None  # (n, n_embd) float32 once encoded
+    nx: int = 0
+    ny: int = 0
+
+
+def _placeholder_ids(key: str, n: int, salt: int = 0) -> list[int]:
+    """``n`` negative int32 ids for an image (content hash ``key``): a 31-bit hash of (key, salt, index) each."""
+    base = hashlib.sha256(f"{key}:{salt}".encode()).digest()
+    out = []
+    for i in range(n):
+        h = hashlib.blake2b(i.to_bytes(4, "little"), key=base[:32], digest_size=4).digest()
+        out.append(-1 - (int.from_bytes(h, "little") & 0x7FFFFFFE))
+    return out
+
+
+class Projector:
+    """A loaded mtmd context for one text model (its threads, GPU use and logging as the model's)."""
+
+    def __init__(self, path: str, model: Any, n_embd: int, *, n_threads: int, use_gpu: bool):
+        import llama_cpp.mtmd_cpp as M
+
+        from backends.llamacpp import _log_state, _native_reason, _recent_native
+
+        self._M = M
+        if _log_state["cb"] is not None:  # mtmd's ~2,400 lines a load go where llama.cpp's go
+            M.mtmd_helper_log_set(_log_state["cb"], ctypes.c_void_p(0))
+        p = M.mtmd_context_params_default()
+        p.use_gpu = bool(use_gpu)
+        p.n_threads = int(n_threads)  # mtmd's default is 4, whatever the model was given
+        p.print_timings = False
+        p.warmup = True
+        _recent_native.clear()
+        t = time.perf_counter()
+        self._ctx = M.mtmd_init_from_file(path.encode(), model, p)
+        if not self._ctx:
+            self._ctx = None
+            why = _native_reason("mismatch", "error", "failed", "unknown", "missing")
+            raise ModelLoadError(f"The vision projector {path} could not be loaded beside this model"
+                                 f"{f' (llama.cpp: {why})' if why else ''}; it may be for another model.")
+        self.load_ms = (time.perf_counter() - t) * 1e3
+        try:
+            if not M.mtmd_support_vision(self._ctx):
+                raise ModelLoadError(f"{path} has no vision encoder (an audio-only projector is not supported).")
+            self.non_causal = bool(M.mtmd_decode_use_non_causal(self._ctx, None))
+            self.mrope = bool(M.mtmd_decode_use_mrope(self._ctx))
+        except BaseException:
+            self.close()
+            raise
+        self.path = path
+        self.n_embd = n_embd
+        self._images: OrderedDict[str, _Image] = OrderedDict()
+        self._by_id: dict[int, tuple[_Image, int]] = {}
+        self._embd_bytes = 0
+        self.encoded = 0  # images encoded since load
+        self.encoded_tokens = 0
+        self.encode_ns = 0
+
+    # ------------------------------------------------------------------ prompts
+
+    def problem(self) -> str | None:
+        """Why this projector cannot run in the batched loop (one sentence), or None."""
+        if self.non_causal:
+            return ("This vision projector needs non-causal attention for its images (Gemma 3 style), which "
+                    "localllm does not run yet.")
+        if self.mrope:
+            return ("This vision model uses M-RoPE positions (Qwen2-VL style), which localllm does not run yet.")
+        return None
+
+    def tokenize(self, text: str, images: list[bytes], add_bos: bool) -> list[int]:
+        """Token ids of ``text`` (one marker per image), image positions as placeholders."""
+        M = self._M
+        why = self.problem()
+        if why:
+            raise UnsupportedError(why)
+        n_markers = text.count(IMAGE_MARKER)
+        if n_markers != len(images):
+            raise UnsupportedError(f"The prompt has {n_markers} image markers for {len(images)} images; do not "
+                                   f"write {IMAGE_MARKER} in the text.")
+        bitmaps: list[Any] = []
+        chunks = None
+        try:
+            for i, data in enumerate(images):
+                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                bm = M.mtmd_helper_bitmap_init_from_buf(self._ctx, buf, len(data), False)
+                if not bm:
+                    raise UnsupportedError(f"Image {i + 1} could not be decoded: it is not a PNG, JPEG, GIF, BMP "
+                                           "or WebP image, or it is truncated.")
+                M.mtmd_bitmap_set_id(bm, hashlib.sha256(data).hexdigest().encode())
+                bitmaps.append(bm)
+            raw = text.encode("utf-8")
+            inp = M.mtmd_input_text()
+            inp.text, inp.text_len, inp.add_special, inp.parse_special = raw, len(raw), add_bos, True
+            chunks = M.mtmd_input_chunks_init()
+            arr = (M.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
+            rc = M.mtmd_tokenize(self._ctx, chunks, ctypes.byref(inp), arr, len(bitmaps))
+            if rc != 0:
+                raise UnsupportedError("An image could not be prepared for this model's projector."
+                                       if rc == 2 else "The prompt's images do not match its image markers.")
+            out: list[int] = []
+            for j in range(M.mtmd_input_chunks_size(chunks)):
+                ch = M.mtmd_input_chunks_get(chunks, j)
+                kind = M.mtmd_input_chunk_get_type(ch)
+                if kind == M.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                    n = ctypes.c_size_t()
+                    p = M.mtmd_input_chunk_get_tokens_text(ch, ctypes.byref(n))
+                    out.extend(int(p[k]) for k in range(n.value))
+                elif kind == M.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                    out.extend(self._register(ch))
+                else:
+                    raise UnsupportedError("Audio input is not supported.")
+            return out
+        finally:
+            if chunks is not None:
+                M.mtmd_input_chunks_free(chunks)
+            for bm in bitmaps:
+                M.mtmd_bitmap_free(bm)
+
+    def _register(self, ch: Any) -> list[int]:
+        M = self._M
+        img = M.mtmd_input_chunk_get_tokens_image(ch)
+        n = int(M.mtmd_image_tokens_get_n_tokens(img))
+        if int(M.mtmd_input_chunk_get_n_pos(ch)) != n:
+            raise UnsupportedError("This vision model's image positions differ from its tokens (M-RoPE), which "
+                                   "localllm does not run yet.")
+        key = (M.mtmd_input_chunk_get_id(ch) or b"").decode() or hashlib.sha256(str(id(ch)).encode()).hexdigest()
+        e = self._images.get(key)
+        if e is None or len(e.ids) != n:
+            salt = 0
+            ids = _placeholder_ids(key, n)
+            while any(i in self._by_id for i in ids):  # another image's id (2^-31 a position): draw again
+                salt += 1
+                ids = _placeholder_ids(key, n, salt)
+            e = _Image(key, ids, nx=int(M.mtmd_image_tokens_get_nx(img)), ny=int(M.mtmd_image_tokens_get_ny(img)))
+            self._images[key] = e
+            for k, t in enumerate(ids):
+                self._by_id[t] = (e, k)
+            self._trim_table()
+        self._images.move_to_end(key)
+        if e.embd is None and e.chunk is None:
+            e.chunk = M.mtmd_input_chunk_copy(ch)
+        return list(e.ids)
+
+    def _trim_table(self) -> None:
+        while len(self._images) > MAX_IMAGES:
+            _, old = self._images.popitem(last=False)
+            self._forget(old)
+
+    def _forget(self, e: _Image) -> None:
+        for t in e.ids:
+            if self._by_id.get(t, (None, 0))[0] is e:
+                del self._by_id[t]
+        if e.chunk is not None:
+            self._M.mtmd_input_chunk_free(e.chunk)
+            e.chunk = None
+        if e.embd is not None:
+            self._embd_bytes -= e.embd.nbytes
+            e.embd = None
+
+    # ------------------------------------------------------------------ encoding
+
+    def _images_in(self, tokens: Iterable[int]) -> list[_Image]:
+        seen: dict[str, _Image] = {}
+        for t in tokens:
+            if is_image_token(t):
+                hit = self._by_id.get(t)
+                if hit is None:
+                    raise BackendError("An image of this prompt is no longer known to the projector; send it again.")
+                seen.setdefault(hit[0].key, hit[0])
+        return list(seen.values())
+
+    def encode(self, tokens: Sequence[int]) -> MediaWork:
+        """Encode the images with placeholders in ``tokens`` that have no embeddings yet."""
+        M = self._M
+        work = MediaWork()
+        for e in self._images_in(tokens):
+            self._images.move_to_end(e.key)
+            if e.embd is not None:
+                continue
+            if e.chunk is None:
+                raise BackendError("An image of this prompt is no longer known to the projector; send it again.")
+            t = time.perf_counter_ns()
+            rc = M.mtmd_encode_chunk(self._ctx, e.chunk)
+            if rc != 0:
+                raise BackendError(f"The vision projector failed to encode an image (mtmd_encode_chunk returned {rc}).")
+            n = len(e.ids)
+            ptr = M.mtmd_get_output_embd(self._ctx)
+            e.embd = np.ctypeslib.as_array(ptr, shape=(n, self.n_embd)).copy()  # the next encode overwrites it
+            dt = time.perf_counter_ns() - t
+            M.mtmd_input_chunk_free(e.chunk)
+            e.chunk = None
+            self._embd_bytes += e.embd.nbytes
+            work.images += 1
+            work.tokens += n
+            work.ns += dt
+            self.encoded += 1
+            self.encoded_tokens += n
+            self.encode_ns += dt
+            self._evict_embd(keep=e)
+        return work
+
+    def _evict_embd(self, keep: _Image) -> None:
+        """Drop the least recently used embeddings over the budget (their ids stay known, so a prompt that still
+        holds them in the KV pool needs nothing; one that must evaluate them again is told to resend)."""
+        for e in list(self._images.values()):
+            if self._embd_bytes <= MAX_CACHED_EMBD_BYTES:
+                break
+            if e is not keep and e.embd is not None:
+                self._embd_bytes -= e.embd.nbytes
+                e.embd = None
+
+    def rows(self, tokens: Sequence[int]) -> Any:
+        """The embeddings of a run of placeholders, ``(len(tokens), n_embd)`` float32, contiguous."""
+        out = np.empty((len(tokens), self.n_embd), dtype=np.float32)
+        for j, t in enumerate(tokens):
+            hit = self._by_id.get(t)
+            if hit is None or hit[0].embd is None:
+                self.encode([t])
+                hit = self._by_id.get(t)
+            assert hit is not None and hit[0].embd is not None
+            out[j] = hit[0].embd[hit[1]]
+        return out
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None) is None:
+            return
+        for e in list(getattr(self, "_images", {}).values()):
+            self._forget(e)
+        self._M.mtmd_free(self._ctx)
+        self._ctx = None

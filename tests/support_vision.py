@@ -1,0 +1,77 @@
+"""A vision projector the suite can make offline, and test images.
+
+No real vision model is reachable from the build machines, so the test model is *made*: an ``mlp``
+(LLaVA-1.5 style) projector GGUF with random weights, written with the ``gguf`` package, that llama.cpp's
+mtmd loads beside the default model (SmolLM2-135M, n_embd 576): 64 px images, 16 px patches, a two-block
+ViT of width 64 -> **16 image tokens** per image, 1.9 MB. Its answers mean nothing; the pipeline is real
+(decode, resize, normalise, ViT, MLP, embeddings into the batched context). The recipe and its traps are in
+shared/reference/vision-mtmd.md (UINT32 keys, ``n_ff != n_embd`` of the tower, ``mm.2`` width = n_embd).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+IMAGE_TOKENS = 16  # what one image becomes with the projector below (64 px / 16 px patches = 4 x 4)
+
+
+def make_projector(path: Path, n_embd: int = 576, seed: int = 0) -> Path:
+    """Write the random ``mlp`` projector for a text model of width ``n_embd`` to ``path`` (once)."""
+    if path.is_file():
+        return path
+    import gguf
+    import numpy as np
+
+    img, patch, width, ff, blocks = 64, 16, 64, 128, 2
+    rng = np.random.default_rng(seed)
+
+    def rnd(out: int, *inp: int) -> np.ndarray:  # numpy (out, in) = ggml ne [in, out]
+        return (rng.standard_normal((out, *inp)) / np.sqrt(np.prod(inp))).astype(np.float32)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), "clip")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.projector_type", "mlp")
+    w.add_bool("clip.use_gelu", True)
+    for k, v in {"image_size": img, "patch_size": patch, "embedding_length": width, "feed_forward_length": ff,
+                 "block_count": blocks, "projection_dim": n_embd, "attention.head_count": 4}.items():
+        w.add_uint32("clip.vision." + k, v)  # the loader asserts UINT32
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_array("clip.vision.image_mean", [0.5] * 3)
+    w.add_array("clip.vision.image_std", [0.5] * 3)
+    t = {"v.patch_embd.weight": rnd(width, 3, patch, patch), "v.position_embd.weight": rnd((img // patch) ** 2, width),
+         "mm.0.weight": rnd(n_embd, width), "mm.0.bias": np.zeros(n_embd, np.float32),
+         "mm.2.weight": rnd(n_embd, n_embd), "mm.2.bias": np.zeros(n_embd, np.float32)}
+    for i in range(blocks):
+        t.update({f"v.blk.{i}.{n}.weight": rnd(width, width) for n in ("attn_q", "attn_k", "attn_v", "attn_out")})
+        t.update({f"v.blk.{i}.{n}.weight": np.ones(width, np.float32) for n in ("ln1", "ln2")})
+        t[f"v.blk.{i}.ffn_up.weight"], t[f"v.blk.{i}.ffn_down.weight"] = rnd(ff, width), rnd(width, ff)
+    for k, v in t.items():
+        w.add_tensor(k, v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(path)
+    return path
+
+
+def png(width: int = 64, height: int = 64, seed: int = 0) -> bytes:
+    """A PNG (RGB, stdlib zlib) whose pixels depend on ``seed``: different seeds, different pictures."""
+    rows = []
+    for y in range(height):
+        row = bytearray([0])  # filter: none
+        for x in range(width):
+            v = (x * (3 + seed) + y * (5 + 2 * seed) + seed * 37) & 0xFF
+            row += bytes([v, (v * 7 + seed * 11) & 0xFF, (255 - v + seed * 13) & 0xFF])
+        rows.append(bytes(row))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"".join(rows)))
+            + chunk(b"IEND", b""))
