@@ -378,6 +378,10 @@ class MLXSource(TokenSource):
             return None
         return self._json_vocab[0]  # type: ignore[no-any-return]
 
+    def vision_problem(self) -> str:
+        return ("This model is loaded on MLX, which has no vision (mlx-lm runs text only); load it with "
+                "--backend llamacpp to send images.")
+
     def is_eog(self, token: int) -> bool:
         return token in self._eos
 

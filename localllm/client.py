@@ -181,13 +181,22 @@ def request_body(name: str, request: GenerateRequest, options: LoadOptions | Non
         body["think"] = request.think
     if keep_alive is not None:
         body["keep_alive"] = _keep_alive(keep_alive)
-    if request.messages is not None:
-        body["messages"] = request.messages
+    if request.messages is not None:  # images (bytes in-process) travel as base64, as Ollama's API takes them
+        body["messages"] = [{**m, "images": [_b64(i) for i in m["images"]]} if m.get("images") else m
+                            for m in request.messages]
         if request.tools:
             body["tools"] = request.tools
         return "/api/chat", body
     body.update(prompt=request.prompt, raw=True)
+    if request.images:
+        body["images"] = [_b64(i) for i in request.images]
     return "/api/generate", body
+
+
+def _b64(image: bytes | str) -> str:
+    import base64
+
+    return image if isinstance(image, str) else base64.b64encode(image).decode("ascii")
 
 
 class _Events:

@@ -155,3 +155,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gemma_model" in getattr(item, "fixturenames", ()) or "gemma_path" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.network)
+
+
+@pytest.fixture(scope="session")
+def test_projector(test_cache) -> Path:
+    """A random ``mlp`` vision projector (mmproj GGUF, 1.9 MB) that llama.cpp's mtmd accepts beside the default
+    model (:mod:`tests.support_vision`), made once and cached in the test cache: 16 image tokens per image."""
+    from tests.support_vision import make_projector
+
+    return make_projector(test_cache / "vision" / "mmproj-smollm2-test-f32.gguf")

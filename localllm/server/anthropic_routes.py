@@ -31,6 +31,7 @@ from localllm.server import generation as g
 from localllm.server.checks import check_tools, forced_tools
 from localllm.server.errors import bad_request
 from localllm.server.framing import SSE, SSE_HEADERS, call_id, normalize_calls, sse
+from localllm.server.images import from_base64
 from localllm.server.options import api_options, keep_alive_of
 from localllm.server.protocol import engine_of, run_sync
 from localllm.server.schemas import AnthropicBody, AnthropicCountBody
@@ -99,7 +100,7 @@ def messages_in(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
         texts: list[str] = []
         thinking: list[str] = []
         calls: list[dict[str, Any]] = []
-        pics: list[str] = []
+        pics: list[bytes] = []
         tools: list[dict[str, Any]] = []
         for j, block in enumerate(blocks):
             at = f"{where}.content[{j}]"
@@ -113,7 +114,7 @@ def messages_in(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
                 if not isinstance(source, dict) or source.get("type") != "base64" or not source.get("data"):
                     raise bad_request(f"{at}: only base64 image sources are supported")
                 images = True
-                pics.append(str(source["data"]))
+                pics.append(from_base64(source["data"], f"{at}.source.data"))
             elif kind == "thinking" and m.role == "assistant":
                 if isinstance(block.get("thinking"), str):
                     thinking.append(block["thinking"])

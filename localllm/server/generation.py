@@ -173,6 +173,10 @@ async def begin(http: Request, call: Call) -> Run:
     """Steps 1–4: checks, the engine call, the first event. Raises (an HTTP error status) before any output."""
     name, model = await installed(http, call.model)
     check_capabilities(call, model)
+    if call.images and call.request.messages is not None:  # http(s) images where the server allows them
+        from localllm.server.images import resolve
+
+        await run_sync(resolve, call.request.messages)
     options = context_of(http, call.options, model)
     agen = engine_of(http).agenerate(name, call.request, options, keep_alive=call.keep_alive)
     first = await first_event(agen, http)  # a failure before any output raises here: a real status

@@ -10,6 +10,8 @@ What a monitoring stack reads (all names start with ``localllm_``; per model whe
 * prompt tokens evaluated, reused from the pool, copied between sequences, restored from disk; tokens
   generated (``*_tokens_total``); draft tokens proposed and accepted;
 * time to first token and time per output token (histograms, seconds);
+* images encoded by a vision projector, their tokens and the encode time (``images_encoded_total``,
+  ``image_tokens_total``, ``image_encode_seconds_total``);
 * loaded models and their memory (``models_loaded``, ``model_memory_bytes``), the prompt cache on disk
   (entries, bytes, hits, misses).
 
@@ -79,6 +81,9 @@ class _EngineCollector(Collector):
             "kv_evictions": "Idle sequences dropped from the KV pool to make room.",
             "prompt_cache_hits": "Requests that restored a prefix from disk.",
             "prompt_cache_misses": "Requests that found no prefix on disk.",
+            "images_encoded": "Images encoded by the vision projector (one reused by content hash: not again).",
+            "image_tokens": "Image tokens those images became.",
+            "image_encode_seconds": "Time the vision projector spent encoding images.",
         }
         g = {k: GaugeMetricFamily(f"localllm_{k}", h, labels=["model"]) for k, h in gauges.items()}
         c = {k: CounterMetricFamily(f"localllm_{k}", h, labels=["model"]) for k, h in counters.items()}
@@ -94,14 +99,16 @@ class _EngineCollector(Collector):
                          ("model_memory_bytes", m.size), ("prompt_cache_entries", lm.prompt_cache_entries),
                          ("prompt_cache_bytes", lm.prompt_cache_bytes)):
                 g[k].add_metric(name, v)
-            for k, v in (("prompt_tokens", lm.prompt_tokens_evaluated),
+            counts: tuple[tuple[str, float], ...] = (("prompt_tokens", lm.prompt_tokens_evaluated),
                          ("prompt_tokens_cached", lm.prompt_tokens_cached),
                          ("prompt_tokens_copied", lm.prompt_tokens_copied),
                          ("prompt_tokens_restored", lm.prompt_tokens_restored),
                          ("generated_tokens", lm.generated_tokens), ("draft_tokens_proposed", lm.draft_proposed),
                          ("draft_tokens_accepted", lm.draft_accepted), ("decode_steps", lm.steps),
                          ("kv_evictions", lm.evictions), ("prompt_cache_hits", lm.prompt_cache_hits),
-                         ("prompt_cache_misses", lm.prompt_cache_misses)):
+                         ("prompt_cache_misses", lm.prompt_cache_misses), ("images_encoded", lm.images_encoded),
+                         ("image_tokens", lm.image_tokens_encoded), ("image_encode_seconds", lm.image_encode_ns / 1e9))
+            for k, v in counts:
                 c[k].add_metric(name, v)
         yield from g.values()
         yield from c.values()

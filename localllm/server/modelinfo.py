@@ -27,7 +27,7 @@ def capabilities(model: InstalledModel) -> list[str]:
     if template_supports_tools(info.get("chat_template")):
         caps.append("tools")
     extra = info.get("extra") or {}
-    if extra.get("vision"):
+    if extra.get("vision") or model.projector is not None:
         caps.append("vision")
     if thinks(info):
         caps.append("thinking")
@@ -68,3 +68,17 @@ def modified_ts(model: InstalledModel) -> int:
 
 def size_of(model: InstalledModel) -> int:
     return int(model.size or info_of(model).get("file_size") or 0)
+
+
+def projector_info(model: InstalledModel) -> dict[str, Any] | None:
+    """Ollama's ``projector_info``: the projector GGUF's scalar metadata (``clip.*``, ``general.architecture``)."""
+    if model.projector is None:
+        return None
+    from backends.gguf_header import read_header
+
+    try:
+        fields = read_header(model.projector.path, tensors=False).fields
+    except Exception:  # noqa: BLE001 - an unreadable header says nothing, the model still answers
+        return {}
+    return {k: v for k, v in fields.items() if isinstance(v, str | int | float | bool)
+            and (k.startswith("clip.") or k == "general.architecture")}

@@ -28,7 +28,8 @@ from localllm.server import generation as g
 from localllm.server.checks import check_format, check_tools, forced_tools
 from localllm.server.errors import bad_request
 from localllm.server.framing import SSE, SSE_HEADERS, call_id, logprob_item, normalize_calls, rfc3339, sse
-from localllm.server.modelinfo import modified_ts
+from localllm.server.images import from_url
+from localllm.server.modelinfo import capabilities, modified_ts
 from localllm.server.options import api_options, check_top_logprobs, keep_alive_of, logit_bias, think_from_effort
 from localllm.server.protocol import engine_of, run_sync
 from localllm.server.schemas import ChatCompletionBody, CompletionBody, EmbeddingsOAIBody
@@ -109,19 +110,24 @@ def oai_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
     out: list[dict[str, Any]] = []
     images = False
     names: dict[str, str] = {}  # tool call id -> function name, for the tool turns that answer them
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.content
+        pics: list[Any] = []
         if isinstance(content, list):
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
                 if part.type in ("text", "input_text"):
                     texts.append(part.text or "")
                 elif part.type in ("image_url", "input_image"):
                     images = True
+                    url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
+                    pics.append(from_url(url, f"messages[{i}].content[{j}].image_url"))
                 else:
                     raise bad_request(f"unsupported content part type {part.type[:40]!r}", param="messages")
             content = "\n".join(texts)
         msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if pics:
+            msg["images"] = pics
         reasoning = m.reasoning or m.reasoning_content
         if reasoning and m.role == "assistant":
             msg["thinking"] = msg["reasoning_content"] = reasoning
@@ -356,7 +362,8 @@ def model_entry(model: InstalledModel) -> dict[str, Any]:
     """A model as OpenAI lists it, plus the fields Anthropic's SDK reads from the same ``/v1/models``."""
     created = modified_ts(model)
     return {"id": model.name, "object": "model", "created": created, "owned_by": "library",
-            "type": "model", "display_name": model.name, "created_at": rfc3339(float(created)) if created else None}
+            "type": "model", "display_name": model.name, "created_at": rfc3339(float(created)) if created else None,
+            "capabilities": capabilities(model)}
 
 
 @router.get("/models")

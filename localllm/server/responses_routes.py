@@ -35,6 +35,7 @@ from localllm.server import generation as g
 from localllm.server.checks import check_format, check_tools, forced_tools
 from localllm.server.errors import APIError, bad_request
 from localllm.server.framing import SSE, SSE_HEADERS, call_id, logprob_item, normalize_calls, sse
+from localllm.server.images import from_url
 from localllm.server.openai_routes import error_body
 from localllm.server.options import api_options, check_top_logprobs, keep_alive_of, think_from_effort
 from localllm.server.schemas import ResponsesBody
@@ -107,7 +108,7 @@ def _store(http: Request) -> ResponseStore:
 # ------------------------------------------------------------------------------------ requests (pure)
 
 
-def _text_of(content: Any, where: str) -> tuple[str, list[str]]:
+def _text_of(content: Any, where: str) -> tuple[str, list[Any]]:
     """A message's content (a string or parts) → (text, base64 images)."""
     if content is None:
         return "", []
@@ -116,7 +117,7 @@ def _text_of(content: Any, where: str) -> tuple[str, list[str]]:
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or a list of content parts", param="input")
     texts: list[str] = []
-    images: list[str] = []
+    images: list[Any] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
@@ -124,11 +125,10 @@ def _text_of(content: Any, where: str) -> tuple[str, list[str]]:
                 raise bad_request(f"{where}.content[{j}].text must be a string", param="input")
             texts.append(part["text"])
         elif kind == "input_image":
-            url = part.get("image_url") or ""
-            if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
-                raise bad_request(f"{where}.content[{j}]: only data: URLs (base64) are supported for images",
-                                  param="input")
-            images.append(url.split(",", 1)[1])
+            url = part.get("image_url")
+            if isinstance(url, dict):
+                url = url.get("url")
+            images.append(from_url(url, f"{where}.content[{j}].image_url"))
         elif kind == "refusal":
             continue
         else:

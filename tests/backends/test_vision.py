@@ -1,0 +1,136 @@
+"""Images through llama.cpp's mtmd inside the batched decode loop, on the default model with the made projector
+(random weights: the answers mean nothing, so the tests compare numbers and counters, not meanings)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from backends.base import DraftSpec, GenerateRequest, LoadSpec, Sampling, UnsupportedError
+from backends.registry import load
+from tests.backends.conftest import collect
+from tests.support_vision import IMAGE_TOKENS, png
+
+pytest.importorskip("llama_cpp")
+
+ASK = "Describe the picture."
+
+
+@pytest.fixture(scope="module")
+def vlm(default_model_path, test_projector):
+    m = load("llamacpp", LoadSpec(str(default_model_path), n_ctx=1024, n_seq=2, mmproj=str(test_projector)))
+    yield m
+    m.close()
+
+
+def chat(*images: bytes, text: str = ASK) -> list[dict]:
+    return [{"role": "user", "content": text, **({"images": list(images)} if images else {})}]
+
+
+def greedy(n: int = 8, **kw) -> Sampling:
+    return Sampling(temperature=0.0, max_tokens=n, **kw)
+
+
+def first_logprobs(model, messages) -> np.ndarray:
+    """The top-5 log-probabilities of the first answer token (numbers, not text: see the module docstring)."""
+    _, done, chunks = collect(model.generate(GenerateRequest(messages=messages, sampling=greedy(1), logprobs=True,
+                                                             top_logprobs=5)))
+    lp = next(c.logprobs[0] for c in chunks if getattr(c, "logprobs", None))
+    return np.array([v for _, v, _ in lp.top])
+
+
+def test_image_tokens_count_in_the_prompt_and_the_projector_is_loaded(vlm):
+    assert vlm.info.vision and vlm.info.extra["projector"]
+    _, plain, _ = collect(vlm.generate(GenerateRequest(messages=chat(), sampling=greedy(2))))
+    _, seen, _ = collect(vlm.generate(GenerateRequest(messages=chat(png(seed=11)), sampling=greedy(2))))
+    s = seen.stats
+    assert s.image_tokens == IMAGE_TOKENS and s.images == 1
+    assert s.prompt_eval_count >= plain.stats.prompt_eval_count + IMAGE_TOKENS  # the marker's newline too
+
+
+def test_same_image_same_numbers_other_image_other_numbers(vlm):
+    a1 = first_logprobs(vlm, chat(png(seed=1)))
+    a2 = first_logprobs(vlm, chat(png(seed=1)))
+    b = first_logprobs(vlm, chat(png(seed=2)))
+    none = first_logprobs(vlm, chat())
+    np.testing.assert_allclose(a1, a2, atol=1e-4)
+    assert not np.allclose(a1, b, atol=1e-3)
+    assert not np.allclose(a1, none, atol=1e-3)
+
+
+def test_a_second_question_about_the_same_picture_does_not_encode_it_again(vlm):
+    pic = png(seed=21)
+    text1, d1, _ = collect(vlm.generate(GenerateRequest(messages=chat(pic), sampling=greedy(6))))
+    assert d1.stats.images_encoded == 1 and d1.stats.image_encode_duration > 0
+    before = vlm.metrics().images_encoded
+    follow = chat(pic) + [{"role": "assistant", "content": text1}, {"role": "user", "content": "And the colours?"}]
+    _, d2, _ = collect(vlm.generate(GenerateRequest(messages=follow, sampling=greedy(4))))
+    assert d2.stats.images_encoded == 0 and d2.stats.image_encode_duration == 0
+    assert d2.stats.prompt_cached_tokens >= d1.stats.prompt_eval_count - 1  # the first turn, image included
+    assert vlm.metrics().images_encoded == before
+
+
+def test_evicted_cells_reuse_the_kept_embeddings(vlm):
+    pic = png(seed=31)
+    collect(vlm.generate(GenerateRequest(messages=chat(pic), sampling=greedy(2))))
+    vlm.call(lambda s: vlm.pool.clear())  # the KV cells go, the embeddings stay
+    _, d, _ = collect(vlm.generate(GenerateRequest(messages=chat(pic, text="Again?"), sampling=greedy(2))))
+    assert d.stats.images_encoded == 0 and d.stats.prompt_cached_tokens == 0
+
+
+def test_several_images_in_one_message_and_a_raw_prompt(vlm):
+    _, d, _ = collect(vlm.generate(GenerateRequest(messages=chat(png(seed=3), png(seed=4)), sampling=greedy(2))))
+    assert d.stats.image_tokens == 2 * IMAGE_TOKENS and d.stats.images == 2
+    raw = GenerateRequest(prompt="<__media__> is a picture of", images=[png(seed=5)], sampling=greedy(2))
+    _, d, _ = collect(vlm.generate(raw))
+    assert d.stats.image_tokens == IMAGE_TOKENS
+
+
+def test_an_image_stream_batched_with_a_text_stream(vlm):
+    text_req = chat(text="What is the capital of France? Answer in one short sentence.")
+    solo, _, _ = collect(vlm.generate(GenerateRequest(messages=text_req, sampling=greedy(12))))
+    out: dict[str, tuple] = {}
+
+    def run(key, messages):
+        out[key] = collect(vlm.generate(GenerateRequest(messages=messages, sampling=greedy(12))))
+
+    ts = [threading.Thread(target=run, args=("text", text_req)),
+          threading.Thread(target=run, args=("image", chat(png(seed=41))))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert out["text"][1].finish_reason in ("stop", "length") and "Paris" in out["text"][0]
+    assert out["image"][1].stats.image_tokens == IMAGE_TOKENS and out["image"][0]
+    assert out["text"][0][:20] == solo[:20]
+
+
+def test_bad_image_bytes_end_only_their_request(vlm):
+    with pytest.raises(UnsupportedError, match="could not be decoded"):
+        collect(vlm.generate(GenerateRequest(messages=chat(b"\x89PNG\r\n\x1a\nnot really"), sampling=greedy(2))))
+    text, done, _ = collect(vlm.generate(GenerateRequest(messages=chat(png(seed=6)), sampling=greedy(2))))
+    assert done.stats.image_tokens == IMAGE_TOKENS
+
+
+def test_a_model_without_projector_refuses_images(backend_factory):
+    b = backend_factory("llamacpp")
+    with pytest.raises(UnsupportedError, match="no vision projector"):
+        collect(b.generate(GenerateRequest(messages=chat(png()), sampling=greedy(2))))
+
+
+def test_drafting_is_off_for_image_requests(default_model_path, test_projector):
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=1024, mmproj=str(test_projector),
+                                   draft=DraftSpec(kind="ngram"))) as m:
+        _, d, _ = collect(m.generate(GenerateRequest(messages=chat(png(seed=7)), sampling=greedy(16))))
+        assert d.stats.image_tokens == IMAGE_TOKENS and d.stats.draft_proposed == 0
+
+
+def test_a_projector_for_another_model_width_is_refused(default_model_path, tmp_path):
+    from backends.base import ModelLoadError
+    from tests.support_vision import make_projector
+
+    bad = make_projector(tmp_path / "mmproj-wide.gguf", n_embd=640)
+    with pytest.raises(ModelLoadError, match="projector"):
+        load("llamacpp", LoadSpec(str(default_model_path), n_ctx=512, mmproj=str(bad)))
