@@ -108,8 +108,8 @@ class _EngineCollector(Collector):
                          ("kv_evictions", lm.evictions), ("prompt_cache_hits", lm.prompt_cache_hits),
                          ("prompt_cache_misses", lm.prompt_cache_misses), ("images_encoded", lm.images_encoded),
                          ("image_tokens", lm.image_tokens_encoded), ("image_encode_seconds", lm.image_encode_ns / 1e9))
-            for k, v in counts:
-                c[k].add_metric(name, v)
+            for k, x in counts:
+                c[k].add_metric(name, x)
         yield from g.values()
         yield from c.values()
 
