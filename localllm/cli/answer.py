@@ -88,6 +88,11 @@ def stats_lines(stats: Stats) -> list[str]:
     if stats.eval_duration > 0:
         lines.append(f"eval duration:        {go_duration(stats.eval_duration)}")
         lines.append(f"eval rate:            {stats.eval_rate:.2f} tokens/s")
+    if stats.image_tokens > 0:
+        lines.append(f"image tokens:         {stats.image_tokens} token(s) of {stats.images} image(s)")
+        lines.append(f"image encode:         {stats.images_encoded} encoded in "
+                     f"{go_duration(stats.image_encode_duration)}"
+                     + ("" if stats.images_encoded else " (reused)"))
     restored = f" ({stats.prompt_restored_tokens} restored from disk)" if stats.prompt_restored_tokens else ""
     lines.append(f"prompt cache:         {stats.prompt_cached_tokens} token(s) reused{restored}")
     if stats.draft_proposed:

@@ -37,6 +37,7 @@ HELP = """Available Commands:
   /show           Show model information
   /load <model>   Load a session or model
   /clear          Clear session context
+  /image <path>   Attach an image to the next message (a vision model; a path in a message works too)
   /bye            Exit
   /?, /help       Help for a command
   /? shortcuts    Help for keyboard shortcuts
@@ -119,6 +120,7 @@ class Repl:
         self.model = model
         self.settings = settings.copy()
         self.messages: list[dict[str, Any]] = []
+        self.pending_images: list[bytes] = []  # /image files for the next message
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self._read = read or input
@@ -176,9 +178,12 @@ class Repl:
 
     def ask(self, text: str) -> None:
         """Send ``text`` as the next user turn and stream the answer."""
+        from localllm.cli.run import user_message
+
         s = self.settings
-        request = s.request(self.messages + [{"role": "user", "content": text}])
         try:
+            message = user_message(text, self.pending_images, self.err)
+            request = s.request(self.messages + [message])
             answer = stream_answer(self.runner, self.model, request, s.load, out=self.out,
                                    show_thinking=not s.hide_thinking, keep_alive=s.keep_alive)
         except (LocalLLMError, BackendError) as e:  # one sentence; the session goes on
@@ -188,7 +193,8 @@ class Repl:
         self.out.flush()
         if answer.cancelled:  # the question and its partial answer are left out of the history
             return
-        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.text}]
+        self.pending_images = []  # sent: they stay in the conversation (the next turns reuse them, not re-encode)
+        self.messages += [message, {"role": "assistant", "content": answer.text}]
         done = answer.done
         if done is not None:
             dropped = done.stats.dropped_messages
@@ -222,14 +228,31 @@ class Repl:
             self._set(line, args)
         elif cmd == "/show":
             self._show(args)
+        elif cmd == "/image":
+            self._image(args)
         elif cmd == "/clear":
             self.messages.clear()
+            self.pending_images.clear()
             self._say("Cleared session context")
         elif cmd == "/load":
             self._load(args)
         else:
             self._say(f"Unknown command '{words[0]}'. Type /? for help")
         return None
+
+    def _image(self, args: list[str]) -> None:
+        from localllm.images import read_image
+
+        if not args:
+            self._say("Usage: /image <path>")
+            return
+        path = " ".join(args)
+        try:
+            self.pending_images.append(read_image(path))
+        except LocalLLMError as e:
+            self.err.write(f"Error: {e}\n")
+            return
+        self._say(f"Added image '{path}' to the next message")
 
     def _set(self, line: str, args: list[str]) -> None:
         s = self.settings

@@ -28,7 +28,9 @@ def as_json(m: Installed, remote: bool) -> dict[str, Any]:
     return {"name": m.name, "digest": m.digest, "path": m.path, "size": m.size,
             "modified": m.modified.isoformat() if m.modified else None, "source": m.source, "local": m.local,
             "quant": m.quant, "catalog": m.catalog, "mlx_path": m.mlx_path, "formats": m.formats,
-            "mlx_repo": m.mlx_repo, "mlx_revision": m.mlx_revision}
+            "mlx_repo": m.mlx_repo, "mlx_revision": m.mlx_revision,
+            "projector": {"path": m.projector_path, "digest": m.projector_digest, "size": m.projector_size}
+            if m.projector_path else None}
 
 
 @click.command("list", help="List installed models.")
@@ -52,6 +54,8 @@ def command(json_out: bool, host: str | None) -> None:
     rows = [head]
     for m in listed:
         when = ago(m.modified) if m.modified else ""
-        cells = [m.name, m.short_id, human_size(m.size)] + ([] if models.remote else ["+".join(m.formats)])
+        # a vision projector shows as "+mmproj" in-process; a server's list says "vision" in its capabilities
+        formats = m.formats + (["mmproj"] if m.projector_path else [])
+        cells = [m.name, m.short_id, human_size(m.size)] + ([] if models.remote else ["+".join(formats)])
         rows.append(cells + [when])
     click.echo(format_table(rows))

@@ -4,6 +4,7 @@
     $ localllm pull qwen2.5:7b-q8_0
     $ localllm pull hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M
     $ localllm pull llama3.2:1b --mlx      # also its MLX weights (the default on Apple Silicon)
+    $ localllm pull mymodel:latest --mmproj ./mmproj-model-f16.gguf   # give it a vision projector
 
 On a terminal the progress is a rich bar (bytes, speed, ETA) on stderr; otherwise plain lines.
 Interrupting it keeps the partial download: the next pull resumes from there.
@@ -23,9 +24,11 @@ from localllm.cli.display import pull_with_progress
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.option("--mlx/--no-mlx", default=None,
               help="Also fetch the catalog's MLX weights (default: on Apple Silicon only).")
+@click.option("--mmproj", default=None, metavar="PATH", type=click.Path(dir_okay=False),
+              help="Attach this vision projector (mmproj GGUF) to the model: it then takes images.")
 @click.option("--host", default=None, metavar="URL",
               help="Talk to a localllm or Ollama server there instead of in-process.")
-def command(name: str, quiet: bool, mlx: bool | None, host: str | None) -> None:
+def command(name: str, quiet: bool, mlx: bool | None, mmproj: str | None, host: str | None) -> None:
     """Download NAME: an alias (smollm2:135m, qwen2.5:7b-q8_0) or hf.co/user/repo[:QUANT]."""
     from localllm.names import parse_name
     from localllm.session import open_models
@@ -34,11 +37,15 @@ def command(name: str, quiet: bool, mlx: bool | None, host: str | None) -> None:
     models = open_models(host)
     try:
         model = models.pull(name, mlx=mlx) if quiet else pull_with_progress(models, name, mlx=mlx)
+        if mmproj:
+            model = models.set_projector(model.name, mmproj)
     except KeyboardInterrupt:
         click.echo("\nInterrupted; the partial download is kept and the next pull resumes it.", err=True)
         sys.exit(130)
     finally:
         models.close()
+    if mmproj and not quiet:
+        click.echo(f"vision projector: {model.projector_path} ({model.projector_size:,} bytes)")
     if models.remote:
         click.echo(f"success: {name} ({model.short_id})")
     elif not quiet:

@@ -8,11 +8,18 @@ A missing model is pulled first, with the same progress display as ``localllm pu
     $ echo "Some text" | localllm run smollm2:135m "Summarise:" --verbose
     $ localllm run ./model.gguf --draft ngram --kv-cache q8_0
     $ localllm run qwen3:0.6b --think=low "How many r in strawberry?"
+    $ localllm run gemma3:4b "What is in ./photo.jpg?"     # a vision model: the file is attached
+    $ localllm run ./llava.gguf --image a.png --image b.png "Compare them."
 
 Output: the answer streams to stdout as it arrives; when stdout is not a terminal it is just the
 text. A thinking model's reasoning comes first, between ``Thinking...`` and ``...done thinking.``
 (grey on a terminal; ``--hidethinking`` leaves it out, ``--think=false`` asks the model not to think).
-``--verbose`` prints Ollama's stats block to stderr, plus the thinking, prompt-cache and draft lines.
+``--verbose`` prints Ollama's stats block to stderr, plus the thinking, prompt-cache, draft and image lines.
+
+Images (a model with a vision projector): an existing image file named in the prompt (``./photo.jpg``,
+``~/a.png``; .png .jpg .jpeg .webp .gif .bmp) is attached and taken out of the text, as ``ollama run`` does
+("Added image '...'" on stderr); ``--image PATH`` attaches one explicitly (repeatable). In the REPL, a path in
+the message or ``/image PATH`` (attached to the next message).
 What the REPL and ``bench`` share with this command lives in :mod:`localllm.cli.answer`.
 """
 
@@ -59,6 +66,8 @@ class RunCommand(click.Command):
 @click.option("--think", default=None, metavar="[=LEVEL]",
               help="Thinking models: --think (on), --think=false (off), --think=low|medium|high (the level).")
 @click.option("--hidethinking", is_flag=True, help="Do not print a thinking model's reasoning.")
+@click.option("--image", "images", multiple=True, metavar="PATH",
+              help="Attach an image file to the prompt (repeatable; a vision model). A path in the prompt works too.")
 @click.option("--verbose", is_flag=True, help="Print timings and token counts after each answer.")
 @click.option("--host", default=None, metavar="URL",
               help="Talk to a localllm or Ollama server there instead of in-process.")
@@ -67,7 +76,8 @@ class RunCommand(click.Command):
 def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed: int | None,
             num_predict: int | None, num_ctx: int | None, system: str | None, fmt: str | None,
             draft: str | None, num_draft: int | None, kv_cache: str | None, backend: str, think: str | None,
-            hidethinking: bool, verbose: bool, host: str | None, keepalive: str | None) -> None:
+            hidethinking: bool, images: tuple[str, ...], verbose: bool, host: str | None,
+            keepalive: str | None) -> None:
     """Run MODEL: answer PROMPT (or piped stdin) once, else chat interactively.
 
     \b
@@ -75,6 +85,8 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
       localllm run smollm2:135m "Why is the sky blue?"
       cat notes.txt | localllm run smollm2:135m "Summarise this:"
       localllm run ./model.gguf --draft ngram --verbose
+      localllm run ./llava.gguf "What is in ./photo.jpg?"
+      localllm run ./llava.gguf --image photo.png "Describe it."
     """
     settings = build_settings(
         temperature=temperature, seed=seed, num_predict=num_predict, num_ctx=num_ctx, system=system,
@@ -88,7 +100,10 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
         if data:
             prompts.insert(0, data)
     # Ollama: interactive only with nothing to answer and a terminal on both ends
-    interactive = not prompts and not piped and isatty(sys.stdout)
+    interactive = not prompts and not piped and isatty(sys.stdout) and not images
+    from localllm.images import read_image
+
+    attached = [read_image(p) for p in images]  # a file that cannot be read: one sentence before any load
 
     from localllm.cli.display import ConversionDisplay
     from localllm.session import open_session
@@ -102,10 +117,10 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
             Repl(session, name, settings).run()
             return
         text = " ".join(prompts)
-        if not text.strip():  # nothing to answer (empty stdin, or stdout redirected): load, as Ollama does
+        if not text.strip() and not attached:  # nothing to answer (empty stdin, stdout redirected): load, as Ollama
             session.runner.load(name, settings.load, keep_alive=settings.keep_alive)
             return
-        code = one_shot(session.runner, name, text, settings)
+        code = one_shot(session.runner, name, text, settings, images=attached)
         if code:
             sys.exit(code)
     finally:
@@ -113,11 +128,13 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
 
 
 def one_shot(runner: Runner, name: str, text: str, settings: RunSettings,
-             out: IO[str] | None = None, err: IO[str] | None = None) -> int:
-    """Answer ``text`` once; returns the exit status (0, or 130 after Ctrl+C)."""
+             out: IO[str] | None = None, err: IO[str] | None = None, *, images: list[bytes] | None = None) -> int:
+    """Answer ``text`` once (image files it names attached, after ``images``); returns the exit status (0, or 130
+    after Ctrl+C)."""
     out = out or sys.stdout
     err = err or sys.stderr
-    request = settings.request([{"role": "user", "content": text}])
+    message = user_message(text, images or [], err)
+    request = settings.request([message])
     answer = stream_answer(runner, name, request, settings.load, out=out, show_thinking=not settings.hide_thinking,
                            keep_alive=settings.keep_alive)
     if answer.text and not answer.text.endswith("\n"):
@@ -131,3 +148,18 @@ def one_shot(runner: Runner, name: str, text: str, settings: RunSettings,
         if settings.verbose:
             print_stats(done.stats, err)
     return 130 if answer.cancelled else 0
+
+
+def user_message(text: str, images: list[bytes], err: IO[str]) -> dict[str, object]:
+    """A user turn: ``text`` with the image files it names taken out and attached (after ``images``)."""
+    from localllm.images import extract_paths, read_image
+
+    text, paths = extract_paths(text)
+    pics = list(images)
+    for p in paths:
+        pics.append(read_image(p))
+        err.write(f"Added image '{p}'\n")
+    msg: dict[str, object] = {"role": "user", "content": text}
+    if pics:
+        msg["images"] = pics
+    return msg

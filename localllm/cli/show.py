@@ -47,6 +47,8 @@ def details(m: Installed) -> dict[str, Any]:
         "formats": m.formats,
         "mlx_source": m.mlx_source,
         "template_note": m.template_note,
+        "projector": {"path": m.projector_path, "digest": m.projector_digest, "size": m.projector_size}
+        if m.projector_path else None,
     }
 
 
@@ -79,6 +81,10 @@ def render(d: dict[str, Any], full_template: bool) -> str:
         out += ["", "  File", f"    {'size':<20}{human_size(d['size'])}", f"    {'digest':<20}{d['digest']}"]
     if d["draft"]:
         out.append(f"    {'suggested draft':<20}{d['draft']}")
+    if d["projector"]:
+        p = d["projector"]
+        out += ["", "  Projector (vision)", f"    {'path':<20}{p['path']}", f"    {'size':<20}{human_size(p['size'])}",
+                f"    {'digest':<20}{p['digest']}"]
     if d["mlx_path"]:
         out += ["", "  MLX", f"    {'path':<20}{d['mlx_path']}", f"    {'source':<20}{d['mlx_source']}"]
     return "\n".join(out)
