@@ -75,6 +75,7 @@ class CatalogEntry:
     mirrors: list[Mirror] = field(default_factory=list)
     template_note: str | None = None
     approx_size: int | None = None  # bytes of the default quant, roughly
+    mmproj: str | None = None  # the vision projector's file name in gguf_repo (a vision model); "auto": F16 first
 
     @property
     def quants(self) -> list[str]:
@@ -139,6 +140,7 @@ def _entry(name: str, raw: dict[str, Any]) -> CatalogEntry:
         mirrors=mirrors,
         template_note=raw.get("template_note"),
         approx_size=raw.get("approx_size"),
+        mmproj=raw.get("mmproj") or None,
     )
 
 

@@ -282,6 +282,7 @@ class HFFile:
     size: int | None
     sha256: str | None  # the Hub's LFS sha256
     revision: str | None
+    mmproj: HFFile | None = None  # the repo's vision projector (mmproj*.gguf, F16 first), fetched beside it
 
     @property
     def url(self) -> str:
@@ -394,10 +395,24 @@ def move_into_place(src: Path, target: Path) -> bool:
     return True
 
 
-def hf_resolve(repo: str, filename: str | None, quant: str | None) -> HFFile:
-    """Ask the Hub for the file's size and LFS sha256 (one request, ``hf_timeout()`` seconds at most)."""
+def hf_resolve(repo: str, filename: str | None, quant: str | None, mmproj: str | None = "auto") -> HFFile:
+    """Ask the Hub for the file's size and LFS sha256 (one request, ``hf_timeout()`` seconds at most), and for
+    the repo's vision projector: ``mmproj`` names it, ``"auto"`` picks among ``mmproj*.gguf`` (F16 first), None
+    fetches none."""
     info = hf_model_info(repo)
     siblings = {s.rfilename: s for s in (info.siblings or [])}
+    proj = None
+    if mmproj:
+        from localllm.store import pick_projector
+
+        pname = pick_projector(list(siblings)) if mmproj == "auto" else mmproj
+        psib = siblings.get(pname) if pname else None
+        if psib is not None:
+            plfs = psib.lfs
+            proj = HFFile(repo=repo, filename=psib.rfilename, size=(plfs.size if plfs else None) or psib.size,
+                          sha256=(plfs.sha256 if plfs else None) or None, revision=info.sha)
+        elif mmproj != "auto":
+            raise SourceUnavailable(f"Hugging Face repo {repo} has no projector file {mmproj}.")
     if filename is None:
         filename = pick_gguf(siblings, quant, repo)
     sib = siblings.get(filename)
@@ -406,4 +421,4 @@ def hf_resolve(repo: str, filename: str | None, quant: str | None) -> HFFile:
     lfs = sib.lfs
     sha = (lfs.sha256 if lfs else None) or None
     size = (lfs.size if lfs else None) or sib.size
-    return HFFile(repo=repo, filename=filename, size=size, sha256=sha, revision=info.sha)
+    return HFFile(repo=repo, filename=filename, size=size, sha256=sha, revision=info.sha, mmproj=proj)

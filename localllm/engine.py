@@ -608,9 +608,16 @@ class Engine:
             if queued:
                 self._leave_queue()
 
-    def tokenize(self, name: str, text: str) -> list[int]:
+    def tokenize(self, name: str, text: str, images: list[bytes] | None = None) -> list[int]:
+        """``text``'s token ids; with ``images`` (a vision model), those first, as placeholder ids of the positions
+        each takes (what a request with them counts in its prompt)."""
         running = self._checkout(name, LoadOptions(), None, None)
         try:
+            if images:
+                from backends.base import IMAGE_MARKER
+
+                marked = IMAGE_MARKER * len(images) + ("\n" + text if text else "")
+                return running.model.call(lambda s: s.prompt_media(marked, list(images)))
             return running.model.tokenize(text)
         finally:
             self._checkin(running, None)

@@ -179,6 +179,8 @@ class _Plan:
     hf_file: str | None  # None: pick from the repo listing by quant
     pinned_sha: str | None
     mirrors: list[Mirror] = field(default_factory=list)
+    mmproj: str | None = "auto"  # the projector to fetch beside the weights from the Hub (None: none)
+    projector: dict[str, Any] | None = None  # what was fetched: the manifest's "projector"
 
 
 class _Reporter:
@@ -491,7 +493,7 @@ class Store:
             return _Plan(
                 ref=ref, install_name=entry.installed_name(quant), entry=entry, quant=quant,
                 hf_repo=entry.gguf_repo, hf_file=entry.gguf_files.get(quant),
-                pinned_sha=entry.gguf_sha256.get(quant), mirrors=entry.mirrors_for(quant),
+                pinned_sha=entry.gguf_sha256.get(quant), mirrors=entry.mirrors_for(quant), mmproj=entry.mmproj,
             )
         if ref.kind == "hf":
             return _Plan(ref=ref, install_name=ref.name, entry=None, quant=ref.quant, hf_repo=ref.repo,
@@ -601,6 +603,14 @@ class Store:
             "info": info.as_dict(),
             "mlx_path": None,
         }
+        if plan.projector is not None:
+            try:
+                check_projector(Path(plan.projector["path"]), info.n_embd)
+                data["projector"] = plan.projector
+            except InvalidModelFileError as e:  # the weights are fine: installed without it, and said why
+                rep.phase(f"projector not installed: {e}")
+                with self._store_lock():
+                    self._gc_blob(plan.projector["digest"])
         with self._store_lock():
             self._write_manifest(install_ref, data)
         m = self._read_manifest(self._manifest_path(install_ref))
@@ -697,7 +707,7 @@ class Store:
                             return hexdigest, f"hf-cache:{repo}/{filename}", path
                 return hexdigest, f"hf-cache:{repo}/{filename}", None
         # 2. the Hub
-        f = dl.hf_resolve(repo, plan.hf_file, plan.quant)
+        f = dl.hf_resolve(repo, plan.hf_file, plan.quant, plan.mmproj)
         expected = plan.pinned_sha or f.sha256
         partial = self.paths.downloads / f"hf-{_key(repo + '/' + f.filename)}.partial"
         have = partial.stat().st_size if partial.exists() else 0
@@ -713,7 +723,24 @@ class Store:
                                  what=f"{repo}/{f.filename}", cancel=cancel, headers=headers)
         rep.phase("verifying sha256 digest", digest=f"sha256:{hexdigest}")
         self._install_blob(partial, hexdigest)
+        if f.mmproj is not None:
+            plan.projector = self._fetch_projector(f.mmproj, rep, cancel, headers)
         return hexdigest, f"hf:{repo}/{f.filename}", None
+
+    def _fetch_projector(self, f: Any, rep: _Reporter, cancel: threading.Event | None,
+                         headers: dict[str, str] | None) -> dict[str, Any]:
+        """Download a vision projector from the Hub (resumable, sha256-checked) into the blobs."""
+        from localllm import download as dl
+
+        partial = self.paths.downloads / f"hf-{_key(f.repo + '/' + f.filename)}.partial"
+        rep.phase(f"pulling projector {f.filename}", digest=f"sha256:{f.sha256}" if f.sha256 else None,
+                  total=f.size or 0)
+        with dl.http_client() as client:
+            hexdigest = dl.fetch(client, f.url, partial, size=f.size, sha256=f.sha256, on_bytes=rep.add,
+                                 what=f"{f.repo}/{f.filename}", cancel=cancel, headers=headers)
+        path = self._install_blob(partial, hexdigest)
+        return {"digest": "sha256:" + hexdigest, "size": path.stat().st_size, "source": f"hf:{f.repo}/{f.filename}",
+                "external": False, "path": str(path)}
 
     def _from_mirror(self, plan: _Plan, mirror: Mirror, rep: _Reporter,
                      cancel: threading.Event | None) -> tuple[str, str, Path | None]:

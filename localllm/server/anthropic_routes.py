@@ -339,13 +339,16 @@ async def messages(body: AnthropicBody, request: Request) -> Response:
 @router.post("/messages/count_tokens")
 async def count_tokens(body: AnthropicCountBody, request: Request) -> dict[str, int]:
     """The prompt's size in the model's tokens: system, turns and tool schemas tokenized as plain text (the
-    chat template's own markup is not counted, so this is a close estimate)."""
-    name, _ = await g.installed(request, body.model)
+    chat template's own markup is not counted, so this is a close estimate); images as their image tokens."""
+    name, model = await g.installed(request, body.model)
     messages, _ = messages_in(body.messages or [])
     parts = [system_text(body.system)] + [str(m.get("content") or "") for m in messages]
     parts += [json.dumps(m["tool_calls"]) for m in messages if m.get("tool_calls")]
     if body.tools:
         parts.append(json.dumps(body.tools))
     text = "\n".join(p for p in parts if p)
-    tokens = await run_sync(engine_of(request).tokenize, name, text) if text else []
+    pics = [bytes(i) for m in messages for i in (m.get("images") or [])]
+    if pics:  # image blocks count as the positions the model's projector makes of them
+        g.check_capabilities(g.Call(body.model, GenerateRequest(messages=messages), images=True), model)
+    tokens = await run_sync(engine_of(request).tokenize, name, text, pics) if text or pics else []
     return {"input_tokens": len(tokens)}

@@ -222,3 +222,14 @@ def test_anthropic_bad_image_is_its_error_shape(url):
     assert r.status_code == 400
     body = r.json()
     assert body["type"] == "error" and "truncated" in body["error"]["message"]
+
+
+def test_anthropic_count_tokens_counts_image_tokens(url):
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    text = [{"type": "text", "text": "Describe it."}]
+    pic = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(png(seed=12))}}
+    plain = client.messages.count_tokens(model=VLM, messages=[{"role": "user", "content": text}])
+    seen = client.messages.count_tokens(model=VLM, messages=[{"role": "user", "content": [pic, *text]}])
+    assert seen.input_tokens >= plain.input_tokens + IMAGE_TOKENS
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.count_tokens(model=TEXT, messages=[{"role": "user", "content": [pic, *text]}])
