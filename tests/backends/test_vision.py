@@ -134,3 +134,46 @@ def test_a_projector_for_another_model_width_is_refused(default_model_path, tmp_
     bad = make_projector(tmp_path / "mmproj-wide.gguf", n_embd=640)
     with pytest.raises(ModelLoadError, match="projector"):
         load("llamacpp", LoadSpec(str(default_model_path), n_ctx=512, mmproj=str(bad)))
+
+
+CHILD = """
+import json, sys
+sys.path.insert(0, {root!r})
+from backends.base import GenerateRequest, LoadSpec, Sampling
+from backends.prompt_cache import PromptCacheSpec
+from backends.registry import load
+from tests.backends.conftest import collect
+from tests.support_vision import png
+spec = PromptCacheSpec({cache!r}, "test-model vision", min_tokens=16)
+msgs = [{{"role": "user", "content": "Describe the picture in detail.", "images": [png(seed=77)]}}]
+with load("llamacpp", LoadSpec({model!r}, n_ctx=1024, n_seq=1, mmproj={proj!r}), prompt_cache=spec) as m:
+    text, done, _ = collect(m.generate(GenerateRequest(messages=msgs, sampling=Sampling(temperature=0, max_tokens=6))))
+s = done.stats
+print(json.dumps({{"text": text, "restored": s.prompt_restored_tokens, "prompt": s.prompt_eval_count,
+                  "encoded": s.images_encoded}}))
+"""
+
+
+def test_a_conversation_with_an_image_restores_from_disk_in_a_second_process(default_model_path, test_projector,
+                                                                               tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = CHILD.format(root=str(Path(__file__).resolve().parents[2]), cache=str(tmp_path),
+                        model=str(default_model_path), proj=str(test_projector))
+
+    def child() -> dict:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ))
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first = child()
+    assert first["restored"] == 0 and first["encoded"] == 1 and list(tmp_path.glob("*.kv")), "nothing was saved"
+    again = child()
+    assert again["restored"] == first["prompt"] - 1  # the image's positions came back from disk, keyed by content
+    assert again["encoded"] == 0  # so the picture was not encoded again
+    assert again["text"] == first["text"]
