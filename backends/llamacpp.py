@@ -58,7 +58,7 @@ from backends.base import (
 )
 
 if TYPE_CHECKING:
-    from backends.llamacpp_vision import Projector
+    from backends.llamacpp_vision import Projector  # noqa: F401 - imported for real where a projector loads
 
 log = logging.getLogger("backends.llamacpp")
 native_log = logging.getLogger("backends.llamacpp.native")  # llama.cpp's own messages
@@ -475,8 +475,10 @@ class LlamaCppSource(TokenSource):
             if spec.mmproj:
                 from backends.llamacpp_vision import Projector
 
+                _recent_native.clear()
                 self._proj = Projector(spec.mmproj, self._model, self._n_embd, n_threads=self.n_threads,
-                                       use_gpu=spec.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload()))
+                                       use_gpu=spec.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload()),
+                                       log_callback=_log_state["cb"], native_reason=_native_reason)
             self._info = self._build_info()
             if spec.embedding:
                 self._embed_ctx()

@@ -27,7 +27,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,25 +64,25 @@ def _placeholder_ids(key: str, n: int, salt: int = 0) -> list[int]:
 class Projector:
     """A loaded mtmd context for one text model (its threads, GPU use and logging as the model's)."""
 
-    def __init__(self, path: str, model: Any, n_embd: int, *, n_threads: int, use_gpu: bool):
+    def __init__(self, path: str, model: Any, n_embd: int, *, n_threads: int, use_gpu: bool,
+                 log_callback: Any = None, native_reason: Callable[..., str | None] = lambda *_: None):
+        """``log_callback``: the llama.cpp log callback the source installed (mtmd's ~2,400 lines a load go where
+        llama.cpp's go); ``native_reason``: the source's recent-log lookup, to explain a failed load."""
         import llama_cpp.mtmd_cpp as M
 
-        from backends.llamacpp import _log_state, _native_reason, _recent_native
-
         self._M = M
-        if _log_state["cb"] is not None:  # mtmd's ~2,400 lines a load go where llama.cpp's go
-            M.mtmd_helper_log_set(_log_state["cb"], ctypes.c_void_p(0))
+        if log_callback is not None:
+            M.mtmd_helper_log_set(log_callback, ctypes.c_void_p(0))
         p = M.mtmd_context_params_default()
         p.use_gpu = bool(use_gpu)
         p.n_threads = int(n_threads)  # mtmd's default is 4, whatever the model was given
         p.print_timings = False
         p.warmup = True
-        _recent_native.clear()
         t = time.perf_counter()
         self._ctx = M.mtmd_init_from_file(path.encode(), model, p)
         if not self._ctx:
             self._ctx = None
-            why = _native_reason("mismatch", "error", "failed", "unknown", "missing")
+            why = native_reason("mismatch", "error", "failed", "unknown", "missing")
             raise ModelLoadError(f"The vision projector {path} could not be loaded beside this model"
                                  f"{f' (llama.cpp: {why})' if why else ''}; it may be for another model.")
         self.load_ms = (time.perf_counter() - t) * 1e3

@@ -296,6 +296,27 @@ def _quant_matches(filename: str, quant: str) -> bool:
     return bool(re.search(rf"(^|[-_.]){re.escape(quant)}([-_.]|$)", stem.removesuffix(".gguf"), re.I))
 
 
+PROJECTOR_PREFERENCE = ("f16", "bf16", "f32", "q8_0")  # which mmproj file of several is taken (llama.cpp's -hf: f16)
+
+
+def pick_projector(names: list[str]) -> str | None:
+    """The projector among file ``names`` (``mmproj*.gguf``): F16 first, as llama.cpp's ``-hf`` and most uploaders.
+
+    >>> pick_projector(["model-Q4_K_M.gguf", "mmproj-model-f32.gguf", "mmproj-model-f16.gguf"])
+    'mmproj-model-f16.gguf'
+    >>> pick_projector(["model.gguf"]) is None
+    True
+    """
+    cands = sorted(n for n in names if Path(n).name.lower().startswith("mmproj") and n.lower().endswith(".gguf"))
+    if not cands:
+        return None
+    for pref in PROJECTOR_PREFERENCE:
+        for n in cands:
+            if pref in Path(n).name.lower().replace("-", "_").replace(".", "_").split("_"):
+                return n
+    return cands[0]
+
+
 def pick_gguf(filenames: Iterable[str], quant: str | None, repo: str) -> str:
     """Choose the GGUF for ``quant`` (default Q4_K_M) among a repo's file names."""
     from localllm.names import DEFAULT_HF_QUANT
@@ -403,8 +424,6 @@ def hf_resolve(repo: str, filename: str | None, quant: str | None, mmproj: str |
     siblings = {s.rfilename: s for s in (info.siblings or [])}
     proj = None
     if mmproj:
-        from localllm.store import pick_projector
-
         pname = pick_projector(list(siblings)) if mmproj == "auto" else mmproj
         psib = siblings.get(pname) if pname else None
         if psib is not None:

@@ -72,33 +72,14 @@ class Projector:
                 "external": self.external}
 
 
-PROJECTOR_PREFERENCE = ("f16", "bf16", "f32", "q8_0")  # which mmproj file of several is taken (llama.cpp's -hf: f16)
-
-
-def pick_projector(names: list[str]) -> str | None:
-    """The projector among file ``names`` (``mmproj*.gguf``): F16 first, as llama.cpp's ``-hf`` and most uploaders.
-
-    >>> pick_projector(["model-Q4_K_M.gguf", "mmproj-model-f32.gguf", "mmproj-model-f16.gguf"])
-    'mmproj-model-f16.gguf'
-    >>> pick_projector(["model.gguf"]) is None
-    True
-    """
-    cands = sorted(n for n in names if Path(n).name.lower().startswith("mmproj") and n.lower().endswith(".gguf"))
-    if not cands:
-        return None
-    for pref in PROJECTOR_PREFERENCE:
-        for n in cands:
-            if pref in Path(n).name.lower().replace("-", "_").replace(".", "_").split("_"):
-                return n
-    return cands[0]
-
-
 def projector_beside(path: Path) -> Path | None:
     """A projector next to a local GGUF (``mmproj*.gguf`` in the same directory), or None."""
     try:
         names = [p.name for p in path.parent.iterdir() if p.is_file() and p.name != path.name]
     except OSError:
         return None
+    from localllm.download import pick_projector
+
     pick = pick_projector(names)
     return path.parent / pick if pick else None
 

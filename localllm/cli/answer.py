@@ -366,3 +366,18 @@ def build_settings(
     ka = parse_keep_alive(keepalive) if keepalive not in (None, "") else None
     return RunSettings(sampling=sampling, load=load, system=system, format=fmt, verbose=verbose, keep_alive=ka,
                        think=parse_think_flag(think), hide_thinking=hide_thinking)
+
+
+def user_message(text: str, images: list[bytes], err: IO[str]) -> dict[str, object]:
+    """A user turn: ``text`` with the image files it names taken out and attached (after ``images``)."""
+    from localllm.images import extract_paths, read_image
+
+    text, paths = extract_paths(text)
+    pics = list(images)
+    for p in paths:
+        pics.append(read_image(p))
+        err.write(f"Added image '{p}'\n")
+    msg: dict[str, object] = {"role": "user", "content": text}
+    if pics:
+        msg["images"] = pics
+    return msg

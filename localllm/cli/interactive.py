@@ -23,7 +23,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import IO, TYPE_CHECKING, Any
 
-from localllm.cli.answer import RunSettings, ensure_model, overflow_note, parse_think_flag, print_stats, stream_answer
+from localllm.cli.answer import (
+    RunSettings,
+    ensure_model,
+    overflow_note,
+    parse_think_flag,
+    print_stats,
+    stream_answer,
+    user_message,
+)
 from localllm.cli.display import isatty
 from localllm.engine import BackendError
 from localllm.errors import LocalLLMError
@@ -178,8 +186,6 @@ class Repl:
 
     def ask(self, text: str) -> None:
         """Send ``text`` as the next user turn and stream the answer."""
-        from localllm.cli.run import user_message
-
         s = self.settings
         try:
             message = user_message(text, self.pending_images, self.err)

@@ -31,7 +31,15 @@ from typing import IO
 import click
 
 from localllm.api import Runner
-from localllm.cli.answer import RunSettings, build_settings, ensure_model, overflow_note, print_stats, stream_answer
+from localllm.cli.answer import (
+    RunSettings,
+    build_settings,
+    ensure_model,
+    overflow_note,
+    print_stats,
+    stream_answer,
+    user_message,
+)
 from localllm.cli.display import isatty
 
 
@@ -149,17 +157,3 @@ def one_shot(runner: Runner, name: str, text: str, settings: RunSettings,
             print_stats(done.stats, err)
     return 130 if answer.cancelled else 0
 
-
-def user_message(text: str, images: list[bytes], err: IO[str]) -> dict[str, object]:
-    """A user turn: ``text`` with the image files it names taken out and attached (after ``images``)."""
-    from localllm.images import extract_paths, read_image
-
-    text, paths = extract_paths(text)
-    pics = list(images)
-    for p in paths:
-        pics.append(read_image(p))
-        err.write(f"Added image '{p}'\n")
-    msg: dict[str, object] = {"role": "user", "content": text}
-    if pics:
-        msg["images"] = pics
-    return msg
