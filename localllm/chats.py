@@ -74,8 +74,14 @@ def _v3(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE message ADD COLUMN thinking TEXT")
 
 
+def _v4(db: sqlite3.Connection) -> None:
+    """User turns keep the images sent with them: a JSON list of :class:`ImageRef` records (the bytes live in the
+    images directory by content hash, so the chat stays whole when the original file moves)."""
+    db.execute("ALTER TABLE message ADD COLUMN images TEXT")
+
+
 # Index i upgrades a database from user_version i to i + 1. Append only; never edit a released step.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3, _v4]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -91,6 +97,22 @@ class Conversation:
 
 
 @dataclass
+class ImageRef:
+    """An image attached to a message: its bytes are ``<images dir>/<sha256>``."""
+
+    sha256: str
+    name: str  # the file name it was attached as
+    width: int = 0
+    height: int = 0
+    format: str = ""
+
+    @property
+    def chip(self) -> str:
+        """How a message shows it: ``🖼 photo.png 640×480``."""
+        return f"🖼 {self.name} {self.width}×{self.height}" if self.width else f"🖼 {self.name}"
+
+
+@dataclass
 class Message:
     id: int
     conversation_id: int
@@ -99,12 +121,13 @@ class Message:
     created_at: float = 0.0
     stats: dict[str, Any] | None = None
     thinking: str | None = None  # a thinking model's reasoning, apart from its answer
+    images: list[ImageRef] = field(default_factory=list)  # attached to a user turn
 
 
 class ChatStore:
     """Thread-safe access to the chats database (one connection, one lock; writes commit at once)."""
 
-    def __init__(self, path: str | Path | None = None):
+    def __init__(self, path: str | Path | None = None, images_dir: str | Path | None = None):
         if path is None:
             from localllm.config import paths
 
@@ -112,6 +135,12 @@ class ChatStore:
         if str(path) != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.path = str(path)
+        if images_dir is None:
+            import tempfile
+
+            images_dir = (Path(path).parent / "chat-images" if str(path) != ":memory:"
+                          else Path(tempfile.gettempdir()) / "localllm-chat-images")
+        self.images_dir = Path(images_dir)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10)
         self._db.row_factory = sqlite3.Row
@@ -207,21 +236,50 @@ class ChatStore:
 
     @staticmethod
     def _msg(row: sqlite3.Row) -> Message:
-        stats = row["stats"]
+        stats, images = row["stats"], row["images"]
         return Message(id=row["id"], conversation_id=row["conversation_id"], role=row["role"],
                        content=row["content"], created_at=row["created_at"],
-                       stats=json.loads(stats) if stats else None, thinking=row["thinking"])
+                       stats=json.loads(stats) if stats else None, thinking=row["thinking"],
+                       images=[ImageRef(**i) for i in json.loads(images)] if images else [])
+
+    def save_image(self, data: bytes, name: str) -> ImageRef:
+        """Keep an image's bytes by content hash (once) and return its record."""
+        import hashlib
+        import os
+
+        from localllm.images import image_size
+
+        sha = hashlib.sha256(data).hexdigest()
+        self.images_dir.mkdir(parents=True, exist_ok=True)
+        dest = self.images_dir / sha
+        if not dest.is_file():
+            tmp = dest.with_name(f".{sha}.{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, dest)
+        fmt, w, h = image_size(data) or ("", 0, 0)
+        return ImageRef(sha, name, w, h, fmt)
+
+    def image_bytes(self, ref: ImageRef) -> bytes:
+        """The bytes of an attached image (:class:`LocalLLMError` when they are gone)."""
+        try:
+            return (self.images_dir / ref.sha256).read_bytes()
+        except OSError:
+            raise LocalLLMError(f"The image {ref.name} of this chat is missing from {self.images_dir}.") from None
 
     def add_message(self, conversation_id: int, role: str, content: str,
-                    stats: dict[str, Any] | None = None, thinking: str | None = None) -> Message:
+                    stats: dict[str, Any] | None = None, thinking: str | None = None,
+                    images: list[ImageRef] | None = None) -> Message:
         """Append a message and commit it (the conversation moves to the top of the list). ``thinking``: the
-        reasoning that came before an answer."""
+        reasoning that came before an answer; ``images``: those attached to it (:meth:`save_image`)."""
+        from dataclasses import asdict
+
         now = time.time()
+        pics = json.dumps([asdict(i) for i in images]) if images else None
         with self._lock:
             cur = self._db.execute(
-                "INSERT INTO message (conversation_id, role, content, created_at, stats, thinking) "
-                "VALUES (?,?,?,?,?,?)",
-                (conversation_id, role, content, now, json.dumps(stats) if stats else None, thinking or None),
+                "INSERT INTO message (conversation_id, role, content, created_at, stats, thinking, images) "
+                "VALUES (?,?,?,?,?,?,?)",
+                (conversation_id, role, content, now, json.dumps(stats) if stats else None, thinking or None, pics),
             )
             self._db.execute("UPDATE conversation SET updated_at = ? WHERE id = ?", (now, conversation_id))
             row = self._db.execute("SELECT * FROM message WHERE id = ?", (cur.lastrowid,)).fetchone()
@@ -269,6 +327,8 @@ class ChatStore:
             lines += ["", f"## {msg.role.capitalize()}", ""]
             if msg.thinking:
                 lines += ["<details><summary>Thinking</summary>", "", msg.thinking.strip(), "", "</details>", ""]
+            for img in msg.images:  # the file by content hash, so the export points at bytes that stay
+                lines.append(f"![{img.name}]({(self.images_dir / img.sha256).as_uri()})")
             lines.append(msg.content)
         return "\n".join(lines).rstrip() + "\n"
 

@@ -20,6 +20,7 @@ import threading
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from textual import events, on, work
@@ -32,7 +33,8 @@ from textual.widget import Widget
 from textual.widgets import Collapsible, Footer, Label, Markdown, OptionList, Static, TextArea
 from textual.widgets.option_list import Option
 
-from localllm.chats import DEFAULT_TITLE, Conversation
+from localllm.chats import DEFAULT_TITLE, Conversation, ImageRef
+from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
     from textual.widgets.markdown import MarkdownStream
@@ -227,9 +229,10 @@ class MessageView(Vertical, can_focus=True):
     ]
 
     def __init__(self, role: str, content: str, message_id: int | None = None, stopped: bool = False,
-                 thinking: str = ""):
+                 thinking: str = "", images: list[ImageRef] | None = None):
         super().__init__(classes=f"message {role}")
         self.role, self.content, self.message_id = role, content, message_id
+        self.images = list(images or [])
         self.thinking = thinking
         self.stopped = stopped
         self._code_index = 0
@@ -239,6 +242,8 @@ class MessageView(Vertical, can_focus=True):
         yield Label(label + (" (stopped)" if self.stopped else ""), classes="role")
         if self.thinking:
             yield ThinkingView(self.thinking)
+        if self.images:  # chips: file name and pixels (the bytes are kept by content hash with the chat)
+            yield Label("  ".join(i.chip for i in self.images), classes="images")
         yield Markdown(self.content, classes="body")
 
     @property
@@ -296,6 +301,7 @@ class ChatScreen(Screen):
         Binding("ctrl+f", "copy_code", "Copy code", id="chat.copy_code", show=False),
         Binding("ctrl+b", "toggle_sidebar", "Sidebar", id="chat.sidebar", show=False),
         Binding("ctrl+l", "focus_prompt", "Prompt", id="chat.focus_prompt", show=False),
+        Binding("f5", "attach_image", "Attach image", id="chat.attach", show=False),
     ]
 
     def __init__(self) -> None:
@@ -303,6 +309,7 @@ class ChatScreen(Screen):
         self.conversation: Conversation | None = None
         self.cancel: threading.Event | None = None
         self.generating = False
+        self.pending_images: list[ImageRef] = []  # attached (F5, or a path in the prompt) for the next message
         self.last_info: AnswerInfo | None = None
         self.render_lag_s: float | None = None  # end of generation -> last token on screen
         self.answer_done = asyncio.Event()
@@ -320,6 +327,7 @@ class ChatScreen(Screen):
                 yield OptionList(id="conversations")
             with Vertical(id="chat-pane"):
                 yield VerticalScroll(id="messages")
+                yield Label("", id="attachments")
                 yield PromptInput(id="prompt", placeholder="Message (Enter sends, Ctrl+J newline)")
         yield Static("", id="status")
         yield Footer()
@@ -369,7 +377,7 @@ class ChatScreen(Screen):
         self.last_info = None
         if self.conversation is not None:
             saved = self.lapp.chats.messages(self.conversation.id)
-            views = [MessageView(m.role, m.content, m.id, thinking=m.thinking or "",
+            views = [MessageView(m.role, m.content, m.id, thinking=m.thinking or "", images=m.images,
                                  stopped=(m.stats or {}).get("finish_reason") == "cancelled") for m in saved]
             answers = [m for m in saved if m.role == "assistant"]
             self.last_info = info_from_saved(answers[-1].stats) if answers else None
@@ -501,15 +509,52 @@ class ChatScreen(Screen):
             self.notify("An answer is still streaming: Esc stops it.", severity="warning", timeout=3)
             self.query_one(PromptInput).load_text(event.text)
             return
-        conv = self.ensure_conversation(title=_title(event.text))
+        from localllm.images import extract_paths
+
+        text, paths = extract_paths(event.text)  # a path typed or pasted in the prompt is attached
+        for p in paths:
+            if not self._attach_image(str(p)):
+                self.query_one(PromptInput).load_text(event.text)
+                return
+        images, self.pending_images = self.pending_images, []
+        self._show_pending()
+        conv = self.ensure_conversation(title=_title(text or event.text))
         if conv.title == DEFAULT_TITLE:
-            self.lapp.chats.rename(conv.id, _title(event.text))
-        msg = self.lapp.chats.add_message(conv.id, "user", event.text)  # committed before generating
+            self.lapp.chats.rename(conv.id, _title(text or event.text))
+        msg = self.lapp.chats.add_message(conv.id, "user", text, images=images)  # committed before generating
         self.conversation = self.lapp.chats.get(conv.id)
         self.refresh_list()
         self.query("#empty-hint").remove()
-        self.query_one("#messages", VerticalScroll).mount(MessageView("user", event.text, msg.id))
+        self.query_one("#messages", VerticalScroll).mount(MessageView("user", text, msg.id, images=images))
         self.start_answer()
+
+    def _attach_image(self, path: str) -> bool:
+        """Read, check and keep an image for the next message; False (and a notice) when it is refused."""
+        from localllm.images import read_image
+
+        try:
+            data = read_image(path)
+        except LocalLLMError as e:
+            self.notify(str(e), severity="error", timeout=6)
+            return False
+        self.pending_images.append(self.lapp.chats.save_image(data, Path(path).name))
+        self._show_pending()
+        return True
+
+    def _show_pending(self) -> None:
+        label = self.query_one("#attachments", Label)
+        label.update("  ".join(i.chip for i in self.pending_images) if self.pending_images else "")
+        label.display = bool(self.pending_images)
+
+    def action_attach_image(self) -> None:
+        from .modals import TextModal
+
+        def done(path: str | None) -> None:
+            if path and path.strip():
+                self._attach_image(path.strip())
+            self.query_one(PromptInput).focus()
+
+        self.app.push_screen(TextModal("Attach an image (path to a PNG, JPEG, WebP, GIF or BMP file)"), done)
 
     def action_regenerate(self) -> None:
         if self.generating or self.conversation is None:
@@ -531,7 +576,12 @@ class ChatScreen(Screen):
     def history(self) -> list[dict[str, str]]:
         assert self.conversation is not None
         out = [{"role": "system", "content": self.conversation.system}] if self.conversation.system else []
-        out += [{"role": m.role, "content": m.content} for m in self.lapp.chats.messages(self.conversation.id)]
+        chats = self.lapp.chats
+        for m in chats.messages(self.conversation.id):  # images re-sent from the chat's own copies (regenerate too)
+            msg: dict[str, Any] = {"role": m.role, "content": m.content}
+            if m.images:
+                msg["images"] = [chats.image_bytes(i) for i in m.images]
+            out.append(msg)
         return out
 
     def start_answer(self) -> None:
