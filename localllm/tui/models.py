@@ -34,7 +34,7 @@ class ModelRow:
     backend: str = ""  # the backend the planner picks for it here ("server" on a server)
     verdict: str = ""  # "fits on GPU" | "partial offload 20/32 layers" | "CPU" | "too big"
     loaded: bool = False
-    formats: str = "GGUF"  # the weight formats installed: "GGUF" or "GGUF+MLX"
+    formats: str = "GGUF"  # the weight formats installed: "GGUF", "GGUF+MLX"; "+mmproj" with a vision projector
 
 
 SERVER_FIT = Fit(text="(server decides)")  # a server picks the backend itself
@@ -54,8 +54,9 @@ def model_rows(session: Session) -> list[ModelRow]:
                 fit = session.advisor.fit(m.name)
             except Exception as e:  # noqa: BLE001 - a verdict that cannot be computed is shown, not raised
                 fit = Fit(text=f"? ({e})")
+        formats = m.formats + (["mmproj"] if m.projector_path else [])  # a vision projector: the model takes images
         rows.append(ModelRow(name=m.name, size=m.size, quantization=m.quantization, backend=fit.backend,
-                             verdict=fit.text, loaded=m.name in loaded, formats="+".join(m.formats) or "GGUF"))
+                             verdict=fit.text, loaded=m.name in loaded, formats="+".join(formats) or "GGUF"))
     return rows
 
 

@@ -15,8 +15,6 @@ from localllm.tui.chat import ChatScreen
 from tests.support_vision import IMAGE_TOKENS, png
 from tests.tui.test_chat import wait_until
 
-pytestmark = pytest.mark.asyncio
-
 
 @pytest.fixture
 def vlm_path(tmp_path, default_model_path, test_projector) -> Path:
@@ -30,6 +28,7 @@ def vlm_path(tmp_path, default_model_path, test_projector) -> Path:
     return d / "model.gguf"
 
 
+@pytest.mark.asyncio
 async def test_a_path_in_the_prompt_is_attached_kept_and_resent(tui_home, chats, vlm_path, tmp_path):
     photo = tmp_path / "photo.png"
     photo.write_bytes(png(seed=5))
@@ -55,6 +54,7 @@ async def test_a_path_in_the_prompt_is_attached_kept_and_resent(tui_home, chats,
     assert "chat-images" in chats.export_markdown(conv.id) or str(chats.images_dir) in chats.export_markdown(conv.id)
 
 
+@pytest.mark.asyncio
 async def test_f5_attaches_and_a_bad_file_is_one_notice(tui_home, chats, vlm_path, tmp_path):
     good, bad = tmp_path / "a.png", tmp_path / "b.png"
     good.write_bytes(png(seed=6))
@@ -75,3 +75,38 @@ async def test_f5_attaches_and_a_bad_file_is_one_notice(tui_home, chats, vlm_pat
         await pilot.pause(0.2)
         assert [i.name for i in screen.pending_images] == ["a.png"]
         assert "a.png" in str(screen.query_one("#attachments", Label).render())
+
+
+def test_the_model_manager_lists_the_projector(home, installed_default_model, test_projector):
+    from localllm.config import paths
+    from localllm.engine import Engine
+    from localllm.local import LocalAdvisor, LocalModels, LocalRunner
+    from localllm.session import Session
+    from localllm.store import Store
+    from localllm.tui.models import model_rows
+    from tests.support import TEST_HOME, install_copy
+
+    install_copy(paths().models, TEST_HOME / "data" / "models")
+    store = Store()
+    store.copy("smollm2:135m", "plain:latest")
+    store.set_projector("smollm2:135m", test_projector)
+    engine = Engine(store=store)
+    try:
+        rows = {r.name: r for r in model_rows(Session(LocalModels(store), LocalRunner(engine), LocalAdvisor(engine)))}
+    finally:
+        engine.close()
+    assert rows["smollm2:135m"].formats == "GGUF+mmproj" and rows["plain:latest"].formats == "GGUF"
+
+
+def test_the_remote_client_sends_images_as_base64():
+    import base64
+
+    from localllm.client import request_body
+    from localllm.engine import GenerateRequest
+
+    pic = png(seed=1)
+    path, body = request_body("m", GenerateRequest(messages=[{"role": "user", "content": "hi", "images": [pic]}]),
+                              None, None)
+    assert path == "/api/chat" and body["messages"][0]["images"] == [base64.b64encode(pic).decode()]
+    path, body = request_body("m", GenerateRequest(prompt="<__media__> hi", images=[pic]), None, None)
+    assert path == "/api/generate" and body["images"] == [base64.b64encode(pic).decode()]
