@@ -177,3 +177,13 @@ def test_a_conversation_with_an_image_restores_from_disk_in_a_second_process(def
     assert again["restored"] == first["prompt"] - 1  # the image's positions came back from disk, keyed by content
     assert again["encoded"] == 0  # so the picture was not encoded again
     assert again["text"] == first["text"]
+
+
+def test_more_image_tokens_than_the_context_holds(vlm):
+    from backends.base import ContextOverflowError
+
+    many = [png(seed=200 + i) for i in range(1024 // IMAGE_TOKENS + 1)]
+    with pytest.raises(ContextOverflowError, match="context holds 1024"):
+        collect(vlm.generate(GenerateRequest(messages=chat(*many), sampling=greedy(2))))
+    _, d, _ = collect(vlm.generate(GenerateRequest(messages=chat(png(seed=8)), sampling=greedy(2))))
+    assert d.stats.image_tokens == IMAGE_TOKENS  # the model goes on
