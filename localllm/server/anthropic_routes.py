@@ -31,7 +31,7 @@ from localllm.server import generation as g
 from localllm.server.checks import check_tools, forced_tools
 from localllm.server.errors import bad_request
 from localllm.server.framing import SSE, SSE_HEADERS, call_id, normalize_calls, sse
-from localllm.server.images import from_base64
+from localllm.server.images import check_request, from_base64
 from localllm.server.options import api_options, keep_alive_of
 from localllm.server.protocol import engine_of, run_sync
 from localllm.server.schemas import AnthropicBody, AnthropicCountBody
@@ -350,5 +350,6 @@ async def count_tokens(body: AnthropicCountBody, request: Request) -> dict[str, 
     pics = [bytes(i) for m in messages for i in (m.get("images") or [])]
     if pics:  # image blocks count as the positions the model's projector makes of them
         g.check_capabilities(g.Call(body.model, GenerateRequest(messages=messages), images=True), model)
+        check_request(messages)
     tokens = await run_sync(engine_of(request).tokenize, name, text, pics) if text or pics else []
     return {"input_tokens": len(tokens)}

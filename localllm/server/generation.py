@@ -173,10 +173,12 @@ async def begin(http: Request, call: Call) -> Run:
     """Steps 1–4: checks, the engine call, the first event. Raises (an HTTP error status) before any output."""
     name, model = await installed(http, call.model)
     check_capabilities(call, model)
-    if call.images and call.request.messages is not None:  # http(s) images where the server allows them
-        from localllm.server.images import resolve
+    if call.images:  # the model takes images: check them (format, pixels), fetch http(s) ones where allowed
+        from localllm.server.images import check_request, resolve
 
-        await run_sync(resolve, call.request.messages)
+        check_request(call.request.messages, call.request.images)
+        if call.request.messages is not None:
+            await run_sync(resolve, call.request.messages)
     options = context_of(http, call.options, model)
     agen = engine_of(http).agenerate(name, call.request, options, keep_alive=call.keep_alive)
     first = await first_event(agen, http)  # a failure before any output raises here: a real status

@@ -34,6 +34,20 @@ def urls_allowed() -> bool:
     return os.environ.get("LOCALLLM_IMAGE_URLS", "") not in ("", "0", "false", "no")
 
 
+class SentImage(bytes):
+    """An image's bytes as a request sent them (decoded, size-checked), with where in the request it was
+    (``messages[0].images[1]``): its format and pixel count are checked by :func:`check_request` once the model
+    is known to take images, so a text-only model answers "does not support images" first, as Ollama does."""
+
+    where: str = "image"
+
+
+def sent(data: bytes, where: str) -> SentImage:
+    img = SentImage(data)
+    img.where = where
+    return img
+
+
 @dataclass(frozen=True)
 class RemoteImage:
     """An ``http(s)`` image URL a request named, fetched by :func:`resolve` before the engine is called."""
@@ -65,7 +79,10 @@ def from_base64(text: object, where: str) -> bytes:
         data = base64.b64decode("".join(text.split()), validate=True)
     except (binascii.Error, ValueError):
         raise bad_request(f"{where}: the image is not valid base64") from None
-    return check_image(data, where)
+    if len(data) > max_bytes():
+        raise bad_request(f"{where}: the image is {len(data):,} bytes, more than the {max_bytes():,} allowed "
+                          "(LOCALLLM_MAX_IMAGE_BYTES)")
+    return sent(data, where)
 
 
 def from_url(url: object, where: str) -> bytes | RemoteImage:
@@ -131,6 +148,17 @@ def resolve(messages: list[dict[str, object]]) -> None:
         imgs = m.get("images")
         if isinstance(imgs, list) and any(isinstance(i, RemoteImage) for i in imgs):
             m["images"] = [fetch_remote(i) if isinstance(i, RemoteImage) else i for i in imgs]
+
+
+def check_request(messages: list[dict[str, object]] | None, images: list[bytes] | None = None) -> None:
+    """Check the format and declared pixels of every image of a request (a 400 naming the first bad one)."""
+    for m in messages or []:
+        imgs = m.get("images")
+        for i in imgs if isinstance(imgs, list) else []:
+            if isinstance(i, bytes):
+                check_image(i, getattr(i, "where", "image"))
+    for n, i in enumerate(images or []):
+        check_image(i, getattr(i, "where", f"images[{n}]"))
 
 
 __all__ = ["APIError", "RemoteImage", "check_image", "fetch_remote", "from_base64", "from_url", "image_size",

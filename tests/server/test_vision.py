@@ -233,3 +233,9 @@ def test_anthropic_count_tokens_counts_image_tokens(url):
     assert seen.input_tokens >= plain.input_tokens + IMAGE_TOKENS
     with pytest.raises(anthropic.BadRequestError):
         client.messages.count_tokens(model=TEXT, messages=[{"role": "user", "content": [pic, *text]}])
+
+
+def test_a_text_model_says_so_before_the_image_is_looked_at(url):
+    r = httpx.post(url + "/api/chat", json={"model": TEXT, "stream": False, "messages": [
+        {"role": "user", "content": "hi", "images": [b64(b"hello")]}]})  # valid base64, not an image
+    assert r.status_code == 400 and "does not support images" in r.json()["error"]
