@@ -405,6 +405,19 @@ class TokenSource(abc.ABC):
         (encoded now, or found in the cache by content hash)."""
         return MediaWork()
 
+    @property
+    def media_whole(self) -> bool:
+        """An image's positions must be evaluated together, in one step (a projector that needs non-causal
+        attention over the image, such as Gemma 3's); the loop then gives the whole image one feed."""
+        return False
+
+    def media_span(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` belong to the image of the first one (from that position on)."""
+        n = 0
+        while n < len(tokens) and is_image_token(tokens[n]):
+            n += 1
+        return n
+
     def media_counters(self) -> MediaWork:
         """Images encoded since load (their tokens, the time): the ``/metrics`` counters."""
         return MediaWork()

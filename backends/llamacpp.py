@@ -737,6 +737,13 @@ class LlamaCppSource(TokenSource):
             return MediaWork()
         return self._proj.encode(tokens)
 
+    @property
+    def media_whole(self) -> bool:
+        return self._proj is not None and self._proj.non_causal
+
+    def media_span(self, tokens: Sequence[int]) -> int:
+        return self._proj.span(tokens) if self._proj is not None else 0
+
     def media_counters(self) -> MediaWork:
         p = self._proj
         return MediaWork(p.encoded, p.encoded_tokens, p.encode_ns) if p is not None else MediaWork()
@@ -767,7 +774,14 @@ class LlamaCppSource(TokenSource):
             n += k
             outs.append(mine)
         b.n_tokens = n
-        rc = llama_cpp.llama_decode(self._ctx, b)
+        non_causal = self._proj.non_causal  # Gemma 3: the image's positions see each other (whole images only)
+        if non_causal:
+            llama_cpp.llama_set_causal_attn(self._ctx, False)
+        try:
+            rc = llama_cpp.llama_decode(self._ctx, b)
+        finally:
+            if non_causal:
+                llama_cpp.llama_set_causal_attn(self._ctx, True)
         if rc == 1:
             raise PoolFullError("No room in the KV cache for this step.")
         if rc != 0:

@@ -15,9 +15,12 @@ content hash, ``MAX_CACHED_EMBD_BYTES``), so even an image whose KV cells were e
 an embeddings-only decode, since tokens and embeddings cannot share one ``llama_decode`` (see
 shared/reference/vision-mtmd.md).
 
-Not supported yet, refused in one sentence: projectors that need non-causal attention for the image
-(Gemma 3) and models with M-RoPE positions (Qwen2-VL family), whose image chunks take fewer positions than
-tokens; audio.
+A projector that needs **non-causal** attention over an image (Gemma 3) has each image evaluated whole, in one
+embeddings-only decode with causal attention switched off for it (``llama_set_causal_attn``), and then on again
+for the step's token decode: the loop gives such an image a step of its own (:attr:`media_whole`, :meth:`span`).
+
+Not supported yet, refused in one sentence: models with M-RoPE positions (Qwen2-VL family), whose image chunks
+take fewer positions than tokens; audio.
 """
 
 from __future__ import annotations
@@ -107,9 +110,6 @@ class Projector:
 
     def problem(self) -> str | None:
         """Why this projector cannot run in the batched loop (one sentence), or None."""
-        if self.non_causal:
-            return ("This vision projector needs non-causal attention for its images (Gemma 3 style), which "
-                    "localllm does not run yet.")
         if self.mrope:
             return ("This vision model uses M-RoPE positions (Qwen2-VL style), which localllm does not run yet.")
         return None
@@ -255,6 +255,20 @@ class Projector:
             if e is not keep and e.embd is not None:
                 self._embd_bytes -= e.embd.nbytes
                 e.embd = None
+
+    def span(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` are positions of the first one's image, from that position on."""
+        first = self._by_id.get(tokens[0]) if tokens else None
+        if first is None:
+            return 0
+        e, k = first
+        n = 0
+        for t in tokens:
+            hit = self._by_id.get(t)
+            if hit is None or hit[0] is not e or hit[1] != k + n:
+                break
+            n += 1
+        return n
 
     def rows(self, tokens: Sequence[int]) -> Any:
         """The embeddings of a run of placeholders, ``(len(tokens), n_embd)`` float32, contiguous."""

@@ -478,6 +478,7 @@ class LoadedModel:
             owners.append((r, "decode", drafts))
             budget -= 1 + len(drafts)
         cap = budget if not decoding else min(budget, self.prefill_chunk)
+        room = budget  # the step's tokens left, beyond the prefill chunk: a whole image may take them
         for r in list(self._active):
             if r.last is not None or cap <= 0:
                 continue
@@ -494,6 +495,15 @@ class LoadedModel:
                 img = is_image_token(chunk[0])
                 cut = next((i for i, t in enumerate(chunk) if is_image_token(t) != img), len(chunk))
                 chunk = chunk[:cut]
+                if img and src.media_whole:  # one whole image per feed (non-causal attention over it)
+                    span = src.media_span(rest)
+                    if span > src.n_batch:
+                        self._end(r, "error", error=BackendError(
+                            f"An image takes {span} positions, more than one step evaluates ({src.n_batch})."))
+                        continue
+                    if span > room:
+                        continue  # a later step has room for all of it
+                    chunk = rest[:span]
                 if img:
                     try:
                         work = src.encode_images(chunk)  # the vision tower, only for images not encoded before
@@ -505,6 +515,7 @@ class LoadedModel:
             feeds.append(Feed(r.seq.id, chunk, len(r.seq.tokens), 1 if len(chunk) == len(rest) else 0))
             owners.append((r, "prefill", []))
             cap -= len(chunk)
+            room -= len(chunk)
         if not feeds:
             return
         rows = self._evaluate(feeds, owners)

@@ -17,14 +17,17 @@ from pathlib import Path
 IMAGE_TOKENS = 16  # what one image becomes with the projector below (64 px / 16 px patches = 4 x 4)
 
 
-def make_projector(path: Path, n_embd: int = 576, seed: int = 0) -> Path:
-    """Write the random ``mlp`` projector for a text model of width ``n_embd`` to ``path`` (once)."""
+def make_projector(path: Path, n_embd: int = 576, seed: int = 0, kind: str = "mlp") -> Path:
+    """Write a random projector for a text model of width ``n_embd`` to ``path`` (once). ``kind="mlp"``: LLaVA-1.5
+    style, causal, 16 tokens per image; ``kind="gemma3"``: Gemma 3 style (SigLIP tower, 2x2 average pool, RMS norm,
+    input projection; ``<start_of_image>`` text around the image), which needs **non-causal** attention over the
+    image's positions: 128 px images, 16 px patches, pooled to **16 tokens**."""
     if path.is_file():
         return path
     import gguf
     import numpy as np
 
-    img, patch, width, ff, blocks = 64, 16, 64, 128, 2
+    img, patch, width, ff, blocks = (64 if kind == "mlp" else 128), 16, 64, 128, 2
     rng = np.random.default_rng(seed)
 
     def rnd(out: int, *inp: int) -> np.ndarray:  # numpy (out, in) = ggml ne [in, out]
@@ -34,17 +37,23 @@ def make_projector(path: Path, n_embd: int = 576, seed: int = 0) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), "clip")
     w.add_bool("clip.has_vision_encoder", True)
-    w.add_string("clip.projector_type", "mlp")
+    w.add_string("clip.projector_type", kind)
     w.add_bool("clip.use_gelu", True)
+    if kind == "gemma3":
+        w.add_uint32("clip.vision.projector.scale_factor", 2)
     for k, v in {"image_size": img, "patch_size": patch, "embedding_length": width, "feed_forward_length": ff,
                  "block_count": blocks, "projection_dim": n_embd, "attention.head_count": 4}.items():
         w.add_uint32("clip.vision." + k, v)  # the loader asserts UINT32
     w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
     w.add_array("clip.vision.image_mean", [0.5] * 3)
     w.add_array("clip.vision.image_std", [0.5] * 3)
-    t = {"v.patch_embd.weight": rnd(width, 3, patch, patch), "v.position_embd.weight": rnd((img // patch) ** 2, width),
-         "mm.0.weight": rnd(n_embd, width), "mm.0.bias": np.zeros(n_embd, np.float32),
-         "mm.2.weight": rnd(n_embd, n_embd), "mm.2.bias": np.zeros(n_embd, np.float32)}
+    t = {"v.patch_embd.weight": rnd(width, 3, patch, patch), "v.position_embd.weight": rnd((img // patch) ** 2, width)}
+    if kind == "mlp":
+        t.update({"mm.0.weight": rnd(n_embd, width), "mm.0.bias": np.zeros(n_embd, np.float32),
+                  "mm.2.weight": rnd(n_embd, n_embd), "mm.2.bias": np.zeros(n_embd, np.float32)})
+    else:  # ggml ne [n_embd, width]: the graph multiplies by its transpose
+        t.update({"mm.input_projection.weight": rnd(width, n_embd) * np.float32(np.sqrt(n_embd / width)),
+                  "mm.soft_emb_norm.weight": np.ones(width, np.float32)})
     for i in range(blocks):
         t.update({f"v.blk.{i}.{n}.weight": rnd(width, width) for n in ("attn_q", "attn_k", "attn_v", "attn_out")})
         t.update({f"v.blk.{i}.{n}.weight": np.ones(width, np.float32) for n in ("ln1", "ln2")})
@@ -75,3 +84,47 @@ def png(width: int = 64, height: int = 64, seed: int = 0) -> bytes:
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"".join(rows)))
             + chunk(b"IEND", b""))
+
+
+def reference_logits(model_path: str, projector: str, prompt: str, images: list[bytes], n_threads: int) -> object:
+    """The logits after ``prompt`` (one ``<__media__>`` per image) as llama.cpp's own helper evaluates it:
+    ``mtmd_helper_eval_chunks`` on a fresh one-sequence context (what ``llama-mtmd-cli`` does): the yardstick for
+    the batched loop's image path (non-causal images included)."""
+    import ctypes
+
+    import llama_cpp as L
+    import llama_cpp.mtmd_cpp as M
+    import numpy as np
+
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    model = L.llama_model_load_from_file(model_path.encode(), mp)
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 1024, 512, 512, n_threads, n_threads
+    ctx = L.llama_init_from_model(model, cp)
+    par = M.mtmd_context_params_default()
+    par.use_gpu, par.n_threads, par.print_timings = False, n_threads, False
+    mctx = M.mtmd_init_from_file(projector.encode(), model, par)
+    bitmaps = []
+    try:
+        for data in images:
+            buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+            bitmaps.append(M.mtmd_helper_bitmap_init_from_buf(mctx, buf, len(data), False))
+        raw = prompt.encode()
+        txt = M.mtmd_input_text()
+        txt.text, txt.text_len, txt.add_special, txt.parse_special = raw, len(raw), True, True
+        chunks = M.mtmd_input_chunks_init()
+        arr = (M.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps)
+        assert M.mtmd_tokenize(mctx, chunks, ctypes.byref(txt), arr, len(bitmaps)) == 0
+        n_past = L.llama_pos(0)
+        assert M.mtmd_helper_eval_chunks(mctx, ctx, chunks, 0, 0, 512, True, ctypes.byref(n_past)) == 0
+        n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+        out = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
+        M.mtmd_input_chunks_free(chunks)
+        return out
+    finally:
+        for bm in bitmaps:
+            M.mtmd_bitmap_free(bm)
+        M.mtmd_free(mctx)
+        L.llama_free(ctx)
+        L.llama_model_free(model)

@@ -187,3 +187,43 @@ def test_more_image_tokens_than_the_context_holds(vlm):
         collect(vlm.generate(GenerateRequest(messages=chat(*many), sampling=greedy(2))))
     _, d, _ = collect(vlm.generate(GenerateRequest(messages=chat(png(seed=8)), sampling=greedy(2))))
     assert d.stats.image_tokens == IMAGE_TOKENS  # the model goes on
+
+
+def _first_top(m, msgs) -> np.ndarray:
+    _, done, evs = collect(m.generate(GenerateRequest(messages=msgs, sampling=greedy(1), logprobs=True,
+                                                      top_logprobs=5)))
+    assert done.stats.image_tokens == IMAGE_TOKENS
+    return np.array([lp for _, lp, _ in next(e.logprobs[0] for e in evs if getattr(e, "logprobs", None)).top])
+
+
+def _ref_top(model, proj, prompt, pic) -> np.ndarray:
+    from tests.support_vision import reference_logits
+
+    ref = np.asarray(reference_logits(str(model), str(proj), prompt, [pic], 2), dtype=np.float64)
+    lse = ref.max() + np.log(np.exp(ref - ref.max()).sum())
+    return np.sort(ref - lse)[::-1][:5]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gemma3"])
+def test_the_loop_evaluates_images_as_llama_cpps_own_helper_does(default_model_path, derived_model, test_cache,
+                                                                 kind):
+    """Our path (placeholders, embeddings-only decodes in a shared pool; for a Gemma 3 style projector the whole
+    image in one non-causal decode) gives the logits of ``mtmd_helper_eval_chunks`` (what ``llama-mtmd-cli``
+    runs): bit for bit alone; batched beside a text stream on the F32 model (quantized kernels are not
+    batch-invariant either), within 0.01 (a causal decode of the Gemma 3 image is 0.1 off)."""
+    from tests.support_vision import make_projector
+
+    proj = make_projector(test_cache / "vision" / f"mmproj-smollm2-test-{kind}.gguf", kind=kind)
+    size = 64 if kind == "mlp" else 128
+    pic = png(size, size, seed=9)
+    for model, batched in ((default_model_path, False), (derived_model("f32"), True)):
+        with load("llamacpp", LoadSpec(str(model), n_ctx=1024, n_seq=2, n_threads=2, mmproj=str(proj))) as m:
+            prompt = m.call(lambda s: s.render([{"role": "user", "content": "<__media__>\n" + ASK}]))
+            side = threading.Thread(target=lambda: collect(m.generate(GenerateRequest(  # noqa: B023
+                messages=chat(text="Count to twenty."), sampling=greedy(24)))))
+            if batched:
+                side.start()
+            ours = _first_top(m, chat(pic))
+            if batched:
+                side.join(120)
+        np.testing.assert_allclose(ours, _ref_top(model, proj, prompt, pic), atol=1e-2 if batched else 1e-5)
