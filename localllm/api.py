@@ -119,10 +119,11 @@ class Models(Protocol):
         path). Raises :class:`~localllm.errors.ModelNotFoundError`."""
 
     def pull(self, name: str, *, progress: ProgressFn | None = None, cancel: threading.Event | None = None,
-             mlx: bool | None = None) -> Installed:
+             mlx: bool | None = None, mmproj_file: str | None = None) -> Installed:
         """Download and install ``name``; ``progress`` gets :class:`PullProgress` events (Ollama's phases);
         ``cancel`` stops it (the partial download is kept for a resume). ``mlx``: the catalog's MLX weights
-        too (in-process; None = on Apple Silicon)."""
+        too (in-process; None = on Apple Silicon). ``mmproj_file``: the Hub repo's projector file to take
+        (in-process; default: its ``mmproj*.gguf``, F16 first)."""
 
     def set_projector(self, name: str, path: str) -> Installed:
         """Give installed ``name`` the vision projector file at ``path`` (in-process only; a server refuses)."""

@@ -366,8 +366,9 @@ class Client:
         return installed_from_show(name, data, found)
 
     def pull(self, name: str, *, progress: ProgressFn | None = None, cancel: threading.Event | None = None,
-             mlx: bool | None = None) -> Installed:
-        """Pull on the server (it pulls into its own store; ``mlx`` is the server's business)."""
+             mlx: bool | None = None, mmproj_file: str | None = None) -> Installed:
+        """Pull on the server (it pulls into its own store; ``mlx`` and ``mmproj_file`` are the server's business:
+        it takes the repo's default projector)."""
         for obj in self._stream("/api/pull", {"model": name, "stream": True}, cancel):
             if progress is not None:
                 progress(PullProgress(status=str(obj.get("status", "")), digest=obj.get("digest"),

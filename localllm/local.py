@@ -84,8 +84,8 @@ class LocalModels:
         return installed(self.store.get(name))
 
     def pull(self, name: str, *, progress: ProgressFn | None = None, cancel: threading.Event | None = None,
-             mlx: bool | None = None) -> Installed:
-        return installed(self.store.pull(name, progress=progress, cancel=cancel, mlx=mlx))
+             mlx: bool | None = None, mmproj_file: str | None = None) -> Installed:
+        return installed(self.store.pull(name, progress=progress, cancel=cancel, mlx=mlx, mmproj_file=mmproj_file))
 
     def set_projector(self, name: str, path: str) -> Installed:
         from pathlib import Path

@@ -482,15 +482,21 @@ class Store:
         raise PullError("pull takes a model name, not a file path.")  # parse_name refuses paths first
 
     def pull(self, name: str, *, progress: ProgressFn | None = None,
-             cancel: threading.Event | None = None, mlx: bool | None = None) -> InstalledModel:
+             cancel: threading.Event | None = None, mlx: bool | None = None,
+             mmproj_file: str | None = None) -> InstalledModel:
         """Download ``name`` (alias or ``hf.co/user/repo[:QUANT]``), verify it and install it.
 
         ``mlx``: also fetch the catalog's MLX weights (``mlx_repo``). None (default) does so on Apple Silicon,
         where MLX runs them, and carries on without them when the Hub cannot give them (the GGUF converts
         on first use instead); True does so anywhere and fails (one sentence, the GGUF stays installed)
-        when they cannot be fetched; False never."""
+        when they cannot be fetched; False never. ``mmproj_file``: the file of the Hub repo to install as the
+        vision projector (default: its ``mmproj*.gguf``, F16 first)."""
         ref = parse_name(name, allow_path=False)
         plan = self._plan(ref)
+        if mmproj_file:  # the repo's projector to take instead of the F16 one (``pull --mmproj FILE``)
+            if not plan.hf_repo:
+                raise PullError(f"{plan.install_name} has no Hugging Face repo to take {mmproj_file} from.")
+            plan.mmproj = mmproj_file
         if mlx and not (plan.entry and plan.entry.mlx_repo):
             raise PullError(f"{plan.install_name} has no MLX weights in the catalog; `localllm convert "
                             f"{plan.install_name}` builds them from its GGUF offline.")

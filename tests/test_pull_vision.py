@@ -58,3 +58,24 @@ def test_a_hub_projector_for_another_model_is_not_installed(hub, default_model_p
     m = Store().pull(f"hf.co/{repo}:Q4_1", progress=events.append)
     assert m.projector is None
     assert any("projector not installed" in e.status and "another model" in e.status for e in events)
+
+
+def test_pull_mmproj_names_another_projector_file_of_the_repo(hub, default_model_path, test_projector, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.support_vision import make_projector
+
+    repo = "someone/Tiny-Two-GGUF"
+    f32 = make_projector(tmp_path / "other.gguf", seed=1).read_bytes()
+    _hub(hub, repo, {"Tiny-Q4_1.gguf": default_model_path.read_bytes(),
+                     "mmproj-Tiny-f16.gguf": test_projector.read_bytes(), "mmproj-Tiny-f32.gguf": f32})
+    r = subprocess.run([sys.executable, "-m", "localllm", "pull", f"hf.co/{repo}:Q4_1", "--mmproj",
+                        "mmproj-Tiny-f32.gguf"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = Store().get(f"hf.co/{repo}:Q4_1")
+    assert m.projector is not None and m.projector.digest == f"sha256:{_sha(f32)}"
+    _hub(hub, "someone/Tiny-Three-GGUF", {"Tiny-Q4_1.gguf": default_model_path.read_bytes()})
+    r = subprocess.run([sys.executable, "-m", "localllm", "pull", "hf.co/someone/Tiny-Three-GGUF:Q4_1",
+                        "--mmproj", "mmproj-nope.gguf"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "has no projector file mmproj-nope.gguf" in r.stderr

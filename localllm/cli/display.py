@@ -198,12 +198,15 @@ def make_progress(out: TextIO | None = None) -> PlainProgress | RichProgress:
     return RichProgress(out) if isatty(out) else PlainProgress(out)
 
 
-def pull_with_progress(models: Models, name: str, out: TextIO | None = None, *, mlx: bool | None = None
-                       ) -> Installed:
+def pull_with_progress(models: Models, name: str, out: TextIO | None = None, *, mlx: bool | None = None,
+                       mmproj_file: str | None = None) -> Installed:
     """Pull ``name`` showing progress on ``out`` (stderr); returns the installed model. ``mlx``: fetch the
-    catalog's MLX weights too (None: the store decides, i.e. on Apple Silicon)."""
+    catalog's MLX weights too (None: the store decides, i.e. on Apple Silicon); ``mmproj_file``: the Hub repo's
+    projector file to take."""
     bar = make_progress(out)
     try:
+        if mmproj_file:
+            return models.pull(name, progress=bar, mlx=mlx, mmproj_file=mmproj_file)
         return models.pull(name, progress=bar, mlx=mlx)
     finally:
         bar.close()

@@ -5,6 +5,7 @@
     $ localllm pull hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M
     $ localllm pull llama3.2:1b --mlx      # also its MLX weights (the default on Apple Silicon)
     $ localllm pull mymodel:latest --mmproj ./mmproj-model-f16.gguf   # give it a vision projector
+    $ localllm pull hf.co/ggml-org/gemma-3-4b-it-GGUF --mmproj mmproj-model-f32.gguf  # not the repo's F16 one
 
 On a terminal the progress is a rich bar (bytes, speed, ETA) on stderr; otherwise plain lines.
 Interrupting it keeps the partial download: the next pull resumes from there.
@@ -24,8 +25,9 @@ from localllm.cli.display import pull_with_progress
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.option("--mlx/--no-mlx", default=None,
               help="Also fetch the catalog's MLX weights (default: on Apple Silicon only).")
-@click.option("--mmproj", default=None, metavar="PATH", type=click.Path(dir_okay=False),
-              help="Attach this vision projector (mmproj GGUF) to the model: it then takes images.")
+@click.option("--mmproj", default=None, metavar="PATH|FILE",
+              help="Attach this vision projector file (mmproj GGUF) to the model: it then takes images; for an "
+                   "hf.co name, the repo's projector FILE to take instead of its F16 one.")
 @click.option("--host", default=None, metavar="URL",
               help="Talk to a localllm or Ollama server there instead of in-process.")
 def command(name: str, quiet: bool, mlx: bool | None, mmproj: str | None, host: str | None) -> None:
@@ -36,8 +38,16 @@ def command(name: str, quiet: bool, mlx: bool | None, mmproj: str | None, host: 
     parse_name(name, allow_path=False)  # a bad name is one sentence before anything is asked of a server
     models = open_models(host)
     try:
-        model = models.pull(name, mlx=mlx) if quiet else pull_with_progress(models, name, mlx=mlx)
-        if mmproj:
+        from pathlib import Path
+
+        # --mmproj: a local projector file to attach, or (hf.co names) the repo's projector file to take
+        repo_file = mmproj if mmproj and name.startswith("hf.co/") and not Path(mmproj).is_file() else None
+        if repo_file:
+            model = models.pull(name, mlx=mlx, mmproj_file=repo_file) if quiet else pull_with_progress(
+                models, name, mlx=mlx, mmproj_file=repo_file)
+        else:
+            model = models.pull(name, mlx=mlx) if quiet else pull_with_progress(models, name, mlx=mlx)
+        if mmproj and not repo_file:
             model = models.set_projector(model.name, mmproj)
     except KeyboardInterrupt:
         click.echo("\nInterrupted; the partial download is kept and the next pull resumes it.", err=True)
