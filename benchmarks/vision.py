@@ -8,16 +8,22 @@ Runs in-process on the backend's decode loop (no HTTP), llama.cpp:
 * **image TTFT**: a chat turn with one image vs the same turn without it (greedy, 1 token), cold (the image
   encoded) and warm (the same image again: prefix reuse, nothing encoded) — median of ``--rounds``; the
   projector's encode time from the request's stats;
+* **llama.cpp's own path** on the same files and prompt: ``mtmd_tokenize`` + ``mtmd_helper_eval_chunks`` (what
+  ``llama-mtmd-cli`` runs for a prompt, without its process start and model load) on a fresh one-sequence
+  context, to the logits of the last prompt token — against our cold image TTFT;
 * **the longest pause of 3 text streams** while an image request is admitted beside them: the largest gap
   between two tokens of any text stream during the run, vs the same 3 streams with a text-only 4th request.
 
-Not measured here yet: ``llama-mtmd-cli`` on the same files (the issue's comparison); the projector made by
-``tests/support_vision.py`` is tiny, so the encode figures are the pipeline's overhead, not a real ViT's cost.
+Not measured here: the ``llama-mtmd-cli`` binary itself (its process start and load dominate a 16-token image);
+the projector made by ``tests/support_vision.py`` is tiny, so the encode figures are the pipeline's overhead,
+not a real ViT's cost. ``OMP_WAIT_POLICY=PASSIVE`` is set (as the tests do): on a machine shared with other work,
+llama.cpp's spinning threads otherwise make every figure 5-10x worse.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import threading
@@ -25,6 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before llama.cpp's OpenMP starts (see the docstring)
 
 
 def main() -> None:
@@ -73,7 +80,10 @@ def main() -> None:
         enc.append(e)
         warm.append(ttft([pic(r)])[0])
     med = statistics.median
+    prompt = m.call(lambda s: s.render([{"role": "user", "content": "<__media__>\n" + ask}]))
+    ref = [helper_prefill(model, proj, prompt, pic(r), a.threads or 2) for r in range(a.rounds)]
     print(f"image tokens per image: {n_img}")
+    print(f"llama.cpp's mtmd_helper_eval_chunks, same prompt and image: {med(ref) * 1e3:.1f} ms to the last logits")
     print(f"TTFT text-only {med(text) * 1e3:.1f} ms | with image, cold {med(cold) * 1e3:.1f} ms "
           f"(encode {med(enc):.2f} ms) | same image again {med(warm) * 1e3:.1f} ms")
 
@@ -109,6 +119,43 @@ def main() -> None:
     print(f"longest pause of 3 text streams: with a text 4th request {pauses(False) * 1e3:.1f} ms | "
           f"with an image 4th request {pauses(True) * 1e3:.1f} ms")
     m.close()
+
+
+def helper_prefill(model: str, proj: str, prompt: str, image: bytes, threads: int) -> float:
+    """Seconds llama.cpp's own helper takes from the image bytes to the prompt's last logits (load excluded)."""
+    import ctypes
+
+    import llama_cpp as L
+    import llama_cpp.mtmd_cpp as M
+
+    mp = L.llama_model_default_params()
+    lm = L.llama_model_load_from_file(model.encode(), mp)
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 2048, 512, 512, threads, threads
+    ctx = L.llama_init_from_model(lm, cp)
+    par = M.mtmd_context_params_default()
+    par.use_gpu, par.n_threads, par.print_timings = False, threads, False
+    mctx = M.mtmd_init_from_file(proj.encode(), lm, par)
+    try:
+        t = time.perf_counter()
+        buf = (ctypes.c_uint8 * len(image)).from_buffer_copy(image)
+        bm = M.mtmd_helper_bitmap_init_from_buf(mctx, buf, len(image), False)
+        raw = prompt.encode()
+        txt = M.mtmd_input_text()
+        txt.text, txt.text_len, txt.add_special, txt.parse_special = raw, len(raw), True, True
+        chunks = M.mtmd_input_chunks_init()
+        assert M.mtmd_tokenize(mctx, chunks, ctypes.byref(txt), (M.mtmd_bitmap_p_ctypes * 1)(bm), 1) == 0
+        n_past = L.llama_pos(0)
+        assert M.mtmd_helper_eval_chunks(mctx, ctx, chunks, 0, 0, 512, True, ctypes.byref(n_past)) == 0
+        L.llama_get_logits_ith(ctx, -1)
+        dt = time.perf_counter() - t
+        M.mtmd_input_chunks_free(chunks)
+        M.mtmd_bitmap_free(bm)
+        return dt
+    finally:
+        M.mtmd_free(mctx)
+        L.llama_free(ctx)
+        L.llama_model_free(lm)
 
 
 if __name__ == "__main__":
