@@ -586,3 +586,19 @@ def test_probe_and_the_engine_pick_mlx_for_a_convertible_gguf_on_a_mac(private_d
     _, lp, _ = probe_cmd.plan_for_model("smollm2:135m", machine(ram_gib=16, mlx=True), num_ctx=None,
                                         kv_cache_type="f16", backend="auto", num_gpu=None)
     assert lp.backend == "llamacpp" and not any("MLX" in r for r in lp.reasons)
+
+
+def test_a_vision_model_on_a_mac_runs_on_llamacpp_metal_and_says_why():
+    """mlx-lm has no vision: a model with a projector takes llama.cpp (Metal) unless MLX is forced; the projector's
+    memory is counted with the weights, on the GPU with the layers."""
+    hw = mac16(mlx=True, mlx_metal=True)
+    plain = plan(LLAMA31_8B, hw, mlx_model=True)
+    p = plan(LLAMA31_8B, hw, mlx_model=True, projector_bytes=600 * MiB)
+    assert plain.backend == "mlx" and (p.backend, p.device) == ("llamacpp", "metal")
+    assert "has a vision projector" in line(p, "MLX not used")
+    assert "on the GPU with the model" in line(p, "vision projector")
+    forced = plan(LLAMA31_8B, hw, mlx_model=True, projector_bytes=600 * MiB, backend="mlx")
+    assert forced.backend == "mlx" and "images are refused" in line(forced, "vision projector")
+    cpu = plan(LLAMA31_8B, machine(ram_gib=32), projector_bytes=600 * MiB)
+    base = plan(LLAMA31_8B, machine(ram_gib=32))
+    assert cpu.memory.total == base.memory.total + 600 * MiB and cpu.memory.cpu == base.memory.cpu + 600 * MiB
