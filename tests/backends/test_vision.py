@@ -227,3 +227,11 @@ def test_the_loop_evaluates_images_as_llama_cpps_own_helper_does(default_model_p
             if batched:
                 side.join(120)
         np.testing.assert_allclose(ours, _ref_top(model, proj, prompt, pic), atol=1e-2 if batched else 1e-5)
+
+
+def test_a_model_on_mlx_refuses_images_in_one_sentence(backend_factory):
+    b = backend_factory("mlx")  # mlx-lm has no vision: the projector stays with llama.cpp
+    with pytest.raises(UnsupportedError, match="loaded on MLX, which has no vision"):
+        collect(b.generate(GenerateRequest(messages=chat(png()), sampling=greedy(2))))
+    text, _, _ = collect(b.generate(GenerateRequest(messages=chat(text="Hi"), sampling=greedy(2))))
+    assert text  # the model goes on
