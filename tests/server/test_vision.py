@@ -239,3 +239,23 @@ def test_a_text_model_says_so_before_the_image_is_looked_at(url):
     r = httpx.post(url + "/api/chat", json={"model": TEXT, "stream": False, "messages": [
         {"role": "user", "content": "hi", "images": [b64(b"hello")]}]})  # valid base64, not an image
     assert r.status_code == 400 and "does not support images" in r.json()["error"]
+
+
+def test_remote_image_urls_when_allowed_never_from_a_private_address(url, monkeypatch):
+    from localllm.server import images
+    from tests.support import MirrorServer, Route
+
+    srv = MirrorServer()
+    srv.routes["/cat.png"] = Route(png(seed=13))
+    try:
+        monkeypatch.setenv("LOCALLLM_IMAGE_URLS", "1")
+        part = {"type": "image_url", "image_url": {"url": srv.url + "/cat.png"}}
+        with pytest.raises(openai.BadRequestError, match="not a public address"):  # loopback: never fetched
+            _oai(url).chat.completions.create(model=VLM, max_tokens=1, messages=[{"role": "user", "content": [part]}])
+        assert not [h for h in srv.hits if h.path == "/cat.png"]
+        # what a public host would give (the address check is the one part a loopback test cannot show)
+        monkeypatch.setattr(images, "_public", lambda host: True)
+        r = _oai(url).chat.completions.create(model=VLM, max_tokens=1, messages=[{"role": "user", "content": [part]}])
+        assert r.usage.prompt_tokens > IMAGE_TOKENS and [h for h in srv.hits if h.path == "/cat.png"]
+    finally:
+        srv.close()
