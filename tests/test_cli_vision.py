@@ -104,3 +104,32 @@ def test_pull_mmproj_refuses_a_projector_for_another_model(home, installed_defau
     wide = make_projector(tmp_path / "mmproj-wide.gguf", n_embd=640)
     r = cli("pull", "smollm2:135m", "--mmproj", str(wide))
     assert r.returncode != 0 and "belongs to another model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_repl_image_command_and_a_path_in_a_message(vision_dir):
+    import io
+
+    from localllm.cli.answer import build_settings
+    from localllm.cli.interactive import Repl
+    from localllm.engine import Engine
+    from localllm.session import open_session
+
+    (vision_dir / "b.png").write_bytes(png(seed=8))
+    lines = iter([f"/image {vision_dir / 'photo.png'}", "Describe it.", f"And {vision_dir / 'b.png'}?",
+                  "/image missing.png", "/bye"])
+    out, err = io.StringIO(), io.StringIO()
+    with Engine() as engine:
+        repl = Repl(open_session(engine=engine), str(vision_dir / "model.gguf"),
+                    build_settings(temperature=0, seed=1, num_predict=4, verbose=True), out=out, err=err,
+                    read=lambda prompt: next(lines))
+        repl.run()
+        users = [m for m in repl.messages if m["role"] == "user"]
+    assert [len(m.get("images", [])) for m in users] == [1, 1]  # each turn keeps its picture
+    assert users[1]["content"] == "And ?"
+    o, e = out.getvalue(), err.getvalue()
+    assert "Added image" in o and "Cannot read the image missing.png" in e
+    counts = [line for line in e.splitlines() if line.startswith("image tokens:")]
+    assert counts == [f"image tokens:         {IMAGE_TOKENS} token(s) of 1 image(s)",
+                      f"image tokens:         {2 * IMAGE_TOKENS} token(s) of 2 image(s)"]
+    encodes = [line for line in e.splitlines() if line.startswith("image encode:")]
+    assert encodes[1].startswith("image encode:         1 encoded")  # the first picture was not encoded again
