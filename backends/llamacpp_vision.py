@@ -42,6 +42,9 @@ log = logging.getLogger("backends.llamacpp")
 
 MAX_CACHED_EMBD_BYTES = 512 << 20  # image embeddings kept for reuse (a 576-token image of a 4096-wide model: 9 MB)
 MAX_IMAGES = 4096  # images whose placeholder ids are remembered (those of prompts being evaluated, and more)
+# preprocessed images (mtmd chunks) kept for a later encode: the most recent ones (a real model's is ~10 MB); an
+# older one that is needed again is prepared again when its next prompt is tokenized
+MAX_PENDING_CHUNKS = 64
 
 
 @dataclass
@@ -182,16 +185,20 @@ class Projector:
             self._images[key] = e
             for k, t in enumerate(ids):
                 self._by_id[t] = (e, k)
-            self._trim_table()
         self._images.move_to_end(key)
         if e.embd is None and e.chunk is None:
             e.chunk = M.mtmd_input_chunk_copy(ch)
+        self._trim_table()
         return list(e.ids)
 
     def _trim_table(self) -> None:
         while len(self._images) > MAX_IMAGES:
             _, old = self._images.popitem(last=False)
             self._forget(old)
+        pending = [e for e in self._images.values() if e.chunk is not None]
+        for e in pending[:max(0, len(pending) - MAX_PENDING_CHUNKS)]:
+            self._M.mtmd_input_chunk_free(e.chunk)
+            e.chunk = None
 
     def _forget(self, e: _Image) -> None:
         for t in e.ids:
