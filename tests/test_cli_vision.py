@@ -133,3 +133,10 @@ def test_repl_image_command_and_a_path_in_a_message(vision_dir):
                       f"image tokens:         {2 * IMAGE_TOKENS} token(s) of 2 image(s)"]
     encodes = [line for line in e.splitlines() if line.startswith("image encode:")]
     assert encodes[1].startswith("image encode:         1 encoded")  # the first picture was not encoded again
+
+
+def test_piped_prompt_with_a_path(vision_dir):
+    r = subprocess.run([sys.executable, "-m", "localllm", "run", "./model.gguf", "--verbose", *FAST],
+                       input="What is in ./photo.png?\n", capture_output=True, text=True, cwd=vision_dir, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Added image 'photo.png'" in r.stderr and f"image tokens:         {IMAGE_TOKENS}" in r.stderr
