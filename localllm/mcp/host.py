@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal, TextIO
 
 from localllm.errors import LocalLLMError
 from localllm.mcp.config import McpConfig, ServerConfig
@@ -126,7 +126,7 @@ def schema_problem(schema: Any) -> str | None:
         return "its input schema is not a JSON object"
     if schema.get("type", "object") != "object":
         return f'its input schema has type {json.dumps(schema.get("type"))}, not "object"'
-    import jsonschema
+    import jsonschema  # type: ignore[import-untyped]
 
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
@@ -159,7 +159,7 @@ class McpHost:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._listeners: list[Callable[[ServerStatus], None]] = []
-        self._logs: list[IO[str]] = []
+        self._logs: list[TextIO] = []
         self._closed = False
         _open_hosts.add(self)
 
@@ -279,7 +279,7 @@ class McpHost:
                 self._changed(srv)
             log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} stopped\n")
 
-    async def _transport(self, cfg: ServerConfig, log: IO[str], stack: AsyncExitStack) -> Any:
+    async def _transport(self, cfg: ServerConfig, log: TextIO, stack: AsyncExitStack) -> Any:
         if cfg.command:
             import os
             import shutil
