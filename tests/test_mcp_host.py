@@ -64,7 +64,8 @@ def test_config_bad_entries_are_one_sentence_each_and_the_rest_works(tmp_path):
     assert cfg.servers["ok"].args == ("-v", "1") and cfg.servers["web"].headers == {"Authorization": "Bearer t"}
     assert set(cfg.problems) == {"both", "neither", "badargs", "badurl", "badcwd", "badtimeout"}
     for name, sentence in cfg.problems.items():
-        assert sentence.startswith(f'MCP server "{name}" in mcp.json') and sentence.endswith(".") and "\n" not in sentence
+        assert sentence.startswith(f'MCP server "{name}" in mcp.json') and sentence.endswith(".")
+        assert "\n" not in sentence
     with pytest.raises(LocalLLMError, match="not valid JSON"):
         parse_config("{nope", "mcp.json")
     with pytest.raises(LocalLLMError, match="mcpServers"):

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.test_mcp_host import SERVER, TIME_SERVER, recorder
+from tests.test_mcp_host import TIME_SERVER, recorder
 
 TOOL_MODEL = "smollm2-tools:135m"
 

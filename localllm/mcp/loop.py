@@ -113,7 +113,7 @@ class ToolChat:
     def needs_asking(self, call: ToolCall) -> bool:
         return f"{call.server}/{call.info.name if call.info else call.tool}" not in self.allowed
 
-    def grant(self, call: ToolCall, decision: Decision) -> bool:
+    def grant(self, call: ToolCall, decision: Decision | str) -> bool:
         """Record the user's answer; True when the call may run."""
         if decision == "chat" and call.info is not None:
             self.allowed.add(f"{call.server}/{call.info.name}")
