@@ -243,7 +243,7 @@ class SettingsModal(ModalScreen[dict[str, Any] | None]):
             self.query_one("#settings-error", Static).update(str(e))
             return
         model = self.query_one("#model", Select).value
-        if self.mcp is not None:
+        if self.mcp is not None and self.mcp.names:  # no mcp.json: nothing to say
             params["mcp"] = [n for n in self.mcp.names if n in self.enabled]
             if self.off:
                 params["mcp_off"] = sorted(self.off)
