@@ -5,7 +5,9 @@ tool whose input schema is not valid JSON Schema.
 Every call of ``record`` appends its arguments as one JSON line to ``$MCP_RECORD`` (so a test sees what arrived
 at the server), and returns ``recorded: TEXT`` plus ``$MCP_SECRET``. ``nap`` sleeps (a hung tool), ``die``
 ends the process mid-call, ``boom`` raises (a tool error), ``big`` returns N characters (a huge result), and
-``pid`` returns the server's process id (the tests check that it is gone after the app exits)."""
+``pid`` returns the server's process id (the tests check that it is gone after the app exits). ``--only NAME``
+lists that tool alone (so a grammar-forced call of a real model can only pick it); ``wait`` sleeps a minute
+and takes no arguments (a tool to interrupt)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ class Malformed(MCPServer):
         return tools
 
 
-def build(malformed: bool = False) -> MCPServer:
+def build(malformed: bool = False, only: str | None = None) -> MCPServer:
     mcp = (Malformed if malformed else MCPServer)("recorder")
 
     @mcp.tool()
@@ -64,12 +66,22 @@ def build(malformed: bool = False) -> MCPServer:
         """The server's process id."""
         return str(os.getpid())
 
+    @mcp.tool()
+    def wait() -> str:
+        """Wait a minute."""
+        time.sleep(60)
+        return "waited"
+
+    if only:
+        for name in ("record", "nap", "die", "boom", "big", "pid", "wait"):
+            if name != only:
+                mcp.remove_tool(name)
     return mcp
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    server = build(malformed="--malformed" in args)
+    server = build(malformed="--malformed" in args, only=args[args.index("--only") + 1] if "--only" in args else None)
     print(f"recorder MCP server {os.getpid()} starting", file=sys.stderr, flush=True)
     if "--http" in args:
         import anyio

@@ -88,7 +88,7 @@ def test_stdio_servers_start_in_the_background_and_calls_reach_them(tmp_path):
         assert time.perf_counter() - t0 < 0.5  # nothing waits for a server to start
         assert host.status("rec").state == "starting"
         host.wait(["rec", "time"], timeout=60)
-        assert host.status("rec").line() == "rec: ready, 6 tools"
+        assert host.status("rec").line() == "rec: ready, 7 tools"
         assert {t.name for t in host.status("time").tools} == {"get_current_time", "convert_time"}
         tools = {t.public: t for t in host.tools(["rec", "time"])}
         result = host.call(tools["record"], {"text": "hello"})

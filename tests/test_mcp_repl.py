@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def test_a_call_is_confirmed_reaches_the_server_and_its_result_the_model(tool_st
     out, err, repl, prompts = run_repl(
         tool_store, [{"name": "record", "arguments": {"text": "hello"}}], {"rec": recorder(record, "48613")},
         ["Record hello please", "a", "And again", "/tools", "/bye"], tmp_path)
-    assert "MCP rec: ready, 6 tools" in out
+    assert "MCP rec: ready, 7 tools" in out
     assert '⚙ record (rec) {"text": "hello"}' in out
     asks = [p for p in prompts if p.startswith("Allow record?")]
     assert len(asks) == 1  # "always": the second turn's call is not asked again
@@ -171,3 +172,73 @@ def test_the_real_model_makes_a_forced_call_to_the_time_server_through_run(tool_
     left = [q for q in psutil.process_iter(["cmdline", "create_time"])
             if q.info["create_time"] >= started - 1 and any("mcp-server-time" in a for a in q.info["cmdline"] or [])]
     assert not left, left
+
+
+def _rec_home(tmp_path: Path, tool_store) -> tuple[dict, Path]:
+    """A LOCALLLM_HOME whose mcp.json has the recorder with its ``wait`` tool alone (a forced call must pick it)."""
+    home = tmp_path / "home"
+    (home / "config").mkdir(parents=True)
+    (home / "config" / "mcp.json").write_text(json.dumps({"mcpServers": {"rec": recorder(None, "", "--only", "wait")}}))
+    return {"LOCALLLM_HOME": str(home), "LOCALLLM_MODELS": str(tool_store.paths.models)}, home
+
+
+def _server_pid(home: Path) -> int:
+    import re
+
+    log = (home / "data" / "logs" / "mcp-rec.log").read_text()
+    return int(re.findall(r"recorder MCP server (\d+) starting", log)[-1])
+
+
+def _gone(pid: int, timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_ctrl_c_stops_a_running_tool_and_the_server_goes_with_the_repl(tool_store, tmp_path):
+    from tests.test_cli_run import PtyProcess
+
+    env, home = _rec_home(tmp_path, tool_store)
+    p = PtyProcess([TOOL_MODEL, "--mcp", "rec", "--tool-choice", "required", "--temperature", "0",
+                    "--num-predict", "30"], env=env)
+    try:
+        p.expect("MCP rec: ready, 1 tool", timeout=120)
+        p.expect(">>> ")
+        pid = _server_pid(home)
+        p.send("Wait for me\n")
+        assert "⚙ wait (rec) {}" in p.expect("Allow wait?", timeout=120)
+        p.send("o\n")
+        time.sleep(1.0)  # the call is running on the server (it sleeps a minute)
+        t0 = time.monotonic()
+        p.send("\x03")
+        p.expect("Stopped.", timeout=20)
+        assert time.monotonic() - t0 < 20
+        p.expect(">>> ")
+        p.send("/bye\n")
+        assert p.close() == 0
+    finally:
+        if p.proc.poll() is None:
+            p.proc.kill()
+    assert _gone(pid), f"MCP server {pid} outlived the REPL"
+
+
+def test_a_killed_repl_leaves_no_server_behind(tool_store, tmp_path):
+    """SIGKILL (a crash): nothing of ours runs any more, but the stdio server sees its stdin close and exits."""
+    from tests.test_cli_run import PtyProcess
+
+    env, home = _rec_home(tmp_path, tool_store)
+    p = PtyProcess([TOOL_MODEL, "--mcp", "rec"], env=env)
+    try:
+        p.expect("MCP rec: ready, 1 tool", timeout=120)
+        pid = _server_pid(home)
+        assert psutil.pid_exists(pid)
+        p.proc.kill()
+        p.proc.wait(10)
+    finally:
+        if p.proc.poll() is None:
+            p.proc.kill()
+        os.close(p.fd)
+    assert _gone(pid), f"MCP server {pid} outlived the killed REPL"

@@ -158,7 +158,8 @@ async def test_a_server_killed_mid_call_and_one_that_does_not_start(tui_home, ch
             modal = app.screen
             states = [str(s.content) for s in modal.query(".mcp-state")]
             assert states[0].startswith("failed: it exited during a call to die")
-            assert states[1] == 'failed: its command "no-such-mcp-server-xyz" was not found (is it installed and on PATH?)'
+            assert states[1] == ('failed: its command "no-such-mcp-server-xyz" was not found '
+                                 "(is it installed and on PATH?)")
             modal.query_one("#mcp-1").value = False
             await pilot.pause()
             modal.action_save()
@@ -179,10 +180,10 @@ async def test_servers_start_when_a_chat_needs_them_and_the_settings_show_their_
             await wait_until(pilot, lambda: isinstance(app.screen, SettingsModal), timeout=10)
             modal = app.screen
             modal.query_one("#mcp-0").value = True  # enable "rec" for this chat: it starts in the background
-            await wait_until(pilot, lambda: "ready, 6 tools" in str(modal.query_one("#mcp-state-0").content), 60)
+            await wait_until(pilot, lambda: "ready, 7 tools" in str(modal.query_one("#mcp-state-0").content), 60)
             assert host.status("other").state == "off"
             tools = modal.query_one("#mcp-tools")
-            assert tools.option_count == 6
+            assert tools.option_count == 7
             tools.toggle("rec/boom")  # one tool off
             await pilot.pause()
             modal.action_save()
