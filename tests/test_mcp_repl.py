@@ -242,3 +242,44 @@ def test_a_killed_repl_leaves_no_server_behind(tool_store, tmp_path):
             p.proc.kill()
         os.close(p.fd)
     assert _gone(pid), f"MCP server {pid} outlived the killed REPL"
+
+
+def test_bad_mcp_flags_and_config_are_one_sentence(tmp_path):
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    (home / "config").mkdir(parents=True)
+    env = {**os.environ, "LOCALLLM_HOME": str(home)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "localllm", "run", "some-model", *args], env=env,
+                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+    r = run("--mcp", "nope", "Hi")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith('Error: There is no MCP server "nope" in ') and "mcp.json" in r.stderr
+    r = run("--tool-choice", "required", "Hi")
+    assert r.returncode == 2 and "--tool-choice required needs an MCP server (--mcp NAME)." in r.stderr
+    (home / "config" / "mcp.json").write_text("{not json")
+    r = run("--mcp", "x", "Hi")
+    assert r.returncode == 1 and r.stderr.startswith("Error: The MCP config ") and "is not valid JSON" in r.stderr
+    assert r.stderr.count("\n") == 1
+
+
+def test_one_shot_with_mcp_and_no_terminal_to_ask_denies_the_call(tool_store, tmp_path):
+    """A prompt on the command line answers once through the loop; with no terminal to ask on, a call is denied
+    (and the model hears so) rather than run unasked."""
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    (home / "config").mkdir(parents=True)
+    (home / "config" / "mcp.json").write_text(json.dumps({"mcpServers": {"time": {"command": TIME_SERVER}}}))
+    env = {**os.environ, "LOCALLLM_HOME": str(home), "LOCALLLM_MODELS": str(tool_store.paths.models)}
+    r = subprocess.run([sys.executable, "-m", "localllm", "run", TOOL_MODEL, "--mcp", "time", "--tool-choice",
+                        "required", "--temperature", "0", "--num-predict", "40", "What time is it in UTC?"],
+                       env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert "MCP time: ready, 2 tools" in r.stdout and "⚙ get_current_time (time)" in r.stdout
+    assert "✗ denied" in r.stdout and "Traceback" not in r.stderr

@@ -325,6 +325,7 @@ class Repl:
             except (EOFError, KeyboardInterrupt):
                 self.out.write("\n")
                 return "deny"
+            self._forget_last_line()
             if word in ("o", "once", "y", "yes"):
                 return "once"
             if word in ("a", "always", "c", "chat"):
@@ -561,6 +562,16 @@ class Repl:
                 readline.read_history_file(self._history_file)
             except OSError:
                 pass
+
+    def _forget_last_line(self) -> None:
+        """Keep a confirmation's answer out of the prompt history (Up recalls messages, not "o")."""
+        if not self._history_file:
+            return
+        import readline
+
+        n = readline.get_current_history_length()
+        if n:
+            readline.remove_history_item(n - 1)
 
     def _save_history(self) -> None:
         if not self._history_file or not self.history:
