@@ -30,7 +30,7 @@ def tool_store(default_model_path, tmp_path_factory):
 
 
 def run_repl(store, calls: list[dict], servers: dict, lines: list[str], tmp_path: Path, *,
-             model: str = TOOL_MODEL, engine=None):
+             model: str = TOOL_MODEL, engine=None, answer_tool_results: bool = True):
     """The REPL over a fake that calls ``calls`` until it sees a tool result, with these MCP servers."""
     from localllm.cli.answer import build_settings
     from localllm.cli.interactive import Repl
@@ -43,7 +43,7 @@ def run_repl(store, calls: list[dict], servers: dict, lines: list[str], tmp_path
 
     class Calling(FakeSource):
         def __init__(self, spec):
-            spec.extra.update(tool_calls=calls, answer_tool_results=True)
+            spec.extra.update(tool_calls=calls, answer_tool_results=answer_tool_results)
             super().__init__(spec)
 
     host = McpHost(parse_config(json.dumps({"mcpServers": servers}), "mcp.json"), log_dir=tmp_path / "logs")
@@ -283,3 +283,16 @@ def test_one_shot_with_mcp_and_no_terminal_to_ask_denies_the_call(tool_store, tm
     assert r.returncode == 0, r.stderr
     assert "MCP time: ready, 2 tools" in r.stdout and "⚙ get_current_time (time)" in r.stdout
     assert "✗ denied" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_the_rounds_of_one_question_are_bounded(tool_store, tmp_path):
+    """A model that calls a tool whatever it hears: MAX_ROUNDS calls, then a generation without tools answers."""
+    from localllm.mcp.loop import MAX_ROUNDS
+
+    record = tmp_path / "calls.jsonl"
+    calls = [{"name": "record", "arguments": {"text": "again"}}]
+    out, _, repl, prompts = run_repl(tool_store, calls, {"rec": recorder(record)}, ["Loop forever", "a", "/bye"],
+                                     tmp_path, answer_tool_results=False)
+    assert out.count('⚙ record (rec) {"text": "again"}') == MAX_ROUNDS == len(record.read_text().splitlines())
+    assert len([p for p in prompts if p.startswith("Allow")]) == 1
+    assert out.rstrip().endswith("Loop forever")  # the last generation had no tools: the fake echoes the question

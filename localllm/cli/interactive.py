@@ -286,8 +286,13 @@ class Repl:
         self.out.flush()
         self.messages = turn.messages[:] + [{"role": "assistant", "content": answer.text}]
         done = answer.done
-        if done is not None and s.verbose:
-            print_stats(done.stats, self.err)
+        if done is not None:
+            dropped = done.stats.dropped_messages
+            if dropped:
+                self.err.write(f"{overflow_note(done.stats)}\n")
+                del self.messages[:dropped]  # the backend left them out; keep our copy in step
+            if s.verbose:
+                print_stats(done.stats, self.err)
 
     def _run_call(self, turn: Any, call: ToolCall) -> bool:
         """Show, confirm, run and show one call; False when Ctrl+C stopped it."""

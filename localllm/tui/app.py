@@ -41,13 +41,13 @@ SCREEN_TITLES = {ChatScreen: "Chat", ModelsScreen: "Models", HardwareScreen: "Ha
 
 def binding_table() -> list[tuple[str, type, Binding]]:
     """(where, class, binding) for every binding the app defines, in help order."""
-    from .modals import ConfirmModal, HelpScreen, SettingsModal, TextModal
+    from .modals import ConfirmModal, HelpScreen, SettingsModal, TextModal, ToolConfirmModal
 
     out: list[tuple[str, type, Binding]] = []
     for where, cls in (("App", LocalLLMApp), ("Chat", ChatScreen), ("Prompt", PromptInput),
                        ("Message", MessageView), ("Models", ModelsScreen), ("Hardware", HardwareScreen),
                        ("Settings", SettingsModal), ("Dialogs", ConfirmModal), ("Dialogs", TextModal),
-                       ("Help", HelpScreen)):
+                       ("Tool call", ToolConfirmModal), ("Help", HelpScreen)):
         for b in cls.BINDINGS:
             if isinstance(b, Binding) and b.id and not any(b.id == o.id for _, _, o in out):
                 out.append((where, cls, b))
