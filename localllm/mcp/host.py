@@ -399,8 +399,11 @@ class McpHost:
             return ToolResult(f'The tool "{tool.public}" did not answer within {limit:g} s; the call was abandoned.',
                               is_error=True, seconds=time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - the error is the tool's result
+            from mcp.shared.exceptions import MCPError
+            from mcp_types import CONNECTION_CLOSED
+
             text = one_line(e)
-            if "closed" in text.lower():  # the server went away: it is failed until the app restarts it
+            if isinstance(e, MCPError) and e.code == CONNECTION_CLOSED:  # the server went away: failed from now on
                 self._fail(srv, f"it exited during a call to {tool.name} (its log: {self._log_path(srv)})")
                 if srv.stop is not None:
                     srv.stop.set()

@@ -352,6 +352,7 @@ class ChatScreen(Screen):
         self.answer_done = asyncio.Event()
         self._tool_chats: dict[int, ToolChat] = {}  # per conversation: what the user allowed stays for the session
         self._tools_said: set[str] = set()  # models already told to have no tool support
+        self._failures_said: set[str] = set()  # "server: reason" lines already shown
         self._unsubscribe: Any = None
 
     @property
@@ -640,8 +641,10 @@ class ChatScreen(Screen):
             self._say_failed(status)
 
     def _say_failed(self, status: ServerStatus) -> None:
-        if status.name in self.enabled_servers():
-            self.notify(f"MCP {status.line()}", severity="warning", timeout=8)
+        line = status.line()
+        if status.name in self.enabled_servers() and line not in self._failures_said:
+            self._failures_said.add(line)
+            self.notify(f"MCP {line}", severity="warning", timeout=8)
 
     async def _await_servers(self, chat: ToolChat, cancel: threading.Event, model: str) -> None:
         """Wait (without blocking the app) for this chat's servers that are still starting."""
@@ -727,6 +730,9 @@ class ChatScreen(Screen):
             if chat is not None:
                 chat.start()
                 await self._await_servers(chat, cancel, model)
+                for name in chat.servers:  # a failure (a bad mcp.json entry too) is said once
+                    if chat.host.status(name).state == "failed":
+                        self._say_failed(chat.host.status(name))
                 if not await asyncio.to_thread(self._supports_tools, session, model):
                     if model not in self._tools_said:
                         self._tools_said.add(model)

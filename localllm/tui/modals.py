@@ -178,6 +178,7 @@ class SettingsModal(ModalScreen[dict[str, Any] | None]):
             with Horizontal(classes="mcp-server"):
                 yield Checkbox(status.name, status.name in self.enabled, id=f"mcp-{i}", compact=True)
                 yield Static(_state_text(status), id=f"mcp-state-{i}", classes="mcp-state", markup=False)
+        yield Label("Their tools (unchecked: not offered to the model)", classes="hint")
         yield SelectionList[str](*self._tool_options(), id="mcp-tools", compact=True)
 
     def _tool_options(self) -> list[tuple[str, str, bool]]:

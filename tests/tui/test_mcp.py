@@ -140,6 +140,9 @@ async def test_a_server_killed_mid_call_and_one_that_does_not_start(tui_home, ch
     try:
         async with app.run_test(size=(120, 40)) as pilot:
             screen = app.screen
+            said: list[str] = []
+            shown = screen.notify
+            screen.notify = lambda message, **kw: (said.append(str(message)), shown(message, **kw))[1]
             await send(pilot, "Die please")
             await wait_until(pilot, lambda: isinstance(app.screen, ToolConfirmModal), timeout=60)
             await pilot.press("o")
@@ -148,6 +151,8 @@ async def test_a_server_killed_mid_call_and_one_that_does_not_start(tui_home, ch
             saved = chats.messages(conv.id)[-1]
             assert saved.content == 'The tool said: The MCP server "rec" exited during the call.'
             assert host.status("rec").state == "failed"
+            assert sum("MCP missing: failed: its command" in m for m in said) == 1
+            assert sum("MCP rec: failed: it exited during a call to die" in m for m in said) == 1
             await send(pilot, "Hello")
             await wait_until(pilot, lambda: screen.answer_done.is_set(), timeout=60)
             assert chats.messages(conv.id)[-1].content == "Hello"
