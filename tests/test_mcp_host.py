@@ -146,6 +146,12 @@ def test_faults_cost_one_line_and_the_host_goes_on(tmp_path):
         assert again.is_error and "is not running" in again.text
         other = next(t for t in host.tools(["other"]) if t.name == "record")
         assert host.call(other, {"text": "ok"}).text == "recorded: ok still here"
+        host.start(["rec", "missing"])  # a failed server stays failed...
+        assert host.status("rec").state == "failed"
+        host.start(["rec"], retry=True)  # ...until it is asked for again (the settings' checkbox)
+        host.wait(["rec"], 60)
+        assert host.status("rec").state == "ready"
+        assert host.call(tools["record"], {"text": "back"}).text == "recorded: back"
     finally:
         host.close()
 

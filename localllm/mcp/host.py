@@ -212,14 +212,16 @@ class McpHost:
                 self._loop, self._thread = loop, thread
             return self._loop
 
-    def start(self, names: Iterable[str]) -> None:
-        """Start these servers in the background (those not started yet); returns at once."""
+    def start(self, names: Iterable[str], *, retry: bool = False) -> None:
+        """Start these servers in the background (those not started yet; with ``retry`` also those that failed,
+        unless their ``mcp.json`` entry is what is wrong); returns at once."""
         for name in names:
             srv = self._servers.get(name)
             if srv is None:
                 self.status(name)  # raises the sentence
                 continue
-            if srv.status.state not in ("off", "stopped"):
+            again = retry and srv.status.state == "failed" and name in self.config.servers
+            if srv.status.state not in ("off", "stopped") and not again:
                 continue
             srv.status.state, srv.status.error = "starting", None
             srv.started.clear()
@@ -255,28 +257,36 @@ class McpHost:
         except OSError as e:
             self._fail(srv, f"its log file cannot be written: {e.strerror or e}")
             return
+        me = asyncio.current_task()
+
+        def mine() -> bool:  # a retry may have replaced this task while it was still shutting down
+            return srv.task is me
+
         try:
             async with AsyncExitStack() as stack:
                 transport = await self._transport(cfg, log, stack)
                 client = await stack.enter_async_context(Client(transport))
                 tools = await self._list_tools(client, name)
+                if not mine():
+                    return
                 srv.client = client
                 srv.status.tools, srv.status.state = tools, "ready"
                 self._changed(srv)
                 assert srv.stop is not None
                 await srv.stop.wait()
         except asyncio.CancelledError:
-            if srv.status.state == "starting":
+            if mine() and srv.status.state == "starting":
                 self._fail(srv, "it was stopped while starting")
             raise
         except Exception as e:  # noqa: BLE001 - one line, the chat goes on
-            if srv.status.state != "failed":
+            if mine() and srv.status.state != "failed":
                 self._fail(srv, self._start_error(cfg, e, srv))
         finally:
-            srv.client = None
-            if srv.status.state == "ready":
-                srv.status.state = "stopped"
-                self._changed(srv)
+            if mine():
+                srv.client = None
+                if srv.status.state == "ready":
+                    srv.status.state = "stopped"
+                    self._changed(srv)
             log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} stopped\n")
 
     async def _transport(self, cfg: ServerConfig, log: TextIO, stack: AsyncExitStack) -> Any:

@@ -223,7 +223,7 @@ class SettingsModal(ModalScreen[dict[str, Any] | None]):
         name = self.mcp.names[int((event.checkbox.id or "mcp-0")[4:])]
         if event.value and name not in self.enabled:
             self.enabled.append(name)
-            self.mcp.start([name])  # in the background: its state shows here when it is known
+            self.mcp.start([name], retry=True)  # in the background (a failed one again): its state shows here
         elif not event.value and name in self.enabled:
             self.enabled.remove(name)
         self.refresh_mcp()

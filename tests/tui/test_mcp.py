@@ -199,3 +199,31 @@ async def test_servers_start_when_a_chat_needs_them_and_the_settings_show_their_
             assert "boom" not in {t.public for t in chat.tools()} and "record" in {t.public for t in chat.tools()}
     finally:
         session.close()
+
+
+async def test_a_model_without_tool_support_is_told_once_and_answers(tui_home, chats, tmp_path):
+    """The default model's own template renders no tools: one line says so, and it answers without them."""
+    from localllm.engine import Engine
+    from localllm.mcp.config import parse_config
+    from localllm.mcp.host import McpHost
+    from localllm.session import open_session
+    from tests.fakes import FakeSource
+
+    host = McpHost(parse_config(json.dumps({"mcpServers": {"rec": {**recorder(), "default": True}}}), "mcp.json"),
+                   log_dir=tmp_path / "logs")
+    session = open_session(engine=Engine(keep_alive=300, backend_class=lambda name: FakeSource))
+    app = LocalLLMApp(model="smollm2:135m", chats=chats, session=session, mcp=host)
+    try:
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = app.screen
+            said: list[str] = []
+            shown = screen.notify
+            screen.notify = lambda message, **kw: (said.append(str(message)), shown(message, **kw))[1]
+            for text in ("Hello", "Hello again"):
+                await send(pilot, text)
+                await wait_until(pilot, lambda: screen.answer_done.is_set(), timeout=60)
+                assert chats.messages(screen.conversation.id)[-1].content == text
+            assert said.count("The chat template of smollm2:135m does not support tools: the MCP tools are not "
+                              "given to it.") == 1
+    finally:
+        session.close()
