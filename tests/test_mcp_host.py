@@ -126,8 +126,10 @@ def test_a_tool_name_two_servers_share_is_namespaced(tmp_path):
 def test_faults_cost_one_line_and_the_host_goes_on(tmp_path):
     host = host_of({"rec": recorder(timeout=1.5), "other": recorder(secret="still here"),
                     "missing": {"command": "no-such-mcp-server-xyz"},
-                    "bad": recorder(None, "", "--malformed")}, tmp_path)
+                    "bad": recorder(None, "", "--malformed"), "broken": {"args": ["no command"]}}, tmp_path)
     try:
+        assert host.status("broken").line() == ('broken: failed: MCP server "broken" in mcp.json needs a "command" '
+                                                '(stdio) or a "url" (streamable HTTP).')
         host.start(host.names)
         host.wait(host.names, 60)
         assert host.status("missing").line() == (

@@ -149,18 +149,18 @@ class McpHost:
         self.log_dir = log_dir
         self.max_result_chars = max_result_chars
         self.start_timeout = start_timeout
-        self._servers: dict[str, _Server] = {n: _Server(n) for n in config.names}
-        for name, srv in self._servers.items():
-            cfg = config.servers.get(name)
-            srv.status.describe = cfg.describe() if cfg else ""
-            if name in config.problems:
-                self._fail(srv, config.problems[name])
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._listeners: list[Callable[[ServerStatus], None]] = []
         self._logs: list[TextIO] = []
         self._closed = False
+        self._servers: dict[str, _Server] = {n: _Server(n) for n in config.names}
+        for name, srv in self._servers.items():
+            cfg = config.servers.get(name)
+            srv.status.describe = cfg.describe() if cfg else ""
+            if name in config.problems:  # a bad entry: listed as failed with its sentence
+                self._fail(srv, config.problems[name])
         _open_hosts.add(self)
 
     # ------------------------------------------------------------------ state

@@ -134,9 +134,10 @@ async def test_esc_stops_a_running_tool_and_the_app_answers_the_next_message(tui
 async def test_a_server_killed_mid_call_and_one_that_does_not_start(tui_home, chats, tool_store,  # noqa: F811
                                                                    tmp_path):
     app, session, host = make_app(tool_store, chats, tmp_path, [{"name": "die", "arguments": {}}],
-                                  {"rec": {**recorder(), "default": True},
-                                   "missing": {"command": "no-such-mcp-server-xyz", "default": True}},
+                                  {"rec": recorder(), "missing": {"command": "no-such-mcp-server-xyz"},
+                                   "broken": {"args": ["no command"]}},
                                   tool_calls_if="please")
+    chats.create(title="Faults", model=TOOL_MODEL, params={"mcp": ["rec", "missing", "broken"]})  # reopened first
     try:
         async with app.run_test(size=(120, 40)) as pilot:
             screen = app.screen
@@ -152,6 +153,7 @@ async def test_a_server_killed_mid_call_and_one_that_does_not_start(tui_home, ch
             assert saved.content == 'The tool said: The MCP server "rec" exited during the call.'
             assert host.status("rec").state == "failed"
             assert sum("MCP missing: failed: its command" in m for m in said) == 1
+            assert sum('MCP broken: failed: MCP server "broken" in mcp.json needs a "command"' in m for m in said) == 1
             assert sum("MCP rec: failed: it exited during a call to die" in m for m in said) == 1
             await send(pilot, "Hello")
             await wait_until(pilot, lambda: screen.answer_done.is_set(), timeout=60)
@@ -169,8 +171,8 @@ async def test_a_server_killed_mid_call_and_one_that_does_not_start(tui_home, ch
             await pilot.pause()
             modal.action_save()
             await pilot.pause()
-            assert chats.get(conv.id).params["mcp"] == ["rec"]
-            assert screen.enabled_servers() == ["rec"]
+            assert chats.get(conv.id).params["mcp"] == ["rec", "broken"]
+            assert screen.enabled_servers() == ["rec", "broken"]
     finally:
         session.close()
 
