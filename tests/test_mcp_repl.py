@@ -71,7 +71,7 @@ def test_a_call_is_confirmed_reaches_the_server_and_its_result_the_model(tool_st
     out, err, repl, prompts = run_repl(
         tool_store, [{"name": "record", "arguments": {"text": "hello"}}], {"rec": recorder(record, "48613")},
         ["Record hello please", "a", "And again", "/tools", "/bye"], tmp_path)
-    assert "MCP rec: ready, 7 tools" in out
+    assert "MCP rec: ready, 7 tools" in err  # stderr: stdout is the conversation
     assert '⚙ record (rec) {"text": "hello"}' in out
     asks = [p for p in prompts if p.startswith("Allow record?")]
     assert len(asks) == 1  # "always": the second turn's call is not asked again
@@ -281,7 +281,7 @@ def test_one_shot_with_mcp_and_no_terminal_to_ask_denies_the_call(tool_store, tm
                         "required", "--temperature", "0", "--num-predict", "40", "What time is it in UTC?"],
                        env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
-    assert "MCP time: ready, 2 tools" in r.stdout and "⚙ get_current_time (time)" in r.stdout
+    assert "MCP time: ready, 2 tools" in r.stderr and "⚙ get_current_time (time)" in r.stdout
     assert "✗ denied" in r.stdout and "Traceback" not in r.stderr
 
 

@@ -220,8 +220,7 @@ class Repl:
         self.tools.start()
         self.tools.host.wait(self.tools.servers, timeout)
         for name in self.tools.servers:
-            status = self.tools.host.status(name)
-            (self.err if status.state == "failed" else self.out).write(f"MCP {status.line()}\n")
+            self.err.write(f"MCP {self.tools.host.status(name).line()}\n")  # stderr: stdout is the conversation
         self._use_tools()
 
     def _use_tools(self) -> bool:

@@ -17,9 +17,9 @@ text. A thinking model's reasoning comes first, between ``Thinking...`` and ``..
 What the REPL and ``bench`` share with this command lives in :mod:`localllm.cli.answer`.
 
 ``--mcp NAME`` (repeatable) gives the model the tools of that server of ``mcp.json`` (in the config dir; without
-``--mcp`` the servers marked ``"default": true`` are used, ``--mcp none`` uses none); each tool's first call
-asks on the terminal. ``--tool-choice required`` makes the first answer of each turn a tool call (a grammar, as
-``tool_choice`` does on the server).
+``--mcp`` the interactive prompt uses the servers marked ``"default": true``, ``--mcp none`` none); each tool's
+first call asks on the terminal. ``--tool-choice required`` makes the first answer of each turn a tool call (a
+grammar, as ``tool_choice`` does on the server).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
     from localllm.cli.display import ConversionDisplay
     from localllm.session import open_session
 
-    tools = open_tools(mcp_servers)
+    tools = open_tools(mcp_servers, defaults=interactive)
     if tool_choice == "required" and (tools is None or not tools.servers):
         raise click.UsageError("--tool-choice required needs an MCP server (--mcp NAME).")
     session = open_session(host, keep_alive=settings.keep_alive, on_convert=ConversionDisplay())
@@ -142,14 +142,15 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
                 tools.host.close()
 
 
-def open_tools(names: tuple[str, ...]) -> ToolChat | None:
-    """The MCP servers ``--mcp`` names (checked against ``mcp.json``: an unknown name is one sentence), else the
-    config's default ones; None when there are none. Nothing starts yet."""
+def open_tools(names: tuple[str, ...], *, defaults: bool = True) -> ToolChat | None:
+    """The MCP servers ``--mcp`` names (checked against ``mcp.json``: an unknown name is one sentence), else (with
+    ``defaults``: the interactive prompt; a one-shot answer uses only what ``--mcp`` names, so a script's output
+    does not change with the config) the config's default ones; None when there are none. Nothing starts yet."""
     from localllm.mcp.config import load_config
     from localllm.mcp.host import McpHost
     from localllm.mcp.loop import ToolChat
 
-    if "none" in names:
+    if "none" in names or (not names and not defaults):
         return None
     try:
         config = load_config()

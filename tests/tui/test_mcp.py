@@ -40,6 +40,21 @@ def make_app(store, chats, tmp_path, calls, servers, **knobs):
     return LocalLLMApp(model=TOOL_MODEL, chats=chats, session=session, mcp=host), session, host
 
 
+def notes(monkeypatch) -> list[str]:
+    """Every notification the chat screen shows, from the start (a server may fail while the app mounts)."""
+    from localllm.tui.chat import ChatScreen
+
+    said: list[str] = []
+    shown = ChatScreen.notify
+
+    def notify(self, message, **kw):
+        said.append(str(message))
+        return shown(self, message, **kw)
+
+    monkeypatch.setattr(ChatScreen, "notify", notify)
+    return said
+
+
 async def send(pilot, text: str) -> None:
     screen = pilot.app.screen
     screen.answer_done.clear()
@@ -132,7 +147,8 @@ async def test_esc_stops_a_running_tool_and_the_app_answers_the_next_message(tui
 
 
 async def test_a_server_killed_mid_call_and_one_that_does_not_start(tui_home, chats, tool_store,  # noqa: F811
-                                                                   tmp_path):
+                                                                   tmp_path, monkeypatch):
+    said = notes(monkeypatch)
     app, session, host = make_app(tool_store, chats, tmp_path, [{"name": "die", "arguments": {}}],
                                   {"rec": recorder(), "missing": {"command": "no-such-mcp-server-xyz"},
                                    "broken": {"args": ["no command"]}},
@@ -141,9 +157,6 @@ async def test_a_server_killed_mid_call_and_one_that_does_not_start(tui_home, ch
     try:
         async with app.run_test(size=(120, 40)) as pilot:
             screen = app.screen
-            said: list[str] = []
-            shown = screen.notify
-            screen.notify = lambda message, **kw: (said.append(str(message)), shown(message, **kw))[1]
             await send(pilot, "Die please")
             await wait_until(pilot, lambda: isinstance(app.screen, ToolConfirmModal), timeout=60)
             await pilot.press("o")
@@ -203,8 +216,9 @@ async def test_servers_start_when_a_chat_needs_them_and_the_settings_show_their_
         session.close()
 
 
-async def test_a_model_without_tool_support_is_told_once_and_answers(tui_home, chats, tmp_path):
+async def test_a_model_without_tool_support_is_told_once_and_answers(tui_home, chats, tmp_path, monkeypatch):
     """The default model's own template renders no tools: one line says so, and it answers without them."""
+    said = notes(monkeypatch)
     from localllm.engine import Engine
     from localllm.mcp.config import parse_config
     from localllm.mcp.host import McpHost
@@ -218,9 +232,6 @@ async def test_a_model_without_tool_support_is_told_once_and_answers(tui_home, c
     try:
         async with app.run_test(size=(120, 40)) as pilot:
             screen = app.screen
-            said: list[str] = []
-            shown = screen.notify
-            screen.notify = lambda message, **kw: (said.append(str(message)), shown(message, **kw))[1]
             for text in ("Hello", "Hello again"):
                 await send(pilot, text)
                 await wait_until(pilot, lambda: screen.answer_done.is_set(), timeout=60)
