@@ -240,3 +240,4 @@ async def test_a_model_without_tool_support_is_told_once_and_answers(tui_home, c
                               "given to it.") == 1
     finally:
         session.close()
+
