@@ -76,7 +76,7 @@ class RunCommand(click.Command):
               help="How long the model stays loaded after an answer (e.g. 5m).")
 @click.option("--mcp", "mcp_servers", multiple=True, metavar="NAME",
               help="Give the model the tools of this MCP server of mcp.json (repeatable; 'none': no server; "
-                   "default: the servers marked \"default\": true).")
+                   "default at the >>> prompt: the servers marked \"default\": true).")
 @click.option("--tool-choice", type=click.Choice(["auto", "required"]), default="auto",
               help="required: the first answer of each turn must call a tool (needs --mcp).")
 def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed: int | None,
