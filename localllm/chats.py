@@ -74,8 +74,14 @@ def _v3(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE message ADD COLUMN thinking TEXT")
 
 
+def _v4(db: sqlite3.Connection) -> None:
+    """Answers keep the MCP tool calls made on the way to them (JSON list: tool, arguments, result, status,
+    round; NULL for every older row and every answer without calls)."""
+    db.execute("ALTER TABLE message ADD COLUMN tool_calls TEXT")
+
+
 # Index i upgrades a database from user_version i to i + 1. Append only; never edit a released step.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3, _v4]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -99,6 +105,7 @@ class Message:
     created_at: float = 0.0
     stats: dict[str, Any] | None = None
     thinking: str | None = None  # a thinking model's reasoning, apart from its answer
+    tool_calls: list[dict[str, Any]] | None = None  # MCP calls made for this answer (localllm.mcp.loop.ToolCall)
 
 
 class ChatStore:
@@ -207,21 +214,24 @@ class ChatStore:
 
     @staticmethod
     def _msg(row: sqlite3.Row) -> Message:
-        stats = row["stats"]
+        stats, calls = row["stats"], row["tool_calls"]
         return Message(id=row["id"], conversation_id=row["conversation_id"], role=row["role"],
                        content=row["content"], created_at=row["created_at"],
-                       stats=json.loads(stats) if stats else None, thinking=row["thinking"])
+                       stats=json.loads(stats) if stats else None, thinking=row["thinking"],
+                       tool_calls=json.loads(calls) if calls else None)
 
     def add_message(self, conversation_id: int, role: str, content: str,
-                    stats: dict[str, Any] | None = None, thinking: str | None = None) -> Message:
+                    stats: dict[str, Any] | None = None, thinking: str | None = None,
+                    tool_calls: list[dict[str, Any]] | None = None) -> Message:
         """Append a message and commit it (the conversation moves to the top of the list). ``thinking``: the
-        reasoning that came before an answer."""
+        reasoning that came before an answer; ``tool_calls``: the tool calls made on the way to it."""
         now = time.time()
         with self._lock:
             cur = self._db.execute(
-                "INSERT INTO message (conversation_id, role, content, created_at, stats, thinking) "
-                "VALUES (?,?,?,?,?,?)",
-                (conversation_id, role, content, now, json.dumps(stats) if stats else None, thinking or None),
+                "INSERT INTO message (conversation_id, role, content, created_at, stats, thinking, tool_calls) "
+                "VALUES (?,?,?,?,?,?,?)",
+                (conversation_id, role, content, now, json.dumps(stats) if stats else None, thinking or None,
+                 json.dumps(tool_calls) if tool_calls else None),
             )
             self._db.execute("UPDATE conversation SET updated_at = ? WHERE id = ?", (now, conversation_id))
             row = self._db.execute("SELECT * FROM message WHERE id = ?", (cur.lastrowid,)).fetchone()
@@ -269,6 +279,11 @@ class ChatStore:
             lines += ["", f"## {msg.role.capitalize()}", ""]
             if msg.thinking:
                 lines += ["<details><summary>Thinking</summary>", "", msg.thinking.strip(), "", "</details>", ""]
+            for call in msg.tool_calls or []:
+                args = json.dumps(call.get("arguments") or {}, ensure_ascii=False)
+                lines += [f"<details><summary>Tool call: {call.get('tool')} ({call.get('status')})</summary>", "",
+                          "```json", args, "```", "", "```", str(call.get("result") or ""), "```", "",
+                          "</details>", ""]
             lines.append(msg.content)
         return "\n".join(lines).rstrip() + "\n"
 
