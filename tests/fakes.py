@@ -10,7 +10,10 @@ source is exercised. Knobs arrive in ``LoadSpec.extra`` (the model file is not r
   requests whose prompt contains ``crash_if``, when that is set);
 * ``fail_load``: ``"oom"`` → :class:`ModelLoadError` saying memory ran out; any other string → that message;
 * ``tool_calls``: a list of ``{"name", "arguments"}`` the reply becomes (as ``<tool_call>`` text) when
-  the request has tools.
+  the request has tools; with ``answer_tool_results`` set, a prompt whose last turn is a tool result is
+  answered ``The tool said: <that result>`` instead (so a tool loop ends, and the answer shows what the
+  model's rendered prompt held); with ``tool_calls_if``, only a prompt whose last user message contains that
+  string makes the calls;
 
 >>> from backends.base import LoadSpec, GenerateRequest
 >>> from backends.registry import load
@@ -166,7 +169,12 @@ class FakeSource(TokenSource):
 
     def _reply_for(self, prompt: list[int]) -> str:
         text = self.detokenize(prompt)
-        if "tool_calls" in self.spec.extra and text.startswith("\x02tools\x02"):
+        last = text.rpartition(_MARK)[0].rsplit("\x02", 2)
+        if self.spec.extra.get("answer_tool_results") and len(last) == 3 and last[1] == "tool":
+            return f"The tool said: {last[2]}"
+        wanted = self.spec.extra.get("tool_calls_if")
+        asked = wanted is None or wanted in text.rpartition("\x02user\x02")[2]
+        if "tool_calls" in self.spec.extra and text.startswith("\x02tools\x02") and asked:
             return "".join(f"<tool_call>{json.dumps(c)}</tool_call>" for c in self.spec.extra["tool_calls"])
         if "reply" in self.spec.extra:
             return str(self.spec.extra["reply"])

@@ -26,7 +26,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 TEST_CACHE = Path(os.environ.get("LOCALLLM_TEST_CACHE", "~/.cache/localllm-tests")).expanduser()
-TEST_HOME = TEST_CACHE / "home"  # the shared test home (tests/conftest.py points LOCALLLM_HOME at it)
+TEST_HOME = TEST_CACHE / "home"  # the shared test home: its models are every run's (tests/conftest.py links them)
 DEFAULT_MODEL = "smollm2:135m"
 SMOL_SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOL_SIZE = 98362432

@@ -107,6 +107,30 @@ def test_convert_installed_builds_once_under_the_digest(home: Path, default_mode
     assert [p.name for p in mlx_root().iterdir()] == [out.name]  # no temp dirs left behind
 
 
+def test_two_processes_converting_one_model_at_once_convert_it_once(home: Path, default_model):
+    """``serve`` and ``run --backend mlx`` starting together: the second waits for the first's conversion and
+    takes its directory (it converts nothing itself); both end with the same complete directory."""
+    pytest.importorskip("mlx.core")
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from pathlib import Path; from types import SimpleNamespace\n"
+        "from localllm.mlxmodels import convert_installed\n"
+        "seen = []\n"
+        f"m = SimpleNamespace(name='m', digest={default_model.digest!r}, path=Path({str(default_model.path)!r}))\n"
+        "out = convert_installed(m, progress=lambda d, t: seen.append(d))\n"
+        "print(out, len(seen))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
+    outs = [out.split() for out, _ in results]
+    assert outs[0][0] == outs[1][0] == str(mlx_root() / default_model.digest.split(":")[-1])
+    assert sorted(int(o[1]) > 0 for o in outs) == [False, True]  # one converted, the other found it done
+    assert [p.name for p in mlx_root().iterdir()] == [Path(outs[0][0]).name]  # no temp or swapped-out dirs
+
+
 def test_convert_command_records_the_mlx_dir_in_the_store(own_home: Path):
     pytest.importorskip("mlx.core")
     from click.testing import CliRunner

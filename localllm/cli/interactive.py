@@ -10,7 +10,10 @@
 Ctrl+C stops the answer being written (the prompt comes back); Ctrl+D or ``/bye`` exits. Input
 history lives in ``<data>/history`` unless ``LOCALLLM_NOHISTORY`` is set. ``/set think`` / ``/set nothink``
 turn a thinking model's reasoning on or off (its reasoning is printed grey before the answer unless
-``--hidethinking``). A face: it talks to a :class:`~localllm.session.Session` (models and runner, in-process
+``--hidethinking``). With ``--mcp NAME`` the model can call the tools of those MCP servers (the loop is
+:mod:`localllm.mcp.loop`'s): each call is printed (tool, arguments, result), the first call of each tool asks
+on the terminal (allow once / always for this session / deny), and ``/tools`` lists what the model can call.
+A face: it talks to a :class:`~localllm.session.Session` (models and runner, in-process
 or on a server), never to the engine or a backend.
 """
 
@@ -38,6 +41,7 @@ from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
     from localllm.api import Installed
+    from localllm.mcp.loop import Decision, ToolCall, ToolChat
     from localllm.session import Session
 
 HELP = """Available Commands:
@@ -46,6 +50,7 @@ HELP = """Available Commands:
   /load <model>   Load a session or model
   /clear          Clear session context
   /image <path>   Attach an image to the next message (a vision model; a path in a message works too)
+  /tools          List the MCP tools the model can call
   /bye            Exit
   /?, /help       Help for a command
   /? shortcuts    Help for keyboard shortcuts
@@ -122,7 +127,8 @@ class Repl:
 
     def __init__(self, session: Session, model: str, settings: RunSettings, *,
                  out: IO[str] | None = None, err: IO[str] | None = None,
-                 read: Callable[[str], str] | None = None):
+                 read: Callable[[str], str] | None = None, tools: ToolChat | None = None,
+                 tool_choice: str = "auto"):
         self.models = session.models
         self.runner = session.runner
         self.model = model
@@ -134,12 +140,16 @@ class Repl:
         self._read = read or input
         self._history_file: str | None = None
         self.history = os.environ.get("LOCALLLM_NOHISTORY", "") in ("", "0")
+        self.tools = tools  # the MCP servers of this session (None: no --mcp)
+        self.tool_choice = tool_choice  # "required": the first generation of each turn must call a tool
+        self._tools_supported: bool | None = None
 
     # -------------------------------------------------------------------------------- main loop
 
     def run(self) -> None:
         """Load the model, then read and answer until /bye or Ctrl+D."""
         self.runner.load(self.model, self.settings.load, keep_alive=self.settings.keep_alive)
+        self.start_tools()
         self._setup_readline()
         try:
             while True:
@@ -185,7 +195,10 @@ class Repl:
     # -------------------------------------------------------------------------------- answering
 
     def ask(self, text: str) -> None:
-        """Send ``text`` as the next user turn and stream the answer."""
+        """Send ``text`` as the next user turn and stream the answer (through the tool loop with ``--mcp``)."""
+        if self.tools is not None and self._use_tools():
+            self._ask_with_tools(text)
+            return
         s = self.settings
         try:
             message = user_message(text, self.pending_images, self.err)
@@ -209,6 +222,137 @@ class Repl:
                 del self.messages[:dropped]  # the backend left them out; keep our copy in step
             if s.verbose:
                 print_stats(done.stats, self.err)
+
+    # -------------------------------------------------------------------------------- tools (MCP)
+
+    def start_tools(self, timeout: float = 60.0) -> None:
+        """Start the ``--mcp`` servers and wait for them (one line each: ready with N tools, or why not)."""
+        if self.tools is None:
+            return
+        self.tools.start()
+        self.tools.host.wait(self.tools.servers, timeout)
+        for name in self.tools.servers:
+            self.err.write(f"MCP {self.tools.host.status(name).line()}\n")  # stderr: stdout is the conversation
+        self._use_tools()
+
+    def _use_tools(self) -> bool:
+        """Whether the model gets the tools: its chat template must render them (said once when it does not)."""
+        if self._tools_supported is None:
+            info = self._installed()
+            self._tools_supported = info is None or "tools" in info.capabilities
+            if not self._tools_supported:
+                self.err.write(f"The chat template of {self.model} does not support tools: the MCP tools are not "
+                               "given to it.\n")
+        return self._tools_supported
+
+    def tools_text(self) -> str:
+        """``/tools``: each server's state and the tools the model can call."""
+        from localllm.mcp.config import config_path
+
+        if self.tools is None or not self.tools.servers:
+            return (f"No MCP servers in this session: start it with --mcp NAME (the servers are in "
+                    f"{config_path()}).\n")
+        lines: list[str] = []
+        for name in self.tools.servers:
+            lines.append(self.tools.host.status(name).line())
+            for tool in self.tools.tools():
+                if tool.server == name:
+                    allowed = " (allowed)" if f"{name}/{tool.name}" in self.tools.allowed else ""
+                    desc = tool.description.strip().splitlines()[0][:70] if tool.description.strip() else ""
+                    lines.append(f"  {tool.public:<28}{desc}{allowed}")
+        if self._tools_supported is False:
+            lines.append(f"(the chat template of {self.model} does not support tools)")
+        return "\n".join(lines) + "\n"
+
+    def _ask_with_tools(self, text: str) -> None:
+        """One user turn through the tool loop: generate; for each call the model makes show it, ask the first
+        time, run it, show the result; generate again with the results; until it answers in words."""
+        assert self.tools is not None
+        s = self.settings
+        try:
+            user = user_message(text, self.pending_images, self.err)  # images attach as in a turn without tools
+        except (LocalLLMError, BackendError) as e:
+            self.err.write(f"Error: {e}\n")
+            return
+        self.pending_images = []
+        turn = self.tools.turn(self.messages + [user], force=self.tool_choice == "required")
+        while True:
+            tools, fmt = turn.next_request()
+            request = s.request(turn.messages)
+            request.tools = tools
+            if fmt is not None:
+                request.format = fmt
+            try:
+                answer = stream_answer(self.runner, self.model, request, s.load, out=self.out,
+                                       show_thinking=not s.hide_thinking, keep_alive=s.keep_alive)
+            except (LocalLLMError, BackendError) as e:  # one sentence; the session goes on
+                self.err.write(f"Error: {e}\n")
+                return
+            if answer.cancelled:  # the question and its partial turn are left out of the history
+                self.out.write("\n")
+                return
+            calls = turn.answered(answer.text, answer.tool_calls)
+            if not calls:
+                break
+            for call in calls:
+                if not self._run_call(turn, call):
+                    self.out.write("Stopped.\n")
+                    return
+        self.out.write("\n\n")
+        self.out.flush()
+        self.messages = turn.messages[:] + [{"role": "assistant", "content": answer.text}]
+        done = answer.done
+        if done is not None:
+            dropped = done.stats.dropped_messages
+            if dropped:
+                self.err.write(f"{overflow_note(done.stats)}\n")
+                del self.messages[:dropped]  # the backend left them out; keep our copy in step
+            if s.verbose:
+                print_stats(done.stats, self.err)
+
+    def _run_call(self, turn: Any, call: ToolCall) -> bool:
+        """Show, confirm, run and show one call; False when Ctrl+C stopped it."""
+        assert self.tools is not None
+        import json
+
+        where = f" ({call.server})" if call.server else ""
+        self._say(f"⚙ {call.tool}{where} {json.dumps(call.arguments, ensure_ascii=False)}")
+        if call.info is None:
+            turn.done(call, None)
+            self._say(f"  ✗ {call.result}")
+            return True
+        if self.tools.needs_asking(call):
+            if not self.tools.grant(call, self._confirm(call)):
+                turn.done(call, None, denied=True)
+                self._say("  ✗ denied")
+                return True
+        try:
+            result = self.tools.run(call)
+        except KeyboardInterrupt:
+            turn.done(call, None, stopped=True)
+            return False
+        turn.done(call, result)
+        mark = "✗" if result.is_error else "→"
+        shown = result.text if len(result.text) <= 600 else result.text[:600] + " …"
+        self._say(f"  {mark} " + shown.replace("\n", "\n    "))
+        return True
+
+    def _confirm(self, call: ToolCall) -> Decision:
+        """Ask on the terminal: allow once, always (for this session), or deny (also on Ctrl+D / Ctrl+C)."""
+        prompt = f"Allow {call.tool}? [o]nce, [a]lways in this session, [d]eny: "
+        while True:
+            try:
+                word = self._read(prompt).strip().lower()
+            except (EOFError, KeyboardInterrupt):
+                self.out.write("\n")
+                return "deny"
+            self._forget_last_line()
+            if word in ("o", "once", "y", "yes"):
+                return "once"
+            if word in ("a", "always", "c", "chat"):
+                return "chat"
+            if word in ("d", "deny", "n", "no", ""):
+                return "deny"
 
     # -------------------------------------------------------------------------------- commands
 
@@ -242,6 +386,8 @@ class Repl:
             self._say("Cleared session context")
         elif cmd == "/load":
             self._load(args)
+        elif cmd == "/tools":
+            self._say(self.tools_text())
         else:
             self._say(f"Unknown command '{words[0]}'. Type /? for help")
         return None
@@ -383,6 +529,9 @@ class Repl:
             self.runner.unload(self.model)
         self.model = name
         self.messages.clear()
+        self._tools_supported = None
+        if self.tools is not None:
+            self._use_tools()
 
     # -------------------------------------------------------------------------------- /show text
 
@@ -451,6 +600,16 @@ class Repl:
                 readline.read_history_file(self._history_file)
             except OSError:
                 pass
+
+    def _forget_last_line(self) -> None:
+        """Keep a confirmation's answer out of the prompt history (Up recalls messages, not "o")."""
+        if not self._history_file:
+            return
+        import readline
+
+        n = readline.get_current_history_length()
+        if n:
+            readline.remove_history_item(n - 1)
 
     def _save_history(self) -> None:
         if not self._history_file or not self.history:

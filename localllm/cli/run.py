@@ -10,6 +10,7 @@ A missing model is pulled first, with the same progress display as ``localllm pu
     $ localllm run qwen3:0.6b --think=low "How many r in strawberry?"
     $ localllm run gemma3:4b "What is in ./photo.jpg?"     # a vision model: the file is attached
     $ localllm run ./llava.gguf --image a.png --image b.png "Compare them."
+    $ localllm run qwen2.5:0.5b --mcp time "What time is it in Tokyo?"
 
 Output: the answer streams to stdout as it arrives; when stdout is not a terminal it is just the
 text. A thinking model's reasoning comes first, between ``Thinking...`` and ``...done thinking.``
@@ -21,12 +22,17 @@ Images (a model with a vision projector): an existing image file named in the pr
 ("Added image '...'" on stderr); ``--image PATH`` attaches one explicitly (repeatable). In the REPL, a path in
 the message or ``/image PATH`` (attached to the next message).
 What the REPL and ``bench`` share with this command lives in :mod:`localllm.cli.answer`.
+
+``--mcp NAME`` (repeatable) gives the model the tools of that server of ``mcp.json`` (in the config dir; without
+``--mcp`` the interactive prompt uses the servers marked ``"default": true``, ``--mcp none`` none); each tool's
+first call asks on the terminal. ``--tool-choice required`` makes the first answer of each turn a tool call (a
+grammar, as ``tool_choice`` does on the server).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import click
 
@@ -41,6 +47,10 @@ from localllm.cli.answer import (
     user_message,
 )
 from localllm.cli.display import isatty
+from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from localllm.mcp.loop import ToolChat
 
 
 class RunCommand(click.Command):
@@ -81,11 +91,16 @@ class RunCommand(click.Command):
               help="Talk to a localllm or Ollama server there instead of in-process.")
 @click.option("--keepalive", default=None, metavar="DURATION",
               help="How long the model stays loaded after an answer (e.g. 5m).")
+@click.option("--mcp", "mcp_servers", multiple=True, metavar="NAME",
+              help="Give the model the tools of this MCP server of mcp.json (repeatable; 'none': no server; "
+                   "default at the >>> prompt: the servers marked \"default\": true).")
+@click.option("--tool-choice", type=click.Choice(["auto", "required"]), default="auto",
+              help="required: the first answer of each turn must call a tool (needs --mcp).")
 def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed: int | None,
             num_predict: int | None, num_ctx: int | None, system: str | None, fmt: str | None,
             draft: str | None, num_draft: int | None, kv_cache: str | None, backend: str, think: str | None,
             hidethinking: bool, images: tuple[str, ...], verbose: bool, host: str | None,
-            keepalive: str | None) -> None:
+            keepalive: str | None, mcp_servers: tuple[str, ...], tool_choice: str) -> None:
     """Run MODEL: answer PROMPT (or piped stdin) once, else chat interactively.
 
     \b
@@ -95,6 +110,7 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
       localllm run ./model.gguf --draft ngram --verbose
       localllm run ./llava.gguf "What is in ./photo.jpg?"
       localllm run ./llava.gguf --image photo.png "Describe it."
+      localllm run qwen2.5:0.5b --mcp time --mcp files
     """
     settings = build_settings(
         temperature=temperature, seed=seed, num_predict=num_predict, num_ctx=num_ctx, system=system,
@@ -116,13 +132,23 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
     from localllm.cli.display import ConversionDisplay
     from localllm.session import open_session
 
+    tools = open_tools(mcp_servers, defaults=interactive)
+    if tool_choice == "required" and (tools is None or not tools.servers):
+        raise click.UsageError("--tool-choice required needs an MCP server (--mcp NAME).")
     session = open_session(host, keep_alive=settings.keep_alive, on_convert=ConversionDisplay())
     try:
         name = ensure_model(session.models, model).name
-        if interactive:
+        if interactive or (tools is not None and " ".join(prompts).strip()):
             from localllm.cli.interactive import Repl
 
-            Repl(session, name, settings).run()
+            repl = Repl(session, name, settings, tools=tools, tool_choice=tool_choice)
+            if interactive:
+                repl.run()
+            else:  # one answer through the tool loop (confirmations read from stdin when it is a terminal)
+                session.runner.load(name, settings.load, keep_alive=settings.keep_alive)
+                repl.start_tools()
+                repl.pending_images = attached
+                repl.ask(" ".join(prompts))
             return
         text = " ".join(prompts)
         if not text.strip() and not attached:  # nothing to answer (empty stdin, stdout redirected): load, as Ollama
@@ -132,7 +158,36 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
         if code:
             sys.exit(code)
     finally:
-        session.close()
+        try:
+            session.close()
+        finally:
+            if tools is not None:
+                tools.host.close()
+
+
+def open_tools(names: tuple[str, ...], *, defaults: bool = True) -> ToolChat | None:
+    """The MCP servers ``--mcp`` names (checked against ``mcp.json``: an unknown name is one sentence), else (with
+    ``defaults``: the interactive prompt; a one-shot answer uses only what ``--mcp`` names, so a script's output
+    does not change with the config) the config's default ones; None when there are none. Nothing starts yet."""
+    from localllm.mcp.config import load_config
+    from localllm.mcp.host import McpHost
+    from localllm.mcp.loop import ToolChat
+
+    if "none" in names or (not names and not defaults):
+        return None
+    try:
+        config = load_config()
+    except LocalLLMError as e:
+        if names:
+            raise
+        sys.stderr.write(f"Note: {e} (no MCP tools in this session)\n")  # a plain `run` still works
+        return None
+    if not names and not config.defaults():
+        return None
+    host = McpHost(config)
+    for n in names:
+        host.status(n)  # raises the sentence for a name that is not in mcp.json
+    return ToolChat(host, list(names) or config.defaults())
 
 
 def one_shot(runner: Runner, name: str, text: str, settings: RunSettings,

@@ -34,7 +34,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from localllm.engine import Done, Event, GenerateRequest, LoadOptions, RunningModel, TextChunk, TokenLogprob, ToolCalls
-from localllm.server.checks import check_name, schema_problem
+from localllm.server.checks import check_name
 from localllm.server.errors import APIError, bad_request, status_of
 from localllm.server.modelinfo import capabilities, info_of
 from localllm.server.options import options_of
@@ -142,31 +142,18 @@ def check_capabilities(call: Call, model: InstalledModel) -> None:
 
 
 def forced_call_schema(tools: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
-    """The JSON schema of one call to any of ``tools`` (or to those named): ``{"name": <const>, "arguments":
-    <its parameters>}``, the bare-JSON call form the stream parses. Definitions are hoisted to the root so
-    that ``#/$defs/...`` references still resolve.
+    """:func:`localllm.toolschema.forced_call_schema` with its errors as a 400 naming the field.
 
     >>> forced_call_schema([{"type": "function", "function": {"name": "f"}}], [])["properties"]["name"]
     {'const': 'f'}
     """
-    chosen = [t for t in tools if not names or t["function"]["name"] in names]
-    if not chosen:
-        raise bad_request(f'tool_choice names "{names[0][:60]}", which is not one of the tools', param="tool_choice")
-    alternatives: list[dict[str, Any]] = []
-    defs: dict[str, Any] = {}
-    for tool in chosen:
-        fn = tool["function"]
-        params = dict(fn.get("parameters") or {"type": "object"})
-        if problem := schema_problem(params):
-            raise bad_request(f'tools: the parameters of "{fn["name"]}": {problem}', param="tools")
-        for key in ("$defs", "definitions"):
-            if isinstance(params.get(key), dict):
-                defs.setdefault(key, {}).update(params.pop(key))
-        params.pop("$schema", None)
-        alternatives.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                             "required": ["name", "arguments"], "additionalProperties": False})
-    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    return {**schema, **defs}
+    from localllm.toolschema import ToolSchemaError
+    from localllm.toolschema import forced_call_schema as call_schema
+
+    try:
+        return call_schema(tools, names)
+    except ToolSchemaError as e:
+        raise bad_request(str(e), param=e.param) from None
 
 
 async def begin(http: Request, call: Call) -> Run:

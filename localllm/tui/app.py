@@ -8,7 +8,9 @@ palette (Ctrl+P) offers the same actions through :class:`ActionCommands`.
 
 The screens' data source is a :class:`~localllm.session.Session` (``app.session``): the models and the
 runner (in-process, or a server with ``--host``), and in-process the advisor (fit verdicts, catalog,
-hardware). Made on first use, from a worker (it may be slow).
+hardware). Made on first use, from a worker (it may be slow). ``app.mcp`` is the MCP host of ``mcp.json``
+(:mod:`localllm.mcp`): made on first use too, its servers started in the background when a chat needs them,
+and stopped with the app.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 from localllm.chats import ChatStore
 from localllm.config import DEFAULT_MODEL
+from localllm.mcp.host import McpHost
 from localllm.session import Session, open_session
 
 from . import settings
@@ -38,13 +41,13 @@ SCREEN_TITLES = {ChatScreen: "Chat", ModelsScreen: "Models", HardwareScreen: "Ha
 
 def binding_table() -> list[tuple[str, type, Binding]]:
     """(where, class, binding) for every binding the app defines, in help order."""
-    from .modals import ConfirmModal, HelpScreen, SettingsModal, TextModal
+    from .modals import ConfirmModal, HelpScreen, SettingsModal, TextModal, ToolConfirmModal
 
     out: list[tuple[str, type, Binding]] = []
     for where, cls in (("App", LocalLLMApp), ("Chat", ChatScreen), ("Prompt", PromptInput),
                        ("Message", MessageView), ("Models", ModelsScreen), ("Hardware", HardwareScreen),
                        ("Settings", SettingsModal), ("Dialogs", ConfirmModal), ("Dialogs", TextModal),
-                       ("Help", HelpScreen)):
+                       ("Tool call", ToolConfirmModal), ("Help", HelpScreen)):
         for b in cls.BINDINGS:
             if isinstance(b, Binding) and b.id and not any(b.id == o.id for _, _, o in out):
                 out.append((where, cls, b))
@@ -98,8 +101,10 @@ class LocalLLMApp(App):
     ]
 
     def __init__(self, model: str | None = None, host: str | None = None, *,
-                 session: Session | None = None, chats: ChatStore | None = None):
+                 session: Session | None = None, chats: ChatStore | None = None, mcp: McpHost | None = None):
         super().__init__()
+        self._mcp = mcp
+        self.mcp_problem: str | None = None  # a config file that could not be read: said once
         self.requested_model = model
         self.host = host
         self._session = session
@@ -130,6 +135,22 @@ class LocalLLMApp(App):
         if self._session is not None:
             return self._session.label
         return self.host or "in-process"
+
+    @property
+    def mcp(self) -> McpHost:
+        """The MCP host of ``mcp.json`` (an empty one when the file cannot be read: the reason is kept in
+        :attr:`mcp_problem` and shown once)."""
+        if self._mcp is None:
+            from localllm.errors import LocalLLMError
+            from localllm.mcp.config import McpConfig, config_path, load_config
+
+            try:
+                config = load_config()
+            except LocalLLMError as e:
+                self.mcp_problem = str(e)
+                config = McpConfig(path=config_path())
+            self._mcp = McpHost(config)
+        return self._mcp
 
     def default_model_name(self) -> str:
         return settings.default_model() or DEFAULT_MODEL
@@ -162,6 +183,8 @@ class LocalLLMApp(App):
         screen = self.chat_screen
         if screen is not None and screen.cancel is not None:
             screen.cancel.set()  # the generator stops at the next token; the model is freed by close()
+        if self._mcp is not None:
+            self._mcp.close()  # every server's process ends with the app
         if self._session is not None:
             self._session.close()
         if self._own_chats:

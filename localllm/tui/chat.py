@@ -11,6 +11,14 @@ reasoning streams first into a dimmed, collapsible block above the answer (:clas
 folds when the answer starts; it is saved with the message and comes back folded when the chat is
 reopened. The message list is anchored to the bottom: it follows the stream until the user scrolls up, and
 picks it up again when they scroll back down.
+
+Tools: a chat's enabled MCP servers (the settings modal, Ctrl+T; new chats get the ``"default": true`` ones)
+start in the background when the chat first needs them. When the model's template renders tools, the answer
+runs through the tool loop of :mod:`localllm.mcp.loop`: each call appears above the answer as a collapsible
+block (:class:`ToolCallView`: tool, arguments, then the result), the first call of each tool asks
+(:class:`~localllm.tui.modals.ToolConfirmModal`: allow once, allow for this chat, deny), the result goes back to
+the model, and Esc stops a running tool (and the loop). The calls are saved with the answer and come back,
+folded, when the chat is reopened.
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ if TYPE_CHECKING:
     from textual.widgets.markdown import MarkdownStream
 
     from localllm.engine import Done, GenerateRequest, LoadOptions, Stats
+    from localllm.mcp.host import ServerStatus
+    from localllm.mcp.loop import ToolCall, ToolChat, ToolTurn
     from localllm.session import Session
     from localllm.thinking import ThinkValue
 
@@ -137,6 +147,37 @@ class ThinkingView(Collapsible):
         self.collapsed = True
 
 
+class ToolCallView(Collapsible):
+    """One tool call above the answer: ``⚙ tool {arguments} · state`` as the title; unfolded, the arguments and
+    the result. Folded once it has a result, and when a saved chat is shown."""
+
+    def __init__(self, call: ToolCall):
+        self.call = call
+        self._body = Static(self._body_text(), markup=False, classes="tool-text")
+        super().__init__(self._body, title=self._title_text(), collapsed=call.status != "pending",
+                         classes="tool-call error" if call.is_error else "tool-call")
+
+    def _title_text(self) -> str:
+        state = {"pending": "running… (Esc stops it)", "done": "done", "error": "error", "denied": "denied",
+                 "stopped": "stopped"}.get(self.call.status, self.call.status)
+        where = f" ({self.call.server})" if self.call.server else ""
+        return f"⚙ {self.call.summary()}{where} · {state}"
+
+    def _body_text(self) -> str:
+        import json
+
+        args = json.dumps(self.call.arguments, indent=2, ensure_ascii=False)
+        result = self.call.result if self.call.status != "pending" else "…"
+        return f"arguments:\n{args}\n\nresult:\n{result}"
+
+    def finish(self) -> None:
+        """The call has its outcome: show it in the title and the body, and fold."""
+        self.title = self._title_text()
+        self._body.update(self._body_text())
+        self.set_class(self.call.is_error, "error")
+        self.collapsed = True
+
+
 class PromptInput(TextArea):
     """Multi-line prompt: Enter sends, Ctrl+J (or Shift+Enter where the terminal reports it) adds a
     newline, Up on the first line recalls earlier prompts."""
@@ -229,11 +270,13 @@ class MessageView(Vertical, can_focus=True):
     ]
 
     def __init__(self, role: str, content: str, message_id: int | None = None, stopped: bool = False,
-                 thinking: str = "", images: list[ImageRef] | None = None):
+                 thinking: str = "", images: list[ImageRef] | None = None,
+                 tool_calls: list[ToolCall] | None = None):
         super().__init__(classes=f"message {role}")
         self.role, self.content, self.message_id = role, content, message_id
         self.images = list(images or [])
         self.thinking = thinking
+        self.tool_calls = list(tool_calls or [])
         self.stopped = stopped
         self._code_index = 0
 
@@ -244,6 +287,8 @@ class MessageView(Vertical, can_focus=True):
             yield ThinkingView(self.thinking)
         if self.images:  # chips: file name and pixels (the bytes are kept by content hash with the chat)
             yield Label("  ".join(i.chip for i in self.images), classes="images")
+        for call in self.tool_calls:
+            yield ToolCallView(call)
         yield Markdown(self.content, classes="body")
 
     @property
@@ -274,7 +319,7 @@ class MessageView(Vertical, can_focus=True):
 
         node: Widget | None = event.widget
         while node is not None and node is not self:
-            if isinstance(node, ThinkingView):  # folds or unfolds (its title's own click); no copy
+            if isinstance(node, ThinkingView | ToolCallView):  # folds or unfolds (its title's own click); no copy
                 return
             if isinstance(node, MarkdownFence):
                 self.app.copy_to_clipboard(node.code)
@@ -313,6 +358,10 @@ class ChatScreen(Screen):
         self.last_info: AnswerInfo | None = None
         self.render_lag_s: float | None = None  # end of generation -> last token on screen
         self.answer_done = asyncio.Event()
+        self._tool_chats: dict[int, ToolChat] = {}  # per conversation: what the user allowed stays for the session
+        self._tools_said: set[str] = set()  # models already told to have no tool support
+        self._failures_said: set[str] = set()  # "server: reason" lines already shown
+        self._unsubscribe: Any = None
 
     @property
     def lapp(self) -> AppHost:
@@ -334,6 +383,9 @@ class ChatScreen(Screen):
 
     def on_mount(self) -> None:
         self.lapp.chat_screen = self
+        self._unsubscribe = self.lapp.mcp.subscribe(self._server_changed)
+        if self.lapp.mcp_problem:
+            self.notify(self.lapp.mcp_problem, severity="error", timeout=10)
         store = self.lapp.chats
         self.query_one(PromptInput).prompts = store.prompt_history()
         convs = store.conversations()
@@ -377,8 +429,11 @@ class ChatScreen(Screen):
         self.last_info = None
         if self.conversation is not None:
             saved = self.lapp.chats.messages(self.conversation.id)
+            from localllm.mcp.loop import ToolCall
+
             views = [MessageView(m.role, m.content, m.id, thinking=m.thinking or "", images=m.images,
-                                 stopped=(m.stats or {}).get("finish_reason") == "cancelled") for m in saved]
+                                 stopped=(m.stats or {}).get("finish_reason") == "cancelled",
+                                 tool_calls=[ToolCall.from_dict(c) for c in m.tool_calls or []]) for m in saved]
             answers = [m for m in saved if m.role == "assistant"]
             self.last_info = info_from_saved(answers[-1].stats) if answers else None
             if views:
@@ -388,6 +443,7 @@ class ChatScreen(Screen):
             box.mount(Static(EMPTY_HINT, id="empty-hint"))
         box.anchor()
         self.update_status()
+        self.start_servers()
 
     @on(OptionList.OptionSelected, "#conversations")
     def _selected(self, event: OptionList.OptionSelected) -> None:
@@ -463,12 +519,18 @@ class ChatScreen(Screen):
             target = self.ensure_conversation()
             self.conversation = self.lapp.chats.update(
                 target.id, model=result["model"], system=result["system"], params=result["params"])
+            chat = self._tool_chats.get(target.id)
+            if chat is not None:  # the allowed tools stay; the servers and tools follow the settings
+                chat.servers = list(result["params"].get("mcp") or [])
+                chat.disabled = list(result["params"].get("mcp_off") or [])
             self.update_status()
+            self.start_servers()
             self.notify("Settings saved for this conversation.", timeout=2)
 
         self.app.push_screen(SettingsModal(
             conv.model if conv and conv.model else self.lapp.model, models,
-            conv.system if conv else "", conv.params if conv else {}), done)
+            conv.system if conv else "", conv.params if conv else {},
+            mcp=self.lapp.mcp, enabled=self.enabled_servers()), done)
 
     def action_toggle_sidebar(self) -> None:
         sidebar = self.query_one("#sidebar")
@@ -573,16 +635,111 @@ class ChatScreen(Screen):
         if self.cancel is not None:
             self.cancel.set()
 
-    def history(self) -> list[dict[str, str]]:
+    def history(self) -> list[dict[str, Any]]:
+        """The messages the model sees: an answer that made tool calls expands to its calls and their results."""
+        from localllm.mcp.loop import ToolCall, history_messages
+
         assert self.conversation is not None
-        out = [{"role": "system", "content": self.conversation.system}] if self.conversation.system else []
+        out: list[dict[str, Any]] = (
+            [{"role": "system", "content": self.conversation.system}] if self.conversation.system else [])
         chats = self.lapp.chats
         for m in chats.messages(self.conversation.id):  # images re-sent from the chat's own copies (regenerate too)
+            if m.role == "assistant" and m.tool_calls:
+                out += history_messages([ToolCall.from_dict(c) for c in m.tool_calls], m.content)
+                continue
             msg: dict[str, Any] = {"role": m.role, "content": m.content}
             if m.images:
                 msg["images"] = [chats.image_bytes(i) for i in m.images]
             out.append(msg)
         return out
+
+    # ------------------------------------------------------------------ tools (MCP)
+
+    def enabled_servers(self) -> list[str]:
+        """The MCP servers this chat uses: its settings' choice, else the config's default ones."""
+        params = self.conversation.params if self.conversation is not None else {}
+        if "mcp" in params:
+            return [n for n in params["mcp"] if n in self.lapp.mcp.names]
+        return self.lapp.mcp.config.defaults()
+
+    def start_servers(self) -> None:
+        """Start this chat's servers in the background (never waits for them)."""
+        try:
+            self.lapp.mcp.start(self.enabled_servers())
+        except Exception as e:  # noqa: BLE001 - one line; the chat goes on without tools
+            self.notify(str(e), severity="error", timeout=8)
+
+    def tool_chat(self, conversation_id: int, params: dict[str, Any]) -> ToolChat | None:
+        from localllm.mcp.loop import ToolChat
+
+        servers = self.enabled_servers()
+        if not servers:
+            return None
+        chat = self._tool_chats.get(conversation_id)
+        if chat is None:
+            chat = self._tool_chats[conversation_id] = ToolChat(self.lapp.mcp, servers, params.get("mcp_off"))
+        chat.servers, chat.disabled = servers, list(params.get("mcp_off") or [])
+        return chat
+
+    def _server_changed(self, status: ServerStatus) -> None:
+        """A server's state changed (the host's thread): a failure of one this chat uses is one line."""
+        if status.state != "failed":
+            return
+        try:
+            self.app.call_from_thread(self._say_failed, status)
+        except RuntimeError:  # on the app's thread already
+            self._say_failed(status)
+
+    def _say_failed(self, status: ServerStatus) -> None:
+        line = status.line()
+        if status.name in self.enabled_servers() and line not in self._failures_said:
+            self._failures_said.add(line)
+            self.notify(f"MCP {line}", severity="warning", timeout=8)
+
+    async def _await_servers(self, chat: ToolChat, cancel: threading.Event, model: str) -> None:
+        """Wait (without blocking the app) for this chat's servers that are still starting."""
+        host = chat.host
+        while any(host.status(n).state == "starting" for n in chat.servers) and not cancel.is_set():
+            starting = [n for n in chat.servers if host.status(n).state == "starting"]
+            self.update_status(f"{model}: starting MCP server {', '.join(starting)}… (Esc stops)")
+            await asyncio.sleep(0.1)
+
+    def _supports_tools(self, session: Session, model: str) -> bool:
+        try:
+            return "tools" in session.models.show(model).capabilities
+        except Exception:  # noqa: BLE001 - unknown here: the generation will say what is wrong
+            return True
+
+    async def _run_call(self, view: MessageView, turn: ToolTurn, chat: ToolChat, call: ToolCall, model: str,
+                        cancel: threading.Event) -> None:
+        """Show one call, ask the first time, run it (Esc stops it), show its result."""
+        from .modals import ToolConfirmModal
+
+        block = ToolCallView(call)
+        view.tool_calls.append(call)
+        if view.is_attached:
+            await view.mount(block, before=view.markdown)
+        if call.info is None:  # no such tool: the model hears which there are
+            turn.done(call, None)
+            block.finish()
+            return
+        if chat.needs_asking(call):
+            self.update_status(f"{model}: asks to call {call.tool}")
+            decision = await self.app.push_screen_wait(ToolConfirmModal(call))
+            if not chat.grant(call, decision):
+                turn.done(call, None, denied=True)
+                block.finish()
+                return
+        self.update_status(f"{model}: running {call.tool}… (Esc stops it)")
+        task = asyncio.ensure_future(chat.host.acall(call.info, call.arguments))
+        while not task.done() and not cancel.is_set():
+            await asyncio.wait({task}, timeout=0.05)
+        if not task.done():
+            task.cancel()
+            turn.done(call, None, stopped=True)
+        else:
+            turn.done(call, task.result())
+        block.finish()
 
     def start_answer(self) -> None:
         assert self.conversation is not None
@@ -602,9 +759,11 @@ class ChatScreen(Screen):
 
     @work(group="answer")
     async def stream_answer(self, view: MessageView, conversation_id: int, model: str,
-                            messages: list[dict[str, str]], params: dict[str, Any], cancel: threading.Event,
+                            messages: list[dict[str, Any]], params: dict[str, Any], cancel: threading.Event,
                             info: AnswerInfo) -> None:
-        from localllm.engine import Done, TextChunk
+        """The answer: one generation, or with tools the rounds of the tool loop (each call shown, asked,
+        run, its result sent back) until the model answers in words."""
+        from localllm.engine import Done, TextChunk, ToolCalls
 
         parts: list[str] = []
         thought = ""
@@ -613,54 +772,94 @@ class ChatScreen(Screen):
         error: str | None = None
         t_end = time.perf_counter()
         markdown = view.markdown
-        stream: MarkdownStream | None = Markdown.get_stream(markdown)
+        stream: MarkdownStream | None = None
+        turn: ToolTurn | None = None
         try:
             session = await asyncio.to_thread(lambda: self.lapp.session)  # made on first use: may be slow
-            request, options = request_from(messages, params)
-            t0 = time.perf_counter()
-            async with aclosing(session.runner.agenerate(model, request, options, cancel=cancel)) as answer:
-                async for event in answer:
-                    t_end = time.perf_counter()
-                    if isinstance(event, TextChunk):
-                        if info.ttft_s is None:
-                            info.ttft_s = t_end - t0
-                        if event.thinking:
-                            thought += event.text
-                            if thinking_view is not None:
-                                thinking_view.show(thought)
-                            elif view.is_attached:
-                                self.update_status(f"{model}: thinking… (Esc stops)")
-                                thinking_view = ThinkingView(thought, streaming=True)
-                                await view.mount(thinking_view, before=markdown)
-                            continue
-                        if not parts and view.is_attached:
-                            self.update_status(f"{model}: answering… (Esc stops)")
-                            if thinking_view is not None:
-                                thinking_view.finish()
-                        parts.append(event.text)
-                        if stream is not None and markdown.is_attached:
-                            await stream.write(event.text)
-                        elif stream is not None:  # the user opened another conversation: keep the text only
-                            await stream.stop()
-                            stream = None
-                    elif isinstance(event, Done):
-                        done = event
-                        info.stats, info.finish_reason = event.stats, event.finish_reason
-                        if event.stats.load_duration:  # TTFT is the answer's: the model load is shown on its own
-                            info.load_s = event.stats.load_duration / 1e9
-                            if info.ttft_s is not None:
-                                info.ttft_s = max(0.0, info.ttft_s - info.load_s)
-                        info.where = await asyncio.to_thread(describe_loaded, session, model)
+            chat = self.tool_chat(conversation_id, params)
+            if chat is not None:
+                chat.start()
+                await self._await_servers(chat, cancel, model)
+                for name in chat.servers:  # a failure (a bad mcp.json entry too) is said once
+                    if chat.host.status(name).state == "failed":
+                        self._say_failed(chat.host.status(name))
+                if not await asyncio.to_thread(self._supports_tools, session, model):
+                    if model not in self._tools_said:
+                        self._tools_said.add(model)
+                        self.notify(f"The chat template of {model} does not support tools: the MCP tools are not "
+                                    "given to it.", severity="warning", timeout=8)
+                    chat = None
+            turn = chat.turn(messages) if chat is not None else None
+            while True:
+                tools, fmt = turn.next_request() if turn is not None else (None, None)
+                request, options = request_from(turn.messages if turn is not None else messages, params)
+                request.tools = tools
+                if fmt is not None:
+                    request.format = fmt
+                parts, calls = [], []
+                stream = Markdown.get_stream(markdown)
+                t0 = time.perf_counter()
+                async with aclosing(session.runner.agenerate(model, request, options, cancel=cancel)) as answer:
+                    async for event in answer:
+                        t_end = time.perf_counter()
+                        if isinstance(event, TextChunk):
+                            if info.ttft_s is None:
+                                info.ttft_s = t_end - t0
+                            if event.thinking:
+                                thought += event.text
+                                if thinking_view is not None:
+                                    thinking_view.show(thought)
+                                elif view.is_attached:
+                                    self.update_status(f"{model}: thinking… (Esc stops)")
+                                    thinking_view = ThinkingView(thought, streaming=True)
+                                    await view.mount(thinking_view, before=markdown)
+                                continue
+                            if not parts and view.is_attached:
+                                self.update_status(f"{model}: answering… (Esc stops)")
+                                if thinking_view is not None:
+                                    thinking_view.finish()
+                            parts.append(event.text)
+                            if stream is not None and markdown.is_attached:
+                                await stream.write(event.text)
+                            elif stream is not None:  # the user opened another conversation: keep the text only
+                                await stream.stop()
+                                stream = None
+                        elif isinstance(event, ToolCalls):
+                            calls.extend(event.calls)
+                        elif isinstance(event, Done):
+                            done = event
+                            info.stats, info.finish_reason = event.stats, event.finish_reason
+                            if event.stats.load_duration:  # TTFT is the answer's: the model load is shown apart
+                                info.load_s = event.stats.load_duration / 1e9
+                                if info.ttft_s is not None:
+                                    info.ttft_s = max(0.0, info.ttft_s - info.load_s)
+                            info.where = await asyncio.to_thread(describe_loaded, session, model)
+                if stream is not None:
+                    await stream.stop()
+                    stream = None
+                if turn is None or cancel.is_set():
+                    break
+                pending = turn.answered("".join(parts), calls)
+                if not pending:
+                    break
+                for call in pending:
+                    await self._run_call(view, turn, turn.chat, call, model, cancel)
+                if cancel.is_set():
+                    break
+                if markdown.is_attached:
+                    await markdown.update("")  # the next round's text replaces this one's
         except Exception as e:  # noqa: BLE001 - shown to the user as one sentence
             error = _error_text(e, model)
         finally:
             if stream is not None:
                 await stream.stop()
         text = "".join(parts)
+        tool_calls = [c.as_dict() for c in turn.calls] if turn is not None else []
         stopped = cancel.is_set() or (done is not None and done.finish_reason == "cancelled")
-        if text or thought:  # saved whatever the screen shows now
+        if text or thought or tool_calls:  # saved whatever the screen shows now
             msg = self.lapp.chats.add_message(conversation_id, "assistant", text,
-                                              _stats_dict(done, info, model, stopped), thinking=thought or None)
+                                              _stats_dict(done, info, model, stopped), thinking=thought or None,
+                                              tool_calls=tool_calls or None)
             view.message_id = msg.id
         elif error is None and not stopped:
             error = "the model returned an empty answer"
@@ -670,7 +869,7 @@ class ChatScreen(Screen):
             view.content, view.thinking = text, thought
             if thinking_view is not None:
                 thinking_view.finish()
-            if text or thought:
+            if text or thought or tool_calls:
                 await markdown.update(text)  # one full render: complete code fences (oterm #308)
                 self.call_after_refresh(self._on_screen, t_end)
                 if stopped:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from localllm.chats import ChatStore
+    from localllm.mcp.host import McpHost
     from localllm.session import Session
 
 
@@ -16,12 +17,16 @@ class AppHost(Protocol):
     chats: ChatStore  # the persisted conversations
     model: str  # the model new chats start with
     chat_screen: Any  # the ChatScreen once mounted (typed Any: naming it here would import the screen)
+    mcp_problem: str | None  # why mcp.json could not be read (None: it was, or there is none)
 
     @property
     def session(self) -> Session: ...  # the in-process engine or the server (made on first use)
 
     @property
     def session_label(self) -> str: ...
+
+    @property
+    def mcp(self) -> McpHost: ...  # the MCP servers of mcp.json (nothing starts until a chat needs a server)
 
     def default_model_name(self) -> str: ...
 

@@ -1,16 +1,22 @@
-"""Modal screens: confirm, one-line text (rename), conversation settings, help."""
+"""Modal screens: confirm, one-line text (rename), conversation settings (with its MCP servers and tools),
+the confirmation of a tool call, help."""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import TYPE_CHECKING, Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, DataTable, Input, Label, Select, Static, TextArea
+from textual.widgets import Button, Checkbox, DataTable, Input, Label, Select, SelectionList, Static, TextArea
 
 from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from localllm.mcp.host import McpHost, ServerStatus
+    from localllm.mcp.loop import ToolCall
 
 
 class ConfirmModal(ModalScreen[bool]):
@@ -128,9 +134,14 @@ class SettingsModal(ModalScreen[dict[str, Any] | None]):
         Binding("ctrl+s", "save", "Save", id="settings.save"),
     ]
 
-    def __init__(self, model: str | None, models: list[str], system: str, params: dict[str, Any]):
+    def __init__(self, model: str | None, models: list[str], system: str, params: dict[str, Any],
+                 mcp: McpHost | None = None, enabled: list[str] | None = None):
         super().__init__()
         self.model, self.models, self.system, self.params = model, models, system, params
+        self.mcp = mcp
+        self.enabled = list(enabled or [])  # the servers this chat uses
+        self.off = set(params.get("mcp_off") or [])  # single tools turned off: "server/tool"
+        self._unsubscribe: Any = None
 
     def compose(self) -> ComposeResult:
         names = list(dict.fromkeys([*(self.models or []), *([self.model] if self.model else [])]))
@@ -147,10 +158,83 @@ class SettingsModal(ModalScreen[dict[str, Any] | None]):
                     value = self.params.get(key)
                     yield Input("" if value is None else str(value), placeholder=placeholder, id=f"param-{key}",
                                 compact=True)
+            if self.mcp is not None:
+                yield from self._compose_mcp(self.mcp)
             yield Static("", id="settings-error", classes="error")
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
+
+    # ---- MCP servers: each with its state, enabled or not for this chat; their tools, each on or off
+
+    def _compose_mcp(self, mcp: McpHost) -> ComposeResult:
+        where = mcp.config.path or "mcp.json"
+        yield Label("Tools (MCP servers)", classes="mcp-title")
+        if not mcp.names:
+            yield Static(f"No MCP servers: add them to {where} (the README shows how).", classes="hint",
+                         markup=False)
+            return
+        for i, status in enumerate(mcp.statuses()):
+            with Horizontal(classes="mcp-server"):
+                yield Checkbox(status.name, status.name in self.enabled, id=f"mcp-{i}", compact=True)
+                yield Static(_state_text(status), id=f"mcp-state-{i}", classes="mcp-state", markup=False)
+        yield Label("Their tools (unchecked: not offered to the model)", classes="hint")
+        yield SelectionList[str](*self._tool_options(), id="mcp-tools", compact=True)
+
+    def _tool_options(self) -> list[tuple[str, str, bool]]:
+        assert self.mcp is not None
+        out = []
+        for tool in self.mcp.tools(self.enabled):
+            key = f"{tool.server}/{tool.name}"
+            out.append((f"{tool.public} ({tool.server})", key, key not in self.off))
+        return out
+
+    def on_mount(self) -> None:
+        if self.mcp is not None:
+            self._unsubscribe = self.mcp.subscribe(self._host_changed)
+
+    def on_unmount(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+
+    def _host_changed(self, status: ServerStatus) -> None:
+        try:
+            self.app.call_from_thread(self.refresh_mcp)
+        except RuntimeError:  # already on the app's thread (a start asked from here)
+            self.call_later(self.refresh_mcp)
+
+    def refresh_mcp(self) -> None:
+        """The servers' states and the tool list, as they are now."""
+        if self.mcp is None or not self.is_attached:
+            return
+        for i, status in enumerate(self.mcp.statuses()):
+            for w in self.query(f"#mcp-state-{i}"):
+                if isinstance(w, Static):
+                    w.update(_state_text(status))
+        for tools in self.query("#mcp-tools"):
+            if isinstance(tools, SelectionList):
+                tools.clear_options()
+                tools.add_options(self._tool_options())
+
+    def on_checkbox_changed(self, event: Checkbox.Changed) -> None:
+        event.stop()
+        if self.mcp is None or not (event.checkbox.id or "").startswith("mcp-"):
+            return
+        name = self.mcp.names[int((event.checkbox.id or "mcp-0")[4:])]
+        if event.value and name not in self.enabled:
+            self.enabled.append(name)
+            self.mcp.start([name], retry=True)  # in the background (a failed one again): its state shows here
+        elif not event.value and name in self.enabled:
+            self.enabled.remove(name)
+        self.refresh_mcp()
+
+    def on_selection_list_selection_toggled(self, event: SelectionList.SelectionToggled) -> None:
+        event.stop()
+        key = str(event.selection.value)
+        if key in event.selection_list.selected:
+            self.off.discard(key)
+        else:
+            self.off.add(key)
 
     def action_save(self) -> None:
         values = {key: self.query_one(f"#param-{key}", Input).value for key, _, _ in PARAM_FIELDS}
@@ -160,6 +244,10 @@ class SettingsModal(ModalScreen[dict[str, Any] | None]):
             self.query_one("#settings-error", Static).update(str(e))
             return
         model = self.query_one("#model", Select).value
+        if self.mcp is not None and self.mcp.names:  # no mcp.json: nothing to say
+            params["mcp"] = [n for n in self.mcp.names if n in self.enabled]
+            if self.off:
+                params["mcp_off"] = sorted(self.off)
         self.dismiss({
             "model": None if model is Select.BLANK else str(model),
             "system": self.query_one("#system", TextArea).text,
@@ -172,6 +260,48 @@ class SettingsModal(ModalScreen[dict[str, Any] | None]):
             self.action_save()
         else:
             self.dismiss(None)
+
+
+def _state_text(status: ServerStatus) -> str:
+    """``ready, 2 tools`` / ``starting…`` / ``failed: reason`` / ``off (starts when a chat uses it)``."""
+    if status.state == "off":
+        return "off (starts when a chat uses it)"
+    if status.state == "starting":
+        return "starting…"
+    return status.line().split(": ", 1)[1]
+
+
+class ToolConfirmModal(ModalScreen[str]):
+    """The first call of a tool in a chat: allow once, allow for this chat, or deny; the arguments shown."""
+
+    BINDINGS = [
+        Binding("escape", "dismiss('deny')", "Deny", id="tool.deny"),
+        Binding("o", "dismiss('once')", "Allow once", id="tool.once", show=False),
+        Binding("a", "dismiss('chat')", "Allow for this chat", id="tool.chat", show=False),
+        Binding("d", "dismiss('deny')", "Deny", id="tool.deny_key", show=False),
+    ]
+
+    def __init__(self, call: ToolCall):
+        super().__init__()
+        self.call = call
+
+    def compose(self) -> ComposeResult:
+        where = f" of the MCP server “{self.call.server}”" if self.call.server else ""
+        with Vertical(classes="dialog tool-confirm"):
+            yield Label(f"The model wants to call {self.call.tool}{where}.", classes="question", markup=False)
+            yield Static(json.dumps(self.call.arguments, indent=2, ensure_ascii=False), id="tool-arguments",
+                         markup=False)
+            with Horizontal(classes="buttons"):
+                yield Button("Allow once (o)", variant="primary", id="once")
+                yield Button("Allow for this chat (a)", id="chat")
+                yield Button("Deny (d)", variant="error", id="deny")
+
+    def on_mount(self) -> None:
+        self.query_one("#once", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.dismiss(event.button.id or "deny")
 
 
 class HelpScreen(ModalScreen[None]):

@@ -12,9 +12,10 @@ Ollama does), so "off" shows as an answer starting with ``<think>`` and no reaso
 from __future__ import annotations
 
 import pytest
+from textual.widgets import OptionList
 
 from localllm.tui.app import LocalLLMApp
-from localllm.tui.chat import ThinkingView
+from localllm.tui.chat import PromptInput, ThinkingView
 from tests.fixtures_thinking import THINK_GBNF, write_thinking_model
 
 from .test_chat import wait_until
@@ -103,3 +104,37 @@ async def test_the_think_field_turns_thinking_off_and_on(face, request, chats):
         if face == "over_host":
             assert app._session is not None and app._session.remote  # noqa: SLF001 - the app's own session
             assert f"server {app.host}" in str(screen.query_one("#status").render())
+
+
+async def test_a_model_that_fails_to_load_is_one_sentence_and_the_app_goes_on(tui_home, chats, tmp_path):
+    """A chat whose model llama.cpp refuses to load (a valid GGUF without its layers): the status line says so in
+    one sentence, the prompt is kept, nothing is left half-loaded, and the next chat, on the default model,
+    answers in the same app."""
+    from tests.support import tiny_gguf
+
+    broken = str(tiny_gguf(tmp_path / "broken.gguf", "llama", bpe_vocab=True))
+    good = chats.create(title="Good", model="smollm2:135m", params={"seed": 1, "temperature": 0, "max_tokens": 4})
+    bad = chats.create(title="Broken", model=broken)
+    app = LocalLLMApp(model=broken, chats=chats)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = app.screen
+        await pilot.pause()
+        assert screen.conversation.id == bad.id
+        await pilot.press(*"Hi", "enter")
+        await wait_until(pilot, lambda: screen.answer_done.is_set() and not screen.generating, timeout=120)
+        status = str(screen.query_one("#status").render())
+        assert "broken.gguf could not be loaded" in status, status  # which model, and what happened to it
+        assert "Traceback" not in status and "\n" not in status.strip(), status
+        assert [m.role for m in chats.messages(bad.id)] == ["user"]  # the prompt is kept, no empty answer saved
+        assert app.session.runner.ps() == []  # nothing half-loaded stays resident
+
+        ol = screen.query_one("#conversations", OptionList)
+        ol.focus()
+        await pilot.press("down", "enter")  # the sidebar: most recent first, so "Good" is second
+        await wait_until(pilot, lambda: screen.conversation.id == good.id, timeout=30)
+        screen.answer_done.clear()
+        screen.query_one(PromptInput).focus()
+        await pilot.press(*"Say hi.", "enter")
+        await wait_until(pilot, lambda: [m.role for m in chats.messages(good.id)] == ["user", "assistant"]
+                         and screen.answer_done.is_set() and not screen.generating, timeout=180)
+        assert chats.messages(good.id)[-1].content.strip()

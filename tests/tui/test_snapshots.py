@@ -26,6 +26,16 @@ def scattering(wavelength_nm: float) -> float:
 """
 
 
+@pytest.fixture(autouse=True)
+def steady_cursor(monkeypatch):
+    """The cursors stay lit: a blink every 0.5 s would make a screenshot depend on how loaded the machine is
+    (a shot taken after 0.6 s shows the prompt without its cursor). textual is pinned in the test extras."""
+    from textual.widgets import Input, TextArea
+
+    monkeypatch.setattr(Input, "_toggle_cursor", lambda self: None)
+    monkeypatch.setattr(TextArea, "_toggle_cursor_blink_visible", lambda self: None)
+
+
 @pytest.fixture
 def snap_app(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCALLLM_HOME", "/nonexistent/localllm-home")  # shown in the help text: fixed
