@@ -36,7 +36,7 @@ from localllm.cli.answer import (
     user_message,
 )
 from localllm.cli.display import isatty
-from localllm.engine import BackendError
+from localllm.engine import BackendError, Done
 from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
@@ -214,14 +214,18 @@ class Repl:
             return
         self.pending_images = []  # sent: they stay in the conversation (the next turns reuse them, not re-encode)
         self.messages += [message, {"role": "assistant", "content": answer.text}]
-        done = answer.done
-        if done is not None:
-            dropped = done.stats.dropped_messages
-            if dropped:
-                self.err.write(f"{overflow_note(done.stats)}\n")
-                del self.messages[:dropped]  # the backend left them out; keep our copy in step
-            if s.verbose:
-                print_stats(done.stats, self.err)
+        self._after(answer.done)
+
+    def _after(self, done: Done | None) -> None:
+        """After an answer: the turns the backend dropped to fit leave our history too; --verbose stats."""
+        if done is None:
+            return
+        dropped = done.stats.dropped_messages
+        if dropped:
+            self.err.write(f"{overflow_note(done.stats)}\n")
+            del self.messages[:dropped]  # the backend left them out; keep our copy in step
+        if self.settings.verbose:
+            print_stats(done.stats, self.err)
 
     # -------------------------------------------------------------------------------- tools (MCP)
 
@@ -301,14 +305,7 @@ class Repl:
         self.out.write("\n\n")
         self.out.flush()
         self.messages = turn.messages[:] + [{"role": "assistant", "content": answer.text}]
-        done = answer.done
-        if done is not None:
-            dropped = done.stats.dropped_messages
-            if dropped:
-                self.err.write(f"{overflow_note(done.stats)}\n")
-                del self.messages[:dropped]  # the backend left them out; keep our copy in step
-            if s.verbose:
-                print_stats(done.stats, self.err)
+        self._after(answer.done)
 
     def _run_call(self, turn: Any, call: ToolCall) -> bool:
         """Show, confirm, run and show one call; False when Ctrl+C stopped it."""
