@@ -20,7 +20,8 @@ from tests.backends.conftest import collect
 pytest.importorskip("llama_cpp")
 
 SYSTEM = "You are a careful assistant. " + " ".join(
-    f"Rule {i}: answer about item {i} precisely and cite the rule." for i in range(60))  # ~1,100 tokens
+    f"Rule {i}: answer about item {i} precisely and cite the rule." for i in range(40))  # ~740 tokens: above the
+# product's min_tokens (512), so these tests run with the default threshold
 
 
 def ask(q: str, n: int = 24) -> GenerateRequest:
@@ -65,7 +66,7 @@ def test_a_second_process_restores_the_prefix_and_answers_the_same(derived_model
     again = _child(f32, tmp_path, "What does rule 7 say?")  # the whole prompt was saved
     assert again["restored"] == first["prompt"] - 1 and again["text"] == first["text"]
     other = _child(f32, tmp_path, "What does rule 12 say?")  # only the system prompt is shared
-    assert other["restored"] > 1000 and other["restored"] < other["prompt"]
+    assert other["restored"] > 600 and other["restored"] < other["prompt"]
     with _model(f32, tmp_path / "cold", max_bytes=0) as cold:  # no cache at all: the reference
         text, done, _ = collect(cold.generate(ask("What does rule 12 say?")))
     assert done.stats.prompt_restored_tokens == 0 and other["text"] == text
@@ -91,7 +92,7 @@ def test_corrupt_truncated_and_mismatched_entries_are_removed_not_loaded(default
         assert e.read_bytes() != bad[e.name]
     with _model(default_model_path, tmp_path) as m:
         _, done, _ = collect(m.generate(ask("Hi")))
-        assert done.stats.prompt_restored_tokens > 1000
+        assert done.stats.prompt_restored_tokens > 600
 
 
 def test_another_kv_type_is_a_miss(default_model_path, tmp_path):
