@@ -307,18 +307,25 @@ def test_unknown_kv_type_is_refused(mlx_dir: Path):
 # ------------------------------------------------------------------------------ speculative decoding
 
 
-def test_model_draft_is_exact_and_reports_acceptance(mlx_dir: Path, bike_greedy: str):
+@pytest.fixture(scope="module")
+def self_drafted(mlx_dir: Path):
+    """The default model drafting for itself, always (one load for the tests that use it)."""
     spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, extra={"draft_always": True},
                     draft=DraftSpec(kind="model", path=str(mlx_dir), num_draft=3))
     with load("mlx", spec) as b:
-        assert b.info.draft == str(mlx_dir)
-        text, done, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
-        assert text == bike_greedy
-        s = done.stats
-        assert s.draft_proposed > 0 and s.draft_accepted == s.draft_proposed  # a self-draft agrees at temp 0
-        # second turn: the cache (target and draft) is reused and the output stays exact
-        text2, d2, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
-        assert text2 == bike_greedy and d2.stats.prompt_cached_tokens > 0
+        yield b
+
+
+def test_model_draft_is_exact_and_reports_acceptance(mlx_dir: Path, bike_greedy: str, self_drafted):
+    b = self_drafted
+    assert b.info.draft == str(mlx_dir)
+    text, done, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
+    assert text == bike_greedy
+    s = done.stats
+    assert s.draft_proposed > 0 and s.draft_accepted == s.draft_proposed  # a self-draft agrees at temp 0
+    # second turn: the cache (target and draft) is reused and the output stays exact
+    text2, d2, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=greedy(20))))
+    assert text2 == bike_greedy and d2.stats.prompt_cached_tokens > 0
 
 
 def test_ngram_draft_is_exact(mlx_dir: Path, bike_greedy: str):
@@ -395,17 +402,15 @@ def test_kv_quantization_needs_a_head_size_divisible_by_32(mlx_dir: Path, monkey
         MLXSource(LoadSpec(model_path=str(mlx_dir), kv_cache_type="q4_0"))
 
 
-def test_seeded_sampling_with_a_draft_is_reproducible(mlx_dir: Path):
+def test_seeded_sampling_with_a_draft_is_reproducible(self_drafted):
     """Drafts at temperature > 0: sample-and-compare keeps the target's own samples, and one seed gives
     one text (the second run also reuses the target and draft caches)."""
-    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, extra={"draft_always": True},
-                    draft=DraftSpec(kind="model", path=str(mlx_dir), num_draft=3))
     s = Sampling(temperature=0.8, top_k=0, top_p=1.0, seed=11, max_tokens=16)
-    with load("mlx", spec) as b:
-        a, da, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=s)))
-        c, dc, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=s)))
-        assert a == c and len(a) > 10
-        assert da.stats.draft_proposed > 0 and dc.stats.prompt_cached_tokens > 0
+    b = self_drafted
+    a, da, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=s)))
+    c, dc, _ = collect(b.generate(GenerateRequest(messages=BIKE, sampling=s)))
+    assert a == c and len(a) > 10
+    assert da.stats.draft_proposed > 0 and dc.stats.prompt_cached_tokens > 0
 
 
 def test_cancelled_before_start_evaluates_nothing(plain):
