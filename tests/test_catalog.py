@@ -213,5 +213,10 @@ def test_models_toml_ships_in_a_normal_wheel(tmp_path):
         assert "localllm/models.toml" in names
         text = z.read("localllm/models.toml").decode()
         assert "localllm/cli/pull.py" in names and "localllm/cli/list.py" in names
+        # every module of the checkout is in it (a subpackage left out of pyproject crashed `pip install .`'s
+        # `localllm run` at the import of localllm.mcp)
+        modules = {p.relative_to(REPO_ROOT).as_posix() for top in ("localllm", "backends")
+                   for p in (REPO_ROOT / top).rglob("*.py") if "__pycache__" not in p.parts}
+        assert modules <= names, sorted(modules - names)
     cat = Catalog.from_toml(text)
     assert cat.get("smollm2:135m").mirrors
