@@ -16,6 +16,7 @@ MLX on CPU decodes at ~7 tok/s: generations stay short.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -76,14 +77,24 @@ def gemma_path(gemma_model) -> Path:
     return Path(gemma_model.path)
 
 
+@functools.lru_cache(maxsize=1)  # one model at a time, loaded once for the prompts a test compares
+def _llama(path: Path) -> Any:
+    return llama_cpp.Llama(str(path), n_ctx=512, n_threads=2, verbose=False)
+
+
+@functools.lru_cache(maxsize=1)
+def _mlx_model(mlx_dir: Path) -> Any:
+    from mlx_lm.utils import load_model
+
+    return load_model(mlx_dir)[0]  # the weights only: gemma's 262k-piece tokenizer takes 5-12 s to load
+
+
 def llama_greedy(path: Path, ids: list[int], n: int) -> list[int]:
-    llm = llama_cpp.Llama(str(path), n_ctx=512, n_threads=2, verbose=False)
     out: list[int] = []
-    for t in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0):
+    for t in _llama(path).generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
         out.append(int(t))
         if len(out) >= n:
             break
-    llm.close()
     return out
 
 
@@ -91,9 +102,8 @@ def mlx_greedy(mlx_dir: Path, ids: list[int], n: int) -> list[int]:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
-    from mlx_lm.utils import load_model
 
-    model, _ = load_model(mlx_dir)  # the weights only: gemma's 262k-piece tokenizer takes 5-12 s to load
+    model = _mlx_model(mlx_dir)  # generate_step makes a fresh prompt cache per call
     steps = generate_step(mx.array(ids), model, sampler=make_sampler(0.0), max_tokens=n)
     return [int(t) for (t, _), _ in zip(steps, range(n), strict=False)]
 
