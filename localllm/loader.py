@@ -110,6 +110,7 @@ class Loader:
         if options.num_ctx is not None and options.num_ctx < MIN_CTX:
             raise LocalLLMError(f"num_ctx must be at least {MIN_CTX} tokens, got {options.num_ctx}.")
         model = self.store.get(name)
+        options = self.model_options(model, options)
         info = GGUFInfo(**model.info)
         kv = options.kv_cache_type or config.kv_cache_type()
         p = plan(
@@ -126,6 +127,16 @@ class Loader:
             projector_bytes=model.projector.size if model.projector is not None else 0,
         )
         return model, p
+
+    @staticmethod
+    def model_options(model: InstalledModel, options: LoadOptions) -> LoadOptions:
+        """``options`` with what a model made by ``create`` sets for its load (its ``num_ctx``, ``num_gpu``,
+        ``num_thread`` PARAMETERs and its DRAFT) where ``options`` leaves them to the planner."""
+        if model.derived is None:
+            return options
+        from localllm.modelfile import load_defaults
+
+        return load_defaults(model.derived, options)
 
     @staticmethod
     def check_fits(model: InstalledModel, p: Plan) -> None:
@@ -162,6 +173,9 @@ class Loader:
         """What the backend is given to load ``model`` as planned (``model_path`` set by the conversion when the
         plan converts first)."""
         path = model.weights_path(p.backend)
+        extra: dict[str, object] = {"head_dims": (model.info.get("head_dim_k", 0), model.info.get("head_dim_v", 0))}
+        if model.derived is not None and model.derived.template is not None:
+            extra["chat_template"] = model.derived.template  # a Modelfile's TEMPLATE replaces the GGUF's
         return LoadSpec(
             model_path=str(path),
             n_ctx=p.n_ctx,
@@ -177,7 +191,7 @@ class Loader:
             else None,
             verbose=os.environ.get("LOCALLLM_DEBUG", "") not in ("", "0"),
             # the head sizes read with the model's metadata: a quantized KV cache is checked without the header
-            extra={"head_dims": (model.info.get("head_dim_k", 0), model.info.get("head_dim_v", 0))},
+            extra=extra,
         )
 
     def prompt_cache_spec(self, model: InstalledModel, backend: str) -> PromptCacheSpec | None:

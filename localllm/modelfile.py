@@ -43,9 +43,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from backends.base import GenerateRequest
+    from localllm.loader import LoadOptions
 
 # Ollama's option names (api.Options + api.Runner) → the type PARAMETER takes
 INTEGER, NUMBER, BOOLEAN, STRING = "integer", "number", "boolean", "string"
@@ -349,3 +353,69 @@ def check_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
             raise ModelfileError(f'parameter "{key}" must be of type {kind}.')
         out[key] = int(value) if kind == INTEGER else float(value) if kind == NUMBER else value
     return out
+
+
+# ------------------------------------------------------------------------------------------ applying a model's
+# Ollama's layering: what a request sets wins over the model's PARAMETERs, which win over the defaults. A
+# request's sampling reaches the engine as a filled-in Sampling, so a field still at Sampling's default counts as
+# "not set by the request" (an explicit request value equal to the default does not override the Modelfile).
+_SAMPLING_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                    "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
+                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                    "seed": "seed", "num_predict": "max_tokens", "stop": "stop"}
+
+
+def apply_to_request(mf: Modelfile, request: GenerateRequest) -> GenerateRequest:
+    """``request`` with what a derived model adds: its PARAMETERs where the request left the sampling at its
+    default, and for a chat its SYSTEM (unless the request starts with its own system message) and its MESSAGE
+    history, between the system message and the request's turns. A raw prompt takes the parameters only."""
+    from dataclasses import fields, replace
+
+    from backends.base import Sampling
+
+    default = Sampling()
+    changes: dict[str, Any] = {}
+    names = {f.name for f in fields(Sampling)}
+    for key, attr in _SAMPLING_FIELDS.items():
+        if key not in mf.parameters or attr not in names:
+            continue
+        if getattr(request.sampling, attr) != getattr(default, attr):
+            continue  # the request set it
+        value = mf.parameters[key]
+        if key == "seed":
+            value = None if int(value) < 0 else int(value) % (1 << 32)
+        elif key == "num_predict":
+            value = -1 if int(value) < 0 else int(value)
+        elif key == "stop":
+            value = [s for s in value if s]
+        changes[attr] = value
+    out = replace(request, sampling=replace(request.sampling, **changes)) if changes else request
+    if out.messages is None or (mf.system is None and not mf.messages):
+        return out
+    msgs = list(out.messages)
+    lead: list[dict[str, Any]] = []
+    while msgs and msgs[0].get("role") == "system":
+        lead.append(msgs.pop(0))
+    if not lead and mf.system:
+        lead = [{"role": "system", "content": mf.system}]
+    return replace(out, messages=lead + [dict(m) for m in mf.messages] + msgs)
+
+
+def load_defaults(mf: Modelfile, options: LoadOptions) -> LoadOptions:
+    """``options`` with the model's load PARAMETERs (``num_ctx``, ``num_gpu``, ``num_thread``,
+    ``draft_num_predict``) and its DRAFT where the request leaves them to the planner."""
+    from dataclasses import replace
+
+    p = mf.parameters
+    changes: dict[str, Any] = {}
+    if options.num_ctx is None and p.get("num_ctx"):
+        changes["num_ctx"] = int(p["num_ctx"])
+    if options.num_gpu is None and p.get("num_gpu") is not None and int(p["num_gpu"]) >= 0:
+        changes["num_gpu"] = int(p["num_gpu"])
+    if options.num_thread is None and p.get("num_thread") and int(p["num_thread"]) > 0:
+        changes["num_thread"] = int(p["num_thread"])
+    if options.draft == "auto" and mf.draft:
+        changes["draft"] = mf.draft
+        if p.get("draft_num_predict"):
+            changes["num_draft"] = max(1, min(int(p["draft_num_predict"]), 64))
+    return replace(options, **changes) if changes else options

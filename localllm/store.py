@@ -51,6 +51,7 @@ from localllm.catalog import Catalog, CatalogEntry, Mirror
 from localllm.config import Paths
 from localllm.config import paths as default_paths
 from localllm.errors import InvalidModelFileError, LocalLLMError, ModelNotFoundError, PullError, SourceUnavailable
+from localllm.modelfile import Modelfile, check_parameters, check_template
 from localllm.names import ModelRef, parse_name
 
 MANIFEST_SCHEMA = 1
@@ -100,6 +101,13 @@ class InstalledModel:
     mlx_repo: str | None = None  # where downloaded MLX weights came from (None: converted or none)
     mlx_revision: str | None = None  # the commit of mlx_repo that was fetched
     projector: Projector | None = None  # a vision projector: the model takes images
+    # a model made with ``create`` (a Modelfile): what it adds over its weights; ``derived.from_`` is the base
+    derived: Modelfile | None = None
+
+    @property
+    def base(self) -> str | None:
+        """The installed model a derived one was made from (None: not derived, or made from a file or blob)."""
+        return self.derived.from_ or None if self.derived is not None else None
 
     @property
     def short_id(self) -> str:
@@ -132,6 +140,7 @@ class InstalledModel:
             "mlx_path": str(self.mlx_path) if self.mlx_path else None, "formats": self.formats,
             "mlx_repo": self.mlx_repo, "mlx_revision": self.mlx_revision, "info": self.info,
             "projector": self.projector.as_dict() if self.projector else None,
+            "derived": ({"base": self.base, **self.derived.as_dict()} if self.derived is not None else None),
         }
 
 
@@ -206,6 +215,34 @@ def check_projector(path: Path, n_embd: int) -> None:
     if n_embd and width and int(width) != n_embd:
         raise InvalidModelFileError(f"The projector {path.name} makes {width}-wide embeddings but the model's are "
                                     f"{n_embd} wide: it belongs to another model.")
+
+
+def _derived_of(d: dict[str, Any] | None) -> Modelfile | None:
+    """A manifest's ``derived`` block (what ``create`` added) as a :class:`Modelfile` whose FROM is the base."""
+    if not d:
+        return None
+    return Modelfile(from_=str(d.get("base") or ""), parameters=dict(d.get("parameters") or {}),
+                     system=d.get("system"), template=d.get("template"),
+                     messages=[dict(m) for m in d.get("messages") or []], license=list(d.get("license") or []),
+                     adapters=list(d.get("adapters") or []), draft=d.get("draft"))
+
+
+def layer(base: Modelfile | None, mf: Modelfile) -> Modelfile:
+    """``mf`` over what its base already adds (Ollama: a model made FROM a derived model keeps that model's
+    system, template, parameters and messages unless the new Modelfile sets them; parameters merge by name).
+
+    >>> old = Modelfile("a", {"temperature": 0.0, "stop": ["x"]}, system="s", messages=[{"role": "user"}])
+    >>> new = layer(old, Modelfile("b", {"stop": ["y"]}))
+    >>> new.parameters, new.system, len(new.messages)
+    ({'temperature': 0.0, 'stop': ['y']}, 's', 1)
+    """
+    if base is None:
+        return mf
+    return Modelfile(from_=mf.from_, parameters={**base.parameters, **mf.parameters},
+                     system=mf.system if mf.system is not None else base.system,
+                     template=mf.template if mf.template is not None else base.template,
+                     messages=list(mf.messages or base.messages), license=list(mf.license or base.license),
+                     adapters=list(base.adapters) + list(mf.adapters), draft=mf.draft or base.draft)
 
 
 def _now() -> datetime:
@@ -285,6 +322,7 @@ class Store:
                 mlx_repo=(data.get(MLX) or {}).get("repo"),
                 mlx_revision=(data.get(MLX) or {}).get("revision"),
                 projector=self._projector_of(data.get("projector")),
+                derived=_derived_of(data.get("derived")),
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -895,6 +933,134 @@ class Store:
         out = self._read_manifest(self._manifest_path(dref))
         assert out is not None
         return out
+
+    # ------------------------------------------------------------------------------------ create
+    def create(self, name: str, mf: Modelfile, *, progress: ProgressFn | None = None,
+               cancel: threading.Event | None = None) -> InstalledModel:
+        """Install ``name`` as ``mf`` says (``localllm create``, ``/api/create``): a derived model that stores
+        only what it adds (parameters, system, template, messages, license, draft) in its manifest and shares
+        its base's weights blob (so ``rm`` of the base keeps the blob while this model uses it).
+
+        ``mf.from_`` is an installed name or a catalog name (pulled first), a local ``.gguf`` path (copied into
+        the blobs, sha256-addressed) or a blob digest ``sha256:<hex>`` (an upload to ``/api/blobs``). A model
+        made FROM a derived model layers over it (:func:`layer`). An existing ``name`` is replaced, and a blob
+        it alone used is freed."""
+        import re
+
+        dref = parse_name(name, allow_path=False)
+        rep = _Reporter(progress)
+        params = check_parameters(mf.parameters)
+        if mf.template is not None:
+            check_template(mf.template)
+        if mf.adapters:
+            raise LocalLLMError("ADAPTER (LoRA) is not supported yet: create the model without it.")
+        src = mf.from_.strip()
+        if not src:
+            raise LocalLLMError("A model needs a FROM: an installed model, a catalog name, a .gguf path or a blob.")
+        base: InstalledModel | None = None
+        digest_form = re.fullmatch(r"sha256[:-]([0-9a-fA-F]{64})", src)
+        if digest_form:
+            hexdigest = digest_form.group(1).lower()
+            if not self.blob_path(hexdigest).is_file():
+                raise ModelNotFoundError(f"There is no blob sha256:{hexdigest}; upload it to /api/blobs first.")
+            rep.phase("parsing GGUF")
+            data = self._blob_data(hexdigest, f"blob sha256:{hexdigest[:12]}")
+        elif parse_name(src, allow_path=True).kind == "path":
+            data = self._import_gguf(Path(src).expanduser(), rep, cancel)
+        else:
+            base = self.ensure(src, progress=progress, cancel=cancel)
+            found = self._find(parse_name(base.name, allow_path=False))
+            assert found is not None
+            data = json.loads(self._manifest_path(found[0]).read_text(encoding="utf-8"))
+            data.pop(MLX, None)  # the MLX build is found by digest; the download record stays the base's
+        derived = layer(base.derived if base is not None else None,
+                        Modelfile(from_=base.name if base is not None else "", parameters=params, system=mf.system,
+                                  template=mf.template, messages=[dict(m) for m in mf.messages],
+                                  license=list(mf.license), adapters=[], draft=mf.draft))
+        now = _now().isoformat()
+        info = dict(data.get("info") or {})
+        if derived.template is not None:
+            info["chat_template"] = derived.template
+        if derived.license:
+            info["license"] = "\n\n".join(derived.license)
+        data.update(name=dref.name, created=now, modified=now, info=info,
+                    source=f"created from {base.name}" if base is not None else data.get("source", ""),
+                    derived={"base": derived.from_ or None, **derived.as_dict()})
+        rep.phase("writing manifest")
+        with self._store_lock():
+            old = self._read_manifest(self._manifest_path(dref))
+            self._write_manifest(dref, data)
+            if old is not None and old.digest != data["digest"]:
+                self._gc_blob(old.digest)
+        out = self._read_manifest(self._manifest_path(dref))
+        assert out is not None
+        rep.phase("success")
+        return self._with_mlx(out)
+
+    def write_blob(self, digest: str, chunks: Iterator[bytes]) -> bool:
+        """Store an upload (``POST /api/blobs/:digest``) under its digest: written beside the blobs, its sha256
+        checked, then renamed into ``blobs/`` (so a cut upload or a wrong one leaves nothing). The digest is
+        the caller's checked ``sha256:<64 hex>``: the file name is made from it, never from the client's text.
+        True when it was written, False when the blob was there already; a mismatch raises
+        :class:`LocalLLMError` with Ollama's words."""
+        hexdigest = digest.removeprefix("sha256:").lower()
+        if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
+            raise LocalLLMError(f"invalid digest {digest[:80]!r}")
+        target = self.blob_path(hexdigest)
+        self.paths.downloads.mkdir(parents=True, exist_ok=True)
+        tmp = self.paths.downloads / f"upload-{hexdigest}.{os.getpid()}.{threading.get_ident()}.partial"
+        h = hashlib.sha256()
+        try:
+            with open(tmp, "wb") as fh:
+                for chunk in chunks:
+                    h.update(chunk)
+                    fh.write(chunk)
+            got = h.hexdigest()
+            if got != hexdigest:
+                raise LocalLLMError(f"digest mismatch, expected \"sha256:{hexdigest}\", got \"sha256:{got}\"")
+            if target.is_file():
+                return False
+            self._install_blob(tmp, hexdigest)
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _blob_data(self, hexdigest: str, source: str) -> dict[str, Any]:
+        """A new manifest's fields for the GGUF blob ``hexdigest`` (validated: a file that is not a usable GGUF
+        is refused in one sentence, before anything is registered)."""
+        from localllm.ggufinfo import check_gguf_file, read_gguf
+
+        file = self.blob_path(hexdigest)
+        check_gguf_file(file)
+        info = read_gguf(file, digest="sha256:" + hexdigest)
+        return {"schema": MANIFEST_SCHEMA, "digest": "sha256:" + hexdigest, "size": file.stat().st_size,
+                "external": False, "path": str(file), "source": source, "quant": info.file_type, "catalog": None,
+                "info": info.as_dict(), "mlx_path": None}
+
+    def _import_gguf(self, path: Path, rep: _Reporter, cancel: threading.Event | None) -> dict[str, Any]:
+        """Copy a local GGUF into the blobs (checked first; copied beside the blobs and renamed, so a kill
+        leaves no blob and no model) and return its manifest fields."""
+        import shutil
+
+        from localllm.download import _check_cancel, sha256_file
+        from localllm.ggufinfo import check_gguf_file, read_gguf
+
+        check_gguf_file(path)
+        read_gguf(path)  # a header or tensor table that does not fit the file: refused before it is copied
+        size = path.stat().st_size
+        rep.phase("verifying sha256 digest", total=size)
+        hexdigest = sha256_file(path, rep.add)
+        _check_cancel(cancel, path.name)
+        if not self.blob_path(hexdigest).is_file():
+            self.paths.downloads.mkdir(parents=True, exist_ok=True)
+            tmp = self.paths.downloads / f"sha256-{hexdigest}.{os.getpid()}.partial"
+            rep.phase(f"copying {path.name}", digest=f"sha256:{hexdigest}", total=size)
+            try:
+                shutil.copyfile(path, tmp)
+                self._install_blob(tmp, hexdigest)
+            finally:
+                tmp.unlink(missing_ok=True)
+        return self._blob_data(hexdigest, f"local file {path.name}")
 
     def set_mlx_path(self, name: str, mlx_path: Path | None) -> InstalledModel:
         """Record (or clear) the MLX model directory that goes with an installed model."""

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "show": ("localllm.cli.show", "Show a model's details."),
     "rm": ("localllm.cli.rm", "Remove models."),
     "cp": ("localllm.cli.cp", "Copy a model to a new name."),
+    "create": ("localllm.cli.create", "Create a model from a Modelfile (system prompt, parameters, history)."),
     "stop": ("localllm.cli.stop", "Unload a running model."),
     "serve": ("localllm.cli.serve", "Serve the Ollama and OpenAI APIs."),
     "probe": ("localllm.cli.probe", "Show this machine's hardware and the backend localllm picks."),

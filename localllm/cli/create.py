@@ -1,0 +1,84 @@
+"""``localllm create NAME -f Modelfile``: a model of one's own from a Modelfile, like ``ollama create``.
+
+    $ cat Modelfile
+    FROM smollm2:135m
+    SYSTEM You answer in one short sentence.
+    PARAMETER temperature 0
+    PARAMETER stop "<|im_end|>"
+    MESSAGE user Is Paris in France?
+    MESSAGE assistant Yes.
+    $ localllm create terse -f Modelfile
+    $ echo 'FROM ./my-model.f16.gguf' | localllm create mine -f -
+    $ localllm show terse --modelfile      # the Modelfile that recreates it
+
+The new model stores only what it adds (parameters, system prompt, template, messages) and shares its base's
+weights; ``rm`` of the base keeps them while a derived model uses them. A relative ``FROM`` path is read from
+the Modelfile's directory (from the current one with ``-f -``). Status lines go to stderr, as Ollama's do.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command("create", help="Create a model from a Modelfile.")
+@click.argument("name")
+@click.option("-f", "--file", "file", default="Modelfile", metavar="PATH",
+              help="The Modelfile ('-' reads it from stdin; default: ./Modelfile).")
+@click.option("--quiet", "-q", is_flag=True, help="No status lines.")
+@click.option("--host", default=None, metavar="URL",
+              help="Talk to a localllm or Ollama server there instead of in-process.")
+def command(name: str, file: str, quiet: bool, host: str | None) -> None:
+    """Create NAME from the Modelfile FILE.
+
+    \b
+    Examples:
+      localllm create terse -f Modelfile
+      echo 'FROM smollm2:135m
+      SYSTEM Answer like a pirate.' | localllm create pirate -f -
+    """
+    from localllm.errors import LocalLLMError
+    from localllm.modelfile import parse
+    from localllm.names import parse_name
+    from localllm.session import open_models
+    from localllm.store import PullProgress
+
+    parse_name(name, allow_path=False)
+    if file == "-":
+        text, where = sys.stdin.read(), Path.cwd()
+    else:
+        path = Path(file).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise LocalLLMError(f"There is no Modelfile at {file}; give one with -f PATH (or -f - for stdin)."
+                                ) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise LocalLLMError(f"Could not read the Modelfile {file}: {e}.") from None
+        where = path.resolve().parent
+    mf = parse(text)
+    if parse_name(mf.from_, allow_path=True).kind == "path":
+        src = Path(mf.from_).expanduser()
+        mf.from_ = str(src if src.is_absolute() else where / src)
+
+    last = [""]
+
+    def progress(p: PullProgress) -> None:
+        if not quiet and p.status != last[0]:
+            last[0] = p.status
+            click.echo(p.status, err=True)
+
+    models = open_models(host)
+    try:
+        made = models.create(name, mf, progress=progress)
+    finally:
+        models.close()
+    if not quiet and last[0] != "success":
+        click.echo("success", err=True)
+    if not models.remote and made.base:
+        click.echo(f"created '{made.name}' from '{made.base}'")
+    else:
+        click.echo(f"created '{made.name}'")
