@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from localllm.engine import Done, GenerateRequest, RunningModel, Stats, TextChunk, ToolCalls
-from localllm.errors import LocalLLMError
+from localllm.errors import InvalidModelFileError, LocalLLMError
 from localllm.local import modelfile_of
 from localllm.modelfile import ROLES, Modelfile, ModelfileError, check_parameters, check_template
 from localllm.server import generation as g
@@ -592,6 +592,8 @@ async def create(body: CreateBody, request: Request) -> Response:
         try:
             store.create(name, mf, progress=lambda p: put(("progress", p)), cancel=cancel)
             put(("done", None))
+        except InvalidModelFileError as e:  # the client's file: a 400, not the server's fault
+            put(("error", bad_request(str(e))))
         except BaseException as e:  # noqa: BLE001 - reported to the client
             put(("error", e))
 

@@ -1,0 +1,258 @@
+"""Models of one's own (``localllm create``): the store keeps only what a Modelfile adds and shares the base's
+blob; ``rm`` of the base keeps it; ``list``/``show --modelfile`` say what it is; and on the real default model the
+Modelfile's SYSTEM, PARAMETERs (temperature 0, stop), MESSAGE history and TEMPLATE change the answer as they say."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from localllm.engine import Done, Engine, GenerateRequest, Sampling, TextChunk
+from localllm.errors import InvalidModelFileError, LocalLLMError, ModelNotFoundError
+from localllm.modelfile import Modelfile, ModelfileError, apply_to_request, parse
+from localllm.store import Store
+from tests.support import DEFAULT_MODEL, TEST_HOME, install_copy, private_paths
+
+TERSE = '''# a terse assistant over the default model
+FROM smollm2:135m
+SYSTEM """You are a pirate.
+Answer in one short sentence."""
+PARAMETER temperature 0
+PARAMETER num_predict 12
+MESSAGE user What is the capital of France?
+MESSAGE assistant Paris, matey.
+'''
+
+
+@pytest.fixture
+def store(tmp_path, installed_default_model) -> Store:
+    """A private store holding the default model (its blob hard-linked from the test home)."""
+    pp = private_paths(tmp_path / "home")
+    install_copy(pp.models, TEST_HOME / "data" / "models")
+    return Store(paths=pp)
+
+
+def _blobs(store: Store) -> list[str]:
+    return sorted(p.name for p in store.paths.blobs.iterdir())
+
+
+# ------------------------------------------------------------------------------------------ the store
+
+
+def test_derived_model_stores_only_what_it_adds_and_shares_the_blob(store):
+    before = _blobs(store)
+    m = store.create("terse", parse(TERSE))
+    base = store.get(DEFAULT_MODEL)
+    assert (m.digest, m.path, m.base) == (base.digest, base.path, DEFAULT_MODEL)
+    assert _blobs(store) == before  # no bytes copied
+    manifest = json.loads((store.paths.manifests / "library" / "terse" / "latest.json").read_text())
+    assert manifest["derived"] == {
+        "base": DEFAULT_MODEL, "parameters": {"temperature": 0.0, "num_predict": 12},
+        "system": "You are a pirate.\nAnswer in one short sentence.", "template": None,
+        "messages": [{"role": "user", "content": "What is the capital of France?"},
+                     {"role": "assistant", "content": "Paris, matey."}],
+        "license": [], "adapters": [], "draft": None}
+
+
+def test_rm_of_the_base_keeps_the_blob_a_derived_model_needs(store):
+    store.create("terse", parse(TERSE))
+    blob = store.get(DEFAULT_MODEL).path
+    store.remove(DEFAULT_MODEL)
+    assert blob.is_file() and store.get("terse").path == blob
+    assert [(m.name, m.base) for m in store.list()] == [("terse", DEFAULT_MODEL)]
+    store.remove("terse")
+    assert not blob.exists()  # the last user of the blob went: the blob goes too
+
+
+def test_a_model_made_from_a_derived_one_layers_over_it(store):
+    store.create("terse", parse(TERSE))
+    m = store.create("terser", parse("FROM terse\nPARAMETER num_predict 4\nPARAMETER stop .\n"))
+    assert m.base == "terse"
+    assert m.derived is not None
+    assert m.derived.parameters == {"temperature": 0.0, "num_predict": 4, "stop": ["."]}
+    assert m.derived.system == "You are a pirate.\nAnswer in one short sentence." and len(m.derived.messages) == 2
+
+
+def test_from_a_local_gguf_copies_it_into_the_blobs_and_show_modelfile_recreates_it(store, tmp_path):
+    from localllm.local import modelfile_of
+
+    src = tmp_path / "mine.gguf"
+    src.write_bytes(store.get(DEFAULT_MODEL).path.read_bytes())
+    store.remove(DEFAULT_MODEL)
+    assert _blobs(store) == []
+    m = store.create("mine", parse(f"FROM {src}\nSYSTEM hi\n"))
+    assert m.base is None and m.path.parent == store.paths.blobs and m.path.read_bytes() == src.read_bytes()
+    text = modelfile_of(m)
+    again = store.create("again", parse(text))
+    assert again.derived is not None and m.derived is not None
+    assert (again.digest, again.derived.system) == (m.digest, "hi")
+    assert _blobs(store) == [m.path.name]
+
+
+def test_bad_sources_are_one_sentence_and_register_nothing(store, tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF\x03\x00\x00\x00")  # the magic and nothing after it (CVE-2024-39720's 4 bytes and more)
+    with pytest.raises(InvalidModelFileError):
+        store.create("junk", parse(f"FROM {junk}\n"))
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("hello")
+    with pytest.raises(InvalidModelFileError, match="not a GGUF|GGUF"):
+        store.create("notes", parse(f"FROM {not_gguf}\n"))
+    with pytest.raises(ModelNotFoundError, match="not in the model catalog"):
+        store.create("x", parse("FROM nosuchmodel:1b\n"))
+    with pytest.raises(ModelNotFoundError, match="upload it to /api/blobs first"):
+        store.create("x", parse("FROM sha256:" + "0" * 64 + "\n"))
+    with pytest.raises(LocalLLMError, match="ADAPTER"):
+        store.create("x", parse("FROM smollm2:135m\nADAPTER ./lora.gguf\n"))
+    assert [m.name for m in store.list()] == [DEFAULT_MODEL]
+    assert len(_blobs(store)) == 1 and not any(store.paths.downloads.glob("*.partial"))
+
+
+def test_a_request_gets_the_models_system_history_and_parameters_where_it_left_the_defaults():
+    mf = Modelfile("b", {"temperature": 0.0, "stop": ["END"], "num_predict": 9, "seed": 3}, system="S",
+                   messages=[{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}])
+    req = apply_to_request(mf, GenerateRequest(messages=[{"role": "user", "content": "q2"}]))
+    assert [m["content"] for m in req.messages or []] == ["S", "q1", "a1", "q2"]
+    assert (req.sampling.temperature, req.sampling.stop, req.sampling.max_tokens, req.sampling.seed) == (
+        0.0, ["END"], 9, 3)
+    # what the request sets wins: its own system message, its temperature and stop
+    own = GenerateRequest(messages=[{"role": "system", "content": "mine"}, {"role": "user", "content": "q2"}],
+                          sampling=Sampling(temperature=0.5, stop=["x"]))
+    req = apply_to_request(mf, own)
+    assert [m["content"] for m in req.messages or []] == ["mine", "q1", "a1", "q2"]
+    assert (req.sampling.temperature, req.sampling.stop, req.sampling.max_tokens) == (0.5, ["x"], 9)
+    raw = apply_to_request(mf, GenerateRequest(prompt="p"))
+    assert raw.prompt == "p" and raw.sampling.stop == ["END"]
+
+
+# ------------------------------------------------------------------------------------------ the CLI
+
+
+def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "localllm", *args], input=stdin, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture
+def cli_home(home, installed_default_model) -> Path:
+    from localllm.config import paths
+
+    install_copy(paths().models, TEST_HOME / "data" / "models")
+    return home
+
+
+def test_cli_create_list_show_modelfile_and_stdin(cli_home, tmp_path):
+    mfile = tmp_path / "Modelfile"
+    mfile.write_text(TERSE)
+    r = _cli("create", "terse", "-f", str(mfile))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"created 'terse' from '{DEFAULT_MODEL}'"
+    assert r.stderr.splitlines()[-1] == "success"
+    listed = _cli("list").stdout.splitlines()
+    assert listed[0].split() == ["NAME", "ID", "SIZE", "FORMATS", "MODIFIED", "FROM"]
+    assert next(line for line in listed if line.startswith("terse ")).split()[-1] == DEFAULT_MODEL
+    shown = _cli("show", "terse", "--modelfile")
+    assert shown.returncode == 0, shown.stderr
+    assert parse(shown.stdout) == Modelfile(from_=DEFAULT_MODEL, **{
+        k: v for k, v in parse(TERSE).__dict__.items() if k != "from_"})
+    r = _cli("create", "again", "-f", "-", stdin=shown.stdout)  # the printed Modelfile recreates it
+    assert r.returncode == 0, r.stderr
+    assert _cli("show", "again", "--modelfile").stdout == shown.stdout
+    assert _cli("show", "again", "--system").stdout == "You are a pirate.\nAnswer in one short sentence.\n"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("FROM smollm2:135m\nPARAMETER temperature warm\n",
+     "Error: line 2: PARAMETER temperature must be a number, got 'warm'."),
+    ("# nothing\nSYSTEM hi\n", "Error: The Modelfile has no FROM line: say which model it builds on "
+                               "(FROM smollm2:135m)."),
+    ("FROM smollm2:135m\n\nSTOP now\n", "Error: line 3: unknown instruction 'STOP' (a Modelfile takes FROM, "
+                                        "PARAMETER, SYSTEM, TEMPLATE, MESSAGE, LICENSE, ADAPTER, DRAFT)."),
+])
+def test_cli_bad_modelfile_is_one_sentence_with_its_line_and_exit_1(cli_home, text, message):
+    r = _cli("create", "bad", "-f", "-", stdin=text)
+    assert (r.returncode, r.stderr.strip(), r.stdout) == (1, message, "")
+    assert "bad" not in _cli("list").stdout
+
+
+def test_cli_missing_modelfile(cli_home, tmp_path):
+    r = _cli("create", "x", "-f", str(tmp_path / "nope"))
+    assert r.returncode == 1 and r.stderr.strip().startswith("Error: There is no Modelfile at ")
+
+
+# ------------------------------------------------------------------------------------------ the real model
+
+
+def _answer(engine: Engine, name: str, req: GenerateRequest) -> tuple[str, Done]:
+    text, done = "", None
+    for ev in engine.generate(name, req):
+        if isinstance(ev, TextChunk):
+            text += ev.text
+        elif isinstance(ev, Done):
+            done = ev
+    assert done is not None
+    return text, done
+
+
+def test_the_modelfile_changes_the_answer_as_it_says(store):
+    """On the real default model: the derived model's answer to one question is, token for token, the base
+    model's answer to the SYSTEM + MESSAGE history + that question at temperature 0 (the system text and the
+    history reach the prompt, before the user's turn), and a PARAMETER stop cuts it where the stop begins."""
+    question = [{"role": "user", "content": "And the capital of Spain?"}]
+    mf = parse(TERSE)
+    store.create("terse", mf)
+    with Engine(store, keep_alive=60) as engine:
+        by_hand = [{"role": "system", "content": mf.system}, *mf.messages, *question]
+        want, want_done = _answer(engine, DEFAULT_MODEL, GenerateRequest(
+            messages=by_hand, sampling=Sampling(temperature=0.0, max_tokens=12)))
+        plain, plain_done = _answer(engine, DEFAULT_MODEL, GenerateRequest(
+            messages=question, sampling=Sampling(temperature=0.0, max_tokens=12)))
+        got, got_done = _answer(engine, "terse", GenerateRequest(messages=question))
+        assert want.strip() and got == want
+        assert got_done.stats.prompt_eval_count == want_done.stats.prompt_eval_count
+        assert got_done.stats.prompt_eval_count > plain_done.stats.prompt_eval_count
+        assert got_done.stats.eval_count <= 12  # num_predict 12
+        # a stop string from inside that answer: the answer ends just before it
+        words = want.split()
+        assert len(words) >= 3, want
+        stop = words[2]
+        store.create("stopper", parse(TERSE + f"PARAMETER stop {json.dumps(stop)}\n"))
+        cut, cut_done = _answer(engine, "stopper", GenerateRequest(messages=question))
+        assert cut == want[:want.index(stop)] and cut_done.finish_reason == "stop"
+
+
+def test_a_jinja_template_replaces_the_models_own(store):
+    """TEMPLATE: the derived model's prompt is what its template renders (compared with the base model given
+    that text as a raw prompt: same tokens evaluated, same greedy answer); a Go template is refused."""
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\nSure:")
+    store.create("tpl", parse(f'FROM smollm2:135m\nTEMPLATE """{template}"""\nPARAMETER temperature 0\n'))
+    rendered = "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\nSure:"
+    with Engine(store, keep_alive=60) as engine:
+        got, got_done = _answer(engine, "tpl", GenerateRequest(
+            messages=[{"role": "user", "content": "Name a colour."}], sampling=Sampling(max_tokens=8)))
+        want, want_done = _answer(engine, DEFAULT_MODEL, GenerateRequest(
+            prompt=rendered, sampling=Sampling(temperature=0.0, max_tokens=8)))
+    assert got == want and got_done.stats.prompt_eval_count == want_done.stats.prompt_eval_count
+    with pytest.raises(ModelfileError, match="Go-template form"):
+        parse('FROM smollm2:135m\nTEMPLATE """{{ if .System }}{{ .System }}{{ end }}{{ .Prompt }}"""\n')
+
+
+def test_cli_run_applies_the_derived_model(cli_home, tmp_path):
+    """``localllm run`` of a derived model: its history and system prompt are in the prompt (the verbose stats'
+    prompt token count is the base model's with them written out by hand)."""
+    assert _cli("create", "terse", "-f", "-", stdin=TERSE).returncode == 0
+    derived = _cli("run", "terse", "--verbose", "And the capital of Spain?")
+    assert derived.returncode == 0, derived.stderr
+    plain = _cli("run", DEFAULT_MODEL, "--verbose", "--temperature", "0", "--num-predict", "12",
+                 "And the capital of Spain?")
+
+    def prompt_tokens(err: str) -> int:
+        line = next(x for x in err.splitlines() if x.startswith("prompt eval count:"))
+        return int(line.split(":")[1].split()[0])
+
+    assert prompt_tokens(derived.stderr) > prompt_tokens(plain.stderr)
