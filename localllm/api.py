@@ -138,9 +138,12 @@ class Models(Protocol):
     def copy(self, src: str, dst: str) -> str:
         """Install ``dst`` as another name for ``src``; returns the new name."""
 
-    def create(self, name: str, modelfile: Modelfile, *, progress: ProgressFn | None = None) -> Installed:
+    def create(self, name: str, modelfile: Modelfile, *, progress: ProgressFn | None = None,
+               quantize: str | None = None, requantize: bool = False) -> Installed:
         """Install ``name`` as the Modelfile says (a derived model sharing its base's weights; in-process or over
-        ``/api/create``, a local ``.gguf`` FROM uploaded to the server's blobs first). Raises
+        ``/api/create``, a local ``.gguf`` FROM uploaded to the server's blobs first). ``quantize``: its own
+        weights, the source's F32/F16 quantized by llama.cpp to that type (``requantize``: from a quantized one,
+        in-process only). Raises
         :class:`~localllm.errors.LocalLLMError` (one sentence) for a Modelfile the store cannot use."""
 
     def close(self) -> None: ...

@@ -382,7 +382,8 @@ class Client:
             raise LocalLLMError(f"The pull of {name} was cancelled.")
         return self.show(name)
 
-    def create(self, name: str, modelfile: Modelfile, *, progress: ProgressFn | None = None) -> Installed:
+    def create(self, name: str, modelfile: Modelfile, *, progress: ProgressFn | None = None,
+               quantize: str | None = None, requantize: bool = False) -> Installed:
         """``/api/create`` in Ollama's JSON form; a FROM that is a local ``.gguf`` is uploaded to ``/api/blobs``
         first (as the ``ollama`` client does) and named in ``files``."""
         from pathlib import Path
@@ -406,6 +407,10 @@ class Client:
             body["license"] = modelfile.license
         if modelfile.adapters:
             raise LocalLLMError("ADAPTER (LoRA) is not supported yet: create the model without it.")
+        if requantize:
+            raise LocalLLMError("--requantize works in-process only (Ollama's API has no such field).")
+        if quantize:
+            body["quantize"] = quantize
         for obj in self._stream("/api/create", body):
             if progress is not None:
                 progress(PullProgress(status=str(obj.get("status", "")), digest=obj.get("digest"),

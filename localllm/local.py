@@ -76,7 +76,9 @@ def modelfile_of(m: InstalledModel) -> str:
         return head + Modelfile(from_=m.name).render()
     from dataclasses import replace
 
-    return head + replace(m.derived, from_=m.derived.from_ or str(m.path)).render()
+    own_weights = m.quantized_from is not None  # made by --quantize: FROM its own blob, not the base's file
+    return head + replace(m.derived, from_=str(m.path) if own_weights or not m.derived.from_ else m.derived.from_
+                          ).render()
 
 
 class LocalModels:
@@ -113,8 +115,10 @@ class LocalModels:
     def copy(self, src: str, dst: str) -> str:
         return self.store.copy(src, dst).name
 
-    def create(self, name: str, modelfile: Modelfile, *, progress: ProgressFn | None = None) -> Installed:
-        return installed(self.store.create(name, modelfile, progress=progress))
+    def create(self, name: str, modelfile: Modelfile, *, progress: ProgressFn | None = None,
+               quantize: str | None = None, requantize: bool = False) -> Installed:
+        return installed(self.store.create(name, modelfile, progress=progress, quantize=quantize,
+                                           requantize=requantize))
 
     def close(self) -> None:
         pass

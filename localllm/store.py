@@ -103,6 +103,7 @@ class InstalledModel:
     projector: Projector | None = None  # a vision projector: the model takes images
     # a model made with ``create`` (a Modelfile): what it adds over its weights; ``derived.from_`` is the base
     derived: Modelfile | None = None
+    quantized_from: str | None = None  # the digest of the weights ``create --quantize`` made these from
 
     @property
     def base(self) -> str | None:
@@ -323,6 +324,7 @@ class Store:
                 mlx_revision=(data.get(MLX) or {}).get("revision"),
                 projector=self._projector_of(data.get("projector")),
                 derived=_derived_of(data.get("derived")),
+                quantized_from=data.get("quantized_from"),
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -936,7 +938,8 @@ class Store:
 
     # ------------------------------------------------------------------------------------ create
     def create(self, name: str, mf: Modelfile, *, progress: ProgressFn | None = None,
-               cancel: threading.Event | None = None) -> InstalledModel:
+               cancel: threading.Event | None = None, quantize: str | None = None,
+               requantize: bool = False) -> InstalledModel:
         """Install ``name`` as ``mf`` says (``localllm create``, ``/api/create``): a derived model that stores
         only what it adds (parameters, system, template, messages, license, draft) in its manifest and shares
         its base's weights blob (so ``rm`` of the base keeps the blob while this model uses it).
@@ -944,7 +947,12 @@ class Store:
         ``mf.from_`` is an installed name or a catalog name (pulled first), a local ``.gguf`` path (copied into
         the blobs, sha256-addressed) or a blob digest ``sha256:<hex>`` (an upload to ``/api/blobs``). A model
         made FROM a derived model layers over it (:func:`layer`). An existing ``name`` is replaced, and a blob
-        it alone used is freed."""
+        it alone used is freed.
+
+        ``quantize`` (``q4_K_M``, ``q8_0``, ...: llama.cpp's types) makes the model's own weights: the source's
+        F32/F16/BF16 GGUF through llama.cpp's quantizer into a new blob (an already quantized source only with
+        ``requantize``, which costs quality). The quantizer writes beside the blobs and the result is renamed in
+        only when whole, so a kill mid-quantize registers nothing and leaves no blob."""
         import re
 
         dref = parse_name(name, allow_path=False)
@@ -973,6 +981,8 @@ class Store:
             assert found is not None
             data = json.loads(self._manifest_path(found[0]).read_text(encoding="utf-8"))
             data.pop(MLX, None)  # the MLX build is found by digest; the download record stays the base's
+        if quantize:
+            data = self._quantize(data, quantize, requantize, rep, base.name if base is not None else src)
         derived = layer(base.derived if base is not None else None,
                         Modelfile(from_=base.name if base is not None else "", parameters=params, system=mf.system,
                                   template=mf.template, messages=[dict(m) for m in mf.messages],
@@ -996,6 +1006,51 @@ class Store:
         assert out is not None
         rep.phase("success")
         return self._with_mlx(out)
+
+    def _quantize(self, data: dict[str, Any], type_name: str, requantize: bool, rep: _Reporter,
+                  what: str) -> dict[str, Any]:
+        """The manifest fields of ``data``'s weights quantized to ``type_name`` (a new blob)."""
+        from backends.base import BackendError
+        from backends.quantize import canonical_type, quantize
+        from localllm.download import check_free_space, sha256_file
+
+        try:
+            key = canonical_type(type_name)
+        except BackendError as e:
+            raise LocalLLMError(str(e)) from None
+        src = Path(data["path"]) if data.get("external") else self.blob_path(data["digest"])
+        have = str((data.get("info") or {}).get("file_type") or data.get("quant") or "").upper()
+        if have == key:
+            raise LocalLLMError(f"{what} is {key} already: there is nothing to quantize.")
+        if have not in ("F32", "F16", "BF16") and not requantize:
+            raise LocalLLMError(f"{what} is already quantized ({have}); quantizing it again to {key} costs quality "
+                                f"(llama.cpp's warning): quantize its F32/F16 file, or ask for it with --requantize.")
+        self.paths.downloads.mkdir(parents=True, exist_ok=True)
+        for old in self.paths.downloads.glob("quantize-*.partial"):  # left by a killed quantize
+            try:
+                os.kill(int(old.name.split(".")[1]), 0)
+            except (ValueError, IndexError, ProcessLookupError):
+                old.unlink(missing_ok=True)
+            except PermissionError:
+                pass
+        check_free_space(self.paths.downloads, src.stat().st_size, what)
+        tmp = self.paths.downloads / f"quantize-{key.lower()}.{os.getpid()}.{threading.get_ident()}.partial"
+        rep.phase(f"quantizing {have} model to {key}")
+        t0 = time.monotonic()
+        try:
+            quantize(src, tmp, key, allow_requantize=requantize)
+            rep.phase("verifying sha256 digest", total=tmp.stat().st_size)
+            hexdigest = sha256_file(tmp, rep.add)
+            self._install_blob(tmp, hexdigest)
+        except BackendError as e:
+            raise LocalLLMError(str(e)) from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        out = self._blob_data(hexdigest, f"{what} quantized to {key}")
+        out["quantized_from"] = data["digest"]
+        rep.phase(f"quantized to {key}: {out['size']:,} bytes (from {src.stat().st_size:,}) in "
+                  f"{time.monotonic() - t0:.1f} s")
+        return out
 
     def write_blob(self, digest: str, chunks: Iterator[bytes]) -> bool:
         """Store an upload (``POST /api/blobs/:digest``) under its digest: written beside the blobs, its sha256

@@ -256,3 +256,91 @@ def test_cli_run_applies_the_derived_model(cli_home, tmp_path):
         return int(line.split(":")[1].split()[0])
 
     assert prompt_tokens(derived.stderr) > prompt_tokens(plain.stderr)
+
+
+# ------------------------------------------------------------------------------------------ quantization
+
+
+@pytest.fixture
+def f32_store(store) -> Store:
+    """The private store with ``smol-f32``: the default model requantized to F32 through ``create --quantize``."""
+    m = store.create("smol-f32", parse("FROM smollm2:135m\n"), quantize="f32", requantize=True)
+    assert m.quant == "F32" and m.quantized_from == store.get(DEFAULT_MODEL).digest
+    return store
+
+
+def _greedy(engine: Engine, name: str, n: int = 32) -> list[str]:
+    """The greedy tokens of one prompt (as the logprobs name them)."""
+    toks: list[str] = []
+    req = GenerateRequest(messages=[{"role": "user", "content": "Write about the sea."}],
+                          sampling=Sampling(temperature=0.0, max_tokens=n), logprobs=True)
+    for ev in engine.generate(name, req):
+        if isinstance(ev, TextChunk):
+            toks += [lp.token for lp in ev.logprobs or []]
+    return toks
+
+
+def test_quantize_q8_0_and_q4_k_m_from_the_f32_variant(f32_store, capsys):
+    store = f32_store
+    f32 = store.get("smol-f32")
+    events: list[str] = []
+    q8 = store.create("smol-q8", parse("FROM smol-f32\nSYSTEM kept\n"), quantize="q8_0",
+                      progress=lambda p: events.append(p.status))
+    q4 = store.create("smol-q4km", parse("FROM smol-f32\n"), quantize="Q4_K_M")
+    assert (q8.quant, q4.quant, q8.base, q8.quantized_from) == ("Q8_0", "Q4_K_M", "smol-f32", f32.digest)
+    assert q8.path.parent == store.paths.blobs and q8.digest not in (f32.digest, q4.digest)
+    assert q4.size < q8.size < f32.size / 3
+    assert q8.derived is not None and q8.derived.system == "kept"
+    assert any(e.startswith("quantizing F32 model to Q8_0") for e in events)
+    assert any(e.startswith(f"quantized to Q8_0: {q8.size:,} bytes") for e in events)
+    with Engine(store, keep_alive=0) as engine:
+        ref, a8, a4 = (_greedy(engine, n) for n in ("smol-f32", "smol-q8", "smol-q4km"))
+    agree8 = next((i for i, (x, y) in enumerate(zip(ref, a8, strict=False)) if x != y), len(ref))
+    agree4 = next((i for i, (x, y) in enumerate(zip(ref, a4, strict=False)) if x != y), len(ref))
+    with capsys.disabled():
+        print(f"\n[quantize] F32 {f32.size:,} B, Q8_0 {q8.size:,} B, Q4_K_M {q4.size:,} B; greedy tokens agreeing "
+              f"with F32 before the first difference (of {len(ref)}): Q8_0 {agree8}, Q4_K_M {agree4}")
+    assert len(ref) == 32 and agree8 >= 4  # Q8_0 is near-lossless: it follows F32 for a while at least
+
+
+def test_quantize_refusals_are_one_sentence(f32_store):
+    store = f32_store
+    with pytest.raises(LocalLLMError, match=r"^Unknown quantization type 'q3_banana': llama.cpp's quantizer takes "):
+        store.create("x", parse("FROM smol-f32\n"), quantize="q3_banana")
+    with pytest.raises(LocalLLMError, match=r"is already quantized \(Q4_1\).*--requantize"):
+        store.create("x", parse("FROM smollm2:135m\n"), quantize="q8_0")
+    with pytest.raises(LocalLLMError, match="F32 already"):
+        store.create("x", parse("FROM smol-f32\n"), quantize="f32")
+    assert "x" not in {m.name for m in store.list()}
+
+
+def test_a_kill_mid_quantize_registers_nothing_and_leaves_no_blob(cli_home):
+    import os
+    import signal
+    import time
+
+    from localllm.config import paths
+
+    r = _cli("quantize", DEFAULT_MODEL, "f32", "smol-f32", "--requantize")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("created 'smol-f32' (F32, ")
+    blobs = sorted(p.name for p in paths().blobs.iterdir())
+    p = subprocess.Popen([sys.executable, "-m", "localllm", "quantize", "smol-f32", "q4_K_M", "killed"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stderr is not None
+        line = p.stderr.readline()
+        deadline = time.monotonic() + 120
+        while not line.startswith("quantizing F32 model to Q4_K_M") and time.monotonic() < deadline:
+            assert line or p.poll() is None, "the quantize ended before it began"
+            line = p.stderr.readline()
+        time.sleep(0.3)
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.wait()
+    assert "killed" not in _cli("list").stdout
+    assert sorted(x.name for x in paths().blobs.iterdir()) == blobs
+    # the next quantize clears what the killed one left beside the blobs
+    r = _cli("quantize", "smol-f32", "q8_0", "ok")
+    assert r.returncode == 0, r.stderr
+    assert not list(paths().downloads.glob("quantize-*.partial"))

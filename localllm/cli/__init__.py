@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rm": ("localllm.cli.rm", "Remove models."),
     "cp": ("localllm.cli.cp", "Copy a model to a new name."),
     "create": ("localllm.cli.create", "Create a model from a Modelfile (system prompt, parameters, history)."),
+    "quantize": ("localllm.cli.quantize", "Quantize a model's F32/F16 weights (q4_K_M, q8_0, ...) into a new model."),
     "stop": ("localllm.cli.stop", "Unload a running model."),
     "serve": ("localllm.cli.serve", "Serve the Ollama and OpenAI APIs."),
     "probe": ("localllm.cli.probe", "Show this machine's hardware and the backend localllm picks."),

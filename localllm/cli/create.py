@@ -10,6 +10,7 @@
     $ localllm create terse -f Modelfile
     $ echo 'FROM ./my-model.f16.gguf' | localllm create mine -f -
     $ localllm show terse --modelfile      # the Modelfile that recreates it
+    $ echo 'FROM ./my-model.f16.gguf' | localllm create mine -f - --quantize q4_K_M
 
 The new model stores only what it adds (parameters, system prompt, template, messages) and shares its base's
 weights; ``rm`` of the base keeps them while a derived model uses them. A relative ``FROM`` path is read from
@@ -28,15 +29,21 @@ import click
 @click.argument("name")
 @click.option("-f", "--file", "file", default="Modelfile", metavar="PATH",
               help="The Modelfile ('-' reads it from stdin; default: ./Modelfile).")
-@click.option("--quiet", "-q", is_flag=True, help="No status lines.")
+@click.option("--quantize", "-q", "quantize", default=None, metavar="TYPE",
+              help="Quantize the FROM model's F32/F16 weights to TYPE (q4_K_M, q5_K_M, q8_0, ...: llama.cpp's "
+                   "types) and make those the new model's own.")
+@click.option("--requantize", is_flag=True,
+              help="With --quantize: allow a FROM model that is already quantized (costs quality).")
+@click.option("--quiet", is_flag=True, help="No status lines.")
 @click.option("--host", default=None, metavar="URL",
               help="Talk to a localllm or Ollama server there instead of in-process.")
-def command(name: str, file: str, quiet: bool, host: str | None) -> None:
+def command(name: str, file: str, quantize: str | None, requantize: bool, quiet: bool, host: str | None) -> None:
     """Create NAME from the Modelfile FILE.
 
     \b
     Examples:
       localllm create terse -f Modelfile
+      echo 'FROM ./model-f16.gguf' | localllm create mine -f - --quantize q4_K_M
       echo 'FROM smollm2:135m
       SYSTEM Answer like a pirate.' | localllm create pirate -f -
     """
@@ -73,7 +80,7 @@ def command(name: str, file: str, quiet: bool, host: str | None) -> None:
 
     models = open_models(host)
     try:
-        made = models.create(name, mf, progress=progress)
+        made = models.create(name, mf, progress=progress, quantize=quantize, requantize=requantize)
     finally:
         models.close()
     if not quiet and last[0] != "success":

@@ -549,8 +549,6 @@ def create_modelfile(body: CreateBody) -> Modelfile:
         raise bad_request("files takes one model file (a GGUF); safetensors directories are not supported")
     if body.adapters:
         raise bad_request("adapters (LoRA) are not supported yet")
-    if body.quantize:
-        raise bad_request("quantize is not supported yet")
     if ggufs:
         source = ggufs[0][1]
     elif body.from_:
@@ -577,7 +575,8 @@ def create_modelfile(body: CreateBody) -> Modelfile:
 @router.post("/api/create")
 async def create(body: CreateBody, request: Request) -> Response:
     """Make a model as Ollama's ``/api/create`` does (``from`` an installed or catalog model, or ``files`` naming
-    an uploaded GGUF blob), streaming status lines (``gathering model components``, ..., ``success``)."""
+    an uploaded GGUF blob; ``quantize``: its F32/F16 weights quantized by llama.cpp), streaming status lines
+    (``gathering model components``, ..., ``success``)."""
     name = check_name(body.model or body.name)
     mf = create_modelfile(body)
     store = _store(request)
@@ -590,7 +589,7 @@ async def create(body: CreateBody, request: Request) -> Response:
 
     def work() -> None:
         try:
-            store.create(name, mf, progress=lambda p: put(("progress", p)), cancel=cancel)
+            store.create(name, mf, progress=lambda p: put(("progress", p)), cancel=cancel, quantize=body.quantize)
             put(("done", None))
         except InvalidModelFileError as e:  # the client's file: a 400, not the server's fault
             put(("error", bad_request(str(e))))
