@@ -405,8 +405,15 @@ class Client:
             body["messages"] = modelfile.messages
         if modelfile.license:
             body["license"] = modelfile.license
-        if modelfile.adapters:
-            raise LocalLLMError("ADAPTER (LoRA) is not supported yet: create the model without it.")
+        if modelfile.adapters:  # Ollama's form: {name: digest} of uploaded blobs, no scale
+            from localllm.modelfile import split_adapter
+
+            body["adapters"] = {}
+            for a in modelfile.adapters:
+                where, scale = split_adapter(a)
+                if scale != 1.0:
+                    raise LocalLLMError("An ADAPTER scale other than 1 works in-process only (Ollama's API has none).")
+                body["adapters"][Path(where).name] = self._upload_blob(Path(where).expanduser())
         if requantize:
             raise LocalLLMError("--requantize works in-process only (Ollama's API has no such field).")
         if quantize:

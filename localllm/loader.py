@@ -176,6 +176,8 @@ class Loader:
         extra: dict[str, object] = {"head_dims": (model.info.get("head_dim_k", 0), model.info.get("head_dim_v", 0))}
         if model.derived is not None and model.derived.template is not None:
             extra["chat_template"] = model.derived.template  # a Modelfile's TEMPLATE replaces the GGUF's
+        if model.derived is not None and model.derived.adapters:
+            extra["lora"] = [(str(path), scale) for path, scale in self.store.adapters_of(model)]
         return LoadSpec(
             model_path=str(path),
             n_ctx=p.n_ctx,
@@ -200,6 +202,9 @@ class Loader:
         if size <= 0 or not model.digest:
             return None
         root = config.paths().prompt_cache
+        adapters = model.derived.adapters if model.derived is not None else []
+        if adapters:  # a LoRA changes every KV state: its prefixes are not the base weights' prefixes
+            return None
         return PromptCacheSpec(str(root / model.digest.removeprefix("sha256:")), f"{model.digest} {backend}",
                                max_bytes=size, budget_root=str(root))
 

@@ -77,8 +77,11 @@ def modelfile_of(m: InstalledModel) -> str:
     from dataclasses import replace
 
     own_weights = m.quantized_from is not None  # made by --quantize: FROM its own blob, not the base's file
-    return head + replace(m.derived, from_=str(m.path) if own_weights or not m.derived.from_ else m.derived.from_
-                          ).render()
+    blobs = m.path.parent
+    adapters = [f"{blobs / ('sha256-' + a.split()[0].removeprefix('sha256:'))} {a.split()[1] if ' ' in a else 1}"
+                for a in m.derived.adapters]  # the adapters' blob files, with their scales
+    return head + replace(m.derived, from_=str(m.path) if own_weights or not m.derived.from_ else m.derived.from_,
+                          adapters=adapters).render()
 
 
 class LocalModels:

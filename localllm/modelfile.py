@@ -22,7 +22,8 @@ lines, a value in ``"`` is unquoted), as Ollama parses them (``parser/parser.go`
   (``system``, ``user``, ``assistant``, ``tool``: a history that starts every chat).
 * ``TEMPLATE`` is a Jinja chat template as GGUF files carry it. Ollama's Go-template form (``{{ .Prompt }}``,
   ``{{ range .Messages }}``) is refused with its line: this runner renders Jinja only.
-* ``ADAPTER PATH``: a LoRA adapter in GGUF (recorded; see the README for what runs it).
+* ``ADAPTER PATH [SCALE]``: a LoRA adapter in GGUF, applied through llama.cpp's adapter API with ``SCALE``
+  (ours; default 1.0). Ollama's form has no scale.
 * ``DRAFT NAME`` (ours): the draft model for speculative decoding, as ``run --draft NAME`` takes it
   (``ngram``, ``none``, an installed name); it replaces the catalog's pairing for this model.
 
@@ -110,6 +111,21 @@ class Modelfile:
         return {"parameters": dict(self.parameters), "system": self.system, "template": self.template,
                 "messages": [dict(m) for m in self.messages], "license": list(self.license),
                 "adapters": list(self.adapters), "draft": self.draft}
+
+
+def split_adapter(value: str) -> tuple[str, float]:
+    """An ``ADAPTER`` value → (path or digest, scale): a last word that is a number is the scale (default 1).
+
+    >>> split_adapter("./my lora.gguf 0.5"), split_adapter("./lora.gguf")
+    (('./my lora.gguf', 0.5), ('./lora.gguf', 1.0))
+    """
+    head, _, last = value.strip().rpartition(" ")
+    if head:
+        try:
+            return head.strip(), float(last)
+        except ValueError:
+            pass
+    return value.strip(), 1.0
 
 
 def _param_text(v: Any) -> str:

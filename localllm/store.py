@@ -277,6 +277,16 @@ class Store:
     def blob_path(self, digest: str) -> Path:
         return self.paths.blobs / f"sha256-{digest.removeprefix('sha256:')}"
 
+    def adapters_of(self, m: InstalledModel) -> list[tuple[Path, float]]:
+        """A created model's LoRA adapters: (blob path, scale) pairs, in the order they apply."""
+        from localllm.modelfile import split_adapter
+
+        out = []
+        for a in m.derived.adapters if m.derived is not None else []:
+            digest, scale = split_adapter(a)
+            out.append((self.blob_path(digest), scale))
+        return out
+
     def _manifest_path(self, ref: ModelRef) -> Path:
         parts = ref.storage_parts()
         return self.paths.manifests.joinpath(*parts[:-1], parts[-1] + ".json")
@@ -812,6 +822,8 @@ class Store:
                 data = json.loads(p.read_text(encoding="utf-8"))
                 if data.get("digest") == digest or (data.get("projector") or {}).get("digest") == digest:
                     return False
+                if any(str(a).split()[0] == digest for a in (data.get("derived") or {}).get("adapters") or []):
+                    return False
             except (OSError, ValueError):
                 continue
         blob = self.blob_path(digest)
@@ -845,6 +857,8 @@ class Store:
                     parent = parent.parent
                 if self._gc_blob(m.digest):
                     self._gc_prompt_cache(m.digest)
+                for a in m.derived.adapters if m.derived is not None else []:
+                    self._gc_blob(a.split()[0])
                 if m.projector is not None and not m.projector.external:
                     self._gc_blob(m.projector.digest)
                 self._gc_mlx(m)
@@ -960,8 +974,6 @@ class Store:
         params = check_parameters(mf.parameters)
         if mf.template is not None:
             check_template(mf.template)
-        if mf.adapters:
-            raise LocalLLMError("ADAPTER (LoRA) is not supported yet: create the model without it.")
         src = mf.from_.strip()
         if not src:
             raise LocalLLMError("A model needs a FROM: an installed model, a catalog name, a .gguf path or a blob.")
@@ -983,10 +995,11 @@ class Store:
             data.pop(MLX, None)  # the MLX build is found by digest; the download record stays the base's
         if quantize:
             data = self._quantize(data, quantize, requantize, rep, base.name if base is not None else src)
+        adapters = [self._import_adapter(a, data, rep) for a in mf.adapters]
         derived = layer(base.derived if base is not None else None,
                         Modelfile(from_=base.name if base is not None else "", parameters=params, system=mf.system,
                                   template=mf.template, messages=[dict(m) for m in mf.messages],
-                                  license=list(mf.license), adapters=[], draft=mf.draft))
+                                  license=list(mf.license), adapters=adapters, draft=mf.draft))
         now = _now().isoformat()
         info = dict(data.get("info") or {})
         if derived.template is not None:
@@ -1002,10 +1015,72 @@ class Store:
             self._write_manifest(dref, data)
             if old is not None and old.digest != data["digest"]:
                 self._gc_blob(old.digest)
+            for a in old.derived.adapters if old is not None and old.derived is not None else []:
+                self._gc_blob(a.split()[0])
         out = self._read_manifest(self._manifest_path(dref))
         assert out is not None
         rep.phase("success")
         return self._with_mlx(out)
+
+    def _import_adapter(self, spec: str, data: dict[str, Any], rep: _Reporter) -> str:
+        """An ``ADAPTER`` (``PATH [SCALE]`` or ``sha256:<hex> [SCALE]``): a LoRA GGUF checked against the weights
+        in ``data`` (same architecture; every ``X.lora_a``/``X.lora_b`` pair fits tensor ``X``'s shape), copied
+        into the blobs; returns ``sha256:<hex> SCALE`` as the manifest keeps it. A LoRA made for another base is
+        refused here, in one sentence, not at the first load."""
+        import re
+        import shutil
+
+        from backends.gguf_header import GGUFHeaderError, read_header
+        from localllm.download import sha256_file
+        from localllm.modelfile import split_adapter
+
+        where, scale = split_adapter(spec)
+        m = re.fullmatch(r"sha256[:-]([0-9a-fA-F]{64})", where)
+        path = self.blob_path(m.group(1).lower()) if m else Path(where).expanduser()
+        label = path.name if not m else where[:19]
+        if not path.is_file():
+            raise LocalLLMError(f"The adapter {where} is not a file" + (" (upload it to /api/blobs first)." if m
+                                                                          else "."))
+        rep.phase(f"checking adapter {label}")
+        try:
+            lora = read_header(path)
+            model = read_header(Path(data["path"]) if data.get("external") else self.blob_path(data["digest"]))
+        except (GGUFHeaderError, OSError) as e:
+            raise InvalidModelFileError(f"The adapter {label} is not a readable GGUF ({e}).") from None
+        f = lora.fields
+        if f.get("general.type") != "adapter" or str(f.get("adapter.type", "")).lower() != "lora":
+            raise InvalidModelFileError(f"{label} is not a LoRA adapter GGUF (general.type must be 'adapter' "
+                                        f"and adapter.type 'lora').")
+        arch = model.fields.get("general.architecture")
+        if f.get("general.architecture") != arch:
+            raise InvalidModelFileError(f"The adapter {label} is for {f.get('general.architecture')!r} models, "
+                                        f"not this {arch!r} one.")
+        shapes = {t.name: t.shape for t in model.tensors}
+        parts = {t.name: t.shape for t in lora.tensors}
+        pairs = 0
+        for name, a in parts.items():
+            if not name.endswith(".lora_a"):
+                continue
+            target = name.removesuffix(".lora_a")
+            b = parts.get(target + ".lora_b")
+            w = shapes.get(target)
+            if b is None or w is None or len(a) < 2 or len(b) < 2 or a[0] != w[0] or b[1] != w[1] or a[1] != b[0]:
+                raise InvalidModelFileError(
+                    f"The adapter {label} does not fit this model: its {target} "
+                    f"({'missing here' if w is None else f'{a} x {b} against {w}'}); it was made for another base.")
+            pairs += 1
+        if not pairs:
+            raise InvalidModelFileError(f"The adapter {label} holds no LoRA tensors (*.lora_a / *.lora_b).")
+        hexdigest = m.group(1).lower() if m else sha256_file(path)
+        if not m and not self.blob_path(hexdigest).is_file():
+            self.paths.downloads.mkdir(parents=True, exist_ok=True)
+            tmp = self.paths.downloads / f"sha256-{hexdigest}.{os.getpid()}.partial"
+            try:
+                shutil.copyfile(path, tmp)
+                self._install_blob(tmp, hexdigest)
+            finally:
+                tmp.unlink(missing_ok=True)
+        return f"sha256:{hexdigest} {scale:g}"
 
     def _quantize(self, data: dict[str, Any], type_name: str, requantize: bool, rep: _Reporter,
                   what: str) -> dict[str, Any]:

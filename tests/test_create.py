@@ -106,7 +106,7 @@ def test_bad_sources_are_one_sentence_and_register_nothing(store, tmp_path):
         store.create("x", parse("FROM nosuchmodel:1b\n"))
     with pytest.raises(ModelNotFoundError, match="upload it to /api/blobs first"):
         store.create("x", parse("FROM sha256:" + "0" * 64 + "\n"))
-    with pytest.raises(LocalLLMError, match="ADAPTER"):
+    with pytest.raises(LocalLLMError, match=r"^The adapter ./lora.gguf is not a file\.$"):
         store.create("x", parse("FROM smollm2:135m\nADAPTER ./lora.gguf\n"))
     assert [m.name for m in store.list()] == [DEFAULT_MODEL]
     assert len(_blobs(store)) == 1 and not any(store.paths.downloads.glob("*.partial"))

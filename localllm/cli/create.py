@@ -13,8 +13,10 @@
     $ echo 'FROM ./my-model.f16.gguf' | localllm create mine -f - --quantize q4_K_M
 
 The new model stores only what it adds (parameters, system prompt, template, messages) and shares its base's
-weights; ``rm`` of the base keeps them while a derived model uses them. A relative ``FROM`` path is read from
-the Modelfile's directory (from the current one with ``-f -``). Status lines go to stderr, as Ollama's do.
+weights; ``rm`` of the base keeps them while a derived model uses them. A relative ``FROM`` or ``ADAPTER`` path
+is read from the Modelfile's directory (from the current one with ``-f -``). ``ADAPTER PATH [SCALE]`` applies a
+LoRA GGUF (checked against the base's tensor shapes here, not at the first run). Status lines go to stderr,
+as Ollama's do.
 """
 
 from __future__ import annotations
@@ -70,6 +72,12 @@ def command(name: str, file: str, quantize: str | None, requantize: bool, quiet:
     if parse_name(mf.from_, allow_path=True).kind == "path":
         src = Path(mf.from_).expanduser()
         mf.from_ = str(src if src.is_absolute() else where / src)
+    from localllm.modelfile import split_adapter
+
+    for i, a in enumerate(mf.adapters):  # a relative ADAPTER path is the Modelfile's directory's too
+        apath, scale = split_adapter(a)
+        if not apath.startswith("sha256") and not Path(apath).expanduser().is_absolute():
+            mf.adapters[i] = f"{where / apath} {scale:g}"
 
     last = [""]
 

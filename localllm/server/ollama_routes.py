@@ -547,8 +547,7 @@ def create_modelfile(body: CreateBody) -> Modelfile:
     ggufs = [(n, check_digest(dg)) for n, dg in files.items()]
     if len(ggufs) > 1:
         raise bad_request("files takes one model file (a GGUF); safetensors directories are not supported")
-    if body.adapters:
-        raise bad_request("adapters (LoRA) are not supported yet")
+    adapters = [check_digest(dg) for dg in (body.adapters or {}).values()]  # LoRA GGUFs uploaded as blobs
     if ggufs:
         source = ggufs[0][1]
     elif body.from_:
@@ -569,7 +568,7 @@ def create_modelfile(body: CreateBody) -> Modelfile:
         raise bad_request(str(e)) from None
     lic = [body.license] if isinstance(body.license, str) else list(body.license or [])
     return Modelfile(from_=source, parameters=params, system=body.system, template=body.template,
-                     messages=messages, license=lic, draft=body.draft)
+                     messages=messages, license=lic, adapters=adapters, draft=body.draft)
 
 
 @router.post("/api/create")
