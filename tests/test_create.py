@@ -344,3 +344,76 @@ def test_a_kill_mid_quantize_registers_nothing_and_leaves_no_blob(cli_home):
     r = _cli("quantize", "smol-f32", "q8_0", "ok")
     assert r.returncode == 0, r.stderr
     assert not list(paths().downloads.glob("quantize-*.partial"))
+
+
+# ------------------------------------------------------------------------------------------ LoRA adapters
+
+
+def make_lora(path: Path, base_gguf: Path, *, layers: int = 4, rank: int = 8, seed: int = 0,
+              wrong_width: bool = False) -> Path:
+    """A LoRA GGUF made with the ``gguf`` package: small random deltas on the first ``layers`` layers' attention
+    Q and V weights of ``base_gguf`` (``wrong_width``: shapes of another model)."""
+    import gguf
+    import numpy as np
+
+    from backends.gguf_header import read_header
+
+    shapes = {t.name: t.shape for t in read_header(base_gguf).tensors}
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(rank))
+    for i in range(layers):
+        for part in ("attn_q", "attn_v"):
+            n_in, n_out = shapes[f"blk.{i}.{part}.weight"][:2]
+            if wrong_width:
+                n_in += 64
+            a = rng.normal(0, 0.2, (rank, n_in)).astype(np.float32)  # ggml (n_in, rank)
+            b = rng.normal(0, 0.2, (n_out, rank)).astype(np.float32)  # ggml (rank, n_out)
+            w.add_tensor(f"blk.{i}.{part}.weight.lora_a", a)
+            w.add_tensor(f"blk.{i}.{part}.weight.lora_b", b)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _first_logprobs(engine: Engine, name: str) -> list[tuple[str, float]]:
+    req = GenerateRequest(messages=[{"role": "user", "content": "Say a colour."}],
+                          sampling=Sampling(temperature=0.0, max_tokens=1), logprobs=True, top_logprobs=5)
+    for ev in engine.generate(name, req):
+        if isinstance(ev, TextChunk) and ev.logprobs:
+            return [(t, round(lp, 4)) for t, lp, _ in ev.logprobs[0].top]
+    raise AssertionError("no logprobs")
+
+
+def test_a_lora_adapter_changes_the_logits_and_scale_0_gives_them_back(store, tmp_path):
+    base = store.get(DEFAULT_MODEL)
+    lora = make_lora(tmp_path / "lora.gguf", base.path)
+    on = store.create("lora1", parse(f"FROM smollm2:135m\nADAPTER {lora}\n"))
+    off = store.create("lora0", parse(f"FROM smollm2:135m\nADAPTER {lora} 0\n"))
+    assert on.derived is not None and on.derived.adapters[0].endswith(" 1")
+    assert off.derived is not None and off.derived.adapters[0].endswith(" 0")
+    assert store.adapters_of(on)[0][0].parent == store.paths.blobs
+    with Engine(store, keep_alive=0) as engine:
+        plain, with_lora, scaled_0 = (_first_logprobs(engine, n) for n in (DEFAULT_MODEL, "lora1", "lora0"))
+    assert with_lora != plain
+    assert scaled_0 == plain
+    # rm keeps the adapter's blob while a model uses it
+    blob = store.adapters_of(on)[0][0]
+    store.remove("lora1")
+    assert blob.is_file()
+    store.remove("lora0")
+    assert not blob.exists()
+
+
+def test_an_adapter_for_another_base_is_refused_at_create(store, tmp_path):
+    base = store.get(DEFAULT_MODEL)
+    wrong = make_lora(tmp_path / "wrong.gguf", base.path, wrong_width=True)
+    with pytest.raises(InvalidModelFileError, match=r"^The adapter wrong.gguf does not fit this model: .*another base"):
+        store.create("x", parse(f"FROM smollm2:135m\nADAPTER {wrong}\n"))
+    with pytest.raises(InvalidModelFileError, match="is not a LoRA adapter GGUF"):
+        store.create("x", parse(f"FROM smollm2:135m\nADAPTER {base.path}\n"))
+    assert "x" not in {m.name for m in store.list()}
