@@ -20,8 +20,9 @@ lines, a value in ``"`` is unquoted), as Ollama parses them (``parser/parser.go`
   repeat and adds a stop sequence each time; any other name set twice keeps the last value.
 * ``SYSTEM``, ``TEMPLATE``, ``LICENSE`` (may repeat: each is one license text), ``MESSAGE ROLE TEXT``
   (``system``, ``user``, ``assistant``, ``tool``: a history that starts every chat).
-* ``TEMPLATE`` is a Jinja chat template as GGUF files carry it. Ollama's Go-template form (``{{ .Prompt }}``,
-  ``{{ range .Messages }}``) is refused with its line: this runner renders Jinja only.
+* ``TEMPLATE`` is a Jinja chat template as GGUF files carry it, or Ollama's Go-template form (``{{ .Prompt }}``,
+  ``{{ range .Messages }}``), translated to Jinja for the constructs Ollama's library uses
+  (:mod:`localllm.gotemplate`); any other construct is refused with its line.
 * ``ADAPTER PATH [SCALE]``: a LoRA adapter in GGUF, applied through llama.cpp's adapter API with ``SCALE``
   (ours; default 1.0). Ollama's form has no scale.
 * ``DRAFT NAME`` (ours): the draft model for speculative decoding, as ``run --draft NAME`` takes it
@@ -255,28 +256,32 @@ def is_go_template(template: str) -> bool:
     return bool(_GO_ACTION.search(template))
 
 
-def check_template(template: str, line: int | None = None) -> None:
-    """Refuse (one sentence, with the line) a template this runner cannot render: Go-template form, or Jinja
-    that does not compile."""
+def check_template(template: str, line: int | None = None) -> str:
+    """The Jinja template to render for a ``TEMPLATE``: Jinja as it is, Ollama's Go-template form translated
+    (:mod:`localllm.gotemplate`: the constructs Ollama's library uses); anything else is refused in one sentence
+    with the line and what is not supported."""
     where = f"line {line}: " if line is not None else ""
-    m = _GO_ACTION.search(template)
-    if m:
-        at = template.count("\n", 0, m.start())
-        action = template[m.start():template.find("}}", m.start()) + 2 or None].strip()
-        raise ModelfileError(
-            f"{where}TEMPLATE is in Ollama's Go-template form ({action[:40]!r}"
-            f"{f' on its line {at + 1}' if at else ''}), which is not supported: give the Jinja chat template "
-            f"(as GGUF files carry it), or leave TEMPLATE out to keep the model's own.")
+    if _GO_ACTION.search(template):
+        from localllm.gotemplate import GoTemplateError, to_jinja
+
+        try:
+            template = to_jinja(template)
+        except GoTemplateError as e:
+            raise ModelfileError(f"{where}TEMPLATE is in Ollama's Go-template form and {e} here (translated: "
+                                 f"if/else/range/end, variables, eq/ne/and/or/not/len/slice/index/json and the "
+                                 f"fields of Ollama's library templates).") from None
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        ImmutableSandboxedEnvironment().parse(template)
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=["jinja2.ext.loopcontrols"]).parse(template)
     except ImportError:  # pragma: no cover - jinja2 comes with llama-cpp-python
-        return
+        return template
     except Exception as e:  # noqa: BLE001 - jinja's TemplateSyntaxError and friends
         lineno = getattr(e, "lineno", None)
         raise ModelfileError(f"{where}TEMPLATE is not a readable Jinja template"
                              f"{f' (its line {lineno})' if lineno else ''}: {e}.") from None
+    return template
 
 
 def parse(text: str) -> Modelfile:
@@ -319,9 +324,7 @@ def parse(text: str) -> Modelfile:
         elif inst == "system":
             mf.system = _value(raw)
         elif inst == "template":
-            template = _value(raw)
-            check_template(template, n)
-            mf.template = template
+            mf.template = check_template(_value(raw), n)
         elif inst == "license":
             mf.license.append(_value(raw))
         elif inst == "adapter":

@@ -972,8 +972,7 @@ class Store:
         dref = parse_name(name, allow_path=False)
         rep = _Reporter(progress)
         params = check_parameters(mf.parameters)
-        if mf.template is not None:
-            check_template(mf.template)
+        template = check_template(mf.template) if mf.template is not None else None
         src = mf.from_.strip()
         if not src:
             raise LocalLLMError("A model needs a FROM: an installed model, a catalog name, a .gguf path or a blob.")
@@ -998,7 +997,7 @@ class Store:
         adapters = [self._import_adapter(a, data, rep) for a in mf.adapters]
         derived = layer(base.derived if base is not None else None,
                         Modelfile(from_=base.name if base is not None else "", parameters=params, system=mf.system,
-                                  template=mf.template, messages=[dict(m) for m in mf.messages],
+                                  template=template, messages=[dict(m) for m in mf.messages],
                                   license=list(mf.license), adapters=adapters, draft=mf.draft))
         now = _now().isoformat()
         info = dict(data.get("info") or {})

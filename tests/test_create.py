@@ -227,7 +227,8 @@ def test_the_modelfile_changes_the_answer_as_it_says(store):
 
 def test_a_jinja_template_replaces_the_models_own(store):
     """TEMPLATE: the derived model's prompt is what its template renders (compared with the base model given
-    that text as a raw prompt: same tokens evaluated, same greedy answer); a Go template is refused."""
+    that text as a raw prompt: same tokens evaluated, same greedy answer); a Go construct not translated is
+    refused."""
     template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                 "<|im_start|>assistant\nSure:")
     store.create("tpl", parse(f'FROM smollm2:135m\nTEMPLATE """{template}"""\nPARAMETER temperature 0\n'))
@@ -239,7 +240,7 @@ def test_a_jinja_template_replaces_the_models_own(store):
             prompt=rendered, sampling=Sampling(temperature=0.0, max_tokens=8)))
     assert got == want and got_done.stats.prompt_eval_count == want_done.stats.prompt_eval_count
     with pytest.raises(ModelfileError, match="Go-template form"):
-        parse('FROM smollm2:135m\nTEMPLATE """{{ if .System }}{{ .System }}{{ end }}{{ .Prompt }}"""\n')
+        parse('FROM smollm2:135m\nTEMPLATE """{{ with .System }}{{ . }}{{ end }}{{ .Prompt }}"""\n')
 
 
 def test_cli_run_applies_the_derived_model(cli_home, tmp_path):

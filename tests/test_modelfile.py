@@ -3,6 +3,8 @@ render → parse giving back the same Modelfile for any values (hypothesis)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,11 +38,14 @@ def test_every_instruction_case_insensitive_with_comments_and_triple_quotes():
     assert mf.license == ["MIT"] and mf.draft == "ngram" and mf.template is None
 
 
-def test_jinja_template_kept_and_go_template_refused_with_its_line():
+def test_jinja_template_kept_and_go_template_translated_or_refused_with_its_line():
     mf = parse('FROM x\nTEMPLATE """{% for m in messages %}{{ m.content }}\n{% endfor %}"""\n')
     assert mf.template == "{% for m in messages %}{{ m.content }}\n{% endfor %}"
-    with pytest.raises(ModelfileError, match=r"^line 3: TEMPLATE is in Ollama's Go-template form.*not supported"):
-        parse('FROM x\n# go\nTEMPLATE """{{ if .System }}<|system|>{{ .System }}{{ end }}"""')
+    go = parse('FROM x\nTEMPLATE """{{ range .Messages }}{{ .Content }}{{ end }}"""\n')
+    assert go.template is not None and "{%+ for it1 in messages +%}" in go.template
+    with pytest.raises(ModelfileError, match=r"^line 3: TEMPLATE is in Ollama's Go-template form and its line 2: "
+                                             r"'with' is not supported here"):
+        parse('FROM x\n# go\nTEMPLATE """<|system|>\n{{ with .System }}{{ . }}{{ end }}"""')
     with pytest.raises(ModelfileError, match=r"^line 2: TEMPLATE is not a readable Jinja template"):
         parse('FROM x\nTEMPLATE "{% for m in messages %}"')
     assert is_go_template("{{- range .Messages }}{{ .Content }}{{ end }}")
@@ -91,3 +96,50 @@ def test_render_then_parse_is_the_same_modelfile(frm, system, stops, temperature
     mf = Modelfile(from_=frm, parameters=params, system=system,
                    messages=[{"role": r, "content": c} for r, c in messages], license=licenses)
     assert parse(mf.render()) == mf
+
+
+def _render(template: str, messages: list[dict[str, str]]) -> str:
+    """``template`` rendered as llama-cpp-python's chat formatter renders a GGUF's (same Jinja settings)."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True, bos_token="",
+                                            eos_token="")
+
+
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
+
+
+def test_ollamas_qwen25_go_template_renders_what_the_models_jinja_template_renders():
+    """Ollama's library template for qwen2.5 (Go), translated, gives the same prompt as Qwen2.5's own Jinja
+    template for a three-turn chat with a system message."""
+    from pathlib import Path
+
+    from localllm.gotemplate import to_jinja
+
+    data = Path(__file__).parent / "data"
+    go = (data / "ollama-qwen2.5.gotmpl").read_text(encoding="utf-8").rstrip("\n")
+    want = _render((data / "qwen2.5-instruct.jinja").read_text(encoding="utf-8"), CHAT)
+    assert _render(to_jinja(go), CHAT) == want
+    assert want.endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_older_prompt_response_form_renders_per_turn_cut_at_the_answer():
+    from localllm.gotemplate import to_jinja
+
+    go = "{{ if .System }}<|system|>{{ .System }}{{ end }}<|user|>{{ .Prompt }}<|assistant|>{{ .Response }}<|end|>"
+    assert _render(to_jinja(go), CHAT) == "<|system|>You are terse.<|user|>Hi<|assistant|>Hello.<|end|>" \
+                                          "<|user|>2+2?<|assistant|>"
+
+
+@pytest.mark.parametrize(("go", "what"), [
+    ("{{ with .System }}x{{ end }}", "'with'"), ('a\n{{ printf "%s" .System }}', "its line 2: the function printf"),
+    ("{{ .Foo }}", "the field .Foo"), ("{{ $x := 1 }}{{ $x = 2 }}", "reassigning $x"),
+])
+def test_go_constructs_not_translated_are_named(go, what):
+    from localllm.gotemplate import GoTemplateError, to_jinja
+
+    with pytest.raises(GoTemplateError, match=re.escape(what)):
+        to_jinja(go)

@@ -562,12 +562,11 @@ def create_modelfile(body: CreateBody) -> Modelfile:
             if role not in ROLES or not isinstance(content, str):
                 raise ModelfileError(f"messages[{i}] needs a role ({', '.join(ROLES)}) and a text content.")
             messages.append({"role": role, "content": content})
-        if body.template is not None:
-            check_template(body.template)
+        template = check_template(body.template) if body.template is not None else None
     except ModelfileError as e:
         raise bad_request(str(e)) from None
     lic = [body.license] if isinstance(body.license, str) else list(body.license or [])
-    return Modelfile(from_=source, parameters=params, system=body.system, template=body.template,
+    return Modelfile(from_=source, parameters=params, system=body.system, template=template,
                      messages=messages, license=lic, adapters=adapters, draft=body.draft)
 
 

@@ -101,7 +101,7 @@ def test_bad_create_bodies_and_push(srv, client):
         client.create(model="x", from_=DEFAULT_MODEL, parameters={"temperature": "hot"})
     assert e.value.status_code == 400 and "temperature" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
-        client.create(model="x", from_=DEFAULT_MODEL, template="{{ .Prompt }}")
+        client.create(model="x", from_=DEFAULT_MODEL, template="{{ with .System }}{{ . }}{{ end }}")
     assert e.value.status_code == 400 and "Go-template" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
         client.create(model="x", from_="nosuchmodel:1b", stream=False)
