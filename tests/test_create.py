@@ -418,3 +418,30 @@ def test_an_adapter_for_another_base_is_refused_at_create(store, tmp_path):
     with pytest.raises(InvalidModelFileError, match="is not a LoRA adapter GGUF"):
         store.create("x", parse(f"FROM smollm2:135m\nADAPTER {base.path}\n"))
     assert "x" not in {m.name for m in store.list()}
+
+
+def test_repl_save_makes_a_model_of_the_session(store):
+    """``/save NAME`` in the ``>>>`` prompt: the session's model, system prompt, parameters and conversation;
+    ``/show modelfile`` and ``/show system`` of the saved model say so."""
+    import io
+
+    from localllm.cli.answer import build_settings
+    from localllm.cli.interactive import Repl
+    from localllm.session import open_session
+
+    lines = iter(["/set parameter temperature 0", "/set parameter num_predict 4", "/set system Be brief.", "Hi",
+                  "/save brief", "/load brief", "/show modelfile", "/show system", "/bye"])
+    out, err = io.StringIO(), io.StringIO()
+    with Engine(store, keep_alive=0) as engine:
+        repl = Repl(open_session(engine=engine), DEFAULT_MODEL, build_settings(num_ctx=256), out=out, err=err,
+                    read=lambda prompt: next(lines))
+        repl.run()
+    made = store.get("brief")
+    assert made.derived is not None and made.base == DEFAULT_MODEL
+    assert made.derived.system == "Be brief."
+    assert made.derived.parameters == {"temperature": 0.0, "num_predict": 4, "num_ctx": 256}
+    assert [m["role"] for m in made.derived.messages] == ["user", "assistant"]
+    assert made.derived.messages[0]["content"] == "Hi"
+    o = out.getvalue()
+    assert "Created new model 'brief'" in o and "FROM smollm2:135m" in o and "PARAMETER num_ctx 256" in o
+    assert "Be brief." in o
