@@ -1006,7 +1006,7 @@ class Store:
         if derived.license:
             info["license"] = "\n\n".join(derived.license)
         data.update(name=dref.name, created=now, modified=now, info=info,
-                    source=f"created from {base.name}" if base is not None else data.get("source", ""),
+                    source=f"created from {base.name}" if base is not None and not quantize else data.get("source", ""),
                     derived={"base": derived.from_ or None, **derived.as_dict()})
         rep.phase("writing manifest")
         with self._store_lock():
