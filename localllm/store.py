@@ -184,6 +184,7 @@ class _Reporter:
         self.total = 0
         self.completed = 0
         self._last = 0.0
+        self.made: list[str] = []  # blobs this operation installed (``create`` frees them when it fails)
 
     def phase(self, status: str, digest: str | None = None, total: int = 0) -> None:
         self.status, self.digest, self.total, self.completed = status, digest, total, 0
@@ -967,7 +968,6 @@ class Store:
         F32/F16/BF16 GGUF through llama.cpp's quantizer into a new blob (an already quantized source only with
         ``requantize``, which costs quality). The quantizer writes beside the blobs and the result is renamed in
         only when whole, so a kill mid-quantize registers nothing and leaves no blob."""
-        import re
 
         dref = parse_name(name, allow_path=False)
         rep = _Reporter(progress)
@@ -976,6 +976,42 @@ class Store:
         src = mf.from_.strip()
         if not src:
             raise LocalLLMError("A model needs a FROM: an installed model, a catalog name, a .gguf path or a blob.")
+        try:
+            data, derived = self._create_parts(mf, src, params, template, rep, progress, cancel, quantize, requantize)
+        except BaseException:  # the blobs this create made (an import, a quantization, an adapter): nothing uses them
+            with self._store_lock():
+                for hexdigest in rep.made:
+                    self._gc_blob("sha256:" + hexdigest)
+            raise
+        base_name = derived.from_ or None
+        now = _now().isoformat()
+        info = dict(data.get("info") or {})
+        if derived.template is not None:
+            info["chat_template"] = derived.template
+        if derived.license:
+            info["license"] = "\n\n".join(derived.license)
+        data.update(name=dref.name, created=now, modified=now, info=info,
+                    source=f"created from {base_name}" if base_name and not quantize else data.get("source", ""),
+                    derived={"base": base_name, **derived.as_dict()})
+        rep.phase("writing manifest")
+        with self._store_lock():
+            old = self._read_manifest(self._manifest_path(dref))
+            self._write_manifest(dref, data)
+            if old is not None and old.digest != data["digest"]:
+                self._gc_blob(old.digest)
+            for a in old.derived.adapters if old is not None and old.derived is not None else []:
+                self._gc_blob(a.split()[0])
+        out = self._read_manifest(self._manifest_path(dref))
+        assert out is not None
+        rep.phase("success")
+        return self._with_mlx(out)
+
+    def _create_parts(self, mf: Modelfile, src: str, params: dict[str, Any], template: str | None, rep: _Reporter,
+                      progress: ProgressFn | None, cancel: threading.Event | None, quantize: str | None,
+                      requantize: bool) -> tuple[dict[str, Any], Modelfile]:
+        """(the new manifest's fields from its weights, what it adds) for :meth:`create`."""
+        import re
+
         base: InstalledModel | None = None
         digest_form = re.fullmatch(r"sha256[:-]([0-9a-fA-F]{64})", src)
         if digest_form:
@@ -999,27 +1035,7 @@ class Store:
                         Modelfile(from_=base.name if base is not None else "", parameters=params, system=mf.system,
                                   template=template, messages=[dict(m) for m in mf.messages],
                                   license=list(mf.license), adapters=adapters, draft=mf.draft))
-        now = _now().isoformat()
-        info = dict(data.get("info") or {})
-        if derived.template is not None:
-            info["chat_template"] = derived.template
-        if derived.license:
-            info["license"] = "\n\n".join(derived.license)
-        data.update(name=dref.name, created=now, modified=now, info=info,
-                    source=f"created from {base.name}" if base is not None and not quantize else data.get("source", ""),
-                    derived={"base": derived.from_ or None, **derived.as_dict()})
-        rep.phase("writing manifest")
-        with self._store_lock():
-            old = self._read_manifest(self._manifest_path(dref))
-            self._write_manifest(dref, data)
-            if old is not None and old.digest != data["digest"]:
-                self._gc_blob(old.digest)
-            for a in old.derived.adapters if old is not None and old.derived is not None else []:
-                self._gc_blob(a.split()[0])
-        out = self._read_manifest(self._manifest_path(dref))
-        assert out is not None
-        rep.phase("success")
-        return self._with_mlx(out)
+        return data, derived
 
     def _import_adapter(self, spec: str, data: dict[str, Any], rep: _Reporter) -> str:
         """An ``ADAPTER`` (``PATH [SCALE]`` or ``sha256:<hex> [SCALE]``): a LoRA GGUF checked against the weights
@@ -1077,6 +1093,7 @@ class Store:
             try:
                 shutil.copyfile(path, tmp)
                 self._install_blob(tmp, hexdigest)
+                rep.made.append(hexdigest)
             finally:
                 tmp.unlink(missing_ok=True)
         return f"sha256:{hexdigest} {scale:g}"
@@ -1115,6 +1132,8 @@ class Store:
             quantize(src, tmp, key, allow_requantize=requantize)
             rep.phase("verifying sha256 digest", total=tmp.stat().st_size)
             hexdigest = sha256_file(tmp, rep.add)
+            if not self.blob_path(hexdigest).is_file():
+                rep.made.append(hexdigest)
             self._install_blob(tmp, hexdigest)
         except BackendError as e:
             raise LocalLLMError(str(e)) from None
@@ -1187,6 +1206,7 @@ class Store:
             try:
                 shutil.copyfile(path, tmp)
                 self._install_blob(tmp, hexdigest)
+                rep.made.append(hexdigest)
             finally:
                 tmp.unlink(missing_ok=True)
         return self._blob_data(hexdigest, f"local file {path.name}")

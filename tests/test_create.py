@@ -445,3 +445,15 @@ def test_repl_save_makes_a_model_of_the_session(store):
     o = out.getvalue()
     assert "Created new model 'brief'" in o and "FROM smollm2:135m" in o and "PARAMETER num_ctx 256" in o
     assert "Be brief." in o
+
+
+def test_a_failed_create_frees_the_blobs_it_made(store, tmp_path):
+    """FROM a local file (copied into the blobs) with an adapter that does not fit: refused, and the copy goes."""
+    base = store.get(DEFAULT_MODEL)
+    src = tmp_path / "mine.gguf"
+    src.write_bytes(base.path.read_bytes())
+    wrong = make_lora(tmp_path / "wrong.gguf", base.path, wrong_width=True)
+    store.remove(DEFAULT_MODEL)
+    with pytest.raises(InvalidModelFileError, match="does not fit"):
+        store.create("x", parse(f"FROM {src}\nADAPTER {wrong}\n"))
+    assert _blobs(store) == [] and store.list() == []
