@@ -266,7 +266,7 @@ def check_template(template: str, line: int | None = None) -> str:
 
         try:
             template = to_jinja(template)
-        except GoTemplateError as e:
+        except (GoTemplateError, ValueError, KeyError, IndexError, TypeError) as e:  # whatever a bad text does
             raise ModelfileError(f"{where}TEMPLATE is in Ollama's Go-template form and {e} here (translated: "
                                  f"if/else/range/end, variables, eq/ne/and/or/not/len/slice/index/json and the "
                                  f"fields of Ollama's library templates).") from None
@@ -368,6 +368,10 @@ def check_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
               or isinstance(value, float) and value.is_integer(),
               NUMBER: isinstance(value, int | float) and not isinstance(value, bool),
               BOOLEAN: isinstance(value, bool)}.get(kind, False)
+        if ok and kind == NUMBER and float(value) in (float("inf"), float("-inf")):
+            ok = False
+        if ok and kind == NUMBER and float(value) != float(value):  # NaN
+            ok = False
         if not ok:
             raise ModelfileError(f'parameter "{key}" must be of type {kind}.')
         out[key] = int(value) if kind == INTEGER else float(value) if kind == NUMBER else value

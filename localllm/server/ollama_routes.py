@@ -538,7 +538,7 @@ async def blob_upload(digest: str, request: Request) -> Response:
 async def push(request: Request) -> Response:
     """No registry to push to: Ollama's error shape, said plainly."""
     return JSONResponse({"error": "push is not supported: localllm has no registry to upload to (models stay on "
-                                  "this machine; `localllm cp` names a copy)"}, status_code=501)
+                                  "this machine; `localllm cp` names a copy)"}, status_code=400)
 
 
 def create_modelfile(body: CreateBody) -> Modelfile:

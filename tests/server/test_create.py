@@ -108,7 +108,7 @@ def test_bad_create_bodies_and_push(srv, client):
     assert e.value.status_code == 404
     with pytest.raises(ollama.ResponseError) as e:
         client.push("pirate")
-    assert e.value.status_code == 501 and "not supported" in e.value.error
+    assert e.value.status_code == 400 and "not supported" in e.value.error
 
 
 def test_the_created_models_settings_apply_over_the_api(srv, client):
