@@ -1159,10 +1159,13 @@ class Store:
         tmp = self.paths.downloads / f"upload-{hexdigest}.{os.getpid()}.{threading.get_ident()}.partial"
         h = hashlib.sha256()
         try:
-            with open(tmp, "wb") as fh:
-                for chunk in chunks:
-                    h.update(chunk)
-                    fh.write(chunk)
+            try:
+                with open(tmp, "wb") as fh:
+                    for chunk in chunks:
+                        h.update(chunk)
+                        fh.write(chunk)
+            except OSError as e:  # a full disk: nothing is kept
+                raise LocalLLMError(f"Could not store the upload of {digest[:19]}: {e.strerror or e}.") from None
             got = h.hexdigest()
             if got != hexdigest:
                 raise LocalLLMError(f"digest mismatch, expected \"sha256:{hexdigest}\", got \"sha256:{got}\"")
