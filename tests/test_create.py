@@ -218,8 +218,8 @@ def test_the_modelfile_changes_the_answer_as_it_says(store):
         assert got_done.stats.eval_count <= 12  # num_predict 12
         # a stop string from inside that answer: the answer ends just before it
         words = want.split()
-        assert len(words) >= 3, want
-        stop = words[2]
+        assert len(words) >= 2, want  # the history taught it the style: "Madrid, matey."
+        stop = words[1]
         store.create("stopper", parse(TERSE + f"PARAMETER stop {json.dumps(stop)}\n"))
         cut, cut_done = _answer(engine, "stopper", GenerateRequest(messages=question))
         assert cut == want[:want.index(stop)] and cut_done.finish_reason == "stop"
