@@ -104,7 +104,9 @@ class VariantModal(ModalScreen[dict[str, Any] | None]):
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
-        self.query_one("#variant-system", TextArea).border_title = "System prompt"
+        system = self.query_one("#variant-system", TextArea)
+        system.border_title = "System prompt"
+        system.styles.height = 5  # the form fits a small terminal, buttons included
         self.query_one("#variant-name", Input).focus()
 
     def result(self) -> dict[str, Any]:

@@ -154,7 +154,7 @@ async def test_make_a_variant_of_an_installed_model_and_see_its_base(tui_home, c
         assert isinstance(app.screen, VariantModal)
         assert "Temperature must be a number from 0 to 5, got 'hot'." in str(modal.query_one("#variant-error").render())
         modal.query_one("#variant-temperature").value = "0"
-        await pilot.click("#ok")
+        modal.query_one("#ok").press()
         await wait_until(pilot, lambda: "pirate (from smollm2:135m)" in column(installed, 0), timeout=30)
     made = Store().get("pirate")
     assert made.base == DEFAULT_MODEL and made.derived is not None
