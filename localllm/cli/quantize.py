@@ -13,7 +13,7 @@ from __future__ import annotations
 import click
 
 
-@click.command("quantize", help="Quantize a model's F32/F16 weights (q4_K_M, q8_0, ...) into a new model.")
+@click.command("quantize", help="Quantize an F32/F16 model (q4_K_M, q8_0, ...).")
 @click.argument("src")
 @click.argument("type_name", metavar="TYPE")
 @click.argument("dst", required=False)
