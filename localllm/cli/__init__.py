@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("localllm.cli.serve", "Serve the Ollama and OpenAI APIs."),
     "probe": ("localllm.cli.probe", "Show this machine's hardware and the backend localllm picks."),
     "convert": ("localllm.cli.convert", "Convert an installed GGUF model to MLX, offline (no download)."),
-    "bench": ("localllm.cli.bench", "Benchmark a model: prompt/generation speed, TTFT, drafts, KV types."),
+    "bench": ("localllm.cli.bench", "Benchmark a model: prompt/generation speed, TTFT, drafts, KV."),
 }
 
 
