@@ -134,9 +134,19 @@ class Loader:
         ``num_thread`` PARAMETERs and its DRAFT) where ``options`` leaves them to the planner."""
         if model.derived is None:
             return options
-        from localllm.modelfile import load_defaults
-
-        return load_defaults(model.derived, options)
+        p = model.derived.parameters
+        changes: dict[str, object] = {}
+        if options.num_ctx is None and p.get("num_ctx"):
+            changes["num_ctx"] = int(p["num_ctx"])
+        if options.num_gpu is None and p.get("num_gpu") is not None and int(p["num_gpu"]) >= 0:
+            changes["num_gpu"] = int(p["num_gpu"])
+        if options.num_thread is None and p.get("num_thread") and int(p["num_thread"]) > 0:
+            changes["num_thread"] = int(p["num_thread"])
+        if options.draft == "auto" and model.derived.draft:
+            changes["draft"] = model.derived.draft
+            if p.get("draft_num_predict"):
+                changes["num_draft"] = max(1, min(int(p["draft_num_predict"]), 64))
+        return replace(options, **changes) if changes else options  # type: ignore[arg-type]
 
     @staticmethod
     def check_fits(model: InstalledModel, p: Plan) -> None:

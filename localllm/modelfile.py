@@ -51,7 +51,6 @@ from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
     from backends.base import GenerateRequest
-    from localllm.loader import LoadOptions
 
 # Ollama's option names (api.Options + api.Runner) → the type PARAMETER takes
 INTEGER, NUMBER, BOOLEAN, STRING = "integer", "number", "boolean", "string"
@@ -422,23 +421,3 @@ def apply_to_request(mf: Modelfile, request: GenerateRequest) -> GenerateRequest
     if not lead and mf.system:
         lead = [{"role": "system", "content": mf.system}]
     return replace(out, messages=lead + [dict(m) for m in mf.messages] + msgs)
-
-
-def load_defaults(mf: Modelfile, options: LoadOptions) -> LoadOptions:
-    """``options`` with the model's load PARAMETERs (``num_ctx``, ``num_gpu``, ``num_thread``,
-    ``draft_num_predict``) and its DRAFT where the request leaves them to the planner."""
-    from dataclasses import replace
-
-    p = mf.parameters
-    changes: dict[str, Any] = {}
-    if options.num_ctx is None and p.get("num_ctx"):
-        changes["num_ctx"] = int(p["num_ctx"])
-    if options.num_gpu is None and p.get("num_gpu") is not None and int(p["num_gpu"]) >= 0:
-        changes["num_gpu"] = int(p["num_gpu"])
-    if options.num_thread is None and p.get("num_thread") and int(p["num_thread"]) > 0:
-        changes["num_thread"] = int(p["num_thread"])
-    if options.draft == "auto" and mf.draft:
-        changes["draft"] = mf.draft
-        if p.get("draft_num_predict"):
-            changes["num_draft"] = max(1, min(int(p["draft_num_predict"]), 64))
-    return replace(options, **changes) if changes else options

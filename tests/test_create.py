@@ -457,3 +457,19 @@ def test_a_failed_create_frees_the_blobs_it_made(store, tmp_path):
     with pytest.raises(InvalidModelFileError, match="does not fit"):
         store.create("x", parse(f"FROM {src}\nADAPTER {wrong}\n"))
     assert _blobs(store) == [] and store.list() == []
+
+
+def test_load_parameters_and_draft_reach_the_load(store):
+    """PARAMETER num_ctx / num_thread and DRAFT (with draft_num_predict) set the load where the request leaves
+    them to the planner; what a request asks for wins."""
+    from localllm.engine import LoadOptions
+    from localllm.loader import Loader
+
+    m = store.create("loadish", parse("FROM smollm2:135m\nPARAMETER num_ctx 512\nPARAMETER num_thread 1\n"
+                                      "PARAMETER draft_num_predict 3\nDRAFT ngram\n"))
+    got = Loader.model_options(m, LoadOptions())
+    assert (got.num_ctx, got.num_thread, got.draft, got.num_draft) == (512, 1, "ngram", 3)
+    asked = Loader.model_options(m, LoadOptions(num_ctx=1024, draft="none"))
+    assert (asked.num_ctx, asked.draft) == (1024, "none")
+    _, plan = Loader(store).plan("loadish")
+    assert plan.n_ctx == 512
