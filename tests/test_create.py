@@ -473,3 +473,26 @@ def test_load_parameters_and_draft_reach_the_load(store):
     assert (asked.num_ctx, asked.draft) == (1024, "none")
     _, plan = Loader(store).plan("loadish")
     assert plan.n_ctx == 512
+
+
+def test_a_template_applies_on_mlx_too_and_a_lora_is_refused_there(store, tmp_path):
+    pytest.importorskip("mlx.core")
+    from localllm.engine import BackendError, LoadOptions
+
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+    store.create("tpl-mlx", parse(f'FROM smollm2:135m\nTEMPLATE """{template}"""\nPARAMETER temperature 0\n'))
+    lora = make_lora(tmp_path / "lora.gguf", store.get(DEFAULT_MODEL).path)
+    store.create("lora-mlx", parse(f"FROM smollm2:135m\nADAPTER {lora}\n"))
+    mlx = LoadOptions(backend="mlx")
+    with Engine(store, keep_alive=0) as engine:
+        def count(name: str, req: GenerateRequest) -> int:
+            done = [e for e in engine.generate(name, req, mlx) if isinstance(e, Done)][0]
+            return done.stats.prompt_eval_count
+
+        got = count("tpl-mlx", GenerateRequest(messages=[{"role": "user", "content": "Hi"}],
+                                               sampling=Sampling(max_tokens=1)))
+        want = count(DEFAULT_MODEL, GenerateRequest(prompt="[user] Hi\n[assistant] ",
+                                                    sampling=Sampling(temperature=0.0, max_tokens=1)))
+        assert got == want
+        with pytest.raises((BackendError, LocalLLMError), match="LoRA adapters run on the llama.cpp backend only"):
+            list(engine.generate("lora-mlx", GenerateRequest(prompt="x", sampling=Sampling(max_tokens=1)), mlx))
