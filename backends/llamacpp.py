@@ -24,7 +24,8 @@ Backend-specific knobs in ``LoadSpec.extra``: ``chat_template`` (override the GG
 ``use_mmap`` (default True), ``n_seq_ids`` (sequence ids in the pool; default 2 × slots, so idle
 conversations keep their prefix while others run), ``grammar`` (a GBNF grammar for every request that
 asks for no format: tests make a small model "think" with it), ``head_dims`` ((K, V) head sizes from
-metadata the caller has read, so that a quantized KV cache is checked without reading the GGUF header).
+metadata the caller has read, so that a quantized KV cache is checked without reading the GGUF header),
+``lora`` ((adapter GGUF path, scale) pairs: LoRA adapters applied through llama.cpp's adapter API).
 """
 
 from __future__ import annotations
@@ -396,6 +397,7 @@ class LlamaCppSource(TokenSource):
         self._closed = False
         self._model: Any = None
         self._ctx: Any = None
+        self._loras: list[tuple[Any, float]] = []  # LoRA adapters on the weights, with their scales
         self._batch: Any = None
         self._embed: tuple[Any, Any, int] | None = None
         self._proj: Projector | None = None  # when spec.mmproj names one
@@ -452,6 +454,8 @@ class LlamaCppSource(TokenSource):
             if not self._ctx:
                 self._ctx = None
                 raise self._load_error("Failed to create llama_context")
+            self._loras = self._load_loras(spec.extra.get("lora") or [])
+            self._apply_loras(self._ctx)
             self._mem = llama_cpp.llama_get_memory(self._ctx)
             self._batch = llama_cpp.llama_batch_init(spec.n_batch, 0, 1)
             self._n_batch = int(llama_cpp.llama_n_batch(self._ctx))
@@ -502,6 +506,31 @@ class LlamaCppSource(TokenSource):
             if "flash_attn" in line and ("enabled" in line or "auto -> 1" in line):
                 return True
         return not bool(llama_cpp.llama_supports_gpu_offload())  # CPU builds resolve AUTO to enabled
+
+    def _load_loras(self, loras: list[tuple[str, float]]) -> list[tuple[Any, float]]:
+        """LoRA adapters (``extra["lora"]``: (GGUF path, scale) pairs) loaded on the model's weights; llama.cpp
+        frees them with the model."""
+        import llama_cpp
+
+        out: list[tuple[Any, float]] = []
+        for path, scale in loras:
+            adapter = llama_cpp.llama_adapter_lora_init(self._model, str(path).encode())
+            if not adapter:
+                raise self._load_error(f"llama.cpp could not load the LoRA adapter {Path(path).name} on this model")
+            out.append((adapter, float(scale)))
+        return out
+
+    def _apply_loras(self, ctx: Any) -> None:
+        """Put the loaded LoRA adapters, with their scales, on context ``ctx`` (the generation or embedding one)."""
+        if not self._loras:
+            return
+        import llama_cpp
+
+        n = len(self._loras)
+        adapters = (llama_cpp.llama_adapter_lora_p_ctypes * n)(*[a for a, _ in self._loras])
+        scales = (ctypes.c_float * n)(*[s for _, s in self._loras])
+        if llama_cpp.llama_set_adapters_lora(ctx, adapters, n, scales) != 0:
+            raise self._load_error("llama.cpp could not apply the LoRA adapters to the context")
 
     def _load_error(self, msg: str) -> Exception:
         path, kv = self._path, self.spec.kv_cache_type
@@ -971,6 +1000,7 @@ class LlamaCppSource(TokenSource):
             ctx = llama_cpp.llama_init_from_model(self._model, p)
             if not ctx:
                 raise ModelLoadError("llama.cpp could not create an embedding context for this model.")
+            self._apply_loras(ctx)
             self._embed = (ctx, llama_cpp.llama_batch_init(n, 0, 1), n)
         return self._embed
 

@@ -202,6 +202,9 @@ class MLXSource(TokenSource):
         self._eos = set(self._tok.eos_token_ids)
         self._slots = max(1, spec.n_seq)
         self._n_seq_ids = max(self._slots, int(spec.extra.get("n_seq_ids") or 2 * self._slots))
+        self._template_override: str | None = spec.extra.get("chat_template")  # a Modelfile's TEMPLATE
+        if spec.extra.get("lora"):
+            raise ModelLoadError("LoRA adapters run on the llama.cpp backend only; use --backend llamacpp.")
         kv_type = spec.kv_cache_type or "f16"
         if kv_type not in KV_BITS:
             raise UnsupportedError(f"KV cache type {kv_type!r} is not supported on MLX (choose f16, q8_0 or q4_0).")
@@ -244,7 +247,7 @@ class MLXSource(TokenSource):
             n_ctx_train=self._n_ctx_train,
             n_layers=len(self._model.layers),
             n_vocab=int(self._config.get("vocab_size") or len(self._tok.get_vocab())),
-            chat_template=getattr(self._tok, "chat_template", None),
+            chat_template=self._template_override or getattr(self._tok, "chat_template", None),
             n_gpu_layers=len(self._model.layers) if self._on_gpu() else 0,
             size_bytes=self._weights_bytes,
             vram_bytes=self._weights_bytes if self._on_gpu() else 0,
@@ -391,7 +394,9 @@ class MLXSource(TokenSource):
                                   **(template_kwargs or {})}
         if tools:
             kwargs["tools"] = tools
-        if not self._tok.has_chat_template:
+        if self._template_override:
+            kwargs["chat_template"] = self._template_override
+        elif not self._tok.has_chat_template:
             kwargs["chat_template"] = FALLBACK_CHAT_TEMPLATE
         try:
             return str(self._tok.apply_chat_template(messages, **kwargs))

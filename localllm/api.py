@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol
 
+from localllm.modelfile import Modelfile
 from localllm.store import PullProgress
 
 if TYPE_CHECKING:
@@ -67,6 +68,9 @@ class Installed:
     chat_template: str | None = None
     license: str | None = None
     capabilities: list[str] = field(default_factory=list)  # "completion", "tools", "thinking", ...
+    base: str | None = None  # the model a created (derived) one was made from (``details.parent_model``)
+    modelfile: str = ""  # a Modelfile that recreates the model (``show --modelfile``, ``/api/show``)
+    system: str | None = None  # a created model's SYSTEM
     # in-process only
     path: str | None = None  # the .gguf
     source: str = ""
@@ -133,6 +137,14 @@ class Models(Protocol):
 
     def copy(self, src: str, dst: str) -> str:
         """Install ``dst`` as another name for ``src``; returns the new name."""
+
+    def create(self, name: str, modelfile: Modelfile, *, progress: ProgressFn | None = None,
+               quantize: str | None = None, requantize: bool = False) -> Installed:
+        """Install ``name`` as the Modelfile says (a derived model sharing its base's weights; in-process or over
+        ``/api/create``, a local ``.gguf`` FROM uploaded to the server's blobs first). ``quantize``: its own
+        weights, the source's F32/F16 quantized by llama.cpp to that type (``requantize``: from a quantized one,
+        in-process only). Raises
+        :class:`~localllm.errors.LocalLLMError` (one sentence) for a Modelfile the store cannot use."""
 
     def close(self) -> None: ...
 

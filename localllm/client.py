@@ -31,10 +31,13 @@ from localllm.api import Installed, ProgressFn, PullProgress, Running
 from localllm.errors import LocalLLMError, ModelNotFoundError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import httpx
 
     from localllm.api import AsyncEventStream, EventStream
     from localllm.engine import Done, Event, GenerateRequest, LoadOptions
+    from localllm.modelfile import Modelfile
 
 DEFAULT_TIMEOUT = 600.0
 JSON = dict[str, Any]  # a decoded Ollama API object
@@ -131,6 +134,8 @@ def installed_from_show(name: str, d: JSON, listed: Installed | None) -> Install
         embedding_length=_int(info.get(f"{arch}.embedding_length")), n_layers=_int(info.get(f"{arch}.block_count")),
         vocab_size=_int(info.get(f"{arch}.vocab_size")), chat_template=d.get("template") or None,
         license=d.get("license") or None, capabilities=[str(c) for c in d.get("capabilities") or []],
+        base=str(details.get("parent_model") or "") or None, modelfile=str(d.get("modelfile") or ""),
+        system=d.get("system") or None,
     )
 
 
@@ -376,6 +381,68 @@ class Client:
         if cancel is not None and cancel.is_set():
             raise LocalLLMError(f"The pull of {name} was cancelled.")
         return self.show(name)
+
+    def create(self, name: str, modelfile: Modelfile, *, progress: ProgressFn | None = None,
+               quantize: str | None = None, requantize: bool = False) -> Installed:
+        """``/api/create`` in Ollama's JSON form; a FROM that is a local ``.gguf`` is uploaded to ``/api/blobs``
+        first (as the ``ollama`` client does) and named in ``files``."""
+        from pathlib import Path
+
+        from localllm.names import parse_name
+
+        body: JSON = {"model": name, "stream": True}
+        src = modelfile.from_
+        if parse_name(src, allow_path=True).kind == "path":
+            body["files"] = {Path(src).name: self._upload_blob(Path(src).expanduser())}
+        else:
+            body["from"] = src
+        if modelfile.parameters:
+            body["parameters"] = modelfile.parameters
+        for key in ("system", "template", "draft"):
+            if getattr(modelfile, key) is not None:
+                body[key] = getattr(modelfile, key)
+        if modelfile.messages:
+            body["messages"] = modelfile.messages
+        if modelfile.license:
+            body["license"] = modelfile.license
+        if modelfile.adapters:  # Ollama's form: {name: digest} of uploaded blobs, no scale
+            from localllm.modelfile import split_adapter
+
+            body["adapters"] = {}
+            for a in modelfile.adapters:
+                where, scale = split_adapter(a)
+                if scale != 1.0:
+                    raise LocalLLMError("An ADAPTER scale other than 1 works in-process only (Ollama's API has none).")
+                body["adapters"][Path(where).name] = self._upload_blob(Path(where).expanduser())
+        if requantize:
+            raise LocalLLMError("--requantize works in-process only (Ollama's API has no such field).")
+        if quantize:
+            body["quantize"] = quantize
+        for obj in self._stream("/api/create", body):
+            if progress is not None:
+                progress(PullProgress(status=str(obj.get("status", "")), digest=obj.get("digest"),
+                                      total=_int(obj.get("total")), completed=_int(obj.get("completed"))))
+        return self.show(name)
+
+    def _upload_blob(self, path: Path) -> str:
+        """``sha256:<hex>`` of the file at ``path``, uploaded to the server's blobs unless it has it already."""
+        import httpx
+
+        from localllm.download import sha256_file
+
+        if not path.is_file():
+            raise LocalLLMError(f"{path} is not a file.")
+        digest = "sha256:" + sha256_file(path)
+        try:
+            if self._http.head(f"/api/blobs/{digest}").status_code == 200:
+                return digest
+            with open(path, "rb") as fh:
+                r = self._http.post(f"/api/blobs/{digest}", content=fh, timeout=None)
+        except httpx.HTTPError as e:
+            raise self._unreachable(e) from None
+        if r.status_code >= 400:
+            raise self._error(r.status_code, r.content)
+        return digest
 
     def set_projector(self, name: str, path: str) -> Installed:
         raise LocalLLMError("A projector file is attached in-process only (the server cannot read this machine's "

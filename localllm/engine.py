@@ -292,6 +292,7 @@ class Engine:
             if running is not None:
                 return running
             model, p = self.loader.plan(name, options)
+            options = self.loader.model_options(model, options)  # a created model's num_ctx, DRAFT, ...
             running = self._reuse(model.name, options, ka, alias=name)  # loaded under its canonical name
             if running is not None:
                 return running
@@ -480,6 +481,10 @@ class Engine:
                 if running.closed:  # unloaded between the lookup and now: load again
                     self._checkin(running, keep_alive)
                     continue
+                if running.installed is not None and running.installed.derived is not None:
+                    from localllm.modelfile import apply_to_request
+
+                    request = apply_to_request(running.installed.derived, request)  # its SYSTEM, MESSAGEs, ...
                 return running, was_loaded, running.model.submit(request, cancel, t_start)
         finally:
             self._leave_queue()

@@ -110,6 +110,7 @@ class Loader:
         if options.num_ctx is not None and options.num_ctx < MIN_CTX:
             raise LocalLLMError(f"num_ctx must be at least {MIN_CTX} tokens, got {options.num_ctx}.")
         model = self.store.get(name)
+        options = self.model_options(model, options)
         info = GGUFInfo(**model.info)
         kv = options.kv_cache_type or config.kv_cache_type()
         p = plan(
@@ -126,6 +127,26 @@ class Loader:
             projector_bytes=model.projector.size if model.projector is not None else 0,
         )
         return model, p
+
+    @staticmethod
+    def model_options(model: InstalledModel, options: LoadOptions) -> LoadOptions:
+        """``options`` with what a model made by ``create`` sets for its load (its ``num_ctx``, ``num_gpu``,
+        ``num_thread`` PARAMETERs and its DRAFT) where ``options`` leaves them to the planner."""
+        if model.derived is None:
+            return options
+        p = model.derived.parameters
+        changes: dict[str, object] = {}
+        if options.num_ctx is None and p.get("num_ctx"):
+            changes["num_ctx"] = int(p["num_ctx"])
+        if options.num_gpu is None and p.get("num_gpu") is not None and int(p["num_gpu"]) >= 0:
+            changes["num_gpu"] = int(p["num_gpu"])
+        if options.num_thread is None and p.get("num_thread") and int(p["num_thread"]) > 0:
+            changes["num_thread"] = int(p["num_thread"])
+        if options.draft == "auto" and model.derived.draft:
+            changes["draft"] = model.derived.draft
+            if p.get("draft_num_predict"):
+                changes["num_draft"] = max(1, min(int(p["draft_num_predict"]), 64))
+        return replace(options, **changes) if changes else options  # type: ignore[arg-type]
 
     @staticmethod
     def check_fits(model: InstalledModel, p: Plan) -> None:
@@ -162,6 +183,11 @@ class Loader:
         """What the backend is given to load ``model`` as planned (``model_path`` set by the conversion when the
         plan converts first)."""
         path = model.weights_path(p.backend)
+        extra: dict[str, object] = {"head_dims": (model.info.get("head_dim_k", 0), model.info.get("head_dim_v", 0))}
+        if model.derived is not None and model.derived.template is not None:
+            extra["chat_template"] = model.derived.template  # a Modelfile's TEMPLATE replaces the GGUF's
+        if model.derived is not None and model.derived.adapters:
+            extra["lora"] = [(str(path), scale) for path, scale in self.store.adapters_of(model)]
         return LoadSpec(
             model_path=str(path),
             n_ctx=p.n_ctx,
@@ -177,7 +203,7 @@ class Loader:
             else None,
             verbose=os.environ.get("LOCALLLM_DEBUG", "") not in ("", "0"),
             # the head sizes read with the model's metadata: a quantized KV cache is checked without the header
-            extra={"head_dims": (model.info.get("head_dim_k", 0), model.info.get("head_dim_v", 0))},
+            extra=extra,
         )
 
     def prompt_cache_spec(self, model: InstalledModel, backend: str) -> PromptCacheSpec | None:
@@ -186,6 +212,9 @@ class Loader:
         if size <= 0 or not model.digest:
             return None
         root = config.paths().prompt_cache
+        adapters = model.derived.adapters if model.derived is not None else []
+        if adapters:  # a LoRA changes every KV state: its prefixes are not the base weights' prefixes
+            return None
         return PromptCacheSpec(str(root / model.digest.removeprefix("sha256:")), f"{model.digest} {backend}",
                                max_bytes=size, budget_root=str(root))
 

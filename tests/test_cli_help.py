@@ -24,6 +24,8 @@ USAGE = {
     "show": "Usage: localllm show [OPTIONS] NAME",
     "rm": "Usage: localllm rm [OPTIONS] NAMES...",
     "cp": "Usage: localllm cp [OPTIONS] SRC DST",
+    "create": "Usage: localllm create [OPTIONS] NAME",
+    "quantize": "Usage: localllm quantize [OPTIONS] SRC TYPE [DST]",
     "stop": "Usage: localllm stop [OPTIONS] MODEL",
     "serve": "Usage: localllm serve [OPTIONS]",
     "probe": "Usage: localllm probe [OPTIONS]",

@@ -24,11 +24,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "show": ("localllm.cli.show", "Show a model's details."),
     "rm": ("localllm.cli.rm", "Remove models."),
     "cp": ("localllm.cli.cp", "Copy a model to a new name."),
+    "create": ("localllm.cli.create", "Create a model from a Modelfile."),
+    "quantize": ("localllm.cli.quantize", "Quantize an F32/F16 model (q4_K_M, q8_0, ...)."),
     "stop": ("localllm.cli.stop", "Unload a running model."),
     "serve": ("localllm.cli.serve", "Serve the Ollama and OpenAI APIs."),
     "probe": ("localllm.cli.probe", "Show this machine's hardware and the backend localllm picks."),
     "convert": ("localllm.cli.convert", "Convert an installed GGUF model to MLX, offline (no download)."),
-    "bench": ("localllm.cli.bench", "Benchmark a model: prompt/generation speed, TTFT, drafts, KV types."),
+    "bench": ("localllm.cli.bench", "Benchmark a model: prompt/generation speed, TTFT, drafts, KV."),
 }
 
 

@@ -48,6 +48,7 @@ HELP = """Available Commands:
   /set            Set session variables
   /show           Show model information
   /load <model>   Load a session or model
+  /save <model>   Save this session as a model (system prompt, parameters, messages)
   /clear          Clear session context
   /image <path>   Attach an image to the next message (a vision model; a path in a message works too)
   /tools          List the MCP tools the model can call
@@ -87,6 +88,7 @@ PARAM_HELP = """Available Parameters:
 SHOW_HELP = """Available Commands:
   /show info         Show details for this model
   /show license      Show model license
+  /show modelfile    Show Modelfile for this model
   /show parameters   Show parameters for this model
   /show system       Show system message
   /show template     Show prompt template
@@ -383,6 +385,8 @@ class Repl:
             self._say("Cleared session context")
         elif cmd == "/load":
             self._load(args)
+        elif cmd == "/save":
+            self._save(args)
         elif cmd == "/tools":
             self._say(self.tools_text())
         else:
@@ -501,7 +505,12 @@ class Repl:
         elif what == "parameters":
             self._say(self.parameters_text())
         elif what == "system":
-            self._say(self.settings.system or "No system message was specified for this model.")
+            info = self._installed()
+            self._say(self.settings.system or (info.system if info else None)
+                      or "No system message was specified for this model.")
+        elif what == "modelfile":
+            info = self._installed()
+            self._say(info.modelfile.rstrip("\n") if info and info.modelfile else f"FROM {self.model}")
         elif what == "template":
             info = self._installed()
             self._say((info.chat_template if info else None) or "No prompt template was specified for this model.")
@@ -510,6 +519,33 @@ class Repl:
             self._say((info.license if info else None) or "No license was specified for this model.")
         else:
             self._say(f"Unknown command '/show {args[0]}'. Type /? for help")
+
+    def _save(self, args: list[str]) -> None:
+        """``/save NAME``: a model made of this session (Ollama's ``/save``): the model it runs, the system prompt,
+        the parameters set with ``/set parameter`` and the conversation so far as its MESSAGE history."""
+        from localllm.engine import Sampling
+        from localllm.modelfile import Modelfile
+
+        if len(args) != 1:
+            self._say("Usage:\n  /save <modelname>")
+            return
+        s, default = self.settings, Sampling()
+        names = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "seed": "seed",
+                 "max_tokens": "num_predict", "stop": "stop"}
+        params = {key: getattr(s.sampling, attr) for attr, key in names.items()
+                  if getattr(s.sampling, attr) != getattr(default, attr)}
+        if s.load.num_ctx:
+            params["num_ctx"] = s.load.num_ctx
+        history = [{"role": str(m["role"]), "content": str(m.get("content") or "")} for m in self.messages
+                   if m.get("role") in ("user", "assistant")]
+        mf = Modelfile(from_=self.model, parameters=params, system=s.system, messages=history)
+        try:
+            made = self.models.create(args[0], mf)
+        except LocalLLMError as e:
+            self.err.write(f"Error: {e}\n")
+            return
+        self._say(f"Created new model '{made.name}'")
 
     def _load(self, args: list[str]) -> None:
         if len(args) != 1:

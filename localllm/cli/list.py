@@ -5,6 +5,8 @@ weight formats installed (GGUF for llama.cpp, MLX for Apple Silicon).
     NAME            ID              SIZE     FORMATS     MODIFIED
     smollm2:135m    b179c9523d0e    98 MB    GGUF+MLX    2 minutes ago
 
+A model made with ``localllm create`` adds a FROM column: the model it was made from.
+
 Kept light: no rich, httpx or gguf import (the manifests carry everything shown).
 """
 
@@ -28,7 +30,7 @@ def as_json(m: Installed, remote: bool) -> dict[str, Any]:
     return {"name": m.name, "digest": m.digest, "path": m.path, "size": m.size,
             "modified": m.modified.isoformat() if m.modified else None, "source": m.source, "local": m.local,
             "quant": m.quant, "catalog": m.catalog, "mlx_path": m.mlx_path, "formats": m.formats,
-            "mlx_repo": m.mlx_repo, "mlx_revision": m.mlx_revision,
+            "mlx_repo": m.mlx_repo, "mlx_revision": m.mlx_revision, "base": m.base,
             "projector": {"path": m.projector_path, "digest": m.projector_digest, "size": m.projector_size}
             if m.projector_path else None}
 
@@ -51,11 +53,12 @@ def command(json_out: bool, host: str | None) -> None:
         return
     # a server's list has no formats column (Ollama's has none)
     head = ["NAME", "ID", "SIZE", "MODIFIED"] if models.remote else ["NAME", "ID", "SIZE", "FORMATS", "MODIFIED"]
-    rows = [head]
+    derived = any(m.base for m in listed)  # a FROM column only when some model was made with `create`
+    rows = [head + (["FROM"] if derived else [])]
     for m in listed:
         when = ago(m.modified) if m.modified else ""
         # a vision projector shows as "+mmproj" in-process; a server's list says "vision" in its capabilities
         formats = m.formats + (["mmproj"] if m.projector_path else [])
         cells = [m.name, m.short_id, human_size(m.size)] + ([] if models.remote else ["+".join(formats)])
-        rows.append(cells + [when])
+        rows.append(cells + [when] + ([m.base or ""] if derived else []))
     click.echo(format_table(rows))

@@ -3,6 +3,7 @@
     $ localllm show smollm2:135m
     $ localllm show ./model.gguf --template      # a local file is read in place
     $ localllm show smollm2:135m --json
+    $ localllm show terse --modelfile          # a Modelfile that recreates it (`localllm create`)
 
 Shows architecture, parameters, context length, quantization, the chat template (first lines unless
 ``--template``), capabilities (completion, tools, thinking), license, and where the file is. With
@@ -47,6 +48,9 @@ def details(m: Installed) -> dict[str, Any]:
         "formats": m.formats,
         "mlx_source": m.mlx_source,
         "template_note": m.template_note,
+        "base": m.base,
+        "system": m.system,
+        "modelfile": m.modelfile,
         "projector": {"path": m.projector_path, "digest": m.projector_digest, "size": m.projector_size}
         if m.projector_path else None,
     }
@@ -70,6 +74,10 @@ def render(d: dict[str, Any], full_template: bool) -> str:
         out += ["    " + line for line in shown]
         if len(shown) < len(lines):
             out.append(f"    … {len(lines) - len(shown)} more lines (--template shows all)")
+    if d.get("system"):
+        out += ["", "  System"] + ["    " + line for line in d["system"].splitlines()]
+    if d.get("base"):
+        out += ["", "  Made from", f"    {d['base']}"]
     if d["capabilities"]:
         out += ["", "  Capabilities"] + [f"    {c}" for c in d["capabilities"]]
     out += ["", "  License", f"    {d['license'] or 'unknown'}"]
@@ -93,10 +101,12 @@ def render(d: dict[str, Any], full_template: bool) -> str:
 @click.command("show", help="Show a model's details.")
 @click.argument("name")
 @click.option("--template", "full_template", is_flag=True, help="Print the whole chat template.")
+@click.option("--modelfile", "modelfile", is_flag=True, help="Print a Modelfile that recreates the model.")
+@click.option("--system", "system", is_flag=True, help="Print the model's system prompt (a created model's).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--host", default=None, metavar="URL",
               help="Talk to a localllm or Ollama server there instead of in-process.")
-def command(name: str, full_template: bool, as_json: bool, host: str | None) -> None:
+def command(name: str, full_template: bool, modelfile: bool, system: bool, as_json: bool, host: str | None) -> None:
     """Show NAME: an installed model or a local .gguf file."""
     from localllm.session import open_models
 
@@ -105,7 +115,11 @@ def command(name: str, full_template: bool, as_json: bool, host: str | None) -> 
         d = details(models.show(name))
     finally:
         models.close()
-    if as_json:
+    if modelfile:
+        click.echo(d["modelfile"] or f"FROM {d['name']}", nl=not (d["modelfile"] or "").endswith("\n"))
+    elif system:
+        click.echo(d["system"] or "")
+    elif as_json:
         click.echo(json.dumps(d, indent=2))
     else:
         click.echo(render(d, full_template))

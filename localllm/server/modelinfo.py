@@ -43,7 +43,7 @@ def details_of(model: InstalledModel) -> dict[str, Any]:
     if not label and params:
         label = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{round(params / 1e6)}M"
     return {
-        "parent_model": "",
+        "parent_model": model.base or "",
         "format": "gguf",  # every installed model has its GGUF (MLX weights come beside it)
         "family": arch,
         "families": [arch] if arch else None,

@@ -114,6 +114,24 @@ class CopyBody(_Body):
     destination: str
 
 
+class CreateBody(_Body):
+    """``/api/create`` in Ollama's current JSON form (no Modelfile text: the client parses it)."""
+
+    model: str | None = None
+    name: str | None = None  # older clients
+    from_: str | None = Field(default=None, alias="from")
+    files: dict[str, str] | None = None  # file name -> "sha256:<hex>" of an uploaded blob
+    adapters: dict[str, str] | None = None
+    template: str | None = None
+    system: str | None = None
+    parameters: dict[str, Any] | None = None
+    messages: list[dict[str, Any]] | None = None
+    license: str | list[str] | None = None
+    quantize: str | None = None
+    draft: str | None = None  # ours: the DRAFT of a Modelfile
+    stream: Bool = True
+
+
 # ------------------------------------------------------------------------------------------- OpenAI
 
 

@@ -14,7 +14,8 @@ In order, for every HTTP request:
 4. **JSON bodies**: every POST/DELETE body is read as JSON whatever its ``Content-Type`` (as Ollama;
    ``curl -d`` sends a form type).
 5. **Body limit**: ``LOCALLLM_MAX_BODY`` bytes (default 32 MiB), by ``Content-Length`` and while
-   reading a chunked body: 413.
+   reading a chunked body: 413. Not for ``POST /api/blobs/:digest`` (a model file, streamed to disk and
+   sha256-checked by its route).
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ class SecurityMiddleware:
                                   "(or x-api-key: <key>) header with the key in LOCALLLM_API_KEY")
                 return
         length = headers.get("content-length")
+        if method == "POST" and path.startswith("/api/blobs/"):
+            # a model file for /api/create: streamed to disk by the route (sha256-checked, under the models dir
+            # only), so neither the body limit nor the buffering of a chunked body applies
+            await self.app(scope, receive, send)
+            return
         if length is not None:
             try:
                 too_big = int(length) > self.max_body

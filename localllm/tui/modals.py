@@ -78,6 +78,61 @@ class TextModal(ModalScreen[str | None]):
         self.dismiss(self.query_one("#text", Input).value.strip() or None if event.button.id == "ok" else None)
 
 
+class VariantModal(ModalScreen[dict[str, Any] | None]):
+    """Make a variant of an installed model (``localllm create`` from the model manager): a name, a system
+    prompt and a few parameters. Dismisses with ``{"name", "system", "parameters"}`` or None when cancelled; a
+    value that does not parse is one sentence under the form and the modal stays open."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel", id="modal.cancel")]
+    FIELDS: list[tuple[str, str, str]] = [("temperature", "Temperature", "0.8"), ("top_p", "Top p", "0.9"),
+                                          ("num_ctx", "Context (tokens)", "planner decides")]
+
+    def __init__(self, base: str):
+        super().__init__()
+        self.base = base
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="variant-dialog"):
+            yield Label(f"A variant of {self.base}", classes="question")
+            yield Input(placeholder="name, e.g. pirate", id="variant-name")
+            yield TextArea("", id="variant-system")
+            for key, label, hint in self.FIELDS:
+                yield Input(placeholder=f"{label} ({hint})", id=f"variant-{key}")
+            yield Static("", id="variant-error")
+            with Horizontal(classes="buttons"):
+                yield Button("Create", variant="primary", id="ok")
+                yield Button("Cancel", id="cancel")
+
+    def on_mount(self) -> None:
+        system = self.query_one("#variant-system", TextArea)
+        system.border_title = "System prompt"
+        system.styles.height = 5  # the form fits a small terminal, buttons included
+        self.query_one("#variant-name", Input).focus()
+
+    def result(self) -> dict[str, Any]:
+        """The form as ``create`` takes it (raises :class:`LocalLLMError` in one sentence)."""
+        from localllm.names import parse_name
+
+        name = self.query_one("#variant-name", Input).value.strip()
+        if not name:
+            raise LocalLLMError("Give the variant a name.")
+        parse_name(name, allow_path=False)
+        values = {k: self.query_one(f"#variant-{k}", Input).value for k, _, _ in self.FIELDS}
+        params = parse_params(values)
+        system = self.query_one("#variant-system", TextArea).text.strip()
+        return {"name": name, "system": system or None, "parameters": params}
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        if event.button.id != "ok":
+            self.dismiss(None)
+            return
+        try:
+            self.dismiss(self.result())
+        except LocalLLMError as e:
+            self.query_one("#variant-error", Static).update(str(e))
+
+
 PARAM_FIELDS: list[tuple[str, str, str]] = [
     # key, label, placeholder
     ("temperature", "Temperature", "0.8"),

@@ -35,6 +35,7 @@ class ModelRow:
     verdict: str = ""  # "fits on GPU" | "partial offload 20/32 layers" | "CPU" | "too big"
     loaded: bool = False
     formats: str = "GGUF"  # the weight formats installed: "GGUF", "GGUF+MLX"; "+mmproj" with a vision projector
+    base: str | None = None  # the model a variant (``localllm create``) was made from
 
 
 SERVER_FIT = Fit(text="(server decides)")  # a server picks the backend itself
@@ -56,7 +57,8 @@ def model_rows(session: Session) -> list[ModelRow]:
                 fit = Fit(text=f"? ({e})")
         formats = m.formats + (["mmproj"] if m.projector_path else [])  # a vision projector: the model takes images
         rows.append(ModelRow(name=m.name, size=m.size, quantization=m.quantization, backend=fit.backend,
-                             verdict=fit.text, loaded=m.name in loaded, formats="+".join(formats) or "GGUF"))
+                             verdict=fit.text, loaded=m.name in loaded, formats="+".join(formats) or "GGUF",
+                             base=m.base))
     return rows
 
 
@@ -85,6 +87,7 @@ class ModelsScreen(Screen):
         Binding("d,delete", "delete", "Delete", id="models.delete"),
         Binding("s", "set_default", "Set default", id="models.default"),
         Binding("r", "refresh", "Refresh", id="models.refresh"),
+        Binding("v", "variant", "Make a variant", id="models.variant", show=False),
     ]
 
     def __init__(self) -> None:
@@ -149,7 +152,8 @@ class ModelsScreen(Screen):
         inst = self.query_one("#installed", DataTable)
         inst.clear()
         for m in installed:
-            inst.add_row(m.name, human_size(m.size), m.quantization or "-", m.backend or "-", m.verdict or "-",
+            shown = f"{m.name} (from {m.base})" if m.base else m.name  # a variant shows its base
+            inst.add_row(shown, human_size(m.size), m.quantization or "-", m.backend or "-", m.verdict or "-",
                          "yes" if m.loaded else "", "*" if m.name == default else "", m.formats or "GGUF", key=m.name)
         cat = self.query_one("#catalog", DataTable)
         cat.clear()
@@ -274,6 +278,38 @@ class ModelsScreen(Screen):
             self.app.call_from_thread(self.notify, f"Could not delete {name}: {e}", severity="error")
             return
         self.app.call_from_thread(self.notify, f"Deleted {name}.", timeout=3)
+        self.app.call_from_thread(self.action_refresh)
+        self.app.call_from_thread(self.lapp.models_changed)
+
+    # ------------------------------------------------------------------ variants
+
+    def action_variant(self) -> None:
+        """A variant of the selected installed model: a name, a system prompt and a few parameters (v)."""
+        base = self._selected("installed")
+        if not base:
+            self.notify("Pick an installed model first.", severity="warning")
+            return
+        from .modals import VariantModal
+
+        def done(form: dict[str, object] | None) -> None:
+            if form:
+                self.run_variant(base, form)
+
+        self.app.push_screen(VariantModal(base), done)
+
+    @work(thread=True, group="variant")
+    def run_variant(self, base: str, form: dict[str, object]) -> None:
+        from localllm.modelfile import Modelfile
+
+        params = dict(form.get("parameters") or {})  # type: ignore[call-overload]
+        system = form.get("system")
+        mf = Modelfile(from_=base, parameters=params, system=str(system) if system else None)
+        try:
+            made = self.lapp.session.models.create(str(form["name"]), mf)
+        except Exception as e:  # noqa: BLE001 - one sentence to the user
+            self.app.call_from_thread(self.notify, f"Could not make the variant: {e}", severity="error")
+            return
+        self.app.call_from_thread(self.notify, f"{made.name} made from {base}.", timeout=3)
         self.app.call_from_thread(self.action_refresh)
         self.app.call_from_thread(self.lapp.models_changed)
 

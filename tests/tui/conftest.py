@@ -160,6 +160,9 @@ class StaticModels:
     def copy(self, src: str, dst: str) -> str:
         raise NotImplementedError
 
+    def create(self, name: str, modelfile: Any, **kwargs: Any) -> Installed:
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 

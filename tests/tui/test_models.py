@@ -122,3 +122,40 @@ async def test_models_screen_lists_installed_default_model_with_verdict(tui_home
         assert catalog.row_count >= 5
         verdicts = column(catalog, 2)
         assert all(v not in ("", "-") for v in verdicts), verdicts
+
+
+async def test_make_a_variant_of_an_installed_model_and_see_its_base(tui_home, chats, tmp_path, monkeypatch):
+    """``v`` on an installed model: a name, a system prompt and a temperature make a variant (``create``), which
+    the installed list shows with its base; a bad value is one sentence in the form."""
+    from localllm.store import Store
+    from localllm.tui.modals import VariantModal
+    from tests.support import DEFAULT_MODEL, TEST_HOME, install_copy
+
+    models = tmp_path / "models"  # a private store: the variant is not written into the shared test home
+    install_copy(models, TEST_HOME / "data" / "models")
+    monkeypatch.setenv("LOCALLLM_MODELS", str(models))
+    session = local_session(None)
+    app = LocalLLMApp(model=DEFAULT_MODEL, chats=chats, session=session)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await pilot.press("f3")
+        screen = app.screen
+        assert isinstance(screen, ModelsScreen)
+        await wait_until(pilot, lambda: screen.loaded_once.is_set(), timeout=30)
+        installed = screen.query_one("#installed", DataTable)
+        installed.focus()
+        await pilot.press("v")
+        await wait_until(pilot, lambda: isinstance(app.screen, VariantModal), timeout=10)
+        modal = app.screen
+        modal.query_one("#variant-name").value = "pirate"
+        modal.query_one("#variant-system").text = "You are a pirate."
+        modal.query_one("#variant-temperature").value = "hot"
+        await pilot.click("#ok")
+        await pilot.pause()
+        assert isinstance(app.screen, VariantModal)
+        assert "Temperature must be a number from 0 to 5, got 'hot'." in str(modal.query_one("#variant-error").render())
+        modal.query_one("#variant-temperature").value = "0"
+        modal.query_one("#ok").press()
+        await wait_until(pilot, lambda: "pirate (from smollm2:135m)" in column(installed, 0), timeout=30)
+    made = Store().get("pirate")
+    assert made.base == DEFAULT_MODEL and made.derived is not None
+    assert (made.derived.system, made.derived.parameters) == ("You are a pirate.", {"temperature": 0.0})

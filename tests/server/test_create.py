@@ -1,0 +1,131 @@
+"""``/api/create``, ``/api/blobs/:digest``, ``/api/push`` and ``/api/show`` of a created model, over real HTTP with
+the official ``ollama`` client, on a private store holding the default model."""
+
+from __future__ import annotations
+
+import hashlib
+
+import httpx
+import ollama
+import pytest
+
+from tests.support import DEFAULT_MODEL, TEST_HOME, install_copy, private_paths
+
+
+@pytest.fixture(scope="module")
+def srv(installed_default_model, tmp_path_factory):
+    from localllm.store import Store
+    from tests.server.derived import serve
+
+    pp = private_paths(tmp_path_factory.mktemp("create-home"))
+    install_copy(pp.models, TEST_HOME / "data" / "models")
+    s = serve(Store(paths=pp))
+    yield s
+    s.stop()
+    s.engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(srv) -> ollama.Client:
+    return ollama.Client(host=srv.url)
+
+
+def test_create_from_a_model_streams_status_and_show_round_trips(srv, client):
+    lines = list(client.create(model="pirate", from_=DEFAULT_MODEL, system="You are a pirate.",
+                               parameters={"temperature": 0, "stop": ["<|im_end|>", "User:"], "num_ctx": 512},
+                               messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Arr."}],
+                               license="MIT", stream=True))
+    statuses = [p.status for p in lines]
+    assert statuses[0] == "gathering model components" and statuses[-1] == "success"
+    assert "writing manifest" in statuses
+    shown = client.show("pirate")  # the client's ShowResponse has no system/messages fields: read them raw
+    raw = httpx.post(f"{srv.url}/api/show", json={"model": "pirate"}).json()
+    assert raw["system"] == "You are a pirate."
+    assert shown.license == "MIT"
+    assert shown.parameters is not None
+    assert shown.parameters.splitlines() == [f"{'num_ctx':<30} 512", f"{'stop':<30} \"<|im_end|>\"",
+                                             f"{'stop':<30} \"User:\"", f"{'temperature':<30} 0"]
+    assert raw["messages"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Arr."}]
+    assert shown.modelfile is not None and f"FROM {DEFAULT_MODEL}" in shown.modelfile
+    assert shown.details is not None and shown.details.parent_model == DEFAULT_MODEL
+    listed = {m.model: m for m in client.list().models}
+    assert listed["pirate"].details is not None and listed["pirate"].details.parent_model == DEFAULT_MODEL
+
+
+def test_create_with_files_uploads_the_blob_first(srv, client, tmp_path):
+    src = srv.engine.store.get(DEFAULT_MODEL).path
+    copy = tmp_path / "mine.gguf"
+    copy.write_bytes(src.read_bytes())
+    digest = client.create_blob(copy)  # a 100 MB POST (past the 32 MiB body limit of other routes): 200, it is there
+    assert digest == "sha256:" + hashlib.sha256(copy.read_bytes()).hexdigest()
+    done = client.create(model="fromfile", files={"mine.gguf": digest}, system="Hi there.")
+    assert done.status == "success"
+    shown = client.show("fromfile")
+    assert shown.modelfile is not None and "FROM /" in shown.modelfile and "SYSTEM Hi there." in shown.modelfile
+    r = client.chat(model="fromfile", messages=[{"role": "user", "content": "Hello"}],
+                    options={"temperature": 0, "num_predict": 4})
+    assert r.message.content
+
+
+def test_blob_upload_checks_its_digest_and_stays_in_the_models_dir(srv):
+    store = srv.engine.store
+    data = b"GGUF" + b"\0" * 60
+    good = "sha256:" + hashlib.sha256(data).hexdigest()
+    assert httpx.head(f"{srv.url}/api/blobs/{good}").status_code == 404
+    wrong = "sha256:" + hashlib.sha256(b"other").hexdigest()
+    r = httpx.post(f"{srv.url}/api/blobs/{wrong}", content=data)
+    assert r.status_code == 400 and r.json()["error"].startswith("digest mismatch")
+    assert not store.blob_path(wrong).exists()
+    r = httpx.post(f"{srv.url}/api/blobs/{good}", content=data)
+    assert r.status_code == 201 and store.blob_path(good).read_bytes() == data
+    assert httpx.head(f"{srv.url}/api/blobs/{good}").status_code == 200
+    for bad in ("sha256:..%2F..%2Fescape", "sha256-" + "0" * 63, "md5:" + "0" * 32):
+        r = httpx.post(f"{srv.url}/api/blobs/{bad}", content=data)
+        assert r.status_code == 400 and "invalid digest" in r.json()["error"], (bad, r.text)
+    assert not (store.paths.models.parent / "escape").exists()
+    assert not any(store.paths.downloads.glob("*.partial"))
+    # a 4-byte "GGUF" upload (CVE-2024-39720) cannot become a model: refused at create, in Ollama's shape
+    tiny = b"GGUF"
+    d = "sha256:" + hashlib.sha256(tiny).hexdigest()
+    assert httpx.post(f"{srv.url}/api/blobs/{d}", content=tiny).status_code == 201
+    r = httpx.post(f"{srv.url}/api/create", json={"model": "tiny", "files": {"t.gguf": d}, "stream": False})
+    assert r.status_code == 400 and "error" in r.json()
+    assert "tiny" not in {m["name"] for m in httpx.get(f"{srv.url}/api/tags").json()["models"]}
+
+
+def test_bad_create_bodies_and_push(srv, client):
+    with pytest.raises(ollama.ResponseError) as e:
+        client.create(model="x")
+    assert e.value.status_code == 400 and "neither 'from' or 'files'" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.create(model="x", from_=DEFAULT_MODEL, parameters={"temperature": "hot"})
+    assert e.value.status_code == 400 and "temperature" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.create(model="x", from_=DEFAULT_MODEL, template="{{ with .System }}{{ . }}{{ end }}")
+    assert e.value.status_code == 400 and "Go-template" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.create(model="x", from_="nosuchmodel:1b", stream=False)
+    assert e.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as e:
+        client.push("pirate")
+    assert e.value.status_code == 400 and "not supported" in e.value.error
+
+
+def test_the_created_models_settings_apply_over_the_api(srv, client):
+    """Ollama's layering on the server: the model's system prompt and history reach the prompt (more prompt
+    tokens than the base model), its temperature 0 gives the same answer twice, and a request's options win."""
+    client.create(model="hist", from_=DEFAULT_MODEL, system="You are a pirate.",
+                  parameters={"temperature": 0, "num_predict": 6},
+                  messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Arr."}])
+    ask = [{"role": "user", "content": "Who are you?"}]
+    base = client.chat(model=DEFAULT_MODEL, messages=ask, options={"temperature": 0, "num_predict": 6})
+    a = client.chat(model="hist", messages=ask)
+    b = client.chat(model="hist", messages=ask)
+    assert a.message.content == b.message.content and a.eval_count <= 6
+    assert a.prompt_eval_count > base.prompt_eval_count
+    by_hand = client.chat(model=DEFAULT_MODEL, messages=[
+        {"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Arr."}, *ask], options={"temperature": 0, "num_predict": 6})
+    assert by_hand.message.content == a.message.content and by_hand.prompt_eval_count == a.prompt_eval_count
+    short = client.chat(model="hist", messages=ask, options={"num_predict": 2})
+    assert short.eval_count <= 2
