@@ -205,19 +205,20 @@ def _split(text: str) -> list[tuple[int, str, str]]:
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
             continue
-        word, _, rest = stripped.partition(" ")
+        word, _, rest_full = line.lstrip().partition(" ")
         if "\t" in word:
             word, _, more = word.partition("\t")
-            rest = (more + " " + rest).strip()
-        rest = rest.strip()
+            rest_full = more + " " + rest_full
+        rest_full = rest_full.lstrip()  # the text after an opening """ keeps its trailing whitespace
+        rest = rest_full.rstrip()
         inst = word.lower()
         if inst not in INSTRUCTIONS:
             raise ModelfileError(f"line {n}: unknown instruction {word!r} (a Modelfile takes "
                                  f"{', '.join(s.upper() for s in INSTRUCTIONS)}).")
-        start = rest.find('"""')
+        start = rest_full.find('"""')
         if start >= 0:
             # the value (or, for PARAMETER/MESSAGE, its last part) is in triple quotes and may span lines
-            head, body = rest[:start], rest[start + 3:]
+            head, body = rest_full[:start], rest_full[start + 3:]
             parts: list[str] = []
             while True:
                 end = body.find('"""')

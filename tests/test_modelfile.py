@@ -143,3 +143,12 @@ def test_go_constructs_not_translated_are_named(go, what):
 
     with pytest.raises(GoTemplateError, match=re.escape(what)):
         to_jinja(go)
+
+
+@pytest.mark.parametrize("text", [" \n", "  x  \n  y ", "a\n ", " "])
+def test_whitespace_after_an_opening_triple_quote_is_kept(text):
+    """Found by the round trip above on a new machine: the line's trailing whitespace was stripped before the
+    value's first part was read, so a MESSAGE of " \\n" came back as "\\n"."""
+    mf = Modelfile(from_="smollm2:135m", parameters={}, system=text, messages=[{"role": "user", "content": text}])
+    back = parse(mf.render())
+    assert back.messages == mf.messages and back.system == text
