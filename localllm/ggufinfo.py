@@ -107,6 +107,19 @@ def read_gguf(path: str | os.PathLike[str], *, digest: str | None = None) -> GGU
     return info
 
 
+def projector_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A projector GGUF's scalar metadata (``clip.*``, ``general.architecture``): Ollama's ``projector_info``.
+    Empty when the header cannot be read (the model still answers)."""
+    from backends.gguf_header import read_header
+
+    try:
+        fields = read_header(path, tensors=False).fields
+    except Exception:  # noqa: BLE001 - an unreadable header says nothing
+        return {}
+    return {k: v for k, v in fields.items() if isinstance(v, str | int | float | bool)
+            and (k.startswith("clip.") or k == "general.architecture")}
+
+
 def check_gguf_file(p: Path) -> None:
     """Refuse, in one sentence, a path that is not a file or does not start with the GGUF magic."""
     if not p.is_file():

@@ -78,3 +78,28 @@ def test_no_import_cycles_in_localllm_and_backends():
         if m not in state:
             visit(m)
     assert len(graph) > 40 and any(graph.values())
+
+
+def test_the_layers_of_design_md_hold():
+    """Faces (cli, server, tui) never import ``backends`` (they go through the engine and the services), and
+    ``backends`` imports nothing from ``localllm``: every import, also those inside functions."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def imports(path: Path) -> list[tuple[int, str]]:
+        out = []
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                out += [(node.lineno, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                out.append((node.lineno, node.module))
+        return out
+
+    bad = [f"{p.relative_to(root)}:{n}: {m}" for face in ("cli", "server", "tui")
+           for p in sorted((root / "localllm" / face).rglob("*.py"))
+           for n, m in imports(p) if m == "backends" or m.startswith("backends.")]
+    bad += [f"{p.relative_to(root)}:{n}: {m}" for p in sorted((root / "backends").rglob("*.py"))
+            for n, m in imports(p) if m == "localllm" or m.startswith("localllm.")]
+    assert not bad, bad

@@ -74,11 +74,6 @@ def projector_info(model: InstalledModel) -> dict[str, Any] | None:
     """Ollama's ``projector_info``: the projector GGUF's scalar metadata (``clip.*``, ``general.architecture``)."""
     if model.projector is None:
         return None
-    from backends.gguf_header import read_header
+    from localllm.ggufinfo import projector_metadata
 
-    try:
-        fields = read_header(model.projector.path, tensors=False).fields
-    except Exception:  # noqa: BLE001 - an unreadable header says nothing, the model still answers
-        return {}
-    return {k: v for k, v in fields.items() if isinstance(v, str | int | float | bool)
-            and (k.startswith("clip.") or k == "general.architecture")}
+    return projector_metadata(model.projector.path)
