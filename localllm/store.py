@@ -36,6 +36,7 @@ import difflib
 import hashlib
 import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1043,7 +1044,6 @@ class Store:
         into the blobs; returns ``sha256:<hex> SCALE`` as the manifest keeps it. A LoRA made for another base is
         refused here, in one sentence, not at the first load."""
         import re
-        import shutil
 
         from backends.gguf_header import GGUFHeaderError, read_header
         from localllm.download import sha256_file
@@ -1088,14 +1088,7 @@ class Store:
             raise InvalidModelFileError(f"The adapter {label} holds no LoRA tensors (*.lora_a / *.lora_b).")
         hexdigest = m.group(1).lower() if m else sha256_file(path)
         if not m and not self.blob_path(hexdigest).is_file():
-            self.paths.downloads.mkdir(parents=True, exist_ok=True)
-            tmp = self.paths.downloads / f"sha256-{hexdigest}.{os.getpid()}.partial"
-            try:
-                shutil.copyfile(path, tmp)
-                self._install_blob(tmp, hexdigest)
-                rep.made.append(hexdigest)
-            finally:
-                tmp.unlink(missing_ok=True)
+            self._copy_into_blobs(path, hexdigest, rep)
         return f"sha256:{hexdigest} {scale:g}"
 
     def _quantize(self, data: dict[str, Any], type_name: str, requantize: bool, rep: _Reporter,
@@ -1191,7 +1184,6 @@ class Store:
     def _import_gguf(self, path: Path, rep: _Reporter, cancel: threading.Event | None) -> dict[str, Any]:
         """Copy a local GGUF into the blobs (checked first; copied beside the blobs and renamed, so a kill
         leaves no blob and no model) and return its manifest fields."""
-        import shutil
 
         from localllm.download import _check_cancel, sha256_file
         from localllm.ggufinfo import check_gguf_file, read_gguf
@@ -1203,16 +1195,21 @@ class Store:
         hexdigest = sha256_file(path, rep.add)
         _check_cancel(cancel, path.name)
         if not self.blob_path(hexdigest).is_file():
-            self.paths.downloads.mkdir(parents=True, exist_ok=True)
-            tmp = self.paths.downloads / f"sha256-{hexdigest}.{os.getpid()}.partial"
             rep.phase(f"copying {path.name}", digest=f"sha256:{hexdigest}", total=size)
-            try:
-                shutil.copyfile(path, tmp)
-                self._install_blob(tmp, hexdigest)
-                rep.made.append(hexdigest)
-            finally:
-                tmp.unlink(missing_ok=True)
+            self._copy_into_blobs(path, hexdigest, rep)
         return self._blob_data(hexdigest, f"local file {path.name}")
+
+    def _copy_into_blobs(self, path: Path, hexdigest: str, rep: _Reporter) -> None:
+        """Copy ``path`` (whose sha256 is ``hexdigest``) into the blobs through a partial file beside the
+        downloads; the new blob is recorded as made by this operation (a failed create frees it)."""
+        self.paths.downloads.mkdir(parents=True, exist_ok=True)
+        tmp = self.paths.downloads / f"sha256-{hexdigest}.{os.getpid()}.partial"
+        try:
+            shutil.copyfile(path, tmp)
+            self._install_blob(tmp, hexdigest)
+            rep.made.append(hexdigest)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def set_mlx_path(self, name: str, mlx_path: Path | None) -> InstalledModel:
         """Record (or clear) the MLX model directory that goes with an installed model."""
