@@ -1,0 +1,315 @@
+"""llama.cpp's own device list, and its RPC backend, through ggml's registry (ctypes over the wheel's libraries).
+
+llama-cpp-python does not wrap ggml's device registry, but ``libggml.so`` / ``libggml-base.so`` beside
+``libllama.so`` export it. One call lists every device of the installed build — CPU, CUDA, ROCm/HIP, Vulkan,
+Metal, SYCL, and ``RPC<n>`` devices for each worker added — with free/total memory, where NVML sees only
+NVIDIA (``../shared/reference/devices.md`` has what was measured)::
+
+    >>> [d.name for d in list_devices()]  # doctest: +SKIP
+    ['CPU']
+    >>> rpc_supported()  # doctest: +SKIP
+    False
+
+RPC (a build with ``-DGGML_RPC=on``): :func:`start_worker` serves this machine's devices (what
+``localllm worker`` runs); :func:`add_worker` makes a worker's devices part of this process's device list, after
+:func:`hello` checked that it answers (ggml aborts the process when a worker it adds does not: we ask first,
+with a timeout). The protocol has no authentication: loopback or a trusted network only.
+
+A worker that dies while a model uses it makes ggml abort the process (``RPC_STATUS_ASSERT``): :func:`on_abort`
+installs ggml's abort callback so the reason is logged before that happens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+log = logging.getLogger("backends.ggml_devices")
+
+DeviceType = Literal["cpu", "gpu", "igpu", "accel"]
+_TYPES: dict[int, DeviceType] = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
+
+RPC_DEFAULT_PORT = 50052
+RPC_PROTO_MAJOR = 7  # ggml-rpc.h's RPC_PROTO_MAJOR_VERSION in the pinned llama.cpp
+_RPC_CMD_HELLO = 14
+_RPC_CONN_CAPS = 24  # transport.h: RPC_CONN_CAPS_SIZE
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of llama.cpp's registry, as ggml reports it."""
+
+    index: int  # position in ggml's device list (what llama.cpp's split uses)
+    name: str  # "CPU", "CUDA0", "Vulkan0", "RPC0"...
+    description: str  # "NVIDIA GeForce RTX 4090", "AMD EPYC...", or a worker's "host:port"
+    type: DeviceType
+    free_bytes: int
+    total_bytes: int
+    backend: str  # the registry that provides it: "CPU", "CUDA", "RPC"...
+
+    @property
+    def offloads(self) -> bool:
+        """Layers can go here (every non-CPU device; ggml's CPU device is where the rest stays)."""
+        return self.type != "cpu"
+
+    @property
+    def remote(self) -> bool:
+        return self.backend == "RPC"
+
+
+class _Lib:
+    """ggml's registry functions, bound once (after ``import llama_cpp`` loaded the libraries)."""
+
+    def __init__(self) -> None:
+        import llama_cpp  # loads libllama and, through it, libggml*
+
+        libdir = Path(llama_cpp.__file__).parent / "lib"
+        self.llama = llama_cpp
+        self.ggml = self._open(libdir, "ggml")
+        self.base = self._open(libdir, "ggml-base")
+        g, b = self.ggml, self.base
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        g.ggml_backend_dev_count.restype = sz
+        g.ggml_backend_dev_get.argtypes, g.ggml_backend_dev_get.restype = [sz], vp
+        g.ggml_backend_reg_by_name.argtypes, g.ggml_backend_reg_by_name.restype = [ctypes.c_char_p], vp
+        g.ggml_backend_register.argtypes, g.ggml_backend_register.restype = [vp], None
+        g.ggml_backend_dev_by_name.argtypes, g.ggml_backend_dev_by_name.restype = [ctypes.c_char_p], vp
+        for f in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+            getattr(b, f).argtypes, getattr(b, f).restype = [vp], ctypes.c_char_p
+        b.ggml_backend_dev_type.argtypes, b.ggml_backend_dev_type.restype = [vp], ctypes.c_int
+        b.ggml_backend_dev_memory.argtypes = [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]
+        b.ggml_backend_dev_memory.restype = None
+        b.ggml_backend_dev_backend_reg.argtypes, b.ggml_backend_dev_backend_reg.restype = [vp], vp
+        b.ggml_backend_reg_name.argtypes, b.ggml_backend_reg_name.restype = [vp], ctypes.c_char_p
+        b.ggml_backend_reg_get_proc_address.argtypes = [vp, ctypes.c_char_p]
+        b.ggml_backend_reg_get_proc_address.restype = vp
+        b.ggml_set_abort_callback.argtypes = [vp]
+        b.ggml_set_abort_callback.restype = vp
+
+    @staticmethod
+    def _open(libdir: Path, stem: str) -> ctypes.CDLL:
+        for name in (f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll"):
+            if (libdir / name).exists():
+                return ctypes.CDLL(str(libdir / name))
+        return ctypes.CDLL(f"lib{stem}.so")  # a system-wide build: the loader's search path
+
+    def rpc_proc(self, name: str, restype: Any, argtypes: list[Any]) -> Any:
+        reg = self.ggml.ggml_backend_reg_by_name(b"RPC")
+        addr = self.base.ggml_backend_reg_get_proc_address(reg, name.encode()) if reg else None
+        if not addr:
+            raise RuntimeError("this llama.cpp build has no RPC backend")
+        return ctypes.CFUNCTYPE(restype, *argtypes)(addr)
+
+
+_lib: _Lib | None = None
+_lock = threading.Lock()
+
+
+def _L() -> _Lib:
+    global _lib
+    with _lock:
+        if _lib is None:
+            _lib = _Lib()
+        return _lib
+
+
+def _device(i: int, dev: int) -> Device:
+    b = _L().base
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    b.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+    reg = b.ggml_backend_dev_backend_reg(dev)
+    reg_name = (b.ggml_backend_reg_name(reg) or b"").decode(errors="replace") if reg else ""
+    if reg_name.startswith("RPC"):
+        reg_name = "RPC"  # each worker is its own "RPC[host:port]" registry
+    return Device(index=i, name=(b.ggml_backend_dev_name(dev) or b"?").decode(errors="replace"),
+                  description=(b.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
+                  type=_TYPES.get(int(b.ggml_backend_dev_type(dev)), "accel"),
+                  free_bytes=int(free.value), total_bytes=int(total.value), backend=reg_name)
+
+
+def list_devices() -> list[Device]:
+    """Every device of the installed llama.cpp build (and of the RPC workers added), with its memory now."""
+    g = _L().ggml
+    return [_device(i, g.ggml_backend_dev_get(i)) for i in range(int(g.ggml_backend_dev_count()))]
+
+
+def device_handle(name: str) -> int | None:
+    """ggml's handle of the device called ``name`` (for ``llama_model_params.devices``), or None."""
+    h = _L().ggml.ggml_backend_dev_by_name(name.encode())
+    return int(h) if h else None
+
+
+def rpc_supported() -> bool:
+    """The installed build has ggml's RPC backend (``-DGGML_RPC=on``)."""
+    try:
+        return bool(_L().ggml.ggml_backend_reg_by_name(b"RPC"))
+    except Exception:  # noqa: BLE001 - no llama_cpp, no library: no RPC
+        return False
+
+
+# ------------------------------------------------------------------------------------------------ RPC
+
+_ENDPOINT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(?P<port>[0-9]{1,5})$")
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``host:port`` → (host, port); a ValueError with one sentence otherwise.
+
+    >>> parse_endpoint("127.0.0.1:50052"), parse_endpoint("gpu-box.local:50053")
+    (('127.0.0.1', 50052), ('gpu-box.local', 50053))
+    >>> parse_endpoint("127.0.0.1")
+    Traceback (most recent call last):
+    ...
+    ValueError: RPC worker '127.0.0.1' is not HOST:PORT (for example 127.0.0.1:50052).
+    """
+    m = _ENDPOINT.match(text.strip())
+    port = int(m.group("port")) if m else 0
+    if not m or not 0 < port < 65536:
+        raise ValueError(f"RPC worker {text!r} is not HOST:PORT (for example 127.0.0.1:{RPC_DEFAULT_PORT}).")
+    return m.group("host").strip("[]"), port
+
+
+def parse_endpoints(text: str) -> list[str]:
+    """A comma-separated list (``--rpc``, ``LOCALLLM_RPC``) → normalized endpoints; ValueError on a bad one."""
+    out: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if part:
+            host, port = parse_endpoint(part)
+            ep = f"{host}:{port}"
+            if ep not in out:
+                out.append(ep)
+    return out
+
+
+def hello(endpoint: str, timeout: float = 3.0) -> tuple[int, int, int]:
+    """Ask a worker for its protocol version, as ggml's client does first; OSError/TimeoutError if it does not
+    answer in ``timeout`` seconds, ValueError if it answers something else.
+
+    Why here and not in ggml: ``ggml_backend_rpc_add_server`` aborts the whole process on a worker that does
+    not answer. A worker serves one client at a time: a busy one times out here.
+    """
+    host, port = parse_endpoint(endpoint)
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.settimeout(timeout)
+        s.sendall(struct.pack("<BQ", _RPC_CMD_HELLO, _RPC_CONN_CAPS) + bytes(_RPC_CONN_CAPS))
+        head = _recv(s, 8)
+        (size,) = struct.unpack("<Q", head)
+        if size != 4 + _RPC_CONN_CAPS:
+            raise ValueError(f"{endpoint} is not a llama.cpp RPC worker of this version (answered {size} bytes)")
+        body = _recv(s, size)
+    major, minor, patch = body[0], body[1], body[2]
+    if major != RPC_PROTO_MAJOR:
+        raise ValueError(f"{endpoint} speaks RPC protocol {major}.{minor}.{patch}; this build speaks "
+                         f"{RPC_PROTO_MAJOR}.x (install the same llama-cpp-python on both machines)")
+    return major, minor, patch
+
+
+def _recv(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the worker closed the connection")
+        buf += chunk
+    return buf
+
+
+_added: dict[str, list[str]] = {}  # endpoint → the device names it added (ggml keeps them for the process)
+
+
+def add_worker(endpoint: str, timeout: float = 3.0) -> list[Device]:
+    """Make a worker's devices part of this process's device list (once per endpoint); returns them.
+
+    Raises RuntimeError (no RPC in this build), ValueError (a malformed endpoint, another protocol) or OSError
+    (the worker does not answer), each with one sentence. ggml cannot remove a worker again.
+    """
+    host, port = parse_endpoint(endpoint)
+    endpoint = f"{host}:{port}"
+    if endpoint not in _added:
+        if not rpc_supported():
+            raise RuntimeError("this llama.cpp build has no RPC backend; " + RPC_INSTALL_HINT)
+        try:
+            hello(endpoint, timeout)
+        except (OSError, ConnectionError) as e:
+            raise OSError(f"RPC worker {endpoint} does not answer ({e or type(e).__name__})") from None
+        L = _L()
+        add = L.rpc_proc("ggml_backend_rpc_add_server", ctypes.c_void_p, [ctypes.c_char_p])
+        before = {d.name for d in list_devices()}
+        reg = add(endpoint.encode())
+        if not reg:
+            raise OSError(f"RPC worker {endpoint} reports no devices")
+        L.ggml.ggml_backend_register(reg)
+        _added[endpoint] = [d.name for d in list_devices() if d.name not in before]
+    names = set(_added[endpoint])
+    return [d for d in list_devices() if d.name in names]
+
+
+def added_workers() -> dict[str, list[str]]:
+    """The workers added in this process: endpoint → device names."""
+    return {k: list(v) for k, v in _added.items()}
+
+
+RPC_INSTALL_HINT = ('install an RPC-enabled build: CMAKE_ARGS="-DGGML_RPC=on" pip install --force-reinstall '
+                    "--no-cache-dir llama-cpp-python==0.3.36")
+
+
+def start_worker(host: str, port: int, threads: int, cache_dir: str | None = None,
+                 devices: list[str] | None = None) -> None:
+    """Serve this machine's devices over llama.cpp's RPC protocol; blocks until the process ends.
+
+    ``devices``: names from :func:`list_devices` (default: every device that offloads, else the CPU), as
+    ``ggml-rpc-server -d`` takes them. ``cache_dir``: where the worker caches large tensors by hash, so a reload
+    does not send the weights again (``ggml-rpc-server -c``).
+    """
+    if not rpc_supported():
+        raise RuntimeError("this llama.cpp build has no RPC backend; " + RPC_INSTALL_HINT)
+    L = _L()
+    if devices:
+        handles = []
+        for n in devices:
+            h = device_handle(n)
+            if h is None:
+                known = ", ".join(d.name for d in list_devices() if not d.remote)
+                raise ValueError(f"no device {n!r} here (devices: {known})")
+            handles.append(h)
+    else:
+        local = [d for d in list_devices() if not d.remote]
+        chosen = [d for d in local if d.offloads] or [d for d in local if d.type == "cpu"]
+        handles = [h for h in (device_handle(d.name) for d in chosen) if h]
+    arr = (ctypes.c_void_p * len(handles))(*handles)
+    start = L.rpc_proc("ggml_backend_rpc_start_server", None,
+                       [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+                        ctypes.POINTER(ctypes.c_void_p)])
+    start(f"{host}:{port}".encode(), cache_dir.encode() if cache_dir else None, threads, len(handles), arr)
+
+
+# --------------------------------------------------------------------------------------------- aborts
+
+_abort_state: dict[str, Any] = {"cb": None, "hooks": []}
+_ABORT_T = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+
+
+def on_abort(hook: Callable[[str], None]) -> None:
+    """Call ``hook(message)`` when ggml is about to abort the process (a worker died mid-request, ...).
+
+    ggml calls ``abort()`` right after; the hook can only log or write what must survive.
+    """
+    _abort_state["hooks"].append(hook)
+    if _abort_state["cb"] is None:
+        def cb(msg: bytes | None) -> None:
+            text = (msg or b"").decode(errors="replace")
+            for h in list(_abort_state["hooks"]):
+                try:
+                    h(text)
+                except Exception:  # noqa: BLE001 - never raise into C
+                    pass
+        _abort_state["cb"] = _ABORT_T(cb)
+        _L().base.ggml_set_abort_callback(ctypes.cast(_abort_state["cb"], ctypes.c_void_p))
