@@ -96,10 +96,15 @@ class _Lib:
 
     @staticmethod
     def _open(libdir: Path, stem: str) -> ctypes.CDLL:
-        for name in (f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll"):
-            if (libdir / name).exists():
-                return ctypes.CDLL(str(libdir / name))
-        return ctypes.CDLL(f"lib{stem}.so")  # a system-wide build: the loader's search path
+        """The copy of ``lib<stem>`` that libllama already uses. A wheel cannot hold symlinks, so
+        ``libggml.so`` and ``libggml.so.0`` are two files: opening the other one would give a second, empty
+        device registry (measured: RPC workers added there never reach a model)."""
+        mapped = _mapped(stem)
+        for path in [*mapped, *(libdir / n for n in (f"lib{stem}.so.0", f"lib{stem}.so", f"lib{stem}.0.dylib",
+                                                     f"lib{stem}.dylib", f"{stem}.dll"))]:
+            if Path(path).exists():
+                return ctypes.CDLL(str(path))
+        return ctypes.CDLL(f"lib{stem}.so.0")  # a system-wide build: the loader's search path
 
     def rpc_proc(self, name: str, restype: Any, argtypes: list[Any]) -> Any:
         reg = self.ggml.ggml_backend_reg_by_name(b"RPC")
@@ -107,6 +112,16 @@ class _Lib:
         if not addr:
             raise RuntimeError("this llama.cpp build has no RPC backend")
         return ctypes.CFUNCTYPE(restype, *argtypes)(addr)
+
+
+def _mapped(stem: str) -> list[str]:
+    """Paths of ``lib<stem>`` shared objects mapped into this process now (Linux; [] elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[-1].strip() for line in f if f"/lib{stem}." in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if re.search(rf"/lib{re.escape(stem)}\.(so(\.[0-9]+)*|[0-9.]*dylib)$", p))
 
 
 _lib: _Lib | None = None

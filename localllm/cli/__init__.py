@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "probe": ("localllm.cli.probe", "Show this machine's hardware and the backend localllm picks."),
     "convert": ("localllm.cli.convert", "Convert an installed GGUF model to MLX, offline (no download)."),
     "bench": ("localllm.cli.bench", "Benchmark a model: prompt/generation speed, TTFT, drafts, KV."),
+    "worker": ("localllm.cli.worker", "Serve this machine's devices to another machine (llama.cpp RPC)."),
 }
 
 
