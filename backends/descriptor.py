@@ -185,11 +185,18 @@ def llamacpp_status() -> BackendStatus:
         info = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
     except Exception:
         info = ""
+    try:
+        rpc = bool(llama_cpp.llama_supports_rpc())
+    except Exception:
+        rpc = False
     gpu = parse_gpu_backend(info) if offload else None
+    if offload and gpu is None and rpc:
+        offload = False  # llama_supports_gpu_offload() is true for RPC alone: no local GPU backend is built in
+    with_rpc = " with RPC (--rpc adds workers)" if rpc else ""
     if offload:
-        reason = f"llama-cpp-python {version}, GPU offload via {gpu or 'a GPU backend'}"
+        reason = f"llama-cpp-python {version}, GPU offload via {gpu or 'a GPU backend'}{with_rpc}"
     else:
-        reason = f"llama-cpp-python {version}, CPU-only build"
+        reason = f"llama-cpp-python {version}, CPU-only build{with_rpc}"
     return BackendStatus("llamacpp", True, reason, offload, info.strip(), gpu_backend=gpu if offload else None,
                          version=version)
 

@@ -100,7 +100,8 @@ class _Lib:
         ``libggml.so`` and ``libggml.so.0`` are two files: opening the other one would give a second, empty
         device registry (measured: RPC workers added there never reach a model)."""
         mapped = _mapped(stem)
-        for path in [*mapped, *(libdir / n for n in (f"lib{stem}.so.0", f"lib{stem}.so", f"lib{stem}.0.dylib",
+        candidates: list[Path] = [Path(m) for m in mapped]
+        for path in [*candidates, *(libdir / n for n in (f"lib{stem}.so.0", f"lib{stem}.so", f"lib{stem}.0.dylib",
                                                      f"lib{stem}.dylib", f"{stem}.dll"))]:
             if Path(path).exists():
                 return ctypes.CDLL(str(path))
@@ -326,5 +327,6 @@ def on_abort(hook: Callable[[str], None]) -> None:
                     h(text)
                 except Exception:  # noqa: BLE001 - never raise into C
                     pass
-        _abort_state["cb"] = _ABORT_T(cb)
-        _L().base.ggml_set_abort_callback(ctypes.cast(_abort_state["cb"], ctypes.c_void_p))
+        fn = _ABORT_T(cb)
+        _abort_state["cb"] = fn
+        _L().base.ggml_set_abort_callback(ctypes.cast(fn, ctypes.c_void_p))

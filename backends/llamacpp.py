@@ -34,6 +34,8 @@ import ctypes
 import logging
 import os
 import random
+import re
+import threading
 from collections import Counter, deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,6 +67,8 @@ log = logging.getLogger("backends.llamacpp")
 native_log = logging.getLogger("backends.llamacpp.native")  # llama.cpp's own messages
 native_log.addHandler(logging.NullHandler())  # quiet unless the application configures logging
 
+MiB = 1 << 20
+
 # ggml type ids (llama_cpp.GGML_TYPE_*), block sizes and bytes per element of the KV cache types we offer
 KV_GGML_TYPE = {"f16": 1, "q8_0": 8, "q4_0": 2}
 KV_BLOCK = {"f16": 1, "q8_0": 32, "q4_0": 32}
@@ -77,6 +81,9 @@ KV_BYTES_PER_ELEM = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 _GGML_LEVELS = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 _log_state: dict[str, Any] = {"cb": None, "level": logging.DEBUG, "buf": "", "verbose": False}
 _recent_native: deque[str] = deque(maxlen=40)  # recent WARN/ERROR lines, to explain load failures
+_capture = threading.local()  # .lines: the loading thread's llama.cpp lines (buffer sizes per device)
+# "load_tensors: RPC0[127.0.0.1:50052] model buffer size =    33.82 MiB", "sched_reserve: CPU compute buffer ..."
+_BUFFER_LINE = re.compile(r"^\w+:\s+(\S+?)\s+(model|KV|compute|output) buffer size =\s*([0-9.]+) MiB")
 
 
 def _on_native_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
@@ -88,12 +95,46 @@ def _on_native_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
         if not _log_state["buf"].endswith("\n"):
             return
         msg, _log_state["buf"] = _log_state["buf"].rstrip(), ""
+        lines = getattr(_capture, "lines", None)
+        if lines is not None and "buffer size" in msg:
+            lines.append(msg)
         if lvl >= logging.WARNING:
             _recent_native.append(msg)
         if native_log.isEnabledFor(lvl):
             native_log.log(lvl, "%s", msg)
     except Exception:  # never let an exception cross into C
         pass
+
+
+def allocations(lines: list[str], workers: dict[str, list[str]]) -> dict[str, dict[str, int]]:
+    """What llama.cpp says it allocated, per device: {"RPC0": {"weights": b, "kv": b, "compute": b}, "CPU": ...}.
+
+    ``workers``: endpoint → device names (ggml names a worker's buffers ``RPC<k>[host:port]``, k its device
+    there). Host-side buffers (``CPU_Mapped``, ``CUDA_Host``, ``CPU_REPACK``) count as CPU.
+
+    >>> allocations(["load_tensors: RPC0[127.0.0.1:50052] model buffer size =    33.82 MiB",
+    ...              "sched_reserve:        CPU compute buffer size =     7.68 MiB"], {"127.0.0.1:50052": ["RPC3"]})
+    {'RPC3': {'weights': 35462840}, 'CPU': {'compute': 8053063}}
+    """
+    kinds = {"model": "weights", "KV": "kv", "compute": "compute", "output": "compute"}
+    out: dict[str, dict[str, int]] = {}
+    for line in lines:
+        m = _BUFFER_LINE.match(line)
+        if not m:
+            continue
+        buf, kind, mib = m.group(1), kinds[m.group(2)], float(m.group(3))
+        rpc = re.fullmatch(r"RPC(\d+)\[(.+)\]", buf)
+        if rpc:
+            names = workers.get(rpc.group(2)) or []
+            k = int(rpc.group(1))
+            dev = names[k] if k < len(names) else f"RPC[{rpc.group(2)}]"
+        elif buf.startswith("CPU") or buf.endswith("_Host"):
+            dev = "CPU"
+        else:
+            dev = buf
+        slot = out.setdefault(dev, {})
+        slot[kind] = slot.get(kind, 0) + int(mib * MiB)
+    return out
 
 
 def install_log_router(verbose: bool = False) -> None:
@@ -403,6 +444,7 @@ class LlamaCppSource(TokenSource):
         self._proj: Projector | None = None  # when spec.mmproj names one
         self._ebatch: Any = None  # a llama_batch with embd, for image positions
         self._saved_rows: list[Any] = []
+        self._alloc: dict[str, dict[str, int]] = {}  # per device, what llama.cpp allocated at load
         path = Path(spec.model_path)
         self._path = path
         _check_gguf_file(path)
@@ -423,6 +465,11 @@ class LlamaCppSource(TokenSource):
         _recent_native.clear()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = spec.n_gpu_layers
+        self._devices_arr: Any = None  # kept alive: llama.cpp reads them during the load
+        self._split_arr: Any = None
+        if spec.extra.get("devices") and spec.n_gpu_layers != 0:
+            self._place_on(mp, list(spec.extra["devices"]), list(spec.extra.get("tensor_split") or []))
+        _capture.lines = []
         mp.load_mode = (llama_cpp.LLAMA_LOAD_MODE_MMAP if spec.extra.get("use_mmap", True)
                         else llama_cpp.LLAMA_LOAD_MODE_NONE)
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
@@ -483,6 +530,10 @@ class LlamaCppSource(TokenSource):
                 self._proj = Projector(spec.mmproj, self._model, self._n_embd, n_threads=self.n_threads,
                                        use_gpu=spec.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload()),
                                        log_callback=_log_state["cb"], native_reason=_native_reason)
+            from backends import ggml_devices
+
+            self._alloc = allocations(getattr(_capture, "lines", None) or [], ggml_devices.added_workers())
+            _capture.lines = None
             self._info = self._build_info()
             if spec.embedding:
                 self._embed_ctx()
@@ -531,6 +582,25 @@ class LlamaCppSource(TokenSource):
         scales = (ctypes.c_float * n)(*[s for _, s in self._loras])
         if llama_cpp.llama_set_adapters_lora(ctx, adapters, n, scales) != 0:
             raise self._load_error("llama.cpp could not apply the LoRA adapters to the context")
+
+    def _place_on(self, mp: Any, names: list[str], split: list[float]) -> None:
+        """Load onto exactly these llama.cpp devices (in this order), split by ``split`` (their shares)."""
+        from backends import ggml_devices
+
+        handles = []
+        for n in names:
+            h = ggml_devices.device_handle(n)
+            if h is None:
+                known = ", ".join(d.name for d in ggml_devices.list_devices())
+                raise ModelLoadError(f"No llama.cpp device {n!r} (devices: {known}).")
+            handles.append(h)
+        arr = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
+        self._devices_arr = arr
+        mp.devices = ctypes.cast(arr, ctypes.c_void_p)
+        if split and len(split) == len(handles) and sum(split) > 0:
+            fl = (ctypes.c_float * 128)(*split)  # llama_max_devices() floats are read
+            self._split_arr = fl
+            mp.tensor_split = ctypes.cast(fl, ctypes.POINTER(ctypes.c_float))
 
     def _load_error(self, msg: str) -> Exception:
         path, kv = self._path, self.spec.kv_cache_type
@@ -607,7 +677,8 @@ class LlamaCppSource(TokenSource):
             chat_template=self._template,
             n_gpu_layers=offloaded,
             size_bytes=weights + kv_bytes + proj_bytes,
-            vram_bytes=int(weights * frac + (kv_bytes if offloaded else 0)),
+            vram_bytes=(sum(sum(v.values()) for d, v in self._alloc.items() if d != "CPU") if self._alloc
+                        else int(weights * frac + (kv_bytes if offloaded else 0))),
             kv_cache_type=self.spec.kv_cache_type,
             draft=None,
             n_seq=max(1, self.spec.n_seq),
@@ -629,6 +700,8 @@ class LlamaCppSource(TokenSource):
                 "recurrent": self._recurrent,
                 "chat_template_fallback": self._template is None,
                 "n_seq_ids": self._n_seq_ids,
+                # what llama.cpp allocated per device, from its own lines: {"RPC0": {"weights": b, ...}}
+                "devices": self._alloc,
             },
         )
 

@@ -17,6 +17,8 @@ LOCALLLM_MAX_QUEUE         queued requests before 503                           
 LOCALLLM_ORIGINS           extra CORS origins, comma separated                  (loopback only)
 LOCALLLM_API_KEY           require ``Authorization: Bearer <key>``              (none)
 LOCALLLM_DEBUG             verbose logs, llama.cpp's included                   0
+LOCALLLM_RPC               llama.cpp RPC workers to use, host:port,...          (none)
+LOCALLLM_DEVICE_MEMORY     cap per llama.cpp device: RPC0=2GiB,... or 4GiB      free memory - 512 MiB
 =========================  ===================================================  ==================
 """
 
@@ -152,11 +154,36 @@ def prompt_cache_size() -> int:
         raise SystemExit(f"LOCALLLM_PROMPT_CACHE_SIZE must be a size like 2GiB, 500MB or 0, got {value!r}.") from None
 
 
+def device_memory() -> dict[str, int]:
+    """``LOCALLLM_DEVICE_MEMORY``: the most memory the planner may use on a llama.cpp device.
+
+    ``"RPC0=2GiB,RPC1=512MiB"`` per device (names as ``localllm probe`` lists them), or one size for every
+    device (``"4GiB"``; key ``"*"``). Unset: each device's free memory minus a margin.
+
+    >>> import os; os.environ["LOCALLLM_DEVICE_MEMORY"] = "RPC0=1GiB, 512MiB"; device_memory()
+    {'RPC0': 1073741824, '*': 536870912}
+    >>> del os.environ["LOCALLLM_DEVICE_MEMORY"]
+    """
+    value = env_str("LOCALLLM_DEVICE_MEMORY", "")
+    out: dict[str, int] = {}
+    for part in (p.strip() for p in value.split(",")):
+        if not part:
+            continue
+        name, _, size = part.rpartition("=")
+        try:
+            out[name.strip() or "*"] = parse_size(size)
+        except ValueError:
+            raise SystemExit(f"LOCALLLM_DEVICE_MEMORY must be sizes like RPC0=2GiB,CUDA0=6GiB or 4GiB, got "
+                             f"{value!r}.") from None
+    return out
+
+
 def check_settings() -> None:
     """Read every server setting of the environment once, so a bad value stops ``serve`` at start with
     its one sentence (``SystemExit``) instead of failing each request later."""
     kv_cache_type()
     prompt_cache_size()
+    device_memory()
     for name in ("LOCALLLM_NUM_PARALLEL", "LOCALLLM_CONTEXT_LENGTH", "LOCALLLM_MAX_BODY", "LOCALLLM_MAX_QUEUE",
                  "LOCALLLM_MAX_LOADED_MODELS"):
         if env_int(name, 0) < 0:

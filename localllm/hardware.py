@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 from backends import descriptor
 from backends.descriptor import BackendStatus, parse_gpu_backend
+from backends.ggml_devices import Device
 
 __all__ = ["BACKEND_CHOICES", "GPU", "BackendStatus", "HardwareInfo", "backend_names", "metal_budget_rule",
            "parse_gpu_backend", "parse_nvidia_smi", "probe", "probe_nvidia_smi", "probe_nvml", "schema_problem",
@@ -107,6 +108,12 @@ class HardwareInfo:
     metal_budget: int | None = None  # bytes Metal may keep resident (Apple Silicon only)
     backends: dict[str, BackendStatus] = field(default_factory=dict)  # every registered backend, by name
     notes: list[str] = field(default_factory=list)  # why something was not found
+    devices: list[Device] = field(default_factory=list)  # llama.cpp's device list (CPU, CUDA0, RPC0...)
+
+    @property
+    def offload_devices(self) -> list[Device]:
+        """llama.cpp's devices that take layers (all but the CPU), in its device-list order."""
+        return [d for d in self.devices if d.offloads]
 
     @property
     def nvidia_gpus(self) -> list[GPU]:
@@ -461,13 +468,19 @@ def _probe() -> HardwareInfo:
         gpus = _guarded(lambda: _nvidia(notes), [], notes, "NVIDIA")
 
     backends = {b.name: _backend_status(b, notes) for b in descriptor.registered()}
+    devices: list[Device] = []
+    if backends.get("llamacpp") is not None and backends["llamacpp"].available:
+        from backends import ggml_devices
+
+        devices = _guarded(ggml_devices.list_devices, [], notes, "llama.cpp devices")
     for b in backends.values():
         if simd:
             break  # e.g. Windows: take the CPU features a backend's build reports (llama.cpp's system info)
         simd = [n for n in _SIMD_ORDER if re.search(rf"\b{re.escape(n)}\s*=\s*1", b.detail, re.IGNORECASE)]
     return HardwareInfo(os=os_name, arch=arch, cpu_model=cpu_model, physical_cores=physical, logical_cores=logical,
                         simd=simd, ram_total=ram_total, ram_available=ram_available, gpus=gpus,
-                        apple_silicon=apple, metal_budget=metal_budget, backends=backends, notes=notes)
+                        apple_silicon=apple, metal_budget=metal_budget, backends=backends, notes=notes,
+                        devices=devices)
 
 
 def probe(*, refresh: bool = False) -> HardwareInfo:

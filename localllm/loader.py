@@ -49,6 +49,7 @@ class LoadOptions:
     num_thread: int | None = None
     embedding: bool = False  # make the embedding context at load (any loaded model embeds on demand)
     num_parallel: int | None = None  # slots; None = LOCALLLM_NUM_PARALLEL, else the planner (4 where it fits)
+    devices: tuple[str, ...] | None = None  # llama.cpp devices to offload to ("RPC0", "CUDA1"; "CPU" = none)
 
 
 def _env_parallel() -> int | None:
@@ -113,6 +114,14 @@ class Loader:
         options = self.model_options(model, options)
         info = GGUFInfo(**model.info)
         kv = options.kv_cache_type or config.kv_cache_type()
+        if options.devices:
+            known = [d.name for d in self.hardware.devices]
+            unknown = [d for d in options.devices if d not in known]
+            if unknown:
+                raise LocalLLMError(f"No llama.cpp device {', '.join(unknown)} here (devices: "
+                                    f"{', '.join(known) or 'none: llama.cpp is not installed'}).")
+            if set(options.devices) == {"CPU"}:
+                options = replace(options, num_gpu=0)
         p = plan(
             info,
             self.hardware,
@@ -125,6 +134,8 @@ class Loader:
             mlx=mlx_for_plan(model, self.hardware, options.backend),
             num_parallel=options.num_parallel or _env_parallel(),
             projector_bytes=model.projector.size if model.projector is not None else 0,
+            device_memory=config.device_memory(),
+            devices=[d for d in options.devices if d != "CPU"] if options.devices else None,
         )
         return model, p
 
@@ -186,6 +197,9 @@ class Loader:
         extra: dict[str, object] = {"head_dims": (model.info.get("head_dim_k", 0), model.info.get("head_dim_v", 0))}
         if model.derived is not None and model.derived.template is not None:
             extra["chat_template"] = model.derived.template  # a Modelfile's TEMPLATE replaces the GGUF's
+        if p.devices and p.n_gpu_layers:  # several llama.cpp devices: exactly these, split as planned
+            extra["devices"] = [d.name for d in p.devices]
+            extra["tensor_split"] = p.tensor_split
         if model.derived is not None and model.derived.adapters:
             extra["lora"] = [(str(path), scale) for path, scale in self.store.adapters_of(model)]
         return LoadSpec(

@@ -42,6 +42,7 @@ GGUF's. The planner reads no file.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
@@ -105,9 +106,27 @@ class MemoryEstimate:
 
 
 @dataclass
+class DevicePlan:
+    """One llama.cpp device the plan puts layers on, with the planner's estimate of what it allocates there."""
+
+    name: str  # "RPC0", "CUDA0", "ROCm0"...
+    description: str  # "127.0.0.1:50052", "NVIDIA GeForce RTX 4090"
+    usable_bytes: int  # free memory minus the margin, capped by LOCALLLM_DEVICE_MEMORY (its share of the split)
+    layers: int = 0  # repeating layers placed here
+    output: bool = False  # the output layer is here
+    weights: int = 0
+    kv_cache: int = 0
+    compute: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.compute
+
+
+@dataclass
 class Plan:
     backend: str  # a registered backend's name (backends.descriptor)
-    device: Literal["cuda", "metal", "cpu"]
+    device: Literal["cuda", "metal", "gpu", "cpu"]  # gpu: llama.cpp's other devices (RPC workers, ROCm, Vulkan...)
     n_gpu_layers: int  # llama.cpp's meaning: n_layers + 1 = all layers and the output layer
     n_layers: int
     n_ctx: int
@@ -123,6 +142,13 @@ class Plan:
     max_ctx: int | None = None  # the largest context that would fit the same way (None: not computed)
     mlx_convert: bool = False  # backend MLX from the GGUF: convert it (once, offline) before loading
     n_seq: int = 1  # parallel slots: sequences decoding together over one KV pool of n_ctx × n_seq cells
+    # where the offloaded layers go, device by device in llama.cpp's order (empty: one GPU, or none)
+    devices: list[DevicePlan] = field(default_factory=list)
+
+    @property
+    def tensor_split(self) -> list[float]:
+        """llama.cpp's ``tensor_split`` for :attr:`devices` (each device's usable memory), [] for none."""
+        return [float(d.usable_bytes) for d in self.devices]
 
     @property
     def fits(self) -> bool:
@@ -132,7 +158,9 @@ class Plan:
     def summary(self) -> str:
         """One line: ``"llama.cpp on CUDA, fits on GPU, 4,096-token context, 5.9 GiB"``."""
         name = descriptor.get(self.backend).label if self.backend in descriptor.names() else self.backend
-        where = {"cuda": "CUDA", "metal": "Metal", "cpu": "CPU"}[self.device]
+        where = {"cuda": "CUDA", "metal": "Metal", "cpu": "CPU", "gpu": "GPU"}[self.device]
+        if self.devices and self.device == "gpu":
+            where = " + ".join(d.name for d in self.devices)
         slots = f", {self.n_seq} slots" if self.n_seq > 1 else ""
         return (f"{name} on {where}, {self.verdict_text}, {self.n_ctx:,}-token context{slots}, "
                 f"{_gb(self.memory.total)}")
@@ -266,18 +294,90 @@ class _Layout:
     draft_ngl: int
     fits: bool
     why: str  # the limiting resource when it does not fit, with numbers
+    devices: list[DevicePlan] = field(default_factory=list)
+
+
+def _targets(hw: HardwareInfo, device: str, caps: dict[str, int]) -> list[DevicePlan]:
+    """The llama.cpp devices layers may go to for ``device``, with what each can take: free memory minus
+    GPU_MARGIN, capped by ``caps`` (LOCALLLM_DEVICE_MEMORY: a device's name, or "*" for all). [] where the probe
+    has no device list (a simulated probe, MLX): the single-budget path then counts the memory."""
+    if device == "gpu":
+        devs = hw.offload_devices
+    elif device == "cuda":
+        devs = [d for d in hw.offload_devices if d.backend in ("CUDA", "RPC")]
+        if not any(d.remote for d in devs):
+            return []  # NVML's view, as before (its free memory and per-GPU CUDA overhead)
+    else:
+        return []
+    out = []
+    for d in devs:
+        usable = max(d.free_bytes - GPU_MARGIN, 0)
+        cap = caps.get(d.name, caps.get("*"))
+        if cap is not None:
+            usable = min(usable, cap)
+        out.append(DevicePlan(d.name, d.description, usable))
+    return out
+
+
+def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash_attn: bool,
+                 targets: list[DevicePlan]) -> list[DevicePlan]:
+    """Place ``ngl`` offloaded layers on ``targets`` as llama.cpp does (``llama_model::load_tensors``: split
+    points from the devices' shares, the last layers offloaded first, the output layer last) and estimate
+    each device's weights, KV cache and compute buffer."""
+    from bisect import bisect_right
+
+    n = len(targets)
+    if not n:
+        return []
+    L = max(info.n_layers, 1)
+    shares = [float(t.usable_bytes) for t in targets]
+    if sum(shares) <= 0:
+        shares = [1.0] * n
+    cum, acc = [], 0.0
+    for x in shares:
+        acc += x
+        cum.append(acc / sum(shares))
+    w = _weights(info)
+    start = max(L + 1 - ngl, 0)
+    act = max(min(ngl, L + 1), 1)
+    kv_layer = info.kv_bytes_per_token(kv_cache_type) * n_ctx / L
+    out = [replace(t, layers=0, output=False, weights=0, kv_cache=0, compute=0) for t in targets]
+    for il in range(start, L + 1):
+        j = min(bisect_right(cum, (il - start) / act), n - 1)
+        if il < L:
+            out[j].layers += 1
+            out[j].weights += w.layers[il] if il < len(w.layers) else 0
+            out[j].kv_cache += int(kv_layer)
+        else:
+            out[j].output = True
+            out[j].weights += w.output
+    b = min(n_ctx, N_UBATCH)
+    e, h = info.n_embd, max(info.n_head, 1)
+    attn = 4 * b * (1 + 4 * e + (0 if flash_attn else n_ctx * (1 + h)))
+    for d in out:
+        if d.output:
+            d.compute = _graph(info, n_ctx, flash_attn, partial=False)
+        elif d.layers:
+            d.compute = attn
+    return out
 
 
 class _Planner:
     def __init__(self, info: GGUFInfo, hw: HardwareInfo, kv: str, num_gpu: int | None, draft: GGUFInfo | None,
-                 mlx_bytes: int | None = None):
+                 mlx_bytes: int | None = None, caps: dict[str, int] | None = None):
         self.info, self.hw, self.kv, self.num_gpu, self.draft = info, hw, kv, num_gpu, draft
         self.mlx_bytes = mlx_bytes
+        self.caps = caps or {}
         self.L = info.n_layers
 
     # device budget -------------------------------------------------------------------------
     def gpu_budget(self, device: str) -> tuple[int, int, str]:
         """(usable bytes, number of GPUs, description) for ``device``."""
+        targets = _targets(self.hw, device, self.caps)
+        if targets:
+            names = " + ".join(f"{t.name} ({t.description})" if t.description else t.name for t in targets)
+            return (sum(t.usable_bytes for t in targets), len(targets),
+                    f"{_gb(sum(t.usable_bytes for t in targets))} usable on {names}")
         if device == "cuda":
             gpus = self.hw.nvidia_gpus
             usable = sum(max(g.free_bytes - GPU_MARGIN, 0) for g in gpus)
@@ -297,6 +397,8 @@ class _Planner:
                           f"the n_ctx × batch attention buffer")
         if device == "cpu":
             return True, "flash attention: llama.cpp's auto setting, on for the CPU kernels"
+        if device == "gpu":
+            return False, "flash attention: llama.cpp's auto setting (the estimate counts it off, the larger buffer)"
         return False, "flash attention off: the GPU kernels do not cover this head size"
 
     # llama.cpp layout ------------------------------------------------------------------------
@@ -321,6 +423,9 @@ class _Planner:
 
         full = self.L + 1
         draft_ngl = 0
+        targets = _targets(hw, device, self.caps)
+        if targets and device != "cpu" and self.draft is None:
+            return self._devices_layout(targets, device, n_ctx, fa, est)
         if device == "cpu":
             ngl = 0
         elif self.num_gpu is not None and self.num_gpu >= 0:
@@ -347,6 +452,38 @@ class _Planner:
                            f"more than the {_gb(ram_limit)} this machine can give it "
                            f"({_gb(hw.ram_total)} total)")
         return _Layout(mem, ngl, draft_ngl, True, "")
+
+    def _devices_layout(self, targets: list[DevicePlan], device: str, n_ctx: int, fa: bool,
+                        est: Callable[[int], MemoryEstimate]) -> _Layout:
+        """Several llama.cpp devices (RPC workers, ROCm/Vulkan GPUs): the most layers with every device's
+        estimate inside its own usable memory."""
+        full = self.L + 1
+
+        def placed(ngl: int) -> list[DevicePlan]:
+            return split_layers(self.info, ngl, n_ctx, self.kv, fa, targets)
+
+        def ok(ngl: int) -> bool:
+            return all(d.total <= d.usable_bytes for d in placed(ngl))
+
+        if self.num_gpu is not None and self.num_gpu >= 0:
+            ngl = min(self.num_gpu, full)
+        elif ok(full):
+            ngl = full
+        else:
+            lo, hi = 0, full
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+            ngl = lo
+        devs = placed(ngl) if ngl else []
+        mem = est(ngl)
+        gpu = sum(d.total for d in devs)
+        mem = replace(mem, gpu=gpu, cpu=mem.total - gpu)
+        ram_limit = _ram_limit(self.hw)
+        if mem.cpu > ram_limit:
+            return _Layout(mem, ngl, 0, False, f"needs {_gb(mem.cpu)} of RAM for the CPU part, more than the "
+                                               f"{_gb(ram_limit)} this machine can give it", devs)
+        return _Layout(mem, ngl, 0, True, "", devs)
 
     def mlx_layout(self, device: str, n_ctx: int) -> _Layout:
         mem = _mlx_estimate(self.info, n_ctx, self.kv, on_gpu=device != "cpu", weights_bytes=self.mlx_bytes)
@@ -435,6 +572,24 @@ def _device(b: Backend, hw: HardwareInfo, reasons: list[str], advice: list[str],
     return device
 
 
+def _registry_device(b: Backend, hw: HardwareInfo, device: str, reasons: list[str]) -> str:
+    """llama.cpp's own device list can offer devices NVML and Metal do not see: RPC workers, ROCm, Vulkan, SYCL
+    GPUs. Where the other checks found none, those are where the layers go ("gpu")."""
+    if b.memory != "layers" or device != "cpu" or not hw.backend(b.name).available:
+        return device
+    devs = [d for d in hw.offload_devices if d.backend not in ("CUDA", "Metal")]
+    if not devs:
+        return device
+    names = ", ".join(f"{d.name} ({d.description})" if d.remote else f"{d.name} ({d.description}, {d.backend})"
+                      for d in devs)
+    line = f"backend {b.label} on {names}: llama.cpp's device list"
+    if reasons and reasons[-1].startswith(f"backend {b.label} on the CPU"):
+        reasons[-1] = line
+    else:
+        reasons.append(line)
+    return "gpu"
+
+
 def _layers_device(b: Backend, hw: HardwareInfo, reasons: list[str], advice: list[str]) -> str:
     """Which device a backend that offloads layers (llama.cpp) can use here; appends the reason (and advice)."""
     llama = hw.backend(b.name)
@@ -484,7 +639,8 @@ def _layers_device(b: Backend, hw: HardwareInfo, reasons: list[str], advice: lis
 def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cache_type: str = "f16",
          backend: str = "auto", num_gpu: int | None = None, mlx_model: bool = False,
          draft: GGUFInfo | None = None, mlx: MLXWeights | None = None, num_parallel: int | None = None,
-         projector_bytes: int = 0) -> Plan:
+         projector_bytes: int = 0, device_memory: dict[str, int] | None = None,
+         devices: list[str] | None = None) -> Plan:
     """Decide how to load ``info`` on ``hw``.
 
     ``num_ctx``: a context size to honour (refused with numbers if the model or memory cannot take
@@ -495,7 +651,10 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     decoding at once (slots; one KV pool holds ``n_ctx`` tokens for each); None = 4 where that fits,
     fewer where it does not (the context is kept first). ``projector_bytes``: the size of the model's vision
     projector (an automatic choice then takes a backend that runs it; its memory is counted with the weights,
-    on the GPU where layers go there). Raises :class:`PlanError`
+    on the GPU where layers go there). ``device_memory``: caps per llama.cpp device name ("*" for all;
+    ``LOCALLLM_DEVICE_MEMORY``). ``devices``: only these of llama.cpp's devices take layers (``--device``); where
+    the probe lists devices that offload, the layers are split over them as llama.cpp splits them
+    (:func:`split_layers`, ``Plan.devices`` and ``Plan.tensor_split``). Raises :class:`PlanError`
     for what cannot be done as asked; a model that is simply too big gets ``verdict="too_big"``.
     """
     kv = (kv_cache_type or "f16").lower()
@@ -561,8 +720,11 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
         else:
             kv_reason = f"KV cache {kv}: {chosen.label} kv_bits={8 if kv == 'q8_0' else 4}"
 
-    pl = _Planner(info, hw, kv, num_gpu, draft, mw.weights_bytes)
+    if devices:  # --device: only these of llama.cpp's devices take layers
+        hw = replace(hw, devices=[d for d in hw.devices if not d.offloads or d.name in devices])
+    pl = _Planner(info, hw, kv, num_gpu, draft, mw.weights_bytes, device_memory)
     device = _device(chosen, hw, reasons, advice, name, mw, passed, status, asked=backend != "auto")
+    device = _registry_device(chosen, hw, device, reasons)
     if num_gpu == 0 and chosen.memory == "layers" and device != "cpu":
         device = "cpu"
         reasons.append("all layers on the CPU: asked for with num_gpu 0")
@@ -609,8 +771,9 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
         reasons.append(f"{chosen.label} not used: {lay.why}; falling back to {fallback.label}"
                        + (", which can keep part of the model on the CPU" if fallback.memory == "layers" else ""))
         chosen, kv_reason = fallback, None
-        pl = _Planner(info, hw, (kv_cache_type or "f16").lower(), num_gpu, draft)
+        pl = _Planner(info, hw, (kv_cache_type or "f16").lower(), num_gpu, draft, caps=device_memory)
         device = _device(chosen, hw, reasons, advice, name, mw, [], status, asked=False)
+        device = _registry_device(chosen, hw, device, reasons)
         fa, fa_reason = (False, None) if chosen.memory == "unified" else pl.flash_attn(device)
         n_ctx, lay = pick(chosen, device, fa)
 
@@ -716,5 +879,5 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     return Plan(backend=chosen.name, device=device, n_gpu_layers=lay.ngl, n_layers=L, n_ctx=n_ctx,  # type: ignore[arg-type]
                 kv_cache_type=pl.kv, flash_attn=fa, n_threads=threads, verdict=verdict,  # type: ignore[arg-type]
                 verdict_text=verdict_text, memory=mem, reasons=reasons, advice="\n".join(advice) or None,
-                draft_n_gpu_layers=lay.draft_ngl, max_ctx=max_ctx, n_seq=n_seq,
+                draft_n_gpu_layers=lay.draft_ngl, max_ctx=max_ctx, n_seq=n_seq, devices=lay.devices,
                 mlx_convert=chosen.converts_from is not None and not mw.installed)

@@ -324,6 +324,8 @@ def build_settings(
     num_draft: int | None = None,
     kv_cache: str | None = None,
     backend: str = "auto",
+    gpu_layers: int | None = None,
+    devices: tuple[str, ...] = (),
     verbose: bool = False,
     keepalive: str | None = None,
     think: str | None = None,
@@ -362,6 +364,8 @@ def build_settings(
         backend=backend,
         draft=(draft or "auto").strip() or "auto",
         num_draft=num_draft or 4,
+        num_gpu=gpu_layers if gpu_layers is not None and gpu_layers >= 0 else None,
+        devices=tuple(d for part in devices for d in part.split(",") if d.strip()) or None,
     )
     ka = parse_keep_alive(keepalive) if keepalive not in (None, "") else None
     return RunSettings(sampling=sampling, load=load, system=system, format=fmt, verbose=verbose, keep_alive=ka,

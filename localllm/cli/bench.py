@@ -215,9 +215,12 @@ def render_table(report: dict[str, Any]) -> None:
 @click.option("--threads", type=int, default=None, help="CPU threads (default: the planner's).")
 @click.option("--backend", default="auto", metavar="auto|llamacpp|mlx", show_default=True, help="Inference backend.")
 @click.option("--tg-prompt", default=TG_PROMPT, help="Prompt the tg test continues (n-gram drafting likes repeats).")
+@click.option("--rpc", default=None, metavar="HOST:PORT,...",
+              help="Add llama.cpp RPC workers (`localllm worker`) as devices (default: LOCALLLM_RPC).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None, draft: str, num_draft: int,
-            num_ctx: int | None, threads: int | None, backend: str, tg_prompt: str, as_json: bool) -> None:
+            num_ctx: int | None, threads: int | None, backend: str, tg_prompt: str, rpc: str | None,
+            as_json: bool) -> None:
     """Benchmark MODEL: prompt processing and generation tokens/s, time to first token, per
     KV cache type and draft variant."""
     from localllm import config
@@ -237,6 +240,12 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
             raise LocalLLMError(f"{label} must be at least {low}, got {value}.")
     if num_ctx is None:
         num_ctx = max(2048, pp + tg + 64)
+    import os
+
+    if rpc is not None or os.environ.get("LOCALLLM_RPC"):
+        from localllm.devices import use_workers
+
+        use_workers(rpc, say=lambda line: click.echo(line, err=True))
 
     from localllm.cli.display import ConversionDisplay, isatty
     from localllm.engine import Engine

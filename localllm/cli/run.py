@@ -31,6 +31,7 @@ grammar, as ``tool_choice`` does on the server).
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import IO, TYPE_CHECKING
 
@@ -86,6 +87,12 @@ class RunCommand(click.Command):
 @click.option("--hidethinking", is_flag=True, help="Do not print a thinking model's reasoning.")
 @click.option("--image", "images", multiple=True, metavar="PATH",
               help="Attach an image file to the prompt (repeatable; a vision model). A path in the prompt works too.")
+@click.option("--gpu-layers", type=int, default=None, metavar="N",
+              help="Layers to offload to the GPU/devices (0 = CPU only, -1 = the planner's choice).")
+@click.option("--device", "devices", multiple=True, metavar="NAME",
+              help="Offload only to this llama.cpp device (repeatable; names as `localllm probe` lists them).")
+@click.option("--rpc", default=None, metavar="HOST:PORT,...",
+              help="Add llama.cpp RPC workers (`localllm worker`) as devices (default: LOCALLLM_RPC).")
 @click.option("--verbose", is_flag=True, help="Print timings and token counts after each answer.")
 @click.option("--host", default=None, metavar="URL",
               help="Talk to a localllm or Ollama server there instead of in-process.")
@@ -99,7 +106,8 @@ class RunCommand(click.Command):
 def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed: int | None,
             num_predict: int | None, num_ctx: int | None, system: str | None, fmt: str | None,
             draft: str | None, num_draft: int | None, kv_cache: str | None, backend: str, think: str | None,
-            hidethinking: bool, images: tuple[str, ...], verbose: bool, host: str | None,
+            hidethinking: bool, images: tuple[str, ...], gpu_layers: int | None, devices: tuple[str, ...],
+            rpc: str | None, verbose: bool, host: str | None,
             keepalive: str | None, mcp_servers: tuple[str, ...], tool_choice: str) -> None:
     """Run MODEL: answer PROMPT (or piped stdin) once, else chat interactively.
 
@@ -111,11 +119,12 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
       localllm run ./llava.gguf "What is in ./photo.jpg?"
       localllm run ./llava.gguf --image photo.png "Describe it."
       localllm run qwen2.5:0.5b --mcp time --mcp files
+      localllm run smollm2:135m --rpc 127.0.0.1:50052,127.0.0.1:50053 "Hi"
     """
     settings = build_settings(
         temperature=temperature, seed=seed, num_predict=num_predict, num_ctx=num_ctx, system=system,
         fmt=fmt, draft=draft, num_draft=num_draft, kv_cache=kv_cache, backend=backend, verbose=verbose,
-        keepalive=keepalive, think=think, hide_thinking=hidethinking,
+        keepalive=keepalive, think=think, hide_thinking=hidethinking, gpu_layers=gpu_layers, devices=devices,
     )
     prompts = list(prompt)
     piped = not isatty(sys.stdin)
@@ -136,6 +145,13 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
     if tool_choice == "required" and (tools is None or not tools.servers):
         raise click.UsageError("--tool-choice required needs an MCP server (--mcp NAME).")
     session = open_session(host, keep_alive=settings.keep_alive, on_convert=ConversionDisplay())
+    if session.remote and (rpc or devices or gpu_layers is not None):
+        sys.stderr.write("Note: --rpc, --device and --gpu-layers apply where the model loads: the server this "
+                         "attaches to (start it with `localllm serve --rpc ...`).\n")
+    elif rpc is not None or os.environ.get("LOCALLLM_RPC"):
+        from localllm.devices import use_workers
+
+        use_workers(rpc, say=lambda line: print(line, file=sys.stderr))
     try:
         name = ensure_model(session.models, model).name
         if interactive or (tools is not None and " ".join(prompts).strip()):

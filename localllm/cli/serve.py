@@ -3,9 +3,12 @@
     $ localllm serve                       # 127.0.0.1:11434, as Ollama
     $ LOCALLLM_HOST=127.0.0.1:8080 localllm serve
     $ localllm serve --host 0.0.0.0:11434  # beyond this machine: a loud warning (set LOCALLLM_API_KEY)
+    $ localllm serve --rpc 127.0.0.1:50052,gpu-box:50052   # llama.cpp RPC workers as devices
 """
 
 from __future__ import annotations
+
+import os
 
 import click
 
@@ -22,6 +25,8 @@ Environment:
   LOCALLLM_MAX_BODY           request body limit in bytes (32 MiB)
   LOCALLLM_KV_CACHE_TYPE      f16 | q8_0 | q4_0
   LOCALLLM_BACKEND            auto | llamacpp | mlx, for requests (auto)
+  LOCALLLM_RPC                llama.cpp RPC workers, host:port,... (as --rpc)
+  LOCALLLM_DEVICE_MEMORY      cap per device for the planner: RPC0=2GiB,... or 4GiB
 """
 
 
@@ -32,8 +37,11 @@ Environment:
               help="Default keep-alive for loaded models (5m, 1h, seconds, -1 = forever).")
 @click.option("--backend", type=BackendChoice(), default=None,
               help="Backend for every request (default: LOCALLLM_BACKEND or auto, the planner's choice).")
+@click.option("--rpc", default=None, metavar="HOST:PORT,...",
+              help="Add llama.cpp RPC workers (`localllm worker`) as devices (default: LOCALLLM_RPC).")
 @click.option("--debug", is_flag=True, help="Log every request.")
-def command(address: str | None, keep_alive: str | None, backend: str | None, debug: bool) -> None:
+def command(address: str | None, keep_alive: str | None, backend: str | None, rpc: str | None,
+            debug: bool) -> None:
     """Serve the Ollama and OpenAI APIs (streaming, several models, keep-alive)."""
     from localllm import config
     from localllm.cli.display import ConversionDisplay
@@ -42,6 +50,12 @@ def command(address: str | None, keep_alive: str | None, backend: str | None, de
 
     config.check_settings()  # a bad LOCALLLM_* value: one sentence now, not an error on every request
     ka = parse_keep_alive(keep_alive) if keep_alive else parse_keep_alive(None)
+    if rpc is not None or os.environ.get("LOCALLLM_RPC"):
+        from localllm.devices import use_workers
+
+        for w in use_workers(rpc, say=lambda line: click.echo(line, err=True)):
+            click.echo(f"RPC worker {w.endpoint}: {', '.join(w.devices)}, {w.free_bytes // 2**20:,} MiB free",
+                       err=True)
     # serve() binds before the engine does any work: a busy port is one sentence at once. A first-use MLX
     # conversion is a line in the log (no bar: the request log shares stderr).
     serve(address, engine=lambda: Engine(keep_alive=ka, backend=backend, on_convert=ConversionDisplay(bar=False)),

@@ -1,0 +1,219 @@
+"""Several machines through llama.cpp's RPC backend, for real: two ``localllm worker`` processes on loopback
+take the default model's layers (issue 22).
+
+Everything that adds a worker runs in a subprocess: ggml keeps an added worker for the life of the process,
+so a worker added in the test process would take the layers of every later test there. The workers serve
+this machine's CPU over a socket, so the path is the one a GPU user runs (device buffers, layers split across
+devices, memory reported per device), measured against the same model on the local CPU.
+
+Needs a llama.cpp build with RPC (``.ci/run`` builds one; README "Install options").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import DEFAULT_MODEL, TEST_HOME, install_copy
+
+pytestmark = pytest.mark.usefixtures("installed_default_model")
+
+PROMPT = "Name three colors."
+
+
+def _rpc_build() -> bool:
+    from localllm.devices import rpc_supported
+
+    return rpc_supported()
+
+
+needs_rpc = pytest.mark.skipif(not _rpc_build(), reason="this llama.cpp build has no RPC backend "
+                               "(CMAKE_ARGS=-DGGML_RPC=on, README 'Install options')")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env(home: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, LOCALLLM_HOME=str(home), PYTHONUNBUFFERED="1", LOCALLLM_PROMPT_CACHE_SIZE="0")
+    for k in ("LOCALLLM_BACKEND", "LOCALLLM_RPC", "LOCALLLM_DEVICE_MEMORY"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def rpc_home(tmp_path) -> Path:
+    install_copy(tmp_path / "data" / "models", TEST_HOME / "data" / "models")
+    return tmp_path
+
+
+def _start_worker(home: Path, port: int) -> subprocess.Popen[str]:
+    p = subprocess.Popen([sys.executable, "-m", "localllm", "worker", "--port", str(port), "--threads", "1"],
+                         env=_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # ready when it answers the protocol's hello
+        try:
+            from backends.ggml_devices import hello
+
+            hello(f"127.0.0.1:{port}", timeout=2)
+            return p
+        except OSError:
+            if p.poll() is not None:
+                raise AssertionError(f"worker exited {p.returncode}: {p.stderr.read() if p.stderr else ''}")
+            time.sleep(0.2)
+    p.kill()
+    raise AssertionError("worker did not answer within 60 s")
+
+
+@pytest.fixture
+def workers(rpc_home) -> Iterator[str]:
+    """Two workers on loopback; yields "127.0.0.1:P1,127.0.0.1:P2"."""
+    ports = [_free_port(), _free_port()]
+    procs = [_start_worker(rpc_home, p) for p in ports]
+    try:
+        yield ",".join(f"127.0.0.1:{p}" for p in ports)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+
+
+# one load + a greedy answer in a subprocess: the tokens, the plan's per-device estimate, llama.cpp's allocation
+_GEN = textwrap.dedent("""
+    import json, os, sys
+    from localllm import devices
+    rpc = os.environ.get("RPC_UNDER_TEST")
+    added = devices.use_workers(rpc, say=lambda line: print(line, file=sys.stderr)) if rpc else []
+    from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling
+    e = Engine()
+    ngl = os.environ.get("NGL")
+    opts = LoadOptions(num_ctx=512, num_parallel=1, num_gpu=int(ngl) if ngl else None)
+    rm = e.load(%r, opts)
+    lm, plan = rm.model, rm.plan
+    req = GenerateRequest(messages=[{"role": "user", "content": %r}],
+                          sampling=Sampling(temperature=0, max_tokens=32, seed=1))
+    from localllm.engine import TextChunk
+    text = "".join(ev.text for ev in lm.generate(req) if isinstance(ev, TextChunk))
+    print(json.dumps({"text": text, "ngl": lm.info.n_gpu_layers, "alloc": lm.info.extra["devices"],
+                      "vram": lm.info.vram_bytes, "added": [w.endpoint for w in added],
+                      "plan": [{"name": d.name, "layers": d.layers, "output": d.output, "total": d.total, "kv": d.kv_cache,
+                                "usable": d.usable_bytes} for d in plan.devices],
+                      "reasons": plan.reasons}))
+    e.close()
+    os._exit(0)
+""") % (DEFAULT_MODEL, PROMPT)
+
+
+def _generate(home: Path, rpc: str | None = None, **env: str) -> dict:
+    extra = dict(env)
+    if rpc:
+        extra["RPC_UNDER_TEST"] = rpc
+    r = subprocess.run([sys.executable, "-c", _GEN], env=_env(home, **extra), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]) | {"stderr": r.stderr}
+
+
+@pytest.fixture
+def cpu_answer(rpc_home) -> dict:
+    out = _generate(rpc_home)
+    assert out["ngl"] == 0 and out["text"], out
+    return out
+
+
+@needs_rpc
+def test_two_workers_take_the_whole_model_and_answer_as_the_cpu_does(rpc_home, workers, cpu_answer):
+    out = _generate(rpc_home, workers)
+    assert len(out["added"]) == 2
+    assert out["ngl"] == 31  # 30 layers and the output layer
+    alloc = out["alloc"]
+    remote = {k: v for k, v in alloc.items() if k.startswith("RPC")}
+    assert len(remote) == 2 and all(v.get("weights", 0) > 20 * 2**20 for v in remote.values()), alloc
+    # the CPU keeps only the token embeddings (llama.cpp keeps the input layer on the host)
+    assert alloc["CPU"]["weights"] < sum(v["weights"] for v in remote.values())
+    assert out["vram"] == sum(sum(v.values()) for v in remote.values())
+    # greedy on the same weights: the same 32-token answer
+    assert out["text"] == cpu_answer["text"]
+    # the planner's estimate of each device within 10 % of what llama.cpp allocated there
+    for d in out["plan"]:
+        got = sum(alloc[d["name"]].values())
+        assert abs(d["total"] / got - 1) <= 0.10, (d, alloc[d["name"]])
+    assert sum(d["layers"] for d in out["plan"]) == 30 and out["plan"][-1]["output"]
+
+
+@needs_rpc
+def test_a_device_cap_splits_the_model_between_the_workers_and_the_cpu(rpc_home, workers, cpu_answer):
+    out = _generate(rpc_home, workers, LOCALLLM_DEVICE_MEMORY="RPC0=40MiB,RPC1=140MiB")
+    names = [d["name"] for d in out["plan"]]
+    assert names == ["RPC0", "RPC1"]
+    assert 0 < out["ngl"] < 31, out["reasons"]  # partly offloaded: what does not fit stays on the CPU
+    for d in out["plan"]:
+        assert d["total"] <= d["usable"]
+        assert d["layers"] > 0
+        got = out["alloc"][d["name"]]
+        assert abs(got["kv"] - d["kv"]) < 16 << 10, (d, got)  # llama.cpp put the planned layers there
+        assert sum(got.values()) <= d["usable"] * 1.1, (d, got)
+    assert out["alloc"]["CPU"]["weights"] > 50 * 2**20  # the rest of the layers
+    assert out["text"] == cpu_answer["text"]
+
+
+@needs_rpc
+def test_a_worker_that_does_not_answer_is_skipped_with_one_line(rpc_home):
+    dead = f"127.0.0.1:{_free_port()}"
+    r = subprocess.run([sys.executable, "-m", "localllm", "run", DEFAULT_MODEL, "--rpc", dead, "--temperature", "0",
+                        "--num-predict", "8", "--num-ctx", "512", "Hi"], env=_env(rpc_home), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()  # answered on the CPU
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == [f"RPC worker {dead} skipped: does not answer ([Errno 111] Connection refused)"], r.stderr
+
+
+@pytest.mark.parametrize("value, sentence", [
+    ("127.0.0.1", "RPC worker '127.0.0.1' is not HOST:PORT (for example 127.0.0.1:50052)."),
+    ("host:99999", "RPC worker 'host:99999' is not HOST:PORT (for example 127.0.0.1:50052)."),
+])
+def test_a_malformed_rpc_endpoint_is_one_sentence(rpc_home, value, sentence):
+    r = subprocess.run([sys.executable, "-m", "localllm", "run", DEFAULT_MODEL, "--rpc", value, "Hi"],
+                       env=_env(rpc_home), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip() == f"Error: {sentence}"
+
+
+def test_an_unknown_device_lists_the_devices_there_are(rpc_home):
+    r = subprocess.run([sys.executable, "-m", "localllm", "run", DEFAULT_MODEL, "--device", "CUDA7", "Hi"],
+                       env=_env(rpc_home), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip() == "Error: No llama.cpp device CUDA7 here (devices: CPU)."
+
+
+def test_a_worker_beyond_loopback_needs_an_explicit_flag(rpc_home):
+    r = subprocess.run([sys.executable, "-m", "localllm", "worker", "--host", "0.0.0.0"], env=_env(rpc_home),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "has no authentication; add --allow-network" in r.stderr
+
+
+@needs_rpc
+def test_a_worker_on_a_port_in_use_is_one_sentence(rpc_home):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "localllm", "worker", "--port", str(port)], env=_env(rpc_home),
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.strip().startswith(f"Error: Cannot listen on 127.0.0.1:{port}:")
