@@ -186,6 +186,17 @@ def until(expires_at: datetime | None, now: datetime | None = None) -> str:
     return "Less than a second from now"
 
 
+@dataclass(frozen=True)
+class DeviceUse:
+    """What a loaded model holds on one llama.cpp device: what llama.cpp allocated there (weights, KV cache,
+    compute buffers), beside the planner's estimate."""
+
+    name: str  # "RPC0", "CUDA0"
+    size: int  # allocated, bytes
+    estimate: int = 0  # the planner's estimate, bytes (0: not planned per device)
+    description: str = ""  # "127.0.0.1:50052", "NVIDIA GeForce RTX 4090"
+
+
 @dataclass
 class Running:
     """A loaded model, as ``ps`` shows it. A server fills what ``/api/ps`` says; the fields below
@@ -209,6 +220,7 @@ class Running:
     prompt_cache_entries: int = 0  # saved prompt prefixes on disk for this model
     prompt_cache_bytes: int = 0
     kv_cache_bytes: int | None = None  # the KV cache's size (reported, else estimated)
+    devices: list[DeviceUse] = field(default_factory=list)  # per llama.cpp device other than the CPU
 
     @property
     def short_id(self) -> str:

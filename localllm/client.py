@@ -27,7 +27,7 @@ from collections.abc import Generator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from localllm.api import Installed, ProgressFn, PullProgress, Running
+from localllm.api import DeviceUse, Installed, ProgressFn, PullProgress, Running
 from localllm.errors import LocalLLMError, ModelNotFoundError
 
 if TYPE_CHECKING:
@@ -147,7 +147,10 @@ def running_from_ps(d: JSON) -> Running:
                    slots=_int(d.get("slots")), slots_busy=_int(d.get("slots_busy")),
                    batched=bool(d.get("batched", True)),
                    prompt_cache_entries=_int((d.get("prompt_cache") or {}).get("entries")),
-                   prompt_cache_bytes=_int((d.get("prompt_cache") or {}).get("bytes")))
+                   prompt_cache_bytes=_int((d.get("prompt_cache") or {}).get("bytes")),
+                   devices=[DeviceUse(str(x.get("name") or ""), _int(x.get("size")), _int(x.get("estimate")),
+                                      str(x.get("description") or "")) for x in d.get("devices") or []
+                            if isinstance(x, dict)])
 
 
 def options_json(request: GenerateRequest | None = None, options: LoadOptions | None = None) -> JSON:

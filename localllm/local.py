@@ -11,7 +11,7 @@ import threading
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from localllm.api import CatalogItem, Fit, Installed, ProgressFn, Running
+from localllm.api import CatalogItem, DeviceUse, Fit, Installed, ProgressFn, Running
 
 if TYPE_CHECKING:
     from localllm.api import AsyncEventStream, EventStream
@@ -170,8 +170,17 @@ def running(m: RunningModel) -> Running:
         kv_cache_type=info.kv_cache_type, n_gpu_layers=info.n_gpu_layers, n_layers=info.n_layers, draft=info.draft,
         n_threads=m.model.spec.n_threads, slots=info.n_seq, kv_cache_bytes=_kv_bytes(m),
         slots_busy=m.metrics.slots_busy, batched=m.batched, prompt_cache_entries=m.metrics.prompt_cache_entries,
-        prompt_cache_bytes=m.metrics.prompt_cache_bytes,
+        prompt_cache_bytes=m.metrics.prompt_cache_bytes, devices=device_use(m),
     )
+
+
+def device_use(m: RunningModel) -> list[DeviceUse]:
+    """Per device (the CPU left out): what llama.cpp allocated, beside the plan's estimate."""
+    alloc = m.info.extra.get("devices") or {}
+    planned = {d.name: d for d in m.plan.devices}
+    return [DeviceUse(name, int(sum(v.values())), planned[name].total if name in planned else 0,
+                      planned[name].description if name in planned else "")
+            for name, v in alloc.items() if name != "CPU"]
 
 
 def _kv_bytes(m: RunningModel) -> int | None:

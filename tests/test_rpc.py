@@ -72,7 +72,7 @@ def _start_worker(home: Path, port: int) -> subprocess.Popen[str]:
             return p
         except OSError:
             if p.poll() is not None:
-                raise AssertionError(f"worker exited {p.returncode}: {p.stderr.read() if p.stderr else ''}")
+                raise AssertionError(f"worker exited {p.returncode}: {p.stderr.read() if p.stderr else ''}") from None
             time.sleep(0.2)
     p.kill()
     raise AssertionError("worker did not answer within 60 s")
@@ -109,8 +109,8 @@ _GEN = textwrap.dedent("""
     text = "".join(ev.text for ev in lm.generate(req) if isinstance(ev, TextChunk))
     print(json.dumps({"text": text, "ngl": lm.info.n_gpu_layers, "alloc": lm.info.extra["devices"],
                       "vram": lm.info.vram_bytes, "added": [w.endpoint for w in added],
-                      "plan": [{"name": d.name, "layers": d.layers, "output": d.output, "total": d.total, "kv": d.kv_cache,
-                                "usable": d.usable_bytes} for d in plan.devices],
+                      "plan": [{"name": d.name, "layers": d.layers, "output": d.output, "total": d.total,
+                                "kv": d.kv_cache, "usable": d.usable_bytes} for d in plan.devices],
                       "reasons": plan.reasons}))
     e.close()
     os._exit(0)
@@ -217,3 +217,55 @@ def test_a_worker_on_a_port_in_use_is_one_sentence(rpc_home):
                            capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert r.stderr.strip().startswith(f"Error: Cannot listen on 127.0.0.1:{port}:")
+
+
+@needs_rpc
+def test_serve_with_workers_batches_and_reports_each_device_over_http(rpc_home, workers, cpu_answer):
+    import concurrent.futures
+
+    import httpx
+    import ollama
+
+    port = _free_port()
+    env = _env(rpc_home, LOCALLLM_HOST=f"127.0.0.1:{port}")
+    srv = subprocess.Popen([sys.executable, "-m", "localllm", "serve", "--rpc", workers], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(url, timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = ollama.Client(host=url)
+        opts = {"temperature": 0, "num_predict": 32, "num_ctx": 512, "seed": 1}
+
+        def ask(_: int) -> str:
+            r = client.chat(model=DEFAULT_MODEL, messages=[{"role": "user", "content": PROMPT}], options=opts)
+            return r.message.content or ""
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # three requests decode together on the workers
+            answers = list(pool.map(ask, range(3)))
+        # a batch changes the kernels' summation order, so a batched greedy answer may take another path (on the
+        # CPU too); each is a whole answer, and the model answers alone as the CPU does after the batch
+        assert all(len(a) > 10 for a in answers), answers
+        assert ask(0) == cpu_answer["text"]
+        ps = httpx.get(f"{url}/api/ps", timeout=10).json()["models"][0]
+        devs = {d["name"]: d for d in ps["devices"]}
+        assert set(devs) == {"RPC0", "RPC1"}, ps
+        for d in devs.values():  # 4 slots: the compute buffer of a device without the output layer is the loose
+            assert d["size"] > 0 and abs(d["estimate"] / d["size"] - 1) <= 0.30, d  # part (+24 % measured)
+        assert ps["size_vram"] == sum(d["size"] for d in devs.values())
+        r = subprocess.run([sys.executable, "-m", "localllm", "ps"], env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0 and f"{DEFAULT_MODEL} on RPC0 (127.0.0.1:" in r.stdout, r.stdout + r.stderr
+    finally:
+        srv.terminate()
+        try:
+            srv.wait(30)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+    err = srv.stderr.read() if srv.stderr else ""
+    assert "RPC worker 127.0.0.1:" in err and "Traceback" not in err, err

@@ -44,7 +44,10 @@ def command(host: str | None, as_json: bool) -> None:
                                 "slots": m.slots, "slots_busy": m.slots_busy, "batched": m.batched,
                                 "prompt_cache": {"entries": m.prompt_cache_entries, "bytes": m.prompt_cache_bytes},
                                 "expires_at": m.expires_at.isoformat() if m.expires_at else None,
-                                "until": m.until} for m in models], indent=2))
+                                "until": m.until,
+                                "devices": [{"name": d.name, "description": d.description, "size": d.size,
+                                             "estimate": d.estimate} for d in m.devices]} for m in models],
+                               indent=2))
         return
     rows = [("NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "SLOTS", "PROMPT CACHE", "UNTIL")]
 
@@ -57,3 +60,8 @@ def command(host: str | None, as_json: bool) -> None:
               f"{m.prompt_cache_entries} ({human_size(m.prompt_cache_bytes)})" if m.prompt_cache_entries else "-",
               m.until) for m in models]
     click.echo(format_table(rows))
+    for m in models:  # several llama.cpp devices: what each holds (allocated, and the planner's estimate)
+        if m.devices:
+            click.echo(f"{m.name} on " + ", ".join(
+                f"{d.name}" + (f" ({d.description})" if d.description else "") + f" {human_size(d.size)}"
+                + (f" (estimated {human_size(d.estimate)})" if d.estimate else "") for d in m.devices))

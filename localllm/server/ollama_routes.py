@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -15,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from localllm.engine import Done, GenerateRequest, RunningModel, Stats, TextChunk, ToolCalls
 from localllm.errors import InvalidModelFileError, LocalLLMError
-from localllm.local import modelfile_of
+from localllm.local import device_use, modelfile_of
 from localllm.modelfile import ROLES, Modelfile, ModelfileError, check_parameters, check_template
 from localllm.server import generation as g
 from localllm.server.checks import check_digest, check_format, check_name, check_tools
@@ -397,6 +398,8 @@ async def ps(request: Request) -> dict[str, Any]:
             "details": details_of(m.installed) if m.installed is not None else {},
             "expires_at": rfc3339(m.expires_at_wall), "size_vram": int(m.size_vram),
             "context_length": int(m.info.n_ctx),
+            # beyond Ollama's fields: what llama.cpp allocated per device, beside the planner's estimate
+            "devices": [asdict(d) for d in device_use(m)],
             # beyond Ollama's fields (its clients ignore them): the decode loop's slots and KV pool
             **_slots(m),
         })
