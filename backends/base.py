@@ -307,6 +307,9 @@ class TokenSource(abc.ABC):
     """
 
     name: ClassVar[str]
+    # set by the decode loop: a source calls it from any thread when it can never run again (an RPC worker it
+    # uses died mid-step); the loop fails its requests and abandons the source without calling into it
+    on_fatal: Callable[[BaseException], None] | None = None
 
     def __init__(self, spec: LoadSpec):
         self.spec = spec

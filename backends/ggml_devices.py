@@ -15,8 +15,12 @@ RPC (a build with ``-DGGML_RPC=on``): :func:`start_worker` serves this machine's
 :func:`hello` checked that it answers (ggml aborts the process when a worker it adds does not: we ask first,
 with a timeout). The protocol has no authentication: loopback or a trusted network only.
 
-A worker that dies while a model uses it makes ggml abort the process (``RPC_STATUS_ASSERT``): :func:`on_abort`
-installs ggml's abort callback so the reason is logged before that happens.
+A worker that dies while a model uses it makes ggml abort the process (``RPC_STATUS_ASSERT`` in ggml-rpc's
+dispatcher thread, which cannot be caught). :func:`watch` installs ggml's abort callback: when it fires, the
+callback asks every added worker whether it still answers; if one does not, the models that use it are told
+(their requests fail with one sentence, their decode loop is abandoned) and the dispatcher thread that was
+about to call ``abort()`` is parked for good instead, so the process lives on. A dead worker's devices are left
+out of :func:`list_devices` from then on (ggml cannot remove them).
 """
 
 from __future__ import annotations
@@ -152,9 +156,17 @@ def _device(i: int, dev: int) -> Device:
 
 
 def list_devices() -> list[Device]:
-    """Every device of the installed llama.cpp build (and of the RPC workers added), with its memory now."""
+    """Every device of the installed llama.cpp build (and of the RPC workers added, but those that died), with
+    its memory now."""
     g = _L().ggml
-    return [_device(i, g.ggml_backend_dev_get(i)) for i in range(int(g.ggml_backend_dev_count()))]
+    dead = {n for ep in _dead for n in _added.get(ep, [])}
+    out = []
+    for i in range(int(g.ggml_backend_dev_count())):
+        h = g.ggml_backend_dev_get(i)
+        if dead and (_L().base.ggml_backend_dev_name(h) or b"").decode(errors="replace") in dead:
+            continue  # asking a dead worker for its memory would abort the process
+        out.append(_device(i, h))
+    return out
 
 
 def device_handle(name: str) -> int | None:
@@ -239,6 +251,7 @@ def _recv(s: socket.socket, n: int) -> bytes:
 
 
 _added: dict[str, list[str]] = {}  # endpoint → the device names it added (ggml keeps them for the process)
+_dead: set[str] = set()  # endpoints that stopped answering while in use
 
 
 def add_worker(endpoint: str, timeout: float = 3.0) -> list[Device]:
@@ -269,8 +282,13 @@ def add_worker(endpoint: str, timeout: float = 3.0) -> list[Device]:
 
 
 def added_workers() -> dict[str, list[str]]:
-    """The workers added in this process: endpoint → device names."""
-    return {k: list(v) for k, v in _added.items()}
+    """The workers added in this process (and still answering): endpoint → device names."""
+    return {k: list(v) for k, v in _added.items() if k not in _dead}
+
+
+def endpoints_of(device_names: list[str]) -> list[str]:
+    """The workers behind these device names ([] for local devices)."""
+    return [ep for ep, names in _added.items() if set(names) & set(device_names)]
 
 
 RPC_INSTALL_HINT = ('install an RPC-enabled build: CMAKE_ARGS="-DGGML_RPC=on" pip install --force-reinstall '
@@ -309,24 +327,64 @@ def start_worker(host: str, port: int, threads: int, cache_dir: str | None = Non
 
 # --------------------------------------------------------------------------------------------- aborts
 
-_abort_state: dict[str, Any] = {"cb": None, "hooks": []}
+_abort_state: dict[str, Any] = {"cb": None, "watchers": {}}
 _ABORT_T = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+_park = threading.Event()  # never set: a parked thread waits on it for good
 
 
-def on_abort(hook: Callable[[str], None]) -> None:
-    """Call ``hook(message)`` when ggml is about to abort the process (a worker died mid-request, ...).
-
-    ggml calls ``abort()`` right after; the hook can only log or write what must survive.
-    """
-    _abort_state["hooks"].append(hook)
+def watch(key: object, endpoints: list[str], on_dead: Callable[[str], None]) -> None:
+    """Call ``on_dead(sentence)`` when one of ``endpoints`` dies while in use (ggml is about to abort); until
+    :func:`unwatch`. ``key``: whatever identifies the watcher (a model)."""
+    _abort_state["watchers"][id(key)] = (list(endpoints), on_dead)
     if _abort_state["cb"] is None:
-        def cb(msg: bytes | None) -> None:
-            text = (msg or b"").decode(errors="replace")
-            for h in list(_abort_state["hooks"]):
-                try:
-                    h(text)
-                except Exception:  # noqa: BLE001 - never raise into C
-                    pass
-        fn = _ABORT_T(cb)
+        fn = _ABORT_T(_on_abort)
         _abort_state["cb"] = fn
         _L().base.ggml_set_abort_callback(ctypes.cast(fn, ctypes.c_void_p))
+
+
+def unwatch(key: object) -> None:
+    _abort_state["watchers"].pop(id(key), None)
+
+
+def _reachable(endpoint: str, timeout: float = 1.0) -> bool:
+    """The worker's port still accepts connections. Not :func:`hello`: a worker serves one client at a time, so
+    one in use by this process would not answer it."""
+    host, port = parse_endpoint(endpoint)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _on_abort(msg: bytes | None) -> None:
+    """ggml's abort callback: runs on the thread that is about to call ``abort()``."""
+    try:
+        text = (msg or b"").decode(errors="replace").strip()
+        log.error("ggml is aborting: %s", text)
+        if "RPC" not in text:
+            return  # not ours to save: abort() follows
+        dead = []
+        for ep in list(_added):
+            if ep in _dead:
+                dead.append(ep)
+                continue
+            if not _reachable(ep):
+                _dead.add(ep)
+                dead.append(ep)
+
+        if not dead:
+            return
+        for endpoints, on_dead in list(_abort_state["watchers"].values()):
+            hit = [ep for ep in endpoints if ep in dead]
+            if hit:
+                try:
+                    on_dead(f"RPC worker {', '.join(hit)} stopped answering while this model used it; the model "
+                            f"is unloaded (the next request loads it without that worker)")
+                except Exception:  # noqa: BLE001 - never raise into C
+                    log.exception("an RPC watcher failed")
+    except Exception:  # noqa: BLE001 - never raise into C
+        log.exception("the abort callback failed")
+        return
+    log.error("RPC worker(s) %s died: the thread that talked to them is parked, the process goes on", dead)
+    _park.wait()  # never returns: ggml's abort() does not run

@@ -534,6 +534,9 @@ class LlamaCppSource(TokenSource):
 
             self._alloc = allocations(getattr(_capture, "lines", None) or [], ggml_devices.added_workers())
             _capture.lines = None
+            remote = ggml_devices.endpoints_of(list(spec.extra.get("devices") or [])) if spec.n_gpu_layers else []
+            if remote:  # a worker dying mid-step must not take the process with it (ggml_devices.watch)
+                ggml_devices.watch(self, remote, self._worker_died)
             self._info = self._build_info()
             if spec.embedding:
                 self._embed_ctx()
@@ -1101,10 +1104,21 @@ class LlamaCppSource(TokenSource):
 
     # ------------------------------------------------------------------ close
 
+    def _worker_died(self, sentence: str) -> None:
+        """An RPC worker this model uses stopped answering (called on ggml's thread, before it would abort)."""
+        self._dead = sentence
+        if self.on_fatal is not None:
+            self.on_fatal(BackendError(sentence + "."))
+
     def close(self) -> None:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        from backends import ggml_devices
+
+        ggml_devices.unwatch(self)
+        if getattr(self, "_dead", None):
+            return  # freeing would talk to the dead worker: the memory is left to the process
         import llama_cpp
 
         if self._proj is not None:  # mtmd before its model and context

@@ -168,6 +168,7 @@ class LoadedModel:
         self._wake = threading.Condition()
         self._active: list[_Req] = []
         self._closing = False
+        self._abandoned = False  # its source died (on_fatal): the thread may be stuck in C for good
         self._counters = LoopMetrics()
         self._load_error: BaseException | None = None
         self._pcache_spec = prompt_cache
@@ -298,11 +299,26 @@ class LoadedModel:
         """The prompt cache on disk (None when off, or when this backend cannot save sequence states)."""
         return self._pool.prompt_cache if self._pool is not None else None
 
+    def abandon(self, err: BaseException) -> None:
+        """The source can never run again (called from any thread): every request fails with ``err`` now, and
+        nothing calls into the source again (its thread may be stuck in C: it is left, not joined)."""
+        with self._wake:
+            self._closing = self._abandoned = True
+            pending = self._active + list(self._incoming)
+            self._incoming.clear()
+            self._wake.notify_all()
+        for r in pending:
+            r.channel.fail(err if isinstance(err, BackendError) else BackendError(str(err)))
+        _live.discard(self)
+
     def close(self) -> None:
         """Cancel what is running, free the model on its thread and join the thread. Idempotent."""
         with self._wake:
             self._closing = True
             self._wake.notify_all()
+        if self._abandoned:
+            _live.discard(self)
+            return
         if threading.current_thread() is not self._thread:
             self._thread.join()
         _live.discard(self)
@@ -352,6 +368,7 @@ class LoadedModel:
             self._before_load()
         src = self._source_class(spec)
         self._source = src
+        src.on_fatal = self.abandon
         try:
             if spec.draft is not None:
                 self._drafter, self._controller = setup_draft(src, spec.draft, self._source_class, spec)

@@ -273,6 +273,13 @@ class Engine:
         the name the request used, remembered for the next lookup); else None."""
         with self._lock:
             running = self._lookup(name)
+            if running is not None and running.model.closed and not running.closed:
+                # its decode loop gave up (an RPC worker died under it): out of service, load it again
+                close_now = self._retire(running) and running.refs == 0
+                if close_now:
+                    self._leaving.discard(running)
+                self.loader.refresh_hardware()  # the dead worker's devices leave the device list
+                return None
             if running is None or running.closed or not self._compatible(running, options):
                 return None
             if alias is not None:

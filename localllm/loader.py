@@ -66,6 +66,7 @@ class Loader:
                  on_convert: Callable[[ConversionProgress], None] | None = None):
         self.store = store
         self._hardware = hardware
+        self._probed = False  # the hardware came from probe() (not given): it may be probed again
         self._backend_class = backend_class or source_class  # backend name -> TokenSource class (tests swap it)
         self.on_convert = on_convert  # first-use MLX conversion progress, for the face to show
         # the backend for requests that leave it to the planner (``LoadOptions.backend == "auto"``)
@@ -83,11 +84,19 @@ class Loader:
             from localllm.hardware import probe
 
             self._hardware = probe()
+            self._probed = True
         return self._hardware
 
     @hardware.setter
     def hardware(self, hw: HardwareInfo) -> None:
         self._hardware = hw
+
+    def refresh_hardware(self) -> None:
+        """Probe again (a device went away: an RPC worker died), unless the hardware was given."""
+        if self._probed:
+            from localllm.hardware import probe
+
+            self._hardware = probe(refresh=True)
 
     def stop(self) -> None:
         """Stop a conversion in progress (at its next progress report); used when the engine closes."""

@@ -178,9 +178,10 @@ def device_use(m: RunningModel) -> list[DeviceUse]:
     """Per device (the CPU left out): what llama.cpp allocated, beside the plan's estimate."""
     alloc = m.info.extra.get("devices") or {}
     planned = {d.name: d for d in m.plan.devices}
-    return [DeviceUse(name, int(sum(v.values())), planned[name].total if name in planned else 0,
-                      planned[name].description if name in planned else "")
-            for name, v in alloc.items() if name != "CPU"]
+    order = list(planned)  # llama.cpp's device order (the plan's), then the rest by name
+    names = sorted((n for n in alloc if n != "CPU"), key=lambda n: (order.index(n) if n in order else len(order), n))
+    return [DeviceUse(name, int(sum(alloc[name].values())), planned[name].total if name in planned else 0,
+                      planned[name].description if name in planned else "") for name in names]
 
 
 def _kv_bytes(m: RunningModel) -> int | None:

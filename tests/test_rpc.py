@@ -269,3 +269,53 @@ def test_serve_with_workers_batches_and_reports_each_device_over_http(rpc_home, 
             srv.kill()
     err = srv.stderr.read() if srv.stderr else ""
     assert "RPC worker 127.0.0.1:" in err and "Traceback" not in err, err
+
+
+@needs_rpc
+def test_a_worker_killed_mid_answer_fails_that_request_and_the_server_stays_up(rpc_home, cpu_answer):
+    import httpx
+    import ollama
+
+    ports = [_free_port(), _free_port()]
+    procs = [_start_worker(rpc_home, p) for p in ports]
+    port = _free_port()
+    env = _env(rpc_home, LOCALLLM_HOST=f"127.0.0.1:{port}")
+    srv = subprocess.Popen([sys.executable, "-m", "localllm", "serve", "--rpc",
+                            ",".join(f"127.0.0.1:{p}" for p in ports)], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(url, timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = ollama.Client(host=url, timeout=40)
+        # a raw count goes on for hundreds of tokens: the worker dies in the middle of it
+        stream = client.generate(model=DEFAULT_MODEL, prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", raw=True,
+                                 options={"temperature": 0, "num_predict": 400, "num_ctx": 512}, stream=True)
+        got = []
+        with pytest.raises(ollama.ResponseError) as e:
+            for chunk in stream:
+                got.append(chunk.response)
+                if len(got) == 3:
+                    procs[1].kill()  # the worker holding the last layers and the output layer
+        assert len(got) >= 3
+        assert f"RPC worker 127.0.0.1:{ports[1]} stopped answering while this model used it" in str(e.value)
+        # the server is up, and the next request loads the model again without the dead worker
+        r = client.chat(model=DEFAULT_MODEL, messages=[{"role": "user", "content": PROMPT}],
+                        options={"temperature": 0, "num_predict": 32, "num_ctx": 512, "seed": 1})
+        assert r.message.content == cpu_answer["text"]
+        ps = httpx.get(f"{url}/api/ps", timeout=10).json()["models"]
+        assert [d["name"] for d in ps[0]["devices"]] == ["RPC0"], ps
+    finally:
+        srv.terminate()
+        try:
+            srv.wait(30)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+        for p in procs:
+            p.kill()
+    assert srv.returncode is not None
