@@ -614,6 +614,10 @@ def _idle_gpus(hw: HardwareInfo, gpu_backend: str | None) -> list[GPU]:
     return others
 
 
+def _your(g: GPU, vendor: str) -> str:
+    return g.name if g.name.startswith(vendor) else f"{vendor} GPU ({g.name})"
+
+
 def _amd_intel_advice(gpus: list[GPU], why: str) -> list[str]:
     """The install commands for AMD (ROCm, else Vulkan) and Intel (Vulkan, else SYCL) GPUs; ``why``: the words
     after "is idle because" (e.g. "llama.cpp was built for the CPU only")."""
@@ -621,14 +625,14 @@ def _amd_intel_advice(gpus: list[GPU], why: str) -> list[str]:
     amd = [g for g in gpus if g.vendor == "amd"]
     if amd:
         target = next((g.gfx_target for g in amd if g.gfx_target), None)
-        out.append(f"Your AMD GPU ({amd[0].name}) is idle because {why}. Install a ROCm (HIP) build (needs ROCm "
+        out.append(f"Your {_your(amd[0], 'AMD')} is idle because {why}. Install a ROCm (HIP) build (needs ROCm "
                    f"with hipcc; takes a while): {ROCM_ADVICE}  (add -DGPU_TARGETS={target or 'gfxNNNN'} to "
                    f"CMAKE_ARGS to build for this GPU only{'' if target else ', as rocminfo names it'})")
         out.append(f"Or a Vulkan build (AMD and Intel GPUs; needs glslc and Vulkan headers newer than Debian 12's "
                    f"1.3.239): {VULKAN_ADVICE}")
     intel = [g for g in gpus if g.vendor == "intel"]
     if intel:
-        out.append(f"Your Intel GPU ({intel[0].name}) is idle because {why}. Install a Vulkan build (needs glslc and "
+        out.append(f"Your {_your(intel[0], 'Intel')} is idle because {why}. Install a Vulkan build (needs glslc and "
                    f"Vulkan headers newer than Debian 12's 1.3.239): {VULKAN_ADVICE}")
         out.append(f"Or a SYCL build (Intel oneAPI; `source /opt/intel/oneapi/setvars.sh` first): {SYCL_ADVICE}")
     return out
@@ -657,7 +661,11 @@ def _layers_device(b: Backend, hw: HardwareInfo, reasons: list[str], advice: lis
             return "metal"
         advice.extend(_amd_intel_advice(idle, "llama.cpp is not installed") or [b.install])
         return "cpu"
-    if llama.gpu_offload:
+    # an RPC-only build reports GPU offload (to workers) but no GPU backend; ggml's device list says it has no
+    # device to offload to here: for the GPUs of this machine it is a CPU-only build
+    rpc_only = (llama.gpu_offload and llama.gpu_backend is None and bool(hw.devices)
+                and not any(d.offloads for d in hw.devices))
+    if llama.gpu_offload and not rpc_only:
         gb = llama.gpu_backend
         if nvidia and gb in ("CUDA", "Vulkan", None):
             via = f" via {gb}" if gb and gb != "CUDA" else ""
@@ -682,7 +690,8 @@ def _layers_device(b: Backend, hw: HardwareInfo, reasons: list[str], advice: lis
     idle = _idle_gpus(hw, None)
     if nvidia or idle:
         names = ", ".join([f"{g.name} ({_gb(g.total_bytes)})" for g in nvidia] + [_gpu_label(g) for g in idle])
-        reasons.append(f"backend {b.label} on the CPU: {names} found, but this llama.cpp build is CPU-only")
+        build = "CPU-only (RPC aside)" if rpc_only else "CPU-only"
+        reasons.append(f"backend {b.label} on the CPU: {names} found, but this llama.cpp build is {build}")
         if nvidia:
             advice.append(cuda_advice)
         advice.extend(_amd_intel_advice(idle, "llama.cpp was built for the CPU only"))
