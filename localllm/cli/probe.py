@@ -84,7 +84,7 @@ def _hardware_rows(hw: HardwareInfo) -> list[tuple[str, str]]:
 
 def _device_rows(hw: HardwareInfo) -> list[tuple[str, str, str, str]]:
     """(name, type, description, memory) per device of llama.cpp's own list: what the build can use."""
-    rows = []
+    rows: list[tuple[str, str, str, str]] = []
     for d in hw.devices:
         where = f"remote, RPC worker {d.endpoint}" if d.remote else d.description
         memory = f"{binary_size(d.free_bytes)} free of {binary_size(d.total_bytes)}" if d.total_bytes else "?"
