@@ -661,11 +661,7 @@ def _layers_device(b: Backend, hw: HardwareInfo, reasons: list[str], advice: lis
             return "metal"
         advice.extend(_amd_intel_advice(idle, "llama.cpp is not installed") or [b.install])
         return "cpu"
-    # an RPC-only build reports GPU offload (to workers) but no GPU backend; ggml's device list says it has no
-    # device to offload to here: for the GPUs of this machine it is a CPU-only build
-    rpc_only = (llama.gpu_offload and llama.gpu_backend is None and bool(hw.devices)
-                and not any(d.offloads for d in hw.devices))
-    if llama.gpu_offload and not rpc_only:
+    if llama.gpu_offload:  # an RPC-only build counts as CPU-only here (backends.descriptor.llamacpp_status)
         gb = llama.gpu_backend
         if nvidia and gb in ("CUDA", "Vulkan", None):
             via = f" via {gb}" if gb and gb != "CUDA" else ""
@@ -690,8 +686,7 @@ def _layers_device(b: Backend, hw: HardwareInfo, reasons: list[str], advice: lis
     idle = _idle_gpus(hw, None)
     if nvidia or idle:
         names = ", ".join([f"{g.name} ({_gb(g.total_bytes)})" for g in nvidia] + [_gpu_label(g) for g in idle])
-        build = "CPU-only (RPC aside)" if rpc_only else "CPU-only"
-        reasons.append(f"backend {b.label} on the CPU: {names} found, but this llama.cpp build is {build}")
+        reasons.append(f"backend {b.label} on the CPU: {names} found, but this llama.cpp build is CPU-only")
         if nvidia:
             advice.append(cuda_advice)
         advice.extend(_amd_intel_advice(idle, "llama.cpp was built for the CPU only"))

@@ -213,7 +213,7 @@ def test_an_intel_igpu_gets_vulkan_advice(monkeypatch, tmp_path, default_model_p
     assert p.device == "cpu"
     assert [r for r in p.reasons if "Intel" in r] == [
         "backend llama.cpp on the CPU: Intel GPU [8086:46a6] (integrated) found, but this llama.cpp build is "
-        + ("CPU-only (RPC aside)" if hw.rpc else "CPU-only")]
+        "CPU-only"]
     assert p.advice and VULKAN_ADVICE in p.advice and SYCL_ADVICE in p.advice and ROCM_ADVICE not in p.advice
 
 
