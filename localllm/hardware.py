@@ -19,6 +19,14 @@ Sources, in order of preference:
 * Cores and RAM: psutil (``os.cpu_count`` / ``sysconf`` if psutil is missing).
 * NVIDIA: NVML through nvidia-ml-py (name, total/free VRAM, driver, compute capability), else
   ``nvidia-smi --query-gpu=... --format=csv,noheader,nounits`` with a short timeout.
+* AMD and Intel GPUs (and an NVIDIA card NVML does not see), Linux: ``/sys/class/drm/card*/device``
+  (PCI ``vendor``/``device``, amdgpu's ``mem_info_vram_total``/``mem_info_vram_used``, ``product_name``), named
+  by ``rocm-smi --showproductname`` / ``vulkaninfo --summary`` when they are on PATH (short timeouts). Listed
+  whether or not the llama.cpp build can use them: a GPU the build cannot use is what the planner's advice
+  is about. ``LOCALLLM_SYSFS_ROOT`` (or :func:`probe_drm`'s ``root``) points the scan at another tree.
+* llama.cpp's own device list (``HardwareInfo.devices``): every device of the installed build through ggml's
+  registry (:mod:`backends.ggml_devices`) — CPU, CUDA, ROCm, Vulkan, Metal, SYCL, RPC workers — with free/total
+  memory; this is what the build can actually use. ``HardwareInfo.rpc``: the build has the RPC backend.
 * Apple Silicon Metal working-set budget: ``mx.device_info()["max_recommended_working_set_size"]``
   (Metal's ``recommendedMaxWorkingSetSize``) when MLX is importable; an ``iogpu.wired_limit_mb``
   the user raised; else Ollama's former rule (``gpu/gpu_darwin.go``): 2/3 of RAM up to 36 GiB,
@@ -39,15 +47,15 @@ import subprocess
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from backends import descriptor
 from backends.descriptor import BackendStatus, parse_gpu_backend
-from backends.ggml_devices import Device
 
-__all__ = ["BACKEND_CHOICES", "GPU", "BackendStatus", "HardwareInfo", "backend_names", "metal_budget_rule",
-           "parse_gpu_backend", "parse_nvidia_smi", "probe", "probe_nvidia_smi", "probe_nvml", "schema_problem",
-           "simd_from_flags"]
+__all__ = ["BACKEND_CHOICES", "GPU", "BackendStatus", "HardwareInfo", "LlamaDevice", "backend_names",
+           "metal_budget_rule", "parse_gpu_backend", "parse_nvidia_smi", "parse_rocm_smi", "parse_vulkaninfo",
+           "probe", "probe_drm", "probe_nvidia_smi", "probe_nvml", "schema_problem", "simd_from_flags"]
 
 GiB = 1024**3
 MiB = 1024**2
@@ -55,6 +63,11 @@ MiB = 1024**2
 NVIDIA_SMI_TIMEOUT_S = 5.0
 SYSCTL_TIMEOUT_S = 2.0
 NVIDIA_SMI_FIELDS = "index,name,memory.total,memory.free,driver_version,compute_cap"
+GPU_TOOL_TIMEOUT_S = 5.0  # rocm-smi, vulkaninfo: only asked to name a card sysfs found
+SYSFS_ROOT_ENV = "LOCALLLM_SYSFS_ROOT"  # where /sys is (tests lay out a fake tree there)
+# PCI vendor ids of display devices in /sys/class/drm
+PCI_VENDORS: dict[str, Literal["amd", "intel", "nvidia"]] = {"0x1002": "amd", "0x8086": "intel", "0x10de": "nvidia"}
+_VENDOR_LABELS = {"amd": "AMD", "intel": "Intel", "nvidia": "NVIDIA", "apple": "Apple"}
 
 # SIMD features worth showing (they decide which llama.cpp kernels run), as /proc/cpuinfo spells
 # them → the name we show. ARM Linux spells NEON "asimd", dot product "asimddp", fp16 "asimdhp".
@@ -82,15 +95,40 @@ _MAC_ARM_FEATURES = {
 
 @dataclass
 class GPU:
-    """One GPU. On Apple Silicon ``total_bytes``/``free_bytes`` are the Metal working-set budget."""
+    """One GPU the machine has (whether or not the llama.cpp build can use it: :attr:`HardwareInfo.devices` says
+    what it can). On Apple Silicon ``total_bytes``/``free_bytes`` are the Metal working-set budget; 0 for both
+    means the size is unknown (an Intel GPU, a card only sysfs sees)."""
 
     index: int
     name: str
-    vendor: Literal["nvidia", "apple"]
+    vendor: Literal["nvidia", "apple", "amd", "intel"]
     total_bytes: int
     free_bytes: int
-    driver: str | None = None
+    driver: str | None = None  # NVIDIA: the driver version; from sysfs: the kernel driver ("amdgpu", "i915")
     compute_capability: str | None = None  # "8.9" (NVIDIA only)
+    integrated: bool = False  # shares the CPU's memory (an Intel iGPU, an AMD APU), where that is known
+    pci_id: str | None = None  # "1002:744c" (vendor:device), from sysfs
+    gfx_target: str | None = None  # "gfx1100" (AMD, from rocm-smi): what a ROCm build compiles for
+
+
+@dataclass(frozen=True)
+class LlamaDevice:
+    """One device of the installed llama.cpp build's own list (ggml's registry), as the faces see it.
+
+    The same fields as :class:`backends.ggml_devices.Device`, with ``offloads``/``remote``/``endpoint`` as data so
+    that ``probe --json`` carries them.
+    """
+
+    index: int  # position in ggml's device list (what llama.cpp's split uses)
+    name: str  # "CPU", "CUDA0", "ROCm0", "Vulkan0", "Metal", "RPC0"
+    description: str  # "NVIDIA GeForce RTX 4090", the CPU model, or an RPC worker's "host:port"
+    type: Literal["cpu", "gpu", "igpu", "accel"]
+    free_bytes: int
+    total_bytes: int
+    backend: str  # "CPU", "CUDA", "ROCm", "Vulkan", "Metal", "RPC"...
+    offloads: bool = False  # layers can go here (every device but the CPU)
+    remote: bool = False  # an RPC worker's device
+    endpoint: str | None = None  # the worker's host:port (remote devices)
 
 
 @dataclass
@@ -108,16 +146,21 @@ class HardwareInfo:
     metal_budget: int | None = None  # bytes Metal may keep resident (Apple Silicon only)
     backends: dict[str, BackendStatus] = field(default_factory=dict)  # every registered backend, by name
     notes: list[str] = field(default_factory=list)  # why something was not found
-    devices: list[Device] = field(default_factory=list)  # llama.cpp's device list (CPU, CUDA0, RPC0...)
+    devices: list[LlamaDevice] = field(default_factory=list)  # llama.cpp's own device list ([] when unreadable)
+    rpc: bool = False  # the llama.cpp build has the RPC backend (``-DGGML_RPC=on``)
 
     @property
-    def offload_devices(self) -> list[Device]:
+    def offload_devices(self) -> list[LlamaDevice]:
         """llama.cpp's devices that take layers (all but the CPU), in its device-list order."""
         return [d for d in self.devices if d.offloads]
 
     @property
     def nvidia_gpus(self) -> list[GPU]:
         return [g for g in self.gpus if g.vendor == "nvidia"]
+
+    def gpus_of(self, vendor: str) -> list[GPU]:
+        """The GPUs of one vendor ("nvidia", "amd", "intel", "apple")."""
+        return [g for g in self.gpus if g.vendor == vendor]
 
     def backend(self, name: str) -> BackendStatus:
         """The status of ``name``; an unknown/unprobed backend reads as unavailable."""
@@ -337,6 +380,186 @@ def _nvidia(notes: list[str]) -> list[GPU]:
     return []
 
 
+# --------------------------------------------------------------------------------- AMD, Intel (sysfs)
+
+
+def _read_int(path: Path) -> int | None:
+    text = _read_text(str(path))
+    try:
+        return int(text.strip(), 0) if text and text.strip() else None
+    except ValueError:
+        return None
+
+
+def _uevent(dev: Path) -> dict[str, str]:
+    text = _read_text(str(dev / "uevent")) or ""
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def parse_vulkaninfo(text: str) -> dict[tuple[str, str], tuple[str, bool]]:
+    """``vulkaninfo --summary`` → {(vendor id, device id): (device name, integrated)}, ids as ``0x1002``.
+    CPU devices (llvmpipe) are left out.
+
+    >>> parse_vulkaninfo('''GPU0:
+    ...     vendorID           = 0x1002
+    ...     deviceID           = 0x744c
+    ...     deviceType         = PHYSICAL_DEVICE_TYPE_DISCRETE_GPU
+    ...     deviceName         = AMD Radeon RX 7900 XTX (RADV NAVI31)''')
+    {('0x1002', '0x744c'): ('AMD Radeon RX 7900 XTX (RADV NAVI31)', False)}
+    """
+    out: dict[tuple[str, str], tuple[str, bool]] = {}
+    for block in re.split(r"^GPU\d+:\s*$", text, flags=re.MULTILINE)[1:]:
+        fields = dict(re.findall(r"^\s*(\w+)\s*=\s*(.*?)\s*$", block, re.MULTILINE))
+        kind = fields.get("deviceType", "")
+        if "vendorID" not in fields or "deviceID" not in fields or kind.endswith("_CPU"):
+            continue
+        key = (f"0x{int(fields['vendorID'], 0):04x}", f"0x{int(fields['deviceID'], 0):04x}")
+        out.setdefault(key, (fields.get("deviceName", ""), kind.endswith("INTEGRATED_GPU")))
+    return out
+
+
+def parse_rocm_smi(text: str) -> list[dict[str, str]]:
+    """``rocm-smi --showproductname`` → one dict per ``GPU[i]``, keys lower-cased (``card series``, ``card model``,
+    ``gfx version``...), in rocm-smi's order.
+
+    >>> parse_rocm_smi("GPU[0]\\t\\t: Card Series: \\t\\tNavi31 [Radeon RX 7900 XTX]\\n"
+    ...                "GPU[0]\\t\\t: Card Model: \\t\\t0x744c\\nGPU[0]\\t\\t: GFX Version: \\t\\tgfx1100")
+    [{'card series': 'Navi31 [Radeon RX 7900 XTX]', 'card model': '0x744c', 'gfx version': 'gfx1100'}]
+    """
+    cards: dict[int, dict[str, str]] = {}
+    for m in re.finditer(r"^GPU\[(\d+)\]\s*:\s*([^:]+?)\s*:\s*(.*?)\s*$", text, re.MULTILINE):
+        cards.setdefault(int(m.group(1)), {})[m.group(2).strip().lower()] = m.group(3).strip()
+    return [cards[i] for i in sorted(cards)]
+
+
+def _tool(name: str, args: list[str], notes: list[str]) -> str | None:
+    exe = shutil.which(name)
+    if exe is None:
+        return None
+    try:
+        return _run([exe, *args], GPU_TOOL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        notes.append(f"{name} did not answer within {GPU_TOOL_TIMEOUT_S:g} s")
+    except Exception as e:
+        notes.append(f"{name} failed: {_short_error(e)}")
+    return None
+
+
+def _drm_dir(root: str | os.PathLike[str] | None = None) -> Path:
+    return Path(root or os.environ.get(SYSFS_ROOT_ENV) or "/sys") / "class" / "drm"
+
+
+def probe_drm(root: str | os.PathLike[str] | None = None, notes: list[str] | None = None) -> list[GPU]:
+    """The GPUs in ``ROOT/class/drm/card*/device`` (``ROOT``: ``root``, else ``$LOCALLLM_SYSFS_ROOT``, else
+    ``/sys``): AMD, Intel and NVIDIA display devices by PCI vendor id, VRAM where amdgpu reports it, a name from
+    ``product_name``, ``rocm-smi`` or ``vulkaninfo`` (when on PATH), else the PCI id. Never raises; what cannot
+    be read goes to ``notes``.
+
+    Why sysfs: NVML sees only NVIDIA cards, and llama.cpp's own device list only what its build supports; an
+    AMD card with a CPU-only build would otherwise be invisible, and so would the advice to install a ROCm or
+    Vulkan build.
+    """
+    notes = notes if notes is not None else []
+    base = _drm_dir(root)
+    try:
+        cards = sorted((c for c in base.iterdir() if re.fullmatch(r"card\d+", c.name)),
+                       key=lambda c: int(c.name[4:]))
+    except OSError:
+        return []
+    found: list[tuple[GPU, str]] = []  # (gpu, product name from sysfs)
+    seen: set[str] = set()
+    for card in cards:
+        dev = card / "device"
+        vendor_id = (_read_text(str(dev / "vendor")) or "").strip().lower()
+        vendor = PCI_VENDORS.get(vendor_id)
+        if vendor is None:
+            continue
+        uevent = _uevent(dev)
+        slot = uevent.get("PCI_SLOT_NAME") or os.path.basename(os.path.realpath(dev))
+        if slot in seen:  # one PCI device, several cards (a render node, a second connector)
+            continue
+        seen.add(slot)
+        device_id = (_read_text(str(dev / "device")) or "").strip().lower()
+        pci_id = f"{vendor_id[2:]}:{device_id[2:]}" if device_id.startswith("0x") else None
+        total = _read_int(dev / "mem_info_vram_total") or 0
+        used = _read_int(dev / "mem_info_vram_used")
+        free = max(total - used, 0) if total and used is not None else total
+        product = (_read_text(str(dev / "product_name")) or "").strip()
+        label = _VENDOR_LABELS[vendor]
+        found.append((GPU(index=len(found), name=product or f"{label} GPU [{pci_id or device_id or '?'}]",
+                          vendor=vendor, total_bytes=total, free_bytes=free, driver=uevent.get("DRIVER"),
+                          integrated=vendor == "intel" and slot.endswith("00:02.0"), pci_id=pci_id), product))
+    if not found:
+        return []
+    _name_with_tools([g for g, _ in found], {id(g) for g, product in found if product}, notes)
+    return [g for g, _ in found]
+
+
+def _name_with_tools(gpus: list[GPU], named: set[int], notes: list[str]) -> None:
+    """Names (and the gfx target, integrated or not) from rocm-smi and vulkaninfo for the cards sysfs found;
+    ``named``: the cards sysfs already named (``product_name``), whose name stays."""
+    amd = [g for g in gpus if g.vendor == "amd"]
+    if amd:
+        text = _tool("rocm-smi", ["--showproductname"], notes)
+        cards = parse_rocm_smi(text) if text else []
+        for i, g in enumerate(amd):
+            model = g.pci_id.split(":")[1] if g.pci_id else None
+            by_id = [c for c in cards if model and c.get("card model", "").lower().removeprefix("0x") == model]
+            card = by_id[0] if len(by_id) == 1 else cards[i] if len(cards) == len(amd) else None
+            if card is None:
+                continue
+            g.gfx_target = card.get("gfx version") or None
+            series = card.get("card series") or card.get("card sku") or ""
+            if series and id(g) not in named:
+                g.name = series if series.upper().startswith("AMD") else f"AMD {series}"
+                named.add(id(g))
+    if all(id(g) in named for g in gpus) and not amd:  # an AMD APU is told apart only by vulkaninfo
+        return
+    text = _tool("vulkaninfo", ["--summary"], notes)
+    vk = parse_vulkaninfo(text) if text else {}
+    for g in gpus:
+        vendor, _, device = (g.pci_id or "").partition(":")
+        name, integrated = vk.get((f"0x{vendor}", f"0x{device}"), ("", False))
+        g.integrated = g.integrated or integrated
+        if name and id(g) not in named:
+            g.name = name
+
+
+def _other_gpus(gpus: list[GPU], notes: list[str]) -> list[GPU]:
+    """The sysfs GPUs besides the NVIDIA ones NVML/nvidia-smi listed (``gpus``), numbered after them."""
+    drm = probe_drm(notes=notes)
+    if any(g.vendor == "nvidia" for g in gpus):
+        drm = [g for g in drm if g.vendor != "nvidia"]
+    elif any(g.vendor == "nvidia" for g in drm):
+        notes.append("an NVIDIA GPU is in /sys/class/drm, but NVML and nvidia-smi cannot read it "
+                     "(is the NVIDIA driver loaded?)")
+    if not drm and not gpus:
+        base = _drm_dir()
+        notes.append(f"no AMD or Intel GPU in {base}" if base.is_dir()
+                     else f"no {base} (no GPU driver loaded, or a container without it)")
+    for i, g in enumerate(drm):
+        g.index = len(gpus) + i
+    return drm
+
+
+# ------------------------------------------------------------------------------ llama.cpp's devices
+
+
+def _llama_devices(notes: list[str]) -> tuple[list[LlamaDevice], bool]:
+    """llama.cpp's own device list and whether the build has RPC; ([], False) and a note when unreadable."""
+    try:
+        from backends import ggml_devices
+
+        found = ggml_devices.list_devices()
+        rpc = ggml_devices.rpc_supported()
+    except Exception as e:  # no llama_cpp, a library without the registry symbols, ...
+        notes.append(f"llama.cpp's device list not read: {_short_error(e)}")
+        return [], False
+    return [LlamaDevice(index=d.index, name=d.name, description=d.description, type=d.type,
+                        free_bytes=d.free_bytes, total_bytes=d.total_bytes, backend=d.backend, offloads=d.offloads,
+                        remote=d.remote, endpoint=d.description if d.remote else None) for d in found], rpc
+
+
 # -------------------------------------------------------------------------------------------- Apple
 
 
@@ -466,13 +689,14 @@ def _probe() -> HardwareInfo:
         gpus.append(GPU(0, f"{cpu_model} GPU", "apple", metal_budget, metal_budget))
     elif os_name != "Darwin":  # no NVIDIA driver exists for current macOS
         gpus = _guarded(lambda: _nvidia(notes), [], notes, "NVIDIA")
+    if os_name == "Linux":
+        gpus += _guarded(lambda: _other_gpus(gpus, notes), [], notes, "sysfs GPU")
 
     backends = {b.name: _backend_status(b, notes) for b in descriptor.registered()}
-    devices: list[Device] = []
-    if backends.get("llamacpp") is not None and backends["llamacpp"].available:
-        from backends import ggml_devices
-
-        devices = _guarded(ggml_devices.list_devices, [], notes, "llama.cpp devices")
+    devices: list[LlamaDevice] = []
+    rpc = False
+    if backends.get("llamacpp") is not None and backends["llamacpp"].available:  # else its line says why
+        devices, rpc = _guarded(lambda: _llama_devices(notes), ([], False), notes, "llama.cpp device")
     for b in backends.values():
         if simd:
             break  # e.g. Windows: take the CPU features a backend's build reports (llama.cpp's system info)
@@ -480,7 +704,7 @@ def _probe() -> HardwareInfo:
     return HardwareInfo(os=os_name, arch=arch, cpu_model=cpu_model, physical_cores=physical, logical_cores=logical,
                         simd=simd, ram_total=ram_total, ram_available=ram_available, gpus=gpus,
                         apple_silicon=apple, metal_budget=metal_budget, backends=backends, notes=notes,
-                        devices=devices)
+                        devices=devices, rpc=rpc)
 
 
 def probe(*, refresh: bool = False) -> HardwareInfo:

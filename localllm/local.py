@@ -227,7 +227,8 @@ def estimate_fit(size: int, hw: HardwareInfo) -> Fit:
     if not size:
         return Fit(estimated=True)
     need = size * 1.2
-    gpu_free = sum(g.free_bytes for g in hw.gpus)
+    # the GPUs the planner fits layers to (an AMD/Intel card the probe lists may not be usable by the build)
+    gpu_free = sum(g.free_bytes for g in hw.gpus if g.vendor in ("nvidia", "apple"))
     ram = hw.ram_available
     if gpu_free and need <= gpu_free:
         verdict, text = "gpu", "≈ fits on GPU"

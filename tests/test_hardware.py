@@ -62,7 +62,10 @@ def test_real_llamacpp_status_matches_the_library():
     llama_cpp = pytest.importorskip("llama_cpp")
     b = probe(refresh=True).backends["llamacpp"]
     assert b.available
-    assert b.gpu_offload == bool(llama_cpp.llama_supports_gpu_offload())
+    # llama_supports_gpu_offload() is true for RPC alone; the status counts a local GPU backend only
+    local_gpu = bool(llama_cpp.llama_supports_gpu_offload()) and parse_gpu_backend(b.detail) is not None
+    assert b.gpu_offload == local_gpu
+    assert ("with RPC" in b.reason) == bool(llama_cpp.llama_supports_rpc())
     assert b.version == llama_cpp.__version__
     assert "CPU" in b.detail  # llama_print_system_info()
     assert ("CPU-only" in b.reason) == (not b.gpu_offload)

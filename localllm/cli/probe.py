@@ -6,6 +6,9 @@ would be loaded (backend, GPU layers, context, memory) and why.
     $ localllm probe --model ./model.gguf     # a local file is read in place
     $ localllm probe --json                   # HardwareInfo as JSON, plus "model" and "plan"
 
+"Devices" is llama.cpp's own device list (ggml's registry: CPU, CUDA, ROCm, Vulkan, Metal, SYCL, RPC workers),
+what the installed build can use; "GPU" rows are what the machine has (NVML, /sys/class/drm), used or not.
+
 Nothing is loaded: the plan is the planner's estimate from the GGUF metadata and the probe.
 """
 
@@ -64,14 +67,28 @@ def _hardware_rows(hw: HardwareInfo) -> list[tuple[str, str]]:
         if g.vendor == "apple":
             rows.append((f"GPU {g.index}", f"{g.name} (unified memory)"))
         else:
-            extra = ", ".join(x for x in (f"driver {g.driver}" if g.driver else "",
-                                          f"compute {g.compute_capability}" if g.compute_capability else "") if x)
-            rows.append((f"GPU {g.index}", f"{g.name}: {binary_size(g.free_bytes)} free of {binary_size(g.total_bytes)}"
-                                           + (f" ({extra})" if extra else "")))
+            extra = ", ".join(x for x in ("integrated" if g.integrated else "",
+                                          f"driver {g.driver}" if g.driver else "",
+                                          f"compute {g.compute_capability}" if g.compute_capability else "",
+                                          g.gfx_target or "",
+                                          f"PCI {g.pci_id}" if g.pci_id and g.pci_id not in g.name else "") if x)
+            memory = (f"{binary_size(g.free_bytes)} free of {binary_size(g.total_bytes)}" if g.total_bytes
+                      else "memory not reported")
+            rows.append((f"GPU {g.index}", f"{g.name}: {memory}" + (f" ({extra})" if extra else "")))
     if hw.apple_silicon:
         rows.append(("Metal budget", binary_size(hw.metal_budget)))
     for key, b in hw.backends.items():
         rows.append((b.label or key, f"{'yes' if b.available else 'no'}: {b.reason}"))
+    return rows
+
+
+def _device_rows(hw: HardwareInfo) -> list[tuple[str, str, str, str]]:
+    """(name, type, description, memory) per device of llama.cpp's own list: what the build can use."""
+    rows: list[tuple[str, str, str, str]] = []
+    for d in hw.devices:
+        where = f"remote, RPC worker {d.endpoint}" if d.remote else d.description
+        memory = f"{binary_size(d.free_bytes)} free of {binary_size(d.total_bytes)}" if d.total_bytes else "?"
+        rows.append((d.name, d.type, where, memory))
     return rows
 
 
@@ -86,6 +103,16 @@ def render(hw: HardwareInfo, name: str, model: InstalledModel | None, p: Plan | 
     for k, v in _hardware_rows(hw):
         table.add_row(k, v)
     console.print(table)
+    console.print(f"\n[bold]Devices[/bold] (llama.cpp's own list; llama.cpp build: RPC {'yes' if hw.rpc else 'no'})")
+    devices = Table(show_header=False, box=None, padding=(0, 2))
+    for _ in range(4):
+        devices.add_column()
+    for row in _device_rows(hw):
+        devices.add_row(*row)
+    if hw.devices:
+        console.print(devices)
+    else:
+        console.print("  none read (see Notes)")
     if hw.notes:
         console.print("\n[bold]Notes[/bold]")
         for n in hw.notes:
@@ -116,10 +143,14 @@ def render(hw: HardwareInfo, name: str, model: InstalledModel | None, p: Plan | 
 @click.option("--backend", type=BackendChoice(), default="auto", show_default=True,
               help="Backend to plan for.")
 @click.option("--num-gpu", type=int, default=None, help="Layers to offload (0 = CPU only).")
-@click.option("--json", "as_json", is_flag=True, help="Print HardwareInfo as JSON, with the model and the plan.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print HardwareInfo as JSON (devices and rpc included), with the model and the plan.")
 def command(name: str, num_ctx: int | None, kv_cache_type: str | None, backend: str, num_gpu: int | None,
             as_json: bool) -> None:
-    """Show this machine's hardware and the backend localllm picks.
+    """Show this machine's hardware, llama.cpp's devices and the backend localllm picks.
+
+    "Devices" lists every device the installed llama.cpp build sees (CPU, CUDA, ROCm, Vulkan, Metal, RPC
+    workers) with free/total memory; a GPU the build cannot use gets the install command under "Advice".
 
     \b
     Examples:

@@ -381,7 +381,8 @@ def hardware_markdown(hw: HardwareInfo, plan: Fit | None, note: str = "") -> str
     if not hw.gpus:
         row("GPU", "none found")
     for g in hw.gpus:
-        memory = f"{g.free_bytes / gib:.1f} GiB free of {g.total_bytes / gib:.1f} GiB"
+        memory = (f"{g.free_bytes / gib:.1f} GiB free of {g.total_bytes / gib:.1f} GiB" if g.total_bytes
+                  else "memory not reported")
         row(f"GPU {g.index}", f"{g.name} ({g.vendor}) {memory}")
     if hw.apple_silicon:
         row("Metal budget", f"{(hw.metal_budget or 0) / gib:.1f} GiB")
