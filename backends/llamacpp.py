@@ -617,6 +617,10 @@ class LlamaCppSource(TokenSource):
                                       f"(llama.cpp: {reason}); lower num_ctx or the GPU layers.")
             return ModelLoadError(f"llama.cpp could not create a context for {path.name}"
                                   f"{f' ({reason})' if reason else ''}; lower num_ctx or try --kv-cache f16.")
+        alloc = _native_reason("unable to allocate", "failed to allocate")
+        if alloc:  # a device (or the host) has no room for the weights: not a broken file
+            return ModelLoadError(f"Not enough memory to load {path.name} with {self.spec.n_gpu_layers} GPU layers "
+                                  f"(llama.cpp: {alloc}); lower the GPU layers.")
         reason = _native_reason("error loading model", "invalid", "unknown", "not within") or _native_reason()
         reason = reason.replace("error loading model: ", "").split(",")[0] if reason else None
         return ModelLoadError(f"{path.name} could not be loaded: it is corrupt, truncated or of an unsupported "

@@ -326,7 +326,7 @@ class Engine:
     def _load(self, name: str, model: InstalledModel, options: LoadOptions, p: Plan, need: int,
               keep_alive: float, cancel: threading.Event | None) -> RunningModel:
         """Load ``model`` through the loader and put it in service with one reference. Hold ``_load_lock``."""
-        loaded, load_ns = self.loader.load(model, options, p, cancel)
+        loaded, load_ns, p = self.loader.load_fitting(model, options, p, cancel)
         now = time.monotonic()
         running = RunningModel(
             name=model.name,

@@ -11,6 +11,7 @@ uses them is the engine's (:mod:`localllm.engine`); the loader keeps nothing of 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -27,6 +28,8 @@ from localllm import config
 from localllm.errors import LocalLLMError, ModelNotFoundError, PlanError
 from localllm.hardware import BACKEND_CHOICES
 from localllm.planner import MIN_CTX
+
+log = logging.getLogger("localllm.loader")
 
 if TYPE_CHECKING:
     from localllm.hardware import HardwareInfo
@@ -198,6 +201,31 @@ class Loader:
         loaded = LoadedModel(cls, spec, name=model.name, prompt_cache=self.prompt_cache_spec(model, p.backend),
                              before_load=before_load)
         return loaded, time.perf_counter_ns() - t0
+
+    def load_fitting(self, model: InstalledModel, options: LoadOptions, p: Plan,
+                     cancel: threading.Event | None, say: Callable[[str], None] | None = None,
+                     ) -> tuple[LoadedModel, int, Plan]:
+        """:meth:`load`, and where the devices run out of memory at load (the estimate was short, another
+        process took memory), fall back with one line each: half the GPU layers, then the CPU. Returns the plan
+        that loaded. A load asked for with ``num_gpu`` is not second-guessed."""
+        from backends.base import ModelLoadError
+
+        tried_half = False
+        while True:
+            try:
+                loaded, ns = self.load(model, options, p, cancel)
+                return loaded, ns, p
+            except ModelLoadError as e:
+                if p.n_gpu_layers <= 0 or options.num_gpu is not None or p.backend != "llamacpp" \
+                        or "memory" not in str(e).lower():
+                    raise
+                fewer = p.n_gpu_layers // 2 if p.n_gpu_layers > 1 and not tried_half else 0
+                tried_half = True
+                line = (f"{model.name}: out of device memory at load with {p.n_gpu_layers} layers offloaded; "
+                        + (f"loading with {fewer}" if fewer else "loading on the CPU only"))
+                (say or log.warning)(line)
+                _, p = self.plan(model.name, replace(options, num_gpu=fewer))
+                p.reasons.append(line)
 
     def spec(self, model: InstalledModel, options: LoadOptions, p: Plan) -> LoadSpec:
         """What the backend is given to load ``model`` as planned (``model_path`` set by the conversion when the
