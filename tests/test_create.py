@@ -129,6 +129,46 @@ def test_a_request_gets_the_models_system_history_and_parameters_where_it_left_t
     assert raw.prompt == "p" and raw.sampling.stop == ["END"]
 
 
+def test_a_value_the_request_chose_wins_even_when_it_is_the_default(store):
+    """``temperature: 0.8`` (the engine's default) chosen by a request overrides ``PARAMETER temperature 0``, from
+    every face: Ollama's options, OpenAI's and Anthropic's fields, ``run --temperature``, the REPL's ``/set``, the
+    app's settings and the remote client's options; an API's own default (OpenAI's 1.0) does not."""
+    import io
+
+    from localllm.cli.answer import build_settings
+    from localllm.cli.interactive import Repl
+    from localllm.client import options_json
+    from localllm.server.options import api_options, options_of
+    from localllm.session import open_session
+    from localllm.tui.chat import request_from
+
+    mf = Modelfile("b", {"temperature": 0.0, "top_k": 1, "num_predict": 9})
+
+    def applied(sampling: Sampling) -> Sampling:
+        return apply_to_request(mf, GenerateRequest(prompt="p", sampling=sampling)).sampling
+
+    ollama, _ = options_of({"temperature": 0.8, "top_k": 40})
+    assert (applied(ollama).temperature, applied(ollama).top_k, applied(ollama).max_tokens) == (0.8, 40, 9)
+    openai_unset, _ = api_options(None, {"temperature": 1.0, "top_p": 1.0})
+    assert (applied(openai_unset).temperature, applied(openai_unset).top_p) == (0.0, 1.0)  # the model's, then OpenAI's
+    openai_set, _ = api_options(None, {"temperature": 1.0, "top_p": 1.0}, temperature=1.0, max_tokens=3)
+    assert (applied(openai_set).temperature, applied(openai_set).max_tokens) == (1.0, 3)
+    anthropic, _ = api_options(None, temperature=0.8)
+    assert applied(anthropic).temperature == 0.8
+    assert applied(build_settings(temperature=0.8).sampling).temperature == 0.8
+    assert applied(build_settings().sampling).temperature == 0.0
+    tui, _ = request_from([{"role": "user", "content": "hi"}], {"temperature": 0.8, "top_k": ""})
+    assert (applied(tui.sampling).temperature, applied(tui.sampling).top_k) == (0.8, 1)
+    lines = iter(["/set parameter temperature 0.8", "/bye"])
+    with Engine(store, keep_alive=0) as engine:  # /set loads nothing
+        repl = Repl(open_session(engine=engine), DEFAULT_MODEL, build_settings(), out=io.StringIO(),
+                    err=io.StringIO(), read=lambda prompt: next(lines))
+        repl.run()
+    assert applied(repl.settings.sampling).temperature == 0.8
+    remote = options_json(GenerateRequest(prompt="p", sampling=build_settings(temperature=0.8).sampling))
+    assert remote == {"temperature": 0.8}  # only what was chosen: the server's model keeps the rest
+
+
 # ------------------------------------------------------------------------------------------ the CLI
 
 

@@ -129,3 +129,33 @@ def test_the_created_models_settings_apply_over_the_api(srv, client):
     assert by_hand.message.content == a.message.content and by_hand.prompt_eval_count == a.prompt_eval_count
     short = client.chat(model="hist", messages=ask, options={"num_predict": 2})
     assert short.eval_count <= 2
+
+
+def test_a_models_temperature_holds_over_openai_unless_the_request_sends_one(srv, client):
+    """``PARAMETER temperature 0``: an OpenAI request without ``temperature`` stays greedy (OpenAI's default 1.0
+    does not override the model's), Anthropic's too; a request that sends a value (OpenAI's 1.0, or 0.8, the
+    engine's default, through Ollama's options) gets it: the same text as the base model at that temperature with
+    the same seed, which is not the greedy text."""
+    import anthropic
+    import openai
+
+    client.create(model="cold", from_=DEFAULT_MODEL, parameters={"temperature": 0})
+    oa = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    an = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "Write one unusual word."}]
+
+    def openai_text(model: str, **kw) -> str:
+        r = oa.chat.completions.create(model=model, messages=ask, max_tokens=12, **kw)
+        return r.choices[0].message.content or ""
+
+    def ollama_text(model: str, **options) -> str:
+        return client.chat(model=model, messages=ask, options={"num_predict": 12, **options}).message.content or ""
+
+    greedy = ollama_text(DEFAULT_MODEL, temperature=0)
+    assert openai_text("cold") == openai_text("cold", seed=7) == greedy
+    r = an.messages.create(model="cold", max_tokens=12, messages=ask)
+    assert r.content[0].text == greedy
+    hot = openai_text("cold", temperature=1.0, seed=7)
+    assert hot == openai_text(DEFAULT_MODEL, temperature=1.0, seed=7) != greedy
+    warm = ollama_text("cold", temperature=0.8, seed=7)
+    assert warm == ollama_text(DEFAULT_MODEL, temperature=0.8, seed=7) != greedy
