@@ -89,7 +89,7 @@ def projector_beside(path: Path) -> Path | None:
 @dataclass
 class InstalledModel:
     name: str
-    digest: str  # "sha256:<hex>"
+    digest: str  # "sha256:<hex>" of the weights (the GGUF blob): blobs, the prompt cache and MLX builds key on it
     path: Path  # the .gguf
     size: int
     modified: datetime
@@ -112,8 +112,21 @@ class InstalledModel:
         return self.derived.from_ or None if self.derived is not None else None
 
     @property
+    def model_digest(self) -> str:
+        """What identifies the model to its users (``list``'s ID, ``/api/tags``' and ``/api/ps``' digest, ``show``):
+        the weights' digest, or for a created model that adds anything, the sha256 of what it is (the weights, the
+        projector and what it adds), as Ollama gives a created model its own manifest digest. A created model and
+        its base thus differ, a ``cp`` copy shares its source's, and the same Modelfile over the same weights
+        gives the same one again (names and times are not part of it)."""
+        if self.derived is None or not any(v for v in self.derived.as_dict().values()):
+            return self.digest
+        what = {"weights": self.digest, "projector": self.projector.digest if self.projector else None,
+                "adds": self.derived.as_dict()}
+        return "sha256:" + hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+    @property
     def short_id(self) -> str:
-        return self.digest.removeprefix("sha256:")[:12]
+        return self.model_digest.removeprefix("sha256:")[:12]
 
     @property
     def formats(self) -> list[str]:
@@ -136,7 +149,8 @@ class InstalledModel:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "digest": self.digest, "path": str(self.path), "size": self.size,
+            "name": self.name, "digest": self.digest, "model_digest": self.model_digest, "path": str(self.path),
+            "size": self.size,
             "modified": self.modified.isoformat(), "source": self.source, "local": self.local,
             "quant": self.quant, "catalog": self.catalog.name if self.catalog else None,
             "mlx_path": str(self.mlx_path) if self.mlx_path else None, "formats": self.formats,

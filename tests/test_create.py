@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,49 @@ def test_rm_of_the_base_keeps_the_blob_a_derived_model_needs(store):
     assert [(m.name, m.base) for m in store.list()] == [("terse", DEFAULT_MODEL)]
     store.remove("terse")
     assert not blob.exists()  # the last user of the blob went: the blob goes too
+
+
+def test_a_created_model_has_its_own_digest_a_copy_shares_it_and_rm_keeps_what_others_use(store):
+    """Ollama gives a created model its own manifest digest: ``list``'s ID and ``/api/tags``' digest differ from
+    the base's, a ``cp`` copy keeps its source's, the same Modelfile again gives the same one; the weights'
+    digest (blobs, the prompt cache) stays shared, so ``rm`` of either keeps what the other uses."""
+    from localllm.local import installed
+
+    base = store.get(DEFAULT_MODEL)
+    assert base.model_digest == base.digest  # a pulled model: its weights' digest, as before
+    m = store.create("terse", parse(TERSE))
+    assert m.digest == base.digest and m.model_digest != base.model_digest and m.short_id != base.short_id
+    assert installed(m).digest == m.model_digest and installed(m).weights_digest == base.digest
+    again = store.create("terse2", parse(TERSE))
+    assert again.model_digest == m.model_digest  # names and times are not part of it
+    other = store.create("warmer", parse(TERSE.replace("temperature 0", "temperature 0.5")))
+    assert other.model_digest not in (m.model_digest, base.model_digest)
+    assert store.copy("terse", "terse-copy").model_digest == m.model_digest
+    assert store.create("plain", parse(f"FROM {DEFAULT_MODEL}\n")).model_digest == base.digest  # adds nothing
+    store.remove("terse")
+    assert store.get("terse-copy").path.is_file()
+    store.remove(DEFAULT_MODEL)
+    assert store.get("terse2").path == base.path and base.path.is_file()
+    for name in ("terse2", "warmer", "terse-copy", "plain"):
+        store.remove(name)
+    assert not base.path.exists()
+
+
+def test_a_created_model_and_its_base_load_apart_with_their_own_settings(store):
+    """The scheduler keys loaded models by name: the base and a created model over the same blob with another
+    ``num_ctx`` are two loaded models, each with its own context and digest (``ps``), and each request gets its
+    own model's settings."""
+    m = store.create("small-ctx", parse(f"FROM {DEFAULT_MODEL}\nPARAMETER num_ctx 256\nPARAMETER num_predict 2\n"))
+    base = store.get(DEFAULT_MODEL)
+    with Engine(store, keep_alive=60) as engine:
+        req = GenerateRequest(prompt="One, two,", sampling=Sampling(temperature=0.0, seed=0, max_tokens=-1))
+        _, small = _answer(engine, "small-ctx", req)
+        _, full = _answer(engine, DEFAULT_MODEL, replace(req, sampling=Sampling(temperature=0, max_tokens=4)))
+        loaded = {r.name: r for r in engine.ps()}
+        assert set(loaded) == {"small-ctx", DEFAULT_MODEL}
+        assert loaded["small-ctx"].info.n_ctx == 256 and loaded[DEFAULT_MODEL].info.n_ctx != 256
+        assert (loaded["small-ctx"].digest, loaded[DEFAULT_MODEL].digest) == (m.model_digest, base.digest)
+        assert small.stats.eval_count <= 2 and full.stats.eval_count == 4
 
 
 def test_a_model_made_from_a_derived_one_layers_over_it(store):
@@ -194,7 +238,9 @@ def test_cli_create_list_show_modelfile_and_stdin(cli_home, tmp_path):
     assert r.stderr.splitlines()[-1] == "success"
     listed = _cli("list").stdout.splitlines()
     assert listed[0].split() == ["NAME", "ID", "SIZE", "FORMATS", "MODIFIED", "FROM"]
-    assert next(line for line in listed if line.startswith("terse ")).split()[-1] == DEFAULT_MODEL
+    terse = next(line for line in listed if line.startswith("terse ")).split()
+    assert terse[-1] == DEFAULT_MODEL
+    assert terse[1] != next(line for line in listed if line.startswith(DEFAULT_MODEL + " ")).split()[1]  # own ID
     shown = _cli("show", "terse", "--modelfile")
     assert shown.returncode == 0, shown.stderr
     assert parse(shown.stdout) == Modelfile(from_=DEFAULT_MODEL, **{

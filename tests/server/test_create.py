@@ -50,6 +50,10 @@ def test_create_from_a_model_streams_status_and_show_round_trips(srv, client):
     assert shown.details is not None and shown.details.parent_model == DEFAULT_MODEL
     listed = {m.model: m for m in client.list().models}
     assert listed["pirate"].details is not None and listed["pirate"].details.parent_model == DEFAULT_MODEL
+    assert listed["pirate"].digest != listed[DEFAULT_MODEL].digest  # its own, as Ollama's manifest digest
+    client.chat(model="pirate", messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 1})
+    loaded = {m.model: m for m in client.ps().models}
+    assert loaded["pirate"].digest == listed["pirate"].digest
 
 
 def test_create_with_files_uploads_the_blob_first(srv, client, tmp_path):
