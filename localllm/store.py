@@ -209,6 +209,11 @@ class _Reporter:
         self.completed += n
         self._emit(force=self.completed >= self.total > 0)
 
+    def update(self, completed: int, total: int) -> None:
+        """Where a phase stands (a quantization: the output's bytes so far against its planned size)."""
+        self.completed, self.total = completed, total
+        self._emit(force=completed >= total > 0)
+
     def _emit(self, force: bool = False) -> None:
         if self.progress is None:
             return
@@ -1109,7 +1114,7 @@ class Store:
                   what: str) -> dict[str, Any]:
         """The manifest fields of ``data``'s weights quantized to ``type_name`` (a new blob)."""
         from backends.base import BackendError
-        from backends.quantize import canonical_type, quantize
+        from backends.quantize import canonical_type, planned_size, quantize
         from localllm.download import check_free_space, sha256_file
 
         try:
@@ -1133,10 +1138,11 @@ class Store:
                 pass
         check_free_space(self.paths.downloads, src.stat().st_size, what)
         tmp = self.paths.downloads / f"quantize-{key.lower()}.{os.getpid()}.{threading.get_ident()}.partial"
-        rep.phase(f"quantizing {have} model to {key}")
         t0 = time.monotonic()
-        try:
-            quantize(src, tmp, key, allow_requantize=requantize)
+        planned = planned_size(src, key, allow_requantize=requantize)  # exact: llama.cpp's plan (0 = unknown)
+        rep.phase(f"quantizing {have} model to {key}", total=planned)
+        try:  # progress: the output's bytes against the planned size (Ollama's total/completed)
+            quantize(src, tmp, key, allow_requantize=requantize, progress=rep.update, planned=planned)
             rep.phase("verifying sha256 digest", total=tmp.stat().st_size)
             hexdigest = sha256_file(tmp, rep.add)
             if not self.blob_path(hexdigest).is_file():

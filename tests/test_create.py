@@ -390,6 +390,66 @@ def test_quantize_q8_0_and_q4_k_m_from_the_f32_variant(f32_store, capsys):
     assert len(ref) == 32 and agree8 >= 4  # Q8_0 is near-lossless: it follows F32 for a while at least
 
 
+def test_quantize_reports_its_progress_in_bytes_of_the_planned_size(f32_store, monkeypatch):
+    """llama.cpp's quantizer has no progress callback: the output file's size is polled against the size
+    llama.cpp's own plan (its dry run) gives, which is the finished file's size exactly; the phase's events climb
+    to it, and the last says how big the result is."""
+    import backends.quantize
+
+    monkeypatch.setattr(backends.quantize, "POLL_SECONDS", 0.01)  # several polls however fast this machine is
+    events: list[tuple[str, int, int]] = []
+    q4 = f32_store.create("smol-q4km", parse("FROM smol-f32\n"), quantize="q4_K_M",
+                          progress=lambda p: events.append((p.status, p.completed, p.total)))
+    phase = [(done, total) for status, done, total in events if status == "quantizing F32 model to Q4_K_M"]
+    assert phase[-1] == (q4.size, q4.size) and all(total == q4.size for _, total in phase)
+    assert [done for done, _ in phase] == sorted(done for done, _ in phase)
+    assert any(0 < done < q4.size for done, _ in phase)  # in between, not only the start and the end
+    assert backends.quantize.planned_size(f32_store.get("smol-f32").path, "q8_0") == f32_store.create(
+        "smol-q8", parse("FROM smol-f32\n"), quantize="q8_0").size
+    assert any(status.startswith(f"quantized to Q4_K_M: {q4.size:,} bytes") for status, _, _ in events)
+
+
+def test_cli_quantize_shows_a_bar_on_a_terminal_and_lines_when_piped(cli_home):
+    """``localllm quantize`` piped: a line when the phase starts (with the planned size) and a percentage line;
+    on a terminal, rich's bar as ``pull`` draws it. The last line (stdout) gives the new model's type and size."""
+    import os
+    import pty
+
+    r = _cli("quantize", DEFAULT_MODEL, "f32", "smol-f32", "--requantize")
+    assert r.returncode == 0, r.stderr
+    assert "quantizing Q4_1 model to F32 (540 MB)" in r.stderr.splitlines()
+    assert any(line.startswith("quantizing Q4_1 model to F32: 100% 540 MB/540 MB") for line in r.stderr.splitlines())
+    assert r.stdout == "created 'smol-f32' (F32, 540 MB)\n"
+    r = _cli("create", "smol-q4", "-f", "-", "--quantize", "q4_K_M", stdin="FROM smol-f32\nSYSTEM Be brief.\n")
+    assert r.returncode == 0, r.stderr
+    assert any(line.startswith("quantizing F32 model to Q4_K_M: 100% 105 MB/105 MB") for line in r.stderr.splitlines())
+    assert r.stdout == "created 'smol-q4' from 'smol-f32' (Q4_K_M, 105 MB)\n"
+    leader, follower = pty.openpty()
+    try:
+        p = subprocess.run([sys.executable, "-m", "localllm", "quantize", "smol-f32", "q8_0", "smol-q8"],
+                           stdout=subprocess.PIPE, stderr=follower, text=True, timeout=300,
+                           env={**os.environ, "COLUMNS": "120", "TERM": "xterm"})
+        os.close(follower)
+        follower = -1
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the pty's other end is closed: all was read
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    text = shown.decode(errors="replace")
+    assert p.returncode == 0, text
+    assert "quantizing F32 model to Q8_0" in text and "━" in text and "144.8/144.8 MB" in text
+    assert p.stdout == "created 'smol-q8' (Q8_0, 145 MB)\n"
+
+
 def test_quantize_refusals_are_one_sentence(f32_store):
     store = f32_store
     with pytest.raises(LocalLLMError, match=r"^Unknown quantization type 'q3_banana': llama.cpp's quantizer takes "):

@@ -9,6 +9,7 @@ import httpx
 import ollama
 import pytest
 
+from localllm.modelfile import Modelfile
 from tests.support import DEFAULT_MODEL, TEST_HOME, install_copy, private_paths
 
 
@@ -163,3 +164,18 @@ def test_a_models_temperature_holds_over_openai_unless_the_request_sends_one(srv
     assert hot == openai_text(DEFAULT_MODEL, temperature=1.0, seed=7) != greedy
     warm = ollama_text("cold", temperature=0.8, seed=7)
     assert warm == ollama_text(DEFAULT_MODEL, temperature=0.8, seed=7) != greedy
+
+
+def test_create_with_quantize_streams_byte_progress(srv, client, monkeypatch):
+    """``/api/create`` with ``quantize``: the quantizing phase streams ``total`` (llama.cpp's planned size of the
+    file, which is the result's size) and a climbing ``completed``, as ``/api/pull`` streams a download."""
+    import backends.quantize
+
+    monkeypatch.setattr(backends.quantize, "POLL_SECONDS", 0.01)
+    srv.engine.store.create("smol-f32", Modelfile(from_=DEFAULT_MODEL), quantize="f32", requantize=True)
+    lines = list(client.create(model="smol-q8", from_="smol-f32", quantize="q8_0", stream=True))
+    phase = [(p.completed, p.total) for p in lines if p.status == "quantizing F32 model to Q8_0"]
+    size = srv.engine.store.get("smol-q8").size
+    assert phase and all(total == size for _, total in phase) and phase[-1] == (size, size)
+    assert any(0 < (done or 0) < size for done, _ in phase)
+    assert lines[-1].status == "success"
