@@ -128,11 +128,11 @@ class Sampling:
     # Backends ignore it.
     given: frozenset[str] | None = None
 
-    def set(self, **values: Any) -> None:
+    def choose(self, **values: Any) -> None:
         """Set fields as the caller's choice (recorded in :attr:`given`).
 
         >>> s = Sampling()
-        >>> s.set(temperature=0.8)
+        >>> s.choose(temperature=0.8)
         >>> sorted(s.chosen())
         ['temperature']
         """

@@ -351,11 +351,11 @@ def build_settings(
         raise LocalLLMError(f"--temperature must be 0 or more, got {temperature}.")
     sampling = Sampling(given=frozenset())  # a flag given is the user's choice, over a created model's PARAMETER
     if temperature is not None:
-        sampling.set(temperature=temperature)
+        sampling.choose(temperature=temperature)
     if seed is not None:
-        sampling.set(seed=seed)
+        sampling.choose(seed=seed)
     if num_predict is not None:
-        sampling.set(max_tokens=num_predict)
+        sampling.choose(max_tokens=num_predict)
     load = LoadOptions(
         num_ctx=num_ctx,
         kv_cache_type=kv_cache.lower() if kv_cache else None,

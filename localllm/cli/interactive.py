@@ -491,7 +491,7 @@ class Repl:
                 return
             s.load = replace(s.load, num_ctx=value)  # the engine reloads with it on the next answer
         else:
-            s.sampling.set(**{attr: value})  # the user's choice: it wins over the model's PARAMETER
+            s.sampling.choose(**{attr: value})  # the user's choice: it wins over the model's PARAMETER
         shown = ", ".join(values) if kind is list else values[0]
         self._say(f"Set parameter '{name}' to '{shown}'")
 
