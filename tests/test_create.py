@@ -86,13 +86,16 @@ def test_a_created_model_has_its_own_digest_a_copy_shares_it_and_rm_keeps_what_o
     assert other.model_digest not in (m.model_digest, base.model_digest)
     assert store.copy("terse", "terse-copy").model_digest == m.model_digest
     assert store.create("plain", parse(f"FROM {DEFAULT_MODEL}\n")).model_digest == base.digest  # adds nothing
+    cache = store.paths.prompt_cache / base.digest.removeprefix("sha256:")  # the weights' saved prefixes
+    cache.mkdir(parents=True)
+    (cache / "entry").write_bytes(b"kv")
     store.remove("terse")
-    assert store.get("terse-copy").path.is_file()
+    assert store.get("terse-copy").path.is_file() and cache.is_dir()
     store.remove(DEFAULT_MODEL)
-    assert store.get("terse2").path == base.path and base.path.is_file()
-    for name in ("terse2", "warmer", "terse-copy", "plain"):
+    assert store.get("terse2").path == base.path and base.path.is_file() and cache.is_dir()
+    for name in ("plain", "terse2", "warmer", "terse-copy"):  # the last one is a created model
         store.remove(name)
-    assert not base.path.exists()
+    assert not base.path.exists() and not cache.exists()  # the last user of the weights went: their cache too
 
 
 def test_a_created_model_and_its_base_load_apart_with_their_own_settings(store):
