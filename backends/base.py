@@ -121,6 +121,37 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     # token id -> added to its logit before sampling (OpenAI's logit_bias: -100 bans a token, +100 all but forces it)
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # The fields the caller chose (a request's options, a flag, ``/set``), by these names: they win over what a
+    # created model's PARAMETERs say even when they equal the default (``temperature: 0.8`` over ``PARAMETER
+    # temperature 0``); the model's PARAMETERs fill in the others. None = not tracked (a library caller that
+    # builds ``Sampling(temperature=0.5)``): then a field that differs from its default counts as chosen.
+    # Backends ignore it.
+    given: frozenset[str] | None = None
+
+    def choose(self, **values: Any) -> None:
+        """Set fields as the caller's choice (recorded in :attr:`given`).
+
+        >>> s = Sampling()
+        >>> s.choose(temperature=0.8)
+        >>> sorted(s.chosen())
+        ['temperature']
+        """
+        for key, value in values.items():
+            if key not in _SAMPLING_CHOICES:
+                raise TypeError(f"Sampling has no field {key!r}")
+            setattr(self, key, value)
+        self.given = self.chosen() | frozenset(values)
+
+    def chosen(self) -> frozenset[str]:
+        """The fields the caller chose: :attr:`given`, or where untracked, those that differ from the defaults."""
+        if self.given is not None:
+            return self.given
+        default = Sampling()
+        return frozenset(k for k in _SAMPLING_CHOICES if getattr(self, k) != getattr(default, k))
+
+
+_SAMPLING_CHOICES = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+                     "presence_penalty", "frequency_penalty", "seed", "max_tokens", "stop", "logit_bias")
 
 
 @dataclass

@@ -1,15 +1,18 @@
-"""llama.cpp's own benchmark tools (``llama-bench``, ``llama-batched-bench``), built from the llama-cpp-python
-sdist the project pins, so the ceilings we measure against run the very llama.cpp our backend links.
+"""llama.cpp's own tools (``llama-bench``, ``llama-batched-bench``, ``llama-quantize``), built from the
+llama-cpp-python sdist the project pins, so the ceilings we measure against run the very llama.cpp our backend
+links.
 
-    python benchmarks/llama_tools.py            # build if missing (idempotent), print the binaries' paths
-    python benchmarks/llama_tools.py --rebuild  # configure and build again
+    python benchmarks/llama_tools.py                         # build if missing (idempotent), print the paths
+    python benchmarks/llama_tools.py --target llama-quantize # only that one (and what it links)
+    python benchmarks/llama_tools.py --rebuild               # configure and build again
 
 Where: ``$LOCALLLM_BENCH_TOOLS`` if set, else ``~/.cache/localllm-bench/llama.cpp-<version>/`` (outside the
 repository: neither the sdist nor the binaries are ever committed). Steps, each skipped when its result is
 already there: ``pip download --no-binary :all: --no-deps llama-cpp-python==<version>`` into ``sdist/``,
 unpack it, ``cmake`` in ``vendor/llama.cpp`` (Release, CPU, ``-DLLAMA_CURL=OFF``, static, plus ``$CMAKE_ARGS``
 as llama-cpp-python's own build takes them: the README's no-AMX flags give the ceiling the same build), build only the
-two targets with ``-j2`` under ``nice -n 10`` (the machine is shared). A lock file keeps two benchmark
+targets asked for (all of :data:`TARGETS` by default; :func:`tool` builds the one it needs) with ``-j2`` under
+``nice -n 10`` (the machine is shared). A lock file keeps two benchmark
 scripts from building at once. The version is the installed llama-cpp-python's (else the pinned one).
 
 Benchmark scripts call :func:`tool` for a binary's path, :func:`llama_bench` and :func:`llama_batched_bench`
@@ -31,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 PINNED = "0.3.36"
-TARGETS = ("llama-bench", "llama-batched-bench")
+TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize")
 
 
 def version() -> str:
@@ -86,13 +89,14 @@ def _source(root: Path, ver: str) -> Path:
     return src
 
 
-def build(rebuild: bool = False) -> dict[str, Path]:
-    """Build (if needed) and return {target: path}. Idempotent; safe to call from several processes."""
+def build(rebuild: bool = False, targets: tuple[str, ...] = TARGETS) -> dict[str, Path]:
+    """Build ``targets`` (if needed) and return {target: path}. Idempotent; safe to call from several
+    processes."""
     ver = version()
     root = home(ver)
     root.mkdir(parents=True, exist_ok=True)
     bin_dir = root / "build" / "bin"
-    paths = {t: bin_dir / t for t in TARGETS}
+    paths = {t: bin_dir / t for t in targets}
     if not rebuild and all(p.exists() and os.access(p, os.X_OK) for p in paths.values()):
         return paths
     with open(root / ".lock", "w") as lock:
@@ -109,7 +113,7 @@ def build(rebuild: bool = False) -> dict[str, Path]:
             _run([*nice, "cmake", "-S", str(src), "-B", str(bdir), *gen, "-DCMAKE_BUILD_TYPE=Release",
                   "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF",
                   "-DLLAMA_BUILD_TESTS=OFF", *shlex.split(os.environ.get("CMAKE_ARGS", ""))])
-        _run([*nice, "cmake", "--build", str(bdir), "--config", "Release", "-j2", "--target", *TARGETS])
+        _run([*nice, "cmake", "--build", str(bdir), "--config", "Release", "-j2", "--target", *targets])
         missing = [str(p) for p in paths.values() if not p.exists()]
         if missing:
             raise SystemExit(f"the build finished without {', '.join(missing)}")
@@ -117,10 +121,10 @@ def build(rebuild: bool = False) -> dict[str, Path]:
 
 
 def tool(name: str) -> Path:
-    """Path of a llama.cpp tool (``llama-bench`` or ``llama-batched-bench``), built on first use."""
+    """Path of a llama.cpp tool (one of :data:`TARGETS`), built on first use (only it)."""
     if name not in TARGETS:
         raise ValueError(f"unknown tool {name!r}; one of {TARGETS}")
-    return build()[name]
+    return build(targets=(name,))[name]
 
 
 def llama_bench(model: Path | str, *, threads: int, flash_attn: str = "auto", n_prompt: int = 512,
@@ -152,8 +156,9 @@ def llama_batched_bench(model: Path | str, *, threads: int, n_prompt: int = 32, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rebuild", action="store_true")
+    ap.add_argument("--target", action="append", choices=TARGETS, help="build only this one (repeatable)")
     args = ap.parse_args()
-    for name, path in build(rebuild=args.rebuild).items():
+    for name, path in build(rebuild=args.rebuild, targets=tuple(args.target or TARGETS)).items():
         print(f"{name}\t{path}")
 
 

@@ -53,7 +53,7 @@ class Installed:
     :meth:`Models.show`); the fields below ``capabilities`` are known in-process only."""
 
     name: str
-    digest: str = ""  # "sha256:<hex>"
+    digest: str = ""  # "sha256:<hex>": the model's (a created model's own, not its base's: store.model_digest)
     size: int = 0  # bytes of the weights file
     modified: datetime | None = None
     formats: list[str] = field(default_factory=list)  # ["GGUF"], ["GGUF", "MLX"]; [] when a server does not say
@@ -73,6 +73,7 @@ class Installed:
     system: str | None = None  # a created model's SYSTEM
     # in-process only
     path: str | None = None  # the .gguf
+    weights_digest: str | None = None  # the .gguf's sha256 (a created model shares its base's)
     source: str = ""
     local: bool = False  # a .gguf path used in place
     quant: str | None = None  # the quant the catalog name asked for

@@ -154,18 +154,28 @@ def running_from_ps(d: JSON) -> Running:
 
 
 def options_json(request: GenerateRequest | None = None, options: LoadOptions | None = None) -> JSON:
-    """Sampling (+ LoadOptions) → Ollama ``options``."""
+    """Sampling (+ LoadOptions) → Ollama ``options``: only the sampling fields the caller chose
+    (:meth:`~localllm.engine.Sampling.chosen`), so the server's model keeps its PARAMETERs for the others (sending
+    every default would override a created model's ``temperature 0`` with 0.8).
+
+    >>> from localllm.engine import GenerateRequest, Sampling
+    >>> chose = Sampling(temperature=0.8, top_k=40, given=frozenset({"temperature"}))
+    >>> options_json(GenerateRequest(prompt="x", sampling=chose))
+    {'temperature': 0.8}
+    """
     out: JSON = {}
     if request is not None:
         s = request.sampling
-        out.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                   repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n,
-                   presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)
-        if s.seed is not None:
-            out["seed"] = s.seed
-        if s.max_tokens is not None and s.max_tokens >= 0:
+        chosen = s.chosen()
+        for key in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+                    "presence_penalty", "frequency_penalty"):
+            if key in chosen:
+                out[key] = getattr(s, key)
+        if "seed" in chosen:
+            out["seed"] = -1 if s.seed is None else s.seed
+        if "max_tokens" in chosen:
             out["num_predict"] = s.max_tokens
-        if s.stop:
+        if "stop" in chosen:
             out["stop"] = list(s.stop)
     if options is not None:
         for key, value in (("num_ctx", options.num_ctx), ("num_gpu", options.num_gpu),

@@ -330,7 +330,7 @@ class Engine:
         now = time.monotonic()
         running = RunningModel(
             name=model.name,
-            digest=model.digest,
+            digest=model.model_digest,  # a created model's own, not its base's (ps)
             model=loaded,
             options=options,
             plan=p,

@@ -46,7 +46,8 @@ def installed(m: InstalledModel) -> Installed:
     """The store's record as the faces see it."""
     info = m.info
     return Installed(
-        name=m.name, digest=m.digest, size=m.size, modified=m.modified, formats=list(m.formats),
+        name=m.name, digest=m.model_digest, weights_digest=m.digest, size=m.size, modified=m.modified,
+        formats=list(m.formats),
         architecture=str(info.get("architecture") or ""), parameters=int(info.get("parameters") or 0),
         quantization=str(info.get("file_type") or m.quant or ""),
         context_length=int(info.get("context_length") or 0), embedding_length=int(info.get("n_embd") or 0),

@@ -380,8 +380,10 @@ def check_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ applying a model's
 # Ollama's layering: what a request sets wins over the model's PARAMETERs, which win over the defaults. A
-# request's sampling reaches the engine as a filled-in Sampling, so a field still at Sampling's default counts as
-# "not set by the request" (an explicit request value equal to the default does not override the Modelfile).
+# request's sampling reaches the engine as a filled-in Sampling that names the fields the request chose
+# (``Sampling.given``, filled by every face): those win even when they equal the default (``temperature: 0.8``
+# over ``PARAMETER temperature 0``); the model's PARAMETERs replace the rest (an API's own defaults too, as
+# OpenAI's temperature 1.0).
 _SAMPLING_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                     "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
                     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
@@ -389,20 +391,21 @@ _SAMPLING_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "to
 
 
 def apply_to_request(mf: Modelfile, request: GenerateRequest) -> GenerateRequest:
-    """``request`` with what a derived model adds: its PARAMETERs where the request left the sampling at its
-    default, and for a chat its SYSTEM (unless the request starts with its own system message) and its MESSAGE
-    history, between the system message and the request's turns. A raw prompt takes the parameters only."""
+    """``request`` with what a derived model adds: its PARAMETERs where the request did not choose the sampling
+    field (:meth:`~backends.base.Sampling.chosen`), and for a chat its SYSTEM (unless the request starts with its
+    own system message) and its MESSAGE history, between the system message and the request's turns. A raw
+    prompt takes the parameters only."""
     from dataclasses import fields, replace
 
     from backends.base import Sampling
 
-    default = Sampling()
+    chosen = request.sampling.chosen()
     changes: dict[str, Any] = {}
     names = {f.name for f in fields(Sampling)}
     for key, attr in _SAMPLING_FIELDS.items():
         if key not in mf.parameters or attr not in names:
             continue
-        if getattr(request.sampling, attr) != getattr(default, attr):
+        if attr in chosen:
             continue  # the request set it
         value = mf.parameters[key]
         if key == "seed":

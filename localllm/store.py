@@ -89,7 +89,7 @@ def projector_beside(path: Path) -> Path | None:
 @dataclass
 class InstalledModel:
     name: str
-    digest: str  # "sha256:<hex>"
+    digest: str  # "sha256:<hex>" of the weights (the GGUF blob): blobs, the prompt cache and MLX builds key on it
     path: Path  # the .gguf
     size: int
     modified: datetime
@@ -112,8 +112,21 @@ class InstalledModel:
         return self.derived.from_ or None if self.derived is not None else None
 
     @property
+    def model_digest(self) -> str:
+        """What identifies the model to its users (``list``'s ID, ``/api/tags``' and ``/api/ps``' digest, ``show``):
+        the weights' digest, or for a created model that adds anything, the sha256 of what it is (the weights, the
+        projector and what it adds), as Ollama gives a created model its own manifest digest. A created model and
+        its base thus differ, a ``cp`` copy shares its source's, and the same Modelfile over the same weights
+        gives the same one again (names and times are not part of it)."""
+        if self.derived is None or not any(v for v in self.derived.as_dict().values()):
+            return self.digest
+        what = {"weights": self.digest, "projector": self.projector.digest if self.projector else None,
+                "adds": self.derived.as_dict()}
+        return "sha256:" + hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+    @property
     def short_id(self) -> str:
-        return self.digest.removeprefix("sha256:")[:12]
+        return self.model_digest.removeprefix("sha256:")[:12]
 
     @property
     def formats(self) -> list[str]:
@@ -136,7 +149,8 @@ class InstalledModel:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "digest": self.digest, "path": str(self.path), "size": self.size,
+            "name": self.name, "digest": self.digest, "model_digest": self.model_digest, "path": str(self.path),
+            "size": self.size,
             "modified": self.modified.isoformat(), "source": self.source, "local": self.local,
             "quant": self.quant, "catalog": self.catalog.name if self.catalog else None,
             "mlx_path": str(self.mlx_path) if self.mlx_path else None, "formats": self.formats,
@@ -194,6 +208,11 @@ class _Reporter:
     def add(self, n: int) -> None:
         self.completed += n
         self._emit(force=self.completed >= self.total > 0)
+
+    def update(self, completed: int, total: int) -> None:
+        """Where a phase stands (a quantization: the output's bytes so far against its planned size)."""
+        self.completed, self.total = completed, total
+        self._emit(force=completed >= total > 0)
 
     def _emit(self, force: bool = False) -> None:
         if self.progress is None:
@@ -1095,7 +1114,7 @@ class Store:
                   what: str) -> dict[str, Any]:
         """The manifest fields of ``data``'s weights quantized to ``type_name`` (a new blob)."""
         from backends.base import BackendError
-        from backends.quantize import canonical_type, quantize
+        from backends.quantize import canonical_type, planned_size, quantize
         from localllm.download import check_free_space, sha256_file
 
         try:
@@ -1119,10 +1138,11 @@ class Store:
                 pass
         check_free_space(self.paths.downloads, src.stat().st_size, what)
         tmp = self.paths.downloads / f"quantize-{key.lower()}.{os.getpid()}.{threading.get_ident()}.partial"
-        rep.phase(f"quantizing {have} model to {key}")
         t0 = time.monotonic()
-        try:
-            quantize(src, tmp, key, allow_requantize=requantize)
+        planned = planned_size(src, key, allow_requantize=requantize)  # exact: llama.cpp's plan (0 = unknown)
+        rep.phase(f"quantizing {have} model to {key}", total=planned)
+        try:  # progress: the output's bytes against the planned size (Ollama's total/completed)
+            quantize(src, tmp, key, allow_requantize=requantize, progress=rep.update, planned=planned)
             rep.phase("verifying sha256 digest", total=tmp.stat().st_size)
             hexdigest = sha256_file(tmp, rep.add)
             if not self.blob_path(hexdigest).is_file():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,52 @@ def test_rm_of_the_base_keeps_the_blob_a_derived_model_needs(store):
     assert [(m.name, m.base) for m in store.list()] == [("terse", DEFAULT_MODEL)]
     store.remove("terse")
     assert not blob.exists()  # the last user of the blob went: the blob goes too
+
+
+def test_a_created_model_has_its_own_digest_a_copy_shares_it_and_rm_keeps_what_others_use(store):
+    """Ollama gives a created model its own manifest digest: ``list``'s ID and ``/api/tags``' digest differ from
+    the base's, a ``cp`` copy keeps its source's, the same Modelfile again gives the same one; the weights'
+    digest (blobs, the prompt cache) stays shared, so ``rm`` of either keeps what the other uses."""
+    from localllm.local import installed
+
+    base = store.get(DEFAULT_MODEL)
+    assert base.model_digest == base.digest  # a pulled model: its weights' digest, as before
+    m = store.create("terse", parse(TERSE))
+    assert m.digest == base.digest and m.model_digest != base.model_digest and m.short_id != base.short_id
+    assert installed(m).digest == m.model_digest and installed(m).weights_digest == base.digest
+    again = store.create("terse2", parse(TERSE))
+    assert again.model_digest == m.model_digest  # names and times are not part of it
+    other = store.create("warmer", parse(TERSE.replace("temperature 0", "temperature 0.5")))
+    assert other.model_digest not in (m.model_digest, base.model_digest)
+    assert store.copy("terse", "terse-copy").model_digest == m.model_digest
+    assert store.create("plain", parse(f"FROM {DEFAULT_MODEL}\n")).model_digest == base.digest  # adds nothing
+    cache = store.paths.prompt_cache / base.digest.removeprefix("sha256:")  # the weights' saved prefixes
+    cache.mkdir(parents=True)
+    (cache / "entry").write_bytes(b"kv")
+    store.remove("terse")
+    assert store.get("terse-copy").path.is_file() and cache.is_dir()
+    store.remove(DEFAULT_MODEL)
+    assert store.get("terse2").path == base.path and base.path.is_file() and cache.is_dir()
+    for name in ("plain", "terse2", "warmer", "terse-copy"):  # the last one is a created model
+        store.remove(name)
+    assert not base.path.exists() and not cache.exists()  # the last user of the weights went: their cache too
+
+
+def test_a_created_model_and_its_base_load_apart_with_their_own_settings(store):
+    """The scheduler keys loaded models by name: the base and a created model over the same blob with another
+    ``num_ctx`` are two loaded models, each with its own context and digest (``ps``), and each request gets its
+    own model's settings."""
+    m = store.create("small-ctx", parse(f"FROM {DEFAULT_MODEL}\nPARAMETER num_ctx 256\nPARAMETER num_predict 2\n"))
+    base = store.get(DEFAULT_MODEL)
+    with Engine(store, keep_alive=60) as engine:
+        req = GenerateRequest(prompt="One, two,", sampling=Sampling(temperature=0.0, seed=0, max_tokens=-1))
+        _, small = _answer(engine, "small-ctx", req)
+        _, full = _answer(engine, DEFAULT_MODEL, replace(req, sampling=Sampling(temperature=0, max_tokens=4)))
+        loaded = {r.name: r for r in engine.ps()}
+        assert set(loaded) == {"small-ctx", DEFAULT_MODEL}
+        assert loaded["small-ctx"].info.n_ctx == 256 and loaded[DEFAULT_MODEL].info.n_ctx != 256
+        assert (loaded["small-ctx"].digest, loaded[DEFAULT_MODEL].digest) == (m.model_digest, base.digest)
+        assert small.stats.eval_count <= 2 and full.stats.eval_count == 4
 
 
 def test_a_model_made_from_a_derived_one_layers_over_it(store):
@@ -129,6 +176,46 @@ def test_a_request_gets_the_models_system_history_and_parameters_where_it_left_t
     assert raw.prompt == "p" and raw.sampling.stop == ["END"]
 
 
+def test_a_value_the_request_chose_wins_even_when_it_is_the_default(store):
+    """``temperature: 0.8`` (the engine's default) chosen by a request overrides ``PARAMETER temperature 0``, from
+    every face: Ollama's options, OpenAI's and Anthropic's fields, ``run --temperature``, the REPL's ``/set``, the
+    app's settings and the remote client's options; an API's own default (OpenAI's 1.0) does not."""
+    import io
+
+    from localllm.cli.answer import build_settings
+    from localllm.cli.interactive import Repl
+    from localllm.client import options_json
+    from localllm.server.options import api_options, options_of
+    from localllm.session import open_session
+    from localllm.tui.chat import request_from
+
+    mf = Modelfile("b", {"temperature": 0.0, "top_k": 1, "num_predict": 9})
+
+    def applied(sampling: Sampling) -> Sampling:
+        return apply_to_request(mf, GenerateRequest(prompt="p", sampling=sampling)).sampling
+
+    ollama, _ = options_of({"temperature": 0.8, "top_k": 40})
+    assert (applied(ollama).temperature, applied(ollama).top_k, applied(ollama).max_tokens) == (0.8, 40, 9)
+    openai_unset, _ = api_options(None, {"temperature": 1.0, "top_p": 1.0})
+    assert (applied(openai_unset).temperature, applied(openai_unset).top_p) == (0.0, 1.0)  # the model's, then OpenAI's
+    openai_set, _ = api_options(None, {"temperature": 1.0, "top_p": 1.0}, temperature=1.0, max_tokens=3)
+    assert (applied(openai_set).temperature, applied(openai_set).max_tokens) == (1.0, 3)
+    anthropic, _ = api_options(None, temperature=0.8)
+    assert applied(anthropic).temperature == 0.8
+    assert applied(build_settings(temperature=0.8).sampling).temperature == 0.8
+    assert applied(build_settings().sampling).temperature == 0.0
+    tui, _ = request_from([{"role": "user", "content": "hi"}], {"temperature": 0.8, "top_k": ""})
+    assert (applied(tui.sampling).temperature, applied(tui.sampling).top_k) == (0.8, 1)
+    lines = iter(["/set parameter temperature 0.8", "/bye"])
+    with Engine(store, keep_alive=0) as engine:  # /set loads nothing
+        repl = Repl(open_session(engine=engine), DEFAULT_MODEL, build_settings(), out=io.StringIO(),
+                    err=io.StringIO(), read=lambda prompt: next(lines))
+        repl.run()
+    assert applied(repl.settings.sampling).temperature == 0.8
+    remote = options_json(GenerateRequest(prompt="p", sampling=build_settings(temperature=0.8).sampling))
+    assert remote == {"temperature": 0.8}  # only what was chosen: the server's model keeps the rest
+
+
 # ------------------------------------------------------------------------------------------ the CLI
 
 
@@ -154,7 +241,9 @@ def test_cli_create_list_show_modelfile_and_stdin(cli_home, tmp_path):
     assert r.stderr.splitlines()[-1] == "success"
     listed = _cli("list").stdout.splitlines()
     assert listed[0].split() == ["NAME", "ID", "SIZE", "FORMATS", "MODIFIED", "FROM"]
-    assert next(line for line in listed if line.startswith("terse ")).split()[-1] == DEFAULT_MODEL
+    terse = next(line for line in listed if line.startswith("terse ")).split()
+    assert terse[-1] == DEFAULT_MODEL
+    assert terse[1] != next(line for line in listed if line.startswith(DEFAULT_MODEL + " ")).split()[1]  # own ID
     shown = _cli("show", "terse", "--modelfile")
     assert shown.returncode == 0, shown.stderr
     assert parse(shown.stdout) == Modelfile(from_=DEFAULT_MODEL, **{
@@ -302,6 +391,66 @@ def test_quantize_q8_0_and_q4_k_m_from_the_f32_variant(f32_store, capsys):
         print(f"\n[quantize] F32 {f32.size:,} B, Q8_0 {q8.size:,} B, Q4_K_M {q4.size:,} B; greedy tokens agreeing "
               f"with F32 before the first difference (of {len(ref)}): Q8_0 {agree8}, Q4_K_M {agree4}")
     assert len(ref) == 32 and agree8 >= 4  # Q8_0 is near-lossless: it follows F32 for a while at least
+
+
+def test_quantize_reports_its_progress_in_bytes_of_the_planned_size(f32_store, monkeypatch):
+    """llama.cpp's quantizer has no progress callback: the output file's size is polled against the size
+    llama.cpp's own plan (its dry run) gives, which is the finished file's size exactly; the phase's events climb
+    to it, and the last says how big the result is."""
+    import backends.quantize
+
+    monkeypatch.setattr(backends.quantize, "POLL_SECONDS", 0.01)  # several polls however fast this machine is
+    events: list[tuple[str, int, int]] = []
+    q4 = f32_store.create("smol-q4km", parse("FROM smol-f32\n"), quantize="q4_K_M",
+                          progress=lambda p: events.append((p.status, p.completed, p.total)))
+    phase = [(done, total) for status, done, total in events if status == "quantizing F32 model to Q4_K_M"]
+    assert phase[-1] == (q4.size, q4.size) and all(total == q4.size for _, total in phase)
+    assert [done for done, _ in phase] == sorted(done for done, _ in phase)
+    assert any(0 < done < q4.size for done, _ in phase)  # in between, not only the start and the end
+    assert backends.quantize.planned_size(f32_store.get("smol-f32").path, "q8_0") == f32_store.create(
+        "smol-q8", parse("FROM smol-f32\n"), quantize="q8_0").size
+    assert any(status.startswith(f"quantized to Q4_K_M: {q4.size:,} bytes") for status, _, _ in events)
+
+
+def test_cli_quantize_shows_a_bar_on_a_terminal_and_lines_when_piped(cli_home):
+    """``localllm quantize`` piped: a line when the phase starts (with the planned size) and a percentage line;
+    on a terminal, rich's bar as ``pull`` draws it. The last line (stdout) gives the new model's type and size."""
+    import os
+    import pty
+
+    r = _cli("quantize", DEFAULT_MODEL, "f32", "smol-f32", "--requantize")
+    assert r.returncode == 0, r.stderr
+    assert "quantizing Q4_1 model to F32 (540 MB)" in r.stderr.splitlines()
+    assert any(line.startswith("quantizing Q4_1 model to F32: 100% 540 MB/540 MB") for line in r.stderr.splitlines())
+    assert r.stdout == "created 'smol-f32' (F32, 540 MB)\n"
+    r = _cli("create", "smol-q4", "-f", "-", "--quantize", "q4_K_M", stdin="FROM smol-f32\nSYSTEM Be brief.\n")
+    assert r.returncode == 0, r.stderr
+    assert any(line.startswith("quantizing F32 model to Q4_K_M: 100% 105 MB/105 MB") for line in r.stderr.splitlines())
+    assert r.stdout == "created 'smol-q4' from 'smol-f32' (Q4_K_M, 105 MB)\n"
+    leader, follower = pty.openpty()
+    try:
+        p = subprocess.run([sys.executable, "-m", "localllm", "quantize", "smol-f32", "q8_0", "smol-q8"],
+                           stdout=subprocess.PIPE, stderr=follower, text=True, timeout=300,
+                           env={**os.environ, "COLUMNS": "120", "TERM": "xterm"})
+        os.close(follower)
+        follower = -1
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the pty's other end is closed: all was read
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    text = shown.decode(errors="replace")
+    assert p.returncode == 0, text
+    assert "quantizing F32 model to Q8_0" in text and "━" in text and "144.8/144.8 MB" in text
+    assert p.stdout == "created 'smol-q8' (Q8_0, 145 MB)\n"
 
 
 def test_quantize_refusals_are_one_sentence(f32_store):

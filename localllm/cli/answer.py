@@ -351,13 +351,13 @@ def build_settings(
         raise LocalLLMError(f"--num-draft must be at least 1, got {num_draft}.")
     if temperature is not None and temperature < 0:
         raise LocalLLMError(f"--temperature must be 0 or more, got {temperature}.")
-    sampling = Sampling()
+    sampling = Sampling(given=frozenset())  # a flag given is the user's choice, over a created model's PARAMETER
     if temperature is not None:
-        sampling.temperature = temperature
+        sampling.choose(temperature=temperature)
     if seed is not None:
-        sampling.seed = seed
+        sampling.choose(seed=seed)
     if num_predict is not None:
-        sampling.max_tokens = num_predict
+        sampling.choose(max_tokens=num_predict)
     load = LoadOptions(
         num_ctx=num_ctx,
         kv_cache_type=kv_cache.lower() if kv_cache else None,

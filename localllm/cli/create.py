@@ -16,7 +16,8 @@ The new model stores only what it adds (parameters, system prompt, template, mes
 weights; ``rm`` of the base keeps them while a derived model uses them. A relative ``FROM`` or ``ADAPTER`` path
 is read from the Modelfile's directory (from the current one with ``-f -``). ``ADAPTER PATH [SCALE]`` applies a
 LoRA GGUF (checked against the base's tensor shapes here, not at the first run). Status lines go to stderr,
-as Ollama's do.
+as Ollama's do; ``--quantize`` shows a progress bar there on a terminal (plain percentage lines when piped), and
+the last line gives the new model's type and size.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def command(name: str, file: str, quantize: str | None, requantize: bool, quiet:
       echo 'FROM smollm2:135m
       SYSTEM Answer like a pirate.' | localllm create pirate -f -
     """
+    from localllm.cli.display import human_size, make_progress
     from localllm.errors import LocalLLMError
     from localllm.modelfile import parse
     from localllm.names import parse_name
@@ -80,20 +82,24 @@ def command(name: str, file: str, quantize: str | None, requantize: bool, quiet:
             mf.adapters[i] = f"{where / apath} {scale:g}"
 
     last = [""]
+    bar = None if quiet else make_progress(sys.stderr)  # a bar on a terminal (quantizing), else plain lines
 
     def progress(p: PullProgress) -> None:
-        if not quiet and p.status != last[0]:
-            last[0] = p.status
-            click.echo(p.status, err=True)
+        last[0] = p.status
+        if bar is not None:
+            bar(p)
 
     models = open_models(host)
     try:
         made = models.create(name, mf, progress=progress, quantize=quantize, requantize=requantize)
     finally:
         models.close()
+        if bar is not None:
+            bar.close()
     if not quiet and last[0] != "success":
         click.echo("success", err=True)
+    size = f" ({made.quantization or quantize.upper()}, {human_size(made.size)})" if quantize else ""
     if not models.remote and made.base:
-        click.echo(f"created '{made.name}' from '{made.base}'")
+        click.echo(f"created '{made.name}' from '{made.base}'{size}")
     else:
-        click.echo(f"created '{made.name}'")
+        click.echo(f"created '{made.name}'{size}")

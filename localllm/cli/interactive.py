@@ -491,7 +491,7 @@ class Repl:
                 return
             s.load = replace(s.load, num_ctx=value)  # the engine reloads with it on the next answer
         else:
-            setattr(s.sampling, attr, value)
+            s.sampling.choose(**{attr: value})  # the user's choice: it wins over the model's PARAMETER
         shown = ", ".join(values) if kind is list else values[0]
         self._say(f"Set parameter '{name}' to '{shown}'")
 
@@ -523,18 +523,17 @@ class Repl:
     def _save(self, args: list[str]) -> None:
         """``/save NAME``: a model made of this session (Ollama's ``/save``): the model it runs, the system prompt,
         the parameters set with ``/set parameter`` and the conversation so far as its MESSAGE history."""
-        from localllm.engine import Sampling
         from localllm.modelfile import Modelfile
 
         if len(args) != 1:
             self._say("Usage:\n  /save <modelname>")
             return
-        s, default = self.settings, Sampling()
+        s = self.settings
         names = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                  "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "seed": "seed",
                  "max_tokens": "num_predict", "stop": "stop"}
-        params = {key: getattr(s.sampling, attr) for attr, key in names.items()
-                  if getattr(s.sampling, attr) != getattr(default, attr)}
+        chosen = s.sampling.chosen()  # what --flags and /set chose, default values included
+        params = {key: getattr(s.sampling, attr) for attr, key in names.items() if attr in chosen}
         if s.load.num_ctx:
             params["num_ctx"] = s.load.num_ctx
         history = [{"role": str(m["role"]), "content": str(m.get("content") or "")} for m in self.messages

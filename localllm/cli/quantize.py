@@ -5,10 +5,13 @@
 
 The source's F32/F16/BF16 weights go through llama.cpp's quantizer (the one ``llama-quantize`` runs) into a new
 blob, renamed into the store only when whole; what the source model adds (system prompt, parameters) carries
-over. The result's size is printed.
+over. Progress goes to stderr: a bar on a terminal (the output's bytes against the size llama.cpp plans for it),
+plain percentage lines when piped; the last line (stdout) gives the new model's type and size.
 """
 
 from __future__ import annotations
+
+import sys
 
 import click
 
@@ -30,11 +33,10 @@ def command(src: str, type_name: str, dst: str | None, requantize: bool, host: s
     """
     from pathlib import Path
 
-    from localllm.cli.display import human_size
+    from localllm.cli.display import human_size, make_progress
     from localllm.modelfile import Modelfile
     from localllm.names import parse_name
     from localllm.session import open_models
-    from localllm.store import PullProgress
 
     ref = parse_name(src, allow_path=True)
     if ref.kind == "path":
@@ -43,16 +45,11 @@ def command(src: str, type_name: str, dst: str | None, requantize: bool, host: s
     else:
         dst = dst or f"{ref.name}-{type_name.lower()}"
     parse_name(dst, allow_path=False)
-    last = [""]
-
-    def progress(p: PullProgress) -> None:
-        if p.status != last[0]:
-            last[0] = p.status
-            click.echo(p.status, err=True)
-
+    bar = make_progress(sys.stderr)  # a bar on a terminal, plain percentage lines when piped
     models = open_models(host)
     try:
-        made = models.create(dst, Modelfile(from_=src), progress=progress, quantize=type_name, requantize=requantize)
+        made = models.create(dst, Modelfile(from_=src), progress=bar, quantize=type_name, requantize=requantize)
     finally:
         models.close()
+        bar.close()
     click.echo(f"created '{made.name}' ({made.quantization or type_name.upper()}, {human_size(made.size)})")

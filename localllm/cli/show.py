@@ -40,6 +40,7 @@ def details(m: Installed) -> dict[str, Any]:
         "capabilities": m.capabilities,
         "path": m.path,
         "digest": m.digest,
+        "weights_digest": m.weights_digest,
         "size": m.size,
         "source": m.source,
         "local": m.local,
@@ -83,7 +84,9 @@ def render(d: dict[str, Any], full_template: bool) -> str:
     out += ["", "  License", f"    {d['license'] or 'unknown'}"]
     if d["path"]:  # in-process: the file itself
         out += ["", "  File", f"    {'path':<20}{d['path']}", f"    {'size':<20}{human_size(d['size'])}",
-                f"    {'digest':<20}{d['digest']}", f"    {'source':<20}{d['source']}"]
+                f"    {'digest':<20}{d['weights_digest'] or d['digest']}", f"    {'source':<20}{d['source']}"]
+        if d["weights_digest"] and d["weights_digest"] != d["digest"]:  # a created model: its own, over the file's
+            out.append(f"    {'model digest':<20}{d['digest']}")
         out.append(f"    {'formats':<20}{', '.join(d['formats'])}")
     elif d["digest"]:
         out += ["", "  File", f"    {'size':<20}{human_size(d['size'])}", f"    {'digest':<20}{d['digest']}"]

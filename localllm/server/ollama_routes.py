@@ -310,7 +310,8 @@ async def embeddings(body: EmbeddingsBody, request: Request) -> Response:
 
 def tag_entry(model: InstalledModel) -> dict[str, Any]:
     return {"name": model.name, "model": model.name, "modified_at": modified_of(model),
-            "size": size_of(model), "digest": digest_hex(model.digest), "details": details_of(model),
+            "size": size_of(model), "digest": digest_hex(model.model_digest),
+            "details": details_of(model),
             "capabilities": capabilities(model)}
 
 

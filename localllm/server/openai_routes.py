@@ -60,7 +60,9 @@ API = Translator("openai", router, error_body, prefix="/v1")
 
 def sampling_of(body: ChatCompletionBody | CompletionBody) -> tuple[Sampling, LoadOptions]:
     """OpenAI fields (+ the ``options``/``num_ctx`` extensions) → (Sampling, LoadOptions); OpenAI's
-    defaults: temperature 1.0, top_p 1.0."""
+    defaults: temperature 1.0, top_p 1.0, under a created model's PARAMETERs (Ollama's OpenAI layer sends them as
+    if the client had, so they override a Modelfile's ``temperature 0``; here a field the client left out takes the
+    model's PARAMETER first, OpenAI's default only where the model has none)."""
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     sampling, load = api_options(body.options, {"temperature": 1.0, "top_p": 1.0}, max_tokens=max_tokens,
                                  stop=body.stop, temperature=body.temperature, top_p=body.top_p, seed=body.seed,

@@ -45,6 +45,12 @@ _OPTION_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 }
 
 
+# the Ollama options that are sampling fields → the field each sets
+_SAMPLING_OPTIONS = {key: key for key in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+                                          "presence_penalty", "frequency_penalty", "seed", "stop")}
+_SAMPLING_OPTIONS["num_predict"] = "max_tokens"
+
+
 def _int_like(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) or (isinstance(v, float) and v.is_integer())
 
@@ -52,16 +58,19 @@ def _int_like(v: Any) -> bool:
 def options_of(options: dict[str, Any] | None, *, defaults: dict[str, Any] | None = None
                ) -> tuple[Sampling, LoadOptions]:
     """Ollama ``options`` → (Sampling, LoadOptions). Unknown keys are ignored (logged) as Ollama does;
-    a wrong type or an impossible value is a 400 with one sentence.
+    a wrong type or an impossible value is a 400 with one sentence. ``defaults`` (an API's own, as OpenAI's
+    temperature 1.0) apply under ``options`` and are not the request's choice: the sampling's ``given`` names only
+    what ``options`` set, so a created model's PARAMETERs win over ``defaults`` and lose to ``options``.
 
     >>> s, lo = options_of({"temperature": 0, "num_predict": 5, "num_ctx": 1024, "stop": "\\n"})
-    >>> s.temperature, s.max_tokens, s.stop, lo.num_ctx
-    (0.0, 5, ['\\n'], 1024)
+    >>> s.temperature, s.max_tokens, s.stop, lo.num_ctx, sorted(s.given or ())
+    (0.0, 5, ['\\n'], 1024, ['max_tokens', 'stop', 'temperature'])
     """
     opts = dict(defaults or {})
     if options is not None and not isinstance(options, dict):
         raise bad_request("options must be an object")
     opts.update(options or {})
+    chosen = {key for key, value in (options or {}).items() if value is not None}
     for key, value in list(opts.items()):
         if key not in _OPTION_TYPES:
             log.warning("invalid option provided: %s", key)
@@ -116,6 +125,7 @@ def options_of(options: dict[str, Any] | None, *, defaults: dict[str, Any] | Non
     if "stop" in opts:
         stop = opts["stop"]
         s.stop = [stop] if isinstance(stop, str) else [x for x in stop if x]
+    s.given = frozenset(_SAMPLING_OPTIONS[key] for key in chosen if key in _SAMPLING_OPTIONS)
 
     num_ctx = opts.get("num_ctx")
     if num_ctx is not None and not 1 <= num_ctx <= MAX_NUM_CTX:
@@ -142,8 +152,9 @@ def api_options(options: Any, defaults: dict[str, Any] | None = None, *, max_tok
                 max_field: str = "max_tokens", stop: Any = None, **fields: Any) -> tuple[Sampling, LoadOptions]:
     """The sampling fields of the OpenAI and Anthropic APIs (plus the ``options`` extension: any Ollama
     option) → (Sampling, LoadOptions). Explicit top-level fields win over ``options``, which win over the
-    API's ``defaults``; fields left out (None) do not count."""
-    opts: dict[str, Any] = dict(defaults or {})
+    API's ``defaults``; fields left out (None) do not count, and ``defaults`` are not the request's choice (a
+    created model's PARAMETERs win over them: :func:`options_of`)."""
+    opts: dict[str, Any] = {}
     if options is not None:
         if not isinstance(options, dict):
             raise bad_request("options must be an object", param="options")
@@ -157,7 +168,7 @@ def api_options(options: Any, defaults: dict[str, Any] | None = None, *, max_tok
         opts["stop"] = [stop] if isinstance(stop, str) else list(stop)
         if len(opts["stop"]) > 16:
             raise bad_request("stop takes at most 16 sequences", param="stop")
-    return options_of(opts)
+    return options_of(opts, defaults=defaults)
 
 
 _EFFORT: dict[str, ThinkValue] = {"none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high",

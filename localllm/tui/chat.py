@@ -82,10 +82,10 @@ def request_from(messages: list[dict[str, Any]], params: dict[str, Any]) -> tupl
     """A conversation's messages and parameters (the settings modal's) → the runner's request and load options."""
     from localllm.engine import GenerateRequest, LoadOptions, Sampling
 
-    sampling = Sampling()
+    sampling = Sampling(given=frozenset())  # what the settings modal sets wins over a created model's PARAMETERs
     for key in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
         if params.get(key) not in (None, ""):
-            setattr(sampling, key, params[key])
+            sampling.choose(**{key: params[key]})
     load = LoadOptions(num_ctx=int(params["num_ctx"]) if params.get("num_ctx") else None,
                        draft=str(params["draft"]) if params.get("draft") else "auto")
     think = THINK.get(str(params.get("think")))  # unset: the model's default

@@ -9,6 +9,7 @@ import httpx
 import ollama
 import pytest
 
+from localllm.modelfile import Modelfile
 from tests.support import DEFAULT_MODEL, TEST_HOME, install_copy, private_paths
 
 
@@ -50,6 +51,10 @@ def test_create_from_a_model_streams_status_and_show_round_trips(srv, client):
     assert shown.details is not None and shown.details.parent_model == DEFAULT_MODEL
     listed = {m.model: m for m in client.list().models}
     assert listed["pirate"].details is not None and listed["pirate"].details.parent_model == DEFAULT_MODEL
+    assert listed["pirate"].digest != listed[DEFAULT_MODEL].digest  # its own, as Ollama's manifest digest
+    client.chat(model="pirate", messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 1})
+    loaded = {m.model: m for m in client.ps().models}
+    assert loaded["pirate"].digest == listed["pirate"].digest
 
 
 def test_create_with_files_uploads_the_blob_first(srv, client, tmp_path):
@@ -129,3 +134,48 @@ def test_the_created_models_settings_apply_over_the_api(srv, client):
     assert by_hand.message.content == a.message.content and by_hand.prompt_eval_count == a.prompt_eval_count
     short = client.chat(model="hist", messages=ask, options={"num_predict": 2})
     assert short.eval_count <= 2
+
+
+def test_a_models_temperature_holds_over_openai_unless_the_request_sends_one(srv, client):
+    """``PARAMETER temperature 0``: an OpenAI request without ``temperature`` stays greedy (OpenAI's default 1.0
+    does not override the model's), Anthropic's too; a request that sends a value (OpenAI's 1.0, or 0.8, the
+    engine's default, through Ollama's options) gets it: the same text as the base model at that temperature with
+    the same seed, which is not the greedy text."""
+    import anthropic
+    import openai
+
+    client.create(model="cold", from_=DEFAULT_MODEL, parameters={"temperature": 0})
+    oa = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    an = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "Write one unusual word."}]
+
+    def openai_text(model: str, **kw) -> str:
+        r = oa.chat.completions.create(model=model, messages=ask, max_tokens=12, **kw)
+        return r.choices[0].message.content or ""
+
+    def ollama_text(model: str, **options) -> str:
+        return client.chat(model=model, messages=ask, options={"num_predict": 12, **options}).message.content or ""
+
+    greedy = ollama_text(DEFAULT_MODEL, temperature=0)
+    assert openai_text("cold") == openai_text("cold", seed=7) == greedy
+    r = an.messages.create(model="cold", max_tokens=12, messages=ask)
+    assert r.content[0].text == greedy
+    hot = openai_text("cold", temperature=1.0, seed=7)
+    assert hot == openai_text(DEFAULT_MODEL, temperature=1.0, seed=7) != greedy
+    warm = ollama_text("cold", temperature=0.8, seed=7)
+    assert warm == ollama_text(DEFAULT_MODEL, temperature=0.8, seed=7) != greedy
+
+
+def test_create_with_quantize_streams_byte_progress(srv, client, monkeypatch):
+    """``/api/create`` with ``quantize``: the quantizing phase streams ``total`` (llama.cpp's planned size of the
+    file, which is the result's size) and a climbing ``completed``, as ``/api/pull`` streams a download."""
+    import backends.quantize
+
+    monkeypatch.setattr(backends.quantize, "POLL_SECONDS", 0.01)
+    srv.engine.store.create("smol-f32", Modelfile(from_=DEFAULT_MODEL), quantize="f32", requantize=True)
+    lines = list(client.create(model="smol-q8", from_="smol-f32", quantize="q8_0", stream=True))
+    phase = [(p.completed, p.total) for p in lines if p.status == "quantizing F32 model to Q8_0"]
+    size = srv.engine.store.get("smol-q8").size
+    assert phase and all(total == size for _, total in phase) and phase[-1] == (size, size)
+    assert any(0 < (done or 0) < size for done, _ in phase)
+    assert lines[-1].status == "success"
