@@ -898,6 +898,11 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
                            f"(keeping {GPU_MARGIN // MiB} MiB spare); the rest run on the CPU, slower")
         else:
             reasons.append(f"no layer fits on the GPU ({budget_desc}): CPU only")
+        for d in lay.devices:  # several llama.cpp devices: what each takes
+            if d.layers or d.output:
+                reasons.append(f"{d.name} ({d.description}): {d.layers} layers"
+                               + (" and the output layer" if d.output else "")
+                               + f", {_gb(d.total)} of {_gb(d.usable_bytes)} usable")
     elif chosen.memory == "unified" and device == "metal":
         reasons.append(f"{chosen.label} keeps the model in unified memory: {_gb(mem.gpu)} of {budget_desc}")
     if verdict != "too_big" and hw.ram_available and (mem.total if device == "metal" else mem.cpu) > hw.ram_available:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -347,3 +348,21 @@ def test_a_worker_out_of_memory_at_load_falls_back_to_fewer_layers_then_the_cpu(
     finally:
         worker.kill()
         worker.wait(10)
+
+
+@needs_rpc
+def test_probe_lists_the_workers_devices_and_plans_over_them(rpc_home, workers):
+    r = subprocess.run([sys.executable, "-m", "localllm", "probe", "--rpc", workers, "--json"], env=_env(rpc_home),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    remote = [d for d in out["devices"] if d["remote"]]
+    assert [(d["name"], d["endpoint"]) for d in remote] == [("RPC0", workers.split(",")[0]),
+                                                            ("RPC1", workers.split(",")[1])]
+    assert all(d["total_bytes"] > 0 and d["type"] == "gpu" for d in remote)
+    assert out["rpc"] is True
+    assert out["plan"]["device"] == "gpu" and [d["name"] for d in out["plan"]["devices"]] == ["RPC0", "RPC1"]
+    text = subprocess.run([sys.executable, "-m", "localllm", "probe", "--rpc", workers], env=_env(rpc_home),
+                          capture_output=True, text=True, timeout=120).stdout
+    assert workers.split(",")[0] in text and "llama.cpp on RPC0 + RPC1" in text, text
+    assert re.search(r"- RPC0 \(127\.0\.0\.1:\d+\): 16 layers, \d+ MiB of [\d.]+ GiB usable", text), text

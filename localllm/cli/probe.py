@@ -35,6 +35,7 @@ def plan_for_model(name: str, hw: HardwareInfo, *, num_ctx: int | None, kv_cache
     """(installed model or None, plan or None, why there is no plan). A model that is not installed
     yields no plan (the planner needs its GGUF metadata); an impossible request yields PlanError's
     sentence."""
+    from localllm import config
     from localllm.errors import LocalLLMError, ModelNotFoundError
     from localllm.ggufinfo import GGUFInfo
     from localllm.planner import plan
@@ -50,7 +51,8 @@ def plan_for_model(name: str, hw: HardwareInfo, *, num_ctx: int | None, kv_cache
 
         # as the engine does: MLX weights installed / the GGUF converts on first use / why not
         p = plan(info, hw, num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend, num_gpu=num_gpu,
-                 mlx_model=model.mlx_path is not None, mlx=mlx_for_plan(model, hw, backend))
+                 mlx_model=model.mlx_path is not None, mlx=mlx_for_plan(model, hw, backend),
+                 device_memory=config.device_memory())
     except LocalLLMError as e:
         return model, None, str(e)
     return model, p, None
@@ -143,10 +145,13 @@ def render(hw: HardwareInfo, name: str, model: InstalledModel | None, p: Plan | 
 @click.option("--backend", type=BackendChoice(), default="auto", show_default=True,
               help="Backend to plan for.")
 @click.option("--num-gpu", type=int, default=None, help="Layers to offload (0 = CPU only).")
+@click.option("--rpc", default=None, metavar="HOST:PORT,...",
+              help="Add llama.cpp RPC workers (`localllm worker`) first: they are listed and planned for "
+                   "(default: LOCALLLM_RPC).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print HardwareInfo as JSON (devices and rpc included), with the model and the plan.")
 def command(name: str, num_ctx: int | None, kv_cache_type: str | None, backend: str, num_gpu: int | None,
-            as_json: bool) -> None:
+            rpc: str | None, as_json: bool) -> None:
     """Show this machine's hardware, llama.cpp's devices and the backend localllm picks.
 
     "Devices" lists every device the installed llama.cpp build sees (CPU, CUDA, ROCm, Vulkan, Metal, RPC
@@ -157,9 +162,18 @@ def command(name: str, num_ctx: int | None, kv_cache_type: str | None, backend: 
       localllm probe
       localllm probe --model llama3.1:8b --ctx 32768 --kv-cache-type q8_0
       localllm probe --json
+      localllm probe --rpc 127.0.0.1:50052,gpu-box:50052
     """
+    import os
+    import sys
+
     from localllm import config
     from localllm.hardware import probe
+
+    if rpc is not None or os.environ.get("LOCALLLM_RPC"):
+        from localllm.devices import use_workers
+
+        use_workers(rpc, say=lambda line: print(line, file=sys.stderr))
 
     hw = probe()
     kv = kv_cache_type or config.kv_cache_type()
