@@ -96,7 +96,7 @@ def _on_native_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
             return
         msg, _log_state["buf"] = _log_state["buf"].rstrip(), ""
         lines = getattr(_capture, "lines", None)
-        if lines is not None and "buffer size" in msg:
+        if lines is not None and ("buffer size" in msg or "Flash Attention" in msg):
             lines.append(msg)
         if lvl >= logging.WARNING:
             _recent_native.append(msg)
@@ -556,10 +556,16 @@ class LlamaCppSource(TokenSource):
                 return bool(getter(self._ctx) == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
             except Exception:  # noqa: BLE001
                 pass
-        for line in _recent_native:
-            if "flash_attn" in line and ("enabled" in line or "auto -> 1" in line):
-                return True
-        return not bool(llama_cpp.llama_supports_gpu_offload())  # CPU builds resolve AUTO to enabled
+        # llama.cpp resolves AUTO when the context is made and says so ("resolve_fused_ops: Flash Attention
+        # enabled" / "... not supported, set to disabled")
+        for line in reversed(getattr(_capture, "lines", None) or []):
+            if "Flash Attention" in line:
+                return "enabled" in line and "disabled" not in line
+        if self.spec.kv_cache_type != "f16":
+            return True  # a quantized V cache loads only with flash attention
+        from backends.descriptor import parse_gpu_backend
+
+        return parse_gpu_backend(llama_cpp.llama_print_system_info().decode(errors="replace")) is None
 
     def _load_loras(self, loras: list[tuple[str, float]]) -> list[tuple[Any, float]]:
         """LoRA adapters (``extra["lora"]``: (GGUF path, scale) pairs) loaded on the model's weights; llama.cpp
