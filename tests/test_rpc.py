@@ -256,8 +256,8 @@ def test_serve_with_workers_batches_and_reports_each_device_over_http(rpc_home, 
         ps = httpx.get(f"{url}/api/ps", timeout=10).json()["models"][0]
         devs = {d["name"]: d for d in ps["devices"]}
         assert set(devs) == {"RPC0", "RPC1"}, ps
-        for d in devs.values():  # 4 slots: the compute buffer of a device without the output layer is the loose
-            assert d["size"] > 0 and abs(d["estimate"] / d["size"] - 1) <= 0.30, d  # part (+24 % measured)
+        for d in devs.values():  # 4 slots, a 2,048-cell pool: the estimate holds there too
+            assert d["size"] > 0 and abs(d["estimate"] / d["size"] - 1) <= 0.10, d
         assert ps["size_vram"] == sum(d["size"] for d in devs.values())
         r = subprocess.run([sys.executable, "-m", "localllm", "ps"], env=env, capture_output=True, text=True,
                            timeout=60)
