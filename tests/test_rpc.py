@@ -259,6 +259,12 @@ def test_serve_with_workers_batches_and_reports_each_device_over_http(rpc_home, 
         for d in devs.values():  # 4 slots, a 2,048-cell pool: the estimate holds there too
             assert d["size"] > 0 and abs(d["estimate"] / d["size"] - 1) <= 0.10, d
         assert ps["size_vram"] == sum(d["size"] for d in devs.values())
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        for name, d in devs.items():  # Prometheus' text format: label order and float spelling are its own
+            got = re.search(rf'^localllm_device_memory_bytes{{device="{name}",model="{re.escape(DEFAULT_MODEL)}"}} '
+                            r"(\S+)$", metrics, re.M)
+            assert got and float(got.group(1)) == d["size"], metrics[-2000:]
+            assert f'localllm_device_memory_estimate_bytes{{device="{name}",model="{DEFAULT_MODEL}"}}' in metrics
         r = subprocess.run([sys.executable, "-m", "localllm", "ps"], env=env, capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 0 and f"{DEFAULT_MODEL} on RPC0 (127.0.0.1:" in r.stdout, r.stdout + r.stderr

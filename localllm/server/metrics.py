@@ -12,8 +12,10 @@ What a monitoring stack reads (all names start with ``localllm_``; per model whe
 * time to first token and time per output token (histograms, seconds);
 * images encoded by a vision projector, their tokens and the encode time (``images_encoded_total``,
   ``image_tokens_total``, ``image_encode_seconds_total``);
-* loaded models and their memory (``models_loaded``, ``model_memory_bytes``), the prompt cache on disk
-  (entries, bytes, hits, misses).
+* loaded models and their memory (``models_loaded``, ``model_memory_bytes``); per llama.cpp device (GPUs, RPC
+  workers) what was allocated and the planner's estimate (``device_memory_bytes``,
+  ``device_memory_estimate_bytes``, labels model and device); the prompt cache on disk (entries, bytes, hits,
+  misses).
 
 Counters of a model count from its load; they restart when it is loaded again (Prometheus' ``rate``
 handles the reset).
@@ -28,6 +30,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+
+from localllm.local import device_use
 
 if TYPE_CHECKING:
     from localllm.engine import Stats
@@ -112,6 +116,17 @@ class _EngineCollector(Collector):
                 c[k].add_metric(name, x)
         yield from g.values()
         yield from c.values()
+        dev = GaugeMetricFamily("localllm_device_memory_bytes", "What llama.cpp allocated for the model on each "
+                                "device other than the CPU (weights, KV cache, compute buffers).",
+                                labels=["model", "device"])
+        est = GaugeMetricFamily("localllm_device_memory_estimate_bytes", "The planner's estimate of the same.",
+                                labels=["model", "device"])
+        for m in models:
+            for d in device_use(m):
+                dev.add_metric([m.name, d.name], d.size)
+                est.add_metric([m.name, d.name], d.estimate)
+        yield dev
+        yield est
 
 
 class Metrics:
