@@ -386,6 +386,10 @@ def hardware_markdown(hw: HardwareInfo, plan: Fit | None, note: str = "") -> str
         row(f"GPU {g.index}", f"{g.name} ({g.vendor}) {memory}")
     if hw.apple_silicon:
         row("Metal budget", f"{(hw.metal_budget or 0) / gib:.1f} GiB")
+    for d in hw.devices:  # llama.cpp's own device list (RPC workers included)
+        where = f"RPC worker {d.endpoint}" if d.remote else d.description
+        row(f"llama.cpp {d.name}", f"{d.type}, {where}, {d.free_bytes / gib:.1f} GiB free of "
+                                   f"{d.total_bytes / gib:.1f} GiB")
     for name, status in hw.backends.items():
         ok = "available" if status.available else "not available"
         extra = ", GPU offload" if status.gpu_offload else ""

@@ -103,6 +103,7 @@ async def test_hardware_view_shows_probe_and_plan(tui_home, chats):
         hw = probe()
         assert hw.cpu_model in md.source
         assert "Backend llamacpp" in md.source
+        assert "| llama.cpp CPU | cpu, " in md.source  # llama.cpp's own device list
         assert "For **smollm2:135m**: backend **llamacpp**" in md.source
         assert "- " in md.source.split("planner's pick")[1]  # the planner's reasons, one per line
 
