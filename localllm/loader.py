@@ -53,6 +53,7 @@ class LoadOptions:
     embedding: bool = False  # make the embedding context at load (any loaded model embeds on demand)
     num_parallel: int | None = None  # slots; None = LOCALLLM_NUM_PARALLEL, else the planner (4 where it fits)
     devices: tuple[str, ...] | None = None  # llama.cpp devices to offload to ("RPC0", "CUDA1"; "CPU" = none)
+    tensor_split: tuple[float, ...] | None = None  # their shares of the layers (default: by usable memory)
 
 
 def _env_parallel() -> int | None:
@@ -148,6 +149,7 @@ class Loader:
             projector_bytes=model.projector.size if model.projector is not None else 0,
             device_memory=config.device_memory(),
             devices=[d for d in options.devices if d != "CPU"] if options.devices else None,
+            tensor_split=list(options.tensor_split) if options.tensor_split else None,
         )
         return model, p
 

@@ -152,10 +152,14 @@ class Plan:
     n_seq: int = 1  # parallel slots: sequences decoding together over one KV pool of n_ctx × n_seq cells
     # where the offloaded layers go, device by device in llama.cpp's order (empty: one GPU, or none)
     devices: list[DevicePlan] = field(default_factory=list)
+    shares: list[float] | None = None  # --tensor-split as given (None: by usable memory)
 
     @property
     def tensor_split(self) -> list[float]:
-        """llama.cpp's ``tensor_split`` for :attr:`devices` (each device's usable memory), [] for none."""
+        """llama.cpp's ``tensor_split`` for :attr:`devices` (``--tensor-split``, else each device's usable
+        memory), [] for none."""
+        if self.shares and len(self.shares) == len(self.devices):
+            return list(self.shares)
         return [float(d.usable_bytes) for d in self.devices]
 
     @property
@@ -328,7 +332,7 @@ def _targets(hw: HardwareInfo, device: str, caps: dict[str, int]) -> list[Device
 
 
 def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash_attn: bool,
-                 targets: list[DevicePlan]) -> list[DevicePlan]:
+                 targets: list[DevicePlan], shares: list[float] | None = None) -> list[DevicePlan]:
     """Place ``ngl`` offloaded layers on ``targets`` as llama.cpp does (``llama_model::load_tensors``: split
     points from the devices' shares, the last layers offloaded first, the output layer last) and estimate
     each device's weights, KV cache and compute buffer."""
@@ -338,7 +342,8 @@ def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash
     if not n:
         return []
     L = max(info.n_layers, 1)
-    shares = [float(t.usable_bytes) for t in targets]
+    # each device's share: --tensor-split's, else its usable memory (llama.cpp's own default is free memory)
+    shares = list(shares) if shares and len(shares) == n else [float(t.usable_bytes) for t in targets]
     if sum(shares) <= 0:
         shares = [1.0] * n
     cum, acc = [], 0.0
@@ -379,6 +384,7 @@ class _Planner:
         self.info, self.hw, self.kv, self.num_gpu, self.draft = info, hw, kv, num_gpu, draft
         self.mlx_bytes = mlx_bytes
         self.caps = caps or {}
+        self.shares: list[float] | None = None  # --tensor-split
         self.L = info.n_layers
 
     # device budget -------------------------------------------------------------------------
@@ -471,7 +477,7 @@ class _Planner:
         full = self.L + 1
 
         def placed(ngl: int) -> list[DevicePlan]:
-            return split_layers(self.info, ngl, n_ctx, self.kv, fa, targets)
+            return split_layers(self.info, ngl, n_ctx, self.kv, fa, targets, self.shares)
 
         def ok(ngl: int) -> bool:
             return all(d.total <= d.usable_bytes for d in placed(ngl))
@@ -706,7 +712,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
          backend: str = "auto", num_gpu: int | None = None, mlx_model: bool = False,
          draft: GGUFInfo | None = None, mlx: MLXWeights | None = None, num_parallel: int | None = None,
          projector_bytes: int = 0, device_memory: dict[str, int] | None = None,
-         devices: list[str] | None = None) -> Plan:
+         devices: list[str] | None = None, tensor_split: list[float] | None = None) -> Plan:
     """Decide how to load ``info`` on ``hw``.
 
     ``num_ctx``: a context size to honour (refused with numbers if the model or memory cannot take
@@ -720,8 +726,9 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     on the GPU where layers go there). ``device_memory``: caps per llama.cpp device name ("*" for all;
     ``LOCALLLM_DEVICE_MEMORY``). ``devices``: only these of llama.cpp's devices take layers (``--device``); where
     the probe lists devices that offload, the layers are split over them as llama.cpp splits them
-    (:func:`split_layers`, ``Plan.devices`` and ``Plan.tensor_split``). Raises :class:`PlanError`
-    for what cannot be done as asked; a model that is simply too big gets ``verdict="too_big"``.
+    (:func:`split_layers`, ``Plan.devices`` and ``Plan.tensor_split``); ``tensor_split``: the devices' shares
+    instead of their usable memory (``--tensor-split 3,1``; one number per device, in that order). Raises
+    :class:`PlanError` for what cannot be done as asked; a model that is simply too big gets ``verdict="too_big"``.
     """
     kv = (kv_cache_type or "f16").lower()
     if kv not in KV_TYPES:
@@ -789,6 +796,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     if devices:  # --device: only these of llama.cpp's devices take layers
         hw = replace(hw, devices=[d for d in hw.devices if not d.offloads or d.name in devices])
     pl = _Planner(info, hw, kv, num_gpu, draft, mw.weights_bytes, device_memory)
+    pl.shares = tensor_split
     device = _device(chosen, hw, reasons, advice, name, mw, passed, status, asked=backend != "auto")
     device = _registry_device(chosen, hw, device, reasons)
     if num_gpu == 0 and chosen.memory == "layers" and device != "cpu":
@@ -850,6 +858,12 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
             raise PlanError(f"A {num_ctx:,}-token context does not fit: with its "
                             f"{_gb(lay.mem.kv_cache)} KV cache ({pl.kv}) the model {lay.why}; "
                             f"at most about {best or MIN_AUTO_CTX:,} tokens fit.")
+
+    if tensor_split and lay.devices and len(tensor_split) != len(lay.devices):
+        raise PlanError(f"--tensor-split has {len(tensor_split)} value{'s' if len(tensor_split) != 1 else ''} for "
+                        f"{len(lay.devices)} devices ({', '.join(d.name for d in lay.devices)}): give one each.")
+    if tensor_split and any(x < 0 for x in tensor_split) or tensor_split and sum(tensor_split) <= 0:
+        raise PlanError("--tensor-split takes shares of 0 or more, at least one above 0 (e.g. 3,1).")
 
     # 3. verdict ------------------------------------------------------------------------------
     L = info.n_layers
@@ -951,4 +965,5 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
                 kv_cache_type=pl.kv, flash_attn=fa, n_threads=threads, verdict=verdict,  # type: ignore[arg-type]
                 verdict_text=verdict_text, memory=mem, reasons=reasons, advice="\n".join(advice) or None,
                 draft_n_gpu_layers=lay.draft_ngl, max_ctx=max_ctx, n_seq=n_seq, devices=lay.devices,
+                shares=tensor_split if tensor_split and len(tensor_split) == len(lay.devices) else None,
                 mlx_convert=chosen.converts_from is not None and not mw.installed)

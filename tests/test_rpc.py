@@ -372,3 +372,24 @@ def test_probe_lists_the_workers_devices_and_plans_over_them(rpc_home, workers):
                           capture_output=True, text=True, timeout=120).stdout
     assert workers.split(",")[0] in text and "llama.cpp on RPC0 + RPC1" in text, text
     assert re.search(r"- RPC0 \(127\.0\.0\.1:\d+\): 16 layers, \d+ MiB of [\d.]+ GiB usable", text), text
+
+
+@needs_rpc
+def test_tensor_split_places_the_layers_as_asked_and_a_wrong_count_is_one_sentence(rpc_home, workers):
+    script = _GEN.replace("opts = LoadOptions(num_ctx=512, num_parallel=1,",
+                          "opts = LoadOptions(num_ctx=512, num_parallel=1, tensor_split=(3.0, 1.0),")
+    assert script != _GEN
+    r = subprocess.run([sys.executable, "-c", script], env=_env(rpc_home, RPC_UNDER_TEST=workers),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    layers = {d["name"]: d["layers"] + d["output"] for d in out["plan"]}
+    assert layers == {"RPC0": 24, "RPC1": 7}, layers  # llama.cpp: layer i goes first while i / 31 < 3/4
+    kv = {d["name"]: d["kv"] for d in out["plan"]}
+    for name, want in kv.items():  # llama.cpp put them there
+        assert abs(out["alloc"][name]["kv"] - want) < 16 << 10, (name, out["alloc"])
+    bad = subprocess.run([sys.executable, "-m", "localllm", "run", DEFAULT_MODEL, "--rpc", workers,
+                          "--tensor-split", "1,1,1", "Hi"], env=_env(rpc_home), capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 1
+    assert bad.stderr.strip() == ("Error: --tensor-split has 3 values for 2 devices (RPC0, RPC1): give one each.")

@@ -326,6 +326,7 @@ def build_settings(
     backend: str = "auto",
     gpu_layers: int | None = None,
     devices: tuple[str, ...] = (),
+    tensor_split: str | None = None,
     verbose: bool = False,
     keepalive: str | None = None,
     think: str | None = None,
@@ -366,10 +367,21 @@ def build_settings(
         num_draft=num_draft or 4,
         num_gpu=gpu_layers if gpu_layers is not None and gpu_layers >= 0 else None,
         devices=tuple(d for part in devices for d in part.split(",") if d.strip()) or None,
+        tensor_split=parse_split(tensor_split),
     )
     ka = parse_keep_alive(keepalive) if keepalive not in (None, "") else None
     return RunSettings(sampling=sampling, load=load, system=system, format=fmt, verbose=verbose, keep_alive=ka,
                        think=parse_think_flag(think), hide_thinking=hide_thinking)
+
+
+def parse_split(text: str | None) -> tuple[float, ...] | None:
+    """``--tensor-split 3,1`` → (3.0, 1.0); one sentence for anything else."""
+    if not text:
+        return None
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise LocalLLMError(f"--tensor-split takes numbers separated by commas (e.g. 3,1), got {text!r}.") from None
 
 
 def user_message(text: str, images: list[bytes], err: IO[str]) -> dict[str, object]:

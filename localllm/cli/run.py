@@ -91,6 +91,8 @@ class RunCommand(click.Command):
               help="Layers to offload to the GPU/devices (0 = CPU only, -1 = the planner's choice).")
 @click.option("--device", "devices", multiple=True, metavar="NAME",
               help="Offload only to this llama.cpp device (repeatable; names as `localllm probe` lists them).")
+@click.option("--tensor-split", default=None, metavar="A,B,...",
+              help="Shares of the layers per device, in `localllm probe`'s order (default: by free memory).")
 @click.option("--rpc", default=None, metavar="HOST:PORT,...",
               help="Add llama.cpp RPC workers (`localllm worker`) as devices (default: LOCALLLM_RPC).")
 @click.option("--verbose", is_flag=True, help="Print timings and token counts after each answer.")
@@ -107,7 +109,7 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
             num_predict: int | None, num_ctx: int | None, system: str | None, fmt: str | None,
             draft: str | None, num_draft: int | None, kv_cache: str | None, backend: str, think: str | None,
             hidethinking: bool, images: tuple[str, ...], gpu_layers: int | None, devices: tuple[str, ...],
-            rpc: str | None, verbose: bool, host: str | None,
+            tensor_split: str | None, rpc: str | None, verbose: bool, host: str | None,
             keepalive: str | None, mcp_servers: tuple[str, ...], tool_choice: str) -> None:
     """Run MODEL: answer PROMPT (or piped stdin) once, else chat interactively.
 
@@ -125,6 +127,7 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
         temperature=temperature, seed=seed, num_predict=num_predict, num_ctx=num_ctx, system=system,
         fmt=fmt, draft=draft, num_draft=num_draft, kv_cache=kv_cache, backend=backend, verbose=verbose,
         keepalive=keepalive, think=think, hide_thinking=hidethinking, gpu_layers=gpu_layers, devices=devices,
+        tensor_split=tensor_split,
     )
     prompts = list(prompt)
     piped = not isatty(sys.stdin)
@@ -145,7 +148,7 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
     if tool_choice == "required" and (tools is None or not tools.servers):
         raise click.UsageError("--tool-choice required needs an MCP server (--mcp NAME).")
     session = open_session(host, keep_alive=settings.keep_alive, on_convert=ConversionDisplay())
-    if session.remote and (rpc or devices or gpu_layers is not None):
+    if session.remote and (rpc or devices or gpu_layers is not None or tensor_split):
         sys.stderr.write("Note: --rpc, --device and --gpu-layers apply where the model loads: the server this "
                          "attaches to (start it with `localllm serve --rpc ...`).\n")
     elif rpc is not None or os.environ.get("LOCALLLM_RPC"):
