@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import re
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -362,21 +364,28 @@ def _on_abort(msg: bytes | None) -> None:
     try:
         text = (msg or b"").decode(errors="replace").strip()
         log.error("ggml is aborting: %s", text)
+        try:  # straight to stderr too: the process may end right after, whatever the logging setup
+            os.write(2, f"llama.cpp: {text}\n".encode(errors="replace"))
+        except OSError:
+            pass
         if "RPC" not in text:
             return  # not ours to save: abort() follows
-        dead = []
-        for ep in list(_added):
-            if ep in _dead:
-                dead.append(ep)
-                continue
-            if not _reachable(ep):
-                _dead.add(ep)
-                dead.append(ep)
-
-        if not dead:
-            return
-        for endpoints, on_dead in list(_abort_state["watchers"].values()):
-            hit = [ep for ep in endpoints if ep in dead]
+        # which worker? A killed process closes its connections before its listening socket, so a connect can
+        # still succeed for a moment after the error: ask again for up to 3 s
+        dead: list[str] = []
+        deadline = time.monotonic() + 3.0
+        while not dead and time.monotonic() < deadline:
+            dead = [ep for ep in _added if ep not in _dead and not _reachable(ep, timeout=0.5)]
+            if not dead:
+                time.sleep(0.1)
+        dead = dead or [ep for ep in _added if ep in _dead]  # else one that died before, talked to again
+        _dead.update(dead)
+        watchers = list(_abort_state["watchers"].values())
+        if not dead and not watchers:
+            return  # nobody to tell, nothing known: abort() follows
+        for endpoints, on_dead in watchers:
+            # none found dead (it accepts connects but sent garbage): every model that uses a worker ends
+            hit = [ep for ep in endpoints if ep in dead] if dead else list(endpoints)
             if hit:
                 try:
                     on_dead(f"RPC worker {', '.join(hit)} stopped answering while this model used it; the model "

@@ -48,7 +48,8 @@ def _free_port() -> int:
 
 
 def _env(home: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, LOCALLLM_HOME=str(home), PYTHONUNBUFFERED="1", LOCALLLM_PROMPT_CACHE_SIZE="0")
+    env = dict(os.environ, LOCALLLM_HOME=str(home), PYTHONUNBUFFERED="1", LOCALLLM_PROMPT_CACHE_SIZE="0",
+               PYTHONFAULTHANDLER="1")
     for k in ("LOCALLLM_BACKEND", "LOCALLLM_RPC", "LOCALLLM_DEVICE_MEMORY"):
         env.pop(k, None)
     env.update(extra)
@@ -304,11 +305,17 @@ def test_a_worker_killed_mid_answer_fails_that_request_and_the_server_stays_up(r
         stream = client.generate(model=DEFAULT_MODEL, prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", raw=True,
                                  options={"temperature": 0, "num_predict": 400, "num_ctx": 512}, stream=True)
         got = []
-        with pytest.raises(ollama.ResponseError) as e:
-            for chunk in stream:
-                got.append(chunk.response)
-                if len(got) == 3:
-                    procs[1].kill()  # the worker holding the last layers and the output layer
+        try:
+            with pytest.raises(ollama.ResponseError) as e:
+                for chunk in stream:
+                    got.append(chunk.response)
+                    if len(got) == 3:
+                        procs[1].kill()  # the worker holding the last layers and the output layer
+        except BaseException:
+            code = srv.poll()
+            srv.kill()
+            log = srv.stderr.read() if srv.stderr else ""
+            raise AssertionError(f"server exit status {code}; its log:\n{log[-4000:]}") from None
         assert len(got) >= 3
         assert f"RPC worker 127.0.0.1:{ports[1]} stopped answering while this model used it" in str(e.value)
         # the server is up, and the next request loads the model again without the dead worker
