@@ -18,6 +18,7 @@ from __future__ import annotations
 import struct
 import zlib
 from pathlib import Path
+from typing import Any
 
 IMAGE_TOKENS = 16  # what one image becomes with the projector below (64 px / 16 px patches = 4 x 4)
 MROPE_IMAGE = (96, 64)  # the M-RoPE tests' image size: 6 x 4 merged patches of the qwen2vl projector
@@ -209,10 +210,12 @@ def png(width: int = 64, height: int = 64, seed: int = 0) -> bytes:
             + chunk(b"IEND", b""))
 
 
-def reference_logits(model_path: str, projector: str, prompt: str, images: list[bytes], n_threads: int) -> object:
+def reference_logits(model_path: str, projector: str, prompt: str, images: list[bytes], n_threads: int,
+                     n_gen: int = 0) -> Any:
     """The logits after ``prompt`` (one ``<__media__>`` per image) as llama.cpp's own helper evaluates it:
     ``mtmd_helper_eval_chunks`` on a fresh one-sequence context (what ``llama-mtmd-cli`` does): the yardstick for
-    the batched loop's image path (non-causal images included)."""
+    the batched loop's image path (non-causal and M-RoPE images included). ``n_gen > 0``: (those logits, the
+    ``n_gen`` greedy tokens that follow, each evaluated at the position after the helper's ``n_past``)."""
     import ctypes
 
     import llama_cpp as L
@@ -244,10 +247,50 @@ def reference_logits(model_path: str, projector: str, prompt: str, images: list[
         n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
         out = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
         M.mtmd_input_chunks_free(chunks)
-        return out
+        if n_gen <= 0:
+            return out
+        toks, row, pos = [], out, n_past.value
+        b = L.llama_batch_init(1, 0, 1)
+        try:
+            for _ in range(n_gen):
+                toks.append(int(np.argmax(row)))
+                b.n_tokens, b.token[0], b.pos[0], b.n_seq_id[0], b.seq_id[0][0], b.logits[0] = 1, toks[-1], pos, 1, 0, 1
+                assert L.llama_decode(ctx, b) == 0
+                pos += 1
+                row = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+        finally:
+            L.llama_batch_free(b)
+        return out, toks
     finally:
         for bm in bitmaps:
             M.mtmd_bitmap_free(bm)
         M.mtmd_free(mctx)
         L.llama_free(ctx)
         L.llama_model_free(model)
+
+
+def reference_in_subprocess(model_path: str, projector: str, prompt: str, images: list[bytes], n_gen: int,
+                            n_threads: int = 2) -> tuple[list[float], list[int]]:
+    """:func:`reference_logits` with ``n_gen`` in a fresh process (nothing of the caller's llama.cpp state, logging
+    or contexts shared): (the 5 best log-probabilities after the prompt, best first; the greedy tokens)."""
+    import base64
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, sys, base64, numpy as np\n"
+            "from tests.support_vision import reference_logits\n"
+            "a = json.loads(sys.stdin.read())\n"
+            "lg, toks = reference_logits(a['m'], a['p'], a['t'], [base64.b64decode(i) for i in a['i']], a['n'], a['g'])\n"
+            "lg = np.asarray(lg, dtype=np.float64); lse = lg.max() + np.log(np.exp(lg - lg.max()).sum())\n"
+            "print('REF' + json.dumps([sorted((lg - lse).tolist(), reverse=True)[:5], toks]))\n")
+    arg = json.dumps({"m": model_path, "p": projector, "t": prompt, "n": n_threads, "g": n_gen,
+                      "i": [base64.b64encode(i).decode() for i in images]})
+    root = str(Path(__file__).resolve().parent.parent)
+    r = subprocess.run([sys.executable, "-c", code], input=arg, capture_output=True, text=True, timeout=600, cwd=root,
+                       env={**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    line = next((x for x in r.stdout.splitlines() if x.startswith("REF")), None)
+    assert r.returncode == 0 and line, r.stderr[-2000:]
+    top, toks = json.loads(line[3:])
+    return top, toks
