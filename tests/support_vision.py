@@ -211,11 +211,12 @@ def png(width: int = 64, height: int = 64, seed: int = 0) -> bytes:
 
 
 def reference_logits(model_path: str, projector: str, prompt: str, images: list[bytes], n_threads: int,
-                     n_gen: int = 0) -> Any:
+                     n_gen: int = 0, repeat_penalty: float = 1.1, repeat_last_n: int = 64) -> Any:
     """The logits after ``prompt`` (one ``<__media__>`` per image) as llama.cpp's own helper evaluates it:
     ``mtmd_helper_eval_chunks`` on a fresh one-sequence context (what ``llama-mtmd-cli`` does): the yardstick for
     the batched loop's image path (non-causal and M-RoPE images included). ``n_gen > 0``: (those logits, the
-    ``n_gen`` greedy tokens that follow, each evaluated at the position after the helper's ``n_past``)."""
+    ``n_gen`` greedy tokens that follow, each evaluated at the position after the helper's ``n_past``, with the
+    repeat penalty of Ollama's defaults over the tokens sampled, as llama.cpp's penalties sampler computes it)."""
     import ctypes
 
     import llama_cpp as L
@@ -253,6 +254,11 @@ def reference_logits(model_path: str, projector: str, prompt: str, images: list[
         b = L.llama_batch_init(1, 0, 1)
         try:
             for _ in range(n_gen):
+                row = np.array(row, dtype=np.float32)
+                seen = np.array(sorted(set(toks[-repeat_last_n:])), dtype=np.intp)
+                if len(seen) and repeat_penalty != 1.0:
+                    lg = row[seen]
+                    row[seen] = np.where(lg <= 0, lg * np.float32(repeat_penalty), lg / np.float32(repeat_penalty))
                 toks.append(int(np.argmax(row)))
                 b.n_tokens, b.token[0], b.pos[0], b.n_seq_id[0], b.seq_id[0][0], b.logits[0] = 1, toks[-1], pos, 1, 0, 1
                 assert L.llama_decode(ctx, b) == 0

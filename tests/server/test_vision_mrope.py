@@ -46,7 +46,7 @@ def test_an_m_rope_model_answers_an_image_question_as_llama_cpp_does(qsrv, mrope
     pic = png(*MROPE_IMAGE, seed=12)
     opts = {"temperature": 0, "seed": 1, "num_predict": 8}
     msgs = [{"role": "user", "content": ASK, "images": [pic]}]
-    first = c.chat(model=QVL, messages=msgs, options=opts)
+    first = c.chat(model=QVL, messages=msgs, options=opts, logprobs=True, top_logprobs=5)
     encoded = metric(qsrv.url, "images_encoded_total")
     second = c.chat(model=QVL, messages=msgs, options=opts)
     assert first.message.content and second.message.content == first.message.content
@@ -57,6 +57,8 @@ def test_an_m_rope_model_answers_an_image_question_as_llama_cpp_does(qsrv, mrope
     model, proj = mrope_model
     with load("llamacpp", LoadSpec(str(model), n_ctx=1024, n_threads=1)) as m:
         prompt = m.call(lambda s: s.render([{"role": "user", "content": IMAGE_MARKER + "\n" + ASK}]))
-        _, toks = reference_in_subprocess(str(model), str(proj), prompt, [pic], n_gen=8)
+        ref_top, toks = reference_in_subprocess(str(model), str(proj), prompt, [pic], n_gen=8)
         want = m.detokenize(toks)
     assert want.startswith(first.message.content), (first.message.content, want)
+    top = [t.logprob for t in first.logprobs[0].top_logprobs]  # numbers, not only text: a random model's words
+    assert max(abs(a - b) for a, b in zip(top, ref_top, strict=True)) < 1e-4, (top, ref_top)  # flip rarely
