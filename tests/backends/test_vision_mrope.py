@@ -127,3 +127,50 @@ def test_two_images_and_batched_text(qvl):
     _, _, a = run(qvl, 1, messages=chat(pic(41)))
     _, _, b = run(qvl, 1, messages=chat(pic(42)))
     assert not np.allclose(a, b, atol=1e-3)  # two pictures, two answers
+
+
+CHILD = """
+import json, sys
+sys.path.insert(0, {root!r})
+from backends.base import GenerateRequest, LoadSpec, Sampling
+from backends.prompt_cache import PromptCacheSpec
+from backends.registry import load
+from tests.backends.conftest import collect
+from tests.support_vision import MROPE_IMAGE, png
+spec = PromptCacheSpec({cache!r}, "test-model m-rope", min_tokens=16)
+msgs = [{{"role": "user", "content": "Describe the picture in detail.", "images": [png(*MROPE_IMAGE, seed=77)]}}]
+with load("llamacpp", LoadSpec({model!r}, n_ctx=1024, n_seq=1, n_threads=2, mmproj={proj!r}), prompt_cache=spec) as m:
+    text, done, evs = collect(m.generate(GenerateRequest(messages=msgs, sampling=Sampling(temperature=0, max_tokens=8),
+                                                         logprobs=True, top_logprobs=5)))
+top = [lp for _, lp, _ in next(e.logprobs[0] for e in evs if getattr(e, "logprobs", None)).top]
+s = done.stats
+print(json.dumps({{"text": text, "restored": s.prompt_restored_tokens, "prompt": s.prompt_eval_count,
+                  "encoded": s.images_encoded, "top": top}}))
+"""
+
+
+def test_a_conversation_with_an_m_rope_image_restores_from_disk_in_a_second_process(mrope_model, tmp_path):
+    """The saved state carries the image's cells with their 2-D positions (llama.cpp keeps them per cell); the
+    next process restores all but the last prompt token and evaluates that one at the position after them."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model, proj = mrope_model
+    code = CHILD.format(root=str(Path(__file__).resolve().parents[2]), cache=str(tmp_path), model=str(model),
+                        proj=str(proj))
+
+    def child() -> dict:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ))
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first = child()
+    assert first["restored"] == 0 and first["encoded"] == 1 and list(tmp_path.glob("*.kv")), "nothing was saved"
+    again = child()
+    assert again["restored"] == first["prompt"] - 1 and again["encoded"] == 0
+    assert again["text"] == first["text"]
+    np.testing.assert_allclose(again["top"], first["top"], atol=1e-5)
