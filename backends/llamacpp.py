@@ -902,7 +902,7 @@ class LlamaCppSource(TokenSource):
         b.n_tokens = n
         non_causal = self._proj.non_causal  # Gemma 3: the image's positions see each other (whole images only)
         pos_type = type(b.pos)
-        pos_own = ctypes.cast(b.pos, ctypes.c_void_p).value  # an address: a field read shares the struct's memory
+        pos_own = int(ctypes.cast(b.pos, ctypes.c_void_p).value or 0)  # an address (a field read shares the struct)
         if mrope is not None:  # four positions an embedding, section-major: pos[s * n + i] (llama_batch's layout)
             sections = (ctypes.c_int32 * (4 * n))(*(p[s] for s in range(4) for p in mrope))
             b.pos = ctypes.cast(sections, pos_type)

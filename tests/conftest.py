@@ -197,5 +197,6 @@ def mrope_model(default_model_path, test_cache) -> tuple[Path, Path]:
     from tests.support import file_key
     from tests.support_vision import make_mrope_model, make_projector
 
-    model = make_mrope_model(default_model_path, test_cache / "derived" / f"qwen2vl-{file_key(default_model_path)}.gguf")
+    derived = test_cache / "derived" / f"qwen2vl-{file_key(default_model_path)}.gguf"
+    model = make_mrope_model(default_model_path, derived)
     return model, make_projector(test_cache / "vision" / "mmproj-qwen2vl-test-f32.gguf", kind="qwen2vl")

@@ -288,7 +288,8 @@ def reference_in_subprocess(model_path: str, projector: str, prompt: str, images
     code = ("import json, sys, base64, numpy as np\n"
             "from tests.support_vision import reference_logits\n"
             "a = json.loads(sys.stdin.read())\n"
-            "lg, toks = reference_logits(a['m'], a['p'], a['t'], [base64.b64decode(i) for i in a['i']], a['n'], a['g'])\n"
+            "imgs = [base64.b64decode(i) for i in a['i']]\n"
+            "lg, toks = reference_logits(a['m'], a['p'], a['t'], imgs, a['n'], a['g'])\n"
             "lg = np.asarray(lg, dtype=np.float64); lse = lg.max() + np.log(np.exp(lg - lg.max()).sum())\n"
             "print('REF' + json.dumps([sorted((lg - lse).tolist(), reverse=True)[:5], toks]))\n")
     arg = json.dumps({"m": model_path, "p": projector, "t": prompt, "n": n_threads, "g": n_gen,

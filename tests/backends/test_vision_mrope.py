@@ -70,7 +70,7 @@ def test_the_loop_evaluates_m_rope_images_as_llama_cpps_own_helper_does(qvl, mro
     first = run(qvl, 8, messages=chat(image))
     again = run(qvl, 8, messages=chat(image))
     assert first[1].stats.prompt_cached_tokens == 0 and again[1].stats.prompt_cached_tokens > MROPE_IMAGE_TOKENS
-    for text, done, top in (first, again):
+    for text, _, top in (first, again):
         np.testing.assert_allclose(top, ref_top, atol=1e-5)
         assert text and ref_text.startswith(text), (text, ref_text)
 
