@@ -174,3 +174,24 @@ def test_a_conversation_with_an_m_rope_image_restores_from_disk_in_a_second_proc
     assert again["restored"] == first["prompt"] - 1 and again["encoded"] == 0
     assert again["text"] == first["text"]
     np.testing.assert_allclose(again["top"], first["top"], atol=1e-5)
+
+
+def test_a_large_picture_is_scaled_to_fit_one_step_beside_the_streams(mrope_model):
+    """An M-RoPE image is evaluated whole, so mtmd is told to make at most ``n_batch`` less one token per slot of
+    it: a 256 px photo (256 tokens at full size) becomes fewer, and is admitted while another stream decodes."""
+    import threading
+
+    model, proj = mrope_model
+    with load("llamacpp", LoadSpec(str(model), n_ctx=1024, n_seq=2, n_batch=64, n_threads=2, mmproj=str(proj))) as m:
+        out: dict[str, tuple] = {}
+
+        def go(key, messages, n):
+            out[key] = run(m, n, messages=messages)
+
+        side = threading.Thread(target=go, args=("text", chat(text="Count to twenty."), 24))
+        side.start()
+        go("image", chat(png(256, 256, seed=3)), 4)
+        side.join(300)
+        n = out["image"][1].stats.image_tokens
+        assert 8 <= n <= 64 - 2 and out["image"][0]
+        assert out["text"][1].finish_reason in ("stop", "length")
