@@ -195,3 +195,19 @@ def test_a_large_picture_is_scaled_to_fit_one_step_beside_the_streams(mrope_mode
         n = out["image"][1].stats.image_tokens
         assert 8 <= n <= 64 - 2 and out["image"][0]
         assert out["text"][1].finish_reason in ("stop", "length")
+
+
+def test_a_shared_image_prefix_is_copied_to_another_sequence_at_its_positions(qvl):
+    """A second question about the picture, in a new conversation: the pool copies the first one's prefix (the
+    system turn, the image, the text up to where they part) into another sequence by position (``seq_cp`` counts
+    positions, and 24 image cells take 6), and the answer is the one evaluated from nothing."""
+    image = pic(51)
+    qvl.call(lambda s: qvl.pool.clear())
+    run(qvl, 4, messages=chat(image, text="Describe the picture."))
+    _, d, copied = run(qvl, 4, messages=chat(image, text="Describe the colours."))
+    assert d.stats.prompt_cached_tokens > MROPE_IMAGE_TOKENS
+    assert qvl.metrics().prompt_tokens_copied >= d.stats.prompt_cached_tokens
+    qvl.call(lambda s: qvl.pool.clear())
+    _, d2, fresh = run(qvl, 4, messages=chat(image, text="Describe the colours."))
+    assert d2.stats.prompt_cached_tokens == 0
+    np.testing.assert_allclose(copied, fresh, atol=1e-4)
