@@ -195,6 +195,12 @@ def test_a_large_picture_is_scaled_to_fit_one_step_beside_the_streams(mrope_mode
         n = out["image"][1].stats.image_tokens
         assert 8 <= n <= 64 - 2 and out["image"][0]
         assert out["text"][1].finish_reason in ("stop", "length")
+        m.call(lambda s: m.pool.clear())
+        _, _, solo = run(m, 1, messages=chat(png(256, 256, seed=3)))
+        prompt = m.call(lambda s: s.render([{"role": "user", "content": IMAGE_MARKER + "\n" + ASK}]))
+    ref_top, _ = reference_in_subprocess(str(model), str(proj), prompt, [png(256, 256, seed=3)], n_gen=1,
+                                         image_max_tokens=64 - 2)
+    np.testing.assert_allclose(solo, ref_top, atol=1e-5)  # the same scaled picture, the same numbers
 
 
 def test_a_shared_image_prefix_is_copied_to_another_sequence_at_its_positions(qvl):
