@@ -48,6 +48,7 @@ def test_an_m_rope_model_answers_an_image_question_as_llama_cpp_does(qsrv, mrope
     msgs = [{"role": "user", "content": ASK, "images": [pic]}]
     first = c.chat(model=QVL, messages=msgs, options=opts, logprobs=True, top_logprobs=5)
     encoded = metric(qsrv.url, "images_encoded_total")
+    assert encoded >= 1
     second = c.chat(model=QVL, messages=msgs, options=opts)
     assert first.message.content and second.message.content == first.message.content
     assert first.prompt_eval_count >= MROPE_IMAGE_TOKENS
