@@ -522,7 +522,9 @@ class LlamaCppSource(TokenSource):
             self._eog_cache: dict[int, bool] = {}
             self._formatters: dict[bool, Any] = {}
             self.flash_attn = self._flash_attn_enabled(cp)
-            self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
+            # the width of an input embedding (an image's rows): n_embd, or more where the projector also feeds the
+            # first layers (Qwen3-VL's deepstack: n_embd x (1 + deepstack layers)), as mtmd-helper reads it
+            self._n_embd = int(llama_cpp.llama_model_n_embd_inp(self._model))
             if spec.mmproj:
                 from backends.llamacpp_vision import Projector
 
