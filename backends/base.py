@@ -310,7 +310,9 @@ class MediaWork:
 @dataclass
 class Feed:
     """Tokens to evaluate for one sequence in one step: ``tokens`` at positions ``pos, pos+1, ...``;
-    logits are kept for the last ``outputs`` of them (0 = none, ``len(tokens)`` = all)."""
+    logits are kept for the last ``outputs`` of them (0 = none, ``len(tokens)`` = all). ``pos`` is
+    :meth:`TokenSource.positions` of what the sequence holds: its token count, except after an M-RoPE image (whose
+    tokens share the image's first position; the source gives each of them its 2-D positions from there)."""
 
     seq: int
     tokens: list[int]
@@ -430,7 +432,7 @@ class TokenSource(abc.ABC):
 
     def prompt_media(self, text: str, images: list[bytes]) -> list[int]:
         """The ids of a rendered prompt holding one :data:`IMAGE_MARKER` per image: text tokens, and for each
-        image as many negative placeholder ids as it takes positions (:func:`is_image_token`). Raises
+        image as many negative placeholder ids as it takes KV cells (:func:`is_image_token`). Raises
         :class:`UnsupportedError` for bytes that are not a decodable image."""
         raise UnsupportedError(self.vision_problem())
 
@@ -442,8 +444,20 @@ class TokenSource(abc.ABC):
     @property
     def media_whole(self) -> bool:
         """An image's positions must be evaluated together, in one step (a projector that needs non-causal
-        attention over the image, such as Gemma 3's); the loop then gives the whole image one feed."""
+        attention over the image, such as Gemma 3's, or M-RoPE positions, whose image cells share one sequence
+        position and so can only be dropped together); the loop then gives the whole image one feed."""
         return False
+
+    def positions(self, tokens: Sequence[int]) -> int:
+        """The sequence position that follows ``tokens`` (the first tokens a sequence holds): ``len(tokens)``,
+        except where an image takes fewer positions than tokens (M-RoPE: Qwen2-VL's ``nx x ny`` tokens take
+        ``max(nx, ny)``). What :meth:`seq_rm` and :meth:`seq_cp` count in, and a :class:`Feed`'s ``pos``."""
+        return len(tokens)
+
+    def kv_cut(self, tokens: Sequence[int], n: int) -> tuple[int, int]:
+        """To keep only the first ``n`` of the ``tokens`` a sequence holds: (how many it can keep, ``<= n``; the
+        position from which its cells go). An image whose cells share a position is kept whole or not at all."""
+        return n, n
 
     def media_span(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` belong to the image of the first one (from that position on)."""

@@ -53,7 +53,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 @dataclass
 class Seq:
-    """One KV sequence id and what its cells hold (positions ``0 .. len(tokens)-1``)."""
+    """One KV sequence id and what its cells hold: one cell per token, at positions ``0 .. len(tokens)-1``, or
+    fewer positions where an image takes fewer than its tokens (M-RoPE: see :meth:`TokenSource.positions`)."""
 
     id: int
     tokens: list[int] = field(default_factory=list)
@@ -171,7 +172,8 @@ class KVPool:
                 if target.tokens:
                     self.counters.evictions += 1
                 target.parked = None
-                ok = src.seq_cp(best.id, target.id, best_n)  # empties the target first
+                best_n, pos = src.kv_cut(best.tokens, best_n)
+                ok = src.seq_cp(best.id, target.id, pos)  # empties the target first
                 target.tokens = list(best.tokens[:best_n]) if ok else []
                 target.prompt_logits = None
                 seq, copied = target, (best_n if ok else 0)
@@ -188,7 +190,8 @@ class KVPool:
         elif keep >= len(prompt):
             keep = len(prompt) - 1  # the last prompt token is evaluated again for its logits
         if keep < len(seq.tokens):
-            if not src.seq_rm(seq.id, keep):
+            keep, pos = src.kv_cut(seq.tokens, keep)
+            if not src.seq_rm(seq.id, pos):
                 src.seq_rm(seq.id)  # recurrent memory: no partial removal
                 keep = 0
             del seq.tokens[keep:]
@@ -218,7 +221,8 @@ class KVPool:
         seq.tokens, seq.prompt_logits = list(prompt[:n]), None
         keep = min(n, len(prompt) - 1)  # logits are not saved: the last prompt token is evaluated again
         if keep < n:
-            self.source.seq_rm(seq.id, keep)
+            keep, pos = self.source.kv_cut(seq.tokens, keep)
+            self.source.seq_rm(seq.id, pos)
             del seq.tokens[keep:]
         self.counters.prompt_tokens_restored += keep
         pc.stats.restored_tokens += keep
@@ -243,9 +247,11 @@ class KVPool:
                 n = min(common_prefix(s.tokens, prompt), limit)
                 if n > best_n:
                     best, best_n = s, n
+        if best is not None:
+            best_n = self.source.kv_cut(best.tokens, best_n)[0]
         if best is None or best_n - have < JOIN_MIN // 2:
             return Join(False, 0)
-        if not self.source.seq_cp(best.id, seq.id, best_n):
+        if not self.source.seq_cp(best.id, seq.id, self.source.positions(best.tokens[:best_n])):
             seq.tokens, seq.prompt_logits, seq.no_join = [], None, True  # the copy emptied it
             return Join(False, 0)
         seq.tokens, seq.prompt_logits = list(best.tokens[:best_n]), None
@@ -257,7 +263,8 @@ class KVPool:
     def trim(self, seq: Seq, keep: int) -> None:
         """Drop the tokens of ``seq`` after the first ``keep`` (rejected drafts)."""
         if keep < len(seq.tokens):
-            self.source.seq_rm(seq.id, keep)
+            keep, pos = self.source.kv_cut(seq.tokens, keep)
+            self.source.seq_rm(seq.id, pos)
             del seq.tokens[keep:]
 
     # ------------------------------------------------------------------ victims
@@ -360,8 +367,12 @@ class KVPool:
         some) are dropped, and all of them when the memory cannot drop a tail."""
         seq.owner = None
         seq.last_used = time.monotonic()
-        if failed and not self.source.seq_rm(seq.id, len(seq.tokens)):
-            self.drop(seq)
+        if failed:
+            keep, pos = self.source.kv_cut(seq.tokens, len(seq.tokens))
+            if self.source.seq_rm(seq.id, pos):
+                del seq.tokens[keep:]
+            else:
+                self.drop(seq)
 
     def save_prefixes(self, seq: Seq, prompt: list[int], points: Iterable[int] = ()) -> None:
         """Save the KV state of the long prefixes of ``prompt`` that ``seq`` holds to the disk cache (where
@@ -383,7 +394,9 @@ class KVPool:
             try:
                 if n == len(seq.tokens):
                     data = self.source.state_save(seq.id)
-                elif self.source.seq_cp(seq.id, tmp.id, n):
+                elif self.source.kv_cut(toks, n)[0] != n:
+                    continue  # inside an image that is kept whole
+                elif self.source.seq_cp(seq.id, tmp.id, self.source.positions(toks)):
                     data = self.source.state_save(tmp.id)
                     self.source.seq_rm(tmp.id)
                 else:

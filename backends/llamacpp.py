@@ -522,14 +522,18 @@ class LlamaCppSource(TokenSource):
             self._eog_cache: dict[int, bool] = {}
             self._formatters: dict[bool, Any] = {}
             self.flash_attn = self._flash_attn_enabled(cp)
-            self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
+            # the width of an input embedding (an image's rows): n_embd, or more where the projector also feeds the
+            # first layers (Qwen3-VL's deepstack: n_embd x (1 + deepstack layers)), as mtmd-helper reads it
+            self._n_embd = int(llama_cpp.llama_model_n_embd_inp(self._model))
             if spec.mmproj:
                 from backends.llamacpp_vision import Projector
 
                 _recent_native.clear()
                 self._proj = Projector(spec.mmproj, self._model, self._n_embd, n_threads=self.n_threads,
                                        use_gpu=spec.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload()),
-                                       log_callback=_log_state["cb"], native_reason=_native_reason)
+                                       log_callback=_log_state["cb"], native_reason=_native_reason,
+                                       # M-RoPE images are evaluated whole: one fits in a step beside every slot
+                                       max_image_tokens=max(8, self._n_batch - max(1, spec.n_seq)))
             from backends import ggml_devices
 
             self._alloc = allocations(getattr(_capture, "lines", None) or [], ggml_devices.added_workers())
@@ -854,7 +858,13 @@ class LlamaCppSource(TokenSource):
 
     @property
     def media_whole(self) -> bool:
-        return self._proj is not None and self._proj.non_causal
+        return self._proj is not None and (self._proj.non_causal or self._proj.mrope)
+
+    def positions(self, tokens: Sequence[int]) -> int:
+        return self._proj.positions(tokens) if self._proj is not None else len(tokens)
+
+    def kv_cut(self, tokens: Sequence[int], n: int) -> tuple[int, int]:
+        return self._proj.kv_cut(tokens, n) if self._proj is not None else (n, n)
 
     def media_span(self, tokens: Sequence[int]) -> int:
         return self._proj.span(tokens) if self._proj is not None else 0
@@ -873,12 +883,15 @@ class LlamaCppSource(TokenSource):
             self._ebatch = llama_cpp.llama_batch_init(self._n_batch, self._n_embd, 1)
         b = self._ebatch
         n, outs = 0, []
+        mrope: list[tuple[int, int, int, int]] | None = [] if self._proj.mrope else None
         for f in feeds:
             k = len(f.tokens)
             if n + k > self._n_batch:
                 raise BackendError(f"A step of {n + k} image positions exceeds the batch size {self._n_batch}.")
             rows = self._proj.rows(f.tokens)
             ctypes.memmove(ctypes.addressof(b.embd.contents) + n * self._n_embd * 4, rows.ctypes.data, rows.nbytes)
+            if mrope is not None:
+                mrope.extend(self._proj.mrope_positions(f.tokens, f.pos))
             mine = []
             for j in range(k):
                 i = n + j
@@ -890,11 +903,18 @@ class LlamaCppSource(TokenSource):
             outs.append(mine)
         b.n_tokens = n
         non_causal = self._proj.non_causal  # Gemma 3: the image's positions see each other (whole images only)
+        pos_type = type(b.pos)
+        pos_own = int(ctypes.cast(b.pos, ctypes.c_void_p).value or 0)  # an address (a field read shares the struct)
+        if mrope is not None:  # four positions an embedding, section-major: pos[s * n + i] (llama_batch's layout)
+            sections = (ctypes.c_int32 * (4 * n))(*(p[s] for s in range(4) for p in mrope))
+            b.pos = ctypes.cast(sections, pos_type)
         if non_causal:
             llama_cpp.llama_set_causal_attn(self._ctx, False)
         try:
             rc = llama_cpp.llama_decode(self._ctx, b)
         finally:
+            if mrope is not None:
+                b.pos = ctypes.cast(pos_own, pos_type)  # llama_batch_free frees the batch's own array
             if non_causal:
                 llama_cpp.llama_set_causal_attn(self._ctx, True)
         if rc == 1:

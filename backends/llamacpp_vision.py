@@ -19,8 +19,17 @@ A projector that needs **non-causal** attention over an image (Gemma 3) has each
 embeddings-only decode with causal attention switched off for it (``llama_set_causal_attn``), and then on again
 for the step's token decode: the loop gives such an image a step of its own (:attr:`media_whole`, :meth:`span`).
 
-Not supported yet, refused in one sentence: models with M-RoPE positions (Qwen2-VL family), whose image chunks
-take fewer positions than tokens; audio.
+**M-RoPE** (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: :attr:`Projector.mrope`): an image of ``nx x ny`` tokens takes
+``max(nx, ny)`` positions, not one per token. Each of its tokens is evaluated with four positions (time, row,
+column, extra: ``(p, p + y, p + x, 0)`` for token ``y * nx + x`` of an image starting at position ``p``, the layout
+of mtmd-helper's ``mtmd_helper_decode_image_chunk``), so every cell of an image holds the same sequence position
+``p`` and the text after it continues at ``p + max(nx, ny)``. The KV pool still counts cells (one per token); the
+position after a list of tokens is :meth:`Projector.positions`, and a prefix may only be kept whole-image
+(:meth:`Projector.kv_cut`): cells are dropped by position, and an image's cells share one. So an M-RoPE image is
+evaluated whole, in one feed (:attr:`media_whole`), and mtmd is told to make images of at most ``max_image_tokens``
+tokens (the step's size less one token per slot, so an image always fits beside the streams in flight).
+
+Not supported yet: audio.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ MAX_IMAGES = 4096  # images whose placeholder ids are remembered (those of promp
 # preprocessed images (mtmd chunks) kept for a later encode: the most recent ones (a real model's is ~10 MB); an
 # older one that is needed again is prepared again when its next prompt is tokenized
 MAX_PENDING_CHUNKS = 64
+MAX_IMAGE_ENDS = 1 << 20  # M-RoPE: images whose position count is remembered (~100 bytes each)
 
 
 @dataclass
@@ -55,6 +65,7 @@ class _Image:
     embd: Any = None  # (n, n_embd) float32 once encoded
     nx: int = 0
     ny: int = 0
+    n_pos: int = 0  # positions it takes: len(ids), or max(nx, ny) with M-RoPE
 
 
 def _placeholder_ids(key: str, n: int, salt: int = 0) -> list[int]:
@@ -71,9 +82,12 @@ class Projector:
     """A loaded mtmd context for one text model (its threads, GPU use and logging as the model's)."""
 
     def __init__(self, path: str, model: Any, n_embd: int, *, n_threads: int, use_gpu: bool,
-                 log_callback: Any = None, native_reason: Callable[..., str | None] = lambda *_: None):
+                 log_callback: Any = None, native_reason: Callable[..., str | None] = lambda *_: None,
+                 max_image_tokens: int = 0):
         """``log_callback``: the llama.cpp log callback the source installed (mtmd's ~2,400 lines a load go where
-        llama.cpp's go); ``native_reason``: the source's recent-log lookup, to explain a failed load."""
+        llama.cpp's go); ``native_reason``: the source's recent-log lookup, to explain a failed load;
+        ``max_image_tokens``: for an M-RoPE text model, the most tokens an image may become (mtmd resizes larger
+        ones down; 0: the projector's own limit), so that a whole image fits in one step."""
         import llama_cpp.mtmd_cpp as M
 
         self._M = M
@@ -84,6 +98,12 @@ class Projector:
         p.n_threads = int(n_threads)  # mtmd's default is 4, whatever the model was given
         p.print_timings = False
         p.warmup = True
+        if max_image_tokens > 0:
+            import llama_cpp
+
+            if llama_cpp.llama_model_rope_type(model) in (llama_cpp.LLAMA_ROPE_TYPE_MROPE,
+                                                          llama_cpp.LLAMA_ROPE_TYPE_IMROPE):
+                p.image_max_tokens = int(max_image_tokens)
         t = time.perf_counter()
         self._ctx = M.mtmd_init_from_file(path.encode(), model, p)
         if not self._ctx:
@@ -104,6 +124,9 @@ class Projector:
         self.n_embd = n_embd
         self._images: OrderedDict[str, _Image] = OrderedDict()
         self._by_id: dict[int, tuple[_Image, int]] = {}
+        # M-RoPE: the last placeholder of every image seen -> (its tokens, its positions). Kept after the image is
+        # forgotten (a few bytes an image, bounded by MAX_IMAGE_ENDS), since an idle sequence may still hold it
+        self._ends: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._embd_bytes = 0
         self.encoded = 0  # images encoded since load
         self.encoded_tokens = 0
@@ -113,8 +136,6 @@ class Projector:
 
     def problem(self) -> str | None:
         """Why this projector cannot run in the batched loop (one sentence), or None."""
-        if self.mrope:
-            return ("This vision model uses M-RoPE positions (Qwen2-VL style), which localllm does not run yet.")
         return None
 
     def tokenize(self, text: str, images: list[bytes], add_bos: bool) -> list[int]:
@@ -170,9 +191,10 @@ class Projector:
         M = self._M
         img = M.mtmd_input_chunk_get_tokens_image(ch)
         n = int(M.mtmd_image_tokens_get_n_tokens(img))
-        if int(M.mtmd_input_chunk_get_n_pos(ch)) != n:
-            raise UnsupportedError("This vision model's image positions differ from its tokens (M-RoPE), which "
-                                   "localllm does not run yet.")
+        n_pos = int(M.mtmd_input_chunk_get_n_pos(ch))
+        if n_pos != n and not self.mrope:
+            raise UnsupportedError("This vision model's image positions differ from its tokens in a way localllm "
+                                   "does not run yet.")
         key = (M.mtmd_input_chunk_get_id(ch) or b"").decode() or hashlib.sha256(str(id(ch)).encode()).hexdigest()
         e = self._images.get(key)
         if e is None or len(e.ids) != n:
@@ -181,10 +203,17 @@ class Projector:
             while any(i in self._by_id for i in ids):  # another image's id (2^-31 a position): draw again
                 salt += 1
                 ids = _placeholder_ids(key, n, salt)
-            e = _Image(key, ids, nx=int(M.mtmd_image_tokens_get_nx(img)), ny=int(M.mtmd_image_tokens_get_ny(img)))
+            e = _Image(key, ids, nx=int(M.mtmd_image_tokens_get_nx(img)), ny=int(M.mtmd_image_tokens_get_ny(img)),
+                       n_pos=n_pos)
+            if self.mrope and e.nx * e.ny != n:
+                raise UnsupportedError("This vision model's image grid does not match its tokens (M-RoPE).")
             self._images[key] = e
             for k, t in enumerate(ids):
                 self._by_id[t] = (e, k)
+            if self.mrope:
+                self._ends[ids[-1]] = (n, n_pos)
+                while len(self._ends) > MAX_IMAGE_ENDS:
+                    self._ends.popitem(last=False)
         self._images.move_to_end(key)
         if e.embd is None and e.chunk is None:
             e.chunk = M.mtmd_input_chunk_copy(ch)
@@ -287,6 +316,48 @@ class Projector:
                 hit = self._by_id.get(t)
             assert hit is not None and hit[0].embd is not None
             out[j] = hit[0].embd[hit[1]]
+        return out
+
+    # ------------------------------------------------------------------ M-RoPE positions
+
+    def positions(self, tokens: Sequence[int]) -> int:
+        """The sequence position that follows ``tokens`` (a sequence's first tokens): one per text token, and
+        ``max(nx, ny)`` per whole M-RoPE image; a trailing part of an image adds nothing (all its cells hold the
+        image's first position, which is where the rest of it goes). Without M-RoPE: ``len(tokens)``."""
+        n = len(tokens)
+        if not self.mrope or not n or min(tokens) >= 0:  # min(): the common case at C speed
+            return n
+        imgs = [t for t in tokens if t < 0]
+        pos = n - len(imgs)
+        ends = self._ends
+        for t in imgs:
+            end = ends.get(t)
+            if end is not None:
+                pos += end[1]
+        return pos
+
+    def kv_cut(self, tokens: Sequence[int], n: int) -> tuple[int, int]:
+        """To keep the first ``n`` of a sequence's ``tokens``: (tokens kept, position from which cells go). With
+        M-RoPE a cut inside an image moves back to the image's start (its cells share one position)."""
+        if not self.mrope:
+            return n, n
+        if n <= 0 or tokens[n - 1] >= 0 or tokens[n - 1] in self._ends:
+            return n, self.positions(tokens[:n])  # after a text token or a whole image
+        start = n
+        while start > 0 and tokens[start - 1] < 0 and tokens[start - 1] not in self._ends:
+            start -= 1
+        return start, self.positions(tokens[:start])
+
+    def mrope_positions(self, tokens: Sequence[int], pos: int) -> list[tuple[int, int, int, int]]:
+        """The four M-RoPE positions of each of an image's placeholders ``tokens`` when the image starts at
+        ``pos``: ``(pos, pos + y, pos + x, 0)`` for token ``y * nx + x`` (mtmd_image_tokens_get_decoder_pos)."""
+        out = []
+        for t in tokens:
+            hit = self._by_id.get(t)
+            if hit is None:
+                raise BackendError("An image of this prompt is no longer known to the projector; send it again.")
+            e, k = hit
+            out.append((pos, pos + k // e.nx, pos + k % e.nx, 0))
         return out
 
     def close(self) -> None:

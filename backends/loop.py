@@ -491,7 +491,7 @@ class LoadedModel:
             if spec_on:
                 drafts = self._propose(r)
                 catchup = self._drafter.catchup_ns if self._drafter is not None else 0
-            feeds.append(Feed(r.seq.id, [r.last, *drafts], len(r.seq.tokens), 1 + len(drafts)))
+            feeds.append(Feed(r.seq.id, [r.last, *drafts], src.positions(r.seq.tokens), 1 + len(drafts)))
             owners.append((r, "decode", drafts))
             budget -= 1 + len(drafts)
         cap = budget if not decoding else min(budget, self.prefill_chunk)
@@ -529,7 +529,7 @@ class LoadedModel:
                         continue
                     r.stream.stats.images_encoded += work.images
                     r.stream.stats.image_encode_duration += work.ns
-            feeds.append(Feed(r.seq.id, chunk, len(r.seq.tokens), 1 if len(chunk) == len(rest) else 0))
+            feeds.append(Feed(r.seq.id, chunk, src.positions(r.seq.tokens), 1 if len(chunk) == len(rest) else 0))
             owners.append((r, "prefill", []))
             cap -= len(chunk)
             room -= len(chunk)
@@ -615,7 +615,7 @@ class LoadedModel:
             r.stream.stats.draft_accepted += accepted
             self._counters.draft_proposed += len(drafts)
             self._counters.draft_accepted += accepted
-            self.pool.trim(r.seq, f.pos + 1 + accepted)
+            self.pool.trim(r.seq, len(r.seq.tokens) - len(f.tokens) + 1 + accepted)
         if kind == "decode" and self._controller is not None and len(self._active) == 1:
             self._controller.record(proposed=len(drafts), accepted=len(toks) - 1 if drafts else 0,
                                     emitted=len(toks), ns=step_ns, overhead_ns=catchup)

@@ -188,3 +188,15 @@ def test_projector(test_cache) -> Path:
     from tests.support_vision import make_projector
 
     return make_projector(test_cache / "vision" / "mmproj-smollm2-test-f32.gguf")
+
+
+@pytest.fixture(scope="session")
+def mrope_model(default_model_path, test_cache) -> tuple[Path, Path]:
+    """(text model, projector) of the M-RoPE kind (Qwen2-VL): a ``qwen2vl`` copy of the default model and a random
+    ``qwen2vl_merger`` projector for it (:mod:`tests.support_vision`), made once and cached in the test cache."""
+    from tests.support import file_key
+    from tests.support_vision import make_mrope_model, make_projector
+
+    derived = test_cache / "derived" / f"qwen2vl-{file_key(default_model_path)}.gguf"
+    model = make_mrope_model(default_model_path, derived)
+    return model, make_projector(test_cache / "vision" / "mmproj-qwen2vl-test-f32.gguf", kind="qwen2vl")

@@ -140,3 +140,33 @@ def test_piped_prompt_with_a_path(vision_dir):
                        input="What is in ./photo.png?\n", capture_output=True, text=True, cwd=vision_dir, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Added image 'photo.png'" in r.stderr and f"image tokens:         {IMAGE_TOKENS}" in r.stderr
+
+
+def test_an_m_rope_model_answers_as_llama_cpps_own_helper(tmp_path, mrope_model):
+    """A Qwen2-VL style model (M-RoPE: an image of 6 x 4 tokens takes 6 positions) through the real CLI: the greedy
+    answer is the one ``mtmd_helper_eval_chunks`` leads to on a fresh context, and the same twice."""
+    from backends.base import IMAGE_MARKER, LoadSpec
+    from backends.registry import load
+    from tests.support_vision import MROPE_IMAGE, reference_in_subprocess
+
+    model, proj = mrope_model
+    d = tmp_path / "qvl"
+    d.mkdir()
+    try:
+        os.link(model, d / "model.gguf")  # (a symlink's projector is looked for beside its target)
+    except OSError:
+        shutil.copyfile(model, d / "model.gguf")
+    shutil.copyfile(proj, d / "mmproj-qwen2vl-f32.gguf")
+    pic = png(*MROPE_IMAGE, seed=5)
+    (d / "photo.png").write_bytes(pic)
+    args = ("run", "./model.gguf", "--image", "photo.png", "Describe the picture.", "--temperature", "0",
+            "--seed", "1", "--num-predict", "24", "--verbose")  # long: a random model's text flips rarely
+    first, second = cli(*args, cwd=d), cli(*args, cwd=d)
+    assert first.returncode == 0, first.stderr
+    assert "image tokens:         24 token(s) of 1 image(s)" in first.stderr
+    assert first.stdout.strip() and first.stdout == second.stdout
+    with load("llamacpp", LoadSpec(str(model), n_ctx=1024, n_threads=1)) as m:
+        prompt = m.call(lambda s: s.render([{"role": "user", "content": IMAGE_MARKER + "\nDescribe the picture."}]))
+        _, toks = reference_in_subprocess(str(model), str(proj), prompt, [pic], n_gen=24)
+        want = m.detokenize(toks)
+    assert want.startswith(first.stdout.strip()), (first.stdout, want)
