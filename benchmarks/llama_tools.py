@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 PINNED = "0.3.36"
-TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize")
+TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-mtmd-cli")
 
 
 def version() -> str:

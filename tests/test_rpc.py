@@ -400,3 +400,19 @@ def test_tensor_split_places_the_layers_as_asked_and_a_wrong_count_is_one_senten
                          timeout=120)
     assert bad.returncode == 1
     assert bad.stderr.strip() == ("Error: --tensor-split has 3 values for 2 devices (RPC0, RPC1): give one each.")
+
+
+@needs_rpc
+def test_the_prompt_cache_on_disk_saves_and_restores_a_prefix_held_on_the_workers(rpc_home, workers):
+    system = " ".join(f"Rule {i}: answer briefly and politely about topic number {i}." for i in range(60))
+    args = [sys.executable, "-m", "localllm", "run", DEFAULT_MODEL, "--rpc", workers, "--system", system,
+            "--temperature", "0", "--seed", "1", "--num-predict", "8", "--num-ctx", "2048", "--verbose"]
+    env = _env(rpc_home, LOCALLLM_PROMPT_CACHE_SIZE="1GiB", LOCALLLM_NUM_PARALLEL="1")
+    first = subprocess.run([*args, "What is topic 3?"], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    # a new process: the KV cells of the long system prompt, saved from the workers' devices, come back there
+    second = subprocess.run([*args, "What is topic 7?"], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    m = re.search(r"prompt cache: +(\d+) token\(s\) reused \((\d+) restored from disk\)", second.stderr)
+    assert m and int(m.group(2)) >= 512, second.stderr
+    assert second.stdout.strip()
