@@ -41,9 +41,6 @@ def main() -> None:
     ap.add_argument("--image", default=None, help="an image file (default: a generated 64 px PNG)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--mtmd-cli", default=None, metavar="PATH",
-                    help="also run llama.cpp's llama-mtmd-cli binary (python benchmarks/llama_tools.py --target "
-                         "llama-mtmd-cli) on the same files: its own image and prompt timings, load excluded")
     a = ap.parse_args()
 
     from backends.base import GenerateRequest, LoadSpec, Sampling, TextChunk
@@ -89,12 +86,6 @@ def main() -> None:
     print(f"llama.cpp's mtmd_helper_eval_chunks, same prompt and image: {med(ref) * 1e3:.1f} ms to the last logits")
     print(f"TTFT text-only {med(text) * 1e3:.1f} ms | with image, cold {med(cold) * 1e3:.1f} ms "
           f"(encode {med(enc):.2f} ms) | same image again {med(warm) * 1e3:.1f} ms")
-    if a.mtmd_cli:
-        runs = [mtmd_cli(a.mtmd_cli, model, proj, ask, pic(r), a.threads or 2) for r in range(a.rounds)]
-        print(f"llama-mtmd-cli (its own timings, load excluded): image encode {med(x[0] for x in runs):.1f} ms + "
-              f"image decode {med(x[1] for x in runs):.1f} ms + prompt text {med(x[2] for x in runs):.1f} ms = "
-              f"{med(sum(x) for x in runs):.1f} ms to the first token, vs our cold {med(cold) * 1e3:.1f} ms "
-              f"(ratio {med(cold) * 1e3 / med(sum(x) for x in runs):.2f})")
 
     def pauses(fourth_image: bool) -> float:
         m.call(lambda s: m.pool.clear())
@@ -128,28 +119,6 @@ def main() -> None:
     print(f"longest pause of 3 text streams: with a text 4th request {pauses(False) * 1e3:.1f} ms | "
           f"with an image 4th request {pauses(True) * 1e3:.1f} ms")
     m.close()
-
-
-def mtmd_cli(binary: str, model: str, proj: str, ask: str, image: bytes, threads: int) -> tuple[float, float, float]:
-    """(image encode ms, image decode ms, text prompt eval ms) as ``llama-mtmd-cli`` reports them for one greedy
-    token: its ``image slice encoded in``, ``image decoded (batch ...) in`` and ``prompt eval time`` lines."""
-    import re
-    import subprocess
-    import tempfile
-
-    with tempfile.NamedTemporaryFile(suffix=".png") as f:
-        f.write(image)
-        f.flush()
-        out = subprocess.run([binary, "-m", model, "--mmproj", proj, "--image", f.name, "-p", ask, "-n", "1",
-                              "--temp", "0", "-t", str(threads), "-c", "2048", "--no-warmup"],
-                             capture_output=True, text=True, timeout=300)
-    log = out.stdout + out.stderr
-    enc = sum(float(x) for x in re.findall(r"image slice encoded in ([0-9.]+) ms", log))
-    dec = sum(float(x) for x in re.findall(r"image decoded \(batch \d+/\d+\) in ([0-9.]+) ms", log))
-    pe = re.search(r"prompt eval time =\s*([0-9.]+) ms", log)
-    if out.returncode != 0 or pe is None:
-        raise SystemExit(f"llama-mtmd-cli failed ({out.returncode}):\n{log[-2000:]}")
-    return enc, dec, float(pe.group(1))
 
 
 def helper_prefill(model: str, proj: str, prompt: str, image: bytes, threads: int) -> float:
