@@ -2,6 +2,7 @@
 
     python benchmarks/vision.py                       # default model + the made test projector (16 tokens/image)
     python benchmarks/vision.py --model M.gguf --mmproj P.gguf --image photo.jpg --threads 2
+    python benchmarks/vision.py --mtmd-cli "$(python benchmarks/llama_tools.py --target llama-mtmd-cli | cut -f2)"
 
 Runs in-process on the backend's decode loop (no HTTP), llama.cpp:
 
@@ -12,10 +13,11 @@ Runs in-process on the backend's decode loop (no HTTP), llama.cpp:
   ``llama-mtmd-cli`` runs for a prompt, without its process start and model load) on a fresh one-sequence
   context, to the logits of the last prompt token — against our cold image TTFT;
 * **the longest pause of 3 text streams** while an image request is admitted beside them: the largest gap
-  between two tokens of any text stream during the run, vs the same 3 streams with a text-only 4th request.
+  between two tokens of any text stream during the run, vs the same 3 streams with a text-only 4th request;
+* with ``--mtmd-cli PATH``, **the ``llama-mtmd-cli`` binary** on the same files: its own image-encode and
+  prompt-eval timings (``-lv 4``; load and process start excluded) against our cold image TTFT.
 
-Not measured here: the ``llama-mtmd-cli`` binary itself (its process start and load dominate a 16-token image);
-the projector made by ``tests/support_vision.py`` is tiny, so the encode figures are the pipeline's overhead,
+Note: the projector made by ``tests/support_vision.py`` is tiny, so the encode figures are the pipeline's overhead,
 not a real ViT's cost. ``OMP_WAIT_POLICY=PASSIVE`` is set (as the tests do): on a machine shared with other work,
 llama.cpp's spinning threads otherwise make every figure 5-10x worse.
 """
@@ -41,6 +43,9 @@ def main() -> None:
     ap.add_argument("--image", default=None, help="an image file (default: a generated 64 px PNG)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--mtmd-cli", default=None, metavar="PATH",
+                    help="also run llama.cpp's llama-mtmd-cli binary (python benchmarks/llama_tools.py --target "
+                         "llama-mtmd-cli) on the same files: its own image and prompt timings, load excluded")
     a = ap.parse_args()
 
     from backends.base import GenerateRequest, LoadSpec, Sampling, TextChunk
@@ -86,6 +91,12 @@ def main() -> None:
     print(f"llama.cpp's mtmd_helper_eval_chunks, same prompt and image: {med(ref) * 1e3:.1f} ms to the last logits")
     print(f"TTFT text-only {med(text) * 1e3:.1f} ms | with image, cold {med(cold) * 1e3:.1f} ms "
           f"(encode {med(enc):.2f} ms) | same image again {med(warm) * 1e3:.1f} ms")
+    if a.mtmd_cli:
+        runs = [mtmd_cli(a.mtmd_cli, model, proj, ask, pic(r), a.threads or 2) for r in range(a.rounds)]
+        total = med(x[0] + x[1] for x in runs)
+        print(f"llama-mtmd-cli (its own timings, load excluded): image encode {med(x[0] for x in runs):.1f} ms + "
+              f"prompt eval (image and text) {med(x[1] for x in runs):.1f} ms = {total:.1f} ms to the first token; "
+              f"ours cold {med(cold) * 1e3:.1f} ms (ratio {med(cold) * 1e3 / total:.2f})")
 
     def pauses(fourth_image: bool) -> float:
         m.call(lambda s: m.pool.clear())
@@ -119,6 +130,28 @@ def main() -> None:
     print(f"longest pause of 3 text streams: with a text 4th request {pauses(False) * 1e3:.1f} ms | "
           f"with an image 4th request {pauses(True) * 1e3:.1f} ms")
     m.close()
+
+
+def mtmd_cli(binary: str, model: str, proj: str, ask: str, image: bytes, threads: int) -> tuple[float, float]:
+    """(image encode ms, prompt eval ms) as ``llama-mtmd-cli`` reports them for one greedy token (``-lv 4``: its
+    "mtmd batch encoding done in" and llama_perf's "prompt eval time", which counts the image's decode with the
+    text's). Load and process start are not in them."""
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".png") as f:
+        f.write(image)
+        f.flush()
+        out = subprocess.run([binary, "-m", model, "--mmproj", proj, "--image", f.name, "-p", ask, "-n", "1",
+                              "--temp", "0", "-t", str(threads), "-c", "2048", "--no-warmup", "--perf", "-lv", "4"],
+                             capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    log = out.stdout + out.stderr
+    enc = sum(float(x) for x in re.findall(r"mtmd batch encoding done in ([0-9.]+) ms", log))
+    pe = re.search(r"prompt eval time =\s*([0-9.]+) ms", log)
+    if out.returncode != 0 or pe is None:
+        raise SystemExit(f"llama-mtmd-cli failed ({out.returncode}):\n{log[-2000:]}")
+    return enc, float(pe.group(1))
 
 
 def helper_prefill(model: str, proj: str, prompt: str, image: bytes, threads: int) -> float:
