@@ -297,6 +297,14 @@ RPC_INSTALL_HINT = ('install an RPC-enabled build: CMAKE_ARGS="-DGGML_RPC=on" pi
                     "--no-cache-dir llama-cpp-python==0.3.36")
 
 
+def worker_devices(names: list[str] | None = None) -> list[Device]:
+    """The local devices a worker serves: those named, else every one that offloads, else the CPU."""
+    local = [d for d in list_devices() if not d.remote]
+    if names:
+        return [d for d in local if d.name in names]
+    return [d for d in local if d.offloads] or [d for d in local if d.type == "cpu"]
+
+
 def start_worker(host: str, port: int, threads: int, cache_dir: str | None = None,
                  devices: list[str] | None = None) -> None:
     """Serve this machine's devices over llama.cpp's RPC protocol; blocks until the process ends.
@@ -308,18 +316,12 @@ def start_worker(host: str, port: int, threads: int, cache_dir: str | None = Non
     if not rpc_supported():
         raise RuntimeError("this llama.cpp build has no RPC backend; " + RPC_INSTALL_HINT)
     L = _L()
-    if devices:
-        handles = []
-        for n in devices:
-            h = device_handle(n)
-            if h is None:
-                known = ", ".join(d.name for d in list_devices() if not d.remote)
-                raise ValueError(f"no device {n!r} here (devices: {known})")
-            handles.append(h)
-    else:
-        local = [d for d in list_devices() if not d.remote]
-        chosen = [d for d in local if d.offloads] or [d for d in local if d.type == "cpu"]
-        handles = [h for h in (device_handle(d.name) for d in chosen) if h]
+    chosen = worker_devices(devices)
+    missing = sorted(set(devices or ()) - {d.name for d in chosen})
+    if missing:
+        known = ", ".join(d.name for d in list_devices() if not d.remote)
+        raise ValueError(f"no device {', '.join(missing)} here (devices: {known})")
+    handles = [h for h in (device_handle(d.name) for d in chosen) if h]
     arr = (ctypes.c_void_p * len(handles))(*handles)
     start = L.rpc_proc("ggml_backend_rpc_start_server", None,
                        [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,

@@ -178,6 +178,22 @@ def device_memory() -> dict[str, int]:
     return out
 
 
+def is_loopback(host: str) -> bool:
+    """``host`` (a name or an address, no port) stays on this machine: what ``serve`` and ``worker`` bind freely.
+
+    >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("localhost"), is_loopback("0.0.0.0")
+    (True, True, True, False)
+    """
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def check_settings() -> None:
     """Read every server setting of the environment once, so a bad value stops ``serve`` at start with
     its one sentence (``SystemExit``) instead of failing each request later."""

@@ -11,7 +11,6 @@ otherwise, and says so when it is told.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
@@ -91,15 +90,6 @@ def added_workers() -> dict[str, list[str]]:
     return ggml_devices.added_workers()
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_port(host: str, port: int) -> None:
     """One sentence now for an address that cannot be bound (ggml only prints and returns)."""
     try:
@@ -137,7 +127,4 @@ def serve_worker(host: str, port: int, threads: int, *, cache_dir: str | None = 
 
 def worker_devices(devices: list[str] | None = None) -> list[ggml_devices.Device]:
     """The local devices a worker would serve (``devices``: names; default every offload device, else CPU)."""
-    local = [d for d in ggml_devices.list_devices() if not d.remote]
-    if devices:
-        return [d for d in local if d.name in devices]
-    return [d for d in local if d.offloads] or [d for d in local if d.type == "cpu"]
+    return ggml_devices.worker_devices(devices)

@@ -135,14 +135,7 @@ def make_projector(path: Path, n_embd: int = 576, seed: int = 0, kind: str = "ml
         t.update({f"v.blk.{i}.{n}.weight": rnd(width, width) for n in ("attn_q", "attn_k", "attn_v", "attn_out")})
         t.update({f"v.blk.{i}.{n}.weight": np.ones(width, np.float32) for n in ("ln1", "ln2")})
         t[f"v.blk.{i}.ffn_up.weight"], t[f"v.blk.{i}.ffn_down.weight"] = rnd(ff, width), rnd(width, ff)
-    for k, v in t.items():
-        w.add_tensor(k, v)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(path)
-    return path
+    return _write(w, t, tmp, path)
 
 
 def _make_qwen2vl_projector(path: Path, n_embd: int, seed: int) -> Path:
@@ -182,14 +175,7 @@ def _make_qwen2vl_projector(path: Path, n_embd: int, seed: int) -> Path:
             t[f"v.blk.{i}.{n}.weight"], t[f"v.blk.{i}.{n}.bias"] = np.ones(width, np.float32), zeros(width)
         t[f"v.blk.{i}.ffn_up.weight"], t[f"v.blk.{i}.ffn_up.bias"] = rnd(ff, width), zeros(ff)
         t[f"v.blk.{i}.ffn_down.weight"], t[f"v.blk.{i}.ffn_down.bias"] = rnd(width, ff), zeros(width)
-    for k, v in t.items():
-        w.add_tensor(k, v)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(path)
-    return path
+    return _write(w, t, tmp, path)
 
 
 def png(width: int = 64, height: int = 64, seed: int = 0) -> bytes:
@@ -306,3 +292,15 @@ def reference_in_subprocess(model_path: str, projector: str, prompt: str, images
     assert r.returncode == 0 and line, r.stderr[-2000:]
     top, toks = json.loads(line[3:])
     return top, toks
+
+
+def _write(w: Any, tensors: dict[str, Any], tmp: Path, path: Path) -> Path:
+    """Add ``tensors`` to the GGUF writer ``w``, write it to ``tmp`` and move it into place at ``path``."""
+    for k, v in tensors.items():
+        w.add_tensor(k, v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(path)
+    return path

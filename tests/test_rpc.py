@@ -221,6 +221,25 @@ def test_a_worker_on_a_port_in_use_is_one_sentence(rpc_home):
     assert r.stderr.strip().startswith(f"Error: Cannot listen on 127.0.0.1:{port}:")
 
 
+def _serve(home: Path, workers: str) -> tuple[subprocess.Popen[str], str, dict[str, str]]:
+    """``localllm serve --rpc workers`` on a free port, once it answers: (process, its URL, its environment)."""
+    import httpx
+
+    port = _free_port()
+    env = _env(home, LOCALLLM_HOST=f"127.0.0.1:{port}")
+    srv = subprocess.Popen([sys.executable, "-m", "localllm", "serve", "--rpc", workers], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    return srv, url, env
+
+
 @needs_rpc
 def test_serve_with_workers_batches_and_reports_each_device_over_http(rpc_home, workers, cpu_answer):
     import concurrent.futures
@@ -228,19 +247,8 @@ def test_serve_with_workers_batches_and_reports_each_device_over_http(rpc_home, 
     import httpx
     import ollama
 
-    port = _free_port()
-    env = _env(rpc_home, LOCALLLM_HOST=f"127.0.0.1:{port}")
-    srv = subprocess.Popen([sys.executable, "-m", "localllm", "serve", "--rpc", workers], env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    srv, url, env = _serve(rpc_home, workers)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(url, timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         client = ollama.Client(host=url)
         opts = {"temperature": 0, "num_predict": 32, "num_ctx": 512, "seed": 1}
 
@@ -286,20 +294,8 @@ def test_a_worker_killed_mid_answer_fails_that_request_and_the_server_stays_up(r
 
     ports = [_free_port(), _free_port()]
     procs = [_start_worker(rpc_home, p) for p in ports]
-    port = _free_port()
-    env = _env(rpc_home, LOCALLLM_HOST=f"127.0.0.1:{port}")
-    srv = subprocess.Popen([sys.executable, "-m", "localllm", "serve", "--rpc",
-                            ",".join(f"127.0.0.1:{p}" for p in ports)], env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    srv, url, _ = _serve(rpc_home, ",".join(f"127.0.0.1:{p}" for p in ports))
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(url, timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         client = ollama.Client(host=url, timeout=40)
         # a raw count goes on for hundreds of tokens: the worker dies in the middle of it
         stream = client.generate(model=DEFAULT_MODEL, prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", raw=True,

@@ -35,7 +35,8 @@ def command(host: str, port: int, threads: int | None, devices: tuple[str, ...],
             allow_network: bool) -> None:
     """Serve this machine's devices over llama.cpp's RPC protocol (for --rpc elsewhere)."""
     from localllm import config
-    from localllm.devices import RPCError, is_loopback, serve_worker, worker_devices
+    from localllm.config import is_loopback
+    from localllm.devices import RPCError, serve_worker, worker_devices
     from localllm.hardware import probe
 
     if not is_loopback(host) and not allow_network:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from localllm.config import is_loopback
 from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
@@ -54,15 +55,6 @@ def parse_address(address: str) -> tuple[str, int]:
     except ValueError:
         raise LocalLLMError(f"{address!r} is not a valid address; use HOST:PORT like 127.0.0.1:11434.") from None
     return host, p
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _family(host: str) -> socket.AddressFamily:
