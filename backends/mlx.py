@@ -446,9 +446,16 @@ class MLXSource(TokenSource):
                     raise UnsupportedError(f"Sequence {f.seq} holds {have} tokens, not {f.pos}.")
             if i in together:
                 continue  # joins the batch below
-            logits = self._model(mx.array(f.tokens, dtype=mx.uint32)[None], cache=cache)
+            head = len(f.tokens) - f.outputs
+            if f.outputs and head > 0:
+                # the tokens before the outputs only fill the cache: their pass's logits are never evaluated, so
+                # the vocabulary projection (a fifth of a small model's work per token) runs for the outputs only
+                self._model(mx.array(f.tokens[:head], dtype=mx.uint32)[None], cache=cache)
+                logits = self._model(mx.array(f.tokens[head:], dtype=mx.uint32)[None], cache=cache)
+            else:
+                logits = self._model(mx.array(f.tokens, dtype=mx.uint32)[None], cache=cache)
             if f.outputs:
-                rows = logits[0, len(f.tokens) - f.outputs:, :]
+                rows = logits[0, -f.outputs:, :]
                 for j in range(f.outputs):
                     self._rows.append(rows[j])
                     out[i].append(len(self._rows) - 1)

@@ -256,7 +256,9 @@ def _cores() -> tuple[int, int]:
         physical = psutil.cpu_count(logical=False)
     except Exception:
         pass
-    return int(physical or logical), int(logical)
+    # a process limited to some cores (taskset, a container's cpuset) runs its threads there only
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
+    return int(min(physical or logical, usable)), int(min(logical, usable))
 
 
 def _ram(notes: list[str]) -> tuple[int, int]:

@@ -947,7 +947,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     if fa_reason:
         reasons.append(fa_reason)
     threads = max(hw.physical_cores or hw.logical_cores or 1, 1)
-    reasons.append(f"threads {threads}: the physical cores (hyper-threads do not speed up generation)")
+    reasons.append(f"threads {threads}: the physical cores this process may run on (hyper-threads do not speed up "
+                   "generation)")
     if draft is not None:
         where = "on the GPU" if lay.draft_ngl else "on the CPU"
         reasons.append(f"draft model {draft.name or os.path.basename(draft.path)} {where}: "

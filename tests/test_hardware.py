@@ -37,7 +37,7 @@ def test_real_probe_describes_this_machine():
     hw = probe(refresh=True)
     assert hw.os == os.uname().sysname
     assert hw.cpu_model and hw.cpu_model != "unknown CPU"
-    assert 1 <= hw.physical_cores <= hw.logical_cores == os.cpu_count()
+    assert 1 <= hw.physical_cores <= hw.logical_cores == len(os.sched_getaffinity(0))  # the cores it may run on
     assert 0 < hw.ram_available <= hw.ram_total
     if hw.os == "Linux" and hw.arch == "x86_64":
         flags = Path("/proc/cpuinfo").read_text()
@@ -335,7 +335,18 @@ def test_probe_runs_in_a_fresh_interpreter():
                           "print(json.dumps(probe().as_dict()))"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
-    assert d["logical_cores"] == os.cpu_count() and d["ram_total"] > 0
+    assert d["logical_cores"] == len(os.sched_getaffinity(0)) and d["ram_total"] > 0
+
+
+def test_a_process_limited_to_one_core_plans_one_thread():
+    """``taskset -c 0 localllm ...`` or a container's cpuset: the probe counts the cores the process may run on,
+    so llama.cpp gets one thread, not one per core of the machine waiting for a core it cannot have."""
+    code = ("import os, json; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from localllm.hardware import probe; from backends.llamacpp import physical_cores; "
+            "hw = probe(); print(json.dumps([hw.physical_cores, hw.logical_cores, physical_cores()]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [1, 1, 1]
 
 
 # ------------------------------------------------------------------------------- `localllm probe`

@@ -107,14 +107,14 @@ def _file_key(path: Path) -> str:
 
 
 def derive_gguf(src: Path, dst: Path, ftype: str) -> Path:
-    """Requantize ``src`` into ``dst`` with llama.cpp's quantizer (``ftype``: f32 | f16 | q8_0). Atomic."""
+    """Requantize ``src`` into ``dst`` with llama.cpp's quantizer (``ftype``: f32 | f16 | q8_0 | q4_0). Atomic."""
     import llama_cpp
 
     from backends.llamacpp import install_log_router
 
     install_log_router()  # the quantizer logs every tensor; keep it in logging, not on stdout
     ftypes = {"f32": llama_cpp.LLAMA_FTYPE_ALL_F32, "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
-              "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+              "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftypes[ftype]
     params.allow_requantize = True
@@ -131,7 +131,7 @@ def derive_gguf(src: Path, dst: Path, ftype: str) -> Path:
 
 @pytest.fixture(scope="session")
 def derived_model(default_model_path: Path) -> Callable[[str], Path]:
-    """``derived_model(ftype)``: the default model requantized to ``ftype`` (f32 | f16 | q8_0; "q4_1" is the
+    """``derived_model(ftype)``: the default model requantized to ``ftype`` (f32 | f16 | q8_0 | q4_0; "q4_1" is the
     default file itself), made on first use and cached across runs."""
     src = Path(default_model_path)
     key = _file_key(src)

@@ -37,6 +37,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from backends import mlx_convert  # noqa: E402
 from backends.base import GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError  # noqa: E402
+from backends.llamacpp import physical_cores  # noqa: E402
 from backends.mlx_convert import convert_gguf, inspect_gguf  # noqa: E402
 from tests.backends import gguf_rewrite  # noqa: E402
 from tests.backends.conftest import TEST_CACHE, _file_key, collect, derive_gguf  # noqa: E402
@@ -54,7 +55,22 @@ CORPUS = [
 
 
 def _converter_key() -> str:
-    return hashlib.sha256(Path(mlx_convert.__file__).read_bytes()).hexdigest()[:10]
+    """The converter's code (and the GGUF reader it builds on): a change to either converts again."""
+    from backends import gguf_header
+
+    code = b"".join(Path(m.__file__).read_bytes() for m in (mlx_convert, gguf_header))  # type: ignore[arg-type]
+    return hashlib.sha256(code).hexdigest()[:10]
+
+
+def _rewritten(src: Path, name: str, make: Callable[[Path], Path]) -> Path:
+    """``make(dst)``'s rewrite of ``src`` (:mod:`gguf_rewrite`), kept in the test cache like the derived GGUFs:
+    keyed by ``src``, ``name`` and the rewriting code, so a warm run reads it instead of writing it again."""
+    code = hashlib.sha256(Path(gguf_rewrite.__file__).read_bytes()).hexdigest()[:10]
+    dst = TEST_CACHE / "derived" / f"{src.stem[:40]}-{_file_key(src)}-{name}-{code}.gguf"
+    if not dst.is_file():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        make(dst)  # atomic: written beside dst, then renamed
+    return dst
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +95,7 @@ def gemma_path(gemma_model) -> Path:
 
 @functools.lru_cache(maxsize=1)  # one model at a time, loaded once for the prompts a test compares
 def _llama(path: Path) -> Any:
-    return llama_cpp.Llama(str(path), n_ctx=512, n_threads=2, verbose=False)
+    return llama_cpp.Llama(str(path), n_ctx=512, n_threads=physical_cores(), verbose=False)
 
 
 @functools.lru_cache(maxsize=1)
@@ -108,13 +124,15 @@ def mlx_greedy(mlx_dir: Path, ids: list[int], n: int) -> list[int]:
     return [int(t) for (t, _), _ in zip(steps, range(n), strict=False)]
 
 
-def agreement(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def mlx_agreement(mlx_dir: Path, ids: list[int], want: list[int]) -> int:
+    """How many of ``want``'s tokens MLX's greedy continuation of ``ids`` repeats before its first other token,
+    stepping MLX only up to that first difference (MLX's CPU backend decodes ~10 tokens/s)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    steps = generate_step(mx.array(ids), _mlx_model(mlx_dir), sampler=make_sampler(0.0), max_tokens=len(want))
+    return next((i for i, ((t, _), w) in enumerate(zip(steps, want, strict=False)) if int(t) != w), len(want))
 
 
 def hf_tokenizer(mlx_dir: Path) -> Any:
@@ -164,18 +182,13 @@ def test_q4_1_and_q8_0_blocks_are_repacked_bit_for_bit(default_model_path: Path,
 
 
 @pytest.mark.parametrize("ftype", ["q4_0", "q8_0", "f16"])
-def test_other_kept_types_equal_mlx_s_own_gguf_reader(ftype: str, default_model_path: Path, tmp_path: Path):
+def test_other_kept_types_equal_mlx_s_own_gguf_reader(ftype: str, derived_model, converted):
     """Q4_0 and an all-Q8_0 file (llama.cpp's quantizer, from the default model) are repacked bit for bit;
     F16 weights stay float (cast to float32) with the same values."""
     import mlx.core as mx
 
-    codes = {"q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
-             "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize, params.nthread = codes[ftype], True, 2
-    src = tmp_path / f"m-{ftype}.gguf"
-    assert llama_cpp.llama_model_quantize(str(default_model_path).encode(), str(src).encode(), params) == 0
-    out = convert_gguf(src, tmp_path / "out")
+    src = derived_model(ftype)  # llama.cpp's quantizer from the default model, cached in the test cache
+    out = converted(src)
     ours, theirs = mx.load(str(out / "model.safetensors")), mx.load(str(src))
     for gguf_name, name in (("blk.5.attn_v", "model.layers.5.self_attn.v_proj"), ("token_embd", "model.embed_tokens"),
                             ("blk.5.ffn_gate", "model.layers.5.mlp.gate_proj")):
@@ -221,14 +234,13 @@ def test_gemma_dequantized_gives_llama_cpp_f32_greedy_tokens(gemma_path: Path, c
 
 
 @pytest.fixture(scope="module")
-def arch_gguf(derived_model, tmp_path_factory) -> Callable[[str], Path]:
+def arch_gguf(derived_model) -> Callable[[str], Path]:
     f32 = derived_model("f32")
-    d = tmp_path_factory.mktemp("arch")
-    return lambda arch: gguf_rewrite.as_architecture(f32, d / f"smollm-{arch}.gguf", arch)
+    return lambda arch: _rewritten(f32, arch, lambda dst: gguf_rewrite.as_architecture(f32, dst, arch))
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "llama3"])
-def test_architecture_logits_match_llama_cpp(arch: str, arch_gguf, tmp_path: Path):
+def test_architecture_logits_match_llama_cpp(arch: str, arch_gguf, converted):
     """The default model as a ``qwen2`` (biases, NEOX RoPE), ``qwen3`` (Q/K norms), ``phi3`` (fused QKV and
     gate/up) and Llama-3.1 (``rope_freqs`` → llama3 RoPE scaling) GGUF: llama.cpp runs each with its own code
     for that architecture; the MLX conversion gives the same logits at every prompt position."""
@@ -236,12 +248,12 @@ def test_architecture_logits_match_llama_cpp(arch: str, arch_gguf, tmp_path: Pat
     import mlx_lm
 
     src = arch_gguf(arch)
-    out = convert_gguf(src, tmp_path / "mlx")
+    out = converted(src)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == {"llama3": "llama"}.get(arch, arch)
     if arch == "llama3":
         assert cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["rope_scaling"]["factor"] == 8.0
-    llm = llama_cpp.Llama(str(src), n_ctx=256, logits_all=True, n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(str(src), n_ctx=256, logits_all=True, n_threads=physical_cores(), verbose=False)
     ids = llm.tokenize(b"The capital of France is Paris, and the capital of Italy is", add_bos=False)
     llm.eval(ids)
     ref = np.array(llm.scores[: len(ids)])
@@ -280,8 +292,8 @@ def test_sentencepiece_with_space_prefix_matches_llama_cpp(gemma_path: Path, tmp
     """Llama 2 / Mistral / Phi-3 style: a space is prefixed to each text fragment."""
     import gguf
 
-    src = gguf_rewrite.with_metadata(gemma_path, tmp_path / "prefix.gguf",
-                                     {"tokenizer.ggml.add_space_prefix": (True, gguf.GGUFValueType.BOOL)})
+    src = _rewritten(gemma_path, "space-prefix", lambda dst: gguf_rewrite.with_metadata(
+        gemma_path, dst, {"tokenizer.ggml.add_space_prefix": (True, gguf.GGUFValueType.BOOL)}))
     g = mlx_convert._GGUF(src)
     mlx_convert._write_tokenizer(g, tmp_path, mlx_convert._config(g))
     assert_tokenizes_like_llama_cpp(src, tmp_path)
@@ -321,7 +333,7 @@ def test_gemma_q4_k_m_converts_requantized_and_runs_on_the_mlx_backend(gemma_pat
     figures = []
     for prompt in ("The capital of France is", "def fibonacci(n):", "Once upon a time"):
         ids = vocab.tokenize(prompt.encode(), add_bos=True)
-        n = agreement(mlx_greedy(out, ids, 32), llama_greedy(gemma_path, ids, 32))
+        n = mlx_agreement(out, ids, llama_greedy(gemma_path, ids, 32))
         figures.append(n)
         print(f"gemma3:270m Q4_K_M greedy agreement, {prompt!r}: {n}/32")
     # measured on the 2-core build machine: 6, 4 and 1 of 32 (llama.cpp's own Q4_K_M vs its F32 run: 15, 32, 4;

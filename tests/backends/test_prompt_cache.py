@@ -32,7 +32,7 @@ def ask(q: str, n: int = 24) -> GenerateRequest:
 def _model(path: Path, root: Path, kv: str = "f16", **kw):
     spec = PromptCacheSpec(str(root / "m"), "test-model", max_bytes=kw.pop("max_bytes", 1 << 30),
                            budget_root=str(root))
-    return load("llamacpp", LoadSpec(str(path), n_ctx=2048, n_seq=1, n_threads=2, kv_cache_type=kv),  # type: ignore[arg-type]
+    return load("llamacpp", LoadSpec(str(path), n_ctx=2048, n_seq=1, kv_cache_type=kv),  # type: ignore[arg-type]
                 prompt_cache=spec, **kw)
 
 

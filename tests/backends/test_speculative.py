@@ -166,7 +166,7 @@ def draft(default_model_path):
     from backends.drafting import ModelDrafter
     from backends.llamacpp import LlamaCppSource
 
-    d = ModelDrafter(LlamaCppSource(LoadSpec(str(default_model_path), n_ctx=512, n_threads=2)))
+    d = ModelDrafter(LlamaCppSource(LoadSpec(str(default_model_path), n_ctx=512)))
     yield d
     d.close()
 

@@ -217,7 +217,7 @@ def test_the_loop_evaluates_images_as_llama_cpps_own_helper_does(default_model_p
     size = 64 if kind == "mlp" else 128
     pic = png(size, size, seed=9)
     for model, batched in ((default_model_path, False), (derived_model("f32"), True)):
-        with load("llamacpp", LoadSpec(str(model), n_ctx=1024, n_seq=2, n_threads=2, mmproj=str(proj))) as m:
+        with load("llamacpp", LoadSpec(str(model), n_ctx=1024, n_seq=2, mmproj=str(proj))) as m:
             prompt = m.call(lambda s: s.render([{"role": "user", "content": "<__media__>\n" + ASK}]))
             side = threading.Thread(target=lambda: collect(m.generate(GenerateRequest(  # noqa: B023
                 messages=chat(text="Count to twenty."), sampling=greedy(24)))))
