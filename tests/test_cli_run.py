@@ -259,7 +259,8 @@ class PtyProcess:
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None):
         master, slave = os.openpty()
-        env = {**os.environ, "TERM": "dumb", "LOCALLLM_NOHISTORY": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        env = {**os.environ, "TERM": "dumb", "LOCALLLM_NOHISTORY": "1", "PYTHONUNBUFFERED": "1",
+               "PYTHONFAULTHANDLER": "1", **(env or {})}  # a timed-out expect shows where every thread was
 
         def ctty() -> None:
             os.setsid()
@@ -271,6 +272,22 @@ class PtyProcess:
         self.fd = master
         self.buf = b""
         self.pos = 0
+
+    def _stacks(self) -> str:
+        """A stuck process's threads (SIGABRT makes its faulthandler print them), for the failure message."""
+        if self.proc.poll() is not None:
+            return ""
+        self.proc.send_signal(signal.SIGABRT)
+        out, deadline = b"", time.monotonic() + 5
+        while time.monotonic() < deadline and select.select([self.fd], [], [], 0.5)[0]:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        return "\nits threads:\n" + out.decode(errors="replace")[-6000:]
 
     def expect(self, needle: str, timeout: float = 60) -> str:
         """Wait until ``needle`` appears after the last match; returns the text read up to it."""
@@ -284,7 +301,8 @@ class PtyProcess:
                 return seen.decode(errors="replace")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"timed out waiting for {needle!r}; got {self.buf[self.pos:][-2000:]!r}")
+                raise AssertionError(f"timed out waiting for {needle!r}; got {self.buf[self.pos:][-2000:]!r}"
+                                     + self._stacks())
             r, _, _ = select.select([self.fd], [], [], min(left, 0.5))
             if r:
                 try:
