@@ -201,7 +201,7 @@ def stream_answer(
     parts: list[str] = []
     thoughts: list[str] = []
     t0 = time.perf_counter()
-    with _ctrl_c_sets(cancel):
+    with ctrl_c_sets(cancel):
         events = runner.generate(name, request, options, cancel=cancel, keep_alive=keep_alive)
         try:
             for event in events:
@@ -230,8 +230,9 @@ def stream_answer(
 
 
 @contextmanager
-def _ctrl_c_sets(cancel: threading.Event) -> Iterator[None]:
-    """SIGINT sets ``cancel`` (instead of raising KeyboardInterrupt) inside the block, in the main thread."""
+def ctrl_c_sets(cancel: threading.Event) -> Iterator[None]:
+    """SIGINT sets ``cancel`` (instead of raising KeyboardInterrupt) inside the block, in the main thread: a
+    generation or a tool call stops on Ctrl+C whatever handler the process had before."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -22,12 +22,14 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import IO, TYPE_CHECKING, Any
 
 from localllm.cli.answer import (
     RunSettings,
+    ctrl_c_sets,
     ensure_model,
     overflow_note,
     parse_think_flag,
@@ -325,9 +327,13 @@ class Repl:
                 turn.done(call, None, denied=True)
                 self._say("  ✗ denied")
                 return True
+        cancel = threading.Event()
         try:
-            result = self.tools.run(call)
-        except KeyboardInterrupt:
+            with ctrl_c_sets(cancel):  # Ctrl+C sets it: the call is abandoned on the server within 0.1 s
+                result = self.tools.run(call, cancel)
+        except KeyboardInterrupt:  # outside the main thread, where the handler cannot be ours
+            cancel.set()
+        if cancel.is_set():
             turn.done(call, None, stopped=True)
             return False
         turn.done(call, result)

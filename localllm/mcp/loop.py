@@ -25,6 +25,7 @@ calls a single question can cause: the last round is generated without tools, so
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -119,10 +120,10 @@ class ToolChat:
             self.allowed.add(f"{call.server}/{call.info.name}")
         return decision != "deny"
 
-    def run(self, call: ToolCall) -> ToolResult:
-        """Call the tool (blocking: the REPL); the app awaits :meth:`McpHost.acall` itself."""
+    def run(self, call: ToolCall, cancel: threading.Event | None = None) -> ToolResult:
+        """Call the tool (blocking: the REPL; ``cancel`` set stops it); the app awaits :meth:`McpHost.acall`."""
         assert call.info is not None
-        return self.host.call(call.info, call.arguments)
+        return self.host.call(call.info, call.arguments, cancel=cancel)
 
     def turn(self, messages: list[dict[str, Any]], *, force: bool = False) -> ToolTurn:
         return ToolTurn(self, messages, force=force)
