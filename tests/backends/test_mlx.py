@@ -439,8 +439,9 @@ def test_logit_bias_bans_a_token_and_refuses_one_outside_the_vocabulary(plain):
 # ------------------------------------------------------------------------------ prompt cache on disk
 
 # ~35 tokens with the template: above the cache's min_tokens (16), short for MLX's CPU prefill (~15 tokens/s)
-SYSTEM = "You are terse. " + " ".join(f"Rule {i}: cite rule {i}." for i in range(2))
-ASK = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What does rule 1 say?"}]
+# a raw prompt of ~20 tokens (above the cache's min_tokens 16): on mlx[cpu] a prompt token costs ~65 ms, and a chat
+# template would add ~20 more (the prompt cache keys on tokens alone, however they were made)
+ASK = " ".join(f"Rule {i}: cite rule {i}." for i in range(2)) + " Rule 1 says:"
 
 CHILD = """
 import json, sys
@@ -452,7 +453,7 @@ from tests.backends.conftest import collect
 from tests.backends.test_mlx import ASK, greedy
 spec = PromptCacheSpec({cache!r}, "test-model mlx", min_tokens=16)
 with load("mlx", LoadSpec(model_path={model!r}, n_ctx=1024, n_seq=1), prompt_cache=spec) as m:
-    text, done, _ = collect(m.generate(GenerateRequest(messages=ASK, sampling=greedy(8))))
+    text, done, _ = collect(m.generate(GenerateRequest(prompt=ASK, sampling=greedy(8))))
 stats = done.stats
 print(json.dumps({{"text": text, "restored": stats.prompt_restored_tokens, "prompt": stats.prompt_eval_count}}))
 """
@@ -485,11 +486,11 @@ def test_a_second_process_restores_the_prompt_from_disk_and_answers_the_same(mlx
 
 def test_quantized_kv_restores_its_own_entries_and_misses_the_others(mlx_dir: Path, tmp_path: Path):
     with _mlx_cached(mlx_dir, tmp_path) as m:  # an f16 entry
-        collect(m.generate(GenerateRequest(messages=ASK, sampling=greedy(4))))
+        collect(m.generate(GenerateRequest(prompt=ASK, sampling=greedy(4))))
     answers = []
     for _ in range(2):
         with _mlx_cached(mlx_dir, tmp_path, kv="q8_0") as m:
-            text, done, _ = collect(m.generate(GenerateRequest(messages=ASK, sampling=greedy(4))))
+            text, done, _ = collect(m.generate(GenerateRequest(prompt=ASK, sampling=greedy(4))))
             answers.append((text, done.stats.prompt_restored_tokens))
     assert answers[0][1] == 0  # the f16 entry is another key: a miss, not a load
     assert answers[1][1] == done.stats.prompt_eval_count - 1 and answers[1][0] == answers[0][0]
@@ -508,7 +509,7 @@ def test_a_state_that_does_not_fit_the_model_is_refused_and_removed(mlx_dir: Pat
     from backends.prompt_cache import PromptCache
 
     with _mlx_cached(mlx_dir, tmp_path) as m:
-        ref, _, _ = collect(m.generate(GenerateRequest(messages=ASK, sampling=greedy(4))))
+        ref, _, _ = collect(m.generate(GenerateRequest(prompt=ASK, sampling=greedy(4))))
         key = f"test-model mlx {m.source.state_key()}"
         m.call(lambda _src: None)  # the copy is taken after the answer: wait for it, then for the write
         assert m.prompt_cache is not None
@@ -527,6 +528,6 @@ def test_a_state_that_does_not_fit_the_model_is_refused_and_removed(mlx_dir: Pat
     pc = PromptCache(tmp_path, key=key, max_bytes=1 << 30, min_tokens=16)
     assert pc.save_now(tokens, bad["one layer fewer"])  # a well-formed entry the backend cannot use
     with _mlx_cached(mlx_dir, tmp_path) as m:
-        text, done, _ = collect(m.generate(GenerateRequest(messages=ASK, sampling=greedy(4))))
+        text, done, _ = collect(m.generate(GenerateRequest(prompt=ASK, sampling=greedy(4))))
     assert done.stats.prompt_restored_tokens == 0 and text == ref
     assert "the backend refused it" in caplog.text
