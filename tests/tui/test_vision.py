@@ -29,7 +29,8 @@ def vlm_path(tmp_path, default_model_path, test_projector) -> Path:
 
 
 @pytest.mark.asyncio
-async def test_a_path_in_the_prompt_is_attached_kept_and_resent(tui_home, chats, vlm_path, tmp_path):
+async def test_a_path_in_the_prompt_is_attached_kept_and_resent(tui_home, chats, vlm_path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a path typed relative to where the app runs (each key the pilot types takes ~40 ms)
     photo = tmp_path / "photo.png"
     photo.write_bytes(png(seed=5))
     conv = chats.create(title="Pic", model=str(vlm_path), params={"seed": 1, "temperature": 0, "max_tokens": 4})
@@ -37,7 +38,7 @@ async def test_a_path_in_the_prompt_is_attached_kept_and_resent(tui_home, chats,
     async with app.run_test(size=(100, 30)) as pilot:
         screen = app.screen
         assert isinstance(screen, ChatScreen)
-        await pilot.press(*f"What is in {photo}?")
+        await pilot.press(*"What is in ./photo.png?")
         await pilot.press("enter")
         await wait_until(pilot, lambda: not screen.generating and screen._last_answer() is not None)
         assert screen.last_info is not None and screen.last_info.stats.image_tokens == IMAGE_TOKENS
@@ -55,7 +56,8 @@ async def test_a_path_in_the_prompt_is_attached_kept_and_resent(tui_home, chats,
 
 
 @pytest.mark.asyncio
-async def test_f5_attaches_and_a_bad_file_is_one_notice(tui_home, chats, vlm_path, tmp_path):
+async def test_f5_attaches_and_a_bad_file_is_one_notice(tui_home, chats, vlm_path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the file names typed relative to where the app runs
     good, bad = tmp_path / "a.png", tmp_path / "b.png"
     good.write_bytes(png(seed=6))
     bad.write_text("not an image")
@@ -66,12 +68,12 @@ async def test_f5_attaches_and_a_bad_file_is_one_notice(tui_home, chats, vlm_pat
         assert isinstance(screen, ChatScreen)
         await pilot.press("f5")
         await pilot.pause(0.2)
-        await pilot.press(*str(bad), "enter")
+        await pilot.press(*bad.name, "enter")
         await pilot.pause(0.2)
         assert screen.pending_images == []
         await pilot.press("f5")
         await pilot.pause(0.2)
-        await pilot.press(*str(good), "enter")
+        await pilot.press(*good.name, "enter")
         await pilot.pause(0.2)
         assert [i.name for i in screen.pending_images] == ["a.png"]
         assert "a.png" in str(screen.query_one("#attachments", Label).render())
