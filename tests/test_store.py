@@ -403,7 +403,7 @@ def test_unreachable_hub_fails_fast_in_one_sentence(store, monkeypatch, kind, re
         endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
-    monkeypatch.setenv("LOCALLLM_HF_TIMEOUT", "2")
+    monkeypatch.setenv("LOCALLLM_HF_TIMEOUT", "0.5")
     t0 = time.monotonic()
     with pytest.raises(PullError) as e:
         store.pull("smollm2:135m", mlx=True)
