@@ -160,12 +160,12 @@ def test_faults_cost_one_line_and_the_host_goes_on(tmp_path):
 
 def test_a_server_that_never_answers_fails_after_the_start_timeout(tmp_path):
     host = host_of({"mute": {"command": sys.executable, "args": ["-c", "import time; time.sleep(60)"]}}, tmp_path,
-                   start_timeout=2)
+                   start_timeout=0.5)
     try:
         host.start(["mute"])
         host.wait(["mute"], 30)
         status = host.status("mute")
-        assert status.state == "failed" and "did not answer within 2 s" in (status.error or "")
+        assert status.state == "failed" and "did not answer within 0.5 s" in (status.error or "")
     finally:
         host.close()
     assert not [p for p in psutil.Process().children(recursive=True) if "time.sleep(60)" in " ".join(p.cmdline())]
