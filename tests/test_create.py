@@ -351,11 +351,26 @@ def test_cli_run_applies_the_derived_model(cli_home, tmp_path):
 # ------------------------------------------------------------------------------------------ quantization
 
 
-@pytest.fixture
-def f32_store(store) -> Store:
-    """The private store with ``smol-f32``: the default model requantized to F32 through ``create --quantize``."""
+@pytest.fixture(scope="module")
+def f32_models(tmp_path_factory, installed_default_model) -> Path:
+    """A models directory with ``smol-f32``: the default model requantized to F32 through ``create --quantize``
+    (once a module: 540 MB written)."""
+    pp = private_paths(tmp_path_factory.mktemp("f32") / "home")
+    install_copy(pp.models, TEST_HOME / "data" / "models")
+    store = Store(paths=pp)
     m = store.create("smol-f32", parse("FROM smollm2:135m\n"), quantize="f32", requantize=True)
     assert m.quant == "F32" and m.quantized_from == store.get(DEFAULT_MODEL).digest
+    return pp.models
+
+
+@pytest.fixture
+def f32_store(tmp_path, f32_models) -> Store:
+    """A private store with the default model and ``smol-f32`` (manifests copied, blobs hard-linked)."""
+    pp = private_paths(tmp_path / "home")
+    for manifest in ("library/smollm2/135m", "library/smol-f32/latest"):
+        install_copy(pp.models, f32_models, manifest)
+    store = Store(paths=pp)
+    assert store.get("smol-f32").quant == "F32"
     return store
 
 
