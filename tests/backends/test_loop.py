@@ -230,11 +230,11 @@ def test_an_error_in_one_request_leaves_the_others_streaming(default_model_path)
 
 
 def test_a_full_pool_makes_a_prompt_wait_not_fail(default_model_path):
-    # 2 slots of 512 tokens: two long prompts cannot both be in the pool with their answers at once
-    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=512, n_seq=2)) as m:
-        assert m.info.kv_cells == 1024
-        long = "Repeat: " + "one two three four five six seven eight nine ten. " * 30  # ~330 tokens
-        out = run_together(m, [chat(long, n=150), chat(long.replace("one", "uno"), n=150)])
+    # 2 slots of 256 tokens: two long prompts cannot both be in the pool with their answers at once
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=256, n_seq=2)) as m:
+        assert m.info.kv_cells == 512
+        long = "Repeat: " + "one two three four five six seven eight nine ten. " * 15  # ~180 tokens
+        out = run_together(m, [chat(long, n=75), chat(long.replace("one", "uno"), n=75)])
         for text, done in out:
             assert done.finish_reason in ("stop", "length") and text  # type: ignore[attr-defined]
 
