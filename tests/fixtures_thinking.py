@@ -116,13 +116,14 @@ QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
     {%- endif %}
 {%- endif %}"""
 
-# A llama.cpp grammar that makes any model think first: "<think>\n", a few words, "\n</think>\n\n", an answer.
+# A llama.cpp grammar that makes any model think first: "<think>\n", 3-6 words, "\n</think>\n\n", an answer of 2-6
+# words (short: every token is checked against the grammar, and six test files run it).
 # (SmolLM2's vocabulary has no <think> token, so the tags arrive cut into several tokens, as they must be
 # split in a real stream of a model whose tokenizer lacks them.)
 THINK_GBNF = r'''
 root ::= "<think>\n" thought "\n</think>\n\n" answer
-thought ::= word (" " word){2,11}
-answer ::= word (" " word){1,11} "."
+thought ::= word (" " word){2,5}
+answer ::= word (" " word){1,5} "."
 word ::= [a-zA-Z]{1,10}
 '''
 

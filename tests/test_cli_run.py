@@ -124,8 +124,8 @@ def test_seed_gives_the_same_answer(default_model):
     b = run_cli(default_model.name, *args, "--seed", "42")
     assert a.exit_code == b.exit_code == 0
     assert a.stdout == b.stdout
-    others = {run_cli(default_model.name, *args, "--seed", str(s)).stdout for s in (1, 2, 3)}
-    assert len(others | {a.stdout}) > 1  # the seed does change the sampling
+    # the seed does change the sampling (another seed's answer differs; stop at the first that does)
+    assert any(run_cli(default_model.name, *args, "--seed", str(s)).stdout != a.stdout for s in (1, 2, 3))
 
 
 def test_empty_stdin_only_loads_the_model(default_model):
