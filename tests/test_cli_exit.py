@@ -268,8 +268,8 @@ def _serve(home: Path, backend: str, sig: signal.Signals) -> tuple[subprocess.Po
                 assert p.poll() is None, p.communicate()[1]
                 assert time.monotonic() < deadline, "the server did not start"
                 time.sleep(0.1)
-        r = httpx.post(url + "/api/generate", timeout=600, json={
-            "model": DEFAULT_MODEL, "prompt": "Say hello.", "stream": False,
+        r = httpx.post(url + "/api/generate", timeout=600, json={  # raw: no 30-token template to prefill on MLX
+            "model": DEFAULT_MODEL, "prompt": "Hello, my name is", "raw": True, "stream": False,
             "options": {"num_predict": 4, "temperature": 0}})
         assert r.status_code == 200, r.text
         answer = r.json()["response"]
