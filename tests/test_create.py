@@ -487,7 +487,7 @@ def test_a_kill_mid_quantize_registers_nothing_and_leaves_no_blob(cli_home, f32_
     from localllm.config import paths
 
     install_copy(paths().models, f32_models, "library/smol-f32/latest")  # made by `create --quantize f32`
-    assert "smol-f32" in _cli("list").stdout
+    assert Store().get("smol-f32").quant == "F32"
     blobs = sorted(p.name for p in paths().blobs.iterdir())
     p = subprocess.Popen([sys.executable, "-m", "localllm", "quantize", "smol-f32", "q4_K_M", "killed"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
