@@ -234,7 +234,10 @@ class MLXSource(TokenSource):
         self.batched_steps = 0  # evaluations that ran several sequences in one pass
         self._rows: list[Any] = []
         self._pieces: dict[int, bytes] = {}
-        self._json_vocab: Any = None
+        # the bytes of every token (None: not byte-level BPE), built on the first token streamed; the byte trie
+        # that JSON mode walks, built on the first JSON request (ten times the cost: never for plain text)
+        self._vocab_bytes: list[bytes | None] | None | bool = None
+        self._json_trie: dict[int, Any] | None = None
         self._bos_prepend = self._adds_bos()
         self._special_ids = set(getattr(self._tok._tokenizer, "all_special_ids", []) or [])
         from mlx.utils import tree_flatten
@@ -364,22 +367,23 @@ class MLXSource(TokenSource):
         return text.replace("\u2581", " ").encode("utf-8")
 
     def _byte_vocab(self, required: bool = True) -> list[bytes | None] | None:
-        if self._json_vocab is None:
+        if self._vocab_bytes is None:
             from backends.mlx_json import JSONConstraint
 
             try:
-                self._json_vocab = JSONConstraint.vocabulary(self._tok)
+                self._vocab_bytes = JSONConstraint.vocabulary_bytes(self._tok)
             except ValueError as e:
-                if not required:
-                    self._json_vocab = False
-                    return None
-                raise UnsupportedError(f"This MLX tokenizer has no byte-level vocabulary ({e}).") from e
-        if self._json_vocab is False:
+                self._vocab_bytes = False
+                if required:
+                    raise UnsupportedError(f"This MLX tokenizer has no byte-level vocabulary ({e}).") from e
+                return None
+        if self._vocab_bytes is False:
             if required:
                 raise UnsupportedError("JSON mode on MLX needs a byte-level BPE vocabulary (this one is "
                                        "SentencePiece).")
             return None
-        return self._json_vocab[0]  # type: ignore[no-any-return]
+        assert isinstance(self._vocab_bytes, list)
+        return self._vocab_bytes
 
     def vision_problem(self) -> str:
         return ("This model is loaded on MLX, which has no vision (mlx-lm runs text only); load it with "
@@ -543,9 +547,11 @@ class MLXSource(TokenSource):
 
         vocab = self._byte_vocab()  # raises UnsupportedError for a vocabulary the automaton cannot handle
         assert vocab is not None
+        if self._json_trie is None:
+            self._json_trie = JSONConstraint.byte_trie(vocab)
         n_logits = max(int(self._config.get("vocab_size") or 0), len(vocab))
         start = compile_schema(fmt) if isinstance(fmt, dict) else None
-        return JSONConstraint(self._json_vocab, self._eos, n_logits, start)
+        return JSONConstraint((vocab, self._json_trie), self._eos, n_logits, start)
 
     # ------------------------------------------------------------------ KV per sequence
 
