@@ -25,8 +25,10 @@ MLX runs the whole model on its device.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -56,6 +58,7 @@ def _kv_cache(keys: Any, values: Any, offset: int, quant: tuple[int, int] | None
     c = KVCache() if quant is None else QuantizedKVCache(group_size=quant[0], bits=quant[1])
     c.keys, c.values, c.offset = keys, values, offset
     return c
+
 
 
 class _ThreadRelease:
@@ -267,6 +270,8 @@ class MLXSource(TokenSource):
     def _load_dir(path: Path) -> tuple[Any, Any, dict[str, Any]]:
         import mlx_lm
 
+        from backends.mlx_json import gc_paused
+
         if path.suffix.lower() == ".gguf" or path.is_file():
             raise ModelLoadError(
                 f"The MLX backend needs an MLX model directory, not the file {path.name}; "
@@ -274,7 +279,8 @@ class MLXSource(TokenSource):
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not an MLX model directory (config.json is missing).")
         try:
-            model, tok, config = cast(tuple[Any, Any, dict[str, Any]], mlx_lm.load(str(path), return_config=True))
+            with gc_paused():
+                model, tok, config = cast(tuple[Any, Any, dict[str, Any]], mlx_lm.load(str(path), return_config=True))
         except (FileNotFoundError, ValueError, KeyError, RuntimeError, OSError) as e:
             raise ModelLoadError(f"MLX could not load the model at {path}: {e}") from e
         return model, tok, config
@@ -733,11 +739,11 @@ class MLXSource(TokenSource):
         self._bcache, self._bseqs, self._blens = None, [], {}
         self._kv_bytes = 0
         self._rows = []
+        held = weakref.ref(self._model) if self._model is not None else None
         self._model = None
         try:
-            import gc
-
-            gc.collect()
+            if held is not None and held() is not None:
+                gc.collect()  # only a reference cycle still holds the weights: a full pass frees them
             self._mx.synchronize()
             self._mx.clear_cache()
         except Exception:  # noqa: BLE001 - freeing is best effort

@@ -105,6 +105,41 @@ def test_gguf_file_is_refused_with_a_hint(default_model_path):
         MLXSource(LoadSpec(model_path=str(default_model_path)))
 
 
+def test_every_tokens_bytes_match_the_byte_level_decoder(plain):
+    """The bytes a streamed token adds (decoded in C with str.translate) are, for all 49,152 tokens, what
+    mlx-lm's byte decoder gives character by character; special tokens (``<|im_end|>``, ``<repo_name>``...) add
+    nothing."""
+    from mlx_lm.tokenizer_utils import _byte_decoder
+
+    from backends.mlx_json import JSONConstraint
+
+    hf = plain.source._tok._tokenizer
+    dec = _byte_decoder()
+    special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items() if t.special}
+    want = [None if i in special else bytes(dec[c] for c in p)
+            for i, p in enumerate(hf.convert_ids_to_tokens(list(range(len(hf)))))]
+    got = JSONConstraint.vocabulary_bytes(plain.source._tok)
+    assert got == want and sum(b is None for b in got) == len(special)
+
+
+def test_a_plain_answer_never_builds_json_modes_trie_and_close_frees_the_weights(mlx_dir: Path):
+    """The byte trie JSON mode walks costs ~0.5 s (2 s in a busy process): a plain answer never pays it. Closing
+    frees the model's MLX memory at once (by reference count: a full collection runs only if a cycle holds it)."""
+    import mlx.core as mx
+
+    before = mx.get_active_memory()
+    m = load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=256))
+    try:
+        text, _, _ = collect(m.generate(GenerateRequest(prompt="Paris is", sampling=greedy(2))))
+        assert text and m.source._json_trie is None
+        collect(m.generate(GenerateRequest(prompt="x", format="json", sampling=greedy(1))))
+        assert m.source._json_trie is not None
+        assert mx.get_active_memory() > before + 50 * 2**20  # the weights (~120 MB)
+    finally:
+        m.close()
+    assert mx.get_active_memory() <= before
+
+
 # ------------------------------------------------------------------------------------ requests
 
 
