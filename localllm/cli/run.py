@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from typing import IO, TYPE_CHECKING
 
 import click
@@ -155,6 +156,11 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
         from localllm.devices import use_workers
 
         use_workers(rpc, say=lambda line: print(line, file=sys.stderr))
+    if not interactive and not session.remote and settings.load.num_parallel is None \
+            and not os.environ.get("LOCALLLM_NUM_PARALLEL"):
+        # one answer in this process, then exit: one slot, not the server's 4 (a quarter of the KV cache to
+        # allocate and clear: smollm2:135m loads in ~0.13 s instead of ~0.25 s, with 270 MiB less)
+        settings.load = replace(settings.load, num_parallel=1)
     try:
         name = ensure_model(session.models, model).name
         if interactive or (tools is not None and " ".join(prompts).strip()):
