@@ -14,6 +14,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Input, Label, Markdown, ProgressBar, Static
+from textual.worker import get_current_worker
 
 from localllm.api import CatalogItem, Fit, PullProgress
 
@@ -144,7 +145,10 @@ class ModelsScreen(Screen):
         except Exception as e:  # noqa: BLE001 - shown, not raised
             self.app.call_from_thread(self.notify, f"Could not list models: {e}", severity="error")
             return
-        self.app.call_from_thread(self.show_rows, installed, catalog)
+        # a newer refresh started meanwhile (it cancelled this one: the group is exclusive, but a thread runs on):
+        # its rows are the current ones, these would overwrite them (a variant listed, then gone again)
+        if not get_current_worker().is_cancelled:
+            self.app.call_from_thread(self.show_rows, installed, catalog)
 
     def show_rows(self, installed: list[ModelRow], catalog: list[CatalogItem]) -> None:
         self.installed, self.catalog = installed, catalog
@@ -346,7 +350,8 @@ class HardwareScreen(Screen):
             text = hardware_markdown(*hardware_report(self.lapp.session, self.lapp.default_model_name()))
         except Exception as e:  # noqa: BLE001
             text = f"# Hardware\n\nThe probe failed: {e}"
-        self.app.call_from_thread(self.query_one("#hardware", Markdown).update, text)
+        if not get_current_worker().is_cancelled:  # a newer probe started: its report is the current one
+            self.app.call_from_thread(self.query_one("#hardware", Markdown).update, text)
 
 
 def hardware_report(session: Session, model: str) -> tuple[HardwareInfo, Fit | None, str]:

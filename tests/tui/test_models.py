@@ -3,6 +3,9 @@ mirror path, from a local HTTP server), cancel and resume, delete, default model
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from textual.widgets import DataTable, Markdown, ProgressBar
 
@@ -127,7 +130,10 @@ async def test_models_screen_lists_installed_default_model_with_verdict(tui_home
 
 async def test_make_a_variant_of_an_installed_model_and_see_its_base(tui_home, chats, tmp_path, monkeypatch):
     """``v`` on an installed model: a name, a system prompt and a temperature make a variant (``create``), which
-    the installed list shows with its base; a bad value is one sentence in the form."""
+    the installed list shows with its base; a bad value is one sentence in the form. A listing that started
+    before the variant existed and ends after it (the refresh when the form closes, on a busy machine) never
+    overwrites the newer list: the variant once vanished from it for good, in a full CI run."""
+    import localllm.tui.models as tui_models
     from localllm.store import Store
     from localllm.tui.modals import VariantModal
     from tests.support import DEFAULT_MODEL, TEST_HOME, install_copy
@@ -135,6 +141,17 @@ async def test_make_a_variant_of_an_installed_model_and_see_its_base(tui_home, c
     models = tmp_path / "models"  # a private store: the variant is not written into the shared test home
     install_copy(models, TEST_HOME / "data" / "models")
     monkeypatch.setenv("LOCALLLM_MODELS", str(models))
+    submitted, stale_done = threading.Event(), threading.Event()
+    real_rows = tui_models.model_rows
+
+    def slow_when_stale(session):
+        rows = real_rows(session)
+        if submitted.is_set() and all(r.name != "pirate" for r in rows):
+            time.sleep(1.0)  # a slow listing of the store as it was before the variant
+            stale_done.set()
+        return rows
+
+    monkeypatch.setattr(tui_models, "model_rows", slow_when_stale)
     session = local_session(None)
     app = LocalLLMApp(model=DEFAULT_MODEL, chats=chats, session=session)
     async with app.run_test(size=(120, 36)) as pilot:
@@ -155,8 +172,12 @@ async def test_make_a_variant_of_an_installed_model_and_see_its_base(tui_home, c
         assert isinstance(app.screen, VariantModal)
         assert "Temperature must be a number from 0 to 5, got 'hot'." in str(modal.query_one("#variant-error").render())
         modal.query_one("#variant-temperature").value = "0"
+        submitted.set()
         modal.query_one("#ok").press()
         await wait_until(pilot, lambda: "pirate (from smollm2:135m)" in column(installed, 0), timeout=30)
+        await wait_until(pilot, stale_done.is_set, timeout=30)  # the stale listing has ended...
+        await pilot.pause(0.2)
+        assert "pirate (from smollm2:135m)" in column(installed, 0)  # ...and was dropped, not shown
     made = Store().get("pirate")
     assert made.base == DEFAULT_MODEL and made.derived is not None
     assert (made.derived.system, made.derived.parameters) == ("You are a pirate.", {"temperature": 0.0})
