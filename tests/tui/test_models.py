@@ -141,18 +141,29 @@ async def test_make_a_variant_of_an_installed_model_and_see_its_base(tui_home, c
     models = tmp_path / "models"  # a private store: the variant is not written into the shared test home
     install_copy(models, TEST_HOME / "data" / "models")
     monkeypatch.setenv("LOCALLLM_MODELS", str(models))
-    submitted, stale_done = threading.Event(), threading.Event()
+    submitted = threading.Event()
+    in_flight = [0]
     real_rows = tui_models.model_rows
 
     def slow_when_stale(session):
-        rows = real_rows(session)
-        if submitted.is_set() and all(r.name != "pirate" for r in rows):
-            time.sleep(1.0)  # a slow listing of the store as it was before the variant
-            stale_done.set()
-        return rows
+        in_flight[0] += 1
+        try:
+            rows = real_rows(session)
+            if submitted.is_set() and all(r.name != "pirate" for r in rows):
+                time.sleep(2.0)  # a slow listing of the store as it was before the variant
+            return rows
+        finally:
+            in_flight[0] -= 1
 
     monkeypatch.setattr(tui_models, "model_rows", slow_when_stale)
     session = local_session(None)
+    real_create = session.models.create
+
+    def slow_create(*args, **kwargs):
+        time.sleep(1.0)  # the refresh of the closing form lists the store before the variant is in it
+        return real_create(*args, **kwargs)
+
+    monkeypatch.setattr(session.models, "create", slow_create)
     app = LocalLLMApp(model=DEFAULT_MODEL, chats=chats, session=session)
     async with app.run_test(size=(120, 36)) as pilot:
         await pilot.press("f3")
@@ -175,7 +186,7 @@ async def test_make_a_variant_of_an_installed_model_and_see_its_base(tui_home, c
         submitted.set()
         modal.query_one("#ok").press()
         await wait_until(pilot, lambda: "pirate (from smollm2:135m)" in column(installed, 0), timeout=30)
-        await wait_until(pilot, stale_done.is_set, timeout=30)  # the stale listing has ended...
+        await wait_until(pilot, lambda: in_flight[0] == 0, timeout=30)  # the stale listing has ended...
         await pilot.pause(0.2)
         assert "pirate (from smollm2:135m)" in column(installed, 0)  # ...and was dropped, not shown
     made = Store().get("pirate")
