@@ -29,7 +29,8 @@ import gc
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -59,6 +60,19 @@ def _kv_cache(keys: Any, values: Any, offset: int, quant: tuple[int, int] | None
     c.keys, c.values, c.offset = keys, values, offset
     return c
 
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic collector off while a block makes many objects that all live on (tokenizer.json parsed by
+    mlx-lm and again by transformers, JSON mode's byte trie): with it on, every generation-2 pass rescans the
+    whole heap, ~0.3 s a pass in a server or test process of 10^6 objects, several passes a load."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class _ThreadRelease:
@@ -270,8 +284,6 @@ class MLXSource(TokenSource):
     def _load_dir(path: Path) -> tuple[Any, Any, dict[str, Any]]:
         import mlx_lm
 
-        from backends.mlx_json import gc_paused
-
         if path.suffix.lower() == ".gguf" or path.is_file():
             raise ModelLoadError(
                 f"The MLX backend needs an MLX model directory, not the file {path.name}; "
@@ -279,7 +291,7 @@ class MLXSource(TokenSource):
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not an MLX model directory (config.json is missing).")
         try:
-            with gc_paused():
+            with _gc_paused():
                 model, tok, config = cast(tuple[Any, Any, dict[str, Any]], mlx_lm.load(str(path), return_config=True))
         except (FileNotFoundError, ValueError, KeyError, RuntimeError, OSError) as e:
             raise ModelLoadError(f"MLX could not load the model at {path}: {e}") from e
@@ -554,7 +566,8 @@ class MLXSource(TokenSource):
         vocab = self._byte_vocab()  # raises UnsupportedError for a vocabulary the automaton cannot handle
         assert vocab is not None
         if self._json_trie is None:
-            self._json_trie = JSONConstraint.byte_trie(vocab)
+            with _gc_paused():  # ~250k small containers that all live on
+                self._json_trie = JSONConstraint.byte_trie(vocab)
         n_logits = max(int(self._config.get("vocab_size") or 0), len(vocab))
         start = compile_schema(fmt) if isinstance(fmt, dict) else None
         return JSONConstraint((vocab, self._json_trie), self._eos, n_logits, start)

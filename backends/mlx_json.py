@@ -19,10 +19,7 @@ greedy decoding cannot loop on newlines. JSON Schemas are not handled here (refu
 
 from __future__ import annotations
 
-import gc
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -153,26 +150,11 @@ class JSONState:
         return None
 
 
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """The cyclic collector off while a block makes many objects that all live on (a tokenizer.json parsed,
-    a vocabulary trie built): with it on, every generation-2 pass rescans the whole heap, which in a server
-    or test process of 10^6 objects took ~0.3 s a pass and several passes a load."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
 class JSONConstraint:
     """Masks logits so that generation stays valid JSON; one per request (stateful).
 
-    Build once per tokenizer with :meth:`vocabulary` (the byte string of every token, ``None`` for
-    special tokens, and their byte trie) and reuse the result: it is the expensive part. Streaming text
-    needs only the bytes (:meth:`vocabulary_bytes`, a tenth of the cost).
+    Build once per tokenizer (:meth:`vocabulary_bytes`: the byte string of every token, ``None`` for special
+    tokens; :meth:`byte_trie` of them, ten times the cost) and reuse the pair: it is the expensive part.
     """
 
     def __init__(self, vocab: tuple[list[bytes | None], Any], eos_ids: set[int], n_logits: int, start: Any = None):
@@ -184,13 +166,6 @@ class JSONConstraint:
         self._string_safe: Any = None  # numpy ids of tokens that are plain string content
         self._string_len: Any = None  # their length in characters
         self._string_other: list[int] | None = None
-
-    @staticmethod
-    def vocabulary(tokenizer: Any) -> tuple[list[bytes | None], Any]:
-        """(bytes of each token id, byte trie {byte: (ids ending here, children)}) of a byte-level BPE
-        tokenizer. Raises ValueError for other tokenizers."""
-        token_bytes = JSONConstraint.vocabulary_bytes(tokenizer)
-        return token_bytes, JSONConstraint.byte_trie(token_bytes)
 
     @staticmethod
     def vocabulary_bytes(tokenizer: Any) -> list[bytes | None]:
@@ -227,16 +202,15 @@ class JSONConstraint:
     def byte_trie(token_bytes: list[bytes | None]) -> dict[int, Any]:
         """The byte trie {byte: (ids ending here, children)} of ``token_bytes``: what JSON mode walks."""
         trie: dict[int, Any] = {}
-        with gc_paused():  # ~250k small containers that all live on
-            for i, bs in enumerate(token_bytes):
-                if not bs:
-                    continue
-                node = trie
-                for j, b in enumerate(bs):
-                    ids, children = node.setdefault(b, ([], {}))
-                    if j == len(bs) - 1:
-                        ids.append(i)
-                    node = children
+        for i, bs in enumerate(token_bytes):
+            if not bs:
+                continue
+            node = trie
+            for j, b in enumerate(bs):
+                ids, children = node.setdefault(b, ([], {}))
+                if j == len(bs) - 1:
+                    ids.append(i)
+                node = children
         return trie
 
     # --------------------------------------------------------------------------------- masks
