@@ -1,4 +1,5 @@
-"""llama.cpp's own tools (``llama-bench``, ``llama-batched-bench``, ``llama-quantize``), built from the
+"""llama.cpp's own tools (``llama-bench``, ``llama-batched-bench``, ``llama-quantize``, ``llama-mtmd-cli``,
+``llama-server``), built from the
 llama-cpp-python sdist the project pins, so the ceilings we measure against run the very llama.cpp our backend
 links.
 
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 PINNED = "0.3.36"
-TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-mtmd-cli")
+TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-mtmd-cli", "llama-server")
 
 
 def version() -> str:
