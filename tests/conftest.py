@@ -101,6 +101,21 @@ def pytest_runtest_makereport(item, call):
     report.longrepr = f"skipped under LOCALLLM_TEST_STRICT=1 (only '{HARDWARE_SKIP} ...' skips may): {reason}"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same rule for a whole module skipped while it is collected (a module-level ``importorskip``): under
+    strict mode it is a collection error, not dozens of tests that silently never ran."""
+    outcome = yield
+    report = outcome.get_result()
+    if not STRICT or not report.skipped:
+        return
+    reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if reason.removeprefix("Skipped: ").startswith(HARDWARE_SKIP):
+        return
+    report.outcome = "failed"
+    report.longrepr = f"{collector.nodeid} skipped whole under LOCALLLM_TEST_STRICT=1: {reason}"
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Remove this run's home (the models it links to stay), and homes of runs killed more than a day ago."""
     shutil.rmtree(RUN_HOME, ignore_errors=True)

@@ -20,8 +20,6 @@ from backends.base import Feed, LoadSpec, ModelInfo, Sampling, TokenSource
 from backends.kvpool import JOIN_MIN, PARK_ALONE, KVPool, Seq
 from backends.prompt_cache import PromptCache
 
-pytest.importorskip("llama_cpp")
-
 TEXT = ("The lighthouse keeper climbed the stairs every evening, counted the ships on the horizon and wrote "
         "their names in a book that nobody read. ")
 

@@ -12,13 +12,10 @@ from backends._speculative import SpecController
 from backends._stops import StopMatcher, Utf8Stream, parse_tool_calls
 from backends.base import DraftSpec, GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError
 from backends.drafting import NgramDrafter, vocab_problem
+from backends.llamacpp import LlamaCppSource, kv_type_problem, physical_cores
 from backends.registry import load
 from backends.stream import RequestStream
 from tests.backends.conftest import collect
-
-pytest.importorskip("llama_cpp")
-
-from backends.llamacpp import LlamaCppSource, kv_type_problem, physical_cores  # noqa: E402
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}]
 PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished "

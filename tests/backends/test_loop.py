@@ -17,8 +17,6 @@ from backends.registry import load
 from tests.backends.conftest import collect
 from tests.fakes import FakeSource
 
-pytest.importorskip("llama_cpp")
-
 QUESTIONS = ["Tell me a story about a cat.", "Write a poem about rain.", "Explain gravity to a child.",
              "List three fruits and their colours."]
 SYSTEM = ("You are a meticulous assistant for a hardware store. Answer briefly, name the aisle, and never "

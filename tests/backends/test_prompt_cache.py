@@ -10,14 +10,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from backends.base import GenerateRequest, LoadSpec, Sampling
 from backends.prompt_cache import SUFFIX, PromptCache, PromptCacheSpec
 from backends.registry import load
 from tests.backends.conftest import collect
-
-pytest.importorskip("llama_cpp")
 
 SYSTEM = "You are a careful assistant. " + " ".join(
     f"Rule {i}: answer about item {i} precisely and cite the rule." for i in range(40))  # ~740 tokens: above the

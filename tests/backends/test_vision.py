@@ -13,8 +13,6 @@ from backends.registry import load
 from tests.backends.conftest import collect
 from tests.support_vision import IMAGE_TOKENS, png
 
-pytest.importorskip("llama_cpp")
-
 ASK = "Describe the picture."
 
 

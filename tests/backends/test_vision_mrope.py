@@ -13,8 +13,6 @@ from backends.registry import load
 from tests.backends.conftest import collect
 from tests.support_vision import MROPE_IMAGE, MROPE_IMAGE_POSITIONS, MROPE_IMAGE_TOKENS, png, reference_in_subprocess
 
-pytest.importorskip("llama_cpp")
-
 ASK = "Describe the picture."
 
 
