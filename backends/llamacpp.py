@@ -1,6 +1,6 @@
 """GGUF models through llama.cpp (llama-cpp-python's low-level API): a token source for the decode loop.
 
-One module on purpose (~890 lines): one backend, llama-cpp-python's low-level API behind the token-source
+One module on purpose: one backend, llama-cpp-python's low-level API behind the token-source
 contract (evaluation, the sampler chain, KV and state operations).
 
 One ``llama_context`` holds every sequence of a loaded model: ``n_seq_max`` sequence ids over one

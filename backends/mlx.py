@@ -1,6 +1,6 @@
 """MLX (mlx-lm) as a token source: Apple Silicon's native runtime; also runs on Linux with ``mlx[cpu]``.
 
-One module on purpose (~720 lines), as ``llamacpp.py``: one backend behind the token-source contract.
+One module on purpose, as ``llamacpp.py``: one backend behind the token-source contract.
 
 Loads an MLX model directory (``config.json``, ``model*.safetensors`` 4/8-bit, HF tokenizer), e.g. an
 ``mlx-community`` repo or one built offline from a GGUF by :mod:`backends.mlx_convert`. Each sequence

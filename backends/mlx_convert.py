@@ -1,6 +1,6 @@
 """GGUF → MLX model directory, offline (no Hugging Face, no torch).
 
-One module on purpose (~900 lines): one format change, GGUF to MLX (tensor names, dequantization, the
+One module on purpose: one format change, GGUF to MLX (tensor names, dequantization, the
 quantization block, the tokenizer), read top to bottom.
 
 Any GGUF of an architecture mlx-lm has a model class for, whose tensor names map cleanly onto it,
@@ -392,11 +392,6 @@ def check_convertible(gguf_path: str | os.PathLike[str]) -> ConversionInfo:
     """Raise :class:`UnsupportedError` (one sentence) if this GGUF cannot become an MLX model; else say how
     it converts (:class:`ConversionInfo`). Cheap: reads the header only."""
     return inspect_gguf(gguf_path)
-
-
-def estimate_mlx_bytes(gguf_path: str | os.PathLike[str], *, dtype: str = "float32", policy: str = "mlx") -> int:
-    """Bytes of the MLX weights a conversion of ``gguf_path`` writes (requantized sizes counted)."""
-    return inspect_gguf(gguf_path, dtype=dtype, policy=policy).estimated_bytes
 
 
 # ------------------------------------------------------------------------------------ config.json

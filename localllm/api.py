@@ -8,7 +8,7 @@ Two implementations, one interface::
     Models / Runner             remote      localllm.client.Client (a localllm or Ollama server, Ollama API)
 
 A face gets both from :func:`localllm.session.open_session` (``--host URL`` picks the remote one) and never
-asks which one it got: the CLI (``localllm/cli.py``, ``localllm/commands``, ``localllm/interactive.py``) and
+asks which one it got: the CLI (``localllm/cli/``: its commands, ``answer.py``, ``interactive.py``) and
 the TUI (``localllm/tui``) use nothing else to list, pull, remove, run and unload models.
 
 Errors are the project's: :class:`~localllm.errors.ModelNotFoundError` for an unknown model,

@@ -2,7 +2,7 @@
 cancellation. Loading is the loader's (:mod:`localllm.loader`: plan → spec → weights → decode loop). Faces
 (CLI, server, TUI) talk to the engine and never to a backend.
 
-One module on purpose (~740 lines): residency and the entry points (``generate``, ``agenerate``, ``embed``)
+One module on purpose: residency and the entry points (``generate``, ``agenerate``, ``embed``)
 that hold references on it are one unit under one lock.
 
     >>> from localllm.engine import Engine, GenerateRequest, Sampling, TextChunk

@@ -158,10 +158,6 @@ class HardwareInfo:
     def nvidia_gpus(self) -> list[GPU]:
         return [g for g in self.gpus if g.vendor == "nvidia"]
 
-    def gpus_of(self, vendor: str) -> list[GPU]:
-        """The GPUs of one vendor ("nvidia", "amd", "intel", "apple")."""
-        return [g for g in self.gpus if g.vendor == vendor]
-
     def backend(self, name: str) -> BackendStatus:
         """The status of ``name``; an unknown/unprobed backend reads as unavailable."""
         return self.backends.get(name) or BackendStatus(name, False, "not probed", False)

@@ -1,6 +1,6 @@
 """Will this model fit, and how should it be loaded? A pure function of GGUF metadata and a probe.
 
-One module on purpose (~700 lines): the fit is one computation — backend, layout, context and KV type feed
+One module on purpose: the fit is one computation — backend, layout, context and KV type feed
 each other; split, each part would need the others' internals.
 
 ``plan(info, hw)`` picks the backend (CUDA llama.cpp, MLX, Metal llama.cpp, CPU llama.cpp), the

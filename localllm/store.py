@@ -1,6 +1,6 @@
 """The model store: installed models, pull, verify, list, remove, copy.
 
-One module on purpose (~770 lines): the on-disk layout and every operation that changes it (pull, rm, cp),
+One module on purpose: the on-disk layout and every operation that changes it (pull, rm, cp),
 under the same locks.
 
 Layout under ``paths().models`` (Ollama-like)::

@@ -46,16 +46,6 @@ def split_host(host_header: str) -> str:
     return h
 
 
-def is_loopback_host(host: str) -> bool:
-    h = split_host(host) if host.startswith("[") or host.count(":") == 1 else host.lower()
-    if h in ("localhost", "") or h.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
-
-
 def host_allowed(host_header: str, bound_host: str) -> bool:
     """Does ``Host`` name this machine?
 

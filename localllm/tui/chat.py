@@ -1,7 +1,7 @@
 """The chat screen: conversations on the left, the streaming conversation on the right, a prompt and a
 status line below.
 
-One module on purpose (~740 lines): one screen, its widgets and the worker that streams into them.
+One module on purpose: one screen, its widgets and the worker that streams into them.
 
 Streaming: an async worker iterates the runner's async stream (``Runner.agenerate``: the events of an
 in-process model's decode loop, or of a server's NDJSON stream, arrive on the event loop without a thread
