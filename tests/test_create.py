@@ -659,3 +659,20 @@ def test_a_template_applies_on_mlx_too_and_a_lora_is_refused_there(store, tmp_pa
         assert got == want
         with pytest.raises((BackendError, LocalLLMError), match="LoRA adapters run on the llama.cpp backend only"):
             list(engine.generate("lora-mlx", GenerateRequest(prompt="x", sampling=Sampling(max_tokens=1)), mlx))
+
+
+def test_probe_plans_what_the_engine_loads_for_a_created_model(store):
+    """``localllm probe`` plans through the engine's own loader: a created model's ``num_ctx`` is in its plan,
+    and the plan is the one the engine then loads (it once rebuilt the plan without the Modelfile's options)."""
+    from localllm.cli.probe import plan_for_model
+    from localllm.hardware import probe
+
+    store.create("short-ctx", parse(f"FROM {DEFAULT_MODEL}\nPARAMETER num_ctx 512\n"))
+    model, p, why = plan_for_model("short-ctx", probe(), num_ctx=None, kv_cache_type="f16", backend="auto",
+                                   num_gpu=None, store=store)
+    assert why is None and model is not None and p is not None
+    assert p.n_ctx == 512 and any(r.startswith("context 512 tokens") for r in p.reasons), p.reasons
+    with Engine(store, keep_alive=60) as engine:
+        running = engine.load("short-ctx")
+        assert running.model.info.n_ctx == 512
+        assert running.plan.as_dict() == p.as_dict()

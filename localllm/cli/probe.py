@@ -27,35 +27,33 @@ from localllm.planner import KV_TYPES
 if TYPE_CHECKING:
     from localllm.hardware import HardwareInfo
     from localllm.planner import Plan
-    from localllm.store import InstalledModel
+    from localllm.store import InstalledModel, Store
 
 
 def plan_for_model(name: str, hw: HardwareInfo, *, num_ctx: int | None, kv_cache_type: str, backend: str,
-                   num_gpu: int | None) -> tuple[InstalledModel | None, Plan | None, str | None]:
-    """(installed model or None, plan or None, why there is no plan). A model that is not installed
-    yields no plan (the planner needs its GGUF metadata); an impossible request yields PlanError's
-    sentence."""
-    from localllm import config
+                   num_gpu: int | None, store: Store | None = None,
+                   ) -> tuple[InstalledModel | None, Plan | None, str | None]:
+    """(installed model or None, plan or None, why there is no plan), made by the engine's own loader
+    (:meth:`localllm.loader.Loader.plan`): the same plan ``serve`` and the REPL load — a created model's
+    ``num_ctx``, the projector's memory, ``LOCALLLM_NUM_PARALLEL``, ``LOCALLLM_BACKEND``, MLX weights or their
+    conversion. A model that is not installed yields no plan (the planner needs its GGUF metadata); an
+    impossible request yields PlanError's sentence."""
     from localllm.errors import LocalLLMError, ModelNotFoundError
-    from localllm.ggufinfo import GGUFInfo
-    from localllm.planner import plan
-    from localllm.store import Store
+    from localllm.loader import Loader, LoadOptions
+    from localllm.store import Store as _Store
 
+    store = store or _Store()
+    loader = Loader(store, hardware=hw)
     try:
-        model = Store().get(name)
+        return (*loader.plan(name, LoadOptions(num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend,
+                                                num_gpu=num_gpu)), None)
     except ModelNotFoundError as e:
         return None, None, f"{e} (The plan needs its GGUF metadata.)"
-    info = GGUFInfo(**model.info)
-    try:
-        from localllm.mlxmodels import mlx_for_plan
-
-        # as the engine does: MLX weights installed / the GGUF converts on first use / why not
-        p = plan(info, hw, num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend, num_gpu=num_gpu,
-                 mlx_model=model.mlx_path is not None, mlx=mlx_for_plan(model, hw, backend),
-                 device_memory=config.device_memory())
     except LocalLLMError as e:
-        return model, None, str(e)
-    return model, p, None
+        try:
+            return store.get(name), None, str(e)
+        except LocalLLMError:
+            return None, None, str(e)
 
 
 def _hardware_rows(hw: HardwareInfo) -> list[tuple[str, str]]:
