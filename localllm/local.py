@@ -270,7 +270,10 @@ class LocalAdvisor:
                 fit = None
         return CatalogItem(name=entry.name, size=int(size or 0), description=entry.description or "",
                            draft=entry.draft, installed=is_installed,
-                           fit=fit or estimate_fit(entry.approx_size or 0, hw))
+                           fit=fit or estimate_fit(entry.approx_size or 0, hw), family=entry.family,
+                           params=entry.size, capabilities=list(entry.capabilities),
+                           think_levels=list(entry.think_levels), moe=entry.moe.label() if entry.moe else "",
+                           mtp=entry.mtp.kind if entry.mtp else "", split_parts=entry.split_parts)
 
     def hardware(self) -> HardwareInfo:
         return self.engine.hardware
