@@ -75,7 +75,13 @@ class Utf8Stream:
 # ------------------------------------------------------------------------------------------ tool calls
 
 _TOOL_TAG = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-_TOOL_PREFIXES = ("<tool_call>", "{", "[", "```")
+# Qwen3.5 / Qwen3-Coder: <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>
+_XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.S)
+# Gemma 4: <|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>
+_GEMMA_CALL = re.compile(r"<\|tool_call>\s*call:([^{\s]+)\s*(\{.*?\})\s*(?:<tool_call\|>|$)", re.S)
+_GEMMA_QUOTE = '<|"|>'
+_TOOL_PREFIXES = ("<tool_call>", "<|tool_call>", "{", "[", "```")
 
 
 def could_be_tool_call(text: str) -> bool:
@@ -105,21 +111,105 @@ def _one_call(obj: Any) -> dict[str, Any] | None:
     return {"name": name, "arguments": args}
 
 
-def parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
-    """Tool calls in ``text`` as ``[{"name", "arguments"}]``, or None when it is plain text.
+def _param_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, str]]:
+    """{tool name: {parameter: JSON schema type}} from an OpenAI-style tools list."""
+    out: dict[str, dict[str, str]] = {}
+    for t in tools or []:
+        fn = t.get("function", t) if isinstance(t, dict) else {}
+        props = ((fn.get("parameters") or {}).get("properties") or {}) if isinstance(fn, dict) else {}
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(props, dict):
+            out[fn["name"]] = {k: str(v.get("type") or "") if isinstance(v, dict) else "" for k, v in props.items()}
+    return out
+
+
+def _xml_value(raw: str, kind: str) -> Any:
+    """A ``<parameter>`` value: text as it is for a string parameter, else JSON where it parses (numbers,
+    booleans, objects, arrays), else the text."""
+    if kind == "string":
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def _xml_calls(text: str, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    types = _param_types(tools)
+    calls = []
+    for name, body in _XML_FUNCTION.findall(text):
+        kinds = types.get(name, {})
+        args = {k: _xml_value(v, kinds.get(k, "")) for k, v in _XML_PARAMETER.findall(body)}
+        calls.append({"name": name, "arguments": args})
+    return calls or None
+
+
+def _gemma_args(body: str) -> Any:
+    """Gemma 4's argument object (bare keys, strings between ``<|"|>``, JSON numbers/booleans/null, nested
+    objects and lists) as Python data; ValueError when it is not one."""
+    out: list[str] = []
+    i, n = 0, len(body)
+    while i < n:
+        if body.startswith(_GEMMA_QUOTE, i):
+            j = body.find(_GEMMA_QUOTE, i + len(_GEMMA_QUOTE))
+            if j < 0:
+                raise ValueError("an unterminated string")
+            out.append(json.dumps(body[i + len(_GEMMA_QUOTE):j], ensure_ascii=False))
+            i = j + len(_GEMMA_QUOTE)
+            continue
+        c = body[i]
+        if c.isalpha() or c == "_":  # a bare key, or true/false/null
+            j = i
+            while j < n and (body[j].isalnum() or body[j] in "_-."):
+                j += 1
+            word = body[i:j]
+            rest = body[j:].lstrip()
+            out.append(json.dumps(word) if rest.startswith(":") else word)
+            i = j
+            continue
+        out.append(c)
+        i += 1
+    return json.loads("".join(out))
+
+
+def _gemma_calls(text: str) -> list[dict[str, Any]] | None:
+    calls = []
+    for name, body in _GEMMA_CALL.findall(text):
+        try:
+            args = _gemma_args(body)
+        except ValueError:
+            return None
+        if not isinstance(args, dict):
+            return None
+        calls.append({"name": name, "arguments": args})
+    return calls or None
+
+
+def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> list[dict[str, Any]] | None:
+    r"""Tool calls in ``text`` as ``[{"name", "arguments"}]``, or None when it is plain text.
 
     Understands ``<tool_call>{...}</tool_call>`` (Qwen/Hermes), a bare JSON object or list of objects
-    with ``name`` + ``arguments``/``parameters`` (Llama 3.x), optionally inside a ```json fence.
+    with ``name`` + ``arguments``/``parameters`` (Llama 3.x), optionally inside a ```json fence; Qwen3.5's
+    ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>`` (values typed by
+    the ``tools`` schema where given: a string parameter stays text, others are read as JSON when they parse);
+    and Gemma 4's ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>``.
 
     >>> parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
     [{'name': 'f', 'arguments': {'x': 1}}]
+    >>> parse_tool_calls('<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>')
+    [{'name': 'f', 'arguments': {'x': 1}}]
+    >>> parse_tool_calls('<|tool_call>call:f{city:<|"|>Paris<|"|>,days:3}<tool_call|>')
+    [{'name': 'f', 'arguments': {'city': 'Paris', 'days': 3}}]
     >>> parse_tool_calls("hello") is None
     True
     """
     t = text.strip()
+    if t.startswith("<|tool_call>"):
+        return _gemma_calls(t)
     if t.startswith("```"):
         t = re.sub(r"^```[a-zA-Z]*\s*|\s*```$", "", t)
     bodies = _TOOL_TAG.findall(t) if "<tool_call>" in t else [t]
+    if bodies and all(b.startswith("<function=") for b in bodies):
+        return _xml_calls(t, tools)
     calls: list[dict[str, Any]] = []
     for body in bodies:
         try:

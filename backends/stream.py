@@ -245,7 +245,7 @@ class RequestStream:
                 emit += self._stops.flush()
             out += self._text(emit, final=True)
             if self._tool_buf:
-                calls = parse_tool_calls(self._tool_buf)
+                calls = parse_tool_calls(self._tool_buf, self.request.tools)
                 out.append(ToolCalls(calls) if calls is not None else self._chunk(self._tool_buf))
                 self._tool_buf = ""
         now = time.perf_counter_ns()
