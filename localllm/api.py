@@ -68,6 +68,7 @@ class Installed:
     chat_template: str | None = None
     license: str | None = None
     capabilities: list[str] = field(default_factory=list)  # "completion", "tools", "thinking", ...
+    mtp_layers: int = 0  # multi-token-prediction layers in the GGUF (self-speculation; not drafted from yet)
     base: str | None = None  # the model a created (derived) one was made from (``details.parent_model``)
     modelfile: str = ""  # a Modelfile that recreates the model (``show --modelfile``, ``/api/show``)
     system: str | None = None  # a created model's SYSTEM

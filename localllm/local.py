@@ -55,6 +55,7 @@ def installed(m: InstalledModel) -> Installed:
         chat_template=info.get("chat_template"),
         license=info.get("license") or (m.catalog.license if m.catalog else None),
         capabilities=capabilities(info) + (["vision"] if m.projector is not None else []),
+        mtp_layers=int(info.get("mtp_layers") or 0),
         path=str(m.path), source=m.source, local=m.local, quant=m.quant,
         catalog=m.catalog.name if m.catalog else None, draft=m.catalog.draft if m.catalog else None,
         template_note=m.catalog.template_note if m.catalog else None,
