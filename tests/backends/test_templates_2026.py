@@ -57,6 +57,9 @@ RECORDED: dict[str, list[tuple[Any, str, str, str, list[dict[str, Any]]]]] = {
         (False, "Paris is the capital of France.", "", "Paris is the capital of France.", []),
         (False, "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
                 "</parameter>\n</function>\n</tool_call>", "", "", CALL),
+        # the template allows reasoning in plain words before the call ("BEFORE the function call, but NOT after")
+        (False, "I will look it up.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", "", "I will look it up.", CALL),
     ],
     "gemma4": [
         (True, '<|channel>thought\nThe user asks for the weather: call the tool.<channel|><|tool_call>call:get_weather'
@@ -187,7 +190,9 @@ def test_recorded_outputs_split_and_parse_streamed_and_whole(family_model, famil
     started = bool(render_kwargs(style, think).get("enable_thinking")) and prompt.rstrip().endswith(style.open_tag)
     whole = split_text(style if (think is not False or style.harmony) else None, text, started_in_thinking=started)
     w_calls = [json.loads(c) for c in whole[2]] if style.harmony else (parse_tool_calls(whole[1], TOOLS) or [])
-    w_content = "" if (w_calls and not style.harmony) else whole[1]
+    w_content = whole[1]
+    if w_calls and not style.harmony:  # the text before the call is the content
+        w_content = w_content.split("<tool_call>")[0].split("<|tool_call>")[0]
     assert (whole[0].strip(), w_content.strip(), w_calls) == (thinking, content, calls)
 
 
