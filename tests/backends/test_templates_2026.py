@@ -218,3 +218,75 @@ def test_gemma4_arguments_nest_and_several_calls_follow_each_other():
                                        "note": None}},
         {"name": "ping", "arguments": {}}]
     assert parse_tool_calls('<|tool_call>call:book{who:<|"|>unterminated}<tool_call|>') is None
+
+
+# SmolLM2's control tokens 3..7 renamed to Gemma 4's format markers: a vocabulary where they are special tokens,
+# so the model's own token ids carry them (ids 0-2 stay <|endoftext|>, <|im_start|>, <|im_end|>). (gpt-oss's
+# harmony markers need no help: llama.cpp's vocabulary loader always writes them out.)
+GEMMA_MARKERS = {3: "<|channel>", 4: "<channel|>", 5: "<|tool_call>", 6: "<tool_call|>", 7: '<|"|>'}
+
+
+def _with_control_markers(src: Path, dst: Path, template_text: str) -> Path:
+    """``src`` with GEMMA_MARKERS as the texts of those control tokens and ``template_text`` as its template."""
+    import os
+
+    import gguf
+
+    if dst.is_file():
+        return dst
+    reader = gguf.GGUFReader(src, "r")
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
+    alignment = reader.get_field(gguf.Keys.General.ALIGNMENT)
+    if alignment is not None:
+        w.data_alignment = alignment.contents()
+    for f in reader.fields.values():
+        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF.") \
+                or f.name.startswith(gguf.Keys.Tokenizer.CHAT_TEMPLATE):
+            continue
+        value = f.contents()
+        if f.name == gguf.Keys.Tokenizer.LIST:
+            types = reader.get_field(gguf.Keys.Tokenizer.TOKEN_TYPE).contents()
+            assert all(types[i] == gguf.TokenType.CONTROL for i in GEMMA_MARKERS)
+            value = [GEMMA_MARKERS.get(i, t) for i, t in enumerate(value)]
+        vtype = f.types[0]
+        w.add_key_value(f.name, value, vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    w.add_chat_template(template_text)
+    for t in reader.tensors:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in reader.tensors:
+        w.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    w.close()
+    os.replace(tmp, dst)
+    return dst
+
+
+def test_format_markers_that_are_control_tokens_reach_the_parser(default_model_path, backend_factory, tmp_path):
+    """Gemma 4's <|channel>, <|tool_call> ... are special tokens of its vocabulary, which llama.cpp writes as
+    nothing unless asked: the backend writes out the ones a chat format needs (llama.cpp's server keeps the same
+    "preserved tokens"), so an answer in the model's own token ids still splits into thinking and tool calls."""
+    path = _with_control_markers(Path(default_model_path), tmp_path / "smol-gemma4.gguf", template("gemma4"))
+    b = backend_factory("llamacpp", fresh=True, model_path=str(path))
+    think, text, thinking, content, calls = RECORDED["gemma4"][0]
+    ids = b.call(lambda s: s.tokenize(text, special=True))
+    assert set(GEMMA_MARKERS) <= set(ids)  # the markers are single special tokens here
+    assert b.call(lambda s: [s.piece(i).decode() for i in sorted(GEMMA_MARKERS)]) == list(GEMMA_MARKERS.values())
+    assert b.call(lambda s: s.piece(2)) == b""  # other control tokens stay hidden (<|im_end|>)
+
+    from backends.base import GenerateRequest, Sampling, TextChunk, ToolCalls
+    from backends.stream import RequestStream
+
+    def run(s):
+        rs = RequestStream(GenerateRequest(messages=ASK, tools=TOOLS, think=think, sampling=Sampling()))
+        rs.prepare(s)
+        return [e for t in ids for e in rs.push(t)] + rs.close()
+
+    events = b.call(run)
+    got_thinking = "".join(e.text for e in events if isinstance(e, TextChunk) and e.thinking)
+    got_content = "".join(e.text for e in events if isinstance(e, TextChunk) and not e.thinking)
+    got_calls = [c for e in events if isinstance(e, ToolCalls) for c in e.calls]
+    assert (got_thinking.strip(), got_content, got_calls) == (thinking, content, calls)
