@@ -16,7 +16,7 @@ import math
 import time
 from typing import Any
 
-from backends import _thinking
+from backends import _chatfix, _thinking
 from backends._stops import StopMatcher, Utf8Stream, could_be_tool_call, parse_tool_calls
 from backends.base import (
     IMAGE_MARKER,
@@ -94,7 +94,7 @@ class RequestStream:
             if req.think not in (None, False) and style is None:
                 raise UnsupportedError("This model does not support thinking.")
             kwargs = _thinking.render_kwargs(style, req.think)
-            msgs = text_messages(list(req.messages or []), images=media)
+            msgs = _chatfix.for_template(source.chat_template, text_messages(list(req.messages or []), images=media))
             tools = req.tools or None
             last_text = [""]
 

@@ -290,3 +290,29 @@ def test_format_markers_that_are_control_tokens_reach_the_parser(default_model_p
     got_content = "".join(e.text for e in events if isinstance(e, TextChunk) and not e.thinking)
     got_calls = [c for e in events if isinstance(e, ToolCalls) for c in e.calls]
     assert (got_thinking.strip(), got_content, got_calls) == (thinking, content, calls)
+
+
+def test_gemma4_takes_tool_results_inside_the_model_turn(family_model):
+    """OpenAI-shaped history (assistant tool_calls, then role "tool") is reshaped for Gemma 4's template, which
+    takes the results as the calling message's ``tool_responses``: the call and its response stay in one model
+    turn, and the generation prompt continues that turn (no new "<|turn>model")."""
+    from backends.base import GenerateRequest, Sampling
+    from backends.stream import RequestStream
+
+    b, _ = family_model("gemma4")
+
+    def prompt(s, messages):
+        rs = RequestStream(GenerateRequest(messages=messages, tools=TOOLS, think=False, sampling=Sampling()))
+        return s.detokenize(rs.prepare(s))
+
+    p = b.call(lambda s: prompt(s, HISTORY))
+    assert p.endswith('<|turn>model\n<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+                      '<|tool_response>response:get_weather{value:<|"|>18 C, sunny<|"|>}<tool_response|>'
+                      "<|channel>thought\n<channel|>")
+    assert "<|turn>tool" not in p
+    answered = HISTORY + [{"role": "assistant", "content": "It is 18 C and sunny."}]
+    p = b.call(lambda s: prompt(s, answered + [{"role": "user", "content": "Thanks!"}]))
+    assert '<tool_response|>It is 18 C and sunny.<turn|>\n<|turn>user\nThanks!<turn|>\n<|turn>model\n' in p
+    # other templates get the messages as they are
+    qb, _ = family_model("qwen3.5")
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in qb.call(lambda s: prompt(s, HISTORY))
