@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from backends import _chatfix, _thinking
-from backends._stops import StopMatcher, Utf8Stream, could_be_tool_call, parse_tool_calls
+from backends._stops import StopMatcher, Utf8Stream, could_be_tool_call, parse_tool_calls, tool_marker_at
 from backends.base import (
     IMAGE_MARKER,
     Done,
@@ -219,6 +219,8 @@ class RequestStream:
                 self._tool_buf, emit = self._tool_buf + emit, ""
             elif self._tool_buf:
                 emit, self._tool_buf = self._tool_buf + emit, ""
+            if self._tool_mode and not self._tool_buf and (k := tool_marker_at(emit)) > 0:
+                emit, self._tool_buf = emit[:k], emit[k:]  # words, then a call (or the start of one) in one piece
             if emit:
                 out.append(self._chunk(emit))
         return out

@@ -316,3 +316,27 @@ def test_gemma4_takes_tool_results_inside_the_model_turn(family_model):
     # other templates get the messages as they are
     qb, _ = family_model("qwen3.5")
     assert "<tool_response>\n18 C, sunny\n</tool_response>" in qb.call(lambda s: prompt(s, HISTORY))
+
+
+@pytest.mark.parametrize(("text", "content"), [
+    # LFM2: Python-style calls between its markers (its model card's format), after a few words
+    ('Checking.<|tool_call_start|>[get_weather(city="Paris", days=3)]<|tool_call_end|>', "Checking."),
+    # the JSON form llama.cpp's LFM2 template writes into histories
+    ('<|tool_call_start|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]<|tool_call_end|>', ""),
+    # Ministral 3 / Mistral: [TOOL_CALLS]NAME[ARGS]{json}
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}', ""),
+])
+def test_lfm2_and_ministral3_tool_calls_through_the_stream(family_model, text, content):
+    """Granite 4 writes Hermes' <tool_call>{json}</tool_call> (parsed since Qwen 2.5); LFM2 and Ministral 3 have
+    their own forms. Parsing does not depend on the template: a tools-capable one (Qwen3.5's, thinking off)
+    carries the request here."""
+    b, _ = family_model("qwen3.5")
+    got_thinking, got_content, got_calls, _ = _through_the_stream(b, False, text)
+    assert (got_thinking, got_content.strip(), got_calls) == ("", content, CALL)
+    assert parse_tool_calls(text) == CALL
+
+
+def test_python_style_calls_are_read_never_run():
+    assert parse_tool_calls('<|tool_call_start|>[__import__("os").system("ls")]<|tool_call_end|>') is None
+    assert parse_tool_calls('<|tool_call_start|>[f(x=true, y=[1, -2], z={"a": null})]<|tool_call_end|>') == [
+        {"name": "f", "arguments": {"x": True, "y": [1, -2], "z": {"a": None}}}]
