@@ -151,3 +151,17 @@ def test_list_catalog_shows_family_size_capabilities_and_fit(home):
     assert by_name["qwen3.6:27b"]["mtp"] == "layers" and by_name["gpt-oss:120b"]["split_parts"] == 3
     assert by_name["gemma4:e2b"]["capabilities"] == ["thinking", "tools", "vision", "audio"]
     assert by_name["gpt-oss:120b"]["fit"]["text"] in rows["gpt-oss:120b"]
+
+
+def test_capability_facts_agree_across_the_whole_catalog(cat):
+    """Every entry: a vision claim has a projector to pull and a projector means vision; reasoning levels mean
+    thinking; an "-aNb" size is a mixture of experts whose label is that size; the reasoning families think."""
+    for e in cat.entries():
+        assert ("vision" in e.capabilities) == bool(e.mmproj), e.name
+        assert not e.think_levels or "thinking" in e.capabilities, e.name
+        if "-a" in e.size:
+            assert e.moe is not None and e.moe.label() == e.size, e.name
+        if e.moe is not None and e.moe.experts is not None:
+            assert e.moe.experts_used and e.moe.experts_used < e.moe.experts, e.name
+        if e.family in ("qwen3", "deepseek-r1", "qwen3.5", "qwen3.6", "gemma4", "gpt-oss"):
+            assert "thinking" in e.capabilities, e.name
