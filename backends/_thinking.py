@@ -67,6 +67,8 @@ class ThinkStyle:
     ``open_tag``        what opens a thought (harmony: ``<|channel|>analysis<|message|>``)
     ``label``           a channel name the model writes right after ``open_tag`` (Gemma 4: ``thought``), not
                         part of the thought
+    ``ends_at``         text that also ends a thought and begins the answer (Qwen3.5's ``<tool_call>``: it calls
+                        tools without closing ``<think>`` at times; llama.cpp's parser ends the thought there too)
     ``close_tag``       what closes it (harmony: ``<|end|>``)
     ``enable_thinking`` the template reads the ``enable_thinking`` kwarg (Qwen3)
     ``levels``          reasoning levels the template takes as ``reasoning_effort`` (harmony); () = on/off only
@@ -83,6 +85,7 @@ class ThinkStyle:
     can_disable: bool = True
     prefill: bool = False
     label: str = ""
+    ends_at: tuple[str, ...] = ()
 
     @property
     def harmony(self) -> bool:
@@ -142,8 +145,10 @@ def thinking_style(chat_template: str | None, architecture: str | None = None) -
         name = "deepseek-r1"
     else:
         name = "tags"
+    # Qwen3.5 / Qwen3-Coder tool calls (<tool_call>\n<function=...>): a call ends an unclosed thought
+    ends_at = ("<tool_call>",) if open_tag == "<think>" and "<function=" in t and "<tool_call>" in t else ()
     return ThinkStyle(name, open_tag, close_tag, enable_thinking=takes_switch,
-                      prefill=_generation_prompt_opens(t, open_tag, close_tag), label=label)
+                      prefill=_generation_prompt_opens(t, open_tag, close_tag), label=label, ends_at=ends_at)
 
 
 def _generation_prompt_opens(template: str, open_tag: str, close_tag: str) -> bool:
@@ -425,6 +430,13 @@ class ThinkSplitter:
                 continue
             if self._state == _THINKING:
                 i = acc.find(st.close_tag)
+                ends = [(k, e) for e in st.ends_at if (k := acc.find(e)) >= 0 and (i < 0 or k < i)]
+                if ends:  # e.g. a tool call before any </think>: the thought ends, the call is the answer
+                    k = min(ends)[0]
+                    out.add(THINKING, acc[:k])
+                    self._state, self._acc = _DONE, ""
+                    out.add(CONTENT, acc[k:])
+                    return
                 if i >= 0:
                     out.add(THINKING, acc[:i])
                     rest = acc[i + len(st.close_tag):].lstrip()
@@ -432,7 +444,7 @@ class ThinkSplitter:
                     self._acc = ""
                     out.add(CONTENT, rest)
                     return
-                hold = _overlap(acc, (st.close_tag,))
+                hold = _overlap(acc, (st.close_tag, *st.ends_at))
                 out.add(THINKING, acc[:len(acc) - hold])
                 self._acc = acc[len(acc) - hold:]
                 return

@@ -53,6 +53,9 @@ RECORDED: dict[str, list[tuple[Any, str, str, str, list[dict[str, Any]]]]] = {
          "The user wants the forecast for Paris, so I call get_weather.", "", CALL),
         (True, "A plain fact.\n</think>\n\nParis is the capital of France.", "A plain fact.",
          "Paris is the capital of France.", []),
+        # a call before any </think> ends the thought (llama.cpp's Qwen3.5 parser: <tool_call> is a thinking end)
+        (True, "I need the forecast.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+               "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", "I need the forecast.", "", CALL),
         # thinking off: the template closed an empty thought; the answer is all content
         (False, "Paris is the capital of France.", "", "Paris is the capital of France.", []),
         (False, "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
@@ -114,6 +117,7 @@ def test_the_templates_are_the_published_ones():
 def test_each_family_s_thinking_style():
     qwen, gemma, oss = (thinking_style(template(f)) for f in FAMILIES)
     assert (qwen.name, qwen.open_tag, qwen.enable_thinking, qwen.levels) == ("qwen3", "<think>", True, ())
+    assert qwen.ends_at == ("<tool_call>",) and gemma.ends_at == () and oss.ends_at == ()
     assert (gemma.name, gemma.open_tag, gemma.close_tag, gemma.label, gemma.enable_thinking) == (
         "gemma4", "<|channel>", "<channel|>", "thought", True)
     assert oss.harmony and oss.levels == ("low", "medium", "high") and not oss.can_disable
