@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import ast
 import codecs
 import json
 import re
@@ -75,7 +76,49 @@ class Utf8Stream:
 # ------------------------------------------------------------------------------------------ tool calls
 
 _TOOL_TAG = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-_TOOL_PREFIXES = ("<tool_call>", "{", "[", "```")
+# Qwen3.5 / Qwen3-Coder: <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>
+_XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.S)
+# Gemma 4: <|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>
+_GEMMA_CALL = re.compile(r"<\|tool_call>\s*call:([^{\s]+)\s*(\{.*?\})\s*(?:<tool_call\|>|$)", re.S)
+_GEMMA_QUOTE = '<|"|>'
+# LFM2: <|tool_call_start|>[get_weather(city="Paris", days=3)]<|tool_call_end|> (Python-style; JSON in histories)
+_LFM2_CALL = re.compile(r"<\|tool_call_start\|>\s*(.*?)\s*(?:<\|tool_call_end\|>|$)", re.S)
+# Ministral 3 / Mistral: [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"} (repeated for parallel calls)
+_MISTRAL_CALL = re.compile(r"\[TOOL_CALLS\]\s*([^\[\s{]+)\s*\[ARGS\]")
+_TOOL_PREFIXES = ("<tool_call>", "<|tool_call>", "<|tool_call_start|>", "[TOOL_CALLS]", "{", "[", "```")
+
+
+_TOOL_MARKERS = ("<tool_call>", "<|tool_call>", "<|tool_call_start|>", "[TOOL_CALLS]")  # tagged forms only
+
+
+def tool_marker_at(text: str) -> int:
+    """Where in ``text`` a tagged tool call begins (a whole marker, or the start of one at the very end), or -1:
+    the words a model writes before its call are content, the call from there on is held.
+
+    >>> tool_marker_at("I will check.<tool_call>"), tool_marker_at("ok.<|tool"), tool_marker_at("a < b")
+    (13, 3, -1)
+    """
+    best = -1
+    for m in _TOOL_MARKERS:
+        i = text.find(m)
+        if i >= 0 and (best < 0 or i < best):
+            best = i
+    tail = len(text) - _partial_tail(text, _TOOL_MARKERS)
+    if tail < len(text) and (best < 0 or tail < best):
+        best = tail
+    return best
+
+
+def _partial_tail(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of one of ``tags``."""
+    best = 0
+    for tag in tags:
+        for k in range(min(len(tag) - 1, len(text)), best, -1):
+            if text.endswith(tag[:k]):
+                best = k
+                break
+    return best
 
 
 def could_be_tool_call(text: str) -> bool:
@@ -105,21 +148,176 @@ def _one_call(obj: Any) -> dict[str, Any] | None:
     return {"name": name, "arguments": args}
 
 
-def parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
-    """Tool calls in ``text`` as ``[{"name", "arguments"}]``, or None when it is plain text.
+def _param_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, str]]:
+    """{tool name: {parameter: JSON schema type}} from an OpenAI-style tools list."""
+    out: dict[str, dict[str, str]] = {}
+    for t in tools or []:
+        fn = t.get("function", t) if isinstance(t, dict) else {}
+        props = ((fn.get("parameters") or {}).get("properties") or {}) if isinstance(fn, dict) else {}
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(props, dict):
+            out[fn["name"]] = {k: str(v.get("type") or "") if isinstance(v, dict) else "" for k, v in props.items()}
+    return out
+
+
+def _xml_value(raw: str, kind: str) -> Any:
+    """A ``<parameter>`` value: text as it is for a string parameter, else JSON where it parses (numbers,
+    booleans, objects, arrays), else the text."""
+    if kind == "string":
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def _xml_calls(text: str, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    types = _param_types(tools)
+    calls = []
+    for name, body in _XML_FUNCTION.findall(text):
+        kinds = types.get(name, {})
+        args = {k: _xml_value(v, kinds.get(k, "")) for k, v in _XML_PARAMETER.findall(body)}
+        calls.append({"name": name, "arguments": args})
+    return calls or None
+
+
+def _gemma_args(body: str) -> Any:
+    """Gemma 4's argument object (bare keys, strings between ``<|"|>``, JSON numbers/booleans/null, nested
+    objects and lists) as Python data; ValueError when it is not one."""
+    out: list[str] = []
+    i, n = 0, len(body)
+    while i < n:
+        if body.startswith(_GEMMA_QUOTE, i):
+            j = body.find(_GEMMA_QUOTE, i + len(_GEMMA_QUOTE))
+            if j < 0:
+                raise ValueError("an unterminated string")
+            out.append(json.dumps(body[i + len(_GEMMA_QUOTE):j], ensure_ascii=False))
+            i = j + len(_GEMMA_QUOTE)
+            continue
+        c = body[i]
+        if c.isalpha() or c == "_":  # a bare key, or true/false/null
+            j = i
+            while j < n and (body[j].isalnum() or body[j] in "_-."):
+                j += 1
+            word = body[i:j]
+            rest = body[j:].lstrip()
+            out.append(json.dumps(word) if rest.startswith(":") else word)
+            i = j
+            continue
+        out.append(c)
+        i += 1
+    return json.loads("".join(out))
+
+
+def _gemma_calls(text: str) -> list[dict[str, Any]] | None:
+    calls = []
+    for name, body in _GEMMA_CALL.findall(text):
+        try:
+            args = _gemma_args(body)
+        except ValueError:
+            return None
+        if not isinstance(args, dict):
+            return None
+        calls.append({"name": name, "arguments": args})
+    return calls or None
+
+
+_PY_LITERALS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+
+
+def _py_value(node: ast.expr) -> Any:
+    if isinstance(node, ast.Name) and node.id in _PY_LITERALS:  # JSON literals are allowed too
+        return _PY_LITERALS[node.id]
+    if isinstance(node, ast.List | ast.Tuple):
+        return [_py_value(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        return {_py_value(k): _py_value(v) for k, v in zip(node.keys, node.values, strict=True) if k is not None}
+    return ast.literal_eval(node)  # strings, numbers, negative numbers; anything else raises ValueError
+
+
+def _python_calls(body: str) -> list[dict[str, Any]] | None:
+    """``[name(key=value, ...), ...]`` (LFM2's calls) parsed without running anything (``ast``); None otherwise."""
+    try:
+        tree = ast.parse(body.strip(), mode="eval").body
+        items = tree.elts if isinstance(tree, ast.List) else [tree]
+        calls = []
+        for c in items:
+            if not isinstance(c, ast.Call) or c.args or not isinstance(c.func, ast.Name | ast.Attribute):
+                return None
+            calls.append({"name": ast.unparse(c.func),
+                          "arguments": {k.arg: _py_value(k.value) for k in c.keywords if k.arg}})
+        return calls or None
+    except (SyntaxError, ValueError, TypeError):
+        return None
+
+
+def _lfm2_calls(text: str) -> list[dict[str, Any]] | None:
+    calls: list[dict[str, Any]] = []
+    for body in _LFM2_CALL.findall(text):
+        try:  # a history's JSON form
+            obj = json.loads(body)
+            found = [_one_call(o) for o in (obj if isinstance(obj, list) else [obj])]
+            if any(c is None for c in found):
+                return None
+            calls += [c for c in found if c is not None]
+        except ValueError:
+            got = _python_calls(body)
+            if got is None:
+                return None
+            calls += got
+    return calls or None
+
+
+def _mistral_calls(text: str) -> list[dict[str, Any]] | None:
+    calls = []
+    dec = json.JSONDecoder()
+    for m in _MISTRAL_CALL.finditer(text):
+        rest = text[m.end():].lstrip()
+        try:
+            args, _ = dec.raw_decode(rest)
+        except ValueError:
+            return None
+        if not isinstance(args, dict):
+            return None
+        calls.append({"name": m.group(1), "arguments": args})
+    return calls or None
+
+
+def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> list[dict[str, Any]] | None:
+    r"""Tool calls in ``text`` as ``[{"name", "arguments"}]``, or None when it is plain text.
 
     Understands ``<tool_call>{...}</tool_call>`` (Qwen/Hermes), a bare JSON object or list of objects
-    with ``name`` + ``arguments``/``parameters`` (Llama 3.x), optionally inside a ```json fence.
+    with ``name`` + ``arguments``/``parameters`` (Llama 3.x), optionally inside a ```json fence; Qwen3.5's
+    ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>`` (values typed by
+    the ``tools`` schema where given: a string parameter stays text, others are read as JSON when they parse);
+    Gemma 4's ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>``; LFM2's
+    ``<|tool_call_start|>[NAME(key="text", n=3)]<|tool_call_end|>`` (read with ``ast``, never run); and Ministral
+    3's ``[TOOL_CALLS]NAME[ARGS]{...}``.
 
     >>> parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
     [{'name': 'f', 'arguments': {'x': 1}}]
+    >>> parse_tool_calls('<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>')
+    [{'name': 'f', 'arguments': {'x': 1}}]
+    >>> parse_tool_calls('<|tool_call>call:f{city:<|"|>Paris<|"|>,days:3}<tool_call|>')
+    [{'name': 'f', 'arguments': {'city': 'Paris', 'days': 3}}]
+    >>> parse_tool_calls('<|tool_call_start|>[f(city="Paris", days=3)]<|tool_call_end|>')
+    [{'name': 'f', 'arguments': {'city': 'Paris', 'days': 3}}]
+    >>> parse_tool_calls('[TOOL_CALLS]f[ARGS]{"city": "Paris"}')
+    [{'name': 'f', 'arguments': {'city': 'Paris'}}]
     >>> parse_tool_calls("hello") is None
     True
     """
     t = text.strip()
+    if t.startswith("<|tool_call>"):
+        return _gemma_calls(t)
+    if "<|tool_call_start|>" in t:
+        return _lfm2_calls(t)
+    if "[TOOL_CALLS]" in t:
+        return _mistral_calls(t)
     if t.startswith("```"):
         t = re.sub(r"^```[a-zA-Z]*\s*|\s*```$", "", t)
     bodies = _TOOL_TAG.findall(t) if "<tool_call>" in t else [t]
+    if bodies and all(b.startswith("<function=") for b in bodies):
+        return _xml_calls(t, tools)
     calls: list[dict[str, Any]] = []
     for body in bodies:
         try:

@@ -8,6 +8,9 @@ Three styles are known, all read from the Jinja chat template (``tokenizer.chat_
 * **deepseek-r1** (and any other template with a known tag pair, name ``tags``) -- the template knows the tags
   (it strips earlier thoughts with ``content.split('</think>')``), newer revisions open ``<think>\\n`` in the
   prompt; there is no switch, so thinking off means a pre-filled empty thought.
+* **gemma4** -- the template takes ``enable_thinking`` (``<|think|>`` in the system turn); the model writes
+  ``<|channel>thought\n…<channel|>`` before its answer (the channel's name, ``thought``, is not part of the
+  thought), and thinking off makes the template close an empty one (``<|channel>thought\n<channel|>``).
 * **harmony** (gpt-oss) -- messages on channels, ``<|start|>assistant<|channel|>analysis<|message|>…<|end|>``
   then ``…<|channel|>final<|message|>…``; the template takes ``reasoning_effort`` (low / medium / high) and
   the trace cannot be turned off.
@@ -60,8 +63,12 @@ HARMONY_ARCHS = ("gpt-oss", "gptoss", "gpt_oss")
 class ThinkStyle:
     """How one chat template does reasoning.
 
-    ``name``            "qwen3" | "deepseek-r1" | "tags" | "harmony"
+    ``name``            "qwen3" | "gemma4" | "deepseek-r1" | "tags" | "harmony"
     ``open_tag``        what opens a thought (harmony: ``<|channel|>analysis<|message|>``)
+    ``label``           a channel name the model writes right after ``open_tag`` (Gemma 4: ``thought``), not
+                        part of the thought
+    ``ends_at``         text that also ends a thought and begins the answer (Qwen3.5's ``<tool_call>``: it calls
+                        tools without closing ``<think>`` at times; llama.cpp's parser ends the thought there too)
     ``close_tag``       what closes it (harmony: ``<|end|>``)
     ``enable_thinking`` the template reads the ``enable_thinking`` kwarg (Qwen3)
     ``levels``          reasoning levels the template takes as ``reasoning_effort`` (harmony); () = on/off only
@@ -77,6 +84,8 @@ class ThinkStyle:
     levels: tuple[str, ...] = ()
     can_disable: bool = True
     prefill: bool = False
+    label: str = ""
+    ends_at: tuple[str, ...] = ()
 
     @property
     def harmony(self) -> bool:
@@ -89,7 +98,11 @@ class ThinkStyle:
     @property
     def off_block(self) -> str:
         """The empty thought that stands for think=False (``<think>\\n\\n</think>\\n\\n``); "" for harmony."""
-        return "" if self.harmony else f"{self.open_tag}\n\n{self.close_tag}\n\n"
+        if self.harmony:
+            return ""
+        if self.label:  # Gemma 4's own empty thought
+            return f"{self.open_tag}{self.label}\n{self.close_tag}"
+        return f"{self.open_tag}\n\n{self.close_tag}\n\n"
 
 
 HARMONY = ThinkStyle("harmony", _H_CHANNEL + "analysis" + _H_MESSAGE, _H_ENDS[0], levels=LEVELS, can_disable=False)
@@ -123,14 +136,19 @@ def thinking_style(chat_template: str | None, architecture: str | None = None) -
         return None
     open_tag, close_tag = pair
     takes_switch = "enable_thinking" in t
-    if takes_switch:
+    label = ""
+    if open_tag == "<|channel>":  # Gemma 4: <|channel>thought\n…<channel|>
+        name, label = "gemma4", "thought"
+    elif takes_switch:
         name = "qwen3"
     elif "｜Assistant｜" in t or "<｜end▁of▁sentence｜>" in t:
         name = "deepseek-r1"
     else:
         name = "tags"
+    # Qwen3.5 / Qwen3-Coder tool calls (<tool_call>\n<function=...>): a call ends an unclosed thought
+    ends_at = ("<tool_call>",) if open_tag == "<think>" and "<function=" in t and "<tool_call>" in t else ()
     return ThinkStyle(name, open_tag, close_tag, enable_thinking=takes_switch,
-                      prefill=_generation_prompt_opens(t, open_tag, close_tag))
+                      prefill=_generation_prompt_opens(t, open_tag, close_tag), label=label, ends_at=ends_at)
 
 
 def _generation_prompt_opens(template: str, open_tag: str, close_tag: str) -> bool:
@@ -316,6 +334,7 @@ class ThinkSplitter:
         # tags
         self._state = _START_WS if started_in_thinking else _LOOKING
         self._stripped_repeat = False
+        self._label_left = ""  # the part of the style's label still to skip after the opening tag
         # harmony
         self._kind = CONTENT
         self._tools: list[tuple[str, list[str]]] = []
@@ -378,6 +397,7 @@ class ThinkSplitter:
                 if trimmed.startswith(st.open_tag):
                     self._acc = trimmed[len(st.open_tag):]
                     self._state = _START_WS  # whitespace, then maybe a repeated opening tag, then the thought
+                    self._label_left = st.label
                     continue
                 if st.open_tag.startswith(trimmed):  # nothing yet, or a partial opening tag
                     return
@@ -385,6 +405,14 @@ class ThinkSplitter:
                 out.add(CONTENT, acc)
                 return
             if self._state == _START_WS:
+                if self._label_left:  # the channel's name right after the tag (Gemma 4's "thought")
+                    if acc.startswith(self._label_left):
+                        acc, self._label_left = acc[len(self._label_left):], ""
+                        self._acc = acc
+                    elif self._label_left.startswith(acc):
+                        return  # a partial label: wait for more
+                    else:
+                        self._label_left = ""
                 trimmed = acc.lstrip()
                 if not trimmed:
                     self._acc = ""
@@ -402,6 +430,13 @@ class ThinkSplitter:
                 continue
             if self._state == _THINKING:
                 i = acc.find(st.close_tag)
+                ends = [(k, e) for e in st.ends_at if (k := acc.find(e)) >= 0 and (i < 0 or k < i)]
+                if ends:  # e.g. a tool call before any </think>: the thought ends, the call is the answer
+                    k = min(ends)[0]
+                    out.add(THINKING, acc[:k])
+                    self._state, self._acc = _DONE, ""
+                    out.add(CONTENT, acc[k:])
+                    return
                 if i >= 0:
                     out.add(THINKING, acc[:i])
                     rest = acc[i + len(st.close_tag):].lstrip()
@@ -409,7 +444,7 @@ class ThinkSplitter:
                     self._acc = ""
                     out.add(CONTENT, rest)
                     return
-                hold = _overlap(acc, (st.close_tag,))
+                hold = _overlap(acc, (st.close_tag, *st.ends_at))
                 out.add(THINKING, acc[:len(acc) - hold])
                 self._acc = acc[len(acc) - hold:]
                 return

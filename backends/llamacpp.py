@@ -73,6 +73,17 @@ MiB = 1 << 20
 KV_GGML_TYPE = {"f16": 1, "q8_0": 8, "q4_0": 2}
 KV_BLOCK = {"f16": 1, "q8_0": 32, "q4_0": 32}
 KV_BYTES_PER_ELEM = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+# Special (control) tokens a chat format needs in the generated text to be parsed: written out by piece() where
+# the vocabulary has them as one token, hidden like every other control token otherwise (llama.cpp's server keeps
+# the same lists as "preserved tokens": common/parsers/gpt-oss.cpp, gemma4.cpp, qwen3-coder.cpp, lfm2.cpp,
+# ministral3.cpp).
+PRESERVED_MARKERS = (
+    "<|channel|>", "<|constrain|>", "<|message|>", "<|start|>", "<|end|>",  # gpt-oss harmony
+    "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>',  # Gemma 4
+    "<think>", "</think>", "<tool_call>", "</tool_call>",  # Qwen3 / Qwen3.5, DeepSeek-R1
+    "<|tool_call_start|>", "<|tool_call_end|>",  # LFM2
+    "[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]",  # Ministral 3
+)
 
 
 # ------------------------------------------------------------------------------------ native logging
@@ -520,6 +531,7 @@ class LlamaCppSource(TokenSource):
             self._add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
             self._piece_cache: dict[int, bytes] = {}
             self._eog_cache: dict[int, bool] = {}
+            self._preserved: set[int] | None = None  # PRESERVED_MARKERS' token ids (on first use)
             self._formatters: dict[bool, Any] = {}
             self.flash_attn = self._flash_attn_enabled(cp)
             # the width of an input embedding (an image's rows): n_embd, or more where the projector also feeds the
@@ -793,16 +805,28 @@ class LlamaCppSource(TokenSource):
         if p is None:
             import llama_cpp
 
+            if self._preserved is None:
+                self._preserved = self._marker_tokens()
+            special = token in self._preserved  # a chat format's control token: its text, not nothing
             size = 32
             while True:
                 buf = ctypes.create_string_buffer(size)
-                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, size, 0, False)
+                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, size, 0, special)
                 if n >= 0:
                     p = buf.raw[:n]
                     break
                 size = -n
             self._piece_cache[token] = p
         return p
+
+    def _marker_tokens(self) -> set[int]:
+        """The ids of :data:`PRESERVED_MARKERS` that are single tokens of this vocabulary."""
+        out: set[int] = set()
+        for marker in PRESERVED_MARKERS:
+            toks = self._tokenize(marker, False, True)
+            if len(toks) == 1:
+                out.add(toks[0])
+        return out
 
     def is_eog(self, token: int) -> bool:
         v = self._eog_cache.get(token)

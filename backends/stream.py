@@ -16,8 +16,8 @@ import math
 import time
 from typing import Any
 
-from backends import _thinking
-from backends._stops import StopMatcher, Utf8Stream, could_be_tool_call, parse_tool_calls
+from backends import _chatfix, _thinking
+from backends._stops import StopMatcher, Utf8Stream, could_be_tool_call, parse_tool_calls, tool_marker_at
 from backends.base import (
     IMAGE_MARKER,
     Done,
@@ -94,7 +94,7 @@ class RequestStream:
             if req.think not in (None, False) and style is None:
                 raise UnsupportedError("This model does not support thinking.")
             kwargs = _thinking.render_kwargs(style, req.think)
-            msgs = text_messages(list(req.messages or []), images=media)
+            msgs = _chatfix.for_template(source.chat_template, text_messages(list(req.messages or []), images=media))
             tools = req.tools or None
             last_text = [""]
 
@@ -219,6 +219,8 @@ class RequestStream:
                 self._tool_buf, emit = self._tool_buf + emit, ""
             elif self._tool_buf:
                 emit, self._tool_buf = self._tool_buf + emit, ""
+            if self._tool_mode and not self._tool_buf and (k := tool_marker_at(emit)) > 0:
+                emit, self._tool_buf = emit[:k], emit[k:]  # words, then a call (or the start of one) in one piece
             if emit:
                 out.append(self._chunk(emit))
         return out
@@ -245,7 +247,7 @@ class RequestStream:
                 emit += self._stops.flush()
             out += self._text(emit, final=True)
             if self._tool_buf:
-                calls = parse_tool_calls(self._tool_buf)
+                calls = parse_tool_calls(self._tool_buf, self.request.tools)
                 out.append(ToolCalls(calls) if calls is not None else self._chunk(self._tool_buf))
                 self._tool_buf = ""
         now = time.perf_counter_ns()

@@ -68,6 +68,7 @@ class Installed:
     chat_template: str | None = None
     license: str | None = None
     capabilities: list[str] = field(default_factory=list)  # "completion", "tools", "thinking", ...
+    mtp_layers: int = 0  # multi-token-prediction layers in the GGUF (self-speculation; not drafted from yet)
     base: str | None = None  # the model a created (derived) one was made from (``details.parent_model``)
     modelfile: str = ""  # a Modelfile that recreates the model (``show --modelfile``, ``/api/show``)
     system: str | None = None  # a created model's SYSTEM
@@ -298,6 +299,18 @@ class CatalogItem:
     draft: str | None = None
     installed: bool = False
     fit: Fit = field(default_factory=Fit)
+    family: str = ""  # "qwen3.5"
+    params: str = ""  # the alias's size: "35b-a3b", "e4b", "micro"
+    capabilities: list[str] = field(default_factory=list)  # "tools", "thinking", "vision", "audio"
+    think_levels: list[str] = field(default_factory=list)  # reasoning levels the template takes; [] = on/off
+    moe: str = ""  # "35b-a3b": total and active parameters of a mixture of experts; "" for a dense model
+    mtp: str = ""  # "layers" | "head": multi-token prediction for self-speculation; "" when none is known
+    split_parts: int = 1  # >1: the Hub holds it as split files (pull refuses)
+
+    def capability_text(self) -> str:
+        """``"thinking(low/medium/high),tools"``: the capabilities, with reasoning levels where there are some."""
+        return ",".join(f"{c}({'/'.join(self.think_levels)})" if c == "thinking" and self.think_levels else c
+                         for c in self.capabilities)
 
 
 class Advisor(Protocol):

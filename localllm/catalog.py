@@ -57,6 +57,35 @@ class Mirror:
         return sum(p.size for p in self.parts)
 
 
+CAPABILITIES = ("tools", "thinking", "vision", "audio")  # what an entry may claim beyond plain chat
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A mixture of experts: ``total`` / ``active`` parameters per token (``"35b"`` / ``"3b"``), and the experts
+    per layer and per token where the model card gives them. The bytes of the expert tensors come from the GGUF
+    once it is here (the planner reads them); these are for the estimate before a pull."""
+
+    total: str
+    active: str
+    experts: int | None = None
+    experts_used: int | None = None
+
+    def label(self) -> str:
+        """``"35b-a3b"``-style: total and active parameters."""
+        return f"{self.total}-a{self.active}"
+
+
+@dataclass(frozen=True)
+class MTP:
+    """Multi-token prediction for self-speculation (llama.cpp ``--spec-type draft-mtp``): ``kind`` "layers" when
+    the default GGUF carries the MTP (``nextn``) layers itself, "head" when a separate drafter file ships beside
+    it in the same repo (``file``: Gemma 4's ``mtp-*.gguf`` assistant heads)."""
+
+    kind: str  # "layers" | "head"
+    file: str | None = None
+
+
 @dataclass
 class CatalogEntry:
     name: str  # "smollm2:135m"
@@ -76,6 +105,12 @@ class CatalogEntry:
     template_note: str | None = None
     approx_size: int | None = None  # bytes of the default quant, roughly
     mmproj: str | None = None  # the vision projector's file name in gguf_repo (a vision model); "auto": F16 first
+    architecture: str | None = None  # the GGUF's general.architecture ("qwen35moe", "gemma4", ...), where known
+    capabilities: tuple[str, ...] = ()  # of CAPABILITIES: what the model card and chat template offer
+    think_levels: tuple[str, ...] = ()  # reasoning levels the template takes (gpt-oss: low/medium/high); () = on/off
+    moe: MoE | None = None  # a mixture of experts
+    mtp: MTP | None = None  # multi-token-prediction layers or head for self-speculation
+    split_parts: int = 1  # >1: the Hub holds the default quant as this many split files (pull refuses them)
 
     @property
     def quants(self) -> list[str]:
@@ -98,8 +133,38 @@ class CatalogEntry:
             "gguf_files": dict(self.gguf_files), "mlx_repo": self.mlx_repo, "mlx_revision": self.mlx_revision,
             "draft": self.draft,
             "mirrors": [m.source or m.kind for m in self.mirrors], "template_note": self.template_note,
-            "approx_size": self.approx_size,
+            "approx_size": self.approx_size, "architecture": self.architecture,
+            "capabilities": list(self.capabilities), "think_levels": list(self.think_levels),
+            "moe": {"total": self.moe.total, "active": self.moe.active, "experts": self.moe.experts,
+                    "experts_used": self.moe.experts_used} if self.moe else None,
+            "mtp": {"kind": self.mtp.kind, "file": self.mtp.file} if self.mtp else None,
+            "split_parts": self.split_parts,
         }
+
+
+def _moe(raw: dict[str, Any] | None) -> MoE | None:
+    if not raw:
+        return None
+    return MoE(total=str(raw["total"]).lower(), active=str(raw["active"]).lower(),
+               experts=int(raw["experts"]) if "experts" in raw else None,
+               experts_used=int(raw["experts_used"]) if "experts_used" in raw else None)
+
+
+def _mtp(raw: dict[str, Any] | None, name: str) -> MTP | None:
+    if not raw:
+        return None
+    kind = raw.get("kind", "layers")
+    if kind not in ("layers", "head") or (kind == "head") != bool(raw.get("file")):
+        raise ValueError(f"{name}: mtp.kind is \"layers\", or \"head\" with its file.")
+    return MTP(kind=kind, file=raw.get("file"))
+
+
+def _capabilities(raw: list[str], name: str) -> tuple[str, ...]:
+    caps = tuple(c.lower() for c in raw)
+    unknown = [c for c in caps if c not in CAPABILITIES]
+    if unknown:
+        raise ValueError(f"{name}: unknown capabilities {unknown}; known: {', '.join(CAPABILITIES)}.")
+    return caps
 
 
 def _entry(name: str, raw: dict[str, Any]) -> CatalogEntry:
@@ -141,6 +206,12 @@ def _entry(name: str, raw: dict[str, Any]) -> CatalogEntry:
         template_note=raw.get("template_note"),
         approx_size=raw.get("approx_size"),
         mmproj=raw.get("mmproj") or None,
+        architecture=raw.get("architecture") or None,
+        capabilities=_capabilities(raw.get("capabilities", []), name),
+        think_levels=tuple(raw.get("think_levels", [])),
+        moe=_moe(raw.get("moe")),
+        mtp=_mtp(raw.get("mtp"), name),
+        split_parts=int(raw.get("split_parts", 1)),
     )
 
 

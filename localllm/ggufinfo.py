@@ -28,6 +28,7 @@ FILE_TYPES = {
 
 # architectures whose state is recurrent (no partial KV rollback → no speculative decoding,
 # no prefix reuse beyond an exact match)
+MTP_HEAD_ARCH = "gemma4-assistant"  # llama.cpp's architecture of a separate MTP drafter head (Gemma 4)
 RECURRENT_ARCHS = {"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"}
 HYBRID_ARCHS = {"jamba", "falcon-h1", "granitehybrid", "plamo2", "lfm2", "nemotron_h", "qwen3next",
                 "qwen35", "qwen3_5"}
@@ -56,6 +57,9 @@ class GGUFInfo:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # multi-token-prediction (MTP, "nextn") layers llama.cpp can draft from (``{arch}.nextn_predict_layers``; the
+    # last ones of ``block_count``); 0 = none. A Gemma 4 drafter head is its own file (architecture MTP_HEAD_ARCH).
+    mtp_layers: int = 0
 
     @property
     def is_recurrent(self) -> bool:
@@ -64,6 +68,11 @@ class GGUFInfo:
     @property
     def is_hybrid(self) -> bool:
         return self.architecture in HYBRID_ARCHS
+
+    @property
+    def is_mtp_head(self) -> bool:
+        """A drafter head for multi-token prediction, not a model to chat with (Gemma 4's ``mtp-*.gguf``)."""
+        return self.architecture == MTP_HEAD_ARCH
 
     @property
     def parameter_label(self) -> str:
@@ -92,7 +101,9 @@ def read_gguf(path: str | os.PathLike[str], *, digest: str | None = None) -> GGU
     key_file = _cache_file(digest) if digest else None
     if key_file is not None and key_file.is_file():
         try:
-            return replace(GGUFInfo(**json.loads(key_file.read_text())), path=str(p))
+            cached = json.loads(key_file.read_text())
+            if "mtp_layers" in cached:  # older entries lack it: read the file again
+                return replace(GGUFInfo(**cached), path=str(p))
         except (OSError, ValueError, TypeError):
             pass
     info = _read_gguf(p)
@@ -136,6 +147,29 @@ def _cache_file(digest: str) -> Path:
     return paths().cache / "gguf-info" / f"{digest.removeprefix('sha256:')}.json"
 
 
+def _other_parts(first: Path, count: Any) -> list[tuple[Any, Path]]:
+    """The headers of a split GGUF's other parts (``-00002-of-0000N.gguf`` ...), read from beside ``first``;
+    [] for a whole file. A missing or unreadable part is refused in one sentence."""
+    import re
+
+    from backends.gguf_header import GGUFHeaderError, read_header
+
+    n = int(count) if isinstance(count, int | float) else 1
+    m = re.fullmatch(r"(.*)-00001-of-(\d{5})\.gguf", first.name)
+    if n <= 1 or m is None:
+        return []
+    out = []
+    for i in range(2, n + 1):
+        part = first.with_name(f"{m.group(1)}-{i:05d}-of-{n:05d}.gguf")
+        if not part.is_file():
+            raise InvalidModelFileError(f"{first.name} is part 1 of {n}; {part.name} is missing beside it.")
+        try:
+            out.append((read_header(part), part))
+        except (GGUFHeaderError, OSError) as e:
+            raise InvalidModelFileError(f"{part.name} is corrupt or truncated: {e}.") from None
+    return out
+
+
 def _read_gguf(p: Path) -> GGUFInfo:
     check_gguf_file(p)
     from backends.gguf_header import GGUFHeaderError, read_header
@@ -146,28 +180,35 @@ def _read_gguf(p: Path) -> GGUFInfo:
         raise InvalidModelFileError(f"{p.name} is corrupt or truncated: {e}.") from None
     size = header.file_size
 
-    end = 0
     n_params = 0
+    nextn_layers: set[int] = set()  # blocks that carry MTP ("nextn") tensors
     # weight bytes by where llama.cpp puts them (the planner splits GPU/CPU with this)
     split: dict[str, Any] = {"token_embd": 0, "output": None, "other": 0, "layers": {}}
-    for t in header.tensors:
+    # a split GGUF (NAME-00001-of-0000N.gguf, llama.cpp loads the rest from beside it): all parts' tensors count
+    parts = [(header, p)] + _other_parts(p, header.fields.get("split.count"))
+    total = 0
+    for part_header, part_path in parts:
+        total += part_header.file_size
+        for t in part_header.tensors:
+            stop = t.offset + t.n_bytes
+            if stop > part_header.file_size:
+                raise InvalidModelFileError(f"{part_path.name} is truncated: tensor {t.name} ends at byte {stop:,} "
+                                            f"but the file has {part_header.file_size:,} bytes.")
+    for t in (t for h, _ in parts for t in h.tensors):
         if t.name.startswith("blk.") and t.name.split(".")[1].isdigit():
             i = int(t.name.split(".")[1])
             split["layers"][i] = split["layers"].get(i, 0) + t.n_bytes
+            if ".nextn." in t.name:
+                nextn_layers.add(i)
         elif t.name == "token_embd.weight":
             split["token_embd"] += t.n_bytes
         elif t.name == "output.weight":
             split["output"] = t.n_bytes  # None = tied to token_embd
         else:
             split["other"] += t.n_bytes
-        stop = t.offset + t.n_bytes
-        if stop > size:
-            raise InvalidModelFileError(
-                f"{p.name} is truncated: tensor {t.name} ends at byte {stop:,} but the file has {size:,} bytes."
-            )
-        end = max(end, stop)
         n_params += t.n_elements
-    if not header.tensors:
+    size = total
+    if not any(h.tensors for h, _ in parts):
         raise InvalidModelFileError(f"{p.name} holds no tensors.")
 
     f = header.fields
@@ -218,4 +259,5 @@ def _read_gguf(p: Path) -> GGUFInfo:
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=f.get("tokenizer.ggml.eos_token_id"),
         extra={"tensor_bytes": {**split, "layers": [split["layers"][i] for i in sorted(split["layers"])]}},
+        mtp_layers=int(a("nextn_predict_layers", 0) or 0) or len(nextn_layers),
     )

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backends import descriptor
 from backends.base import DraftSpec, LoadSpec, TokenSource
@@ -60,6 +60,18 @@ def _env_parallel() -> int | None:
     """``LOCALLLM_NUM_PARALLEL`` (slots per model); unset or 0 = let the planner decide."""
     n = config.env_int("LOCALLLM_NUM_PARALLEL", 0)
     return n if n > 0 else None
+
+
+def mtp_refusal(name: str, info: dict[str, Any]) -> str:
+    """Why ``--draft mtp`` cannot run ``name`` (one sentence): drafting from MTP layers is not built yet, and a
+    GGUF without them has nothing to draft from."""
+    n = int(info.get("mtp_layers") or 0)
+    if n:
+        return (f"{name} has {n} multi-token-prediction (MTP) layer{'s' if n > 1 else ''}, but localllm does not "
+                "draft from them yet; use --draft ngram, a draft model, or --draft none.")
+    arch = info.get("architecture") or "its architecture"
+    return (f"{name} has no multi-token-prediction (MTP) layers (no {arch}.nextn_predict_layers in its GGUF), so "
+            "--draft mtp has nothing to draft from; MTP builds ship as separate *-MTP-GGUF files.")
 
 
 class Loader:
@@ -279,6 +291,8 @@ class Loader:
             return None
         if choice == "ngram":
             return DraftSpec(kind="ngram", num_draft=options.num_draft)
+        if choice == "mtp":  # self-speculation from the GGUF's own multi-token-prediction layers
+            raise LocalLLMError(mtp_refusal(model.name, model.info))
         if choice == "auto":
             draft_name = model.catalog.draft if model.catalog is not None else None
             if not draft_name:

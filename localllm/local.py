@@ -55,6 +55,7 @@ def installed(m: InstalledModel) -> Installed:
         chat_template=info.get("chat_template"),
         license=info.get("license") or (m.catalog.license if m.catalog else None),
         capabilities=capabilities(info) + (["vision"] if m.projector is not None else []),
+        mtp_layers=int(info.get("mtp_layers") or 0),
         path=str(m.path), source=m.source, local=m.local, quant=m.quant,
         catalog=m.catalog.name if m.catalog else None, draft=m.catalog.draft if m.catalog else None,
         template_note=m.catalog.template_note if m.catalog else None,
@@ -270,7 +271,10 @@ class LocalAdvisor:
                 fit = None
         return CatalogItem(name=entry.name, size=int(size or 0), description=entry.description or "",
                            draft=entry.draft, installed=is_installed,
-                           fit=fit or estimate_fit(entry.approx_size or 0, hw))
+                           fit=fit or estimate_fit(entry.approx_size or 0, hw), family=entry.family,
+                           params=entry.size, capabilities=list(entry.capabilities),
+                           think_levels=list(entry.think_levels), moe=entry.moe.label() if entry.moe else "",
+                           mtp=entry.mtp.kind if entry.mtp else "", split_parts=entry.split_parts)
 
     def hardware(self) -> HardwareInfo:
         return self.engine.hardware

@@ -564,6 +564,11 @@ class Store:
         vision projector (default: its ``mmproj*.gguf``, F16 first)."""
         ref = parse_name(name, allow_path=False)
         plan = self._plan(ref)
+        if plan.entry is not None and plan.entry.split_parts > 1:  # before any network: the answer is known
+            raise PullError(
+                f"{plan.install_name} is split into {plan.entry.split_parts} files on Hugging Face "
+                f"({plan.entry.gguf_repo}), which pull does not fetch yet; download them with `hf download "
+                f"{plan.entry.gguf_repo}` and run the path of {plan.hf_file}.")
         if mmproj_file:  # the repo's projector to take instead of the F16 one (``pull --mmproj FILE``)
             if not plan.hf_repo:
                 raise PullError(f"{plan.install_name} has no Hugging Face repo to take {mmproj_file} from.")

@@ -163,7 +163,7 @@ def test_resolve_quants_and_family_defaults(cat):
 @pytest.mark.parametrize(("typo", "expect"), [
     ("qwen:7b", "qwen2.5:7b"), ("llama3:8b", "llama3.1:8b"), ("smollm2:136m", "smollm2:135m"),
     ("mistrall", "mistral:7b"), ("gemma3:28b", "gemma3:27b"), ("qwen3:7b", "qwen3:8b"),
-    ("deepseek:7b", "deepseek-r1:7b"), ("gpt-oss:120b", "gpt-oss:20b"),
+    ("deepseek:7b", "deepseek-r1:7b"), ("gpt-oss:21b", "gpt-oss:20b"), ("gemma4:e3b", "gemma4:e2b"),
 ])
 def test_unknown_alias_suggests_close_matches(cat, typo, expect):
     with pytest.raises(ModelNotFoundError) as e:

@@ -7,6 +7,13 @@ weight formats installed (GGUF for llama.cpp, MLX for Apple Silicon).
 
 A model made with ``localllm create`` adds a FROM column: the model it was made from.
 
+``--catalog`` lists the catalog instead, with each model's family, download size, capabilities, mixture of
+experts (total-active parameters) and the fit verdict for this machine (``≈``: estimated from the size)::
+
+    $ localllm list --catalog
+    NAME              FAMILY    SIZE     CAPABILITIES            MOE        FIT          INSTALLED
+    qwen3.6:35b-a3b   qwen3.6   22 GB    thinking,tools,vision   35b-a3b    ≈ CPU
+
 Kept light: no rich, httpx or gguf import (the manifests carry everything shown).
 """
 
@@ -20,7 +27,7 @@ import click
 from localllm.cli.display import ago, format_table, human_size
 
 if TYPE_CHECKING:
-    from localllm.api import Installed
+    from localllm.api import CatalogItem, Installed
 
 
 def as_json(m: Installed, remote: bool) -> dict[str, Any]:
@@ -35,13 +42,46 @@ def as_json(m: Installed, remote: bool) -> dict[str, Any]:
             if m.projector_path else None}
 
 
-@click.command("list", help="List installed models.")
+def catalog_json(c: CatalogItem) -> dict[str, Any]:
+    """One entry of ``list --catalog --json``."""
+    return {"name": c.name, "family": c.family, "params": c.params, "size": c.size,
+            "capabilities": c.capabilities, "think_levels": c.think_levels, "moe": c.moe or None,
+            "mtp": c.mtp or None, "split_parts": c.split_parts, "draft": c.draft, "installed": c.installed,
+            "fit": {"verdict": c.fit.verdict, "text": c.fit.text, "estimated": c.fit.estimated},
+            "description": c.description}
+
+
+def list_catalog(json_out: bool, host: str | None) -> None:
+    """The catalog with this machine's fit verdicts (in-process only: the verdict is about this machine)."""
+    if host:
+        raise click.ClickException("list --catalog runs in-process (the fit verdict is this machine's); drop --host.")
+    from localllm.engine import Engine
+    from localllm.local import LocalAdvisor
+
+    items = LocalAdvisor(Engine()).catalog()
+    if json_out:
+        click.echo(json.dumps([catalog_json(c) for c in items], indent=2, ensure_ascii=False))
+        return
+    rows = [["NAME", "FAMILY", "SIZE", "CAPABILITIES", "MOE", "FIT", "INSTALLED"]]
+    for c in items:
+        rows.append([c.name, c.family, human_size(c.size), c.capability_text() or "-", c.moe or "-", c.fit.text,
+                     "yes" if c.installed else ""])
+    click.echo(format_table(rows))
+
+
+@click.command("list", help="List installed models (--catalog: the catalog, with fit verdicts for this machine).")
 @click.option("--json", "json_out", is_flag=True, help="Machine-readable output.")
+@click.option("--catalog", "catalog", is_flag=True,
+              help="List the catalog: family, size, capabilities, experts and whether each fits this machine.")
 @click.option("--host", default=None, metavar="URL",
               help="Talk to a localllm or Ollama server there instead of in-process.")
-def command(json_out: bool, host: str | None) -> None:
+def command(json_out: bool, catalog: bool, host: str | None) -> None:
     """List installed models, newest first."""
     from localllm.session import open_models
+
+    if catalog:
+        list_catalog(json_out, host)
+        return
 
     models = open_models(host)
     try:

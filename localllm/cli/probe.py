@@ -125,6 +125,11 @@ def render(hw: HardwareInfo, name: str, model: InstalledModel | None, p: Plan | 
     console.print(f"  {p.summary}", markup=False)
     for r in p.reasons:
         console.print(f"  - {r}", markup=False)
+    mtp = int(model.info.get("mtp_layers") or 0) if model is not None else 0
+    if mtp:
+        console.print(f"  - the GGUF has {mtp} multi-token-prediction (MTP) layer{'s' if mtp > 1 else ''}: localllm "
+                      "does not draft from them yet (plain decoding; --draft ngram or a draft model speculate)",
+                      markup=False)
     if p.max_ctx:
         console.print(f"  - largest context that loads the same way: about {p.max_ctx:,} tokens", markup=False)
     if p.advice:
@@ -181,6 +186,7 @@ def command(name: str, num_ctx: int | None, kv_cache_type: str | None, backend: 
         out["model"] = name
         out["plan"] = p.as_dict() if p else None
         out["plan_error"] = why
+        out["mtp_layers"] = int(model.info.get("mtp_layers") or 0) if model is not None else None
         click.echo(json.dumps(out, indent=2))
     else:
         render(hw, name, model, p, why)

@@ -77,8 +77,9 @@ class RunCommand(click.Command):
 @click.option("--num-ctx", type=int, default=None, help="Context size in tokens (default: the planner's).")
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--format", "fmt", default=None, metavar="json", help="Response format: json.")
-@click.option("--draft", default=None, metavar="NAME|PATH|ngram|none",
-              help="Speculative decoding: a draft model, prompt-lookup (ngram), or none.")
+@click.option("--draft", default=None, metavar="NAME|PATH|ngram|mtp|none",
+              help="Speculative decoding: a draft model, prompt-lookup (ngram), the GGUF's own multi-token-"
+                   "prediction layers (mtp: recognised and checked; drafting from them is not built yet), or none.")
 @click.option("--num-draft", type=int, default=None, help="Most tokens the draft proposes per step (default 4).")
 @click.option("--kv-cache", default=None, metavar="f16|q8_0|q4_0",
               help="KV cache type (default: LOCALLLM_KV_CACHE_TYPE).")

@@ -38,6 +38,7 @@ def details(m: Installed) -> dict[str, Any]:
         "chat_template": m.chat_template,
         "license": m.license,
         "capabilities": m.capabilities,
+        "mtp_layers": m.mtp_layers,
         "path": m.path,
         "digest": m.digest,
         "weights_digest": m.weights_digest,
@@ -59,12 +60,18 @@ def details(m: Installed) -> dict[str, Any]:
 
 def render(d: dict[str, Any], full_template: bool) -> str:
     from localllm.cli.display import human_size
+    from localllm.ggufinfo import MTP_HEAD_ARCH
 
     out = ["  Model"]
     rows = [("architecture", d["architecture"]), ("parameters", d["parameters_label"]),
             ("context length", d["context_length"]), ("embedding length", d["embedding_length"]),
             ("quantization", d["quantization"])]
     out += [f"    {k:<20}{v}" for k, v in rows if v is not None]
+    if d.get("mtp_layers"):  # multi-token prediction: llama.cpp's --spec-type draft-mtp reads these
+        out.append(f"    {'MTP layers':<20}{d['mtp_layers']} (self-speculation; localllm does not draft from them "
+                   "yet)")
+    if d["architecture"] == MTP_HEAD_ARCH:
+        out.append(f"    {'MTP head':<20}a drafter for its model's multi-token prediction, not a chat model")
     out += ["", "  Chat template"]
     tpl = d["chat_template"]
     if not tpl:

@@ -123,7 +123,7 @@ class ModelsScreen(Screen):
         inst = self.query_one("#installed", DataTable)
         inst.add_columns("Name", "Size", "Quant", "Backend", "Fit here", "Loaded", "Default", "Formats")
         cat = self.query_one("#catalog", DataTable)
-        cat.add_columns("Name", "Size", "Fit here", "Draft", "Installed", "Description")
+        cat.add_columns("Name", "Size", "Fit here", "Capabilities", "Draft", "Installed", "Description")
         self.query_one("#pull-progress-row").display = False
         self.action_refresh()
 
@@ -162,8 +162,8 @@ class ModelsScreen(Screen):
         cat = self.query_one("#catalog", DataTable)
         cat.clear()
         for c in catalog:
-            cat.add_row(c.name, human_size(c.size), c.fit.text or "-", c.draft or "", "yes" if c.installed else "",
-                        c.description, key=c.name)
+            cat.add_row(c.name, human_size(c.size), c.fit.text or "-", c.capability_text(), c.draft or "",
+                        "yes" if c.installed else "", c.description, key=c.name)
         self.loaded_once.set()
 
     def _selected(self, table_id: str) -> str | None:

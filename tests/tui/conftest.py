@@ -209,6 +209,9 @@ class StaticAdvisor:
                         Fit(text="CPU")),
             CatalogItem("llama3.1:8b", 4_920_000_000, "Llama 3.1 8B Instruct.", "llama3.2:1b", False,
                         Fit(text="≈ CPU", estimated=True)),
+            CatalogItem("gpt-oss:120b", 63_387_346_208, "OpenAI gpt-oss 120B.", None, False,
+                        Fit(text="≈ too big", estimated=True), family="gpt-oss", params="120b",
+                        capabilities=["thinking", "tools"], think_levels=["low", "medium", "high"], moe="117b-a5.1b"),
             CatalogItem("qwen2.5:72b", 47_400_000_000, "Qwen 2.5 72B Instruct.", "qwen2.5:0.5b", False,
                         Fit(text="≈ too big", estimated=True)),
         ]
