@@ -91,3 +91,16 @@ def wav(seconds: float = 1.5, freq: float = 440.0, rate: int = 16000, seed: int 
         w.setframerate(rate)
         w.writeframes(bytes(out))
     return buf.getvalue()
+
+
+def encoded(fmt: str, seconds: float = 1.5, seed: int = 0, rate: int = 16000) -> bytes:
+    """The samples of :func:`wav` (same tone, same seed) as ``"FLAC"`` (lossless: the same 16-bit samples) or
+    ``"MP3"``, written with ``soundfile`` (libsndfile's encoders, bundled in its wheels)."""
+    import numpy as np
+    import soundfile as sf
+
+    with wave.open(io.BytesIO(wav(seconds, rate=rate, seed=seed)), "rb") as w:
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    buf = io.BytesIO()
+    sf.write(buf, pcm, rate, format=fmt, subtype={"FLAC": "PCM_16", "MP3": "MPEG_LAYER_III"}[fmt])
+    return buf.getvalue()

@@ -182,3 +182,15 @@ def test_the_loop_evaluates_audio_as_llama_cpps_own_helper_does(alm, default_mod
     ref = np.asarray(reference_logits(str(default_model_path), str(audio_projector), prompt, [clip], 2), np.float64)
     lse = ref.max() + np.log(np.exp(ref - ref.max()).sum())
     np.testing.assert_allclose(ours, np.sort(ref - lse)[::-1][:5], atol=1e-4)
+
+
+def test_flac_and_mp3_are_decoded_by_mtmd(alm):
+    """FLAC is lossless: the same 16-bit samples as the WAV give the same numbers (another content hash, so it is
+    encoded again); MP3 is lossy: its own numbers, the same token count."""
+    from tests.support_audio import encoded
+
+    as_wav = first_logprobs(alm, chat(wav(seed=12)))
+    as_flac = first_logprobs(alm, chat(encoded("FLAC", seed=12)))
+    np.testing.assert_allclose(as_flac, as_wav, atol=1e-4)
+    _, d, _ = collect(alm.generate(GenerateRequest(messages=chat(encoded("MP3", seed=12)), sampling=greedy(1))))
+    assert d.stats.audio_tokens == AUDIO_TOKENS and d.stats.audio_chunks_encoded == 1
