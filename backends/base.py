@@ -472,6 +472,14 @@ class TokenSource(abc.ABC):
         """How many of ``tokens`` are audio positions (the rest of the negative ids are image positions)."""
         return 0
 
+    def prepare_media(self, media: Sequence[bytes]) -> None:
+        """Do the costly, loop-independent part of turning these media into prompt chunks (an audio clip's decode
+        and mel spectrogram) now, on the calling thread, so the decode loop does not stall on it when the request
+        is admitted. The encoder pass stays with the loop: it is skipped when the clip's KV cells are reused (from
+        the pool or the prompt cache on disk). Safe to call from any thread; errors are left for
+        :meth:`prompt_media` to report."""
+        return None
+
     def prompt_media(self, text: str, images: list[bytes]) -> list[int]:
         """The ids of a rendered prompt holding one :data:`IMAGE_MARKER` per image: text tokens, and for each
         image as many negative placeholder ids as it takes KV cells (:func:`is_image_token`). Raises

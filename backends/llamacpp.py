@@ -857,6 +857,10 @@ class LlamaCppSource(TokenSource):
                                             "This model's projector has no audio encoder, so it cannot take audio.")
         return super().audio_problem()
 
+    def prepare_media(self, media: Sequence[bytes]) -> None:
+        if self._proj is not None and self._proj.audio:
+            self._proj.prepare(media)
+
     def audio_token_count(self, tokens: Sequence[int]) -> int:
         return self._proj.audio_count(tokens) if self._proj is not None and self._proj.audio else 0
 

@@ -35,6 +35,13 @@ decoded and resampled by mtmd, which cuts it into 30 s chunks (one ``AUDIO`` chu
 computed at tokenize time); each chunk gets placeholders from (the clip's sha256, the chunk's index), is encoded
 lazily and kept like an image's embeddings, and with M-RoPE takes one position per token (``(p+k, p+k, p+k, 0)``,
 mtmd-helper's ``set_position_mrope_1d``).
+
+A clip's preprocessing is the costly part (mtmd computes the mel spectrogram of every 30 s chunk when it tokenizes:
+~1 s a chunk on a busy 2-core machine, whatever the model), so it is done **off the decode loop**:
+:meth:`Projector.prepare` runs on a helper thread before the request is queued (the loop keeps stepping the other
+streams), and keeps each clip's marker replacement (the text mtmd puts around it and its placeholders) by content
+hash; a prompt holding clips is then tokenized piece by piece as mtmd itself does (text parts without specials,
+BOS/EOS as ``add_special`` says), each clip from that cache. A lock serialises every mtmd call on the context.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -138,6 +146,9 @@ class Projector:
             raise
         self.path = path
         self.n_embd = n_embd
+        self._model = model
+        self._lock = threading.RLock()  # every mtmd call (the loop's encodes, a helper thread's preparation)
+        self._clips: OrderedDict[str, list[int]] = OrderedDict()  # clip sha256 -> what replaces its marker
         self._images: OrderedDict[str, _Image] = OrderedDict()
         self._by_id: dict[int, tuple[_Image, int]] = {}
         # M-RoPE: the last placeholder of every image seen -> (its tokens, its positions). Kept after the image is
@@ -158,7 +169,99 @@ class Projector:
         return None
 
     def tokenize(self, text: str, images: list[bytes], add_bos: bool) -> list[int]:
-        """Token ids of ``text`` (one marker per image), image positions as placeholders."""
+        """Token ids of ``text`` (one marker per image or clip), media positions as placeholders."""
+        with self._lock:
+            if not any(is_audio(m) for m in images):
+                return self._tokenize_all(text, images, add_bos)
+            return self._tokenize_pieces(text, images, add_bos)
+
+    def prepare(self, media: Sequence[bytes]) -> None:
+        """Decode the clips among ``media`` and compute their mel spectrograms now (on the caller's thread), so that
+        tokenizing a prompt that holds them later costs no mtmd work. The encoder pass stays lazy (:meth:`encode`,
+        from the loop, only where the clip's KV cells are not reused). Errors are left for :meth:`tokenize`."""
+        for data in media:
+            if is_audio(data):
+                with self._lock:
+                    if self._ctx is None:
+                        return
+                    try:
+                        self._clip_ids(data)
+                    except UnsupportedError:
+                        pass
+
+    def _clip_ids(self, data: bytes) -> list[int]:
+        """What replaces a clip's marker: the text mtmd puts around it and the placeholders of its chunks (cached by
+        the clip's sha256 while every chunk still has its mtmd chunk or its embeddings)."""
+        key = hashlib.sha256(data).hexdigest()
+        ids = self._clips.get(key)
+        if ids is not None:
+            ok = True
+            for t in ids:
+                if t < 0:
+                    hit = self._by_id.get(t)
+                    if hit is None or (hit[0].chunk is None and hit[0].embd is None):
+                        ok = False
+                        break
+            if ok:
+                self._clips.move_to_end(key)
+                for t in ids:
+                    if t < 0:
+                        self._images.move_to_end(self._by_id[t][0].key)
+                return ids
+        ids = self._tokenize_all(IMAGE_MARKER, [data], False)
+        self._clips[key] = ids
+        while len(self._clips) > MAX_IMAGES:
+            self._clips.popitem(last=False)
+        return ids
+
+    def _text_ids(self, text: str) -> list[int]:
+        import llama_cpp
+
+        if not text:
+            return []
+        raw = text.encode("utf-8")
+        vocab = llama_cpp.llama_model_get_vocab(self._model)
+        n = len(raw) + 8
+        arr = (llama_cpp.llama_token * n)()
+        got = llama_cpp.llama_tokenize(vocab, raw, len(raw), arr, n, False, True)
+        if got < 0:
+            n = -got
+            arr = (llama_cpp.llama_token * n)()
+            got = llama_cpp.llama_tokenize(vocab, raw, len(raw), arr, n, False, True)
+        return [int(arr[i]) for i in range(got)]
+
+    def _tokenize_pieces(self, text: str, media: list[bytes], add_bos: bool) -> list[int]:
+        """As ``mtmd_tokenize`` builds a prompt (text parts without specials, BOS first and EOS last when
+        ``add_bos``), with each clip from :meth:`_clip_ids` and each image tokenized alone."""
+        import llama_cpp
+
+        why = self.problem()
+        if why:
+            raise UnsupportedError(why)
+        parts = text.split(IMAGE_MARKER)
+        if len(parts) - 1 != len(media):
+            raise UnsupportedError(f"The prompt has {len(parts) - 1} media markers for {len(media)} images and "
+                                   f"clips; do not write {IMAGE_MARKER} in the text.")
+        out: list[int] = []
+        for i, data in enumerate(media):
+            sound = is_audio(data)
+            if sound and not self.audio:
+                raise UnsupportedError("This model's projector has no audio encoder, so it cannot take audio.")
+            out += self._text_ids(parts[i])
+            try:
+                out += self._clip_ids(data) if sound else self._tokenize_all(IMAGE_MARKER, [data], False)
+            except UnsupportedError as e:
+                raise UnsupportedError(str(e).replace(" 1 could not", f" {i + 1} could not")) from None
+        out += self._text_ids(parts[-1])
+        vocab = llama_cpp.llama_model_get_vocab(self._model)
+        if add_bos and llama_cpp.llama_vocab_get_add_bos(vocab):
+            out.insert(0, int(llama_cpp.llama_vocab_bos(vocab)))
+        if add_bos and llama_cpp.llama_vocab_get_add_eos(vocab):
+            out.append(int(llama_cpp.llama_vocab_eos(vocab)))
+        return out
+
+    def _tokenize_all(self, text: str, images: list[bytes], add_bos: bool) -> list[int]:
+        """One ``mtmd_tokenize`` of the whole prompt."""
         M = self._M
         why = self.problem()
         if why:
@@ -302,6 +405,10 @@ class Projector:
 
     def encode(self, tokens: Sequence[int]) -> MediaWork:
         """Encode the images with placeholders in ``tokens`` that have no embeddings yet."""
+        with self._lock:
+            return self._encode(tokens)
+
+    def _encode(self, tokens: Sequence[int]) -> MediaWork:
         M = self._M
         work = MediaWork()
         for e in self._images_in(tokens):
@@ -431,7 +538,8 @@ class Projector:
     def close(self) -> None:
         if getattr(self, "_ctx", None) is None:
             return
-        for e in list(getattr(self, "_images", {}).values()):
-            self._forget(e)
-        self._M.mtmd_free(self._ctx)
-        self._ctx = None
+        with getattr(self, "_lock", threading.RLock()):
+            for e in list(getattr(self, "_images", {}).values()):
+                self._forget(e)
+            self._M.mtmd_free(self._ctx)
+            self._ctx = None

@@ -60,7 +60,9 @@ from backends.base import (
     PoolFullError,
     Sampler,
     TokenSource,
+    is_audio,
     is_image_token,
+    message_images,
 )
 from backends.channel import Channel
 from backends.drafting import Drafter, setup_draft
@@ -215,9 +217,26 @@ class LoadedModel:
             return ch
         t = t_submit_ns if t_submit_ns is not None else time.perf_counter_ns()
         req = _Req(RequestStream(request, t), ch, t)
-        with self._wake:
-            self._incoming.append(req)
-            self._wake.notify_all()
+
+        def enqueue() -> None:
+            with self._wake:
+                self._incoming.append(req)
+                self._wake.notify_all()
+
+        clips = [m for m in (request.images or []) + message_images(list(request.messages or [])) if is_audio(m)]
+        if not clips:
+            enqueue()
+            return ch
+
+        def prepare() -> None:  # a clip's decode and mel spectrogram (~1 s a 30 s chunk) off the loop and the caller
+            try:
+                self.source.prepare_media(clips)
+            except Exception:  # noqa: BLE001 - the loop's tokenize reports a bad clip in one sentence
+                log.debug("preparing audio failed", exc_info=True)
+            finally:
+                enqueue()
+
+        threading.Thread(target=prepare, name="localllm-media", daemon=True).start()
         return ch
 
     def generate(self, request: GenerateRequest, cancel: threading.Event | None = None) -> Iterator[Event]:

@@ -194,3 +194,18 @@ def test_flac_and_mp3_are_decoded_by_mtmd(alm):
     np.testing.assert_allclose(as_flac, as_wav, atol=1e-4)
     _, d, _ = collect(alm.generate(GenerateRequest(messages=chat(encoded("MP3", seed=12)), sampling=greedy(1))))
     assert d.stats.audio_tokens == AUDIO_TOKENS and d.stats.audio_chunks_encoded == 1
+
+
+def test_a_prompt_with_clips_is_tokenized_piecewise_as_mtmd_does_it_whole(alm):
+    """Clips are prepared off the loop and their marker replacements cached; the prompt is then put together piece
+    by piece. The ids equal one ``mtmd_tokenize`` of the whole prompt (BOS, the text around, both clips)."""
+    a, b = wav(seed=13), wav(31.0, seed=14)
+    text = "<|im_start|>user\n<__media__> then <__media__>\nWhat changed?<|im_end|>\n"
+
+    def both(s):
+        p = s._proj
+        p.prepare([a, b])
+        return p._tokenize_pieces(text, [a, b], True), p._tokenize_all(text, [a, b], True)
+
+    pieces, whole = alm.call(both)
+    assert pieces == whole and sum(t < 0 for t in pieces) == 3 * AUDIO_TOKENS
