@@ -88,3 +88,26 @@ def test_pull_mmproj_list_and_show_say_audio(home, installed_default_model, audi
     assert "GGUF+mmproj(audio)" in cli("list").stdout
     shown = cli("show", "smollm2:135m").stdout
     assert "Projector (audio)" in shown and "    audio" in shown
+
+
+def test_repl_audio_command_and_a_follow_up(audio_dir):
+    import io
+
+    from localllm.cli.answer import build_settings
+    from localllm.cli.interactive import Repl
+    from localllm.engine import Engine
+    from localllm.session import open_session
+
+    lines = iter([f"/audio {audio_dir / 'memo.wav'}", "Transcribe it.", "And again?", "/audio missing.wav", "/bye"])
+    out, err = io.StringIO(), io.StringIO()
+    with Engine() as engine:
+        repl = Repl(open_session(engine=engine), str(audio_dir / "model.gguf"),
+                    build_settings(temperature=0, seed=1, num_predict=4, verbose=True), out=out, err=err,
+                    read=lambda prompt: next(lines))
+        repl.run()
+    o, e = out.getvalue(), err.getvalue()
+    assert "Added audio" in o and "(1.5 s)" in o and "Cannot read the audio file missing.wav" in e
+    tokens = [line for line in e.splitlines() if line.startswith("audio tokens:")]
+    assert tokens == [f"audio tokens:         {AUDIO_TOKENS} token(s) of 1 clip(s)"] * 2  # the clip stays in the chat
+    encodes = [line for line in e.splitlines() if line.startswith("audio encode:")]
+    assert encodes[1].endswith("(reused)")  # the follow-up did not encode it again
