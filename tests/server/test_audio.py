@@ -194,3 +194,20 @@ def test_transcriptions_form_errors(url):
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
     r = httpx.post(url + "/v1/audio/transcriptions", files={"file": ("m.wav", io.BytesIO(wav()))}, data={})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_the_cli_transcribes_through_a_server(url, tmp_path):
+    """``--host``: the clip travels in Ollama's ``images`` (base64), as the CLI sends any media to a server."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "memo.wav").write_bytes(wav(seed=8))
+    r = subprocess.run([sys.executable, "-m", "localllm", "transcribe", ALM, "memo.wav", "--host", url,
+                        "--num-predict", "4", "--verbose"], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=120, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "prompt eval count:" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "localllm", "transcribe", TEXT, "memo.wav", "--host", url],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120, env=dict(os.environ))
+    assert r.returncode != 0 and "does not support audio" in r.stderr and "Traceback" not in r.stderr
