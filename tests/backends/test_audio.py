@@ -209,3 +209,13 @@ def test_a_prompt_with_clips_is_tokenized_piecewise_as_mtmd_does_it_whole(alm):
 
     pieces, whole = alm.call(both)
     assert pieces == whole and sum(t < 0 for t in pieces) == 3 * AUDIO_TOKENS
+
+
+def test_audio_tokens_count_toward_the_context_fit(default_model_path, audio_projector):
+    from backends.base import ContextOverflowError
+
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=64, n_seq=1, mmproj=str(audio_projector))) as m:
+        with pytest.raises(ContextOverflowError, match="context holds 64"):
+            collect(m.generate(GenerateRequest(messages=chat(wav(seed=15)), sampling=greedy(2))))
+        text, _, _ = collect(m.generate(GenerateRequest(messages=chat(text="Hi"), sampling=greedy(2))))
+        assert text  # the model goes on
