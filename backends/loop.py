@@ -220,6 +220,9 @@ class LoadedModel:
 
         def enqueue() -> None:
             with self._wake:
+                if self._closing:  # unloaded while its clips were prepared: the loop will not drain it any more
+                    ch.fail(BackendError("This model has been unloaded."))
+                    return
                 self._incoming.append(req)
                 self._wake.notify_all()
 

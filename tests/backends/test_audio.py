@@ -219,3 +219,36 @@ def test_audio_tokens_count_toward_the_context_fit(default_model_path, audio_pro
             collect(m.generate(GenerateRequest(messages=chat(wav(seed=15)), sampling=greedy(2))))
         text, _, _ = collect(m.generate(GenerateRequest(messages=chat(text="Hi"), sampling=greedy(2))))
         assert text  # the model goes on
+
+
+def test_clips_are_prepared_off_the_loop_and_unload_ends_a_request_still_preparing(default_model_path,
+                                                                                   audio_projector):
+    seen: list[str] = []
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=512, n_seq=1, mmproj=str(audio_projector))) as m:
+        src = m.source
+        real = src.prepare_media
+
+        def spy(media):
+            seen.append(threading.current_thread().name)
+            return real(media)
+
+        src.prepare_media = spy  # type: ignore[method-assign]
+        _, d, _ = collect(m.generate(GenerateRequest(messages=chat(wav(seed=16)), sampling=greedy(1))))
+        assert d.stats.audio_tokens == AUDIO_TOKENS and seen == ["localllm-media"]
+        gate = threading.Event()
+        src.prepare_media = lambda media: gate.wait(10)  # type: ignore[method-assign]
+        ch = m.submit(GenerateRequest(messages=chat(wav(seed=17)), sampling=greedy(1)))
+    gate.set()  # the model is closed: the request that was still being prepared fails, it does not hang
+    out: list[str] = []
+
+    def drain() -> None:
+        try:
+            list(ch)
+        except Exception as e:  # noqa: BLE001 - what the caller would see
+            out.append(str(e))
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    t.join(15)
+    assert not t.is_alive(), "a request prepared while the model closed hangs"
+    assert out and "unloaded" in out[0]
