@@ -99,7 +99,7 @@ class LoadSpec:
     flash_attn: bool | None = None  # None = the library decides (llama.cpp: auto)
     draft: DraftSpec | None = None
     embedding: bool = False  # load for embeddings too
-    mmproj: str | None = None  # a vision projector (mmproj GGUF) loaded beside the model: the model takes images
+    mmproj: str | None = None  # a projector (mmproj GGUF) loaded beside the model: it takes images and/or audio
     verbose: bool = False  # let the library log to stderr
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific knobs
 
@@ -169,8 +169,9 @@ class GenerateRequest:
     think: ThinkValue = None  # None = the model's default (a thinking model thinks)
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20 alternatives per token (with logprobs)
-    # raw images (PNG/JPEG bytes) for a ``prompt`` request, in the order of IMAGE_MARKER in it (else prepended);
-    # chat messages carry theirs as ``message["images"]`` (a list of bytes)
+    # raw media for a ``prompt`` request, in the order of IMAGE_MARKER in it (else prepended); chat messages carry
+    # theirs as ``message["images"]`` (a list of bytes). As in Ollama, audio rides in the same list: a WAV, MP3 or
+    # FLAC clip is told from an image by its magic bytes (:func:`is_audio`), by mtmd as by the faces' checks
     images: list[bytes] | None = None
 
     @property
@@ -206,6 +207,10 @@ class Stats:
     image_tokens: int = 0  # of prompt_eval_count, positions holding image embeddings
     images_encoded: int = 0  # of images, encoded by the projector for this request (0: all reused)
     image_encode_duration: int = 0  # ns spent encoding them
+    audio_clips: int = 0  # audio clips (WAV/MP3/FLAC) in the prompt (not counted in images)
+    audio_tokens: int = 0  # of prompt_eval_count, positions holding audio embeddings (not in image_tokens)
+    audio_chunks_encoded: int = 0  # audio chunks (mtmd cuts a clip into 30 s chunks) encoded for this request
+    audio_encode_duration: int = 0  # ns spent encoding them
     n_ctx: int = 0
     context_used: int = 0  # tokens of this sequence in the KV cache at the end
 
@@ -285,7 +290,8 @@ class ModelInfo:
     n_seq: int = 1  # sequences that can decode at once
     kv_cells: int = 0  # cells in the KV pool (all sequences together)
     recurrent: bool = False  # recurrent / hybrid memory: no partial KV removal, no drafts
-    vision: bool = False  # a projector is loaded: prompts may hold images
+    vision: bool = False  # a projector with a vision encoder is loaded: prompts may hold images
+    audio: bool = False  # a projector with an audio encoder is loaded: prompts may hold audio clips
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -298,13 +304,36 @@ def is_image_token(token: int) -> bool:
     return token < 0
 
 
+AUDIO_MAGIC = {"WAV": lambda b: b[:4] == b"RIFF" and b[8:12] == b"WAVE", "FLAC": lambda b: b[:4] == b"fLaC",
+               "MP3": lambda b: b[:3] == b"ID3" or (len(b) > 1 and b[0] == 0xFF and b[1] & 0xE0 == 0xE0)}
+
+
+def audio_format(data: bytes) -> str | None:
+    """"WAV", "MP3" or "FLAC" when ``data`` starts as one (the test mtmd's decoder makes), else None.
+
+    >>> audio_format(b"RIFF\x00\x00\x00\x00WAVEfmt "), audio_format(b"\x89PNG\r\n\x1a\n")
+    ('WAV', None)
+    """
+    if len(data) < 12:
+        return None
+    return next((name for name, test in AUDIO_MAGIC.items() if test(data)), None)
+
+
+def is_audio(data: bytes) -> bool:
+    """Whether media bytes are an audio clip (else they are taken for an image)."""
+    return audio_format(data) is not None
+
+
 @dataclass
 class MediaWork:
-    """What :meth:`TokenSource.encode_images` did for one chunk of a prompt."""
+    """What :meth:`TokenSource.encode_images` did for one chunk of a prompt (or since load)."""
 
     images: int = 0  # images encoded now (0: their embeddings were cached)
     tokens: int = 0  # image tokens those produced
-    ns: int = 0  # time the projector took
+    ns: int = 0  # time the projector took on images
+    audio: int = 0  # audio chunks encoded (a clip is one per 30 s, as mtmd cuts it)
+    audio_tokens: int = 0  # audio tokens those produced
+    audio_ns: int = 0  # time the projector took on audio
 
 
 @dataclass
@@ -430,6 +459,27 @@ class TokenSource(abc.ABC):
         """Why this load cannot take images (one sentence), asked when a request brings one."""
         return "This model has no vision projector, so it cannot take images."
 
+    @property
+    def audio(self) -> bool:
+        """Whether prompts may hold audio clips (a projector with an audio encoder is loaded)."""
+        return False
+
+    def audio_problem(self) -> str:
+        """Why this load cannot take audio (one sentence), asked when a request brings a clip."""
+        return "This model has no audio projector, so it cannot take audio."
+
+    def audio_token_count(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` are audio positions (the rest of the negative ids are image positions)."""
+        return 0
+
+    def prepare_media(self, media: Sequence[bytes]) -> None:
+        """Do the costly, loop-independent part of turning these media into prompt chunks (an audio clip's decode
+        and mel spectrogram) now, on the calling thread, so the decode loop does not stall on it when the request
+        is admitted. The encoder pass stays with the loop: it is skipped when the clip's KV cells are reused (from
+        the pool or the prompt cache on disk). Safe to call from any thread; errors are left for
+        :meth:`prompt_media` to report."""
+        return None
+
     def prompt_media(self, text: str, images: list[bytes]) -> list[int]:
         """The ids of a rendered prompt holding one :data:`IMAGE_MARKER` per image: text tokens, and for each
         image as many negative placeholder ids as it takes KV cells (:func:`is_image_token`). Raises
@@ -467,7 +517,7 @@ class TokenSource(abc.ABC):
         return n
 
     def media_counters(self) -> MediaWork:
-        """Images encoded since load (their tokens, the time): the ``/metrics`` counters."""
+        """Images and audio chunks encoded since load (their tokens, the time): the ``/metrics`` counters."""
         return MediaWork()
 
     # ---- evaluation

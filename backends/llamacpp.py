@@ -713,7 +713,8 @@ class LlamaCppSource(TokenSource):
             n_seq=max(1, self.spec.n_seq),
             kv_cells=self._pool,
             recurrent=self._recurrent,
-            vision=self._proj is not None,
+            vision=self._proj is not None and self._proj.vision,
+            audio=self._proj is not None and self._proj.audio,
             extra={
                 "projector": self._proj.path if self._proj is not None else None,
                 "projector_bytes": proj_bytes,
@@ -862,12 +863,30 @@ class LlamaCppSource(TokenSource):
 
     @property
     def vision(self) -> bool:
-        return self._proj is not None and self._proj.problem() is None
+        return self._proj is not None and self._proj.vision and self._proj.problem() is None
 
     def vision_problem(self) -> str:
         if self._proj is not None:
-            return self._proj.problem() or "This model cannot take images."
+            return self._proj.problem() or ("This model cannot take images." if self._proj.vision else
+                                            "This model's projector has no vision encoder, so it cannot take images.")
         return super().vision_problem()
+
+    @property
+    def audio(self) -> bool:
+        return self._proj is not None and self._proj.audio and self._proj.problem() is None
+
+    def audio_problem(self) -> str:
+        if self._proj is not None:
+            return self._proj.problem() or ("This model cannot take audio." if self._proj.audio else
+                                            "This model's projector has no audio encoder, so it cannot take audio.")
+        return super().audio_problem()
+
+    def prepare_media(self, media: Sequence[bytes]) -> None:
+        if self._proj is not None and self._proj.audio:
+            self._proj.prepare(media)
+
+    def audio_token_count(self, tokens: Sequence[int]) -> int:
+        return self._proj.audio_count(tokens) if self._proj is not None and self._proj.audio else 0
 
     def prompt_media(self, text: str, images: list[bytes]) -> list[int]:
         if self._proj is None:
@@ -895,7 +914,10 @@ class LlamaCppSource(TokenSource):
 
     def media_counters(self) -> MediaWork:
         p = self._proj
-        return MediaWork(p.encoded, p.encoded_tokens, p.encode_ns) if p is not None else MediaWork()
+        if p is None:
+            return MediaWork()
+        return MediaWork(p.encoded, p.encoded_tokens, p.encode_ns, p.audio_encoded, p.audio_encoded_tokens,
+                         p.audio_encode_ns)
 
     def _evaluate_images(self, feeds: Sequence[Feed]) -> list[list[int]]:
         """One embeddings-only decode for the image feeds; rows of their outputs are saved (negative handles),

@@ -29,7 +29,19 @@ position after a list of tokens is :meth:`Projector.positions`, and a prefix may
 evaluated whole, in one feed (:attr:`media_whole`), and mtmd is told to make images of at most ``max_image_tokens``
 tokens (the step's size less one token per slot, so an image always fits beside the streams in flight).
 
-Not supported yet: audio.
+**Audio** (a projector with an audio encoder: Ultravox, Qwen2-Audio / Qwen2.5-Omni, Voxtral, Gemma 3n/4, ...) takes
+the same path. A WAV, MP3 or FLAC clip among the media bytes (told apart by its magic bytes, as mtmd's helper does) is
+decoded and resampled by mtmd, which cuts it into 30 s chunks (one ``AUDIO`` chunk each, its mel spectrogram
+computed at tokenize time); each chunk gets placeholders from (the clip's sha256, the chunk's index), is encoded
+lazily and kept like an image's embeddings, and with M-RoPE takes one position per token (``(p+k, p+k, p+k, 0)``,
+mtmd-helper's ``set_position_mrope_1d``).
+
+A clip's preprocessing is the costly part (mtmd computes the mel spectrogram of every 30 s chunk when it tokenizes:
+~1 s a chunk on a busy 2-core machine, whatever the model), so it is done **off the decode loop**:
+:meth:`Projector.prepare` runs on a helper thread before the request is queued (the loop keeps stepping the other
+streams), and keeps each clip's marker replacement (the text mtmd puts around it and its placeholders) by content
+hash; a prompt holding clips is then tokenized piece by piece as mtmd itself does (text parts without specials,
+BOS/EOS as ``add_special`` says), each clip from that cache. A lock serialises every mtmd call on the context.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -45,7 +58,15 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import IMAGE_MARKER, BackendError, MediaWork, ModelLoadError, UnsupportedError, is_image_token
+from backends.base import (
+    IMAGE_MARKER,
+    BackendError,
+    MediaWork,
+    ModelLoadError,
+    UnsupportedError,
+    is_audio,
+    is_image_token,
+)
 
 log = logging.getLogger("backends.llamacpp")
 
@@ -66,6 +87,7 @@ class _Image:
     nx: int = 0
     ny: int = 0
     n_pos: int = 0  # positions it takes: len(ids), or max(nx, ny) with M-RoPE
+    audio: bool = False  # an audio chunk (nx = its tokens, ny = 1)
 
 
 def _placeholder_ids(key: str, n: int, salt: int = 0) -> list[int]:
@@ -113,8 +135,10 @@ class Projector:
                                  f"{f' (llama.cpp: {why})' if why else ''}; it may be for another model.")
         self.load_ms = (time.perf_counter() - t) * 1e3
         try:
-            if not M.mtmd_support_vision(self._ctx):
-                raise ModelLoadError(f"{path} has no vision encoder (an audio-only projector is not supported).")
+            self.vision = bool(M.mtmd_support_vision(self._ctx))
+            self.audio = bool(M.mtmd_support_audio(self._ctx))
+            if not self.vision and not self.audio:
+                raise ModelLoadError(f"{path} has neither a vision nor an audio encoder.")
             self.non_causal = bool(M.mtmd_decode_use_non_causal(self._ctx, None))
             self.mrope = bool(M.mtmd_decode_use_mrope(self._ctx))
         except BaseException:
@@ -122,6 +146,9 @@ class Projector:
             raise
         self.path = path
         self.n_embd = n_embd
+        self._model = model
+        self._lock = threading.RLock()  # every mtmd call (the loop's encodes, a helper thread's preparation)
+        self._clips: OrderedDict[str, list[int]] = OrderedDict()  # clip sha256 -> what replaces its marker
         self._images: OrderedDict[str, _Image] = OrderedDict()
         self._by_id: dict[int, tuple[_Image, int]] = {}
         # M-RoPE: the last placeholder of every image seen -> (its tokens, its positions). Kept after the image is
@@ -131,6 +158,9 @@ class Projector:
         self.encoded = 0  # images encoded since load
         self.encoded_tokens = 0
         self.encode_ns = 0
+        self.audio_encoded = 0  # audio chunks encoded since load
+        self.audio_encoded_tokens = 0
+        self.audio_encode_ns = 0
 
     # ------------------------------------------------------------------ prompts
 
@@ -139,7 +169,99 @@ class Projector:
         return None
 
     def tokenize(self, text: str, images: list[bytes], add_bos: bool) -> list[int]:
-        """Token ids of ``text`` (one marker per image), image positions as placeholders."""
+        """Token ids of ``text`` (one marker per image or clip), media positions as placeholders."""
+        with self._lock:
+            if not any(is_audio(m) for m in images):
+                return self._tokenize_all(text, images, add_bos)
+            return self._tokenize_pieces(text, images, add_bos)
+
+    def prepare(self, media: Sequence[bytes]) -> None:
+        """Decode the clips among ``media`` and compute their mel spectrograms now (on the caller's thread), so that
+        tokenizing a prompt that holds them later costs no mtmd work. The encoder pass stays lazy (:meth:`encode`,
+        from the loop, only where the clip's KV cells are not reused). Errors are left for :meth:`tokenize`."""
+        for data in media:
+            if is_audio(data):
+                with self._lock:
+                    if self._ctx is None:
+                        return
+                    try:
+                        self._clip_ids(data)
+                    except UnsupportedError:
+                        pass
+
+    def _clip_ids(self, data: bytes) -> list[int]:
+        """What replaces a clip's marker: the text mtmd puts around it and the placeholders of its chunks (cached by
+        the clip's sha256 while every chunk still has its mtmd chunk or its embeddings)."""
+        key = hashlib.sha256(data).hexdigest()
+        ids = self._clips.get(key)
+        if ids is not None:
+            ok = True
+            for t in ids:
+                if t < 0:
+                    hit = self._by_id.get(t)
+                    if hit is None or (hit[0].chunk is None and hit[0].embd is None):
+                        ok = False
+                        break
+            if ok:
+                self._clips.move_to_end(key)
+                for t in ids:
+                    if t < 0:
+                        self._images.move_to_end(self._by_id[t][0].key)
+                return ids
+        ids = self._tokenize_all(IMAGE_MARKER, [data], False)
+        self._clips[key] = ids
+        while len(self._clips) > MAX_IMAGES:
+            self._clips.popitem(last=False)
+        return ids
+
+    def _text_ids(self, text: str) -> list[int]:
+        import llama_cpp
+
+        if not text:
+            return []
+        raw = text.encode("utf-8")
+        vocab = llama_cpp.llama_model_get_vocab(self._model)
+        n = len(raw) + 8
+        arr = (llama_cpp.llama_token * n)()
+        got = llama_cpp.llama_tokenize(vocab, raw, len(raw), arr, n, False, True)
+        if got < 0:
+            n = -got
+            arr = (llama_cpp.llama_token * n)()
+            got = llama_cpp.llama_tokenize(vocab, raw, len(raw), arr, n, False, True)
+        return [int(arr[i]) for i in range(got)]
+
+    def _tokenize_pieces(self, text: str, media: list[bytes], add_bos: bool) -> list[int]:
+        """As ``mtmd_tokenize`` builds a prompt (text parts without specials, BOS first and EOS last when
+        ``add_bos``), with each clip from :meth:`_clip_ids` and each image tokenized alone."""
+        import llama_cpp
+
+        why = self.problem()
+        if why:
+            raise UnsupportedError(why)
+        parts = text.split(IMAGE_MARKER)
+        if len(parts) - 1 != len(media):
+            raise UnsupportedError(f"The prompt has {len(parts) - 1} media markers for {len(media)} images and "
+                                   f"clips; do not write {IMAGE_MARKER} in the text.")
+        out: list[int] = []
+        for i, data in enumerate(media):
+            sound = is_audio(data)
+            if sound and not self.audio:
+                raise UnsupportedError("This model's projector has no audio encoder, so it cannot take audio.")
+            out += self._text_ids(parts[i])
+            try:
+                out += self._clip_ids(data) if sound else self._tokenize_all(IMAGE_MARKER, [data], False)
+            except UnsupportedError as e:
+                raise UnsupportedError(str(e).replace(" 1 could not", f" {i + 1} could not")) from None
+        out += self._text_ids(parts[-1])
+        vocab = llama_cpp.llama_model_get_vocab(self._model)
+        if add_bos and llama_cpp.llama_vocab_get_add_bos(vocab):
+            out.insert(0, int(llama_cpp.llama_vocab_bos(vocab)))
+        if add_bos and llama_cpp.llama_vocab_get_add_eos(vocab):
+            out.append(int(llama_cpp.llama_vocab_eos(vocab)))
+        return out
+
+    def _tokenize_all(self, text: str, images: list[bytes], add_bos: bool) -> list[int]:
+        """One ``mtmd_tokenize`` of the whole prompt."""
         M = self._M
         why = self.problem()
         if why:
@@ -152,11 +274,18 @@ class Projector:
         chunks = None
         try:
             for i, data in enumerate(images):
+                sound = is_audio(data)
+                if sound and not self.audio:
+                    raise UnsupportedError("This model's projector has no audio encoder, so it cannot take audio.")
+                if not sound and not self.vision:
+                    raise UnsupportedError("This model's projector has no vision encoder, so it cannot take images.")
                 buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
                 bm = M.mtmd_helper_bitmap_init_from_buf(self._ctx, buf, len(data), False)
                 if not bm:
-                    raise UnsupportedError(f"Image {i + 1} could not be decoded: it is not a PNG, JPEG, GIF, BMP "
-                                           "or WebP image, or it is truncated.")
+                    raise UnsupportedError(
+                        f"Audio clip {i + 1} could not be decoded: it is not a WAV, MP3 or FLAC file, or it is "
+                        "truncated." if sound else f"Image {i + 1} could not be decoded: it is not a PNG, JPEG, "
+                        "GIF, BMP or WebP image, or it is truncated.")
                 M.mtmd_bitmap_set_id(bm, hashlib.sha256(data).hexdigest().encode())
                 bitmaps.append(bm)
             raw = text.encode("utf-8")
@@ -169,6 +298,7 @@ class Projector:
                 raise UnsupportedError("An image could not be prepared for this model's projector."
                                        if rc == 2 else "The prompt's images do not match its image markers.")
             out: list[int] = []
+            part, last_audio = 0, b""  # the index of an audio chunk within its clip (mtmd cuts a clip per 30 s)
             for j in range(M.mtmd_input_chunks_size(chunks)):
                 ch = M.mtmd_input_chunks_get(chunks, j)
                 kind = M.mtmd_input_chunk_get_type(ch)
@@ -176,10 +306,17 @@ class Projector:
                     n = ctypes.c_size_t()
                     p = M.mtmd_input_chunk_get_tokens_text(ch, ctypes.byref(n))
                     out.extend(int(p[k]) for k in range(n.value))
+                    last_audio = b""
                 elif kind == M.MTMD_INPUT_CHUNK_TYPE_IMAGE:
                     out.extend(self._register(ch))
+                    last_audio = b""
+                elif kind == M.MTMD_INPUT_CHUNK_TYPE_AUDIO:
+                    cid = M.mtmd_input_chunk_get_id(ch) or b""
+                    part = part + 1 if cid and cid == last_audio else 0
+                    last_audio = cid
+                    out.extend(self._register(ch, part=part))
                 else:
-                    raise UnsupportedError("Audio input is not supported.")
+                    raise UnsupportedError("This model's projector made a kind of input localllm does not run.")
             return out
         finally:
             if chunks is not None:
@@ -187,15 +324,30 @@ class Projector:
             for bm in bitmaps:
                 M.mtmd_bitmap_free(bm)
 
-    def _register(self, ch: Any) -> list[int]:
+    def _register(self, ch: Any, part: int | None = None) -> list[int]:
+        """The placeholders of an image chunk, or (``part`` given) of the ``part``-th audio chunk of a clip."""
         M = self._M
-        img = M.mtmd_input_chunk_get_tokens_image(ch)
-        n = int(M.mtmd_image_tokens_get_n_tokens(img))
+        sound = part is not None
         n_pos = int(M.mtmd_input_chunk_get_n_pos(ch))
-        if n_pos != n and not self.mrope:
-            raise UnsupportedError("This vision model's image positions differ from its tokens in a way localllm "
-                                   "does not run yet.")
+        if sound:
+            n = int(M.mtmd_input_chunk_get_n_tokens(ch))
+            nx, ny = n, 1
+            if n_pos != n:
+                raise UnsupportedError("This audio model's positions differ from its tokens in a way localllm does "
+                                       "not run yet.")
+            if not self.non_causal and M.mtmd_decode_use_non_causal(self._ctx, ch):
+                raise UnsupportedError("This audio projector needs non-causal attention, which localllm does not "
+                                       "run yet.")
+        else:
+            img = M.mtmd_input_chunk_get_tokens_image(ch)
+            n = int(M.mtmd_image_tokens_get_n_tokens(img))
+            nx, ny = int(M.mtmd_image_tokens_get_nx(img)), int(M.mtmd_image_tokens_get_ny(img))
+            if n_pos != n and not self.mrope:
+                raise UnsupportedError("This vision model's image positions differ from its tokens in a way localllm "
+                                       "does not run yet.")
         key = (M.mtmd_input_chunk_get_id(ch) or b"").decode() or hashlib.sha256(str(id(ch)).encode()).hexdigest()
+        if sound:
+            key += f"#audio{part}"
         e = self._images.get(key)
         if e is None or len(e.ids) != n:
             salt = 0
@@ -203,8 +355,7 @@ class Projector:
             while any(i in self._by_id for i in ids):  # another image's id (2^-31 a position): draw again
                 salt += 1
                 ids = _placeholder_ids(key, n, salt)
-            e = _Image(key, ids, nx=int(M.mtmd_image_tokens_get_nx(img)), ny=int(M.mtmd_image_tokens_get_ny(img)),
-                       n_pos=n_pos)
+            e = _Image(key, ids, nx=nx, ny=ny, n_pos=n_pos, audio=sound)
             if self.mrope and e.nx * e.ny != n:
                 raise UnsupportedError("This vision model's image grid does not match its tokens (M-RoPE).")
             self._images[key] = e
@@ -254,6 +405,10 @@ class Projector:
 
     def encode(self, tokens: Sequence[int]) -> MediaWork:
         """Encode the images with placeholders in ``tokens`` that have no embeddings yet."""
+        with self._lock:
+            return self._encode(tokens)
+
+    def _encode(self, tokens: Sequence[int]) -> MediaWork:
         M = self._M
         work = MediaWork()
         for e in self._images_in(tokens):
@@ -265,7 +420,8 @@ class Projector:
             t = time.perf_counter_ns()
             rc = M.mtmd_encode_chunk(self._ctx, e.chunk)
             if rc != 0:
-                raise BackendError(f"The vision projector failed to encode an image (mtmd_encode_chunk returned {rc}).")
+                raise BackendError(f"The projector failed to encode {'an audio clip' if e.audio else 'an image'} "
+                                   f"(mtmd_encode_chunk returned {rc}).")
             n = len(e.ids)
             ptr = M.mtmd_get_output_embd(self._ctx)
             e.embd = np.ctypeslib.as_array(ptr, shape=(n, self.n_embd)).copy()  # the next encode overwrites it
@@ -273,12 +429,20 @@ class Projector:
             M.mtmd_input_chunk_free(e.chunk)
             e.chunk = None
             self._embd_bytes += e.embd.nbytes
-            work.images += 1
-            work.tokens += n
-            work.ns += dt
-            self.encoded += 1
-            self.encoded_tokens += n
-            self.encode_ns += dt
+            if e.audio:
+                work.audio += 1
+                work.audio_tokens += n
+                work.audio_ns += dt
+                self.audio_encoded += 1
+                self.audio_encoded_tokens += n
+                self.audio_encode_ns += dt
+            else:
+                work.images += 1
+                work.tokens += n
+                work.ns += dt
+                self.encoded += 1
+                self.encoded_tokens += n
+                self.encode_ns += dt
             self._evict_embd(keep=e)
         return work
 
@@ -357,13 +521,25 @@ class Projector:
             if hit is None:
                 raise BackendError("An image of this prompt is no longer known to the projector; send it again.")
             e, k = hit
-            out.append((pos, pos + k // e.nx, pos + k % e.nx, 0))
+            out.append((pos + k, pos + k, pos + k, 0) if e.audio else (pos, pos + k // e.nx, pos + k % e.nx, 0))
         return out
+
+    def audio_count(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` are audio positions."""
+        by_id = self._by_id
+        n = 0
+        for t in tokens:
+            if t < 0:
+                hit = by_id.get(t)
+                if hit is not None and hit[0].audio:
+                    n += 1
+        return n
 
     def close(self) -> None:
         if getattr(self, "_ctx", None) is None:
             return
-        for e in list(getattr(self, "_images", {}).values()):
-            self._forget(e)
-        self._M.mtmd_free(self._ctx)
-        self._ctx = None
+        with getattr(self, "_lock", threading.RLock()):
+            for e in list(getattr(self, "_images", {}).values()):
+                self._forget(e)
+            self._M.mtmd_free(self._ctx)
+            self._ctx = None

@@ -60,7 +60,9 @@ from backends.base import (
     PoolFullError,
     Sampler,
     TokenSource,
+    is_audio,
     is_image_token,
+    message_images,
 )
 from backends.channel import Channel
 from backends.drafting import Drafter, setup_draft
@@ -120,6 +122,9 @@ class LoopMetrics:
     images_encoded: int = 0  # by the vision projector (an image whose embeddings or KV cells are kept: not again)
     image_tokens_encoded: int = 0
     image_encode_ns: int = 0
+    audio_chunks_encoded: int = 0  # by the audio projector (a clip is a chunk per 30 s; one kept: not again)
+    audio_tokens_encoded: int = 0
+    audio_encode_ns: int = 0
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -212,9 +217,29 @@ class LoadedModel:
             return ch
         t = t_submit_ns if t_submit_ns is not None else time.perf_counter_ns()
         req = _Req(RequestStream(request, t), ch, t)
-        with self._wake:
-            self._incoming.append(req)
-            self._wake.notify_all()
+
+        def enqueue() -> None:
+            with self._wake:
+                if self._closing:  # unloaded while its clips were prepared: the loop will not drain it any more
+                    ch.fail(BackendError("This model has been unloaded."))
+                    return
+                self._incoming.append(req)
+                self._wake.notify_all()
+
+        clips = [m for m in (request.images or []) + message_images(list(request.messages or [])) if is_audio(m)]
+        if not clips:
+            enqueue()
+            return ch
+
+        def prepare() -> None:  # a clip's decode and mel spectrogram (~1 s a 30 s chunk) off the loop and the caller
+            try:
+                self.source.prepare_media(clips)
+            except Exception:  # noqa: BLE001 - the loop's tokenize reports a bad clip in one sentence
+                log.debug("preparing audio failed", exc_info=True)
+            finally:
+                enqueue()
+
+        threading.Thread(target=prepare, name="localllm-media", daemon=True).start()
         return ch
 
     def generate(self, request: GenerateRequest, cancel: threading.Event | None = None) -> Iterator[Event]:
@@ -286,6 +311,7 @@ class LoadedModel:
         if self._source is not None:
             mw = self._source.media_counters()
             m.images_encoded, m.image_tokens_encoded, m.image_encode_ns = mw.images, mw.tokens, mw.ns
+            m.audio_chunks_encoded, m.audio_tokens_encoded, m.audio_encode_ns = mw.audio, mw.audio_tokens, mw.audio_ns
         if self._controller is not None:
             m.drafting = "on" if self._controller.drafting else "paused (not paying)"
         if self.prompt_cache is not None:
@@ -484,7 +510,7 @@ class LoadedModel:
         # model nor prompt lookup can propose or evaluate as tokens
         spec_on = (self._drafter is not None and self._controller is not None and len(self._active) == 1
                    and len(decoding) == 1 and not decoding[0].stream.request.format
-                   and not decoding[0].stream.stats.image_tokens)
+                   and not decoding[0].stream.stats.image_tokens and not decoding[0].stream.stats.audio_tokens)
         for r in decoding:
             assert r.seq is not None and r.last is not None
             drafts: list[int] = []
@@ -508,7 +534,8 @@ class LoadedModel:
                 continue  # an earlier request is evaluating the same prefix: copy it when it is there
             rest = r.stream.prompt[len(r.seq.tokens):]
             chunk = rest[:cap]
-            if r.stream.stats.image_tokens:  # a feed is all text or all image positions (separate decodes)
+            st = r.stream.stats
+            if st.image_tokens or st.audio_tokens:  # a feed is all text or all media positions (separate decodes)
                 img = is_image_token(chunk[0])
                 cut = next((i for i, t in enumerate(chunk) if is_image_token(t) != img), len(chunk))
                 chunk = chunk[:cut]
@@ -527,8 +554,10 @@ class LoadedModel:
                     except Exception as e:  # noqa: BLE001 - a bad image ends only its own request
                         self._end(r, "error", error=e)
                         continue
-                    r.stream.stats.images_encoded += work.images
-                    r.stream.stats.image_encode_duration += work.ns
+                    st.images_encoded += work.images
+                    st.image_encode_duration += work.ns
+                    st.audio_chunks_encoded += work.audio
+                    st.audio_encode_duration += work.audio_ns
             feeds.append(Feed(r.seq.id, chunk, src.positions(r.seq.tokens), 1 if len(chunk) == len(rest) else 0))
             owners.append((r, "prefill", []))
             cap -= len(chunk)

@@ -33,6 +33,7 @@ from backends.base import (
     answer_reserve,
     check_fits,
     fit_messages,
+    is_audio,
     is_image_token,
     message_images,
     text_messages,
@@ -75,8 +76,12 @@ class RequestStream:
             raise UnsupportedError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}.")
         self.stats.n_ctx = n_ctx
         media = req.has_images
-        if media and not source.vision:
-            raise UnsupportedError(source.vision_problem())
+        if media:
+            sent = list(req.images or []) + message_images(list(req.messages or []))
+            if any(is_audio(m) for m in sent) and not source.audio:
+                raise UnsupportedError(source.audio_problem())
+            if not all(is_audio(m) for m in sent) and not source.vision:
+                raise UnsupportedError(source.vision_problem())
         if req.prompt is not None:
             if media:
                 imgs = list(req.images or [])
@@ -128,8 +133,11 @@ class RequestStream:
         self.prompt = toks
         self.stats.prompt_eval_count = len(toks)
         if media:
-            self.stats.image_tokens = sum(1 for t in toks if is_image_token(t))
-            self.stats.images = len(req.images or []) if req.prompt is not None else len(message_images(msgs))
+            self.stats.audio_tokens = source.audio_token_count(toks)
+            self.stats.image_tokens = sum(1 for t in toks if is_image_token(t)) - self.stats.audio_tokens
+            sent = list(req.images or []) if req.prompt is not None else message_images(msgs)
+            self.stats.audio_clips = sum(1 for m in sent if is_audio(m))
+            self.stats.images = len(sent) - self.stats.audio_clips
         self.max_new = n_ctx - len(toks)
         mt = req.sampling.max_tokens
         if mt is not None and mt > 0:

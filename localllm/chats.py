@@ -104,17 +104,25 @@ class Conversation:
 
 @dataclass
 class ImageRef:
-    """An image attached to a message: its bytes are ``<images dir>/<sha256>``."""
+    """An image or an audio clip attached to a message: its bytes are ``<images dir>/<sha256>``."""
 
     sha256: str
     name: str  # the file name it was attached as
     width: int = 0
     height: int = 0
-    format: str = ""
+    format: str = ""  # "PNG", ...; "WAV", "MP3", "FLAC" for a clip
+    seconds: float = 0.0  # a clip's length as its header declares it
+
+    @property
+    def audio(self) -> bool:
+        return self.format in ("WAV", "MP3", "FLAC")
 
     @property
     def chip(self) -> str:
-        """How a message shows it: ``🖼 photo.png 640×480``."""
+        """How a message shows it: ``🖼 photo.png 640×480``, ``🔊 memo.wav 1.5 s``."""
+        if self.audio:
+            s = self.seconds
+            return f"🔊 {self.name} " + (f"{s:.1f} s" if s < 60 else f"{int(s // 60)}:{int(s % 60):02d}")
         return f"🖼 {self.name} {self.width}×{self.height}" if self.width else f"🖼 {self.name}"
 
 
@@ -251,7 +259,7 @@ class ChatStore:
                        images=[ImageRef(**i) for i in json.loads(images)] if images else [])
 
     def save_image(self, data: bytes, name: str) -> ImageRef:
-        """Keep an image's bytes by content hash (once) and return its record."""
+        """Keep an image's (or an audio clip's) bytes by content hash (once) and return its record."""
         import hashlib
         import os
 
@@ -264,6 +272,11 @@ class ChatStore:
             tmp = dest.with_name(f".{sha}.{os.getpid()}.tmp")
             tmp.write_bytes(data)
             os.replace(tmp, dest)
+        from localllm.audio import clip_info
+
+        clip = clip_info(data)
+        if clip is not None:
+            return ImageRef(sha, name, format=clip.format, seconds=max(0.0, clip.seconds))
         fmt, w, h = image_size(data) or ("", 0, 0)
         return ImageRef(sha, name, w, h, fmt)
 

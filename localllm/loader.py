@@ -159,6 +159,7 @@ class Loader:
             mlx=mlx_for_plan(model, self.hardware, options.backend),
             num_parallel=options.num_parallel or _env_parallel(),
             projector_bytes=model.projector.size if model.projector is not None else 0,
+            projector_kind="+".join(model.projector.kinds) if model.projector is not None else "vision",
             device_memory=config.device_memory(),
             devices=[d for d in options.devices if d != "CPU"] if options.devices else None,
             tensor_split=list(options.tensor_split) if options.tensor_split else None,

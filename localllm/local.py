@@ -54,7 +54,7 @@ def installed(m: InstalledModel) -> Installed:
         n_layers=int(info.get("n_layers") or 0), vocab_size=int(info.get("vocab_size") or 0),
         chat_template=info.get("chat_template"),
         license=info.get("license") or (m.catalog.license if m.catalog else None),
-        capabilities=capabilities(info) + (["vision"] if m.projector is not None else []),
+        capabilities=capabilities(info) + (m.projector.kinds if m.projector is not None else []),
         mtp_layers=int(info.get("mtp_layers") or 0),
         path=str(m.path), source=m.source, local=m.local, quant=m.quant,
         catalog=m.catalog.name if m.catalog else None, draft=m.catalog.draft if m.catalog else None,

@@ -711,7 +711,7 @@ def _layers_device(b: Backend, hw: HardwareInfo, reasons: list[str], advice: lis
 def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cache_type: str = "f16",
          backend: str = "auto", num_gpu: int | None = None, mlx_model: bool = False,
          draft: GGUFInfo | None = None, mlx: MLXWeights | None = None, num_parallel: int | None = None,
-         projector_bytes: int = 0, device_memory: dict[str, int] | None = None,
+         projector_bytes: int = 0, projector_kind: str = "vision", device_memory: dict[str, int] | None = None,
          devices: list[str] | None = None, tensor_split: list[float] | None = None) -> Plan:
     """Decide how to load ``info`` on ``hw``.
 
@@ -722,8 +722,9 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
     ``draft``: a draft model for speculative decoding, planned beside it. ``num_parallel``: sequences
     decoding at once (slots; one KV pool holds ``n_ctx`` tokens for each); None = 4 where that fits,
     fewer where it does not (the context is kept first). ``projector_bytes``: the size of the model's vision
-    projector (an automatic choice then takes a backend that runs it; its memory is counted with the weights,
-    on the GPU where layers go there). ``device_memory``: caps per llama.cpp device name ("*" for all;
+    or audio projector (an automatic choice then takes a backend that runs it; its memory is counted with the
+    weights, on the GPU where layers go there); ``projector_kind`` names it in the reasons ("vision", "audio").
+    ``device_memory``: caps per llama.cpp device name ("*" for all;
     ``LOCALLLM_DEVICE_MEMORY``). ``devices``: only these of llama.cpp's devices take layers (``--device``); where
     the probe lists devices that offload, the layers are split over them as llama.cpp splits them
     (:func:`split_layers`, ``Plan.devices`` and ``Plan.tensor_split``); ``tensor_split``: the devices' shares
@@ -774,8 +775,10 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
         if projector_bytes:  # a vision model: the backends that run its projector (MLX: mlx-lm has no vision)
             blind = [b for b in order if not b.vision and status[b.name].available and ready(b)]
             order = [b for b in order if b.vision] or order
+            article = "an" if projector_kind.startswith("a") else "a"
             for b in blind:
-                reasons.append(f"{b.label} not used: it has no vision, and {name} has a vision projector")
+                reasons.append(f"{b.label} not used: it has no vision, and {name} has {article} {projector_kind} "
+                               "projector")
         chosen = next((b for b in order if status[b.name].available and ready(b)),
                       next((b for b in order if b.weights == GGUF), order[0]))
         passed = order[:order.index(chosen)]  # tried first, and why not is said below
@@ -884,9 +887,11 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
         mem = replace(mem, weights=mem.weights + projector_bytes, total=mem.total + projector_bytes,
                       gpu=mem.gpu + (projector_bytes if on_gpu else 0),
                       cpu=mem.cpu + (0 if on_gpu else projector_bytes))
-        reasons.append(f"vision projector {_gb(projector_bytes)} " + (
+        reasons.append(f"{projector_kind} projector {_gb(projector_bytes)} " + (
             "on the GPU with the model" if on_gpu else "on the CPU") if chosen.vision else
-            f"vision projector {_gb(projector_bytes)} not used: {chosen.label} has no vision (images are refused)")
+            f"{projector_kind} projector {_gb(projector_bytes)} not used: {chosen.label} has no vision ("
+            + {"audio": "audio is refused", "vision+audio": "images and audio are refused"}.get(
+                projector_kind, "images are refused") + ")")
     reasons.append(f"memory {mem.describe(n_ctx * n_seq, pl.kv)}")
     if num_parallel:
         reasons.append(f"{n_seq} parallel slot{'s' if n_seq > 1 else ''}: asked for with num_parallel")

@@ -60,18 +60,26 @@ MANIFEST_SCHEMA = 1
 
 @dataclass
 class Projector:
-    """A vision projector (``mmproj`` GGUF) that goes with a model: the model takes images. Stored as a blob
-    like the weights (Ollama's ``projector`` layer); a local GGUF's is the file beside it, used in place."""
+    """A projector (``mmproj`` GGUF) that goes with a model: with a vision encoder the model takes images, with an
+    audio encoder audio clips (Gemma 4's and Qwen2.5-Omni's do both). Stored as a blob like the weights (Ollama's
+    ``projector`` layer); a local GGUF's is the file beside it, used in place."""
 
     path: Path
     digest: str  # "sha256:<hex>"
     size: int
     source: str = ""
     external: bool = False  # used in place (not a blob of the store)
+    vision: bool = True  # its encoders, read from its header at install (a manifest without them: vision only,
+    audio: bool = False  # as every projector was before audio)
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": str(self.path), "digest": self.digest, "size": self.size, "source": self.source,
-                "external": self.external}
+                "external": self.external, "vision": self.vision, "audio": self.audio}
+
+    @property
+    def kinds(self) -> list[str]:
+        """``["vision"]``, ``["audio"]`` or both: the capabilities it gives its model."""
+        return [k for k, on in (("vision", self.vision), ("audio", self.audio)) if on]
 
 
 def projector_beside(path: Path) -> Path | None:
@@ -223,20 +231,24 @@ class _Reporter:
             self.progress(PullProgress(self.status, self.digest, self.total, self.completed))
 
 
-def check_projector(path: Path, n_embd: int) -> None:
-    """Refuse (one sentence) a file that is not a vision projector GGUF, or one made for another model width."""
+def check_projector(path: Path, n_embd: int) -> tuple[bool, bool]:
+    """(has a vision encoder, has an audio encoder) of a projector GGUF; refused (one sentence) when it is not a
+    projector, or one made for another model width."""
     from backends.gguf_header import read_header
 
     try:
         fields = read_header(path, tensors=False).fields
     except Exception as e:  # noqa: BLE001 - any unreadable header is the same answer
         raise InvalidModelFileError(f"{path.name} is not a readable GGUF projector ({e}).") from None
-    if fields.get("general.architecture") != "clip" or not fields.get("clip.has_vision_encoder"):
-        raise InvalidModelFileError(f"{path.name} is not a vision projector (mmproj) GGUF.")
-    width = fields.get("clip.vision.projection_dim")
-    if n_embd and width and int(width) != n_embd:
-        raise InvalidModelFileError(f"The projector {path.name} makes {width}-wide embeddings but the model's are "
-                                    f"{n_embd} wide: it belongs to another model.")
+    vision, audio = bool(fields.get("clip.has_vision_encoder")), bool(fields.get("clip.has_audio_encoder"))
+    if fields.get("general.architecture") != "clip" or not (vision or audio):
+        raise InvalidModelFileError(f"{path.name} is not a vision or audio projector (mmproj) GGUF.")
+    for kind in ("vision", "audio"):
+        width = fields.get(f"clip.{kind}.projection_dim")
+        if n_embd and width and int(width) != n_embd:
+            raise InvalidModelFileError(f"The projector {path.name} makes {width}-wide embeddings but the model's "
+                                        f"are {n_embd} wide: it belongs to another model.")
+    return vision, audio
 
 
 def _derived_of(d: dict[str, Any] | None) -> Modelfile | None:
@@ -371,7 +383,8 @@ class Store:
                 return None
         except OSError:
             return None
-        return Projector(path, d["digest"], int(d["size"]), str(d.get("source") or ""), ext)
+        return Projector(path, d["digest"], int(d["size"]), str(d.get("source") or ""), ext,
+                         vision=bool(d.get("vision", True)), audio=bool(d.get("audio", False)))
 
     def _write_manifest(self, ref: ModelRef, data: dict[str, Any]) -> Path:
         path = self._manifest_path(ref)
@@ -498,9 +511,10 @@ class Store:
         proj = None
         beside = projector_beside(path)
         if beside is not None:
-            check_projector(beside, info.n_embd)
+            vision, audio = check_projector(beside, info.n_embd)
             pst = beside.stat()
-            proj = Projector(beside, "sha256:" + self._local_digest(beside, pst), pst.st_size, "local file", True)
+            proj = Projector(beside, "sha256:" + self._local_digest(beside, pst), pst.st_size, "local file", True,
+                             vision=vision, audio=audio)
         return InstalledModel(
             name=str(path),
             digest=digest,
@@ -668,8 +682,8 @@ class Store:
         }
         if plan.projector is not None:
             try:
-                check_projector(Path(plan.projector["path"]), info.n_embd)
-                data["projector"] = plan.projector
+                vision, audio = check_projector(Path(plan.projector["path"]), info.n_embd)
+                data["projector"] = {**plan.projector, "vision": vision, "audio": audio}
             except InvalidModelFileError as e:  # the weights are fine: installed without it, and said why
                 rep.phase(f"projector not installed: {e}")
                 with self._store_lock():
@@ -893,7 +907,7 @@ class Store:
         return m.name
 
     def set_projector(self, name: str, path: Path) -> InstalledModel:
-        """Give installed ``name`` the vision projector at ``path`` (copied into the store, sha256-addressed;
+        """Give installed ``name`` the vision or audio projector at ``path`` (copied into the store, sha256-addressed;
         ``localllm pull NAME --mmproj PATH``). Refused in one sentence when it is not a projector or does not
         fit the model (its output width must be the model's embedding width)."""
         import shutil
@@ -904,7 +918,7 @@ class Store:
         m = self.get(ref.name)
         found = self._find(ref)
         assert found is not None
-        check_projector(path, int(m.info.get("n_embd") or 0))
+        vision, audio = check_projector(path, int(m.info.get("n_embd") or 0))
         hexdigest = sha256_file(path)
         target = self.blob_path(hexdigest)
         if not target.is_file():
@@ -917,7 +931,8 @@ class Store:
             data = json.loads(mpath.read_text(encoding="utf-8"))
             old = (data.get("projector") or {}).get("digest")
             data["projector"] = {"digest": "sha256:" + hexdigest, "size": target.stat().st_size,
-                                 "source": f"local file {path.name}", "external": False, "path": str(target)}
+                                 "source": f"local file {path.name}", "external": False, "path": str(target),
+                                 "vision": vision, "audio": audio}
             self._write_manifest(found[0], data)
             if old and old != data["projector"]["digest"]:
                 self._gc_blob(old)

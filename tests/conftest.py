@@ -212,6 +212,15 @@ def test_projector(test_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def audio_projector(test_cache) -> Path:
+    """A random ``ultravox`` audio projector (2.5 MB) for the default model (:mod:`tests.support_audio`), made once
+    and cached in the test cache: 60 audio tokens per 30 s chunk of a clip."""
+    from tests.support_audio import make_audio_projector
+
+    return make_audio_projector(test_cache / "audio" / "mmproj-smollm2-ultravox-test.gguf")
+
+
+@pytest.fixture(scope="session")
 def mrope_model(default_model_path, test_cache) -> tuple[Path, Path]:
     """(text model, projector) of the M-RoPE kind (Qwen2-VL): a ``qwen2vl`` copy of the default model and a random
     ``qwen2vl_merger`` projector for it (:mod:`tests.support_vision`), made once and cached in the test cache."""

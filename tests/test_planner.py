@@ -590,6 +590,19 @@ def test_probe_and_the_engine_pick_mlx_for_a_convertible_gguf_on_a_mac(private_d
     assert lp.backend == "llamacpp" and not any("MLX" in r for r in lp.reasons)
 
 
+def test_an_audio_projector_is_counted_and_named():
+    """An audio projector (or one doing both) is planned as a vision one is: on llama.cpp, its memory counted."""
+    hw = mac16(mlx=True, mlx_metal=True)
+    p = plan(LLAMA31_8B, hw, mlx_model=True, projector_bytes=300 * MiB, projector_kind="audio")
+    assert p.backend == "llamacpp" and "has an audio projector" in line(p, "MLX not used")
+    assert "on the GPU with the model" in line(p, "audio projector 300 MiB")
+    forced = plan(LLAMA31_8B, hw, mlx_model=True, projector_bytes=300 * MiB, projector_kind="audio", backend="mlx")
+    assert "audio is refused" in line(forced, "audio projector")
+    base = plan(LLAMA31_8B, machine(ram_gib=32))
+    both = plan(LLAMA31_8B, machine(ram_gib=32), projector_bytes=300 * MiB, projector_kind="vision+audio")
+    assert both.memory.total == base.memory.total + 300 * MiB and "vision+audio projector" in " ".join(both.reasons)
+
+
 def test_a_vision_model_on_a_mac_runs_on_llamacpp_metal_and_says_why():
     """mlx-lm has no vision: a model with a projector takes llama.cpp (Metal) unless MLX is forced; the projector's
     memory is counted with the weights, on the GPU with the layers."""

@@ -93,6 +93,11 @@ def stats_lines(stats: Stats) -> list[str]:
         lines.append(f"image encode:         {stats.images_encoded} encoded in "
                      f"{go_duration(stats.image_encode_duration)}"
                      + ("" if stats.images_encoded else " (reused)"))
+    if stats.audio_tokens > 0:
+        lines.append(f"audio tokens:         {stats.audio_tokens} token(s) of {stats.audio_clips} clip(s)")
+        lines.append(f"audio encode:         {stats.audio_chunks_encoded} chunk(s) encoded in "
+                     f"{go_duration(stats.audio_encode_duration)}"
+                     + ("" if stats.audio_chunks_encoded else " (reused)"))
     restored = f" ({stats.prompt_restored_tokens} restored from disk)" if stats.prompt_restored_tokens else ""
     lines.append(f"prompt cache:         {stats.prompt_cached_tokens} token(s) reused{restored}")
     if stats.draft_proposed:
@@ -386,14 +391,21 @@ def parse_split(text: str | None) -> tuple[float, ...] | None:
 
 
 def user_message(text: str, images: list[bytes], err: IO[str]) -> dict[str, object]:
-    """A user turn: ``text`` with the image files it names taken out and attached (after ``images``)."""
+    """A user turn: ``text`` with the image and audio files it names taken out and attached (after ``images``,
+    which may hold audio clips too: they ride together, as in Ollama's API)."""
+    from localllm.audio import duration_label, read_audio
+    from localllm.audio import extract_paths as audio_paths
     from localllm.images import extract_paths, read_image
 
     text, paths = extract_paths(text)
+    text, clips = audio_paths(text)
     pics = list(images)
     for p in paths:
         pics.append(read_image(p))
         err.write(f"Added image '{p}'\n")
+    for p in clips:
+        pics.append(read_audio(p))
+        err.write(f"Added audio '{p}' ({duration_label(pics[-1])})\n")
     msg: dict[str, object] = {"role": "user", "content": text}
     if pics:
         msg["images"] = pics

@@ -53,6 +53,7 @@ HELP = """Available Commands:
   /save <model>   Save this session as a model (system prompt, parameters, messages)
   /clear          Clear session context
   /image <path>   Attach an image to the next message (a vision model; a path in a message works too)
+  /audio <path>   Attach a WAV, MP3 or FLAC file to the next message (a model that takes audio)
   /tools          List the MCP tools the model can call
   /bye            Exit
   /?, /help       Help for a command
@@ -385,6 +386,8 @@ class Repl:
             self._show(args)
         elif cmd == "/image":
             self._image(args)
+        elif cmd == "/audio":
+            self._audio(args)
         elif cmd == "/clear":
             self.messages.clear()
             self.pending_images.clear()
@@ -412,6 +415,20 @@ class Repl:
             self.err.write(f"Error: {e}\n")
             return
         self._say(f"Added image '{path}' to the next message")
+
+    def _audio(self, args: list[str]) -> None:
+        from localllm.audio import duration_label, read_audio
+
+        if not args:
+            self._say("Usage: /audio <path>")
+            return
+        path = " ".join(args)
+        try:
+            self.pending_images.append(read_audio(path))  # clips ride with the images, as in Ollama's API
+        except LocalLLMError as e:
+            self.err.write(f"Error: {e}\n")
+            return
+        self._say(f"Added audio '{path}' ({duration_label(self.pending_images[-1])}) to the next message")
 
     def _set(self, line: str, args: list[str]) -> None:
         s = self.settings

@@ -97,8 +97,11 @@ def command(json_out: bool, catalog: bool, host: str | None) -> None:
     rows = [head + (["FROM"] if derived else [])]
     for m in listed:
         when = ago(m.modified) if m.modified else ""
-        # a vision projector shows as "+mmproj" in-process; a server's list says "vision" in its capabilities
-        formats = m.formats + (["mmproj"] if m.projector_path else [])
+        # a projector shows as "+mmproj" in-process ("+mmproj(audio)" with an audio encoder); a server's list says
+        # "vision" / "audio" in its capabilities
+        media = [c for c in ("vision", "audio") if c in m.capabilities]
+        tag = "mmproj" if media == ["vision"] else f"mmproj({'+'.join(media)})"
+        formats = m.formats + ([tag] if m.projector_path else [])
         cells = [m.name, m.short_id, human_size(m.size)] + ([] if models.remote else ["+".join(formats)])
         rows.append(cells + [when] + ([m.base or ""] if derived else []))
     click.echo(format_table(rows))

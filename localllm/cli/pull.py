@@ -26,7 +26,7 @@ from localllm.cli.display import pull_with_progress
 @click.option("--mlx/--no-mlx", default=None,
               help="Also fetch the catalog's MLX weights (default: on Apple Silicon only).")
 @click.option("--mmproj", default=None, metavar="PATH|FILE",
-              help="Attach this vision projector file (mmproj GGUF) to the model: it then takes images; for an "
+              help="Attach this projector file (mmproj GGUF) to the model: it then takes images and/or audio; for an "
                    "hf.co name, the repo's projector FILE to take instead of its F16 one.")
 @click.option("--host", default=None, metavar="URL",
               help="Talk to a localllm or Ollama server there instead of in-process.")
@@ -55,7 +55,8 @@ def command(name: str, quiet: bool, mlx: bool | None, mmproj: str | None, host: 
     finally:
         models.close()
     if mmproj and not quiet:
-        click.echo(f"vision projector: {model.projector_path} ({model.projector_size:,} bytes)")
+        kinds = "+".join(c for c in ("vision", "audio") if c in model.capabilities) or "vision"
+        click.echo(f"{kinds} projector: {model.projector_path} ({model.projector_size:,} bytes)")
     if models.remote:
         click.echo(f"success: {name} ({model.short_id})")
     elif not quiet:

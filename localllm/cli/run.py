@@ -21,6 +21,10 @@ Images (a model with a vision projector): an existing image file named in the pr
 ``~/a.png``; .png .jpg .jpeg .webp .gif .bmp) is attached and taken out of the text, as ``ollama run`` does
 ("Added image '...'" on stderr); ``--image PATH`` attaches one explicitly (repeatable). In the REPL, a path in
 the message or ``/image PATH`` (attached to the next message).
+
+Audio (a model with an audio projector: Ultravox, Qwen2-Audio, Voxtral, Gemma 3n/4, ...): a WAV, MP3 or FLAC file
+named in the prompt (``"Transcribe ./memo.wav"``) is attached the same way ("Added audio '...' (1.5 s)"), or with
+``--audio PATH`` (repeatable); ``localllm transcribe MODEL FILE`` prints a transcript.
 What the REPL and ``bench`` share with this command lives in :mod:`localllm.cli.answer`.
 
 ``--mcp NAME`` (repeatable) gives the model the tools of that server of ``mcp.json`` (in the config dir; without
@@ -89,6 +93,9 @@ class RunCommand(click.Command):
 @click.option("--hidethinking", is_flag=True, help="Do not print a thinking model's reasoning.")
 @click.option("--image", "images", multiple=True, metavar="PATH",
               help="Attach an image file to the prompt (repeatable; a vision model). A path in the prompt works too.")
+@click.option("--audio", "audio", multiple=True, metavar="PATH",
+              help="Attach a WAV, MP3 or FLAC file (repeatable; a model with an audio projector). A path in the "
+                   "prompt works too.")
 @click.option("--gpu-layers", type=int, default=None, metavar="N",
               help="Layers to offload to the GPU/devices (0 = CPU only, -1 = the planner's choice).")
 @click.option("--device", "devices", multiple=True, metavar="NAME",
@@ -110,7 +117,8 @@ class RunCommand(click.Command):
 def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed: int | None,
             num_predict: int | None, num_ctx: int | None, system: str | None, fmt: str | None,
             draft: str | None, num_draft: int | None, kv_cache: str | None, backend: str, think: str | None,
-            hidethinking: bool, images: tuple[str, ...], gpu_layers: int | None, devices: tuple[str, ...],
+            hidethinking: bool, images: tuple[str, ...], audio: tuple[str, ...], gpu_layers: int | None,
+            devices: tuple[str, ...],
             tensor_split: str | None, rpc: str | None, verbose: bool, host: str | None,
             keepalive: str | None, mcp_servers: tuple[str, ...], tool_choice: str) -> None:
     """Run MODEL: answer PROMPT (or piped stdin) once, else chat interactively.
@@ -122,6 +130,8 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
       localllm run ./model.gguf --draft ngram --verbose
       localllm run ./llava.gguf "What is in ./photo.jpg?"
       localllm run ./llava.gguf --image photo.png "Describe it."
+      localllm run ./ultravox.gguf "Transcribe ./memo.wav"
+      localllm run ./ultravox.gguf --audio memo.mp3 "Summarise it."
       localllm run qwen2.5:0.5b --mcp time --mcp files
       localllm run smollm2:135m --rpc 127.0.0.1:50052,127.0.0.1:50053 "Hi"
     """
@@ -138,10 +148,12 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
         if data:
             prompts.insert(0, data)
     # Ollama: interactive only with nothing to answer and a terminal on both ends
-    interactive = not prompts and not piped and isatty(sys.stdout) and not images
+    interactive = not prompts and not piped and isatty(sys.stdout) and not images and not audio
+    from localllm.audio import read_audio
     from localllm.images import read_image
 
     attached = [read_image(p) for p in images]  # a file that cannot be read: one sentence before any load
+    attached += [read_audio(p) for p in audio]  # clips ride with the images, as in Ollama's API
 
     from localllm.cli.display import ConversionDisplay
     from localllm.session import open_session

@@ -101,8 +101,9 @@ def render(d: dict[str, Any], full_template: bool) -> str:
         out.append(f"    {'suggested draft':<20}{d['draft']}")
     if d["projector"]:
         p = d["projector"]
-        out += ["", "  Projector (vision)", f"    {'path':<20}{p['path']}", f"    {'size':<20}{human_size(p['size'])}",
-                f"    {'digest':<20}{p['digest']}"]
+        kinds = ", ".join(c for c in ("vision", "audio") if c in d["capabilities"]) or "vision"
+        out += ["", f"  Projector ({kinds})", f"    {'path':<20}{p['path']}",
+                f"    {'size':<20}{human_size(p['size'])}", f"    {'digest':<20}{p['digest']}"]
     if d["mlx_path"]:
         out += ["", "  MLX", f"    {'path':<20}{d['mlx_path']}", f"    {'source':<20}{d['mlx_source']}"]
     return "\n".join(out)

@@ -55,7 +55,7 @@ class Call:
     request: GenerateRequest
     options: LoadOptions = field(default_factory=LoadOptions)
     keep_alive: float | None = None
-    images: bool = False  # some message carries an image
+    images: bool = False  # some message carries an image or an audio clip (both ride in ``images``)
     relax_thinking: bool = False  # a model that cannot think ignores ``think`` (Anthropic's API) instead of a 400
     # tool_choice that forces a call: None = the model decides, [] = any of the tools, [name] = that one; the
     # answer is then constrained to a call by a grammar built from the tools' parameter schemas
@@ -128,8 +128,14 @@ def check_capabilities(call: Call, model: InstalledModel) -> None:
     caps = capabilities(model)
     if req.tools and "tools" not in caps:
         raise bad_request(f'"{call.model}" does not support tools', param="tools")
-    if call.images and "vision" not in caps:
-        raise bad_request(f'"{call.model}" does not support images (it is not a multimodal model)')
+    if call.images:
+        from localllm.server.images import media_kinds
+
+        pictures, sound = media_kinds(req.messages, req.images)
+        if sound and "audio" not in caps:
+            raise bad_request(f'"{call.model}" does not support audio (it has no audio projector)')
+        if pictures and "vision" not in caps:
+            raise bad_request(f'"{call.model}" does not support images (it is not a multimodal model)')
     if asks_to_think(req.think) and "thinking" not in caps:
         if not call.relax_thinking:
             raise bad_request(f'"{call.model}" does not support thinking', param="think")

@@ -21,10 +21,13 @@ import ipaddress
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
+from localllm import audio as core_audio
 from localllm import images as core
 from localllm.images import max_bytes
+from localllm.server.audio import SentAudio, check_clip
 from localllm.server.errors import APIError, bad_request
 
 FETCH_TIMEOUT_S = 10.0
@@ -69,17 +72,18 @@ def check_image(data: bytes, where: str) -> bytes:
 
 
 def from_base64(text: object, where: str) -> bytes:
-    """Decode a base64 image (Ollama's and Anthropic's form) and check it."""
+    """Decode a base64 image (Ollama's and Anthropic's form) and check it. An audio clip in Ollama's ``images``
+    (as Ollama takes it) may be as large as audio is allowed to be; it is checked as audio later."""
     if not isinstance(text, str):
         raise bad_request(f"{where}: an image must be a base64 string")
-    if len(text) > max_bytes() * 4 // 3 + 8:
+    if len(text) > max(max_bytes(), core_audio.max_bytes()) * 4 // 3 + 8:
         raise bad_request(f"{where}: the image is more than the {max_bytes():,} bytes allowed "
                           "(LOCALLLM_MAX_IMAGE_BYTES)")
     try:
         data = base64.b64decode("".join(text.split()), validate=True)
     except (binascii.Error, ValueError):
         raise bad_request(f"{where}: the image is not valid base64") from None
-    if len(data) > max_bytes():
+    if len(data) > max_bytes() and not core_audio.is_audio(data):
         raise bad_request(f"{where}: the image is {len(data):,} bytes, more than the {max_bytes():,} allowed "
                           "(LOCALLLM_MAX_IMAGE_BYTES)")
     return sent(data, where)
@@ -150,15 +154,35 @@ def resolve(messages: list[dict[str, object]]) -> None:
             m["images"] = [fetch_remote(i) if isinstance(i, RemoteImage) else i for i in imgs]
 
 
+def check_media(data: bytes, where: str) -> bytes:
+    """An image or an audio clip (told apart by magic bytes, or sent as ``input_audio``), checked as what it is."""
+    if isinstance(data, SentAudio):
+        return check_clip(data, where, data.fmt)
+    if core_audio.is_audio(data) or core_audio.other_format(data):
+        return check_clip(data, where)
+    return check_image(data, where)
+
+
 def check_request(messages: list[dict[str, object]] | None, images: list[bytes] | None = None) -> None:
-    """Check the format and declared pixels of every image of a request (a 400 naming the first bad one)."""
+    """Check every image (format, declared pixels) and audio clip (format, size, declared duration) of a request
+    (a 400 naming the first bad one)."""
     for m in messages or []:
         imgs = m.get("images")
         for i in imgs if isinstance(imgs, list) else []:
             if isinstance(i, bytes):
-                check_image(i, getattr(i, "where", "image"))
+                check_media(i, getattr(i, "where", "image"))
     for n, i in enumerate(images or []):
-        check_image(i, getattr(i, "where", f"images[{n}]"))
+        check_media(i, getattr(i, "where", f"images[{n}]"))
+
+
+def media_kinds(messages: list[dict[str, Any]] | None, images: list[bytes] | None = None) -> tuple[bool, bool]:
+    """(some image, some audio clip) among a request's media: what the model must take."""
+    items: list[object] = [i for m in messages or [] for i in (m.get("images") or [])]
+    items += list(images or [])
+    sound = [isinstance(i, SentAudio) or (isinstance(i, bytes) and (core_audio.is_audio(i)
+                                                                     or core_audio.other_format(i) is not None))
+             for i in items]
+    return (not all(sound)) if items else True, any(sound)
 
 
 __all__ = ["APIError", "RemoteImage", "check_image", "fetch_remote", "from_base64", "from_url", "image_size",

@@ -27,8 +27,10 @@ def capabilities(model: InstalledModel) -> list[str]:
     if template_supports_tools(info.get("chat_template")):
         caps.append("tools")
     extra = info.get("extra") or {}
-    if extra.get("vision") or model.projector is not None:
+    if extra.get("vision") or (model.projector is not None and model.projector.vision):
         caps.append("vision")
+    if model.projector is not None and model.projector.audio:
+        caps.append("audio")
     if thinks(info):
         caps.append("thinking")
     return caps

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 
 from localllm.engine import Done, GenerateRequest, LoadOptions, Sampling, Stats, TextChunk, TokenLogprob, ToolCalls
 from localllm.server import generation as g
+from localllm.server.audio import from_input_audio
 from localllm.server.checks import check_format, check_tools, forced_tools
 from localllm.server.errors import bad_request
 from localllm.server.framing import SSE, SSE_HEADERS, call_id, logprob_item, normalize_calls, rfc3339, sse
@@ -108,7 +109,7 @@ def tool_calls_in(calls: list[Any]) -> list[dict[str, Any]]:
 
 
 def oai_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
-    """OpenAI messages → backend messages (text parts joined); also whether any has an image."""
+    """OpenAI messages → backend messages (text parts joined); also whether any has an image or audio clip."""
     out: list[dict[str, Any]] = []
     images = False
     names: dict[str, str] = {}  # tool call id -> function name, for the tool turns that answer them
@@ -124,6 +125,9 @@ def oai_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
                     images = True
                     url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
                     pics.append(from_url(url, f"messages[{i}].content[{j}].image_url"))
+                elif part.type == "input_audio":  # a clip rides with the images (told apart by its bytes)
+                    images = True
+                    pics.append(from_input_audio(part.input_audio, f"messages[{i}].content[{j}].input_audio"))
                 else:
                     raise bad_request(f"unsupported content part type {part.type[:40]!r}", param="messages")
             content = "\n".join(texts)

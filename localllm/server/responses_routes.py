@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse
 
 from localllm.engine import Done, GenerateRequest, Stats, TextChunk, TokenLogprob, ToolCalls
 from localllm.server import generation as g
+from localllm.server.audio import from_input_audio
 from localllm.server.checks import check_format, check_tools, forced_tools
 from localllm.server.errors import APIError, bad_request
 from localllm.server.framing import SSE, SSE_HEADERS, call_id, logprob_item, normalize_calls, sse
@@ -129,6 +130,8 @@ def _text_of(content: Any, where: str) -> tuple[str, list[Any]]:
             if isinstance(url, dict):
                 url = url.get("url")
             images.append(from_url(url, f"{where}.content[{j}].image_url"))
+        elif kind == "input_audio":  # a clip rides with the images (told apart by its bytes)
+            images.append(from_input_audio(part.get("input_audio"), f"{where}.content[{j}].input_audio", "input"))
         elif kind == "refusal":
             continue
         else:

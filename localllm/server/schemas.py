@@ -139,6 +139,7 @@ class OAIContentPart(_Body):
     type: str
     text: str | None = None
     image_url: dict[str, Any] | str | None = None
+    input_audio: dict[str, Any] | None = None  # {"data": base64, "format": "wav" | "mp3" | "flac"}
 
 
 class OAIToolCallFunction(_Body):

@@ -132,8 +132,10 @@ class SecurityMiddleware:
             if too_big:
                 await _send_error(send, scope, 413, f"request body too large (limit {self.max_body} bytes)")
                 return
-        if method in ("POST", "DELETE", "PUT") and "json" not in headers.get("content-type", ""):
-            # Ollama reads every body as JSON whatever the Content-Type (``curl -d`` sends a form type)
+        ctype = headers.get("content-type", "")
+        if method in ("POST", "DELETE", "PUT") and "json" not in ctype and not ctype.startswith("multipart/"):
+            # Ollama reads every body as JSON whatever the Content-Type (``curl -d`` sends a form type); a
+            # multipart upload (``/v1/audio/transcriptions``) keeps its own
             scope = dict(scope)
             scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
             scope["headers"].append((b"content-type", b"application/json"))

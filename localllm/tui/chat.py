@@ -571,10 +571,12 @@ class ChatScreen(Screen):
             self.notify("An answer is still streaming: Esc stops it.", severity="warning", timeout=3)
             self.query_one(PromptInput).load_text(event.text)
             return
+        from localllm.audio import extract_paths as audio_paths
         from localllm.images import extract_paths
 
         text, paths = extract_paths(event.text)  # a path typed or pasted in the prompt is attached
-        for p in paths:
+        text, clips = audio_paths(text)  # audio files too (a model with an audio projector)
+        for p in paths + clips:
             if not self._attach_image(str(p)):
                 self.query_one(PromptInput).load_text(event.text)
                 return
@@ -591,11 +593,13 @@ class ChatScreen(Screen):
         self.start_answer()
 
     def _attach_image(self, path: str) -> bool:
-        """Read, check and keep an image for the next message; False (and a notice) when it is refused."""
+        """Read, check and keep an image or an audio clip (by its suffix) for the next message; False (and a notice)
+        when it is refused."""
+        from localllm.audio import AUDIO_SUFFIXES, read_audio
         from localllm.images import read_image
 
         try:
-            data = read_image(path)
+            data = read_audio(path) if path.lower().endswith(AUDIO_SUFFIXES) else read_image(path)
         except LocalLLMError as e:
             self.notify(str(e), severity="error", timeout=6)
             return False
@@ -616,7 +620,8 @@ class ChatScreen(Screen):
                 self._attach_image(path.strip())
             self.query_one(PromptInput).focus()
 
-        self.app.push_screen(TextModal("Attach an image (path to a PNG, JPEG, WebP, GIF or BMP file)"), done)
+        self.app.push_screen(TextModal("Attach an image or audio clip (path to a PNG, JPEG, WebP, GIF or BMP file, "
+                                       "or a WAV, MP3 or FLAC one)"), done)
 
     def action_regenerate(self) -> None:
         if self.generating or self.conversation is None:

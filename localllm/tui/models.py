@@ -56,7 +56,9 @@ def model_rows(session: Session) -> list[ModelRow]:
                 fit = session.advisor.fit(m.name)
             except Exception as e:  # noqa: BLE001 - a verdict that cannot be computed is shown, not raised
                 fit = Fit(text=f"? ({e})")
-        formats = m.formats + (["mmproj"] if m.projector_path else [])  # a vision projector: the model takes images
+        media = [c for c in ("vision", "audio") if c in m.capabilities]  # what its projector takes
+        formats = m.formats + ((["mmproj"] if media == ["vision"] else [f"mmproj({'+'.join(media)})"])
+                               if m.projector_path else [])
         rows.append(ModelRow(name=m.name, size=m.size, quantization=m.quantization, backend=fit.backend,
                              verdict=fit.text, loaded=m.name in loaded, formats="+".join(formats) or "GGUF",
                              base=m.base))
