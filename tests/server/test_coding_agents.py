@@ -1,0 +1,103 @@
+"""The real coding agents on a real server: Codex CLI (``codex exec``, its ``--oss`` Ollama provider and a plain
+Responses provider) and Claude Code (``claude -p``), installed from npm into the test cache, exit 0 with the
+answer; a scripted tool call makes the agent run a real tool (a file appears in the work tree).
+
+The model is made (:func:`tests.support_agents.long_context_model`: the default model's tokenizer, a tool
+template, a 32k trained context, random weights) and runs on llama.cpp for real, the answers scripted
+(:func:`tests.support_agents.scripted_backend`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.server.derived import install_derived
+from tests.support_agents import CLAUDE_QUIET, Script, agent_bin, long_context_model, tool_call
+
+AGENT_MODEL = "agent-llama:tiny"
+ANSWER = "The file is there."
+
+
+def decide(prompt: str) -> str:
+    """Ask for a file: the model calls the agent's file tool; once the tool's result is back, it answers."""
+    turn = prompt.rsplit("<|im_start|>user", 1)[-1]
+    if "<tool_response>" in turn or "<|im_start|>tool" in turn:
+        return ANSWER
+    if "Create hello.txt" not in prompt:
+        return "OK"  # a side request (a title, a check): anything
+    if "exec_command" in prompt:  # Codex
+        return tool_call("exec_command", {"cmd": "printf hi > hello.txt"})
+    if '"name": "Write"' in prompt:  # Claude Code
+        cwd = re.search(r"Primary working directory: (\S+)", prompt)
+        return tool_call("Write", {"file_path": f"{cwd.group(1) if cwd else '.'}/hello.txt", "content": "hi"})
+    return "no tool to call"
+
+
+@pytest.fixture(scope="module")
+def agent_server(default_model_path, tmp_path_factory):
+    from tests.support_agents import LONG_CTX, scripted_backend
+
+    script = Script(decide)
+    gguf = long_context_model(default_model_path)
+    store = install_derived(gguf, AGENT_MODEL, tmp_path_factory.mktemp("agent-home"),
+                            member="agent_llama/model.gguf")
+    from localllm.engine import Engine
+    from tests.server.conftest import start
+
+    srv = start(Engine(store=store, keep_alive=300, backend_class=scripted_backend(script)), context_length=LONG_CTX)
+    srv.script = script
+    yield srv
+    srv.stop()
+    srv.engine.close()
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=cwd, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def _work(tmp_path: Path) -> Path:
+    work = tmp_path / "work"
+    work.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=work, check=True)
+    return work
+
+
+PROMPT = "Create hello.txt containing hi."
+
+
+@pytest.mark.parametrize("provider", ["oss", "responses"])
+def test_codex_exec_runs_a_tool_and_answers(agent_server, tmp_path, provider):
+    codex = agent_bin("codex")
+    work = _work(tmp_path)
+    env = {"CODEX_HOME": str(tmp_path / "codex-home"), "NO_COLOR": "1"}
+    (tmp_path / "codex-home").mkdir()
+    args = [str(codex), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+            "-m", AGENT_MODEL]
+    if provider == "oss":
+        env["CODEX_OSS_BASE_URL"] = agent_server.url + "/v1"
+        args += ["--oss", "--local-provider", "ollama"]
+    else:
+        args += ["-c", "model_provider=localllm", "-c", 'model_providers.localllm={name="localllm",base_url="'
+                 + agent_server.url + '/v1",wire_api="responses"}']
+    r = _run([*args, PROMPT], work, env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ANSWER in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
+    assert (work / "hello.txt").read_text() == "hi"
+
+
+def test_claude_p_runs_a_tool_and_answers(agent_server, tmp_path):
+    claude = agent_bin("claude")
+    work = _work(tmp_path)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**CLAUDE_QUIET, "HOME": str(home), "ANTHROPIC_BASE_URL": agent_server.url, "ANTHROPIC_API_KEY": "local",
+           "ANTHROPIC_DEFAULT_HAIKU_MODEL": AGENT_MODEL, "ANTHROPIC_SMALL_FAST_MODEL": AGENT_MODEL}
+    r = _run([str(claude), "-p", "--model", AGENT_MODEL, "--permission-mode", "acceptEdits", PROMPT], work, env)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    assert ANSWER in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
+    assert (work / "hello.txt").read_text() == "hi"
