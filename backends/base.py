@@ -172,6 +172,9 @@ class GenerateRequest:
     # raw images (PNG/JPEG bytes) for a ``prompt`` request, in the order of IMAGE_MARKER in it (else prepended);
     # chat messages carry theirs as ``message["images"]`` (a list of bytes)
     images: list[bytes] | None = None
+    # no turn is dropped to make room: a chat that outgrows the context raises ContextOverflowError (with the
+    # prompt's size) instead, so that the caller can load a larger context first
+    keep_turns: bool = False
 
     @property
     def has_images(self) -> bool:

@@ -32,11 +32,11 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from localllm.engine import Done, GenerateRequest, Stats, TextChunk, ToolCalls
+from localllm.engine import ContextOverflowError, Done, GenerateRequest, Stats, TextChunk, ToolCalls
 from localllm.server import generation as g
 from localllm.server.agent_tools import anthropic_tools
 from localllm.server.checks import check_format, check_tools, forced_tools
-from localllm.server.errors import bad_request
+from localllm.server.errors import APIError, bad_request
 from localllm.server.framing import SSE, SSE_HEADERS, call_id, normalize_calls, sse
 from localllm.server.images import check_request, from_base64
 from localllm.server.options import api_options, keep_alive_of
@@ -358,7 +358,10 @@ class MessagesEncoder:
 @router.post("/messages")
 async def messages(body: AnthropicBody, request: Request) -> Response:
     call = messages_call(body)
-    run = await g.begin(request, call)
+    try:
+        run = await g.begin(request, call)
+    except ContextOverflowError as e:  # the context grew as far as it could first: Anthropic's words
+        raise APIError(400, f"prompt is too long: {e.prompt_tokens} tokens > {e.n_ctx} maximum") from None
     if body.stream:
         return run.stream(MessagesEncoder(body.model, estimate_tokens(call.request.messages or [], call.request.tools)))
     return JSONResponse(message_object(f"msg_{secrets.token_hex(12)}", body.model, await run.collect()))

@@ -45,7 +45,7 @@ from localllm.server.checks import check_format, check_tools, forced_tools
 from localllm.server.errors import APIError, bad_request
 from localllm.server.framing import SSE, SSE_HEADERS, call_id, logprob_item, normalize_calls, sse
 from localllm.server.images import from_url
-from localllm.server.openai_routes import error_body
+from localllm.server.openai_routes import begin, error_body
 from localllm.server.options import api_options, check_top_logprobs, keep_alive_of, think_from_effort
 from localllm.server.schemas import ResponsesBody
 from localllm.server.translator import Translator
@@ -569,7 +569,7 @@ async def create(body: ResponsesBody, request: Request) -> Response:
         history = list(prev.messages)
     call, conversation, names = responses_call(body, history)
     ctx = Context(_id("resp"), body, conversation, store, names)
-    run = await g.begin(request, call)
+    run = await begin(request, call)
     if body.stream:
         return run.stream(ResponsesEncoder(ctx))
     return JSONResponse(collected(ctx, await run.collect()))

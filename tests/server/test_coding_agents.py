@@ -1,6 +1,8 @@
 """The real coding agents on a real server: Codex CLI (``codex exec``, its ``--oss`` Ollama provider and a plain
 Responses provider) and Claude Code (``claude -p``), installed from npm into the test cache, exit 0 with the
-answer; a scripted tool call makes the agent run a real tool (a file appears in the work tree).
+answer; a scripted tool call makes the agent run a real tool (a file appears in the work tree). No setting:
+the server reloads the model with a context that fits an agent's prompt (and says what cannot fit at all in
+each API's own words).
 
 The model is made (:func:`tests.support_agents.long_context_model`: the default model's tokenizer, a tool
 template, a 32k trained context, random weights) and runs on llama.cpp for real, the answers scripted
@@ -39,7 +41,7 @@ def decide(prompt: str) -> str:
 
 @pytest.fixture(scope="module")
 def agent_server(default_model_path, tmp_path_factory):
-    from tests.support_agents import LONG_CTX, scripted_backend
+    from tests.support_agents import scripted_backend
 
     script = Script(decide)
     gguf = long_context_model(default_model_path)
@@ -48,7 +50,7 @@ def agent_server(default_model_path, tmp_path_factory):
     from localllm.engine import Engine
     from tests.server.conftest import start
 
-    srv = start(Engine(store=store, keep_alive=300, backend_class=scripted_backend(script)), context_length=LONG_CTX)
+    srv = start(Engine(store=store, keep_alive=300, backend_class=scripted_backend(script)), context_length=0)
     srv.script = script
     yield srv
     srv.stop()
@@ -101,3 +103,56 @@ def test_claude_p_runs_a_tool_and_answers(agent_server, tmp_path):
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert ANSWER in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
     assert (work / "hello.txt").read_text() == "hi"
+
+
+# ------------------------------------------------------------------------------------------ agent-sized prompts
+
+WORD = "lorem "  # two tokens of the default model's vocabulary
+
+
+def _ps(url: str) -> int:
+    import httpx
+
+    (m,) = httpx.get(url + "/api/ps").json()["models"]
+    return int(m["context_length"])
+
+
+def test_a_prompt_beyond_the_loaded_context_reloads_it_larger(agent_server):
+    import anthropic
+
+    from localllm.planner import DEFAULT_CTX
+
+    client = anthropic.Anthropic(base_url=agent_server.url, api_key="x", max_retries=0)
+    client.messages.create(model=AGENT_MODEL, max_tokens=16, messages=[{"role": "user", "content": "hi"}],
+                           extra_body={"keep_alive": 0})  # unloaded: the next load is the planner's default
+    small = client.messages.create(model=AGENT_MODEL, max_tokens=16, messages=[{"role": "user", "content": "hi"}])
+    assert small.content[0].text == "OK" and _ps(agent_server.url) == DEFAULT_CTX
+    system = WORD * 3000 + "END-OF-SYSTEM"
+    r = client.messages.create(model=AGENT_MODEL, max_tokens=16, system=system,
+                               messages=[{"role": "user", "content": "hi"}])
+    assert r.content[0].text == "OK" and r.usage.input_tokens > 6000 > DEFAULT_CTX
+    assert _ps(agent_server.url) == 2 * DEFAULT_CTX  # the smallest power of two that holds it
+    assert "END-OF-SYSTEM" in agent_server.script.prompts[-1]  # nothing was cut
+
+
+def test_what_cannot_fit_at_all_is_each_apis_own_error(agent_server):
+    import anthropic
+    import openai
+
+    from tests.support_agents import LONG_CTX
+
+    huge = WORD * (LONG_CTX // 2 + 500)
+    claude = anthropic.Anthropic(base_url=agent_server.url, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=AGENT_MODEL, max_tokens=16, messages=[{"role": "user", "content": huge}])
+    err = e.value.body["error"]
+    assert err["type"] == "invalid_request_error"
+    assert re.fullmatch(rf"prompt is too long: \d+ tokens > {LONG_CTX} maximum", err["message"]), err
+    oai = openai.OpenAI(base_url=agent_server.url + "/v1", api_key="x", max_retries=0)
+    for create in (lambda: oai.chat.completions.create(model=AGENT_MODEL, messages=[{"role": "user", "content": huge}]),
+                   lambda: oai.responses.create(model=AGENT_MODEL, input=huge)):
+        with pytest.raises(openai.BadRequestError) as oe:
+            create()
+        assert oe.value.code == "context_length_exceeded"
+        assert f"maximum context length is {LONG_CTX} tokens" in oe.value.message
+    assert _ps(agent_server.url) == LONG_CTX  # it grew as far as the model was trained for
