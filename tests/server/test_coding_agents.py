@@ -156,3 +156,27 @@ def test_what_cannot_fit_at_all_is_each_apis_own_error(agent_server):
         assert oe.value.code == "context_length_exceeded"
         assert f"maximum context length is {LONG_CTX} tokens" in oe.value.message
     assert _ps(agent_server.url) == LONG_CTX  # it grew as far as the model was trained for
+
+
+# ------------------------------------------------------------------------------------------ localllm launch
+
+
+@pytest.mark.parametrize("agent", ["codex", "claude"])
+def test_localllm_launch_runs_the_agent_on_the_server(agent_server, tmp_path, agent):
+    """``localllm launch AGENT`` finds the server, passes the configuration and execs the agent (here with the
+    agent's own one-shot arguments after ``--``)."""
+    import sys
+
+    binary = agent_bin(agent)
+    work = _work(tmp_path)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": f"{binary.parent}{os.pathsep}{os.environ['PATH']}", "HOME": str(home),
+           "CODEX_HOME": str(home), "NO_COLOR": "1"}
+    own = (["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"] if agent == "codex"
+           else ["-p", "--permission-mode", "acceptEdits"])
+    r = _run([sys.executable, "-m", "localllm", "launch", agent, "--host", agent_server.url, "--model", AGENT_MODEL,
+              "--", *own, PROMPT], work, env)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    assert ANSWER in r.stdout and (work / "hello.txt").read_text() == "hi"
+    assert f"localllm: server {agent_server.url} found" in r.stderr
