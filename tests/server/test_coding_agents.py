@@ -86,10 +86,20 @@ def test_codex_exec_runs_a_tool_and_answers(agent_server, tmp_path, provider):
     else:
         args += ["-c", "model_provider=localllm", "-c", 'model_providers.localllm={name="localllm",base_url="'
                  + agent_server.url + '/v1",wire_api="responses"}']
-    r = _run([*args, PROMPT], work, env)
+    stats: list = []
+    observe = lambda model, st: stats.append(st)  # noqa: E731
+    agent_server.engine.observers.append(observe)
+    try:
+        r = _run([*args, PROMPT], work, env)
+    finally:
+        agent_server.engine.observers.remove(observe)
     assert r.returncode == 0, r.stderr[-3000:]
     assert ANSWER in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
     assert (work / "hello.txt").read_text() == "hi"
+    # the agent's second turn re-sent the whole prefix: only what is new was evaluated
+    turn1, turn2 = stats[-2:]
+    assert turn2.prompt_eval_count > turn1.prompt_eval_count > 5000
+    assert turn2.prompt_eval_count - turn2.prompt_cached_tokens <= 0.05 * turn1.prompt_eval_count
 
 
 def test_claude_p_runs_a_tool_and_answers(agent_server, tmp_path):
@@ -180,3 +190,91 @@ def test_localllm_launch_runs_the_agent_on_the_server(agent_server, tmp_path, ag
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert ANSWER in r.stdout and (work / "hello.txt").read_text() == "hi"
     assert f"localllm: server {agent_server.url} found" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------ agent turns are cheap
+
+
+def test_turn_two_evaluates_only_what_is_new_with_sessions_interleaved(agent_server):
+    """Three Codex-shaped sessions (the recorded request, each with its own task), interleaved: A1 B1 C1 A2 B2 C2.
+    Each second turn re-sends its session's whole prefix plus a tool call and its output; the server evaluates
+    at most 5% of the first turn's prompt (usage.input_tokens_details.cached_tokens says what was reused)."""
+    import copy
+    import json
+
+    import openai
+
+    from tests.server.test_agent_protocol import CODEX
+
+    client = openai.OpenAI(base_url=agent_server.url + "/v1", api_key="x", max_retries=0)
+    sessions = {}
+    for s in "ABC":
+        body = copy.deepcopy(CODEX)
+        body["input"][-1]["content"][0]["text"] = f"Session {s}: Create hello.txt containing hi."
+        body["prompt_cache_key"] = f"session-{s}"
+        sessions[s] = body
+
+    def send(body):
+        extra = {k: v for k, v in body.items() if k in ("client_metadata",)}
+        args = {k: v for k, v in body.items() if k not in ("client_metadata", "stream")}
+        return client.responses.create(**{**args, "model": AGENT_MODEL}, extra_body=extra)
+
+    first = {s: send(b) for s, b in sessions.items()}
+    for s, r in first.items():
+        (call,) = [o for o in r.output if o.type == "function_call"]
+        sessions[s]["input"] += [call.model_dump(exclude_none=True),
+                                 {"type": "function_call_output", "call_id": call.call_id, "output": "done"}]
+    second = {s: send(b) for s, b in sessions.items()}
+    for s in "ABC":
+        p1 = first[s].usage.input_tokens
+        u2 = second[s].usage
+        evaluated = u2.input_tokens - u2.input_tokens_details.cached_tokens
+        assert u2.input_tokens > p1 > 2000
+        assert evaluated <= 0.05 * p1, (s, p1, u2)
+    assert json.dumps(second["C"].output[0].model_dump()).find(ANSWER) >= 0
+
+
+def test_turn_two_after_a_server_restart_comes_from_the_prompt_cache(agent_server):
+    """Turn 1 on one server, turn 2 on a new server over the same store: the prefix comes back from the prompt
+    cache on disk (the whole turn-1 prompt is saved when its request ends)."""
+    import copy
+    import time
+
+    import openai
+
+    from localllm.engine import Engine
+    from tests.server.conftest import start
+    from tests.server.test_agent_protocol import CODEX
+    from tests.support_agents import scripted_backend
+
+    body = copy.deepcopy(CODEX)
+    body["input"][-1]["content"][0]["text"] = "After a restart: Create hello.txt containing hi."
+    args = {k: v for k, v in body.items() if k not in ("client_metadata", "stream")}
+
+    def turn(srv, body_args):
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        return client.responses.create(**{**body_args, "model": AGENT_MODEL})
+
+    def server():
+        return start(Engine(store=agent_server.engine.store, keep_alive=300,
+                            backend_class=scripted_backend(agent_server.script)), context_length=0)
+
+    first = server()
+    try:
+        r1 = turn(first, args)
+        time.sleep(1.0)  # the state file is written in the background after the answer
+    finally:
+        first.stop()
+        first.engine.close()
+    (call,) = [o for o in r1.output if o.type == "function_call"]
+    args["input"] = [*args["input"], call.model_dump(exclude_none=True),
+                     {"type": "function_call_output", "call_id": call.call_id, "output": "done"}]
+    second = server()
+    try:
+        r2 = turn(second, args)
+    finally:
+        second.stop()
+        second.engine.close()
+    evaluated = r2.usage.input_tokens - r2.usage.input_tokens_details.cached_tokens
+    assert r2.output[0].content[0].text == ANSWER
+    assert evaluated <= 0.05 * r1.usage.input_tokens, (r1.usage, r2.usage)
