@@ -73,14 +73,20 @@ _EFFORT: dict[str, ThinkValue] = {"low": "low", "medium": "medium", "high": "hig
 # ------------------------------------------------------------------------------------ requests (pure)
 
 
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block: for Anthropic's billing
+
+
 def system_text(system: Any, where: str = "system") -> str:
+    """The system prompt's text. Claude Code's billing header block (its version and a hash that changes with
+    the session's first message) is not for the model and is left out, so that sessions share their prefix."""
     if system is None or isinstance(system, str):
         return system or ""
     texts = []
     for i, block in enumerate(system):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise bad_request(f"{where}[{i}] must be a text block")
-        texts.append(block["text"])
+        if not block["text"].startswith(BILLING_HEADER):
+            texts.append(block["text"])
     return "\n\n".join(texts)
 
 

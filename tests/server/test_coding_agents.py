@@ -109,10 +109,20 @@ def test_claude_p_runs_a_tool_and_answers(agent_server, tmp_path):
     home.mkdir()
     env = {**CLAUDE_QUIET, "HOME": str(home), "ANTHROPIC_BASE_URL": agent_server.url, "ANTHROPIC_API_KEY": "local",
            "ANTHROPIC_DEFAULT_HAIKU_MODEL": AGENT_MODEL, "ANTHROPIC_SMALL_FAST_MODEL": AGENT_MODEL}
-    r = _run([str(claude), "-p", "--model", AGENT_MODEL, "--permission-mode", "acceptEdits", PROMPT], work, env)
+    stats: list = []
+    observe = lambda model, st: stats.append(st)  # noqa: E731
+    agent_server.engine.observers.append(observe)
+    try:
+        r = _run([str(claude), "-p", "--model", AGENT_MODEL, "--permission-mode", "acceptEdits", PROMPT], work, env)
+    finally:
+        agent_server.engine.observers.remove(observe)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert ANSWER in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
     assert (work / "hello.txt").read_text() == "hi"
+    turn1, turn2 = stats[-2:]  # the tool call, then the answer: only what is new was evaluated
+    assert turn2.prompt_eval_count > turn1.prompt_eval_count > 5000
+    assert turn2.prompt_eval_count - turn2.prompt_cached_tokens <= 0.05 * turn1.prompt_eval_count
+    assert "x-anthropic-billing-header" not in agent_server.script.prompts[-1]
 
 
 # ------------------------------------------------------------------------------------------ agent-sized prompts
