@@ -579,6 +579,9 @@ class Engine:
         have = running.info.n_ctx
         trained = running.info.n_ctx_train or have
         fallback = (replace(request, keep_turns=False), options) if request.keep_turns else None
+        derived = running.installed.derived if running.installed is not None else None
+        if derived is not None and derived.parameters.get("num_ctx"):
+            return fallback  # a created model's PARAMETER num_ctx is a setting: honoured, as a request's is
         want = have
         while want < trained and e.prompt_tokens > want - answer_reserve(request.sampling.max_tokens, want):
             want *= 2

@@ -288,3 +288,17 @@ def test_turn_two_after_a_server_restart_comes_from_the_prompt_cache(agent_serve
     evaluated = r2.usage.input_tokens - r2.usage.input_tokens_details.cached_tokens
     assert r2.output[0].content[0].text == ANSWER
     assert evaluated <= 0.05 * r1.usage.input_tokens, (r1.usage, r2.usage)
+
+
+def test_a_created_models_num_ctx_is_a_setting_the_context_does_not_grow_past(agent_server):
+    """A model made with ``PARAMETER num_ctx 4096`` keeps that context: a longer prompt is the API's error."""
+    import anthropic
+
+    from localllm.modelfile import parse
+
+    agent_server.engine.store.create("agent-llama:ctx4k", parse(f"FROM {AGENT_MODEL}\nPARAMETER num_ctx 4096"))
+    client = anthropic.Anthropic(base_url=agent_server.url, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="agent-llama:ctx4k", max_tokens=16, system=WORD * 3000,
+                               messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["error"]["message"].endswith("tokens > 4096 maximum")
