@@ -26,7 +26,8 @@ import pytest
 from tests.support import QWEN25_TEMPLATE, TEST_CACHE, file_key
 
 LONG_CTX = 32768
-AGENTS = {"codex": ("@openai/codex@0.171.0", "codex"), "claude": ("@anthropic-ai/claude-code@2.1.332", "claude")}
+AGENTS = {"codex": ("@openai/codex@0.171.0", "codex"), "claude": ("@anthropic-ai/claude-code@2.1.332", "claude"),
+          "opencode": ("opencode-ai@1.18.33", "opencode")}
 # Claude Code without telemetry, error reports, update checks or any other traffic but the model's
 CLAUDE_QUIET = {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_NON_ESSENTIAL_MODEL_CALLS": "1"}

@@ -171,4 +171,5 @@ def command(agent: str, agent_args: tuple[str, ...], model: str | None, host: st
                f"(configuration for this run only: `localllm launch {agent} --config` shows it).", err=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(exe, [exe, *s.args, *agent_args], {**os.environ, **s.env})
+    # PWD as well: OpenCode takes its working directory from it, and a parent that is not a shell leaves it stale
+    os.execvpe(exe, [exe, *s.args, *agent_args], {**os.environ, "PWD": os.getcwd(), **s.env})

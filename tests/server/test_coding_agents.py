@@ -36,6 +36,9 @@ def decide(prompt: str) -> str:
     if '"name": "Write"' in prompt:  # Claude Code
         cwd = re.search(r"Primary working directory: (\S+)", prompt)
         return tool_call("Write", {"file_path": f"{cwd.group(1) if cwd else '.'}/hello.txt", "content": "hi"})
+    if '"name": "write"' in prompt:  # OpenCode
+        cwd = re.search(r"Working directory: (\S+)", prompt)
+        return tool_call("write", {"filePath": f"{cwd.group(1) if cwd else '.'}/hello.txt", "content": "hi"})
     return "no tool to call"
 
 
@@ -125,6 +128,25 @@ def test_claude_p_runs_a_tool_and_answers(agent_server, tmp_path):
     assert "x-anthropic-billing-header" not in agent_server.script.prompts[-1]
 
 
+def test_opencode_run_runs_a_tool_and_answers(agent_server, tmp_path):
+    """OpenCode on /v1/chat/completions, its provider given inline (OPENCODE_CONFIG_CONTENT), as launch does."""
+    import json
+
+    opencode = agent_bin("opencode")
+    work = _work(tmp_path)
+    home = tmp_path / "home"
+    home.mkdir()
+    config = {"model": f"localllm/{AGENT_MODEL}", "provider": {"localllm": {
+        "npm": "@ai-sdk/openai-compatible", "options": {"baseURL": agent_server.url + "/v1", "apiKey": "x"},
+        "models": {AGENT_MODEL: {}}}}}
+    env = {"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".data"),
+           "OPENCODE_CONFIG_CONTENT": json.dumps(config), "NO_COLOR": "1", "PWD": str(work)}  # (it reads PWD)
+    r = _run([str(opencode), "run", PROMPT], work, env)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    assert ANSWER in r.stdout + r.stderr, (r.stdout[-2000:], r.stderr[-2000:])
+    assert (work / "hello.txt").read_text() == "hi"
+
+
 # ------------------------------------------------------------------------------------------ agent-sized prompts
 
 WORD = "lorem "  # two tokens of the default model's vocabulary
@@ -181,7 +203,7 @@ def test_what_cannot_fit_at_all_is_each_apis_own_error(agent_server):
 # ------------------------------------------------------------------------------------------ localllm launch
 
 
-@pytest.mark.parametrize("agent", ["codex", "claude"])
+@pytest.mark.parametrize("agent", ["codex", "claude", "opencode"])
 def test_localllm_launch_runs_the_agent_on_the_server(agent_server, tmp_path, agent):
     """``localllm launch AGENT`` finds the server, passes the configuration and execs the agent (here with the
     agent's own one-shot arguments after ``--``)."""
@@ -192,9 +214,10 @@ def test_localllm_launch_runs_the_agent_on_the_server(agent_server, tmp_path, ag
     home = tmp_path / "home"
     home.mkdir()
     env = {"PATH": f"{binary.parent}{os.pathsep}{os.environ['PATH']}", "HOME": str(home),
-           "CODEX_HOME": str(home), "NO_COLOR": "1"}
-    own = (["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"] if agent == "codex"
-           else ["-p", "--permission-mode", "acceptEdits"])
+           "CODEX_HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".data"),
+           "NO_COLOR": "1"}
+    own = {"codex": ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"],
+           "claude": ["-p", "--permission-mode", "acceptEdits"], "opencode": ["run"]}[agent]
     r = _run([sys.executable, "-m", "localllm", "launch", agent, "--host", agent_server.url, "--model", AGENT_MODEL,
               "--", *own, PROMPT], work, env)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
