@@ -311,6 +311,18 @@ def test_a_malformed_anthropic_tool_is_a_400_naming_it(claude, tool, says):
     assert e.value.body["error"]["type"] == "invalid_request_error" and says in e.value.body["error"]["message"]
 
 
+@pytest.mark.parametrize(("tool", "says"), [
+    ({"type": "function", "function": {"parameters": {"type": "object"}}}, "tools[0]: a function tool needs a name"),
+    ({"type": "function", "function": {"name": "write", "parameters": []}},
+     "tools[0] (write): the parameter schema must be a JSON schema object"),
+])
+def test_a_malformed_chat_tool_is_a_400_naming_it(oai, tool, says):
+    """OpenCode's API (chat completions): the same sentence."""
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=TOOL_MODEL, messages=[{"role": "user", "content": "hi"}], tools=[tool])
+    assert says in e.value.body["message"] and e.value.body["param"] == "tools"
+
+
 # ------------------------------------------------------------------------------------------ version
 
 
