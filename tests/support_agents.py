@@ -7,8 +7,9 @@ what a test scripts on the real llama.cpp backend, and the agents themselves (np
 * :func:`scripted_backend`: llama.cpp for real (template, tokenizer, prompt evaluation, KV reuse) with the
   sampler replaced by a script: ``decide(rendered prompt) -> text`` is played back token by token, then the end
   of turn. A ``<tool_call>{...}</tool_call>`` reply is a tool call the agent runs.
-* :func:`agent_bin`: ``codex`` / ``claude`` installed once from npm into the test cache (a "hardware:" skip
-  where ``node`` is missing), and the environment that keeps them offline and quiet.
+* :func:`agent_bin`: ``codex`` / ``claude`` / ``opencode`` installed once from npm into the test cache (a
+  "hardware:" skip where ``node`` is missing); :data:`CLAUDE_QUIET` and :func:`agent_env`: the environment that
+  keeps them quiet and their downloads cached.
 """
 
 from __future__ import annotations
@@ -143,6 +144,13 @@ class _Playback:
 
 
 # ------------------------------------------------------------------------------------------ the agents
+
+
+def agent_env(agent: str) -> dict[str, str]:
+    """What an agent needs in its environment for a test beyond its configuration: OpenCode installs npm packages
+    (its plugins, the AI SDK provider) at run time; their npm cache stays in the test cache, so only the first
+    run downloads them."""
+    return {"npm_config_cache": str(TEST_CACHE / "npm" / "cache")} if agent == "opencode" else {}
 
 
 def agent_bin(agent: str) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.server.derived import install_derived
-from tests.support_agents import CLAUDE_QUIET, Script, agent_bin, long_context_model, tool_call
+from tests.support_agents import CLAUDE_QUIET, Script, agent_bin, agent_env, long_context_model, tool_call
 
 AGENT_MODEL = "agent-llama:tiny"
 ANSWER = "The file is there."
@@ -140,7 +140,8 @@ def test_opencode_run_runs_a_tool_and_answers(agent_server, tmp_path):
         "npm": "@ai-sdk/openai-compatible", "options": {"baseURL": agent_server.url + "/v1", "apiKey": "x"},
         "models": {AGENT_MODEL: {}}}}}
     env = {"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".data"),
-           "OPENCODE_CONFIG_CONTENT": json.dumps(config), "NO_COLOR": "1", "PWD": str(work)}  # (it reads PWD)
+           "OPENCODE_CONFIG_CONTENT": json.dumps(config), "NO_COLOR": "1", "PWD": str(work),  # (it reads PWD)
+           **agent_env("opencode")}
     r = _run([str(opencode), "run", PROMPT], work, env)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert ANSWER in r.stdout + r.stderr, (r.stdout[-2000:], r.stderr[-2000:])
@@ -215,7 +216,7 @@ def test_localllm_launch_runs_the_agent_on_the_server(agent_server, tmp_path, ag
     home.mkdir()
     env = {"PATH": f"{binary.parent}{os.pathsep}{os.environ['PATH']}", "HOME": str(home),
            "CODEX_HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".data"),
-           "NO_COLOR": "1"}
+           "NO_COLOR": "1", **agent_env(agent)}
     own = {"codex": ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"],
            "claude": ["-p", "--permission-mode", "acceptEdits"], "opencode": ["run"]}[agent]
     r = _run([sys.executable, "-m", "localllm", "launch", agent, "--host", agent_server.url, "--model", AGENT_MODEL,
