@@ -73,3 +73,37 @@ def test_an_agent_that_is_not_installed_is_one_sentence(agent, install, tmp_path
 def test_an_unknown_agent_is_refused():
     r = launch("aider")
     assert r.returncode == 2 and "'aider' is not one of 'claude', 'codex', 'opencode'" in r.stderr
+
+
+def test_launch_starts_a_server_when_none_answers(tmp_path, installed_default_model):
+    """No server at --host: launch starts `localllm serve` there in the background, then runs the agent (a stand-in
+    that prints its arguments and environment), and leaves the server running for the next launch."""
+    import os
+    import socket
+
+    import httpx
+    import psutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fake = tmp_path / "bin" / "codex"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "args: $*"\n')
+    fake.chmod(0o755)
+    r = launch("codex", "--host", f"127.0.0.1:{port}", "--", "exec", "hi",
+               PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    server = [c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.status == "LISTEN"]
+    try:
+        assert r.returncode == 0, r.stderr
+        assert f"localllm: server http://127.0.0.1:{port} started (log: " in r.stderr
+        assert r.stdout.startswith("args: -c model_provider=\"localllm\" -c model_providers.localllm={")
+        assert r.stdout.rstrip().endswith("-m smollm2:135m exec hi")
+        assert httpx.get(f"http://127.0.0.1:{port}/api/version").json()["localllm"]  # still serving
+        again = launch("codex", "--host", f"127.0.0.1:{port}", PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+        assert f"localllm: server http://127.0.0.1:{port} found" in again.stderr
+    finally:
+        for pid in server:
+            psutil.Process(pid).terminate()
+            psutil.Process(pid).wait(20)
+    assert server
