@@ -249,6 +249,12 @@ def test_claude_code_tool_use_round_trip(claude):
     assert r.content[0].text == "The tool said: a.txt"
 
 
+def test_claude_code_count_tokens_takes_the_same_body(claude):
+    r = claude.messages.count_tokens(model=TOOL_MODEL, messages=CLAUDE["messages"], system=CLAUDE["system"],
+                                     tools=CLAUDE["tools"])
+    assert r.input_tokens > 5000
+
+
 ANTHROPIC_TOOLS = [
     {"type": "bash_20250124", "name": "bash"},
     {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"},
