@@ -173,6 +173,9 @@ class GenerateRequest:
     # theirs as ``message["images"]`` (a list of bytes). As in Ollama, audio rides in the same list: a WAV, MP3 or
     # FLAC clip is told from an image by its magic bytes (:func:`is_audio`), by mtmd as by the faces' checks
     images: list[bytes] | None = None
+    # no turn is dropped to make room: a chat that outgrows the context raises ContextOverflowError (with the
+    # prompt's size) instead, so that the caller can load a larger context first
+    keep_turns: bool = False
 
     @property
     def has_images(self) -> bool:

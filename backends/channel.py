@@ -136,6 +136,9 @@ class Channel(Generic[T]):
                         ready.clear()
                         self._wakers[wake] = True  # parked: the next put or close wakes it
                         ok, item = None, None  # type: ignore[assignment]
+                    except BaseException:  # the producer's error: it ended the stream, nothing to cancel
+                        finished = self._closed
+                        raise
                 if ok is None:
                     await ready.wait()
                     continue

@@ -20,6 +20,7 @@ from backends import _chatfix, _thinking
 from backends._stops import StopMatcher, Utf8Stream, could_be_tool_call, parse_tool_calls, tool_marker_at
 from backends.base import (
     IMAGE_MARKER,
+    ContextOverflowError,
     Done,
     Event,
     FinishReason,
@@ -113,8 +114,15 @@ class RequestStream:
                     return source.prompt_media(text, message_images(m))
                 return source.prompt_tokens(text)
 
-            toks, self.stats.dropped_messages = fit_messages(msgs, render, n_ctx,
-                                                             answer_reserve(req.sampling.max_tokens, n_ctx))
+            reserve = answer_reserve(req.sampling.max_tokens, n_ctx)
+            if req.keep_turns:
+                toks = render(msgs)
+                if len(toks) > n_ctx - reserve:
+                    raise ContextOverflowError(
+                        f"The prompt needs {len(toks)} tokens and {reserve} more for the answer, but the context "
+                        f"holds {n_ctx}.", prompt_tokens=len(toks), n_ctx=n_ctx)
+            else:
+                toks, self.stats.dropped_messages = fit_messages(msgs, render, n_ctx, reserve)
             if style is not None and req.add_generation_prompt:
                 split = _thinking.splitter_for(style, req.think, last_text[0])
                 self._split = split if split.style is not None else None

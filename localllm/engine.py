@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import os
 import threading
 import time
@@ -193,6 +194,8 @@ class RunningModel:
         """Expiry as a Unix time (``None`` = never), for ``ps`` and ``/api/ps``."""
         left = self.expires_in
         return None if left == float("inf") else time.time() + max(0.0, left)
+
+log = logging.getLogger("localllm.engine")
 
 
 class Engine:
@@ -516,7 +519,9 @@ class Engine:
         keep_alive: float | None = None,
     ) -> Generator[Event, None, None]:
         """Stream events for ``request`` on ``name`` (loaded on demand). The last event is :class:`Done`;
-        its ``stats.load_duration`` includes the load if this call loaded the model.
+        its ``stats.load_duration`` includes the load if this call loaded the model. A prompt that does not fit
+        the loaded context reloads the model with one that fits when the request leaves the context to the
+        planner (:meth:`_grown`).
 
         Raises :class:`ServerBusyError` on the first ``next()`` when the queue is full. Closing the
         generator early cancels the request at the next step."""
@@ -526,17 +531,69 @@ class Engine:
             yield Done(Stats(), finish_reason="cancelled")
             return
         self._track(cancel)
+        request, options = self._growable(request, options or LoadOptions())
         try:
-            running, was_loaded, events = self._start(name, request, options or LoadOptions(), cancel,
-                                                      keep_alive, t_start)
-            try:
-                for event in events:
-                    self._finish(running, event, was_loaded, t_start)
-                    yield event
-            finally:
-                self._release(running, events, cancel, keep_alive)
+            while True:
+                running, was_loaded, events = self._start(name, request, options, cancel, keep_alive, t_start)
+                retry = None
+                sent = False
+                try:
+                    for event in events:
+                        self._finish(running, event, was_loaded, t_start)
+                        sent = True
+                        yield event
+                except ContextOverflowError as e:
+                    retry = None if sent else self._grown(running, request, options, e)
+                    if retry is None:
+                        raise
+                finally:
+                    if retry is None:
+                        self._release(running, events, cancel, keep_alive)
+                    else:  # the request ended with the error (nothing to cancel): only the reference goes back
+                        self._checkin(running, keep_alive)
+                if retry is None:
+                    return
+                request, options = retry
         finally:
             self._untrack(cancel)
+
+    # ------------------------------------------------------------------ the context an agent's prompt needs
+
+    @staticmethod
+    def _growable(request: GenerateRequest, options: LoadOptions) -> tuple[GenerateRequest, LoadOptions]:
+        """A request that leaves the context to the planner keeps every turn: the context grows instead."""
+        if options.num_ctx is None and request.messages is not None and not request.keep_turns:
+            return replace(request, keep_turns=True), options
+        return request, options
+
+    def _grown(self, running: RunningModel, request: GenerateRequest, options: LoadOptions,
+               e: ContextOverflowError) -> tuple[GenerateRequest, LoadOptions] | None:
+        """What to retry a request with whose prompt did not fit ``running``'s context: a larger context (the
+        smallest power of two that holds the prompt and the answer's reserve, up to the trained context and
+        to what the planner says memory holds), else the same context with old turns dropped as usual (which
+        raises the overflow with its numbers when even that does not fit); None: nothing more to try."""
+        from backends.base import answer_reserve
+
+        if options.num_ctx is not None and not request.keep_turns:
+            return None  # the context was asked for
+        have = running.info.n_ctx
+        trained = running.info.n_ctx_train or have
+        fallback = (replace(request, keep_turns=False), options) if request.keep_turns else None
+        derived = running.installed.derived if running.installed is not None else None
+        if derived is not None and derived.parameters.get("num_ctx"):
+            return fallback  # a created model's PARAMETER num_ctx is a setting: honoured, as a request's is
+        want = have
+        while want < trained and e.prompt_tokens > want - answer_reserve(request.sampling.max_tokens, want):
+            want *= 2
+        want = min(want, trained)
+        while want > have:
+            _, p = self.loader.plan(running.name, replace(options, num_ctx=want))
+            if p.verdict != "too_big":
+                log.info("%s: the prompt needs %d tokens; reloading with a %d-token context (was %d)",
+                         running.name, e.prompt_tokens, want, have)
+                return request, replace(options, num_ctx=want)
+            want //= 2
+        return fallback
 
     def _release(self, running: RunningModel, events: Channel[Event], cancel: threading.Event,
                  keep_alive: float | None) -> None:
@@ -578,26 +635,41 @@ class Engine:
         t_start = time.perf_counter_ns()
         cancel = cancel if cancel is not None else threading.Event()
         self._track(cancel)
+        request, options = self._growable(request, options or LoadOptions())
         try:
-            started = asyncio.ensure_future(asyncio.to_thread(
-                self._start, name, request, options or LoadOptions(), cancel, keep_alive, t_start))
-            try:
-                running, was_loaded, events = await asyncio.shield(started)
-            except asyncio.CancelledError:  # the caller left during the load: the thread goes on, its
-                cancel.set()  # request is cancelled, and the model's reference is returned once it is done
+            while True:
+                started = asyncio.ensure_future(asyncio.to_thread(
+                    self._start, name, request, options, cancel, keep_alive, t_start))
+                try:
+                    running, was_loaded, events = await asyncio.shield(started)
+                except asyncio.CancelledError:  # the caller left during the load: the thread goes on, its
+                    cancel.set()  # request is cancelled, and the model's reference is returned once it is done
 
-                def release(f: asyncio.Future[tuple[RunningModel, bool, Channel[Event]]]) -> None:
-                    if not f.cancelled() and f.exception() is None:
-                        self._checkin(f.result()[0], keep_alive)
+                    def release(f: asyncio.Future[tuple[RunningModel, bool, Channel[Event]]]) -> None:
+                        if not f.cancelled() and f.exception() is None:
+                            self._checkin(f.result()[0], keep_alive)
 
-                started.add_done_callback(release)
-                raise
-            try:
-                async for event in events:
-                    self._finish(running, event, was_loaded, t_start)
-                    yield event
-            finally:
-                self._release(running, events, cancel, keep_alive)
+                    started.add_done_callback(release)
+                    raise
+                retry = None
+                sent = False
+                try:
+                    async for event in events:
+                        self._finish(running, event, was_loaded, t_start)
+                        sent = True
+                        yield event
+                except ContextOverflowError as e:
+                    retry = None if sent else await asyncio.to_thread(self._grown, running, request, options, e)
+                    if retry is None:
+                        raise
+                finally:
+                    if retry is None:
+                        self._release(running, events, cancel, keep_alive)
+                    else:  # the request ended with the error (nothing to cancel): only the reference goes back
+                        self._checkin(running, keep_alive)
+                if retry is None:
+                    return
+                request, options = retry
         finally:
             self._untrack(cancel)
 

@@ -33,6 +33,7 @@ USAGE = {
     "bench": "Usage: localllm bench [OPTIONS] MODEL",
     "worker": "Usage: localllm worker [OPTIONS]",
     "transcribe": "Usage: localllm transcribe [OPTIONS] MODEL FILE",
+    "launch": "Usage: localllm launch [OPTIONS] {claude|codex|opencode} [AGENT_ARGS]...",
 }
 TOP_USAGE = "Usage: localllm [OPTIONS] [COMMAND] [ARGS]..."
 TIMEOUT = 120  # a cold start on a loaded 2-core machine takes a few seconds; this is not a speed test

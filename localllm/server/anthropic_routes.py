@@ -3,17 +3,23 @@ path, so Claude Code and the ``anthropic`` SDKs can talk to a local model: the b
 :class:`~localllm.server.generation.Call` and the events into content blocks (pure functions and
 :class:`MessagesEncoder` below). Errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
 
-* ``system`` (a string or text blocks), ``messages`` with text, image (base64), ``tool_use``, ``tool_result``
-  and ``thinking`` blocks, ``max_tokens`` (required), ``stop_sequences``, ``temperature``/``top_p``/``top_k``.
-* ``tools`` (``{name, description, input_schema}``) → tool calls as ``tool_use`` blocks (``stop_reason:
-  "tool_use"``); tools that run on Anthropic's servers (web search...) cannot run here and are left out.
-* ``thinking: {"type": "enabled"}`` (or ``output_config.effort``) → ``think``; reasoning comes back as
-  ``thinking`` blocks. A model that cannot think ignores it (no 400), as Ollama does here.
+* ``system`` (a string or text blocks), ``messages`` with text, image (base64), ``document`` (text),
+  ``tool_use``, ``tool_result`` and ``thinking`` blocks, ``max_tokens`` (required), ``stop_sequences``,
+  ``temperature``/``top_p``/``top_k``. A ``system`` message among the turns (Claude Code sends one after the first
+  user turn) is a system turn where it stands; the blocks of server tools' results are left out with a log line.
+* ``tools`` (``{name, description, input_schema}`` and Anthropic's versioned client tools, ``bash_…``,
+  ``text_editor_…``) → tool calls as ``tool_use`` blocks (``stop_reason: "tool_use"``); tools that run on
+  Anthropic's servers (web search...) and deferred ones cannot run here and are left out
+  (:mod:`~localllm.server.agent_tools`).
+* ``thinking: {"type": "enabled", "budget_tokens": N}`` (or ``adaptive``, or ``output_config.effort``) →
+  ``think``; reasoning comes back as ``thinking`` blocks. A model that cannot think ignores it (no 400), as
+  Ollama does here. ``output_config.format`` (a JSON schema) constrains the answer.
 * Streams: ``message_start``, ``ping``, per block ``content_block_start`` / ``content_block_delta``
   (``thinking_delta``, ``text_delta``, ``input_json_delta``) / ``content_block_stop``, ``message_delta``
   (stop reason, usage), ``message_stop``; an error after the stream began is an ``error`` event.
 * ``x-api-key`` works where a key is configured (:mod:`localllm.server.security`); ``anthropic-version`` and
-  ``anthropic-beta`` headers are accepted and ignored, as are ``cache_control`` and ``metadata``.
+  ``anthropic-beta`` headers (and ``?beta=true``) are accepted and ignored, as are ``cache_control``,
+  ``metadata`` and ``context_management``.
 """
 
 from __future__ import annotations
@@ -26,10 +32,11 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from localllm.engine import Done, GenerateRequest, Stats, TextChunk, ToolCalls
+from localllm.engine import ContextOverflowError, Done, GenerateRequest, Stats, TextChunk, ToolCalls
 from localllm.server import generation as g
-from localllm.server.checks import check_tools, forced_tools
-from localllm.server.errors import bad_request
+from localllm.server.agent_tools import anthropic_tools
+from localllm.server.checks import check_format, check_tools, forced_tools
+from localllm.server.errors import APIError, bad_request
 from localllm.server.framing import SSE, SSE_HEADERS, call_id, normalize_calls, sse
 from localllm.server.images import check_request, from_base64
 from localllm.server.options import api_options, keep_alive_of
@@ -56,22 +63,45 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 
 
 API = Translator("anthropic", router, error_body, prefix="/v1/messages")
-_IGNORED_BLOCKS = ("redacted_thinking", "server_tool_use", "web_search_tool_result")
+_IGNORED_BLOCKS = ("redacted_thinking", "server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+                   "code_execution_tool_result", "bash_code_execution_tool_result",
+                   "text_editor_code_execution_tool_result", "tool_search_tool_result", "mcp_tool_use",
+                   "mcp_tool_result", "container_upload", "tool_reference")
 _EFFORT: dict[str, ThinkValue] = {"low": "low", "medium": "medium", "high": "high", "max": "high", "xhigh": "high"}
 
 
 # ------------------------------------------------------------------------------------ requests (pure)
 
 
-def system_text(system: Any) -> str:
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block: for Anthropic's billing
+
+
+def system_text(system: Any, where: str = "system") -> str:
+    """The system prompt's text. Claude Code's billing header block (its version and a hash that changes with
+    the session's first message) is not for the model and is left out, so that sessions share their prefix."""
     if system is None or isinstance(system, str):
         return system or ""
     texts = []
     for i, block in enumerate(system):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise bad_request(f"system[{i}] must be a text block")
-        texts.append(block["text"])
+            raise bad_request(f"{where}[{i}] must be a text block")
+        if not block["text"].startswith(BILLING_HEADER):
+            texts.append(block["text"])
     return "\n\n".join(texts)
+
+
+def _document_text(block: dict[str, Any]) -> str:
+    """A ``document`` (a text or content source) or ``search_result`` block as text; "" for a PDF or a URL."""
+    source = block.get("source")
+    title = block.get("title") if isinstance(block.get("title"), str) else ""
+    if isinstance(source, dict) and source.get("type") == "text" and isinstance(source.get("data"), str):
+        body = source["data"]
+    else:
+        content = source.get("content") if isinstance(source, dict) else block.get("content")
+        body = _tool_result_text(content, "document") if isinstance(content, list | str) else ""
+    if not body:
+        log.info("document block without text (a PDF or a URL) left out of the prompt")
+    return f"{title}\n{body}".strip() if body else ""
 
 
 def _tool_result_text(content: Any, where: str) -> str:
@@ -94,8 +124,11 @@ def messages_in(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
     names: dict[str, str] = {}  # tool_use id -> tool name
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if m.role not in ("user", "assistant"):
-            raise bad_request(f"{where}.role must be user or assistant")
+        if m.role not in ("user", "assistant", "system"):
+            raise bad_request(f"{where}.role must be user, assistant or system")
+        if m.role == "system":  # Claude Code's environment turn: a system turn where it stands
+            out.append({"role": "system", "content": system_text(m.content, f"{where}.content")})
+            continue
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         texts: list[str] = []
         thinking: list[str] = []
@@ -133,8 +166,12 @@ def messages_in(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
                 if tid in names:
                     tool["name"] = tool["tool_name"] = names[tid]
                 tools.append(tool)
+            elif kind in ("document", "search_result"):
+                text = _document_text(block)
+                if text:
+                    texts.append(text)
             elif kind in _IGNORED_BLOCKS:
-                continue
+                log.info("%s block (a server tool's or a reference) left out of the prompt", kind)
             else:
                 raise bad_request(f"{at}: content block type {str(kind)[:40]!r} is not supported in a {m.role} turn")
         out += tools
@@ -151,24 +188,21 @@ def messages_in(messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
 
 
 def tools_in(tools: list[dict[str, Any]] | None, choice: dict[str, Any] | None) -> list[dict[str, Any]] | None:
-    """Anthropic tools → the backend's; server tools (no ``input_schema``) are left out, with a log line."""
-    if not tools or (choice or {}).get("type") == "none":
+    """Anthropic tools → the backend's; server tools and deferred ones are left out, with a log line."""
+    out = anthropic_tools(tools)  # checked even when tool_choice is none: a malformed tool is a 400
+    if not out or (choice or {}).get("type") == "none":
         return None
-    out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
-            raise bad_request(f"tools[{i}] must have a name")
-        schema = tool.get("input_schema")
-        if schema is None and tool.get("type") not in (None, "custom"):
-            log.info("tool %s (%s) runs on Anthropic's servers; left out", tool["name"], tool.get("type"))
-            continue
-        if not isinstance(schema, dict):
-            raise bad_request(f"tools[{i}].input_schema must be a JSON schema object")
-        fn = {"name": tool["name"], "parameters": schema}
-        if isinstance(tool.get("description"), str):
-            fn["description"] = tool["description"]
-        out.append({"type": "function", "function": fn})
-    return check_tools(out) if out else None
+    return check_tools(out)
+
+
+def format_of(output_config: dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """``output_config.format`` (``{"type": "json_schema", "schema": {...}}``) → the answer's format."""
+    fmt = (output_config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad_request("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}")
+    return check_format(fmt["schema"], "output_config.format.schema")
 
 
 def think_of(thinking: dict[str, Any] | None, output_config: dict[str, Any] | None) -> ThinkValue:
@@ -204,7 +238,7 @@ def messages_call(body: AnthropicBody) -> g.Call:
                                     temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     num_ctx=body.num_ctx)
     tools = tools_in(body.tools, body.tool_choice)
-    req = GenerateRequest(messages=messages, sampling=sampling, tools=tools,
+    req = GenerateRequest(messages=messages, sampling=sampling, tools=tools, format=format_of(body.output_config),
                           think=think_of(body.thinking, body.output_config))
     return g.Call(body.model, req, options, keep_alive_of(body.keep_alive), images=images, relax_thinking=True,
                   force_tools=forced_tools(body.tool_choice) if tools else None)
@@ -330,7 +364,10 @@ class MessagesEncoder:
 @router.post("/messages")
 async def messages(body: AnthropicBody, request: Request) -> Response:
     call = messages_call(body)
-    run = await g.begin(request, call)
+    try:
+        run = await g.begin(request, call)
+    except ContextOverflowError as e:  # the context grew as far as it could first: Anthropic's words
+        raise APIError(400, f"prompt is too long: {e.prompt_tokens} tokens > {e.n_ctx} maximum") from None
     if body.stream:
         return run.stream(MessagesEncoder(body.model, estimate_tokens(call.request.messages or [], call.request.tools)))
     return JSONResponse(message_object(f"msg_{secrets.token_hex(12)}", body.model, await run.collect()))

@@ -70,11 +70,12 @@ def check_tools(tools: Any, field: str = "tools") -> list[dict[str, Any]] | None
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad_request(f"{field}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
-                              param=field)
+            raise bad_request(f"{field}[{i}]: a function tool needs a name: "
+                              f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", param=field)
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise bad_request(f"{field}[{i}].function.parameters must be a JSON schema object", param=field)
+            raise bad_request(f"{field}[{i}] ({fn['name'][:60]}): the parameter schema must be a JSON schema object",
+                              param=field)
     return tools
 
 

@@ -48,7 +48,9 @@ from localllm.server.translator import Translator
 from localllm.store import InstalledModel, PullProgress, Store
 
 router = APIRouter()
-OLLAMA_COMPAT_VERSION = "0.12.0"  # our answer to /api/version: clients gate features on it, so a recent Ollama
+# our answer to /api/version: clients gate features on it (Codex's --oss needs Ollama 0.13.4 or newer for the
+# Responses API), so it is the current Ollama release whose API we follow; our own version goes beside it
+OLLAMA_COMPAT_VERSION = "0.33.1"
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:

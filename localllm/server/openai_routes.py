@@ -23,11 +23,21 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from localllm.engine import Done, GenerateRequest, LoadOptions, Sampling, Stats, TextChunk, TokenLogprob, ToolCalls
+from localllm.engine import (
+    ContextOverflowError,
+    Done,
+    GenerateRequest,
+    LoadOptions,
+    Sampling,
+    Stats,
+    TextChunk,
+    TokenLogprob,
+    ToolCalls,
+)
 from localllm.server import generation as g
 from localllm.server.audio import from_input_audio
 from localllm.server.checks import check_format, check_tools, forced_tools
-from localllm.server.errors import bad_request
+from localllm.server.errors import APIError, bad_request
 from localllm.server.framing import SSE, SSE_HEADERS, call_id, logprob_item, normalize_calls, rfc3339, sse
 from localllm.server.images import from_url
 from localllm.server.modelinfo import capabilities, modified_ts
@@ -43,14 +53,29 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "api_error"}
 
 
+TOO_LONG = "This model's maximum context length is "  # how OpenAI's context_length_exceeded errors begin
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``.
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``; a prompt longer than the
+    model's context has OpenAI's code and words (:func:`begin`).
 
     >>> error_body(404, "no such model")["error"]["type"]
     'not_found_error'
     """
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    code = "context_length_exceeded" if status == 400 and message.startswith(TOO_LONG) else None
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+async def begin(http: Request, call: g.Call) -> g.Run:
+    """:func:`~localllm.server.generation.begin`, with a prompt that cannot fit the model at all (the context
+    grows first, up to the trained one and what memory holds) in OpenAI's words."""
+    try:
+        return await g.begin(http, call)
+    except ContextOverflowError as e:
+        raise APIError(400, f"{TOO_LONG}{e.n_ctx} tokens. However, your messages resulted in {e.prompt_tokens} "
+                       "tokens. Please reduce the length of the messages.", param="messages") from None
 
 
 API = Translator("openai", router, error_body, prefix="/v1")
@@ -337,7 +362,7 @@ class CompletionEncoder:
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
     call = chat_call(body)
-    run = await g.begin(request, call)
+    run = await begin(request, call)
     top = call.request.top_logprobs > 0
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -349,7 +374,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
 @router.post("/completions")
 async def completions(body: CompletionBody, request: Request) -> Response:
     call, prompt = completion_call(body)
-    run = await g.begin(request, call)
+    run = await begin(request, call)
     want_lp, top = call.request.logprobs, call.request.top_logprobs > 0
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -4,9 +4,15 @@
 and :class:`ResponsesEncoder` below).
 
 * ``input`` is a string (one user turn) or items: messages (roles user, system, developer, assistant; text and
-  image parts), ``function_call``, ``function_call_output`` and ``reasoning`` items; ``instructions`` is the
-  first system turn (not carried over to later responses, as OpenAI does).
-* ``tools``: function tools (``{"type": "function", "name", "description", "parameters"}``).
+  image parts), ``function_call``/``custom_tool_call`` and their outputs, ``reasoning`` items; the items of
+  hosted tools (web search, file search, computer, code interpreter, MCP, image generation, shell) are left out
+  with a log line; ``instructions`` is the first system turn (not carried over to later responses, as OpenAI
+  does). ``developer`` is a system turn.
+* ``tools``: function, ``namespace`` (flattened) and ``custom`` tools; hosted ones are left out
+  (:mod:`~localllm.server.agent_tools`). A call comes back under the name (and namespace) the client declared.
+* ``include: ["reasoning.encrypted_content"]``: reasoning items carry an opaque ``encrypted_content`` that
+  brings the reasoning back when the client returns the item (``store: false`` clients such as Codex).
+  ``prompt_cache_key``, ``client_metadata``, ``parallel_tool_calls`` and ``service_tier`` are accepted.
 * ``previous_response_id``: the conversation of an earlier response (its input and output) goes first. Kept in
   memory for the server's life in a bounded LRU (:class:`ResponseStore`); ``store: false`` keeps nothing.
 * ``reasoning.effort`` sets ``think``; the reasoning comes back as a ``reasoning`` item (its text in
@@ -19,7 +25,9 @@ and :class:`ResponsesEncoder` below).
 
 from __future__ import annotations
 
+import base64
 import json
+import logging
 import secrets
 import threading
 import time
@@ -32,19 +40,29 @@ from fastapi.responses import JSONResponse
 
 from localllm.engine import Done, GenerateRequest, Stats, TextChunk, TokenLogprob, ToolCalls
 from localllm.server import generation as g
+from localllm.server.agent_tools import CUSTOM_ARG, ToolNames, responses_tools
 from localllm.server.audio import from_input_audio
 from localllm.server.checks import check_format, check_tools, forced_tools
 from localllm.server.errors import APIError, bad_request
 from localllm.server.framing import SSE, SSE_HEADERS, call_id, logprob_item, normalize_calls, sse
 from localllm.server.images import from_url
-from localllm.server.openai_routes import error_body
+from localllm.server.openai_routes import begin, error_body
 from localllm.server.options import api_options, check_top_logprobs, keep_alive_of, think_from_effort
 from localllm.server.schemas import ResponsesBody
 from localllm.server.translator import Translator
 
 router = APIRouter(prefix="/v1")
+log = logging.getLogger("localllm.server")
 API = Translator("responses", router, error_body, prefix="/v1/responses")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+ENCRYPTED_INCLUDE = "reasoning.encrypted_content"
+ENCRYPTED_PREFIX = "localllm.v1."  # our opaque reasoning values: this, then the text as URL-safe base64
+# input items of hosted tools: their results cannot reach a local model's prompt, so they are left out
+HOSTED_ITEMS = ("web_search_call", "file_search_call", "computer_call", "computer_call_output",
+                "code_interpreter_call", "image_generation_call", "mcp_call", "mcp_list_tools",
+                "mcp_approval_request", "mcp_approval_response", "local_shell_call", "local_shell_call_output",
+                "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output", "tool_search_call",
+                "tool_search_output", "compaction", "compaction_summary")
 MAX_STORED = 1024  # responses kept for previous_response_id
 MAX_STORED_BYTES = 64 << 20  # and their conversations' size, roughly
 
@@ -173,15 +191,22 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
             else:
                 last_assistant = None
             out.append(msg)
-        elif kind == "function_call":
-            name, args, cid = item.get("name"), item.get("arguments", "{}"), item.get("call_id")
+        elif kind in ("function_call", "custom_tool_call"):
+            custom = kind == "custom_tool_call"
+            name, cid = item.get("name"), item.get("call_id")
+            args = item.get("input", "") if custom else item.get("arguments", "{}")
             if not isinstance(name, str) or not isinstance(cid, str) or not isinstance(args, str):
-                raise bad_request(f"{where}: a function_call needs call_id, name and arguments (a JSON string)",
-                                  param="input")
-            try:
-                parsed = json.loads(args) if args.strip() else {}
-            except ValueError:
-                raise bad_request(f"{where}.arguments is not valid JSON", param="input") from None
+                raise bad_request(f"{where}: a {kind} needs call_id, name and "
+                                  f"{'input (a string)' if custom else 'arguments (a JSON string)'}", param="input")
+            if custom:
+                parsed: Any = {CUSTOM_ARG: args}
+            else:
+                try:
+                    parsed = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    raise bad_request(f"{where}.arguments is not valid JSON", param="input") from None
+            namespace = item.get("namespace")
+            name = ToolNames().function_of(name, namespace if isinstance(namespace, str) else None)
             names[cid] = name
             call = {"type": "function", "id": cid, "function": {"name": name, "arguments": parsed}}
             if last_assistant is None:
@@ -191,7 +216,7 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
                 last_assistant["thinking"] = last_assistant["reasoning_content"] = "\n".join(thinking)
                 thinking = []
             last_assistant.setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             cid, output = item.get("call_id"), item.get("output")
             if not isinstance(cid, str):
                 raise bad_request(f"{where}.call_id must be a string", param="input")
@@ -202,31 +227,50 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
             out.append(msg)
             last_assistant = None
         elif kind == "reasoning":
-            parts = [p.get("text", "") for key in ("summary", "content") if isinstance(item.get(key), list)
-                     for p in item[key] if isinstance(p, dict)]
-            text = "\n".join(t for t in parts if isinstance(t, str) and t) or item.get("encrypted_content") or ""
-            if isinstance(text, str) and text:
+            text = decrypt(item.get("encrypted_content"))
+            if not text:  # not ours (or none): the summary and content the client kept
+                parts = [p.get("text", "") for key in ("summary", "content") if isinstance(item.get(key), list)
+                         for p in item[key] if isinstance(p, dict)]
+                text = "\n".join(t for t in parts if isinstance(t, str) and t)
+            if text:
                 thinking.append(text)
         elif kind == "item_reference":
             raise bad_request(f"{where}: item references are not supported; send previous_response_id or the "
                               "items themselves", param="input")
+        elif kind in HOSTED_ITEMS:
+            log.info("input item %s (a hosted tool's) left out of the prompt", kind)
         else:
             raise bad_request(f"{where}: input item type {str(kind)[:40]!r} is not supported", param="input")
     return out, images
 
 
-def tools_in(tools: list[dict[str, Any]] | None, choice: Any) -> list[dict[str, Any]] | None:
-    """Responses' flat function tools → the backend's ``{"type": "function", "function": {...}}``."""
-    if not tools or choice == "none":
-        return None
-    out = []
-    for i, tool in enumerate(tools):
-        if tool.get("type") != "function":
-            raise bad_request(f"tools[{i}]: tool type {str(tool.get('type'))[:40]!r} is not supported; only "
-                              "function tools are", param="tools")
-        fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
-        out.append({"type": "function", "function": fn})
-    return check_tools(out)
+def tools_in(tools: list[dict[str, Any]] | None, choice: Any) -> tuple[list[dict[str, Any]] | None, ToolNames]:
+    """Responses' tools → the backend's ``{"type": "function", "function": {...}}`` (namespaces flattened, custom
+    tools as one-string functions, hosted ones left out) and the map from function names back to the client's."""
+    out, names = responses_tools(tools)
+    if not out or choice == "none":
+        return None, names
+    return check_tools(out), names
+
+
+def encrypt(text: str) -> str:
+    """Reasoning as an opaque value for ``encrypted_content`` (nothing is kept on the server: it comes back with
+    the item). Not a secret: the client already has the reasoning.
+
+    >>> decrypt(encrypt("let me think"))
+    'let me think'
+    """
+    return ENCRYPTED_PREFIX + base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def decrypt(value: Any) -> str:
+    """The reasoning in one of our ``encrypted_content`` values; "" for anything else (another server's)."""
+    if not isinstance(value, str) or not value.startswith(ENCRYPTED_PREFIX):
+        return ""
+    try:
+        return base64.urlsafe_b64decode(value[len(ENCRYPTED_PREFIX):].encode()).decode()
+    except ValueError:
+        return ""
 
 
 def text_format(text: dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -247,9 +291,10 @@ def text_format(text: dict[str, Any] | None) -> str | dict[str, Any] | None:
                       param="text")
 
 
-def responses_call(body: ResponsesBody, history: list[dict[str, Any]]) -> tuple[g.Call, list[dict[str, Any]]]:
+def responses_call(body: ResponsesBody,
+                   history: list[dict[str, Any]]) -> tuple[g.Call, list[dict[str, Any]], ToolNames]:
     """The body (after ``history``, the previous response's conversation) → (the generation, the conversation
-    to store with this response, without ``instructions``)."""
+    to store with this response, without ``instructions``; the map from function names to the client's tools)."""
     messages, images = input_messages(body.input)
     conversation = history + messages
     if not any(m["role"] != "system" for m in conversation):
@@ -260,13 +305,13 @@ def responses_call(body: ResponsesBody, history: list[dict[str, Any]]) -> tuple[
                                     temperature=body.temperature, top_p=body.top_p, num_ctx=body.num_ctx)
     logprobs = LOGPROBS_INCLUDE in (body.include or []) or body.top_logprobs is not None
     top = check_top_logprobs(body.top_logprobs)
-    req = GenerateRequest(messages=full, sampling=sampling, format=text_format(body.text),
-                          tools=tools_in(body.tools, body.tool_choice),
+    tools, names = tools_in(body.tools, body.tool_choice)
+    req = GenerateRequest(messages=full, sampling=sampling, format=text_format(body.text), tools=tools,
                           think=think_from_effort(body.reasoning.effort if body.reasoning else None, "reasoning"),
                           logprobs=logprobs, top_logprobs=top if logprobs else 0)
     force = forced_tools(body.tool_choice) if req.tools else None
     return g.Call(body.model, req, options, keep_alive_of(body.keep_alive), images=images,
-                  force_tools=force), conversation
+                  force_tools=force), conversation, names
 
 
 # ------------------------------------------------------------------------------------ answers (pure)
@@ -276,8 +321,11 @@ def _logprobs(lps: list[TokenLogprob]) -> list[dict[str, Any]]:
     return [logprob_item(lp, True) for lp in lps]
 
 
-def reasoning_item(iid: str, text: str) -> dict[str, Any]:
-    return {"id": iid, "type": "reasoning", "summary": [{"type": "summary_text", "text": text}]}
+def reasoning_item(iid: str, text: str, encrypted: bool = False) -> dict[str, Any]:
+    item: dict[str, Any] = {"id": iid, "type": "reasoning", "summary": [{"type": "summary_text", "text": text}]}
+    if encrypted:
+        item["encrypted_content"] = encrypt(text)
+    return item
 
 
 def message_item(iid: str, text: str, lps: list[TokenLogprob], status: str = "completed") -> dict[str, Any]:
@@ -285,12 +333,25 @@ def message_item(iid: str, text: str, lps: list[TokenLogprob], status: str = "co
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": _logprobs(lps)}]}
 
 
-def call_items(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def call_items(calls: list[dict[str, Any]], names: ToolNames | None = None) -> list[dict[str, Any]]:
+    """The model's calls as output items, under the names the client declared: a ``function_call`` (with its
+    ``namespace`` for a namespace's member) or a ``custom_tool_call`` carrying the text."""
     out = []
     for call in normalize_calls(calls):
         fn = call["function"]
-        out.append({"id": _id("fc"), "type": "function_call", "status": "completed", "call_id": call_id(call),
-                    "name": fn["name"], "arguments": json.dumps(fn["arguments"])})
+        tool = names.resolve(fn["name"]) if names is not None else None
+        args = fn["arguments"]
+        if tool is not None and tool.custom:
+            text = args.get(CUSTOM_ARG) if isinstance(args, dict) else args
+            out.append({"id": _id("ctc"), "type": "custom_tool_call", "status": "completed",
+                        "call_id": call_id(call), "name": tool.name,
+                        "input": text if isinstance(text, str) else json.dumps(args)})
+            continue
+        item = {"id": _id("fc"), "type": "function_call", "status": "completed", "call_id": call_id(call),
+                "name": tool.name if tool is not None else fn["name"], "arguments": json.dumps(args)}
+        if tool is not None and tool.namespace:
+            item["namespace"] = tool.namespace
+        out.append(item)
     return out
 
 
@@ -331,8 +392,10 @@ def output_messages(thinking: str, content: str, items: list[dict[str, Any]]) ->
     if thinking:
         msg["thinking"] = msg["reasoning_content"] = thinking
     calls = [{"type": "function", "id": it["call_id"],
-              "function": {"name": it["name"], "arguments": json.loads(it["arguments"])}}
-             for it in items if it["type"] == "function_call"]
+              "function": {"name": ToolNames().function_of(it["name"], it.get("namespace")),
+                           "arguments": json.loads(it["arguments"]) if "arguments" in it
+                           else {CUSTOM_ARG: it["input"]}}}
+             for it in items if it["type"] in ("function_call", "custom_tool_call")]
     if calls:
         msg["tool_calls"] = calls
     return [msg]
@@ -346,7 +409,13 @@ class Context:
     body: ResponsesBody
     conversation: list[dict[str, Any]]
     store: ResponseStore
+    names: ToolNames = field(default_factory=ToolNames)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def encrypted(self) -> bool:
+        """Whether reasoning items carry ``encrypted_content`` (the client asked for it in ``include``)."""
+        return ENCRYPTED_INCLUDE in (self.body.include or [])
 
     def finish(self, status: str, output: list[dict[str, Any]], done: Done, thinking: str,
                content: str) -> dict[str, Any]:
@@ -359,10 +428,10 @@ class Context:
 def collected(ctx: Context, r: g.Result) -> dict[str, Any]:
     output: list[dict[str, Any]] = []
     if r.thinking:
-        output.append(reasoning_item(_id("rs"), r.thinking))
+        output.append(reasoning_item(_id("rs"), r.thinking, ctx.encrypted))
     if r.content or not r.calls:
         output.append(message_item(_id("msg"), r.content, r.logprobs))
-    output += call_items(r.calls)
+    output += call_items(r.calls, ctx.names)
     return ctx.finish(status_of_done(r.done), output, r.done, r.thinking, r.content)
 
 
@@ -398,7 +467,7 @@ class ResponsesEncoder:
             return []
         index, iid, text = len(self.output), item["id"], "".join(item["text"])
         if item["kind"] == "reasoning":
-            done_item = reasoning_item(iid, text)
+            done_item = reasoning_item(iid, text, self.ctx.encrypted)
             part = {"type": "summary_text", "text": text}
             frames = [self._ev("response.reasoning_summary_text.done", item_id=iid, output_index=index,
                                summary_index=0, text=text),
@@ -438,15 +507,23 @@ class ResponsesEncoder:
     def event(self, event: TextChunk | ToolCalls) -> list[bytes]:
         if isinstance(event, ToolCalls):
             frames = self._close()
-            for item in call_items(event.calls):
+            for item in call_items(event.calls, self.ctx.names):
                 index = len(self.output)
-                frames += [self._ev("response.output_item.added", output_index=index,
-                                    item={**item, "status": "in_progress", "arguments": ""}),
-                           self._ev("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                    delta=item["arguments"]),
-                           self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                    name=item["name"], arguments=item["arguments"]),
-                           self._ev("response.output_item.done", output_index=index, item=item)]
+                if item["type"] == "custom_tool_call":
+                    frames += [self._ev("response.output_item.added", output_index=index,
+                                        item={**item, "status": "in_progress", "input": ""}),
+                               self._ev("response.custom_tool_call_input.delta", item_id=item["id"],
+                                        output_index=index, delta=item["input"]),
+                               self._ev("response.custom_tool_call_input.done", item_id=item["id"],
+                                        output_index=index, input=item["input"])]
+                else:
+                    frames += [self._ev("response.output_item.added", output_index=index,
+                                        item={**item, "status": "in_progress", "arguments": ""}),
+                               self._ev("response.function_call_arguments.delta", item_id=item["id"],
+                                        output_index=index, delta=item["arguments"]),
+                               self._ev("response.function_call_arguments.done", item_id=item["id"],
+                                        output_index=index, name=item["name"], arguments=item["arguments"])]
+                frames.append(self._ev("response.output_item.done", output_index=index, item=item))
                 self.output.append(item)
             return frames
         if not event.text:
@@ -493,9 +570,9 @@ async def create(body: ResponsesBody, request: Request) -> Response:
             raise APIError(404, f"Previous response with id '{body.previous_response_id[:80]}' not found.",
                            param="previous_response_id")
         history = list(prev.messages)
-    call, conversation = responses_call(body, history)
-    ctx = Context(_id("resp"), body, conversation, store)
-    run = await g.begin(request, call)
+    call, conversation, names = responses_call(body, history)
+    ctx = Context(_id("resp"), body, conversation, store, names)
+    run = await begin(request, call)
     if body.stream:
         return run.stream(ResponsesEncoder(ctx))
     return JSONResponse(collected(ctx, await run.collect()))

@@ -253,6 +253,9 @@ class ResponsesBody(_Extensions):
     metadata: dict[str, Any] | None = None
     truncation: str | None = None
     user: str | None = None
+    # sent by Codex: a hint for which cached prompt prefix to reuse, and what the client says about itself
+    prompt_cache_key: str | None = None
+    client_metadata: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------------------------ Anthropic Messages

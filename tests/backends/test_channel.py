@@ -95,3 +95,21 @@ def test_a_consumer_that_leaves_early_cancels_the_producer() -> None:
     for _ in sync:
         break
     assert sync.cancel.is_set()
+
+
+def test_a_failed_stream_does_not_cancel_its_request_for_either_consumer() -> None:
+    """The producer's error ended the stream: the request is not cancelled (the engine retries an overflowing
+    prompt with the same cancel event after loading a larger context)."""
+    for consume in ("sync", "async"):
+        ch: Channel[int] = Channel()
+        ch.put(1)
+        ch.fail(ValueError("the prompt does not fit"))
+        with pytest.raises(ValueError):
+            if consume == "sync":
+                list(ch)
+            else:
+                async def drain(c: Channel[int]) -> list[int]:
+                    return [x async for x in c]
+
+                asyncio.run(drain(ch))
+        assert not ch.cancel.is_set(), consume

@@ -99,8 +99,8 @@ def test_errors_in_anthropic_shape(client, url):
     assert "messages is required" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=MODEL, max_tokens=5, messages=[
-            {"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "x"}}]}])
-    assert "'document' is not supported" in e.value.body["error"]["message"]
+            {"role": "user", "content": [{"type": "hologram", "data": "x"}]}])  # (text documents are served)
+    assert "'hologram' is not supported" in e.value.body["error"]["message"]
     for body, needle in (({"model": MODEL, "messages": HI}, "max_tokens is required and must be positive"),
                          ({"model": MODEL, "max_tokens": "ten", "messages": HI}, "invalid value for max_tokens: "),
                          ({"model": MODEL, "max_tokens": 5, "messages": "hello"}, "invalid value for messages: "),

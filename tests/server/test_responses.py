@@ -137,7 +137,7 @@ def test_logprobs(client):
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "'input_file' is not"),
     ({"input": [{"role": "wizard", "content": "x"}]}, "role must be"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "not valid JSON"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools"),
+    ({"input": "x", "tools": [{"type": "hologram"}]}, "'hologram' is not a Responses API tool type"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "invalid reasoning value"),
     ({"input": "x", "top_logprobs": 21}, "top_logprobs must be between 0 and 20"),

@@ -138,6 +138,24 @@ def test_responses_reasoning_item(oai):
     assert thought == r.output[0].summary[0].text and final.output_text == r.output_text
 
 
+def test_responses_encrypted_reasoning_round_trips_without_a_store(oai):
+    """Codex asks for ``reasoning.encrypted_content`` with ``store: false`` and sends the item back next turn."""
+    r = oai.responses.create(model=THINKER, input="What is two plus two?", temperature=0, store=False,
+                             include=["reasoning.encrypted_content"])
+    reasoning = r.output[0]
+    assert reasoning.type == "reasoning" and reasoning.encrypted_content
+    assert reasoning.summary[0].text not in reasoning.encrypted_content  # opaque
+    back = oai.responses.create(model=THINKER, temperature=0, store=False, include=["reasoning.encrypted_content"],
+                                input=[{"role": "user", "content": "What is two plus two?"},
+                                       {"type": "reasoning", "id": reasoning.id, "summary": [],
+                                        "encrypted_content": reasoning.encrypted_content},
+                                       *[o.model_dump(exclude_none=True) for o in r.output[1:]],
+                                       {"role": "user", "content": "And three?"}])
+    assert back.status == "completed" and back.usage.input_tokens > r.usage.input_tokens
+    plain = oai.responses.create(model=THINKER, input="What is two plus two?", temperature=0)
+    assert plain.output[0].encrypted_content is None  # only when asked for
+
+
 def test_anthropic_thinking_blocks(think_server):
     client = anthropic.Anthropic(base_url=think_server.url, api_key="unused", max_retries=0)
     m = client.messages.create(model=THINKER, max_tokens=200, messages=ASK,
