@@ -50,6 +50,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from backends import pooling
 from backends.base import (
     BackendError,
     Event,
@@ -60,11 +61,13 @@ from backends.base import (
     PoolFullError,
     Sampler,
     TokenSource,
+    UnsupportedError,
     is_image_token,
 )
 from backends.channel import Channel
 from backends.drafting import Drafter, setup_draft
 from backends.kvpool import KVPool, Seq
+from backends.pooling import Pooled
 from backends.prompt_cache import PromptCache, PromptCacheSpec
 from backends.stream import RequestStream
 
@@ -253,7 +256,19 @@ class LoadedModel:
         raise value
 
     def embed(self, texts: list[str]) -> list[list[float]]:
-        return self.call(lambda s: s.embed(texts))
+        return self.embed_many(texts).vectors
+
+    def embed_many(self, texts: list[str], *, truncate: bool = True) -> Pooled:
+        """Embeddings of ``texts`` (and the tokens they took), evaluated in batches between decode steps
+        (:mod:`backends.pooling`); a backend that cannot pool embeds them in one job."""
+        if not self.call(lambda s: s.can_pool):
+            vectors = self.call(lambda s: s.embed(texts))
+            return Pooled(vectors=vectors)
+        return pooling.embed(self.call, texts, truncate=truncate)
+
+    def rerank(self, query: str, documents: list[str], *, truncate: bool = True) -> Pooled:
+        """Relevance scores of ``documents`` to ``query`` from a rank head, in batches between decode steps."""
+        return pooling.rerank(self.call, query, documents, truncate=truncate)
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         return self.call(lambda s: s.tokenize(text, special=special))
@@ -427,6 +442,11 @@ class LoadedModel:
                 req = self._incoming.popleft()
             if req.channel.cancel.is_set():
                 self._close_cancelled(req)
+                continue
+            if src.info.embedding_only:  # the faces say so first; a library caller learns it here
+                req.channel.fail(UnsupportedError(
+                    f"This is {'a reranking' if src.info.pooling == 'rank' else 'an embedding'} model: it cannot "
+                    "generate text."))
                 continue
             try:
                 prompt = req.stream.prepare(src)

@@ -76,6 +76,11 @@ class CatalogEntry:
     template_note: str | None = None
     approx_size: int | None = None  # bytes of the default quant, roughly
     mmproj: str | None = None  # the vision projector's file name in gguf_repo (a vision model); "auto": F16 first
+    # an embedding model: its width, and the smaller sizes it was Matryoshka-trained for (requests may shorten its
+    # vectors to ``dimensions`` no smaller than the least of them; a model without the list may not be shortened)
+    dimensions: int | None = None
+    matryoshka: tuple[int, ...] = ()
+    pooling: str | None = None  # "mean", "cls", "last" (embedding), "rank" (reranker); from the model card
 
     @property
     def quants(self) -> list[str]:
@@ -99,6 +104,7 @@ class CatalogEntry:
             "draft": self.draft,
             "mirrors": [m.source or m.kind for m in self.mirrors], "template_note": self.template_note,
             "approx_size": self.approx_size,
+            "dimensions": self.dimensions, "matryoshka": list(self.matryoshka), "pooling": self.pooling,
         }
 
 
@@ -141,6 +147,9 @@ def _entry(name: str, raw: dict[str, Any]) -> CatalogEntry:
         template_note=raw.get("template_note"),
         approx_size=raw.get("approx_size"),
         mmproj=raw.get("mmproj") or None,
+        dimensions=int(raw["dimensions"]) if raw.get("dimensions") else None,
+        matryoshka=tuple(sorted({int(d) for d in raw.get("matryoshka", [])}, reverse=True)),
+        pooling=raw.get("pooling") or None,
     )
 
 

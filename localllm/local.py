@@ -26,13 +26,18 @@ GiB = 1024**3
 
 
 def capabilities(info: dict[str, object]) -> list[str]:
-    """What a model can do, from its GGUF metadata (``/api/show``'s list): completion, tools, thinking.
+    """What a model can do, from its GGUF metadata (``/api/show``'s list): completion, tools, thinking; embedding or
+    rerank instead for a model with a pooling head.
 
     >>> capabilities({"chat_template": "{% if tools %}{% endif %}", "architecture": "llama"})
     ['completion', 'tools']
     """
+    from localllm.ggufinfo import capabilities_of
     from localllm.thinking import thinks
 
+    pooled = capabilities_of(info)
+    if pooled is not None:  # an embedding / rerank model: no completion
+        return pooled
     template = info.get("chat_template")
     caps = ["completion"]
     if isinstance(template, str) and "tools" in template:

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.routing import Match, Route
 
-from localllm.server import anthropic_routes, ollama_routes, openai_routes, responses_routes
+from localllm.server import anthropic_routes, ollama_routes, openai_routes, rerank_routes, responses_routes
 from localllm.server.translator import Translator
 
 APIS: tuple[Translator, ...] = (
@@ -20,6 +20,8 @@ APIS: tuple[Translator, ...] = (
     openai_routes.API,  # /v1/*: {"error": {"message", "type", "param", "code"}}
     responses_routes.API,  # /v1/responses: OpenAI's shape
     anthropic_routes.API,  # /v1/messages: {"type": "error", "error": {"type", "message"}}
+    rerank_routes.API,  # /v1/rerank, /v1/reranking, /rerank, /reranking: OpenAI's shape (llama-server's paths)
+    rerank_routes.OLLAMA_API,  # /api/rerank: Ollama's shape
 )
 
 

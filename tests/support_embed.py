@@ -1,0 +1,109 @@
+"""A BERT embedding model and a BERT reranker the suite can make offline (random weights, ~400 KB each, < 1 s).
+
+No real embedding or reranking model is reachable from the build machines, so the test models are *made* with the
+``gguf`` package, after shared/reference/models-2026.md ("Making a tiny BERT embedding model and a BERT reranker"):
+arch ``bert``, width 64, 2 blocks, 2 heads, context 512, a WordPiece vocabulary of the words below (word-start
+pieces ``"\\u2581word"``, the converter's form), **mean pooling** (``pooling_type`` 1) for the embedder and **rank
+pooling** (4) with a one-label classifier head for the reranker. llama-server from the same sdist serves both
+(``--embedding --pooling mean``, ``--reranking``); their vectors and scores mean nothing, so tests compare with
+llama.cpp's own numbers on the same files, never with expected values.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORDS = ("the a an of to and in is was on at for with by it as be this that from or are were has have had not but "
+         "cat cats dog dogs sat mat sitting bird fish tree house car road sky sea river city town paris france "
+         "capital country language model models retrieval search query document documents answer question rank "
+         "ranking score embed embedding vector vectors local fast slow small large red blue green black white "
+         "one two three four five apple orange banana bread water coffee tea book books read reading write "
+         "hello world goodbye morning night day sun moon star rain snow wind hot cold").split()
+SUFFIXES = ["s", "ing", "ed", "er", "ly"]  # ``##`` pieces, stored without the ``##``
+N_EMBD, N_FF, N_BLOCKS, N_HEAD, N_CTX = 64, 128, 2, 2, 512
+VERSION = 1  # in the cached file's name: bump when the recipe changes
+
+
+def vocabulary() -> list[str]:
+    pieces = SPECIAL + ["\u2581" + w for w in WORDS] + SUFFIXES + list("abcdefghijklmnopqrstuvwxyz.,?!")
+    return list(dict.fromkeys(pieces))  # each piece once (llama.cpp asserts it)
+
+
+def make_bert(path: Path, *, rerank: bool = False, seed: int = 0, matryoshka: bool = False) -> Path:
+    """Write (once, atomically) a random BERT GGUF to ``path``: an embedder (mean pooling) or, with ``rerank``, a
+    reranker (rank pooling, ``cls`` + ``cls.output`` head: one score)."""
+    if path.is_file():
+        return path
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed + (1000 if rerank else 0))
+    tokens = vocabulary()
+    d, ff = N_EMBD, N_FF
+
+    def rnd(out: int, inp: int, dtype: type = np.float16) -> np.ndarray:  # numpy (out, in) = ggml ne [in, out]
+        return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(dtype)
+
+    def vec(n: int, scale: float = 0.02) -> np.ndarray:
+        return (rng.standard_normal(n) * scale).astype(np.float32)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), "bert")
+    w.add_name("test-bert-reranker" if rerank else "test-bert-embedder")
+    w.add_context_length(N_CTX)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(ff)
+    w.add_block_count(N_BLOCKS)
+    w.add_head_count(N_HEAD)
+    w.add_layer_norm_eps(1e-12)
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType.RANK if rerank else gguf.PoolingType.MEAN)
+    if rerank:
+        w.add_classifier_output_labels(["LABEL_0"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model("bert")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(SPECIAL) + [1] * (len(tokens) - len(SPECIAL)))
+    w.add_token_type_count(2)  # required by llama.cpp's BERT loader
+    w.add_bos_token_id(2)  # llama.cpp uses BOS as [CLS]
+    w.add_sep_token_id(3)  # written as tokenizer.ggml.seperator_token_id
+    w.add_pad_token_id(0)
+    w.add_unk_token_id(1)
+    w.add_mask_token_id(4)
+    t: dict[str, np.ndarray] = {
+        "token_embd.weight": rnd(len(tokens), d),
+        "token_types.weight": rnd(2, d, np.float32),  # F32: an F16 one aborts at warm-up
+        "position_embd.weight": rnd(N_CTX, d, np.float32),
+        "token_embd_norm.weight": np.ones(d, np.float32), "token_embd_norm.bias": vec(d),
+    }
+    for i in range(N_BLOCKS):
+        b = f"blk.{i}."
+        for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            t[b + n + ".weight"], t[b + n + ".bias"] = rnd(d, d), vec(d)
+        t[b + "attn_output_norm.weight"], t[b + "attn_output_norm.bias"] = np.ones(d, np.float32), vec(d)
+        t[b + "ffn_up.weight"], t[b + "ffn_up.bias"] = rnd(ff, d), vec(ff)
+        t[b + "ffn_down.weight"], t[b + "ffn_down.bias"] = rnd(d, ff), vec(d)
+        t[b + "layer_output_norm.weight"], t[b + "layer_output_norm.bias"] = np.ones(d, np.float32), vec(d)
+    if rerank:
+        t["cls.weight"], t["cls.bias"] = rnd(d, d, np.float32), vec(d)
+        t["cls.output.weight"], t["cls.output.bias"] = rnd(1, d, np.float32), vec(1)
+    for name, arr in t.items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+    return path
+
+
+def embedder_path(cache: Path) -> Path:
+    return make_bert(cache / "embed" / f"bert-embedder-v{VERSION}.gguf")
+
+
+def reranker_path(cache: Path) -> Path:
+    return make_bert(cache / "embed" / f"bert-reranker-v{VERSION}.gguf", rerank=True)
