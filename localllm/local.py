@@ -11,7 +11,7 @@ import threading
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from localllm.api import CatalogItem, DeviceUse, Fit, Installed, ProgressFn, Running
+from localllm.api import CatalogItem, DeviceUse, Fit, Installed, ProgressFn, Ranked, Running
 
 if TYPE_CHECKING:
     from localllm.api import AsyncEventStream, EventStream
@@ -158,6 +158,13 @@ class LocalRunner:
 
     def ps(self) -> list[Running]:
         return [running(m) for m in self.engine.ps()]
+
+    def rerank(self, name: str, query: str, documents: list[str], options: LoadOptions | None = None, *,
+               keep_alive: float | None = None, truncate: bool = True) -> list[Ranked]:
+        got = self.engine.rerank(name, query, documents, options, keep_alive=keep_alive, truncate=truncate)
+        cut = set(got.truncated)
+        ranked = [Ranked(i, s, documents[i], i in cut) for i, s in enumerate(got.scores)]
+        return sorted(ranked, key=lambda r: -r.score)
 
     def tokenize(self, name: str, text: str) -> list[int]:
         """The model's tokens for ``text`` (``localllm bench`` sizes its prompts with it)."""

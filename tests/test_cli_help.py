@@ -32,6 +32,7 @@ USAGE = {
     "convert": "Usage: localllm convert [OPTIONS] MODEL",
     "bench": "Usage: localllm bench [OPTIONS] MODEL",
     "worker": "Usage: localllm worker [OPTIONS]",
+    "rerank": "Usage: localllm rerank [OPTIONS] MODEL QUERY [DOCUMENTS]...",
 }
 TOP_USAGE = "Usage: localllm [OPTIONS] [COMMAND] [ARGS]..."
 TIMEOUT = 120  # a cold start on a loaded 2-core machine takes a few seconds; this is not a speed test

@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("localllm.cli.convert", "Convert an installed GGUF model to MLX, offline (no download)."),
     "bench": ("localllm.cli.bench", "Benchmark a model: prompt/generation speed, TTFT, drafts, KV."),
     "worker": ("localllm.cli.worker", "Serve this machine's devices to another machine (llama.cpp RPC)."),
+    "rerank": ("localllm.cli.rerank", "Score documents for a query with a reranking model."),
 }
 
 
