@@ -150,3 +150,66 @@ def install_embed_models(home: Path, embedder: Path, reranker: Path) -> Any:
     finally:
         mirror.close()
     return store
+
+
+def llama_server_binary() -> Path | None:
+    """llama.cpp's own ``llama-server``, built from the same sdist by ``benchmarks/llama_tools.py`` (``.ci/run``
+    builds it before the suite); None when it is not built (this never starts a build: minutes of two cores)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("llama_tools", Path(__file__).parent.parent / "benchmarks"
+                                                  / "llama_tools.py")
+    assert spec is not None and spec.loader is not None
+    tools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tools)
+    path = Path(tools.home()) / "build" / "bin" / "llama-server"
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+class LlamaServer:
+    """``llama-server -m MODEL ARGS`` on a free loopback port (``url``), ready (``/health`` answers 200) when
+    entered, stopped on exit; its output goes to ``log``."""
+
+    def __init__(self, binary: Path, model: Path, *args: str, log: Path | None = None, threads: int = 2):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+                    "-t", str(threads), "--no-webui", *args]
+        self.log = log or Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{self.port}.log"
+        self.proc: Any = None
+
+    def __enter__(self) -> LlamaServer:
+        import subprocess
+        import time
+
+        import httpx
+
+        self._out = open(self.log, "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: "
+                                   f"{self.log.read_text(errors='replace')[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.__exit__()
+        raise RuntimeError(f"llama-server did not become ready in 120 s (log: {self.log})")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except Exception:  # noqa: BLE001 - it did not stop: kill it
+                self.proc.kill()
+                self.proc.wait()
+        self._out.close()

@@ -89,3 +89,19 @@ def test_rerank_through_a_server(installed_default_model, bert_embedder, bert_re
     finally:
         srv.stop()
         srv.engine.close()
+
+
+@pytest.mark.parametrize("name", ["bge-reranker-v2-m3", "nomic-embed-text", "qwen3-embedding:0.6b"])
+def test_pulling_a_catalog_embedding_or_rerank_model_fails_fast_without_the_hub(home, name):
+    """The catalog's embedding and reranking entries come from Hugging Face only: unreachable here, a pull says so
+    in one sentence within seconds (a refused endpoint, as the build machines' DNS failure is)."""
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", LOCALLLM_HF_TIMEOUT="0.5", LOCALLLM_HOME=str(home))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "localllm", "pull", name], capture_output=True, text=True, timeout=120,
+                       env=env, stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and time.monotonic() - t0 < 30
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: ") and "Hugging Face" in last and "Traceback" not in r.stderr, r.stderr
