@@ -32,9 +32,11 @@ def vocabulary() -> list[str]:
     return list(dict.fromkeys(pieces))  # each piece once (llama.cpp asserts it)
 
 
-def make_bert(path: Path, *, rerank: bool = False, seed: int = 0, matryoshka: bool = False) -> Path:
+def make_bert(path: Path, *, rerank: bool = False, seed: int = 0, n_embd: int = N_EMBD, n_ff: int = N_FF,
+              n_blocks: int = N_BLOCKS, n_head: int = N_HEAD) -> Path:
     """Write (once, atomically) a random BERT GGUF to ``path``: an embedder (mean pooling) or, with ``rerank``, a
-    reranker (rank pooling, ``cls`` + ``cls.output`` head: one score)."""
+    reranker (rank pooling, ``cls`` + ``cls.output`` head: one score). The sizes default to the tests' tiny model;
+    the benchmark makes an all-MiniLM-L6-sized one (384 wide, 6 blocks, 12 heads, feed-forward 1536)."""
     if path.is_file():
         return path
     import gguf
@@ -42,7 +44,7 @@ def make_bert(path: Path, *, rerank: bool = False, seed: int = 0, matryoshka: bo
 
     rng = np.random.default_rng(seed + (1000 if rerank else 0))
     tokens = vocabulary()
-    d, ff = N_EMBD, N_FF
+    d, ff = n_embd, n_ff
 
     def rnd(out: int, inp: int, dtype: type = np.float16) -> np.ndarray:  # numpy (out, in) = ggml ne [in, out]
         return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(dtype)
@@ -57,8 +59,8 @@ def make_bert(path: Path, *, rerank: bool = False, seed: int = 0, matryoshka: bo
     w.add_context_length(N_CTX)
     w.add_embedding_length(d)
     w.add_feed_forward_length(ff)
-    w.add_block_count(N_BLOCKS)
-    w.add_head_count(N_HEAD)
+    w.add_block_count(n_blocks)
+    w.add_head_count(n_head)
     w.add_layer_norm_eps(1e-12)
     w.add_causal_attention(False)
     w.add_pooling_type(gguf.PoolingType.RANK if rerank else gguf.PoolingType.MEAN)
@@ -81,7 +83,7 @@ def make_bert(path: Path, *, rerank: bool = False, seed: int = 0, matryoshka: bo
         "position_embd.weight": rnd(N_CTX, d, np.float32),
         "token_embd_norm.weight": np.ones(d, np.float32), "token_embd_norm.bias": vec(d),
     }
-    for i in range(N_BLOCKS):
+    for i in range(n_blocks):
         b = f"blk.{i}."
         for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
             t[b + n + ".weight"], t[b + n + ".bias"] = rnd(d, d), vec(d)
