@@ -172,3 +172,38 @@ def test_bad_rerank_requests_in_each_apis_shape(url, body, status, words):
         err = r.json()["error"]
         message = err if path == "/api/rerank" else err["message"]  # Ollama's shape, else OpenAI's (llama-server's)
         assert isinstance(message, str) and words in message, (path, message)
+
+
+# ------------------------------------------------------------------------------------------ beside chat
+
+
+def test_embeddings_beside_chat_streams_need_no_reload_and_change_nothing(url, esrv):
+    """A chat model embeds on its own decode loop (a second, pooling context) while its chat streams run: no reload,
+    the streams give their solo text, the vectors their solo values; the embedder and the reranker answer meanwhile."""
+    import threading
+
+    c = ollama.Client(host=url)
+    opts = {"temperature": 0, "num_predict": 24, "seed": 1}
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    solo_text = c.chat(CHAT, messages=msgs, options=opts).message.content
+    running = [m for m in esrv.engine.ps() if m.name == CHAT]  # loaded for chat (no embedding context yet)
+    solo_vecs = c.embed(CHAT, input=DOCS).embeddings
+    texts: list[str] = []
+
+    def stream() -> None:
+        texts.append("".join(p.message.content for p in ollama.Client(host=url).chat(
+            CHAT, messages=msgs, options=opts, stream=True)))
+
+    threads = [threading.Thread(target=stream) for _ in range(2)]
+    for t in threads:
+        t.start()
+    during = [c.embed(CHAT, input=DOCS).embeddings for _ in range(3)]
+    other = c.embed(EMBEDDER, input=DOCS).embeddings
+    ranked = rerank(url).json()["results"]
+    for t in threads:
+        t.join()
+    assert texts == [solo_text, solo_text]
+    for vecs in during:
+        assert np.allclose(vecs, solo_vecs, atol=1e-4)
+    assert len(other) == 4 and len(ranked) == 4
+    assert [m for m in esrv.engine.ps() if m.name == CHAT] == running  # the same loaded model: no reload
