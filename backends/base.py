@@ -536,9 +536,11 @@ class TokenSource(abc.ABC):
         ``[CLS] query [SEP] document`` as the vocabulary adds them)."""
         raise UnsupportedError("This model has no rank head, so it cannot rerank.")
 
-    def keeps_last(self) -> bool:
-        """Whether an input cut to fit keeps its last token (a [SEP] / EOS the tokenizer closes every input with)."""
-        return False
+    def tail_tokens(self, *, rerank: bool = False) -> int:
+        """How many tokens at the end of an input a cut to fit keeps: the [SEP] / EOS the tokenizer closes every
+        input with; for a rerank pair, what follows the document (its closing token, or the rerank template's tail,
+        so that a long document is cut, not the prompt around it)."""
+        return 0
 
     def pool_limits(self) -> tuple[int, int]:
         """(most tokens, most inputs) one :meth:`pool` evaluates together."""

@@ -1153,10 +1153,16 @@ class LlamaCppSource(TokenSource):
         # what llama-server evaluates for an embedding input: special tokens added ([CLS] ... [SEP], BOS ...)
         return self._tokenize(text, True, False)
 
-    def keeps_last(self) -> bool:
+    def tail_tokens(self, *, rerank: bool = False) -> int:
         import llama_cpp
 
-        return bool(llama_cpp.llama_vocab_get_add_sep(self._vocab) or llama_cpp.llama_vocab_get_add_eos(self._vocab))
+        v = self._vocab
+        if rerank:
+            template = self._md.get("tokenizer.chat_template.rerank")
+            if template and "{document}" in template:
+                return len(self._tokenize(template.split("{document}", 1)[1], False, True))
+            return int(bool(llama_cpp.llama_vocab_get_add_eos(v)))
+        return int(bool(llama_cpp.llama_vocab_get_add_sep(v) or llama_cpp.llama_vocab_get_add_eos(v)))
 
     def rerank_tokens(self, query: str, document: str) -> list[int]:
         """llama-server's ``format_prompt_rerank``: the GGUF's rerank template (``tokenizer.chat_template.rerank``,

@@ -52,23 +52,24 @@ class Pooled:
     batches: int = 0  # evaluations it took
 
 
-def fit(tokens: list[int], limit: int, *, keep_last: bool, truncate: bool, what: str) -> tuple[list[int], bool]:
-    """``tokens`` cut to ``limit`` (keeping the last one where the tokenizer closes inputs with it), and whether it
-    was cut; with ``truncate=False`` an input over the limit raises :class:`ContextOverflowError`.
+def fit(tokens: list[int], limit: int, *, tail: int, truncate: bool, what: str) -> tuple[list[int], bool]:
+    """``tokens`` cut to ``limit`` keeping their last ``tail`` (the closing [SEP] / EOS, a rerank template's end),
+    and whether they were cut; with ``truncate=False`` an input over the limit raises :class:`ContextOverflowError`.
 
-    >>> fit([2, 7, 8, 9, 3], 4, keep_last=True, truncate=True, what="input 0")
+    >>> fit([2, 7, 8, 9, 3], 4, tail=1, truncate=True, what="input 0")
     ([2, 7, 8, 3], True)
-    >>> fit([2, 7, 3], 4, keep_last=True, truncate=False, what="input 0")
+    >>> fit([2, 7, 3], 4, tail=1, truncate=False, what="input 0")
     ([2, 7, 3], False)
+    >>> fit([1, 2, 3, 4, 5, 6], 4, tail=2, truncate=True, what="input 0")
+    ([1, 2, 5, 6], True)
     """
     if len(tokens) <= limit:
         return tokens, False
     if not truncate:
         raise ContextOverflowError(f"{what} has {len(tokens)} tokens but the model's context holds {limit}; shorten "
                                    "it or allow truncation.", prompt_tokens=len(tokens), n_ctx=limit)
-    if keep_last and limit >= 2:
-        return tokens[:limit - 1] + tokens[-1:], True
-    return tokens[:limit], True
+    tail = tail if 0 < tail < limit else 0
+    return tokens[:limit - tail] + (tokens[-tail:] if tail else []), True
 
 
 def batches(lengths: Sequence[int], max_tokens: int, max_inputs: int) -> list[list[int]]:
@@ -141,8 +142,8 @@ def embed(call: Call, texts: list[str], *, truncate: bool = True) -> Pooled:
     def prepare(s: TokenSource) -> list[tuple[list[int], bool]]:
         if s.info.pooling == "rank":
             raise UnsupportedError("This model is a reranker: it scores query-document pairs and makes no embeddings.")
-        limit, keep = _limit(s), s.keeps_last()
-        return [fit(s.embed_tokens(t) or s.prompt_tokens(""), limit, keep_last=keep, truncate=truncate,
+        limit, tail = _limit(s), s.tail_tokens()
+        return [fit(s.embed_tokens(t) or s.prompt_tokens(""), limit, tail=tail, truncate=truncate,
                     what=f"Input {i}") for i, t in enumerate(texts)]
 
     fitted = call(prepare)
@@ -158,8 +159,8 @@ def rerank(call: Call, query: str, documents: list[str], *, truncate: bool = Tru
     def prepare(s: TokenSource) -> list[tuple[list[int], bool]]:
         if s.info.pooling != "rank":
             raise UnsupportedError("This model has no rank head, so it cannot rerank; use a reranking model.")
-        limit, keep = _limit(s), s.keeps_last()
-        return [fit(s.rerank_tokens(query, d), limit, keep_last=keep, truncate=truncate, what=f"Document {i}")
+        limit, tail = _limit(s), s.tail_tokens(rerank=True)
+        return [fit(s.rerank_tokens(query, d), limit, tail=tail, truncate=truncate, what=f"Document {i}")
                 for i, d in enumerate(documents)]
 
     fitted = call(prepare)

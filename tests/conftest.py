@@ -224,3 +224,12 @@ def bert_reranker(test_cache) -> Path:
     from tests.support_embed import reranker_path
 
     return reranker_path(test_cache)
+
+
+@pytest.fixture(scope="session")
+def bert_reranker_templated(test_cache) -> Path:
+    """The BERT reranker with ``tokenizer.chat_template.rerank`` in its GGUF (Qwen3-Reranker's way of carrying its
+    prompt), made once and cached in the test cache."""
+    from tests.support_embed import templated_reranker_path
+
+    return templated_reranker_path(test_cache)

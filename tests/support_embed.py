@@ -33,10 +33,12 @@ def vocabulary() -> list[str]:
 
 
 def make_bert(path: Path, *, rerank: bool = False, seed: int = 0, n_embd: int = N_EMBD, n_ff: int = N_FF,
-              n_blocks: int = N_BLOCKS, n_head: int = N_HEAD) -> Path:
+              n_blocks: int = N_BLOCKS, n_head: int = N_HEAD, rerank_template: str | None = None) -> Path:
     """Write (once, atomically) a random BERT GGUF to ``path``: an embedder (mean pooling) or, with ``rerank``, a
     reranker (rank pooling, ``cls`` + ``cls.output`` head: one score). The sizes default to the tests' tiny model;
-    the benchmark makes an all-MiniLM-L6-sized one (384 wide, 6 blocks, 12 heads, feed-forward 1536)."""
+    the benchmark makes an all-MiniLM-L6-sized one (384 wide, 6 blocks, 12 heads, feed-forward 1536).
+    ``rerank_template`` is written as ``tokenizer.chat_template.rerank`` (``{query}``, ``{document}``): how
+    Qwen3-Reranker's GGUF carries its prompt, which llama-server then uses instead of ``[CLS] q [SEP] d``."""
     if path.is_file():
         return path
     import gguf
@@ -77,6 +79,8 @@ def make_bert(path: Path, *, rerank: bool = False, seed: int = 0, n_embd: int = 
     w.add_pad_token_id(0)
     w.add_unk_token_id(1)
     w.add_mask_token_id(4)
+    if rerank_template is not None:
+        w.add_string("tokenizer.chat_template.rerank", rerank_template)
     t: dict[str, np.ndarray] = {
         "token_embd.weight": rnd(len(tokens), d),
         "token_types.weight": rnd(2, d, np.float32),  # F32: an F16 one aborts at warm-up
@@ -110,6 +114,15 @@ def embedder_path(cache: Path) -> Path:
 
 def reranker_path(cache: Path) -> Path:
     return make_bert(cache / "embed" / f"bert-reranker-v{VERSION}.gguf", rerank=True)
+
+
+RERANK_TEMPLATE = "[CLS] query : {query} [SEP] document : {document} [SEP] answer yes or no [SEP]"
+
+
+def templated_reranker_path(cache: Path) -> Path:
+    """The reranker with a rerank template in its GGUF (the prompt around query and document, Qwen3-Reranker's way)."""
+    return make_bert(cache / "embed" / f"bert-reranker-template-v{VERSION}.gguf", rerank=True,
+                     rerank_template=RERANK_TEMPLATE)
 
 
 EMBEDDER, RERANKER = "test-embed:tiny", "test-rerank:tiny"

@@ -70,3 +70,17 @@ def test_rerank_scores_equal_llama_servers(binary, bert_reranker, ours, tmp_path
         assert sorted(t) == sorted(m) == list(range(len(TEXTS)))
         assert max(abs(t[i] - m[i]) for i in t) < 1e-4, (t, m)
         assert sorted(t, key=lambda i: -t[i]) == sorted(m, key=lambda i: -m[i])  # the same order
+
+
+def test_rerank_template_scores_equal_llama_servers(binary, bert_reranker_templated, tmp_path):
+    """A GGUF with a rerank template (Qwen3-Reranker's way): the same prompt, the same scores (in-process here)."""
+    from backends.base import LoadSpec
+    from backends.llamacpp import LlamaCppSource
+    from backends.loop import LoadedModel
+
+    with LlamaServer(binary, bert_reranker_templated, "--reranking", *SERVER_ARGS,
+                     log=tmp_path / "llama-server.log") as ref:
+        theirs = scores(ref.url, "x", QUERIES[0], TEXTS)
+    with LoadedModel(LlamaCppSource, LoadSpec(str(bert_reranker_templated), n_ctx=512)) as m:
+        mine = m.rerank(QUERIES[0], TEXTS).scores
+    assert max(abs(theirs[i] - mine[i]) for i in theirs) < 1e-4, (theirs, mine)

@@ -118,3 +118,21 @@ def test_a_chat_model_embeds_between_the_steps_of_a_chat_stream(default_model_pa
         for vecs in during:
             assert np.allclose(vecs, alone_vecs, atol=1e-4)
         assert m.metrics().requests == 2  # the embeddings are not requests of the loop: no slot, no sequence
+
+
+def test_a_rerank_template_in_the_gguf_shapes_the_pair_and_a_cut_keeps_its_end(bert_reranker_templated):
+    """Qwen3-Reranker's GGUF carries its prompt as ``tokenizer.chat_template.rerank``: the pair is that template
+    filled in (special tokens parsed), and a long document is cut before the template's tail, not the tail."""
+    from tests.support_embed import RERANK_TEMPLATE
+
+    with LoadedModel(LlamaCppSource, LoadSpec(str(bert_reranker_templated), n_ctx=512)) as m:
+        q, d = "capital of france", "paris is the capital"
+        filled = RERANK_TEMPLATE.replace("{query}", q).replace("{document}", d)
+        toks = m.call(lambda s: s.rerank_tokens(q, d))
+        assert toks == m.tokenize(filled, special=True) and toks.count(3) == 3  # three [SEP]s parsed
+        tail = m.call(lambda s: s.tail_tokens(rerank=True))
+        assert tail == len(m.tokenize(" [SEP] answer yes or no [SEP]", special=True))
+        cut = m.call(lambda s: s.rerank_tokens(q, LONG))
+        got = m.rerank(q, [LONG, d])
+        assert got.truncated == [0] and got.tokens == 512 + len(toks)
+        assert m.call(lambda s: s.pool([cut[:512 - tail] + cut[-tail:]]))[0][0] == pytest.approx(got.scores[0], abs=1e-5)
