@@ -1150,8 +1150,9 @@ class LlamaCppSource(TokenSource):
         return self._embed
 
     def embed_tokens(self, text: str) -> list[int]:
-        # what llama-server evaluates for an embedding input: special tokens added ([CLS] ... [SEP], BOS ...)
-        return self._tokenize(text, True, False)
+        # what llama-server evaluates for an embedding input: special tokens added ([CLS] ... [SEP], BOS ...) and
+        # special-token text parsed (tokenize_input_subprompt(..., add_special=true, parse_special=true))
+        return self._tokenize(text, True, True)
 
     def tail_tokens(self, *, rerank: bool = False) -> int:
         import llama_cpp

@@ -78,9 +78,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-reference", action="store_true", help="localllm only (no llama-server beside it)")
     args = ap.parse_args()
     embedder, reranker = models(args.size)
-    server_bin = llama_tools.tool("llama-server")
+    server_bin = None if args.no_reference else llama_tools.tool("llama-server")
 
     home = Path(tempfile.mkdtemp(prefix="localllm-bench-embed-"))
     os.environ["LOCALLLM_HOME"] = str(home)
@@ -112,12 +113,14 @@ def main() -> None:
     from tests.support_embed import LlamaServer
 
     common = ["-c", "2048", "-np", "4"]
-    with LlamaServer(server_bin, embedder, "--embedding", "--pooling", "mean", *common, threads=args.threads) as ls:
-        rows.append(("embed", "llama-server", *measure(ls.url, "/v1/embeddings", embed_body("x"), args.batch,
-                                                       args.requests)))
-    with LlamaServer(server_bin, reranker, "--reranking", *common, threads=args.threads) as ls:
-        rows.append(("rerank", "llama-server", *measure(ls.url, "/v1/rerank", rerank_body("x"), args.batch,
-                                                        args.requests)))
+    if server_bin is not None:
+        with LlamaServer(server_bin, embedder, "--embedding", "--pooling", "mean", *common,
+                         threads=args.threads) as ls:
+            rows.append(("embed", "llama-server", *measure(ls.url, "/v1/embeddings", embed_body("x"), args.batch,
+                                                           args.requests)))
+        with LlamaServer(server_bin, reranker, "--reranking", *common, threads=args.threads) as ls:
+            rows.append(("rerank", "llama-server", *measure(ls.url, "/v1/rerank", rerank_body("x"), args.batch,
+                                                            args.requests)))
     shutil.rmtree(home, ignore_errors=True)
     unit = {"embed": "inputs/s", "rerank": "docs/s"}
     print(f"\nmodel: made BERT ({args.size}), batch {args.batch}, {args.requests} requests, {args.threads} threads")
