@@ -137,3 +137,36 @@ def test_a_rerank_template_in_the_gguf_shapes_the_pair_and_a_cut_keeps_its_end(b
         assert got.truncated == [0] and got.tokens == 512 + len(toks)
         by_hand = m.call(lambda s: s.pool([cut[:512 - tail] + cut[-tail:]]))[0][0]
         assert by_hand == pytest.approx(got.scores[0], abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def decoder_embedder(default_model_path, test_cache):
+    """The default model with ``llama.pooling_type = 3`` (last token): a decoder embedding model, as Qwen3-Embedding's
+    GGUF is (a causal model with a KV cache, pooled by its last token's hidden state). Cached in the test cache."""
+    from gguf import GGUFValueType
+
+    from tests.backends.gguf_rewrite import with_metadata
+    from tests.support import file_key
+
+    dst = test_cache / "derived" / f"smollm2-last-pooling-{file_key(default_model_path)}.gguf"
+    if not dst.is_file():
+        with_metadata(default_model_path, dst, {"llama.pooling_type": (3, GGUFValueType.UINT32)})
+    return dst
+
+
+def test_a_decoder_with_a_pooling_head_is_an_embedding_model_on_llama_cpp_only(decoder_embedder):
+    from backends.mlx_convert import inspect_gguf
+    from localllm.ggufinfo import capabilities_of, read_gguf
+
+    assert capabilities_of(read_gguf(decoder_embedder).as_dict()) == ["embedding"]
+    with pytest.raises(UnsupportedError, match="embedding or reranking model .*mlx-lm has no pooling"):
+        inspect_gguf(decoder_embedder)  # the planner keeps it on llama.cpp, and probe says why
+    with LoadedModel(LlamaCppSource, LoadSpec(str(decoder_embedder), n_ctx=1024, n_seq=2)) as m:
+        assert m.info.pooling == "last" and m.info.n_embd_out == 576
+        with pytest.raises(UnsupportedError, match="embedding model"):
+            collect(m.generate(GenerateRequest(prompt="Hello", sampling=Sampling(max_tokens=2))))
+        together = m.embed_many(TEXTS)
+        assert together.batches == 1
+        for text, vec in zip(TEXTS, together.vectors, strict=True):  # the causal KV is cleared between batches
+            assert np.allclose(vec, m.embed_many([text]).vectors[0], atol=1e-4)
+        assert np.allclose(m.embed_many(TEXTS).vectors, together.vectors, atol=1e-4)
