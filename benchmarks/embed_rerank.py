@@ -49,7 +49,9 @@ def models(size: str) -> tuple[Path, Path]:
     sys.path.insert(0, str(ROOT))
     from tests.support_embed import make_bert
 
-    shape = {"tiny": {}, "minilm": {"n_embd": 384, "n_ff": 1536, "n_blocks": 6, "n_head": 12}}[size]
+    shapes: dict[str, dict[str, int]] = {"tiny": {}, "minilm": {"n_embd": 384, "n_ff": 1536, "n_blocks": 6,
+                                                                "n_head": 12}}
+    shape = {**shapes[size], "f16": True}  # F16 weights, as real GGUFs of this size ship (F16 / Q8_0)
     d = Path("~/.cache/localllm-bench/embed").expanduser()
     return (make_bert(d / f"bert-embed-{size}.gguf", **shape),  # type: ignore[arg-type]
             make_bert(d / f"bert-rerank-{size}.gguf", rerank=True, **shape))  # type: ignore[arg-type]

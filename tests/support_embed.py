@@ -24,7 +24,7 @@ WORDS = ("the a an of to and in is was on at for with by it as be this that from
          "hello world goodbye morning night day sun moon star rain snow wind hot cold").split()
 SUFFIXES = ["s", "ing", "ed", "er", "ly"]  # ``##`` pieces, stored without the ``##``
 N_EMBD, N_FF, N_BLOCKS, N_HEAD, N_CTX = 64, 128, 2, 2, 512
-VERSION = 1  # in the cached file's name: bump when the recipe changes
+VERSION = 2  # in the cached file's name: bump when the recipe changes
 
 
 def vocabulary() -> list[str]:
@@ -33,12 +33,15 @@ def vocabulary() -> list[str]:
 
 
 def make_bert(path: Path, *, rerank: bool = False, seed: int = 0, n_embd: int = N_EMBD, n_ff: int = N_FF,
-              n_blocks: int = N_BLOCKS, n_head: int = N_HEAD, rerank_template: str | None = None) -> Path:
+              n_blocks: int = N_BLOCKS, n_head: int = N_HEAD, rerank_template: str | None = None,
+              f16: bool = False) -> Path:
     """Write (once, atomically) a random BERT GGUF to ``path``: an embedder (mean pooling) or, with ``rerank``, a
     reranker (rank pooling, ``cls`` + ``cls.output`` head: one score). The sizes default to the tests' tiny model;
     the benchmark makes an all-MiniLM-L6-sized one (384 wide, 6 blocks, 12 heads, feed-forward 1536).
     ``rerank_template`` is written as ``tokenizer.chat_template.rerank`` (``{query}``, ``{document}``): how
-    Qwen3-Reranker's GGUF carries its prompt, which llama-server then uses instead of ``[CLS] q [SEP] d``."""
+    Qwen3-Reranker's GGUF carries its prompt, which llama-server then uses instead of ``[CLS] q [SEP] d``.
+    Weights are F32 unless ``f16``: llama.cpp's F16 kernels round differently for different batch sizes (up to
+    ~1e-3 of a score), so only F32 weights let two servers that batch differently agree to float precision."""
     if path.is_file():
         return path
     import gguf
@@ -48,7 +51,10 @@ def make_bert(path: Path, *, rerank: bool = False, seed: int = 0, n_embd: int = 
     tokens = vocabulary()
     d, ff = n_embd, n_ff
 
-    def rnd(out: int, inp: int, dtype: type = np.float16) -> np.ndarray:  # numpy (out, in) = ggml ne [in, out]
+    wtype = np.float16 if f16 else np.float32
+
+    def rnd(out: int, inp: int, dtype: type | None = None) -> np.ndarray:  # numpy (out, in) = ggml ne [in, out]
+        dtype = dtype or wtype
         return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(dtype)
 
     def vec(n: int, scale: float = 0.02) -> np.ndarray:
@@ -68,7 +74,7 @@ def make_bert(path: Path, *, rerank: bool = False, seed: int = 0, n_embd: int = 
     w.add_pooling_type(gguf.PoolingType.RANK if rerank else gguf.PoolingType.MEAN)
     if rerank:
         w.add_classifier_output_labels(["LABEL_0"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("bert")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -154,8 +160,8 @@ def install_embed_models(home: Path, embedder: Path, reranker: Path) -> Any:
         with open(gguf, "rb") as f:
             sha = hashlib.file_digest(f, "sha256").hexdigest()
         entry = mirror_toml(mirror.url + route, data, name=name, final_sha=sha, size=gguf.stat().st_size,
-                            member=member, quant="F16")
-        toml += entry.replace('default_quant = "F16"', extra + 'default_quant = "F16"', 1)
+                            member=member, quant="F32")
+        toml += entry.replace('default_quant = "F32"', extra + 'default_quant = "F32"', 1)
     pp = private_paths(home)
     install_copy(pp.models, paths().models)
     store = Store(paths=pp, catalog=Catalog.from_toml(toml))
