@@ -547,7 +547,13 @@ class Client:
                       "return_documents": False, "options": options_json(None, options)}
         if keep_alive is not None:
             body["keep_alive"] = _keep_alive(keep_alive)
-        results = self._json("POST", "/api/rerank", body).get("results") or []
+        try:
+            results = self._json("POST", "/api/rerank", body).get("results") or []
+        except ModelNotFoundError as e:
+            if "not installed" in str(e) or "neither installed" in str(e):
+                raise
+            raise LocalLLMError(f"The server at {self.url} has no rerank endpoint (Ollama has none); use "
+                                "`localllm serve` there.") from None
         return [Ranked(int(r["index"]), float(r["relevance_score"]), documents[int(r["index"])],
                        bool(r.get("truncated"))) for r in results]
 
