@@ -88,6 +88,8 @@ def test_embed_through_both_clients_batched_as_the_backend_makes_them(url, esrv)
     assert got.usage.prompt_tokens == r.prompt_eval_count
     legacy = httpx.post(url + "/api/embeddings", json={"model": EMBEDDER, "prompt": DOCS[0]}).json()["embedding"]
     assert np.allclose(legacy, direct.vectors[0], atol=1e-6)
+    ps = {m["name"]: m for m in httpx.get(url + "/api/ps").json()["models"]}
+    assert ps[EMBEDDER]["context_length"] == 512  # loaded once, its context capped to what it was trained for
 
 
 def test_truncate_is_honoured(url):
