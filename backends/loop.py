@@ -123,6 +123,8 @@ class LoopMetrics:
     images_encoded: int = 0  # by the vision projector (an image whose embeddings or KV cells are kept: not again)
     image_tokens_encoded: int = 0
     image_encode_ns: int = 0
+    pooled_inputs: int = 0  # embedding inputs and rerank documents evaluated (backends.pooling)
+    pooled_tokens: int = 0  # their tokens
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -263,12 +265,17 @@ class LoadedModel:
         (:mod:`backends.pooling`); a backend that cannot pool embeds them in one job."""
         if not self.call(lambda s: s.can_pool):
             vectors = self.call(lambda s: s.embed(texts))
-            return Pooled(vectors=vectors)
-        return pooling.embed(self.call, texts, truncate=truncate)
+            return self._count(Pooled(vectors=vectors), len(texts))
+        return self._count(pooling.embed(self.call, texts, truncate=truncate), len(texts))
 
     def rerank(self, query: str, documents: list[str], *, truncate: bool = True) -> Pooled:
         """Relevance scores of ``documents`` to ``query`` from a rank head, in batches between decode steps."""
-        return pooling.rerank(self.call, query, documents, truncate=truncate)
+        return self._count(pooling.rerank(self.call, query, documents, truncate=truncate), len(documents))
+
+    def _count(self, pooled: Pooled, inputs: int) -> Pooled:
+        self._counters.pooled_inputs += inputs  # read as a snapshot by metrics(); a lost race costs one count
+        self._counters.pooled_tokens += pooled.tokens
+        return pooled
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         return self.call(lambda s: s.tokenize(text, special=special))

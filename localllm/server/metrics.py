@@ -12,6 +12,8 @@ What a monitoring stack reads (all names start with ``localllm_``; per model whe
 * time to first token and time per output token (histograms, seconds);
 * images encoded by a vision projector, their tokens and the encode time (``images_encoded_total``,
   ``image_tokens_total``, ``image_encode_seconds_total``);
+* embedding inputs and rerank documents evaluated, and their tokens (``pooled_inputs_total``,
+  ``pooled_tokens_total``);
 * loaded models and their memory (``models_loaded``, ``model_memory_bytes``); per llama.cpp device (GPUs, RPC
   workers) what was allocated and the planner's estimate (``device_memory_bytes``,
   ``device_memory_estimate_bytes``, labels model and device); the prompt cache on disk (entries, bytes, hits,
@@ -88,6 +90,8 @@ class _EngineCollector(Collector):
             "images_encoded": "Images encoded by the vision projector (one reused by content hash: not again).",
             "image_tokens": "Image tokens those images became.",
             "image_encode_seconds": "Time the vision projector spent encoding images.",
+            "pooled_inputs": "Embedding inputs and rerank documents evaluated (in batches between decode steps).",
+            "pooled_tokens": "Tokens of those inputs.",
         }
         g = {k: GaugeMetricFamily(f"localllm_{k}", h, labels=["model"]) for k, h in gauges.items()}
         c = {k: CounterMetricFamily(f"localllm_{k}", h, labels=["model"]) for k, h in counters.items()}
@@ -111,7 +115,8 @@ class _EngineCollector(Collector):
                          ("draft_tokens_accepted", lm.draft_accepted), ("decode_steps", lm.steps),
                          ("kv_evictions", lm.evictions), ("prompt_cache_hits", lm.prompt_cache_hits),
                          ("prompt_cache_misses", lm.prompt_cache_misses), ("images_encoded", lm.images_encoded),
-                         ("image_tokens", lm.image_tokens_encoded), ("image_encode_seconds", lm.image_encode_ns / 1e9))
+                         ("image_tokens", lm.image_tokens_encoded), ("image_encode_seconds", lm.image_encode_ns / 1e9),
+                         ("pooled_inputs", lm.pooled_inputs), ("pooled_tokens", lm.pooled_tokens))
             for k, x in counts:
                 c[k].add_metric(name, x)
         yield from g.values()

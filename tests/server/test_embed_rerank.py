@@ -209,3 +209,16 @@ def test_embeddings_beside_chat_streams_need_no_reload_and_change_nothing(url, e
         assert np.allclose(vecs, solo_vecs, atol=1e-4)
     assert len(other) == 4 and len(ranked) == 4
     assert [m for m in esrv.engine.ps() if m.name == CHAT] == running  # the same loaded model: no reload
+
+
+def test_metrics_count_the_pooled_inputs(url):
+    def count(name: str, model: str) -> float:
+        for line in httpx.get(url + "/metrics").text.splitlines():
+            if line.startswith(f"localllm_{name}_total{{") and f'model="{model}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = count("pooled_inputs", RERANKER), count("pooled_tokens", RERANKER)
+    body = rerank(url).json()
+    after = count("pooled_inputs", RERANKER), count("pooled_tokens", RERANKER)
+    assert after[0] - before[0] == len(DOCS) and after[1] - before[1] == body["usage"]["prompt_tokens"]
