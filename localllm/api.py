@@ -294,6 +294,10 @@ class Runner(Protocol):
                keep_alive: float | None = None, truncate: bool = True) -> list[Ranked]:
         """``documents`` scored for ``query`` by a reranking model, most relevant first."""
 
+    def embed(self, name: str, texts: list[str], options: LoadOptions | None = None, *,
+              keep_alive: float | None = None) -> list[list[float]]:
+        """One L2-normalised embedding per text."""
+
     def close(self) -> None: ...
 
 

@@ -166,6 +166,10 @@ class LocalRunner:
         ranked = [Ranked(i, s, documents[i], i in cut) for i, s in enumerate(got.scores)]
         return sorted(ranked, key=lambda r: -r.score)
 
+    def embed(self, name: str, texts: list[str], options: LoadOptions | None = None, *,
+              keep_alive: float | None = None) -> list[list[float]]:
+        return self.engine.embed(name, texts, options, keep_alive=keep_alive)
+
     def tokenize(self, name: str, text: str) -> list[int]:
         """The model's tokens for ``text`` (``localllm bench`` sizes its prompts with it)."""
         return self.engine.tokenize(name, text)

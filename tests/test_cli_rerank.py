@@ -105,3 +105,20 @@ def test_pulling_a_catalog_embedding_or_rerank_model_fails_fast_without_the_hub(
     assert r.returncode == 1 and time.monotonic() - t0 < 30
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("Error: ") and "Hugging Face" in last and "Traceback" not in r.stderr, r.stderr
+
+
+def test_run_on_an_embedding_model_prints_its_vector_and_a_reranker_points_to_rerank(bert_embedder, bert_reranker):
+    """As Ollama's ``run`` does for an embedding model: the text's embedding as a JSON array (the backend's)."""
+    from backends.base import LoadSpec
+    from backends.llamacpp import LlamaCppSource
+    from backends.loop import LoadedModel
+
+    r = subprocess.run([sys.executable, "-m", "localllm", "run", str(bert_embedder), "hello world"],
+                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    with LoadedModel(LlamaCppSource, LoadSpec(str(bert_embedder), n_ctx=512)) as m:
+        assert json.loads(r.stdout) == pytest.approx(m.embed(["hello world"])[0], abs=1e-6)
+    r = subprocess.run([sys.executable, "-m", "localllm", "run", str(bert_reranker), "hello"],
+                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and "is a reranking model: score documents with `localllm rerank" in r.stderr
+    assert "Traceback" not in r.stderr
