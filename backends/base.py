@@ -295,7 +295,16 @@ class ModelInfo:
     recurrent: bool = False  # recurrent / hybrid memory: no partial KV removal, no drafts
     vision: bool = False  # a projector with a vision encoder is loaded: prompts may hold images
     audio: bool = False  # a projector with an audio encoder is loaded: prompts may hold audio clips
+    # the GGUF's own pooling (``<arch>.pooling_type``): "mean", "cls", "last" or "rank"; a model that has one is an
+    # embedding model (a rank one a reranker): it pools, and cannot generate text (:mod:`backends.pooling`)
+    pooling: str | None = None
+    n_embd_out: int = 0  # width of a pooled output (an embedding; a rank head: its scores)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def embedding_only(self) -> bool:
+        """An embedding or rerank model: it answers pooled outputs, never generated text."""
+        return self.pooling is not None
 
 
 IMAGE_MARKER = "<__media__>"  # where an image goes in a rendered prompt (mtmd's default marker)
@@ -563,6 +572,38 @@ class TokenSource(abc.ABC):
 
     def state_load(self, seq: int, data: bytes) -> bool:
         return False
+
+    # ---- pooled outputs: embeddings and rerank scores (optional; see backends.pooling)
+    @property
+    def can_pool(self) -> bool:
+        """Whether :meth:`pool` evaluates several inputs together (else :meth:`embed` serves embeddings)."""
+        return False
+
+    def embed_tokens(self, text: str) -> list[int]:
+        """The ids an embedding input evaluates to (the special tokens the model adds around a text: BOS / [CLS],
+        [SEP] / EOS)."""
+        return self.prompt_tokens(text)
+
+    def rerank_tokens(self, query: str, document: str) -> list[int]:
+        """The ids a (query, document) pair evaluates to on a rank head (the GGUF's rerank template, else
+        ``[CLS] query [SEP] document`` as the vocabulary adds them)."""
+        raise UnsupportedError("This model has no rank head, so it cannot rerank.")
+
+    def tail_tokens(self, *, rerank: bool = False) -> int:
+        """How many tokens at the end of an input a cut to fit keeps: the [SEP] / EOS the tokenizer closes every
+        input with; for a rerank pair, what follows the document (its closing token, or the rerank template's tail,
+        so that a long document is cut, not the prompt around it)."""
+        return 0
+
+    def pool_limits(self) -> tuple[int, int]:
+        """(most tokens, most inputs) one :meth:`pool` evaluates together."""
+        raise UnsupportedError(f"The {self.name} backend cannot pool outputs; embed texts one at a time.")
+
+    def pool(self, inputs: Sequence[Sequence[int]]) -> list[Any]:
+        """Evaluate ``inputs`` (each whole, within :meth:`pool_limits`) together, each as a sequence of its own with
+        no state kept from before or after, and return each one's pooled output (a float32 numpy array, not
+        normalised): the embedding, or on a rank head its scores."""
+        raise UnsupportedError(f"The {self.name} backend cannot pool outputs; embed texts one at a time.")
 
     # ---- the rest
     @abc.abstractmethod

@@ -253,6 +253,21 @@ def _seed32(seed: int | None) -> int:
 
 
 _backend_initialised = False
+POOL_INPUTS = 64  # most inputs one pooling evaluation takes (sequence ids of the pooling context)
+
+
+def _pooling_of(md: dict[str, str], arch: str) -> str | None:
+    """The GGUF's own pooling (``<arch>.pooling_type``) by name; None for a model without one (0: none).
+
+    >>> _pooling_of({"bert.pooling_type": "4"}, "bert"), _pooling_of({}, "llama")
+    ('rank', None)
+    """
+    from backends.pooling import POOLING_TYPES
+
+    try:
+        return POOLING_TYPES.get(int(md.get(f"{arch}.pooling_type", "0")))
+    except ValueError:
+        return None
 
 
 def _grammar_for(fmt: str | dict[str, Any]) -> str:
@@ -451,7 +466,8 @@ class LlamaCppSource(TokenSource):
         self._ctx: Any = None
         self._loras: list[tuple[Any, float]] = []  # LoRA adapters on the weights, with their scales
         self._batch: Any = None
-        self._embed: tuple[Any, Any, int] | None = None
+        self._embed: tuple[Any, Any, int, int] | None = None  # (context, batch, tokens, sequences) for pooling
+        self._pooling: str | None = None
         self._proj: Projector | None = None  # when spec.mmproj names one
         self._ebatch: Any = None  # a llama_batch with embd, for image positions
         self._saved_rows: list[Any] = []
@@ -494,11 +510,16 @@ class LlamaCppSource(TokenSource):
             self._candidates = np.zeros(self._n_vocab, dtype=np.dtype(llama_cpp.llama_token_data))
             self._all_ids = np.arange(self._n_vocab, dtype=np.intc)
             self._row_type = ctypes.c_float * self._n_vocab
+            self._md = self._metadata()
+            self._arch = self._md.get("general.architecture", "unknown")
+            self._pooling = _pooling_of(self._md, self._arch)  # an embedding / rerank model: pools, never generates
             cp = llama_cpp.llama_context_default_params()
             cp.n_ctx = spec.n_ctx * slots
             cp.n_batch = spec.n_batch
             cp.n_ubatch = spec.n_batch
             cp.n_seq_max = self._n_seq_ids
+            if self._pooling is not None:
+                self._pool_setup(cp)
             cp.kv_unified = True
             cp.n_threads = self.n_threads
             cp.n_threads_batch = int(spec.extra.get("n_threads_batch") or self.n_threads)
@@ -506,7 +527,7 @@ class LlamaCppSource(TokenSource):
             cp.flash_attn_type = {None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
                                   True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                                   False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}[spec.flash_attn]
-            cp.embeddings = False
+            cp.embeddings = self._pooling is not None
             cp.no_perf = True
             self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
             if not self._ctx:
@@ -515,12 +536,13 @@ class LlamaCppSource(TokenSource):
             self._loras = self._load_loras(spec.extra.get("lora") or [])
             self._apply_loras(self._ctx)
             self._mem = llama_cpp.llama_get_memory(self._ctx)
-            self._batch = llama_cpp.llama_batch_init(spec.n_batch, 0, 1)
+            self._batch = llama_cpp.llama_batch_init(int(cp.n_batch), 0, 1)
             self._n_batch = int(llama_cpp.llama_n_batch(self._ctx))
             self._pool = int(llama_cpp.llama_n_ctx(self._ctx))
             self._n_ctx = min(spec.n_ctx, int(llama_cpp.llama_n_ctx_seq(self._ctx)))
-            self._md = self._metadata()
-            self._arch = self._md.get("general.architecture", "unknown")
+            if self._pooling is not None:  # the context is the pooling one (made with this model's own pooling)
+                self._n_ctx = min(self._n_ctx, int(llama_cpp.llama_model_n_ctx_train(self._model)) or self._n_ctx)
+                self._embed = (self._ctx, self._batch, self._n_batch, cp.n_seq_max)
             self._recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model)) or bool(
                 llama_cpp.llama_model_is_hybrid(self._model))
             self._template = spec.extra.get("chat_template") or self._md.get("tokenizer.chat_template")
@@ -554,7 +576,7 @@ class LlamaCppSource(TokenSource):
             if remote:  # a worker dying mid-step must not take the process with it (ggml_devices.watch)
                 ggml_devices.watch(self, remote, self._worker_died)
             self._info = self._build_info()
-            if spec.embedding:
+            if spec.embedding and self._pooling is None:
                 self._embed_ctx()
         except BaseException:
             self.close()
@@ -715,6 +737,9 @@ class LlamaCppSource(TokenSource):
             recurrent=self._recurrent,
             vision=self._proj is not None and self._proj.vision,
             audio=self._proj is not None and self._proj.audio,
+            pooling=self._pooling,
+            n_embd_out=int(llama_cpp.llama_model_n_cls_out(self._model)) if self._pooling == "rank"
+            else int(llama_cpp.llama_model_n_embd_out(self._model)),
             extra={
                 "projector": self._proj.path if self._proj is not None else None,
                 "projector_bytes": proj_bytes,
@@ -759,7 +784,7 @@ class LlamaCppSource(TokenSource):
 
     @property
     def shared_pool(self) -> bool:
-        return not self._recurrent
+        return not self._recurrent and self._pooling is None
 
     # ------------------------------------------------------------------ text
 
@@ -1116,7 +1141,7 @@ class LlamaCppSource(TokenSource):
     def state_key(self) -> str | None:
         import llama_cpp
 
-        if self._recurrent:
+        if self._recurrent or self._pooling is not None:
             return None
         return (f"llama.cpp-{getattr(llama_cpp, '__version__', '?')} kv={self.spec.kv_cache_type} "
                 f"fa={int(self.flash_attn)} unified=1 gpu_layers={self._info.n_gpu_layers}")
@@ -1135,17 +1160,31 @@ class LlamaCppSource(TokenSource):
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         return int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) > 0
 
-    # ------------------------------------------------------------------ embeddings
+    # ------------------------------------------------------------------ pooled outputs (embeddings, rerank)
 
-    def _embed_ctx(self) -> tuple[Any, Any, int]:
-        """A second context on the same weights, with mean pooling, for embeddings (made on first use)."""
+    def _pool_setup(self, cp: Any) -> None:
+        """Context parameters of an embedding / rerank model: its own pooling, one evaluation takes a whole
+        context of tokens (non-causal attention needs every token of a batch in one micro-batch), as many
+        inputs as llama.cpp allows sequences, and no generation KV beyond one batch's inputs."""
+        import llama_cpp
+
+        n_ctx = min(self.spec.n_ctx, int(llama_cpp.llama_model_n_ctx_train(self._model)) or self.spec.n_ctx)
+        tokens = max(self.spec.n_batch, n_ctx)
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = tokens
+        cp.n_seq_max = self._n_seq_ids = max(1, min(POOL_INPUTS, int(llama_cpp.llama_max_parallel_sequences())))
+        cp.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED  # the GGUF's
+
+    def _embed_ctx(self) -> tuple[Any, Any, int, int]:
+        """The context that pools: an embedding model's own, or for a chat model a second context on the same
+        weights with mean pooling (made on first use)."""
         if self._embed is None:
             import llama_cpp
 
             n = min(self._n_ctx, 2048)
             p = llama_cpp.llama_context_default_params()
             p.n_ctx = p.n_batch = p.n_ubatch = n
-            p.n_seq_max = 1
+            p.n_seq_max = seqs = max(1, min(POOL_INPUTS, int(llama_cpp.llama_max_parallel_sequences())))
+            p.kv_unified = True
             p.n_threads = p.n_threads_batch = self.n_threads
             p.embeddings = True
             p.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
@@ -1153,30 +1192,99 @@ class LlamaCppSource(TokenSource):
             if not ctx:
                 raise ModelLoadError("llama.cpp could not create an embedding context for this model.")
             self._apply_loras(ctx)
-            self._embed = (ctx, llama_cpp.llama_batch_init(n, 0, 1), n)
+            self._embed = (ctx, llama_cpp.llama_batch_init(n, 0, 1), n, seqs)
         return self._embed
 
-    def embed(self, texts: list[str]) -> list[list[float]]:
-        """Mean-pooled, L2-normalised embeddings, one per text (texts longer than the context are cut)."""
+    def embed_tokens(self, text: str) -> list[int]:
+        # what llama-server evaluates for an embedding input: special tokens added ([CLS] ... [SEP], BOS ...) and
+        # special-token text parsed (tokenize_input_subprompt(..., add_special=true, parse_special=true))
+        return self._tokenize(text, True, True)
+
+    def tail_tokens(self, *, rerank: bool = False) -> int:
         import llama_cpp
 
-        ctx, b, n = self._embed_ctx()
-        n_embd = llama_cpp.llama_model_n_embd(self._model)
-        out: list[list[float]] = []
-        for text in texts:
-            toks = self._tokenize(text, self._add_bos, False)[:n] or [max(self._bos, 0)]
-            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-            for i, t in enumerate(toks):
-                b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = t, i, 1, 0, True
-            b.n_tokens = len(toks)
+        v = self._vocab
+        if rerank:
+            template = self._md.get("tokenizer.chat_template.rerank")
+            if template and "{document}" in template:
+                return len(self._tokenize(template.split("{document}", 1)[1], False, True))
+            return int(bool(llama_cpp.llama_vocab_get_add_eos(v)))
+        return int(bool(llama_cpp.llama_vocab_get_add_sep(v) or llama_cpp.llama_vocab_get_add_eos(v)))
+
+    def rerank_tokens(self, query: str, document: str) -> list[int]:
+        """llama-server's ``format_prompt_rerank``: the GGUF's rerank template (``tokenizer.chat_template.rerank``,
+        Qwen3-Reranker's) with ``{query}`` and ``{document}`` filled in, else BOS query [EOS] [SEP] document [EOS]
+        as the vocabulary adds them."""
+        import llama_cpp
+
+        if self._pooling != "rank":
+            return super().rerank_tokens(query, document)
+        template = self._md.get("tokenizer.chat_template.rerank")
+        if template:
+            return self._tokenize(template.replace("{query}", query).replace("{document}", document), False, True)
+        v = self._vocab
+        eos = int(llama_cpp.llama_vocab_eos(v))
+        if eos < 0:
+            eos = int(llama_cpp.llama_vocab_sep(v))
+        add_eos = bool(llama_cpp.llama_vocab_get_add_eos(v))
+        out: list[int] = [int(llama_cpp.llama_vocab_bos(v))] if llama_cpp.llama_vocab_get_add_bos(v) else []
+        out += self._tokenize(query, False, False)
+        if add_eos:
+            out.append(eos)
+        if llama_cpp.llama_vocab_get_add_sep(v):
+            out.append(int(llama_cpp.llama_vocab_sep(v)))
+        out += self._tokenize(document, False, False)
+        if add_eos:
+            out.append(eos)
+        return out
+
+    @property
+    def can_pool(self) -> bool:
+        return True
+
+    def pool_limits(self) -> tuple[int, int]:
+        _, _, tokens, seqs = self._embed_ctx()
+        return tokens, seqs
+
+    def pool(self, inputs: Sequence[Sequence[int]]) -> list[Any]:
+        """One ``llama_decode`` of all ``inputs`` (sequence ids 0..k-1 of the pooling context), their pooled outputs
+        read with ``llama_get_embeddings_seq``; the context's memory (a causal model's cells) is cleared after."""
+        import llama_cpp
+
+        ctx, b, tokens, seqs = self._embed_ctx()
+        total = sum(len(x) for x in inputs)
+        if total > tokens or len(inputs) > seqs or any(not x for x in inputs):
+            raise BackendError(f"A pooling batch of {len(inputs)} inputs and {total} tokens does not fit "
+                               f"({seqs} inputs, {tokens} tokens).")
+        i = 0
+        for s, toks in enumerate(inputs):
+            for j, t in enumerate(toks):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = t, j, 1, s, True
+                i += 1
+        b.n_tokens = total
+        mem = llama_cpp.llama_get_memory(ctx)
+        try:
             rc = llama_cpp.llama_decode(ctx, b)
             if rc != 0:
-                raise BackendError(f"llama.cpp failed to embed the text (llama_decode returned {rc}).")
-            ptr = llama_cpp.llama_get_embeddings_seq(ctx, 0) or llama_cpp.llama_get_embeddings_ith(ctx, -1)
-            v = np.array(np.ctypeslib.as_array(ptr, shape=(n_embd,)), dtype=np.float64)
-            norm = float(np.linalg.norm(v))
-            out.append((v / norm if norm > 0 else v).tolist())
-        return out
+                raise BackendError(f"llama.cpp failed to evaluate the inputs (llama_decode returned {rc}).")
+            width = (int(llama_cpp.llama_model_n_cls_out(self._model)) if self._pooling == "rank"
+                     else int(llama_cpp.llama_model_n_embd_out(self._model)))
+            out = []
+            for s in range(len(inputs)):
+                ptr = llama_cpp.llama_get_embeddings_seq(ctx, s)
+                if not ptr:
+                    raise BackendError("llama.cpp gave no pooled output for an input.")
+                out.append(np.array(np.ctypeslib.as_array(ptr, shape=(width,)), dtype=np.float32))
+            return out
+        finally:
+            if mem:
+                llama_cpp.llama_memory_clear(mem, True)
+
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        """L2-normalised embeddings, one per text (texts longer than the context are cut), in batches."""
+        from backends import pooling
+
+        return pooling.embed(lambda fn: fn(self), texts).vectors
 
     # ------------------------------------------------------------------ close
 
@@ -1204,10 +1312,11 @@ class LlamaCppSource(TokenSource):
             llama_cpp.llama_batch_free(self._ebatch)
             self._ebatch = None
         if self._embed is not None:
-            ctx, b, _ = self._embed
-            llama_cpp.llama_batch_free(b)
-            llama_cpp.llama_free(ctx)
+            ctx, b, _, _ = self._embed
             self._embed = None
+            if ctx is not self._ctx:  # a chat model's second context (an embedding model's is its only one)
+                llama_cpp.llama_batch_free(b)
+                llama_cpp.llama_free(ctx)
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None

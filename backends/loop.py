@@ -50,6 +50,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from backends import pooling
 from backends.base import (
     BackendError,
     Event,
@@ -60,6 +61,7 @@ from backends.base import (
     PoolFullError,
     Sampler,
     TokenSource,
+    UnsupportedError,
     is_audio,
     is_image_token,
     message_images,
@@ -67,6 +69,7 @@ from backends.base import (
 from backends.channel import Channel
 from backends.drafting import Drafter, setup_draft
 from backends.kvpool import KVPool, Seq
+from backends.pooling import Pooled
 from backends.prompt_cache import PromptCache, PromptCacheSpec
 from backends.stream import RequestStream
 
@@ -125,6 +128,8 @@ class LoopMetrics:
     audio_chunks_encoded: int = 0  # by the audio projector (a clip is a chunk per 30 s; one kept: not again)
     audio_tokens_encoded: int = 0
     audio_encode_ns: int = 0
+    pooled_inputs: int = 0  # embedding inputs and rerank documents evaluated (backends.pooling)
+    pooled_tokens: int = 0  # their tokens
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -278,7 +283,24 @@ class LoadedModel:
         raise value
 
     def embed(self, texts: list[str]) -> list[list[float]]:
-        return self.call(lambda s: s.embed(texts))
+        return self.embed_many(texts).vectors
+
+    def embed_many(self, texts: list[str], *, truncate: bool = True) -> Pooled:
+        """Embeddings of ``texts`` (and the tokens they took), evaluated in batches between decode steps
+        (:mod:`backends.pooling`); a backend that cannot pool embeds them in one job."""
+        if not self.call(lambda s: s.can_pool):
+            vectors = self.call(lambda s: s.embed(texts))
+            return self._count(Pooled(vectors=vectors), len(texts))
+        return self._count(pooling.embed(self.call, texts, truncate=truncate), len(texts))
+
+    def rerank(self, query: str, documents: list[str], *, truncate: bool = True) -> Pooled:
+        """Relevance scores of ``documents`` to ``query`` from a rank head, in batches between decode steps."""
+        return self._count(pooling.rerank(self.call, query, documents, truncate=truncate), len(documents))
+
+    def _count(self, pooled: Pooled, inputs: int) -> Pooled:
+        self._counters.pooled_inputs += inputs  # read as a snapshot by metrics(); a lost race costs one count
+        self._counters.pooled_tokens += pooled.tokens
+        return pooled
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         return self.call(lambda s: s.tokenize(text, special=special))
@@ -453,6 +475,11 @@ class LoadedModel:
                 req = self._incoming.popleft()
             if req.channel.cancel.is_set():
                 self._close_cancelled(req)
+                continue
+            if src.info.embedding_only:  # the faces say so first; a library caller learns it here
+                req.channel.fail(UnsupportedError(
+                    f"This is {'a reranking' if src.info.pooling == 'rank' else 'an embedding'} model: it cannot "
+                    "generate text."))
                 continue
             try:
                 prompt = req.stream.prepare(src)

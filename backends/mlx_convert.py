@@ -372,6 +372,10 @@ def _inspect(g: _GGUF, dtype: str, policy: str = "mlx") -> ConversionInfo:
             f"The MLX converter does not handle the {arch or 'unknown'!r} architecture "
             f"(it handles {', '.join(sorted(ARCHITECTURES))}; Mistral GGUFs are 'llama')."
         )
+    pooling = g.a("pooling_type")
+    if isinstance(pooling, int) and pooling > 0:  # Qwen3-Embedding / -Reranker: a qwen3 decoder with a pooling head
+        raise UnsupportedError(f"This {arch} GGUF is an embedding or reranking model (its own pooling head); mlx-lm "
+                               "has no pooling, so it runs on llama.cpp.")
     tok = _check_tokenizer(g)
     weights = [t for name, t in g.tensors.items() if name not in _CONFIG_TENSORS]
     for t in weights:

@@ -105,6 +105,18 @@ class Installed:
             return self.parameter_size
         return f"{p / 1e9:.1f}B" if p >= 1e9 else f"{p / 1e6:.1f}M"
 
+    @property
+    def kind(self) -> str:
+        """``"embedding"`` or ``"rerank"`` for a model that pools instead of generating text, else ``""`` (what
+        ``list`` and the model manager mark).
+
+        >>> Installed("m", capabilities=["rerank"]).kind, Installed("m", capabilities=["completion"]).kind
+        ('rerank', '')
+        """
+        if "completion" in self.capabilities:
+            return ""
+        return next((c for c in ("rerank", "embedding") if c in self.capabilities), "")
+
 
 class Models(Protocol):
     """Installed models: list, show, pull (with progress), remove, copy."""
@@ -237,6 +249,17 @@ class Running:
         return until(self.expires_at)
 
 
+@dataclass
+class Ranked:
+    """One document of a rerank answer: its position in the request, its relevance score (the rank head's raw
+    output: higher is more relevant), its text, and whether it was cut to fit the model's context."""
+
+    index: int
+    score: float
+    document: str
+    truncated: bool = False
+
+
 class Runner(Protocol):
     """Running models: generate (a sync or an async stream of events), load, unload, ps.
 
@@ -267,6 +290,14 @@ class Runner(Protocol):
 
     def ps(self) -> list[Running]:
         """Loaded models, the one that expires last first."""
+
+    def rerank(self, name: str, query: str, documents: list[str], options: LoadOptions | None = None, *,
+               keep_alive: float | None = None, truncate: bool = True) -> list[Ranked]:
+        """``documents`` scored for ``query`` by a reranking model, most relevant first."""
+
+    def embed(self, name: str, texts: list[str], options: LoadOptions | None = None, *,
+              keep_alive: float | None = None) -> list[list[float]]:
+        """One L2-normalised embedding per text."""
 
     def close(self) -> None: ...
 

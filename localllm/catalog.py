@@ -111,6 +111,11 @@ class CatalogEntry:
     moe: MoE | None = None  # a mixture of experts
     mtp: MTP | None = None  # multi-token-prediction layers or head for self-speculation
     split_parts: int = 1  # >1: the Hub holds the default quant as this many split files (pull refuses them)
+    # an embedding model: its width, and the smaller sizes it was Matryoshka-trained for (requests may shorten its
+    # vectors to ``dimensions`` no smaller than the least of them; a model without the list may not be shortened)
+    dimensions: int | None = None
+    matryoshka: tuple[int, ...] = ()
+    pooling: str | None = None  # "mean", "cls", "last" (embedding), "rank" (reranker); from the model card
 
     @property
     def quants(self) -> list[str]:
@@ -139,6 +144,7 @@ class CatalogEntry:
                     "experts_used": self.moe.experts_used} if self.moe else None,
             "mtp": {"kind": self.mtp.kind, "file": self.mtp.file} if self.mtp else None,
             "split_parts": self.split_parts,
+            "dimensions": self.dimensions, "matryoshka": list(self.matryoshka), "pooling": self.pooling,
         }
 
 
@@ -212,6 +218,9 @@ def _entry(name: str, raw: dict[str, Any]) -> CatalogEntry:
         moe=_moe(raw.get("moe")),
         mtp=_mtp(raw.get("mtp"), name),
         split_parts=int(raw.get("split_parts", 1)),
+        dimensions=int(raw["dimensions"]) if raw.get("dimensions") else None,
+        matryoshka=tuple(sorted({int(d) for d in raw.get("matryoshka", [])}, reverse=True)),
+        pooling=raw.get("pooling") or None,
     )
 
 

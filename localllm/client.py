@@ -27,7 +27,7 @@ from collections.abc import Generator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from localllm.api import DeviceUse, Installed, ProgressFn, PullProgress, Running
+from localllm.api import DeviceUse, Installed, ProgressFn, PullProgress, Ranked, Running
 from localllm.errors import LocalLLMError, ModelNotFoundError
 
 if TYPE_CHECKING:
@@ -538,6 +538,24 @@ class Client:
         if keep_alive is not None:
             body["keep_alive"] = _keep_alive(keep_alive)
         return builtins.list(self._json("POST", "/api/embed", body).get("embeddings", []))
+
+
+    def rerank(self, name: str, query: str, documents: builtins.list[str], options: LoadOptions | None = None, *,
+               keep_alive: float | None = None, truncate: bool = True) -> builtins.list[Ranked]:
+        """``POST /api/rerank`` (localllm's; llama-server answers at ``/rerank``, Ollama has none)."""
+        body: JSON = {"model": name, "query": query, "documents": list(documents), "truncate": truncate,
+                      "return_documents": False, "options": options_json(None, options)}
+        if keep_alive is not None:
+            body["keep_alive"] = _keep_alive(keep_alive)
+        try:
+            results = self._json("POST", "/api/rerank", body).get("results") or []
+        except ModelNotFoundError as e:
+            if "not installed" in str(e) or "neither installed" in str(e):
+                raise
+            raise LocalLLMError(f"The server at {self.url} has no rerank endpoint (Ollama has none); use "
+                                "`localllm serve` there.") from None
+        return [Ranked(int(r["index"]), float(r["relevance_score"]), documents[int(r["index"])],
+                       bool(r.get("truncated"))) for r in results]
 
 
 def connect(host: str | None = None) -> Client | None:

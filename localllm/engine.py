@@ -77,6 +77,8 @@ from backends.base import (  # noqa: F401
 )
 from backends.channel import Channel
 from backends.loop import LoadedModel, LoopMetrics
+from backends.pooling import Pooled  # noqa: F401 - what embed_many / rerank answer, for the faces
+from backends.pooling import shorten as shorten_vectors  # noqa: F401 - Matryoshka truncation, for the faces
 from backends.stream import MAX_TOP_LOGPROBS  # noqa: F401 - the limit, for the faces (they never import backends)
 from localllm import config
 from localllm.errors import LocalLLMError
@@ -677,6 +679,21 @@ class Engine:
               *, keep_alive: float | None = None) -> list[list[float]]:
         """One vector per text. A model already loaded for generation serves it as it is; a model loaded here
         makes its embedding context at load (and serves generation too)."""
+        return self.embed_many(name, texts, options, keep_alive=keep_alive).vectors
+
+    def embed_many(self, name: str, texts: list[str], options: LoadOptions | None = None, *,
+                   keep_alive: float | None = None, truncate: bool = True) -> Pooled:
+        """Embeddings of ``texts`` with the tokens they took and which were cut to fit (``truncate=False``: an
+        input over the context raises instead), evaluated in batches beside the model's chat requests."""
+        return self._pooled(name, options, keep_alive, lambda m: m.embed_many(texts, truncate=truncate))
+
+    def rerank(self, name: str, query: str, documents: list[str], options: LoadOptions | None = None, *,
+               keep_alive: float | None = None, truncate: bool = True) -> Pooled:
+        """Relevance scores of ``documents`` to ``query`` (a model with a rank head), in document order."""
+        return self._pooled(name, options, keep_alive, lambda m: m.rerank(query, documents, truncate=truncate))
+
+    def _pooled(self, name: str, options: LoadOptions | None, keep_alive: float | None,
+                fn: Callable[[LoadedModel], Pooled]) -> Pooled:
         options = replace(options or LoadOptions(), embedding=True)
         self._enter_queue()
         queued = True
@@ -685,7 +702,7 @@ class Engine:
             self._leave_queue()
             queued = False
             try:
-                return running.model.embed(texts)
+                return fn(running.model)
             finally:
                 self._checkin(running, keep_alive)
         finally:

@@ -56,6 +56,9 @@ class GGUFInfo:
     tokenizer_model: str | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # the GGUF's own pooling head (``<arch>.pooling_type``): "mean", "cls", "last" (an embedding model), "rank" (a
+    # reranker); None for a model that generates text
+    pooling: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     # multi-token-prediction (MTP, "nextn") layers llama.cpp can draft from (``{arch}.nextn_predict_layers``; the
     # last ones of ``block_count``); 0 = none. A Gemma 4 drafter head is its own file (architecture MTP_HEAD_ARCH).
@@ -102,7 +105,7 @@ def read_gguf(path: str | os.PathLike[str], *, digest: str | None = None) -> GGU
     if key_file is not None and key_file.is_file():
         try:
             cached = json.loads(key_file.read_text())
-            if "mtp_layers" in cached:  # older entries lack it: read the file again
+            if "mtp_layers" in cached and "pooling" in cached:  # older entries lack them: read the file again
                 return replace(GGUFInfo(**cached), path=str(p))
         except (OSError, ValueError, TypeError):
             pass
@@ -116,6 +119,25 @@ def read_gguf(path: str | os.PathLike[str], *, digest: str | None = None) -> GGU
         except OSError:
             pass
     return info
+
+
+def _pooling(value: Any) -> str | None:
+    from backends.pooling import POOLING_TYPES
+
+    return POOLING_TYPES.get(int(value)) if isinstance(value, int | float) else None
+
+
+def capabilities_of(info: dict[str, Any]) -> list[str] | None:
+    """The capabilities of an embedding or rerank model (``["embedding"]``, ``["rerank"]``: it pools, it does not
+    generate), from the GGUF metadata cached at install; None for a model that generates text.
+
+    >>> capabilities_of({"pooling": "rank"}), capabilities_of({"pooling": "mean"}), capabilities_of({})
+    (['rerank'], ['embedding'], None)
+    """
+    pooling = info.get("pooling")
+    if not pooling:
+        return None
+    return ["rerank"] if pooling == "rank" else ["embedding"]
 
 
 def projector_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -258,6 +280,7 @@ def _read_gguf(p: Path) -> GGUFInfo:
         tokenizer_model=f.get("tokenizer.ggml.model"),
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=f.get("tokenizer.ggml.eos_token_id"),
+        pooling=_pooling(a("pooling_type")),
         extra={"tensor_bytes": {**split, "layers": [split["layers"][i] for i in sorted(split["layers"])]}},
         mtp_layers=int(a("nextn_predict_layers", 0) or 0) or len(nextn_layers),
     )

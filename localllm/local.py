@@ -11,7 +11,7 @@ import threading
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from localllm.api import CatalogItem, DeviceUse, Fit, Installed, ProgressFn, Running
+from localllm.api import CatalogItem, DeviceUse, Fit, Installed, ProgressFn, Ranked, Running
 
 if TYPE_CHECKING:
     from localllm.api import AsyncEventStream, EventStream
@@ -26,13 +26,18 @@ GiB = 1024**3
 
 
 def capabilities(info: dict[str, object]) -> list[str]:
-    """What a model can do, from its GGUF metadata (``/api/show``'s list): completion, tools, thinking.
+    """What a model can do, from its GGUF metadata (``/api/show``'s list): completion, tools, thinking; embedding or
+    rerank instead for a model with a pooling head.
 
     >>> capabilities({"chat_template": "{% if tools %}{% endif %}", "architecture": "llama"})
     ['completion', 'tools']
     """
+    from localllm.ggufinfo import capabilities_of
     from localllm.thinking import thinks
 
+    pooled = capabilities_of(info)
+    if pooled is not None:  # an embedding / rerank model: no completion
+        return pooled
     template = info.get("chat_template")
     caps = ["completion"]
     if isinstance(template, str) and "tools" in template:
@@ -154,6 +159,17 @@ class LocalRunner:
 
     def ps(self) -> list[Running]:
         return [running(m) for m in self.engine.ps()]
+
+    def rerank(self, name: str, query: str, documents: list[str], options: LoadOptions | None = None, *,
+               keep_alive: float | None = None, truncate: bool = True) -> list[Ranked]:
+        got = self.engine.rerank(name, query, documents, options, keep_alive=keep_alive, truncate=truncate)
+        cut = set(got.truncated)
+        ranked = [Ranked(i, s, documents[i], i in cut) for i, s in enumerate(got.scores)]
+        return sorted(ranked, key=lambda r: -r.score)
+
+    def embed(self, name: str, texts: list[str], options: LoadOptions | None = None, *,
+              keep_alive: float | None = None) -> list[list[float]]:
+        return self.engine.embed(name, texts, options, keep_alive=keep_alive)
 
     def tokenize(self, name: str, text: str) -> list[int]:
         """The model's tokens for ``text`` (``localllm bench`` sizes its prompts with it)."""

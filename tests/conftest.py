@@ -230,3 +230,30 @@ def mrope_model(default_model_path, test_cache) -> tuple[Path, Path]:
     derived = test_cache / "derived" / f"qwen2vl-{file_key(default_model_path)}.gguf"
     model = make_mrope_model(default_model_path, derived)
     return model, make_projector(test_cache / "vision" / "mmproj-qwen2vl-test-f32.gguf", kind="qwen2vl")
+
+
+@pytest.fixture(scope="session")
+def bert_embedder(test_cache) -> Path:
+    """A random BERT embedding model (mean pooling, width 64, 2 blocks; :mod:`tests.support_embed`), made once and
+    cached in the test cache."""
+    from tests.support_embed import embedder_path
+
+    return embedder_path(test_cache)
+
+
+@pytest.fixture(scope="session")
+def bert_reranker(test_cache) -> Path:
+    """A random BERT reranker (rank pooling: a one-score classifier head; :mod:`tests.support_embed`), made once and
+    cached in the test cache."""
+    from tests.support_embed import reranker_path
+
+    return reranker_path(test_cache)
+
+
+@pytest.fixture(scope="session")
+def bert_reranker_templated(test_cache) -> Path:
+    """The BERT reranker with ``tokenizer.chat_template.rerank`` in its GGUF (Qwen3-Reranker's way of carrying its
+    prompt), made once and cached in the test cache."""
+    from tests.support_embed import templated_reranker_path
+
+    return templated_reranker_path(test_cache)

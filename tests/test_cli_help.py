@@ -34,6 +34,7 @@ USAGE = {
     "worker": "Usage: localllm worker [OPTIONS]",
     "transcribe": "Usage: localllm transcribe [OPTIONS] MODEL FILE",
     "launch": "Usage: localllm launch [OPTIONS] {claude|codex|opencode} [AGENT_ARGS]...",
+    "rerank": "Usage: localllm rerank [OPTIONS] MODEL QUERY [DOCUMENTS]...",
 }
 TOP_USAGE = "Usage: localllm [OPTIONS] [COMMAND] [ARGS]..."
 TIMEOUT = 120  # a cold start on a loaded 2-core machine takes a few seconds; this is not a speed test

@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("localllm.cli.worker", "Serve this machine's devices to another machine (llama.cpp RPC)."),
     "transcribe": ("localllm.cli.transcribe", "Print what is said in an audio file (a model that takes audio)."),
     "launch": ("localllm.cli.launch", "Run a coding agent (claude, codex, opencode) on a local model."),
+    "rerank": ("localllm.cli.rerank", "Score documents for a query with a reranking model."),
 }
 
 

@@ -5,7 +5,8 @@ weight formats installed (GGUF for llama.cpp, MLX for Apple Silicon).
     NAME            ID              SIZE     FORMATS     MODIFIED
     smollm2:135m    b179c9523d0e    98 MB    GGUF+MLX    2 minutes ago
 
-A model made with ``localllm create`` adds a FROM column: the model it was made from.
+A model made with ``localllm create`` adds a FROM column: the model it was made from. An embedding or reranking
+model adds a KIND column (``embedding``, ``rerank``; ``chat`` for the others).
 
 ``--catalog`` lists the catalog instead, with each model's family, download size, capabilities, mixture of
 experts (total-active parameters) and the fit verdict for this machine (``≈``: estimated from the size)::
@@ -94,8 +95,9 @@ def command(json_out: bool, catalog: bool, host: str | None) -> None:
     # a server's list has no formats column (Ollama's has none)
     head = ["NAME", "ID", "SIZE", "MODIFIED"] if models.remote else ["NAME", "ID", "SIZE", "FORMATS", "MODIFIED"]
     derived = any(m.base for m in listed)  # a FROM column only when some model was made with `create`
-    rows = [head + (["FROM"] if derived else [])]
-    for m in listed:
+    kinds = [m.kind for m in listed]  # a KIND column only when some model embeds or reranks
+    rows = [head + (["KIND"] if any(kinds) else []) + (["FROM"] if derived else [])]
+    for m, kind in zip(listed, kinds, strict=True):
         when = ago(m.modified) if m.modified else ""
         # a projector shows as "+mmproj" in-process ("+mmproj(audio)" with an audio encoder); a server's list says
         # "vision" / "audio" in its capabilities
@@ -103,5 +105,5 @@ def command(json_out: bool, catalog: bool, host: str | None) -> None:
         tag = "mmproj" if media == ["vision"] else f"mmproj({'+'.join(media)})"
         formats = m.formats + ([tag] if m.projector_path else [])
         cells = [m.name, m.short_id, human_size(m.size)] + ([] if models.remote else ["+".join(formats)])
-        rows.append(cells + [when] + ([m.base or ""] if derived else []))
+        rows.append(cells + [when] + ([kind or "chat"] if any(kinds) else []) + ([m.base or ""] if derived else []))
     click.echo(format_table(rows))

@@ -35,6 +35,7 @@ grammar, as ``tool_choice`` does on the server).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import replace
@@ -57,6 +58,7 @@ from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
     from localllm.mcp.loop import ToolChat
+    from localllm.session import Session
 
 
 class RunCommand(click.Command):
@@ -175,7 +177,11 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
         # allocate and clear: smollm2:135m loads in ~0.13 s instead of ~0.25 s, with 270 MiB less)
         settings.load = replace(settings.load, num_parallel=1)
     try:
-        name = ensure_model(session.models, model).name
+        found = ensure_model(session.models, model)
+        name = found.name
+        if found.kind:  # an embedding or reranking model: no chat
+            embed_answer(session, found.kind, name, " ".join(prompts), settings, interactive)
+            return
         if interactive or (tools is not None and " ".join(prompts).strip()):
             from localllm.cli.interactive import Repl
 
@@ -201,6 +207,22 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
         finally:
             if tools is not None:
                 tools.host.close()
+
+
+def embed_answer(session: Session, kind: str, name: str, text: str, settings: RunSettings, interactive: bool) -> None:
+    """``run`` on an embedding model prints the text's embedding as a JSON array, as Ollama does (nothing to embed:
+    it loads); a reranking model is pointed to ``localllm rerank``."""
+    if kind == "rerank":
+        raise LocalLLMError(f"{name} is a reranking model: score documents with `localllm rerank {name} QUERY "
+                            "DOCUMENT...`.")
+    if interactive:
+        raise LocalLLMError(f"{name} is an embedding model, it does not chat: give the text to embed "
+                            f"(`localllm run {name} TEXT`, or on stdin).")
+    if not text.strip():
+        session.runner.load(name, settings.load, keep_alive=settings.keep_alive)
+        return
+    vector = session.runner.embed(name, [text], settings.load, keep_alive=settings.keep_alive)[0]
+    click.echo(json.dumps(vector))
 
 
 def open_tools(names: tuple[str, ...], *, defaults: bool = True) -> ToolChat | None:

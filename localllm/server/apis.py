@@ -12,7 +12,14 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.routing import Match, Route
 
-from localllm.server import anthropic_routes, ollama_routes, openai_routes, responses_routes, transcriptions
+from localllm.server import (
+    anthropic_routes,
+    ollama_routes,
+    openai_routes,
+    rerank_routes,
+    responses_routes,
+    transcriptions,
+)
 from localllm.server.translator import Translator
 
 APIS: tuple[Translator, ...] = (
@@ -21,6 +28,8 @@ APIS: tuple[Translator, ...] = (
     responses_routes.API,  # /v1/responses: OpenAI's shape
     anthropic_routes.API,  # /v1/messages: {"type": "error", "error": {"type", "message"}}
     transcriptions.API,  # /v1/audio/transcriptions (multipart): OpenAI's shape
+    rerank_routes.API,  # /v1/rerank, /v1/reranking, /rerank, /reranking: OpenAI's shape (llama-server's paths)
+    rerank_routes.OLLAMA_API,  # /api/rerank: Ollama's shape
 )
 
 

@@ -33,7 +33,17 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from localllm.engine import Done, Event, GenerateRequest, LoadOptions, RunningModel, TextChunk, TokenLogprob, ToolCalls
+from localllm.engine import (
+    Done,
+    Event,
+    GenerateRequest,
+    LoadOptions,
+    Pooled,
+    RunningModel,
+    TextChunk,
+    TokenLogprob,
+    ToolCalls,
+)
 from localllm.server.checks import check_name
 from localllm.server.errors import APIError, bad_request, status_of
 from localllm.server.modelinfo import capabilities, info_of
@@ -126,6 +136,9 @@ def check_capabilities(call: Call, model: InstalledModel) -> None:
     own fields, the logprobs range and the format schema among them, were checked by its translator.)"""
     req = call.request
     caps = capabilities(model)
+    if "completion" not in caps:  # an embedding / rerank model
+        what = "a reranking" if "rerank" in caps else "an embedding"
+        raise bad_request(f'"{call.model}" is {what} model and does not support chat or text generation')
     if req.tools and "tools" not in caps:
         raise bad_request(f'"{call.model}" does not support tools', param="tools")
     if call.images:
@@ -283,38 +296,46 @@ async def load_or_unload(http: Request, model: str, keep_alive: float | None, op
     return "load"
 
 
-def shorten(vectors: list[list[float]], dimensions: int | None) -> list[list[float]]:
-    """Matryoshka-style truncation to ``dimensions``, renormalised."""
-    if not dimensions:
+def shorten(model: str, found: InstalledModel, vectors: list[list[float]], dimensions: int | None,
+            param: str = "dimensions") -> list[list[float]]:
+    """Matryoshka truncation to ``dimensions``, renormalised, for a model whose catalog entry lists the sizes it was
+    trained for (``matryoshka``); a smaller ``dimensions`` for any other model is a 400 (its shortened vectors would
+    be noise). A ``dimensions`` at or above the width gives the vectors unchanged."""
+    from localllm.engine import shorten_vectors
+
+    if not dimensions or not vectors or dimensions >= len(vectors[0]):
         return vectors
-    out = []
-    for v in vectors:
-        v = v[:dimensions]
-        norm = sum(x * x for x in v) ** 0.5 or 1.0
-        out.append([x / norm for x in v])
-    return out
+    sizes = found.catalog.matryoshka if found.catalog is not None else ()
+    if not sizes:
+        raise bad_request(f'"{model}" is not known to be Matryoshka-trained, so its {len(vectors[0])}-dimensional '
+                          "embeddings cannot be shortened (dimensions)", param=param)
+    if dimensions < min(sizes):
+        raise bad_request(f'"{model}" was trained for embeddings of {min(sizes)} to {len(vectors[0])} dimensions, '
+                          f"not {dimensions}", param=param)
+    return shorten_vectors(vectors, dimensions)
 
 
 async def embed_texts(http: Request, model: str, texts: list[str], options: dict[str, Any] | None,
-                      keep_alive: float | None) -> tuple[list[list[float]], int, int]:
-    """(vectors, prompt tokens, load ns) for ``texts``. No texts loads the model as embeddings need it (so that
-    the next embed finds it loaded) and answers no vectors; load ns is 0 unless this request loaded the model."""
+                      keep_alive: float | None, *, truncate: bool = True) -> tuple[Pooled, int, InstalledModel]:
+    """(embeddings with their token count and cut inputs, load ns, the installed model) for ``texts``. No texts
+    loads the model as embeddings need it (so that the next embed finds it loaded) and answers no vectors; load ns
+    is 0 unless this request loaded the model. A model with a rank head is a 400 (it scores pairs)."""
     engine = engine_of(http)
     name, found = await installed(http, model)
+    if "rerank" in capabilities(found):
+        raise bad_request(f'"{model}" is a reranking model and does not make embeddings; use /v1/rerank')
     _, load_options = options_of(options)
     load_options = replace(cap_ctx(load_options, found), embedding=True)
     before = loaded(engine, found.name)
-    vectors: list[list[float]] = []
-    tokens = 0
+    pooled = Pooled()
     if not texts:
         await run_sync(engine.load, name, load_options, keep_alive=keep_alive)
     else:
-        vectors = await run_sync(engine.embed, name, texts, load_options, keep_alive=keep_alive)
-        for t in texts:
-            tokens += len(await run_sync(engine.tokenize, name, t))
+        pooled = await run_sync(engine.embed_many, name, texts, load_options, keep_alive=keep_alive,
+                                truncate=truncate)
     after = loaded(engine, found.name)
     load_ns = after.load_duration_ns if after is not None and after is not before else 0
-    return vectors, tokens, load_ns
+    return pooled, load_ns, found
 
 
 def loaded(engine: ServerEngine, name: str) -> RunningModel | None:

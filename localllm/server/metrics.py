@@ -13,6 +13,8 @@ What a monitoring stack reads (all names start with ``localllm_``; per model whe
 * images encoded by a vision projector, their tokens and the encode time (``images_encoded_total``,
   ``image_tokens_total``, ``image_encode_seconds_total``); audio chunks encoded by an audio projector, their
   tokens and the encode time (``audio_chunks_encoded_total``, ``audio_tokens_total``, ``audio_encode_seconds_total``);
+* embedding inputs and rerank documents evaluated, and their tokens (``pooled_inputs_total``,
+  ``pooled_tokens_total``);
 * loaded models and their memory (``models_loaded``, ``model_memory_bytes``); per llama.cpp device (GPUs, RPC
   workers) what was allocated and the planner's estimate (``device_memory_bytes``,
   ``device_memory_estimate_bytes``, labels model and device); the prompt cache on disk (entries, bytes, hits,
@@ -92,6 +94,8 @@ class _EngineCollector(Collector):
             "audio_chunks_encoded": "Audio chunks (30 s each, as mtmd cuts a clip) encoded by the audio projector.",
             "audio_tokens": "Audio tokens those chunks became.",
             "audio_encode_seconds": "Time the audio projector spent encoding audio.",
+            "pooled_inputs": "Embedding inputs and rerank documents evaluated (in batches between decode steps).",
+            "pooled_tokens": "Tokens of those inputs.",
         }
         g = {k: GaugeMetricFamily(f"localllm_{k}", h, labels=["model"]) for k, h in gauges.items()}
         c = {k: CounterMetricFamily(f"localllm_{k}", h, labels=["model"]) for k, h in counters.items()}
@@ -117,7 +121,8 @@ class _EngineCollector(Collector):
                          ("prompt_cache_misses", lm.prompt_cache_misses), ("images_encoded", lm.images_encoded),
                          ("image_tokens", lm.image_tokens_encoded), ("image_encode_seconds", lm.image_encode_ns / 1e9),
                          ("audio_chunks_encoded", lm.audio_chunks_encoded), ("audio_tokens", lm.audio_tokens_encoded),
-                         ("audio_encode_seconds", lm.audio_encode_ns / 1e9))
+                         ("audio_encode_seconds", lm.audio_encode_ns / 1e9),
+                         ("pooled_inputs", lm.pooled_inputs), ("pooled_tokens", lm.pooled_tokens))
             for k, x in counts:
                 c[k].add_metric(name, x)
         yield from g.values()

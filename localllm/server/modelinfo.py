@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import UTC
 from typing import Any
 
+from localllm.ggufinfo import capabilities_of
 from localllm.store import InstalledModel
 from localllm.thinking import thinks
 
@@ -23,6 +24,9 @@ def info_of(model: InstalledModel) -> dict[str, Any]:
 def capabilities(model: InstalledModel) -> list[str]:
     """What a model can do, as ``/api/show`` lists it."""
     info = info_of(model)
+    pooled = capabilities_of(info)
+    if pooled is not None:  # an embedding / rerank model: no completion
+        return pooled
     caps = ["completion"]
     if template_supports_tools(info.get("chat_template")):
         caps.append("tools")

@@ -294,10 +294,12 @@ async def embed(body: EmbedBody, request: Request) -> Response:
     if not texts or texts == [""]:  # loads the model for the embeddings to come
         await g.embed_texts(request, body.model, [], body.options, keep_alive)
         return JSONResponse({"model": body.model, "embeddings": []})
-    vectors, tokens, load_ns = await g.embed_texts(request, body.model, texts, body.options, keep_alive)
-    return JSONResponse({"model": body.model, "embeddings": g.shorten(vectors, body.dimensions),
+    pooled, load_ns, found = await g.embed_texts(request, body.model, texts, body.options, keep_alive,
+                                                 truncate=body.truncate)
+    return JSONResponse({"model": body.model, "embeddings": g.shorten(body.model, found, pooled.vectors,
+                                                                      body.dimensions),
                          "total_duration": time.perf_counter_ns() - t0, "load_duration": load_ns,
-                         "prompt_eval_count": tokens})
+                         "prompt_eval_count": pooled.tokens})
 
 
 @router.post("/api/embeddings")
@@ -306,8 +308,8 @@ async def embeddings(body: EmbeddingsBody, request: Request) -> Response:
     if not body.prompt:
         check_name(body.model)
         return JSONResponse({"embedding": []})
-    vectors, _, _ = await g.embed_texts(request, body.model, [body.prompt], body.options, keep_alive)
-    return JSONResponse({"embedding": vectors[0]})
+    pooled, _, _ = await g.embed_texts(request, body.model, [body.prompt], body.options, keep_alive)
+    return JSONResponse({"embedding": pooled.vectors[0]})
 
 
 def tag_entry(model: InstalledModel) -> dict[str, Any]:

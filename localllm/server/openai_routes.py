@@ -417,8 +417,8 @@ async def embeddings(body: EmbeddingsOAIBody, request: Request) -> dict[str, Any
         raise bad_request("invalid input: expected a non-empty string or a list of non-empty strings", param="input")
     if body.encoding_format not in (None, "float", "base64"):
         raise bad_request("encoding_format must be float or base64", param="encoding_format")
-    vectors, tokens, _ = await g.embed_texts(request, body.model, texts, None, None)
-    vectors = g.shorten(vectors, body.dimensions)
+    pooled, _, found = await g.embed_texts(request, body.model, texts, None, None)
+    vectors, tokens = g.shorten(body.model, found, pooled.vectors, body.dimensions), pooled.tokens
     data = []
     for i, v in enumerate(vectors):
         emb: Any = v

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from fastapi import Request
 
 if TYPE_CHECKING:
-    from localllm.engine import Event, GenerateRequest, LoadOptions, RunningModel, Stats
+    from localllm.engine import Event, GenerateRequest, LoadOptions, Pooled, RunningModel, Stats
     from localllm.store import Store
 
 T = TypeVar("T")
@@ -48,6 +48,12 @@ class ServerEngine(Protocol):
 
     def embed(self, name: str, texts: list[str], options: LoadOptions | None = None, *,
               keep_alive: float | None = None) -> list[list[float]]: ...
+
+    def embed_many(self, name: str, texts: list[str], options: LoadOptions | None = None, *,
+                   keep_alive: float | None = None, truncate: bool = True) -> Pooled: ...
+
+    def rerank(self, name: str, query: str, documents: list[str], options: LoadOptions | None = None, *,
+               keep_alive: float | None = None, truncate: bool = True) -> Pooled: ...
 
     def tokenize(self, name: str, text: str, images: list[bytes] | None = None) -> list[int]: ...
 

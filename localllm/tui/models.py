@@ -37,6 +37,7 @@ class ModelRow:
     loaded: bool = False
     formats: str = "GGUF"  # the weight formats installed: "GGUF", "GGUF+MLX"; "+mmproj" with a vision projector
     base: str | None = None  # the model a variant (``localllm create``) was made from
+    kind: str = ""  # "embedding" or "rerank" for a model that pools instead of generating (marked after its name)
 
 
 SERVER_FIT = Fit(text="(server decides)")  # a server picks the backend itself
@@ -61,7 +62,7 @@ def model_rows(session: Session) -> list[ModelRow]:
                                if m.projector_path else [])
         rows.append(ModelRow(name=m.name, size=m.size, quantization=m.quantization, backend=fit.backend,
                              verdict=fit.text, loaded=m.name in loaded, formats="+".join(formats) or "GGUF",
-                             base=m.base))
+                             base=m.base, kind=m.kind))
     return rows
 
 
@@ -159,6 +160,7 @@ class ModelsScreen(Screen):
         inst.clear()
         for m in installed:
             shown = f"{m.name} (from {m.base})" if m.base else m.name  # a variant shows its base
+            shown += f" [{m.kind}]" if m.kind else ""  # an embedding / rerank model: it cannot chat
             inst.add_row(shown, human_size(m.size), m.quantization or "-", m.backend or "-", m.verdict or "-",
                          "yes" if m.loaded else "", "*" if m.name == default else "", m.formats or "GGUF", key=m.name)
         cat = self.query_one("#catalog", DataTable)
