@@ -192,8 +192,8 @@ class KVPool:
         if keep < len(seq.tokens):
             keep, pos = src.kv_cut(seq.tokens, keep)
             if not src.seq_rm(seq.id, pos):
-                src.seq_rm(seq.id)  # recurrent memory: no partial removal
-                keep = 0
+                src.seq_rm(seq.id)  # memory without partial removal: nothing is kept, the saved row is stale
+                keep, saved, out.logits = 0, None, None
             del seq.tokens[keep:]
         if not (saved is not None and saved[0] <= keep):
             seq.prompt_logits = None

