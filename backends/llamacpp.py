@@ -510,8 +510,8 @@ class LlamaCppSource(TokenSource):
             self._n_ctx = min(spec.n_ctx, int(llama_cpp.llama_n_ctx_seq(self._ctx)))
             self._md = self._metadata()
             self._arch = self._md.get("general.architecture", "unknown")
-            self._recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model)) or bool(
-                llama_cpp.llama_model_is_hybrid(self._model))
+            self._pure_recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model))
+            self._recurrent = self._pure_recurrent or bool(llama_cpp.llama_model_is_hybrid(self._model))
             self._template = spec.extra.get("chat_template") or self._md.get("tokenizer.chat_template")
             eos, bos = llama_cpp.llama_vocab_eos(self._vocab), llama_cpp.llama_vocab_bos(self._vocab)
             self._bos = int(bos)
@@ -746,7 +746,11 @@ class LlamaCppSource(TokenSource):
 
     @property
     def shared_pool(self) -> bool:
-        return not self._recurrent
+        return not self._pure_recurrent  # a hybrid's attention cells are one unified pool too
+
+    @property
+    def needs_checkpoints(self) -> bool:
+        return self._recurrent
 
     # ------------------------------------------------------------------ text
 
@@ -1070,10 +1074,9 @@ class LlamaCppSource(TokenSource):
     def state_key(self) -> str | None:
         import llama_cpp
 
-        if self._recurrent:
-            return None
+        mem = " mem=recurrent" if self._recurrent else ""
         return (f"llama.cpp-{getattr(llama_cpp, '__version__', '?')} kv={self.spec.kv_cache_type} "
-                f"fa={int(self.flash_attn)} unified=1 gpu_layers={self._info.n_gpu_layers}")
+                f"fa={int(self.flash_attn)} unified=1 gpu_layers={self._info.n_gpu_layers}{mem}")
 
     def state_save(self, seq: int) -> bytes:
         import llama_cpp
@@ -1088,6 +1091,33 @@ class LlamaCppSource(TokenSource):
 
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         return int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) > 0
+
+    # ------------------------------------------------------------------ checkpoints (partial states)
+
+    def checkpoint_save(self, seq: int) -> bytes:
+        import llama_cpp
+
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, seq, flags))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(llama_cpp.llama_state_seq_get_data_ext(self._ctx, buf, size, seq, flags))
+        if n <= 0:
+            raise BackendError(f"llama.cpp could not save the partial state of sequence {seq}.")
+        return bytes(memoryview(buf)[:n])
+
+    def checkpoint_restore(self, src: int, dst: int, n: int, data: bytes) -> bool:
+        """The attention cells of ``src`` below ``n`` copied into ``dst`` (``seq_cp``), then the partial state
+        loaded over them: measured equal to evaluating the prefix cold (max logit difference 0.0)."""
+        import llama_cpp
+
+        llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        ok = int(llama_cpp.llama_state_seq_set_data_ext(self._ctx, buf, len(data), dst,
+                                                         llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)) > 0
+        if not ok:
+            llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        return ok
 
     # ------------------------------------------------------------------ embeddings
 

@@ -8,9 +8,12 @@ cold (the pool emptied first), greedy, token for token, and with how many prompt
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from backends.base import GenerateRequest, LoadSpec, Sampling
+from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
 from tests.backends.conftest import collect
 
@@ -63,3 +66,70 @@ def test_the_same_prompt_asked_again_answers_the_same(hybrid):
     assert again == first
     assert again == cold(hybrid, req)
 
+
+def test_regenerate_and_an_edited_middle_turn_restore_a_checkpoint_and_evaluate_only_the_rest(hybrid):
+    t1, _, _ = ask(hybrid, chat(TURNS[:1]))
+    t2, _, _ = ask(hybrid, chat(TURNS[:2], [t1]))
+    turn3 = chat(TURNS, [t1, t2])
+    want = cold(hybrid, turn3)
+    ask(hybrid, chat(TURNS[:2], [t1]))  # the conversation is back at turn 2 (held whole, answer included)
+    text, n, cached = ask(hybrid, turn3)  # turn 3 continues the held sequence
+    assert text == want and n - cached < 40
+    text, n, cached = ask(hybrid, turn3)  # regenerate: the same prompt again, nothing evaluated
+    assert text == want and cached == n
+    edited = chat([TURNS[0], "And the stamps, the shells and the lamps?", TURNS[2]], [t1, t2])
+    want = cold(hybrid, edited)
+    ask(hybrid, turn3)
+    text, n, cached = ask(hybrid, edited)  # diverges inside turn 2: back to the checkpoint where it starts
+    assert text == want
+    assert cached > len(SYSTEM) // 6  # the system prompt and turn 1 at least (a transformer's reuse, less turn 2)
+    m = hybrid.metrics()
+    assert m.kv_checkpoints > 0 and m.kv_checkpoint_bytes > 0
+
+
+def test_two_conversations_share_the_system_prompt_through_a_checkpoint(hybrid):
+    a, b = chat(TURNS[:1]), chat(TURNS[2:3])
+    want_b = cold(hybrid, b)
+    ask(hybrid, a)
+    text, n, cached = ask(hybrid, b)  # another conversation: the system prompt restored into a fresh sequence
+    assert text == want_b
+    assert cached >= len(SYSTEM) // 6
+    assert ask(hybrid, a)[0] == cold(hybrid, a)  # the first conversation is still whole
+
+
+def test_an_idle_conversation_is_parked_and_continues_as_if_it_had_stayed(hybrid_model):
+    m = load("llamacpp", LoadSpec(str(hybrid_model), n_ctx=2048, n_seq=1))
+    try:
+        long = chat(TURNS[:1], n=8)
+        long.messages[0]["content"] = SYSTEM * 4  # ~700 tokens: idle, it is parked beside a running request
+        t1, _, _ = ask(m, long)
+        other = chat(TURNS[1:2], n=8)
+        other.messages[0]["content"] = "Be brief."
+        ask(m, other)
+        assert m.metrics().kv_tokens_parked > 0
+        turn2 = GenerateRequest(messages=[*long.messages, {"role": "assistant", "content": t1},
+                                          {"role": "user", "content": TURNS[1]}],
+                                sampling=Sampling(temperature=0.0, max_tokens=12))
+        text, n, cached = ask(m, turn2)
+        assert cached > 600
+        assert text == cold(m, turn2)
+    finally:
+        m.close()
+
+
+def test_a_restarted_process_restores_the_prompt_from_the_disk_cache(hybrid, hybrid_model, tmp_path: Path):
+    spec = PromptCacheSpec(str(tmp_path / "m"), "hybrid", min_tokens=64, budget_root=str(tmp_path))
+    first = load("llamacpp", LoadSpec(str(hybrid_model), n_ctx=1024, n_seq=1), prompt_cache=spec)
+    try:
+        t1, _, _ = ask(first, chat(TURNS[:1]))
+    finally:
+        first.close()
+    assert list((tmp_path / "m").glob("*.kv"))
+    turn2 = chat(TURNS[:2], [t1])
+    second = load("llamacpp", LoadSpec(str(hybrid_model), n_ctx=1024, n_seq=1), prompt_cache=spec)
+    try:
+        text, done, _ = collect(second.generate(turn2))
+        assert done.stats.prompt_restored_tokens > 150
+        assert text == cold(hybrid, turn2)
+    finally:
+        second.close()
