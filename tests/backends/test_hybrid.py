@@ -133,3 +133,37 @@ def test_a_restarted_process_restores_the_prompt_from_the_disk_cache(hybrid, hyb
         assert text == cold(hybrid, turn2)
     finally:
         second.close()
+
+
+def test_a_restored_checkpoint_gives_the_cold_logits(hybrid_model):
+    import numpy as np
+
+    from backends.base import Feed
+    from backends.llamacpp import LlamaCppSource
+
+    src = LlamaCppSource(LoadSpec(str(hybrid_model), n_ctx=1024, n_seq=2))
+    try:
+        assert src.needs_checkpoints
+        toks = src.prompt_tokens(SYSTEM + " " + SYSTEM)
+
+        def run(seq: int, part: list[int], pos: int) -> np.ndarray:
+            rows = src.evaluate([Feed(seq, part, pos, 1)])[0]
+            return np.asarray(src.logits(rows[-1]))
+
+        cut = 200
+        run(0, toks[:cut], 0)
+        ck = src.checkpoint_save(0)
+        whole = run(0, toks[cut:], cut)
+        assert not src.seq_rm(0, cut)  # the recurrent state cannot go back: hence checkpoints
+        assert src.checkpoint_restore(0, 1, cut, ck)
+        again = run(1, toks[cut:], cut)
+        run(2, toks[:cut], 0)
+        cold_ = run(2, toks[cut:], cut)
+        # equal up to the order of the sums over cells elsewhere in the unified pool (~1e-6); a wrong state: units
+        assert float(np.abs(again - cold_).max()) < 1e-4 and float(np.abs(whole - cold_).max()) < 1e-4
+        src.seq_rm(3)
+        wrong = run(3, toks[cut:], cut)  # the same tokens without the state before them
+        assert float(np.abs(wrong - cold_).max()) > 0.1
+        assert not src.checkpoint_restore(0, 1, cut, ck[: len(ck) // 2])  # a truncated one is refused
+    finally:
+        src.close()
