@@ -25,7 +25,9 @@ Backend-specific knobs in ``LoadSpec.extra``: ``chat_template`` (override the GG
 conversations keep their prefix while others run), ``grammar`` (a GBNF grammar for every request that
 asks for no format: tests make a small model "think" with it), ``head_dims`` ((K, V) head sizes from
 metadata the caller has read, so that a quantized KV cache is checked without reading the GGUF header),
-``lora`` ((adapter GGUF path, scale) pairs: LoRA adapters applied through llama.cpp's adapter API).
+``lora`` ((adapter GGUF path, scale) pairs: LoRA adapters applied through llama.cpp's adapter API),
+``swa_full`` (sliding-window layers as long as the context: exact reuse from any position at the memory of a
+global layer; default off, as llama-server: the window per sequence, reuse through checkpoints).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ _log_state: dict[str, Any] = {"cb": None, "level": logging.DEBUG, "buf": "", "ve
 _recent_native: deque[str] = deque(maxlen=40)  # recent WARN/ERROR lines, to explain load failures
 _capture = threading.local()  # .lines: the loading thread's llama.cpp lines (buffer sizes per device)
 # "load_tensors: RPC0[127.0.0.1:50052] model buffer size =    33.82 MiB", "sched_reserve: CPU compute buffer ..."
-_BUFFER_LINE = re.compile(r"^\w+:\s+(\S+?)\s+(model|KV|compute|output) buffer size =\s*([0-9.]+) MiB")
+_BUFFER_LINE = re.compile(r"^\w+:\s+(\S+?)\s+(model|KV|RS|compute|output) buffer size =\s*([0-9.]+) MiB")
 
 
 def _on_native_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
@@ -116,7 +118,7 @@ def allocations(lines: list[str], workers: dict[str, list[str]]) -> dict[str, di
     ...              "sched_reserve:        CPU compute buffer size =     7.68 MiB"], {"127.0.0.1:50052": ["RPC3"]})
     {'RPC3': {'weights': 35462840}, 'CPU': {'compute': 8053063}}
     """
-    kinds = {"model": "weights", "KV": "kv", "compute": "compute", "output": "compute"}
+    kinds = {"model": "weights", "KV": "kv", "RS": "kv", "compute": "compute", "output": "compute"}  # RS: recurrent
     out: dict[str, dict[str, int]] = {}
     for line in lines:
         m = _BUFFER_LINE.match(line)
@@ -497,6 +499,10 @@ class LlamaCppSource(TokenSource):
                                   False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}[spec.flash_attn]
             cp.embeddings = False
             cp.no_perf = True
+            # sliding-window layers keep their window (+ a batch) per sequence id, as llama-server does; reuse
+            # stays right through checkpoints. swa_full: every layer as long as the context (exact reuse anywhere)
+            self._swa_full = bool(spec.extra.get("swa_full", False))
+            cp.swa_full = self._swa_full
             self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
             if not self._ctx:
                 self._ctx = None
@@ -510,6 +516,7 @@ class LlamaCppSource(TokenSource):
             self._n_ctx = min(spec.n_ctx, int(llama_cpp.llama_n_ctx_seq(self._ctx)))
             self._md = self._metadata()
             self._arch = self._md.get("general.architecture", "unknown")
+            self._n_swa = int(llama_cpp.llama_model_n_swa(self._model))
             self._pure_recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model))
             self._recurrent = self._pure_recurrent or bool(llama_cpp.llama_model_is_hybrid(self._model))
             self._template = spec.extra.get("chat_template") or self._md.get("tokenizer.chat_template")
@@ -677,6 +684,9 @@ class LlamaCppSource(TokenSource):
         hd = n_embd // n_head if n_embd and n_head else 0
         hk, hv = num("attention.key_length", hd), num("attention.value_length", hd)
         kv_bytes = int(self._pool * n_layers * n_head_kv * (hk + hv) * KV_BYTES_PER_ELEM[self.spec.kv_cache_type])
+        allocated = sum(v.get("kv", 0) for v in self._alloc.values())
+        if allocated:  # what llama.cpp allocated: windowed layers at window size, recurrent states per sequence
+            kv_bytes = allocated
         weights = int(llama_cpp.llama_model_size(self._model))
         gpu = bool(llama_cpp.llama_supports_gpu_offload())
         req = self.spec.n_gpu_layers
@@ -715,6 +725,8 @@ class LlamaCppSource(TokenSource):
                 "gpu_offload_supported": gpu,
                 "description": desc.value.decode("utf-8", errors="replace"),
                 "recurrent": self._recurrent,
+                "sliding_window": self._n_swa,  # 0: none
+                "swa_full": self._swa_full,
                 "chat_template_fallback": self._template is None,
                 "n_seq_ids": self._n_seq_ids,
                 # what llama.cpp allocated per device, from its own lines: {"RPC0": {"weights": b, ...}}
@@ -750,7 +762,12 @@ class LlamaCppSource(TokenSource):
 
     @property
     def needs_checkpoints(self) -> bool:
-        return self._recurrent
+        return self._recurrent or self._windowed
+
+    @property
+    def _windowed(self) -> bool:
+        """Sliding-window layers whose cache holds less than a sequence's context (``swa_full`` off)."""
+        return 0 < self._n_swa < self._n_ctx and not self._swa_full
 
     # ------------------------------------------------------------------ text
 
@@ -1074,7 +1091,7 @@ class LlamaCppSource(TokenSource):
     def state_key(self) -> str | None:
         import llama_cpp
 
-        mem = " mem=recurrent" if self._recurrent else ""
+        mem = (" mem=recurrent" if self._recurrent else "") + (f" swa={self._n_swa}" if self._windowed else "")
         return (f"llama.cpp-{getattr(llama_cpp, '__version__', '?')} kv={self.spec.kv_cache_type} "
                 f"fa={int(self.flash_attn)} unified=1 gpu_layers={self._info.n_gpu_layers}{mem}")
 

@@ -241,6 +241,8 @@ class Loader:
             extra["tensor_split"] = p.tensor_split
         if model.derived is not None and model.derived.adapters:
             extra["lora"] = [(str(path), scale) for path, scale in self.store.adapters_of(model)]
+        if config.swa_full():
+            extra["swa_full"] = True
         return LoadSpec(
             model_path=str(path),
             n_ctx=p.n_ctx,

@@ -109,3 +109,65 @@ def make_hybrid(tokenizer_src: Path, dst: Path, *, seed: int = 0, f32: bool = Tr
     w.close()
     tmp.replace(dst)
     return dst
+
+
+SWA_DIMS = {"D": 128, "FF": 256, "H": 4, "Hkv": 2, "hd": 32, "layers": 4, "window": 32}
+
+
+def make_swa(tokenizer_src: Path, dst: Path, *, seed: int = 0) -> Path:
+    """Write (once, atomically) a made ``gemma3`` at ``dst``: 4 layers, the first three with a sliding window of
+    32 tokens and the last global (``sliding_window_pattern`` 4), random F32 weights (F16 embedding rows), the
+    tokenizer and chat template of ``tokenizer_src``: windows slide inside short tests."""
+    if dst.is_file():
+        return dst
+    import gguf
+    import numpy as np
+
+    d = SWA_DIMS
+    D, FF, H, Hkv, hd, L = (d[k] for k in ("D", "FF", "H", "Hkv", "hd", "layers"))
+    n_vocab = _n_vocab(tokenizer_src)
+    rng = np.random.default_rng(seed)
+
+    def mat(n_in: int, n_out: int) -> Any:
+        return (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
+
+    def ones(n: int) -> Any:
+        return np.ones(n, dtype=np.float32)
+
+    arch = "gemma3"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), arch=arch)
+    w.add_name("localllm-test-swa")
+    u32 = {"context_length": 4096, "embedding_length": D, "block_count": L, "feed_forward_length": FF,
+           "attention.head_count": H, "attention.head_count_kv": Hkv, "attention.key_length": hd,
+           "attention.value_length": hd, "attention.sliding_window": d["window"],
+           "attention.sliding_window_pattern": L}
+    for k, v in u32.items():
+        w.add_uint32(f"{arch}.{k}", v)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    _copy_tokenizer(w, tokenizer_src)
+    t: dict[str, Any] = {"token_embd.weight": (rng.standard_normal((n_vocab, D)) / np.sqrt(D)).astype(np.float16),
+                         "output_norm.weight": ones(D), "output.weight": mat(D, n_vocab)}
+    for i in range(L):
+        b = f"blk.{i}."
+        for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            t[b + n + ".weight"] = ones(D)
+        t[b + "attn_q.weight"] = mat(D, hd * H)
+        t[b + "attn_k.weight"] = mat(D, hd * Hkv)
+        t[b + "attn_v.weight"] = mat(D, hd * Hkv)
+        t[b + "attn_output.weight"] = mat(hd * H, D)
+        t[b + "attn_q_norm.weight"] = ones(hd)
+        t[b + "attn_k_norm.weight"] = ones(hd)
+        t[b + "ffn_gate.weight"] = mat(D, FF)
+        t[b + "ffn_up.weight"] = mat(D, FF)
+        t[b + "ffn_down.weight"] = mat(FF, D)
+    for k, v in t.items():
+        w.add_tensor(k, v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(dst)
+    return dst
