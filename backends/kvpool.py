@@ -325,10 +325,10 @@ class KVPool:
         self.counters.prompt_tokens_copied += out.copied
         return out
 
-    def checkpoint_points(self, prompt: list[int], points: Iterable[int] = ()) -> list[int]:
+    def checkpoint_points(self, prompt: list[int], points: Iterable[int] = (), *, chat: bool = False) -> list[int]:
         """Where a checkpoint of ``prompt``'s sequence is worth taking (empty when the memory needs none): the
-        given ``points`` (a system prompt's end), each message start (the positions of the token that starts
-        the first message: a chat template's turn-start token), each image's start, every
+        given ``points`` (a system prompt's end), each message start of a ``chat`` prompt (the positions of the
+        token that starts the first message: a chat template's turn-start token), each image's start, every
         :attr:`CheckpointPolicy.every` tokens, and the end of the prompt. At most ``per_seq`` of them: the
         first and the latest."""
         pol = self.checkpointing
@@ -341,7 +341,7 @@ class KVPool:
         out.update(range(pol.every, len(prompt), pol.every))
         lead = 0 if prompt[0] in prompt[1:] or len(prompt) < 2 else 1  # (a BOS before the first message)
         start = prompt[lead]
-        if not is_image_token(start):
+        if chat and not is_image_token(start):
             out.update(i for i in range(lead + 1, len(prompt)) if prompt[i] == start)
         out.update(i for i in range(1, len(prompt)) if is_image_token(prompt[i]) and not is_image_token(prompt[i - 1]))
         ordered = sorted(out)

@@ -446,7 +446,8 @@ class LoadedModel:
             req.admitted = time.perf_counter_ns()
             req.stream.stats.queue_duration = req.admitted - req.t_submit
             placed = self.pool.place(req, prompt)
-            req.points = self.pool.checkpoint_points(prompt, req.stream.cache_points)
+            req.points = self.pool.checkpoint_points(prompt, req.stream.cache_points,
+                                                     chat=req.stream.request.messages is not None)
             req.seq, req.saved = placed.seq, placed.logits
             req.stream.stats.prompt_cached_tokens = placed.cached
             req.stream.stats.prompt_restored_tokens = placed.restored
