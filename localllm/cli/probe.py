@@ -37,7 +37,7 @@ def plan_for_model(name: str, hw: HardwareInfo, *, num_ctx: int | None, kv_cache
     sentence."""
     from localllm import config
     from localllm.errors import LocalLLMError, ModelNotFoundError
-    from localllm.ggufinfo import GGUFInfo
+    from localllm.ggufinfo import info_of
     from localllm.planner import plan
     from localllm.store import Store
 
@@ -45,14 +45,14 @@ def plan_for_model(name: str, hw: HardwareInfo, *, num_ctx: int | None, kv_cache
         model = Store().get(name)
     except ModelNotFoundError as e:
         return None, None, f"{e} (The plan needs its GGUF metadata.)"
-    info = GGUFInfo(**model.info)
+    info = info_of(model.info, model.path, model.digest)
     try:
         from localllm.mlxmodels import mlx_for_plan
 
         # as the engine does: MLX weights installed / the GGUF converts on first use / why not
         p = plan(info, hw, num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend, num_gpu=num_gpu,
                  mlx_model=model.mlx_path is not None, mlx=mlx_for_plan(model, hw, backend),
-                 device_memory=config.device_memory())
+                 device_memory=config.device_memory(), swa_full=config.swa_full())
     except LocalLLMError as e:
         return model, None, str(e)
     return model, p, None

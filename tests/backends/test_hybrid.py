@@ -193,3 +193,41 @@ def test_sliding_window_layers_keep_their_window_unless_swa_full_is_asked_for(sw
             src.close()
     # 1 global layer of 2,048 cells + 3 windowed of 768 (the window x 2 sequence ids + a batch, padded to 256)
     assert sizes[False] == pytest.approx(sizes[True] / 4 * (1 + 3 * 768 / 2048), rel=0.02)  # (MiB, 2 decimals)
+
+
+@pytest.mark.parametrize("n_ctx,n_seq", [(4096, 1), (1024, 4)])
+def test_the_planner_counts_the_memory_llama_cpp_allocates(made, n_ctx, n_seq):
+    """Windowed layers at the window (+ a batch) per sequence id, recurrent states per sequence id: the planner's
+    KV figure against what llama.cpp says it allocated (its KV and RS buffer lines)."""
+    from backends.llamacpp import LlamaCppSource
+    from localllm.ggufinfo import read_gguf
+    from localllm.planner import estimate
+
+    info = read_gguf(made)
+    assert info.swa_layers == 3 or (info.recurrent_layers == 3 and info.recurrent_bytes > 0)
+    src = LlamaCppSource(LoadSpec(str(made), n_ctx=n_ctx, n_seq=n_seq))
+    try:
+        allocated = src.info.extra["kv_bytes"]
+    finally:
+        src.close()
+    planned = estimate(info, n_ctx * n_seq, "f16", n_seq=n_seq).kv_cache
+    assert planned == pytest.approx(allocated, rel=0.02)
+    assert info.memory_bytes(n_ctx * n_seq, n_seq=n_seq, swa_full=True) > planned or info.recurrent_layers
+
+
+def test_the_planner_counts_gemma3_270m_as_llama_cpp_allocates(gemma_model):
+    """15 of its 18 layers have a 512-token window: at a 32k context llama.cpp allocates ~6x less than a full
+    cache, and the planner says the same (probe's "memory layout" line)."""
+    from backends.llamacpp import LlamaCppSource
+    from localllm.ggufinfo import info_of
+    from localllm.planner import estimate
+
+    info = info_of(gemma_model.info, gemma_model.path, gemma_model.digest)
+    assert (info.swa_layers, info.sliding_window) == (15, 512)
+    src = LlamaCppSource(LoadSpec(str(gemma_model.path), n_ctx=32768, n_seq=1))
+    try:
+        allocated = src.info.extra["kv_bytes"]
+    finally:
+        src.close()
+    assert estimate(info, 32768, "f16").kv_cache == pytest.approx(allocated, rel=0.02)
+    assert info.memory_bytes(32768, swa_full=True) > 4 * allocated
