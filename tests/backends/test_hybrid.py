@@ -231,3 +231,27 @@ def test_the_planner_counts_gemma3_270m_as_llama_cpp_allocates(gemma_model):
         src.close()
     assert estimate(info, 32768, "f16").kv_cache == pytest.approx(allocated, rel=0.02)
     assert info.memory_bytes(32768, swa_full=True) > 4 * allocated
+
+
+def test_concurrent_conversations_with_one_system_prompt_equal_their_solo_answers(hybrid):
+    """Submitted together, the second waits for the first's system prompt and restores its checkpoint (join);
+    batched, each stream answers as it does alone."""
+    import threading
+
+    reqs = [chat(TURNS[i:i + 1], n=10) for i in range(2)]
+    solo = [cold(hybrid, r) for r in reqs]
+    hybrid.call(lambda s: hybrid.pool.clear())
+    out: list[tuple[str, int, int] | None] = [None, None]
+    start = threading.Barrier(2)
+
+    def work(i: int) -> None:
+        start.wait()
+        out[i] = ask(hybrid, reqs[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [o[0] for o in out if o] == solo
+    assert max(o[2] for o in out if o) >= len(SYSTEM) // 6  # one of them reused the other's system prompt
