@@ -503,6 +503,12 @@ class LlamaCppSource(TokenSource):
             # stays right through checkpoints. swa_full: every layer as long as the context (exact reuse anywhere)
             self._swa_full = bool(spec.extra.get("swa_full", False))
             cp.swa_full = self._swa_full
+            # drafts on recurrent memory: llama.cpp keeps the last states of each sequence (n_rs_seq, where the
+            # architecture supports it), so a cut inside the last decode (rejected draft tokens) is right
+            recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(
+                self._model))
+            if recurrent and spec.draft is not None:
+                cp.n_rs_seq = max(1, spec.draft.num_draft) + 1
             self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
             if not self._ctx:
                 self._ctx = None
@@ -510,6 +516,7 @@ class LlamaCppSource(TokenSource):
             self._loras = self._load_loras(spec.extra.get("lora") or [])
             self._apply_loras(self._ctx)
             self._mem = llama_cpp.llama_get_memory(self._ctx)
+            self._n_rs_seq = int(llama_cpp.llama_n_rs_seq(self._ctx))  # 0: unsupported by the architecture, or off
             self._batch = llama_cpp.llama_batch_init(spec.n_batch, 0, 1)
             self._n_batch = int(llama_cpp.llama_n_batch(self._ctx))
             self._pool = int(llama_cpp.llama_n_ctx(self._ctx))
@@ -759,6 +766,11 @@ class LlamaCppSource(TokenSource):
     @property
     def shared_pool(self) -> bool:
         return not self._pure_recurrent  # a hybrid's attention cells are one unified pool too
+
+    def can_rewind(self) -> bool:
+        """Plain and windowed caches drop a tail; recurrent memory only the tokens of its last decode, and only
+        with llama.cpp's rollback states (``n_rs_seq``): what rejected drafts need, nothing more."""
+        return not self._recurrent or self._n_rs_seq > 0
 
     @property
     def needs_checkpoints(self) -> bool:

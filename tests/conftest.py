@@ -222,6 +222,17 @@ def hybrid_model(default_model_path, test_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tied_hybrid_model(default_model_path, test_cache) -> Path:
+    """The made hybrid with its output tied to the embedding: it repeats what it read, so prompt-lookup drafts are
+    accepted, partly accepted and rejected (the drafting tests)."""
+    from tests.support import file_key
+    from tests.support_memory import make_hybrid
+
+    key = file_key(default_model_path)
+    return make_hybrid(default_model_path, test_cache / "derived" / f"hybrid-qwen35-tied-{key}.gguf", tied=True)
+
+
+@pytest.fixture(scope="session")
 def swa_model(default_model_path, test_cache) -> Path:
     """A made ``gemma3`` with a 32-token sliding window on three of its four layers (random F32 weights, the default
     model's tokenizer and chat template; :mod:`tests.support_memory`), made once and cached in the test cache."""

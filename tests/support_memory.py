@@ -38,10 +38,12 @@ def _n_vocab(src: Path) -> int:
     return len(reader.get_field("tokenizer.ggml.tokens").contents())
 
 
-def make_hybrid(tokenizer_src: Path, dst: Path, *, seed: int = 0, f32: bool = True) -> Path:
+def make_hybrid(tokenizer_src: Path, dst: Path, *, seed: int = 0, f32: bool = True, tied: bool = False) -> Path:
     """Write (once, atomically) the made ``qwen35`` hybrid at ``dst`` with the tokenizer of ``tokenizer_src``.
 
-    ``f32``: 2-D weights in F32 (exact comparisons of logits; the file is ~2x the F16 size)."""
+    ``f32``: 2-D weights in F32 (exact comparisons of logits; the file is ~2x the F16 size). ``tied``: no output
+    matrix (the embedding's): the model then tends to repeat what it read, so prompt-lookup drafts are accepted
+    part of the time (a test of drafting needs both accepted and rejected tokens)."""
     if dst.is_file():
         return dst
     import gguf
@@ -75,7 +77,9 @@ def make_hybrid(tokenizer_src: Path, dst: Path, *, seed: int = 0, f32: bool = Tr
     w.add_array(f"{arch}.rope.dimension_sections", [hd // 4 - 2, hd // 8 + 1, hd // 8 + 1, 0])
     _copy_tokenizer(w, tokenizer_src)
     t: dict[str, Any] = {"token_embd.weight": rng.standard_normal((n_vocab, D)).astype(np.float16),  # (exact rows)
-                         "output_norm.weight": ones(D), "output.weight": mat(D, n_vocab)}
+                         "output_norm.weight": ones(D)}
+    if not tied:
+        t["output.weight"] = mat(D, n_vocab)
     conv = 2 * S * G + S * V
     for i in range(L):
         b = f"blk.{i}."
@@ -114,7 +118,7 @@ def make_hybrid(tokenizer_src: Path, dst: Path, *, seed: int = 0, f32: bool = Tr
 SWA_DIMS = {"D": 128, "FF": 256, "H": 4, "Hkv": 2, "hd": 32, "layers": 4, "window": 32}
 
 
-def make_swa(tokenizer_src: Path, dst: Path, *, seed: int = 0) -> Path:
+def make_swa(tokenizer_src: Path, dst: Path, *, seed: int = 0, tied: bool = False) -> Path:
     """Write (once, atomically) a made ``gemma3`` at ``dst``: 4 layers, the first three with a sliding window of
     32 tokens and the last global (``sliding_window_pattern`` 4), random F32 weights (F16 embedding rows), the
     tokenizer and chat template of ``tokenizer_src``: windows slide inside short tests."""
@@ -149,7 +153,9 @@ def make_swa(tokenizer_src: Path, dst: Path, *, seed: int = 0) -> Path:
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
     _copy_tokenizer(w, tokenizer_src)
     t: dict[str, Any] = {"token_embd.weight": (rng.standard_normal((n_vocab, D)) / np.sqrt(D)).astype(np.float16),
-                         "output_norm.weight": ones(D), "output.weight": mat(D, n_vocab)}
+                         "output_norm.weight": ones(D)}
+    if not tied:
+        t["output.weight"] = mat(D, n_vocab)
     for i in range(L):
         b = f"blk.{i}."
         for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):

@@ -255,3 +255,40 @@ def test_concurrent_conversations_with_one_system_prompt_equal_their_solo_answer
         t.join(120)
     assert [o[0] for o in out if o] == solo
     assert max(o[2] for o in out if o) >= len(SYSTEM) // 6  # one of them reused the other's system prompt
+
+
+def _plain_and_drafted(path: Path, draft, messages: list[dict[str, str]], n: int = 48):
+    from backends.base import GenerateRequest, Sampling
+
+    req = GenerateRequest(messages=messages, sampling=Sampling(temperature=0.0, max_tokens=n))
+    plain = load("llamacpp", LoadSpec(str(path), n_ctx=1024, n_seq=1))
+    try:
+        a, _, _ = collect(plain.generate(req))
+    finally:
+        plain.close()
+    spec = load("llamacpp", LoadSpec(str(path), n_ctx=1024, n_seq=1, draft=draft, extra={"draft_always": True}))
+    try:
+        assert spec.source.can_rewind()  # llama.cpp keeps rollback states (n_rs_seq) for the drafts
+        b, done, _ = collect(spec.generate(req))
+    finally:
+        spec.close()
+    return a, b, done.stats
+
+
+def test_prompt_lookup_drafts_on_a_hybrid_target_give_the_plain_output(tied_hybrid_model):
+    """Drafts accepted whole, in part and not at all are rolled back by llama.cpp's recurrent rollback states
+    (a cut inside the last decode): temperature 0 on F32 gives the plain tokens."""
+    from backends.base import DraftSpec
+
+    a, b, s = _plain_and_drafted(tied_hybrid_model, DraftSpec("ngram", num_draft=8),
+                                 [{"role": "user", "content": "x\n\n\n\n\n\n\n mid"}])
+    assert a == b
+    assert 0 < s.draft_accepted < s.draft_proposed
+
+
+def test_a_draft_model_on_a_hybrid_target_gives_the_plain_output(hybrid_model, swa_model):
+    from backends.base import DraftSpec
+
+    a, b, s = _plain_and_drafted(hybrid_model, DraftSpec("model", path=str(swa_model), num_draft=4),
+                                 [{"role": "user", "content": TURNS[0]}], n=24)
+    assert a == b and s.draft_proposed > 0
