@@ -9,7 +9,7 @@ prompt-processing time each engine reports (ours: ``prompt_eval_duration``; llam
 
     python benchmarks/checkpoints.py                          # the made hybrid of the test cache
     python benchmarks/checkpoints.py --model swa              # the made gemma3 with a 32-token window
-    python benchmarks/checkpoints.py --model PATH.gguf --json
+    python benchmarks/checkpoints.py --model PATH.gguf --raw  # plain-text prompts (gemma3:270m: no template)
 
 Both engines run one slot, ``--threads`` threads, greedy, the same context; llama-server with its defaults
 otherwise (``--ctx-checkpoints``, ``--cache-reuse`` off), built by ``benchmarks/llama_tools.py``. Answers are fixed
@@ -70,7 +70,12 @@ def resolve(model: str) -> Path:
     return Path(model)
 
 
-def ours(path: Path, ctx: int, threads: int, tokens: int) -> list[dict[str, Any]]:
+def raw(msgs: list[dict[str, str]]) -> str:
+    """A chat as plain text, for a model without a chat template (gemma3:270m is a base model)."""
+    return "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in msgs) + "Assistant:"
+
+
+def ours(path: Path, ctx: int, threads: int, tokens: int, plain: bool = False) -> list[dict[str, Any]]:
     from backends.base import GenerateRequest, LoadSpec, Sampling
     from backends.loop import LoadedModel
     from backends.registry import source_class
@@ -79,7 +84,9 @@ def ours(path: Path, ctx: int, threads: int, tokens: int) -> list[dict[str, Any]
     rows = []
     try:
         for label, msgs in scenario():
-            req = GenerateRequest(messages=msgs, sampling=Sampling(temperature=0.0, max_tokens=tokens))
+            sampling = Sampling(temperature=0.0, max_tokens=tokens)
+            req = (GenerateRequest(prompt=raw(msgs), sampling=sampling) if plain
+                   else GenerateRequest(messages=msgs, sampling=sampling))
             t0 = time.perf_counter()
             ttft = None
             done = None
@@ -97,7 +104,7 @@ def ours(path: Path, ctx: int, threads: int, tokens: int) -> list[dict[str, Any]
     return rows
 
 
-def theirs(path: Path, ctx: int, threads: int, tokens: int) -> list[dict[str, Any]]:
+def theirs(path: Path, ctx: int, threads: int, tokens: int, plain: bool = False) -> list[dict[str, Any]]:
     import httpx
     import llama_tools
     from _serve import LOG, _wait_ready, free_port
@@ -113,8 +120,12 @@ def theirs(path: Path, ctx: int, threads: int, tokens: int) -> list[dict[str, An
         _wait_ready(url, proc, "/health")
         for label, msgs in scenario():
             t0 = time.perf_counter()
-            r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
-                "messages": msgs, "max_tokens": tokens, "temperature": 0, "cache_prompt": True})
+            if plain:
+                r = httpx.post(url + "/completion", timeout=600, json={
+                    "prompt": raw(msgs), "n_predict": tokens, "temperature": 0, "cache_prompt": True})
+            else:
+                r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
+                    "messages": msgs, "max_tokens": tokens, "temperature": 0, "cache_prompt": True})
             r.raise_for_status()
             wall = time.perf_counter() - t0
             t = r.json()["timings"]
@@ -133,14 +144,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--only", choices=["ours", "theirs"], default=None)
+    ap.add_argument("--raw", action="store_true", help="plain-text prompts (a model without a chat template)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     path = resolve(args.model)
     res: dict[str, Any] = {"model": str(path)}
     if args.only != "theirs":
-        res["localllm"] = ours(path, args.ctx, args.threads, args.tokens)
+        res["localllm"] = ours(path, args.ctx, args.threads, args.tokens, args.raw)
     if args.only != "ours":
-        res["llama-server"] = theirs(path, args.ctx, args.threads, args.tokens)
+        res["llama-server"] = theirs(path, args.ctx, args.threads, args.tokens, args.raw)
     if args.json:
         print(json.dumps(res, indent=1))
         return

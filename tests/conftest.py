@@ -19,6 +19,7 @@ Fixtures:
 ``gemma_model``         InstalledModel of ``gemma3:270m`` (4-part mirror, base model, no chat template)
 ``hybrid_model``        Path of a made ``qwen35`` hybrid (random F32 weights, the default tokenizer), cached
 ``swa_model``           Path of a made ``gemma3`` with a 32-token sliding window (likewise)
+``tied_hybrid_model``   the made hybrid with its output tied to the embedding (it repeats: drafting tests)
 ``home``                an empty, isolated LOCALLLM_HOME (tmp dir) for tests that must start empty
 ``smollm2_wheel``       bytes of a wheel carrying the default model's GGUF, as the PyPI mirror's does
 ``local_mirror``        a :class:`tests.support.MirrorServer` serving it at ``/smollm2.whl`` (no network);
