@@ -106,6 +106,8 @@ class Placement:
     copied: int = 0  # of those, copied from another sequence
     restored: int = 0  # of those, restored from the prompt cache on disk
     logits: Any = None  # the saved logits after the whole prompt (an exact repeat: nothing to evaluate)
+    diverged: int = 0  # memory without rewind: where the prompt left the longest prefix the pool held (when that
+    # is past what a checkpoint gave back: the next prompt that leaves there finds a checkpoint)
 
 
 class Join(NamedTuple):
@@ -274,6 +276,7 @@ class KVPool:
         a fresh sequence (the attention cells below it copied, the partial state loaded), so the sequence it
         came from stays whole for its own conversation."""
         src = self.source
+        held = max((common_prefix(s.tokens, prompt) for s in self.seqs), default=0)
         while True:
             best, best_n, best_ck, best_lg = None, 0, None, None
             for s in self.seqs:
@@ -311,6 +314,8 @@ class KVPool:
         seq.owner, seq.no_join = owner, False
         out = Placement(seq, copied=copied)
         keep = len(seq.tokens)
+        if keep < held < len(prompt):
+            out.diverged = held
         if best_lg is not None and keep == len(prompt):
             out.logits = best_lg  # exact repeat: sample from the saved row
         if not (seq.prompt_logits is not None and seq.prompt_logits[0] <= keep):
@@ -327,7 +332,8 @@ class KVPool:
 
     def checkpoint_points(self, prompt: list[int], points: Iterable[int] = (), *, chat: bool = False) -> list[int]:
         """Where a checkpoint of ``prompt``'s sequence is worth taking (empty when the memory needs none): the
-        given ``points`` (a system prompt's end), each message start of a ``chat`` prompt (the positions of the
+        given ``points`` (a system prompt's end, :attr:`Placement.diverged`), each message start of a ``chat``
+        prompt (the positions of the
         token that starts the first message: a chat template's turn-start token), each image's start, every
         :attr:`CheckpointPolicy.every` tokens, and the end of the prompt. At most ``per_seq`` of them: the
         first and the latest."""

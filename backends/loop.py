@@ -446,7 +446,7 @@ class LoadedModel:
             req.admitted = time.perf_counter_ns()
             req.stream.stats.queue_duration = req.admitted - req.t_submit
             placed = self.pool.place(req, prompt)
-            req.points = self.pool.checkpoint_points(prompt, req.stream.cache_points,
+            req.points = self.pool.checkpoint_points(prompt, [*req.stream.cache_points, placed.diverged],
                                                      chat=req.stream.request.messages is not None)
             req.seq, req.saved = placed.seq, placed.logits
             req.stream.stats.prompt_cached_tokens = placed.cached
