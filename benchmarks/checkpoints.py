@@ -98,24 +98,29 @@ def ours(path: Path, ctx: int, threads: int, tokens: int, plain: bool = False) -
             rows.append({"turn": label, "prompt": st.prompt_eval_count,
                          "evaluated": st.prompt_eval_count - st.prompt_cached_tokens,
                          "prompt_ms": st.prompt_eval_duration / 1e6, "ttft_ms": (ttft or 0) * 1e3})
-        rows.append({"checkpoints": m.metrics().kv_checkpoints, "checkpoint_bytes": m.metrics().kv_checkpoint_bytes})
+        rows.append({"checkpoints": m.metrics().kv_checkpoints, "checkpoint_bytes": m.metrics().kv_checkpoint_bytes,
+                     "memory_bytes": m.info.extra["kv_bytes"]})
     finally:
         m.close()
     return rows
 
 
 def theirs(path: Path, ctx: int, threads: int, tokens: int, plain: bool = False) -> list[dict[str, Any]]:
+    import re
+    import tempfile
+
     import httpx
     import llama_tools
-    from _serve import LOG, _wait_ready, free_port
+    from _serve import _wait_ready, free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [str(llama_tools.tool("llama-server")), "-m", str(path), "-c", str(ctx), "-np", "1", "-t", str(threads),
            "--port", str(port), "--jinja", "-fa", "auto"]
-    with open(LOG, "ab") as log:
+    logfile = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
+    with open(logfile, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=log)
-    rows = []
+    rows: list[dict[str, Any]] = []
     try:
         _wait_ready(url, proc, "/health")
         for label, msgs in scenario():
@@ -131,10 +136,28 @@ def theirs(path: Path, ctx: int, threads: int, tokens: int, plain: bool = False)
             t = r.json()["timings"]
             rows.append({"turn": label, "prompt": t.get("cache_n", 0) + t["prompt_n"], "evaluated": t["prompt_n"],
                          "prompt_ms": t["prompt_ms"], "ttft_ms": wall * 1e3 - t.get("predicted_ms", 0)})
+        text = logfile.read_text(errors="replace")  # what it allocated for the memory: its KV and RS buffers
+        mib = sum(float(x) for x in re.findall(r"(?:KV|RS) buffer size =\s*([0-9.]+) MiB", text))
+        rows.append({"memory_bytes": int(mib * (1 << 20))})
     finally:
         proc.terminate()
         proc.wait(30)
     return rows
+
+
+def gemma12b_context(budget: int = 8 << 30) -> None:
+    """The largest context whose KV cache fits ``budget`` for a Gemma-3-12B-shaped model (48 layers, 8 KV heads of
+    256, a 1,024-token window on 40 of them), full-size windows (before) and windows at window size (now)."""
+    from localllm.ggufinfo import GGUFInfo
+
+    g = GGUFInfo(path="", file_size=7_300_000_000, architecture="gemma3", name="Gemma-3-12B-shaped", n_layers=48,
+                 n_embd=3840, n_head=16, n_head_kv=8, head_dim_k=256, head_dim_v=256, context_length=131072,
+                 vocab_size=262144, file_type="Q4_K_M", parameters=12_000_000_000, chat_template=None, license=None,
+                 sliding_window=1024, swa_layers=40)
+    for full in (True, False):
+        fits = max(c for c in range(256, g.context_length + 1, 256) if g.memory_bytes(c, swa_full=full) <= budget)
+        print(f"{'swa_full (before)' if full else 'window (now)':<18} largest context in {budget / 2**30:.0f} GiB of "
+              f"KV: {fits:,} tokens; at 32,768 tokens: {g.memory_bytes(32768, swa_full=full) / 2**30:.2f} GiB")
 
 
 def main() -> None:
@@ -145,8 +168,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--only", choices=["ours", "theirs"], default=None)
     ap.add_argument("--raw", action="store_true", help="plain-text prompts (a model without a chat template)")
+    ap.add_argument("--memory", action="store_true",
+                    help="only the planner's figure: the largest context a Gemma-3-12B-shaped model's KV fits in 8 GiB")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.memory:
+        gemma12b_context()
+        return
     path = resolve(args.model)
     res: dict[str, Any] = {"model": str(path)}
     if args.only != "theirs":
@@ -168,6 +196,10 @@ def main() -> None:
         print(f"{label:<14} {p:>6} {fx:>16} {fy:>16}")
     if a:
         print(f"localllm checkpoints kept: {a[-1]['checkpoints']} ({a[-1]['checkpoint_bytes'] / 1e6:.1f} MB)")
+    for who, rows in (("localllm", a), ("llama-server", b)):
+        if rows:
+            mib = rows[-1]["memory_bytes"] / 2**20
+            print(f"{who} memory (KV + recurrent state) at {args.ctx:,} tokens: {mib:.1f} MiB")
 
 
 if __name__ == "__main__":
