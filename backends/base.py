@@ -507,6 +507,11 @@ class TokenSource(abc.ABC):
         :meth:`checkpoint_save` taken when the sequence held exactly it (:mod:`backends.kvpool`)."""
         return False
 
+    def can_cut(self, seq: int, n: int) -> bool:
+        """Whether ``seq`` cut to its first ``n`` positions still holds what evaluating on from ``n`` needs (a
+        window that has not yet dropped the cells before ``n`` it attends to); always, on plain memory."""
+        return not self.needs_checkpoints
+
     def checkpoint_save(self, seq: int) -> bytes:
         """The part of ``seq``'s state that its cells cannot give back for an earlier position (the recurrent
         state, the window), as it is now."""

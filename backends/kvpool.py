@@ -265,6 +265,8 @@ class KVPool:
         if logits is not None and n == len(s.tokens):
             return n, None, logits  # (the answer added nothing to the sequence)
         limit = n if logits is not None else min(n, len(prompt) - 1)  # else the last token is evaluated again
+        if s.owner is None and s.in_pool() and self.source.can_cut(s.id, limit):
+            return limit, None, logits if limit == n else None  # (a window still holding what follows the cut)
         ck = next((c for c in reversed(s.checkpoints) if c.n <= limit), None)
         if ck is None:
             return 0, None, None
@@ -290,7 +292,27 @@ class KVPool:
         seq: Seq | None = None
         copied = 0
         if best is not None and best_ck is None:
-            seq = best  # continues (or the same prompt again, with nothing evaluated after it)
+            seq = best  # continues (or the same prompt again, with nothing evaluated after it), cut where it left
+            if best_n < len(seq.tokens) and common_prefix(best.tokens, prompt) < len(prompt):
+                # another conversation sharing a prefix that a window still holds: copied, as plain cells are
+                target = self._victim()
+                if target is not None and target is not best:
+                    if target.tokens:
+                        self.counters.evictions += 1
+                    self.drop(target)
+                    keep, pos = src.kv_cut(best.tokens, best_n)
+                    ok = src.seq_cp(best.id, target.id, pos)
+                    target.tokens = list(best.tokens[:keep]) if ok else []
+                    target.checkpoints = [c for c in best.checkpoints if c.n <= keep] if ok else []
+                    seq, copied = target, (keep if ok else 0)
+            if best_n < len(seq.tokens):
+                keep, pos = src.kv_cut(seq.tokens, best_n)
+                if src.seq_rm(seq.id, pos):
+                    del seq.tokens[keep:]
+                    seq.checkpoints = [c for c in seq.checkpoints if c.n <= keep]
+                else:
+                    self.drop(seq)
+                    best_lg = None
         elif best is not None and best_ck is not None:
             target = self._victim(exclude=best)
             if target is not None:

@@ -1134,6 +1134,18 @@ class LlamaCppSource(TokenSource):
             raise BackendError(f"llama.cpp could not save the partial state of sequence {seq}.")
         return bytes(memoryview(buf)[:n])
 
+    def can_cut(self, seq: int, n: int) -> bool:
+        """Recurrent state: never. A window: while its oldest cell is at most ``n - n_swa`` (llama-server's test),
+        the cells the tokens after ``n`` attend to are all there."""
+        if self._recurrent:
+            return False
+        if not self._windowed:
+            return True
+        import llama_cpp
+
+        lo = int(llama_cpp.llama_memory_seq_pos_min(self._mem, seq))
+        return 0 <= lo <= max(0, n - self._n_swa)
+
     def checkpoint_restore(self, src: int, dst: int, n: int, data: bytes) -> bool:
         """The attention cells of ``src`` below ``n`` copied into ``dst`` (``seq_cp``), then the partial state
         loaded over them: measured equal to evaluating the prefix cold (max logit difference 0.0)."""

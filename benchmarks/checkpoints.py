@@ -61,7 +61,7 @@ def scenario() -> list[tuple[str, list[dict[str, str]]]]:
 
 def resolve(model: str) -> Path:
     cache = Path(os.environ.get("LOCALLLM_TEST_CACHE", "~/.cache/localllm-tests")).expanduser() / "derived"
-    named = {"hybrid": "hybrid-qwen35-*.gguf", "swa": "swa-gemma3-*.gguf"}
+    named = {"hybrid": "hybrid-qwen35-[0-9]*.gguf", "swa": "swa-gemma3-[0-9]*.gguf"}
     if model in named:
         found = glob.glob(str(cache / named[model]))
         if not found:
@@ -116,7 +116,7 @@ def theirs(path: Path, ctx: int, threads: int, tokens: int, plain: bool = False)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [str(llama_tools.tool("llama-server")), "-m", str(path), "-c", str(ctx), "-np", "1", "-t", str(threads),
-           "--port", str(port), "--jinja", "-fa", "auto"]
+           "--port", str(port), "--jinja", "-fa", "auto", "-lv", "4"]  # (-lv 4: its buffer sizes in the log)
     logfile = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
     with open(logfile, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=log)

@@ -292,3 +292,25 @@ def test_a_draft_model_on_a_hybrid_target_gives_the_plain_output(hybrid_model, s
     a, b, s = _plain_and_drafted(hybrid_model, DraftSpec("model", path=str(swa_model), num_draft=4),
                                  [{"role": "user", "content": TURNS[0]}], n=24)
     assert a == b and s.draft_proposed > 0
+
+
+def test_a_window_that_has_slid_gives_its_prefix_back_from_a_checkpoint(swa_model):
+    """~1,000 tokens through a 32-token window whose cache holds 768 cells: the cells before an edit of the
+    first user turn are gone, so the edit restores the checkpoint where that turn starts (a cut would attend to
+    missing cells)."""
+    def long_turn(prefix: str) -> GenerateRequest:
+        return GenerateRequest(messages=[{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": prefix + SYSTEM * 6}],
+                               sampling=Sampling(temperature=0.0, max_tokens=8))
+
+    m = load("llamacpp", LoadSpec(str(swa_model), n_ctx=2048, n_seq=1))
+    try:
+        ask(m, long_turn("Read this. "))
+        held = next(s for s in m.pool.seqs if len(s.tokens) > 900)
+        assert m.call(lambda s: s.can_cut(held.id, 20)) is False  # the window slid past the turn's start
+        edited = long_turn("Now read this. ")
+        text, n, cached = ask(m, edited)
+        assert cached > 5 and m.pool.counters.checkpoints_restored > 0
+        assert text == cold(m, edited)
+    finally:
+        m.close()
