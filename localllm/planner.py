@@ -275,10 +275,27 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
         gpu_c = _graph(info, n_ctx, flash_attn, partial=True)
         cpu_c = 4 * min(n_ctx, N_UBATCH) * (info.n_embd + info.vocab_size)
     gpu_o = (CUDA_OVERHEAD * max(n_gpus, 1) if device == "cuda" else 0) if ngl else 0
+    host = HOST_OVERHEAD + checkpoint_bytes(info, n_ctx, kv_cache_type, n_seq)  # checkpoints live in host memory
     gpu = gpu_w + kv_gpu + gpu_c + gpu_o
-    cpu = cpu_w + (kv - kv_gpu) + cpu_c + HOST_OVERHEAD
-    return MemoryEstimate(weights=gpu_w + cpu_w, kv_cache=kv, compute=gpu_c + cpu_c, overhead=gpu_o + HOST_OVERHEAD,
+    cpu = cpu_w + (kv - kv_gpu) + cpu_c + host
+    return MemoryEstimate(weights=gpu_w + cpu_w, kv_cache=kv, compute=gpu_c + cpu_c, overhead=gpu_o + host,
                           total=gpu + cpu, gpu=gpu, cpu=cpu)
+
+
+def checkpoint_bytes(info: GGUFInfo, n_ctx: int, kv_cache_type: str, n_seq: int) -> int:
+    """Host memory the checkpoints of a windowed or recurrent model may take at most (``backends.kvpool``'s
+    :class:`~backends.kvpool.CheckpointPolicy`: per slot, 16 checkpoints of one sequence's recurrent state and
+    window, within 256 MiB); 0 for a plain transformer. ``n_ctx``: all slots' cells."""
+    from backends.kvpool import CheckpointPolicy
+
+    pol = CheckpointPolicy()
+    swa = info.swa_layers if info.sliding_window else 0
+    if not (swa or info.recurrent_layers):
+        return 0
+    per_layer = info.kv_bytes_per_token(kv_cache_type) / max(info.n_layers - info.recurrent_layers, 1)
+    window = min(n_ctx // max(n_seq, 1), (info.sliding_window or 0) + N_UBATCH)
+    one = info.recurrent_bytes // 2 + int(swa * window * per_layer)  # (recurrent_bytes: two sequence ids a slot)
+    return max(n_seq, 1) * min(pol.bytes_per_slot, pol.per_seq * one)
 
 
 def memory_layout_reason(info: GGUFInfo, n_cells: int, kv_cache_type: str, n_seq: int, swa_full: bool) -> str:
@@ -289,7 +306,7 @@ def memory_layout_reason(info: GGUFInfo, n_cells: int, kv_cache_type: str, n_seq
     ...     n_head_kv=1, head_dim_k=256, head_dim_v=256, context_length=32768, vocab_size=262144,
     ...     file_type="Q4_K_M", parameters=0, chat_template=None, license=None, sliding_window=512, swa_layers=15)
     >>> memory_layout_reason(g, 32768, "f16", 1, False)  # doctest: +ELLIPSIS
-    'memory layout: 15 of 18 layers windowed (512 tokens): KV cache 118.5 MiB instead of 576.0 MiB (LOCAL...=1)'
+    'memory layout: 15 of 18 layers windowed (512 tokens): KV cache 118.5 MiB instead of 576.0 MiB (...); check...'
     """
     kv = info.memory_bytes(n_cells, kv_cache_type, n_seq=n_seq, swa_full=swa_full)
     parts = []
@@ -303,7 +320,8 @@ def memory_layout_reason(info: GGUFInfo, n_cells: int, kv_cache_type: str, n_seq
     if info.swa_layers and info.sliding_window and not swa_full:
         full = info.memory_bytes(n_cells, kv_cache_type, n_seq=n_seq, swa_full=True)
         text += f" instead of {full / MiB:.1f} MiB (LOCALLLM_SWA_FULL=1)"
-    return text
+    ck = checkpoint_bytes(info, n_cells, kv_cache_type, n_seq)
+    return text + (f"; checkpoints up to {ck / MiB:.1f} MiB of host memory" if ck else "")
 
 
 def _mlx_estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str, on_gpu: bool,
