@@ -561,6 +561,29 @@ class TokenSource(abc.ABC):
         """Whether the tail of a sequence can be dropped (``seq_rm`` from a position on): what drafts need."""
         return not self.info.recurrent
 
+    # ---- checkpoints: memory that cannot drop its tail (recurrent state, a sliding window kept at window size)
+    @property
+    def needs_checkpoints(self) -> bool:
+        """A sequence's memory cannot be cut back to an earlier position (a recurrent state holds only the
+        latest one; a sliding-window cache drops what falls out of its window): a prefix is reused only from a
+        :meth:`checkpoint_save` taken when the sequence held exactly it (:mod:`backends.kvpool`)."""
+        return False
+
+    def can_cut(self, seq: int, n: int) -> bool:
+        """Whether ``seq`` cut to its first ``n`` positions still holds what evaluating on from ``n`` needs (a
+        window that has not yet dropped the cells before ``n`` it attends to); always, on plain memory."""
+        return not self.needs_checkpoints
+
+    def checkpoint_save(self, seq: int) -> bytes:
+        """The part of ``seq``'s state that its cells cannot give back for an earlier position (the recurrent
+        state, the window), as it is now."""
+        raise UnsupportedError(f"The {self.name} backend takes no checkpoints.")
+
+    def checkpoint_restore(self, src: int, dst: int, n: int, data: bytes) -> bool:
+        """Make ``dst`` (emptied first) hold the first ``n`` positions of ``src`` from a checkpoint ``data``
+        taken when ``src`` held exactly them; False (``dst`` empty) if the memory refuses it."""
+        return False
+
     # ---- prompt cache on disk (optional)
     def state_key(self) -> str | None:
         """What a saved sequence state depends on besides the model and tokens (build, KV type...);

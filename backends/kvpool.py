@@ -14,6 +14,8 @@ cells are the source's; the pool knows what they hold) and decides, for the deco
 * **parking** (:meth:`KVPool.park_idle`): in a shared pool, idle sequences move to host memory while
   others decode, and come back by a copy when their conversation returns;
 * **victims**: when the pool is full, idle sequences go, least recently used first (:meth:`KVPool.make_room`);
+* **checkpoints** (memory that cannot drop its tail: the recurrent state of a hybrid model, a sliding window):
+  see :class:`CheckpointPolicy`;
 * **release** (:meth:`KVPool.release`): a request's sequence becomes an idle prefix whatever ended it
   (finished, cancelled, failed): the evaluated tokens stay for the next request, only cells the pool does
   not know of (a failed evaluation's) are dropped; its long prefixes are saved to the prompt cache on disk.
@@ -51,6 +53,31 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """The partial state (:meth:`TokenSource.checkpoint_save`) of a sequence when it held exactly its first ``n``
+    tokens: with the sequence's attention cells below ``n`` it gives that prefix back."""
+
+    n: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where and how many checkpoints a pool takes, on memory that cannot drop its tail (recurrent state; a
+    sliding window kept at window size). A checkpoint is taken when a prompt's evaluation reaches the start of
+    each message (the end of the system prompt, each turn boundary of the chat template: the positions of the
+    template's turn-start token), the start of each image, every ``every`` tokens of a long prompt and the end
+    of the prompt. A sequence keeps at most ``per_seq`` of them (the first, usually the system prompt's, and
+    the latest); all sequences together at most ``bytes_per_slot`` times the slots (the least recently used
+    sequences' go first). The made 4-layer hybrid's checkpoint is ~0.2 MB, a 4B hybrid's some tens of MB,
+    gemma3:270m's (its window) ~8 MB."""
+
+    every: int = 1024
+    per_seq: int = 16
+    bytes_per_slot: int = 256 << 20
+
+
 @dataclass
 class Seq:
     """One KV sequence id and what its cells hold: one cell per token, at positions ``0 .. len(tokens)-1``, or
@@ -63,6 +90,7 @@ class Seq:
     prompt_logits: tuple[int, Any] | None = None  # (prompt length, logits after it) for exact repeats
     parked: bytes | None = None  # its KV state, moved to host memory while other sequences decode (no cells)
     no_join: bool = False  # a copy into it failed (recurrent memory): its request never waits for a prefill
+    checkpoints: list[Checkpoint] = field(default_factory=list)  # by n, ascending (memory without rewind)
 
     def in_pool(self) -> bool:
         """Whether its tokens are in the pool's cells (an idle sequence may be parked in host memory)."""
@@ -78,6 +106,8 @@ class Placement:
     copied: int = 0  # of those, copied from another sequence
     restored: int = 0  # of those, restored from the prompt cache on disk
     logits: Any = None  # the saved logits after the whole prompt (an exact repeat: nothing to evaluate)
+    diverged: int = 0  # memory without rewind: where the prompt left the longest prefix the pool held (when that
+    # is past what a checkpoint gave back: the next prompt that leaves there finds a checkpoint)
 
 
 class Join(NamedTuple):
@@ -96,6 +126,8 @@ class PoolCounters:
     prompt_tokens_copied: int = 0
     prompt_tokens_restored: int = 0
     evictions: int = 0  # idle sequences dropped to make room
+    checkpoints_taken: int = 0
+    checkpoints_restored: int = 0  # prefixes given back from a checkpoint (their tokens count as copied)
 
 
 @dataclass
@@ -106,6 +138,8 @@ class PoolUsage:
     idle: int = 0  # in the pool's cells by idle sequences, for reuse
     parked: int = 0  # by idle sequences parked in host memory
     parked_bytes: int = 0
+    checkpoints: int = 0  # checkpoints kept (host memory), of all sequences
+    checkpoint_bytes: int = 0
 
 
 class KVPool:
@@ -114,13 +148,15 @@ class KVPool:
     save sequence states); ``park_budget``: tokens parked at most (default: half the pool's cells)."""
 
     def __init__(self, source: TokenSource, *, prompt_cache: PromptCache | None = None, can_park: bool = False,
-                 park_budget: int | None = None):
+                 park_budget: int | None = None, checkpoints: CheckpointPolicy | None = None):
         self.source = source
         self.prompt_cache = prompt_cache
         self.can_park = can_park
         self.park_budget = max(1, park_budget if park_budget is not None else source.info.kv_cells // 2)
         self.seqs = [Seq(i) for i in range(source.n_seq_ids)]
         self.counters = PoolCounters()
+        # memory that cannot drop its tail: prefixes are reused from checkpoints only (None: plain KV cells)
+        self.checkpointing = (checkpoints or CheckpointPolicy()) if source.needs_checkpoints else None
 
     # ------------------------------------------------------------------ what it holds
 
@@ -134,6 +170,13 @@ class KVPool:
                 u.parked_bytes += len(s.parked)
             else:
                 u.idle += len(s.tokens)
+        seen: set[int] = set()
+        for s in list(self.seqs):
+            for c in list(s.checkpoints):
+                if id(c) not in seen:  # a prefix restored into another sequence shares its checkpoints
+                    seen.add(id(c))
+                    u.checkpoints += 1
+                    u.checkpoint_bytes += len(c.data)
         return u
 
     def parked_tokens(self) -> int:
@@ -148,6 +191,8 @@ class KVPool:
         """Give ``owner`` a sequence for ``prompt`` holding the longest prefix of it that the pool (or the
         disk) has; the rest of the prompt is for the caller to evaluate (at least its last token, for its
         logits, unless ``logits`` is set)."""
+        if self.checkpointing is not None:
+            return self._place_from_checkpoints(owner, prompt)
         src = self.source
         while True:
             best, best_n = None, 0
@@ -192,8 +237,8 @@ class KVPool:
         if keep < len(seq.tokens):
             keep, pos = src.kv_cut(seq.tokens, keep)
             if not src.seq_rm(seq.id, pos):
-                src.seq_rm(seq.id)  # recurrent memory: no partial removal
-                keep = 0
+                src.seq_rm(seq.id)  # memory without partial removal: nothing is kept, the saved row is stale
+                keep, saved, out.logits = 0, None, None
             del seq.tokens[keep:]
         if not (saved is not None and saved[0] <= keep):
             seq.prompt_logits = None
@@ -205,20 +250,174 @@ class KVPool:
         self.counters.prompt_tokens_copied += out.copied
         return out
 
+    # ------------------------------------------------------------------ memory without rewind: checkpoints
+
+    def _usable(self, s: Seq, prompt: list[int]) -> tuple[int, Checkpoint | None, Any]:
+        """What ``s`` can give ``prompt`` on memory without rewind: (tokens, the checkpoint to restore them from,
+        or None when ``s`` itself continues; the saved logits after the whole prompt, an exact repeat)."""
+        n = common_prefix(s.tokens, prompt)
+        if n == 0:
+            return 0, None, None
+        if n == len(s.tokens) and n < len(prompt):
+            return n, None, None  # the same conversation continuing: append to it
+        saved = s.prompt_logits
+        logits = saved[1] if saved is not None and saved[0] == len(prompt) == n else None  # an exact repeat
+        if logits is not None and n == len(s.tokens):
+            return n, None, logits  # (the answer added nothing to the sequence)
+        limit = n if logits is not None else min(n, len(prompt) - 1)  # else the last token is evaluated again
+        if s.owner is None and s.in_pool() and self.source.can_cut(s.id, limit):
+            return limit, None, logits if limit == n else None  # (a window still holding what follows the cut)
+        ck = next((c for c in reversed(s.checkpoints) if c.n <= limit), None)
+        if ck is None:
+            return 0, None, None
+        return ck.n, ck, logits if ck.n == n else None
+
+    def _place_from_checkpoints(self, owner: object, prompt: list[int]) -> Placement:
+        """:meth:`place` on memory that cannot drop its tail: a sequence whose tokens all start the prompt
+        continues; any other prefix comes from the latest checkpoint at or before the divergence, restored into
+        a fresh sequence (the attention cells below it copied, the partial state loaded), so the sequence it
+        came from stays whole for its own conversation."""
+        src = self.source
+        held = max((common_prefix(s.tokens, prompt) for s in self.seqs), default=0)
+        while True:
+            best, best_n, best_ck, best_lg = None, 0, None, None
+            for s in self.seqs:
+                n, ck, lg = self._usable(s, prompt)
+                if ck is None and s.owner is not None:
+                    continue  # a running request's sequence: only a checkpoint of it can be shared
+                if n > best_n or (n == best_n and best is not None and n > 0 and ck is None and best_ck is not None):
+                    best, best_n, best_ck, best_lg = s, n, ck, lg
+            if best is None or best.parked is None or self._unpark(best):
+                break  # (a parked sequence that no longer fits the pool is emptied: look again)
+        seq: Seq | None = None
+        copied = 0
+        if best is not None and best_ck is None:
+            seq = best  # continues (or the same prompt again, with nothing evaluated after it), cut where it left
+            if best_n < len(seq.tokens) and common_prefix(best.tokens, prompt) < len(prompt):
+                # another conversation sharing a prefix that a window still holds: copied, as plain cells are
+                target = self._victim()
+                if target is not None and target is not best:
+                    if target.tokens:
+                        self.counters.evictions += 1
+                    self.drop(target)
+                    keep, pos = src.kv_cut(best.tokens, best_n)
+                    ok = src.seq_cp(best.id, target.id, pos)
+                    target.tokens = list(best.tokens[:keep]) if ok else []
+                    target.checkpoints = [c for c in best.checkpoints if c.n <= keep] if ok else []
+                    seq, copied = target, (keep if ok else 0)
+            if best_n < len(seq.tokens):
+                keep, pos = src.kv_cut(seq.tokens, best_n)
+                if src.seq_rm(seq.id, pos):
+                    del seq.tokens[keep:]
+                    seq.checkpoints = [c for c in seq.checkpoints if c.n <= keep]
+                else:
+                    self.drop(seq)
+                    best_lg = None
+        elif best is not None and best_ck is not None:
+            target = self._victim(exclude=best)
+            if target is not None:
+                if target.tokens:
+                    self.counters.evictions += 1
+                self.drop(target)
+                if src.checkpoint_restore(best.id, target.id, best_ck.n, best_ck.data):
+                    target.tokens = list(prompt[:best_ck.n])
+                    target.checkpoints = [c for c in best.checkpoints if c.n <= best_ck.n]
+                    target.prompt_logits = (best_ck.n, best_lg) if best_lg is not None else None
+                    copied = best_ck.n
+                    self.counters.checkpoints_restored += 1
+                else:
+                    log.warning("a checkpoint of %d tokens could not be restored; the prompt is evaluated", best_ck.n)
+                    target.tokens, target.checkpoints, target.prompt_logits = [], [], None
+                seq = target
+        if seq is None:
+            seq = self._free_seq()
+            if seq is None:  # cannot happen: there are more sequence ids than slots
+                raise BackendError("No free sequence in the KV pool.")
+        seq.owner, seq.no_join = owner, False
+        out = Placement(seq, copied=copied)
+        keep = len(seq.tokens)
+        if keep < held < len(prompt):
+            out.diverged = held
+        if best_lg is not None and keep == len(prompt):
+            out.logits = best_lg  # exact repeat: sample from the saved row
+        if not (seq.prompt_logits is not None and seq.prompt_logits[0] <= keep):
+            seq.prompt_logits = None
+        pc = self.prompt_cache
+        if out.logits is None and pc is not None and pc.wants(len(prompt)):
+            keep, out.restored = self._restore(seq, prompt, keep)
+            if out.restored:
+                out.copied = 0
+        out.cached, out.copied = keep, min(out.copied, keep)
+        self.counters.prompt_tokens_cached += keep
+        self.counters.prompt_tokens_copied += out.copied
+        return out
+
+    def checkpoint_points(self, prompt: list[int], points: Iterable[int] = (), *, chat: bool = False) -> list[int]:
+        """Where a checkpoint of ``prompt``'s sequence is worth taking (empty when the memory needs none): the
+        given ``points`` (a system prompt's end, :attr:`Placement.diverged`), each message start of a ``chat``
+        prompt (the positions of the
+        token that starts the first message: a chat template's turn-start token), each image's start, every
+        :attr:`CheckpointPolicy.every` tokens, and the end of the prompt. At most ``per_seq`` of them: the
+        first and the latest."""
+        pol = self.checkpointing
+        if pol is None or not prompt:
+            return []
+        from backends.base import is_image_token
+
+        out = {n for n in points if 0 < n <= len(prompt)}
+        out.add(len(prompt))
+        out.update(range(pol.every, len(prompt), pol.every))
+        lead = 0 if prompt[0] in prompt[1:] or len(prompt) < 2 else 1  # (a BOS before the first message)
+        start = prompt[lead]
+        if chat and not is_image_token(start):
+            out.update(i for i in range(lead + 1, len(prompt)) if prompt[i] == start)
+        out.update(i for i in range(1, len(prompt)) if is_image_token(prompt[i]) and not is_image_token(prompt[i - 1]))
+        ordered = sorted(out)
+        if len(ordered) > pol.per_seq:
+            ordered = [ordered[0], *ordered[len(ordered) - pol.per_seq + 1:]]
+        return ordered
+
+    def checkpoint(self, seq: Seq) -> None:
+        """Take a checkpoint of ``seq`` as it is now (it holds the first ``len(seq.tokens)`` of its prompt) and
+        keep the pool's checkpoints within the policy's bounds."""
+        pol = self.checkpointing
+        n = len(seq.tokens)
+        if pol is None or n == 0 or (seq.checkpoints and seq.checkpoints[-1].n >= n):
+            return
+        try:
+            data = self.source.checkpoint_save(seq.id)
+        except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be taken costs only a later evaluation
+            log.warning("could not take a checkpoint of %d tokens: %s", n, e)
+            return
+        seq.checkpoints.append(Checkpoint(n, data))
+        self.counters.checkpoints_taken += 1
+        if len(seq.checkpoints) > pol.per_seq:
+            del seq.checkpoints[1]  # the first (a system prompt's) and the latest stay
+        budget = pol.bytes_per_slot * max(1, self.source.info.n_seq)
+        while self.usage().checkpoint_bytes > budget:
+            holders = [s for s in self.seqs if s.checkpoints and s is not seq] or [seq]
+            victim = min(holders, key=lambda s: (s.owner is not None, s.last_used))
+            if victim is seq and len(seq.checkpoints) == 1:
+                return  # one checkpoint larger than the budget: kept until the next one
+            del victim.checkpoints[1 if len(victim.checkpoints) > 1 else 0]
+
     def _restore(self, seq: Seq, prompt: list[int], keep: int) -> tuple[int, int]:
         """(tokens held, tokens restored): the longest prefix of ``prompt`` saved on disk, loaded into ``seq``
         when it beats ``keep``."""
         pc = self.prompt_cache
         assert pc is not None
-        n, data = pc.lookup(prompt)
+        # memory without rewind: a state of the whole prompt could not give back the last token to evaluate
+        n, data = pc.lookup(prompt, max_len=len(prompt) - 1 if self.checkpointing is not None else None)
         if data is None or n <= keep:
             return keep, 0
         if not self.source.state_load(seq.id, data):
             pc.remove(prompt[:n], "the backend refused it")
             self.source.seq_rm(seq.id)
-            seq.tokens, seq.prompt_logits = [], None
+            seq.tokens, seq.prompt_logits, seq.checkpoints = [], None, []
             return 0, 0
-        seq.tokens, seq.prompt_logits = list(prompt[:n]), None
+        seq.tokens, seq.prompt_logits, seq.checkpoints = list(prompt[:n]), None, []
+        if self.checkpointing is not None:
+            self.checkpoint(seq)  # a later divergence after it comes back here
         keep = min(n, len(prompt) - 1)  # logits are not saved: the last prompt token is evaluated again
         if keep < n:
             keep, pos = self.source.kv_cut(seq.tokens, keep)
@@ -241,6 +440,8 @@ class KVPool:
             n = min(common_prefix(q_prompt, prompt), limit)
             if n - have >= JOIN_MIN and len(q_seq.tokens) < n:
                 return Join(True, 0)
+        if self.checkpointing is not None:
+            return self._join_checkpoint(seq, prompt, have, limit)
         best, best_n = None, have
         for s in self.seqs:
             if s is not seq and s.in_pool():
@@ -260,21 +461,47 @@ class KVPool:
         self.counters.prompt_tokens_copied += gained
         return Join(False, gained)
 
+    def _join_checkpoint(self, seq: Seq, prompt: list[int], have: int, limit: int) -> Join:
+        """:meth:`join`'s copy on memory without rewind: the latest checkpoint of another sequence that holds
+        more of ``prompt`` than ``seq`` does, restored into ``seq``."""
+        best, best_ck = None, None
+        for s in self.seqs:
+            if s is seq or not s.in_pool():
+                continue
+            n = min(common_prefix(s.tokens, prompt), limit)
+            ck = next((c for c in reversed(s.checkpoints) if c.n <= n), None)
+            if ck is not None and ck.n > (best_ck.n if best_ck is not None else have):
+                best, best_ck = s, ck
+        if best is None or best_ck is None or best_ck.n - have < JOIN_MIN // 2:
+            return Join(False, 0)
+        if not self.source.checkpoint_restore(best.id, seq.id, best_ck.n, best_ck.data):
+            seq.tokens, seq.prompt_logits, seq.checkpoints, seq.no_join = [], None, [], True
+            return Join(False, 0)
+        seq.tokens, seq.prompt_logits = list(prompt[:best_ck.n]), None
+        seq.checkpoints = [c for c in best.checkpoints if c.n <= best_ck.n]
+        gained = best_ck.n - have
+        self.counters.prompt_tokens_cached += gained
+        self.counters.prompt_tokens_copied += gained
+        self.counters.checkpoints_restored += 1
+        return Join(False, gained)
+
     def trim(self, seq: Seq, keep: int) -> None:
         """Drop the tokens of ``seq`` after the first ``keep`` (rejected drafts)."""
         if keep < len(seq.tokens):
             keep, pos = self.source.kv_cut(seq.tokens, keep)
             self.source.seq_rm(seq.id, pos)
             del seq.tokens[keep:]
+            seq.checkpoints = [c for c in seq.checkpoints if c.n <= keep]
 
     # ------------------------------------------------------------------ victims
 
-    def _victim(self) -> Seq | None:
+    def _victim(self, exclude: Seq | None = None) -> Seq | None:
         """The sequence a new request may take: an empty one, else the idle one used least recently."""
-        empty = [s for s in self.seqs if s.owner is None and not s.tokens]
+        empty = [s for s in self.seqs if s.owner is None and not s.tokens and s is not exclude]
         if empty:
             return empty[0]
-        return min((s for s in self.seqs if s.owner is None), key=lambda s: s.last_used, default=None)
+        return min((s for s in self.seqs if s.owner is None and s is not exclude), key=lambda s: s.last_used,
+                   default=None)
 
     def _free_seq(self) -> Seq | None:
         """An empty sequence id: an empty one, else the least recently used idle one, emptied."""
@@ -297,7 +524,7 @@ class KVPool:
         """Empty ``s`` (its cells, or its parked state)."""
         if s.parked is None:
             self.source.seq_rm(s.id)
-        s.tokens, s.prompt_logits, s.parked = [], None, None
+        s.tokens, s.prompt_logits, s.parked, s.checkpoints = [], None, None, []
 
     def clear(self) -> None:
         """Empty every idle sequence."""
@@ -371,6 +598,7 @@ class KVPool:
             keep, pos = self.source.kv_cut(seq.tokens, len(seq.tokens))
             if self.source.seq_rm(seq.id, pos):
                 del seq.tokens[keep:]
+                seq.checkpoints = [c for c in seq.checkpoints if c.n <= keep]
             else:
                 self.drop(seq)
 
@@ -394,6 +622,12 @@ class KVPool:
             try:
                 if n == len(seq.tokens):
                     data = self.source.state_save(seq.id)
+                elif self.checkpointing is not None:  # memory without rewind: from a checkpoint at n, or not
+                    ck = next((c for c in seq.checkpoints if c.n == n), None)
+                    if ck is None or not self.source.checkpoint_restore(seq.id, tmp.id, n, ck.data):
+                        continue
+                    data = self.source.state_save(tmp.id)
+                    self.source.seq_rm(tmp.id)
                 elif self.source.kv_cut(toks, n)[0] != n:
                     continue  # inside an image that is kept whole
                 elif self.source.seq_cp(seq.id, tmp.id, self.source.positions(toks)):
@@ -412,5 +646,5 @@ class KVPool:
             self.prompt_cache.close()
 
 
-__all__ = ["JOIN_MIN", "PARK_ALONE", "Join", "KVPool", "Placement", "PoolCounters", "PoolUsage", "Seq",
-           "common_prefix"]
+__all__ = ["JOIN_MIN", "PARK_ALONE", "Checkpoint", "CheckpointPolicy", "Join", "KVPool", "Placement", "PoolCounters",
+           "PoolUsage", "Seq", "common_prefix"]

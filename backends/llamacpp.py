@@ -25,7 +25,9 @@ Backend-specific knobs in ``LoadSpec.extra``: ``chat_template`` (override the GG
 conversations keep their prefix while others run), ``grammar`` (a GBNF grammar for every request that
 asks for no format: tests make a small model "think" with it), ``head_dims`` ((K, V) head sizes from
 metadata the caller has read, so that a quantized KV cache is checked without reading the GGUF header),
-``lora`` ((adapter GGUF path, scale) pairs: LoRA adapters applied through llama.cpp's adapter API).
+``lora`` ((adapter GGUF path, scale) pairs: LoRA adapters applied through llama.cpp's adapter API),
+``swa_full`` (sliding-window layers as long as the context: exact reuse from any position at the memory of a
+global layer; default off, as llama-server: the window per sequence, reuse through checkpoints).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ _log_state: dict[str, Any] = {"cb": None, "level": logging.DEBUG, "buf": "", "ve
 _recent_native: deque[str] = deque(maxlen=40)  # recent WARN/ERROR lines, to explain load failures
 _capture = threading.local()  # .lines: the loading thread's llama.cpp lines (buffer sizes per device)
 # "load_tensors: RPC0[127.0.0.1:50052] model buffer size =    33.82 MiB", "sched_reserve: CPU compute buffer ..."
-_BUFFER_LINE = re.compile(r"^\w+:\s+(\S+?)\s+(model|KV|compute|output) buffer size =\s*([0-9.]+) MiB")
+_BUFFER_LINE = re.compile(r"^\w+:\s+(\S+?)\s+(model|KV|RS|compute|output) buffer size =\s*([0-9.]+) MiB")
 
 
 def _on_native_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
@@ -127,7 +129,7 @@ def allocations(lines: list[str], workers: dict[str, list[str]]) -> dict[str, di
     ...              "sched_reserve:        CPU compute buffer size =     7.68 MiB"], {"127.0.0.1:50052": ["RPC3"]})
     {'RPC3': {'weights': 35462840}, 'CPU': {'compute': 8053063}}
     """
-    kinds = {"model": "weights", "KV": "kv", "compute": "compute", "output": "compute"}
+    kinds = {"model": "weights", "KV": "kv", "RS": "kv", "compute": "compute", "output": "compute"}  # RS: recurrent
     out: dict[str, dict[str, int]] = {}
     for line in lines:
         m = _BUFFER_LINE.match(line)
@@ -529,6 +531,16 @@ class LlamaCppSource(TokenSource):
                                   False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}[spec.flash_attn]
             cp.embeddings = self._pooling is not None
             cp.no_perf = True
+            # sliding-window layers keep their window (+ a batch) per sequence id, as llama-server does; reuse
+            # stays right through checkpoints. swa_full: every layer as long as the context (exact reuse anywhere)
+            self._swa_full = bool(spec.extra.get("swa_full", False))
+            cp.swa_full = self._swa_full
+            # drafts on recurrent memory: llama.cpp keeps the last states of each sequence (n_rs_seq, where the
+            # architecture supports it), so a cut inside the last decode (rejected draft tokens) is right
+            recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(
+                self._model))
+            if recurrent and spec.draft is not None:
+                cp.n_rs_seq = max(1, spec.draft.num_draft) + 1
             self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
             if not self._ctx:
                 self._ctx = None
@@ -536,6 +548,7 @@ class LlamaCppSource(TokenSource):
             self._loras = self._load_loras(spec.extra.get("lora") or [])
             self._apply_loras(self._ctx)
             self._mem = llama_cpp.llama_get_memory(self._ctx)
+            self._n_rs_seq = int(llama_cpp.llama_n_rs_seq(self._ctx))  # 0: unsupported by the architecture, or off
             self._batch = llama_cpp.llama_batch_init(int(cp.n_batch), 0, 1)
             self._n_batch = int(llama_cpp.llama_n_batch(self._ctx))
             self._pool = int(llama_cpp.llama_n_ctx(self._ctx))
@@ -543,8 +556,11 @@ class LlamaCppSource(TokenSource):
             if self._pooling is not None:  # the context is the pooling one (made with this model's own pooling)
                 self._n_ctx = min(self._n_ctx, int(llama_cpp.llama_model_n_ctx_train(self._model)) or self._n_ctx)
                 self._embed = (self._ctx, self._batch, self._n_batch, cp.n_seq_max)
-            self._recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model)) or bool(
-                llama_cpp.llama_model_is_hybrid(self._model))
+            self._md = self._metadata()
+            self._arch = self._md.get("general.architecture", "unknown")
+            self._n_swa = int(llama_cpp.llama_model_n_swa(self._model))
+            self._pure_recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model))
+            self._recurrent = self._pure_recurrent or bool(llama_cpp.llama_model_is_hybrid(self._model))
             self._template = spec.extra.get("chat_template") or self._md.get("tokenizer.chat_template")
             eos, bos = llama_cpp.llama_vocab_eos(self._vocab), llama_cpp.llama_vocab_bos(self._vocab)
             self._bos = int(bos)
@@ -711,6 +727,9 @@ class LlamaCppSource(TokenSource):
         hd = n_embd // n_head if n_embd and n_head else 0
         hk, hv = num("attention.key_length", hd), num("attention.value_length", hd)
         kv_bytes = int(self._pool * n_layers * n_head_kv * (hk + hv) * KV_BYTES_PER_ELEM[self.spec.kv_cache_type])
+        allocated = sum(v.get("kv", 0) for v in self._alloc.values())
+        if allocated:  # what llama.cpp allocated: windowed layers at window size, recurrent states per sequence
+            kv_bytes = allocated
         weights = int(llama_cpp.llama_model_size(self._model))
         gpu = bool(llama_cpp.llama_supports_gpu_offload())
         req = self.spec.n_gpu_layers
@@ -753,6 +772,8 @@ class LlamaCppSource(TokenSource):
                 "gpu_offload_supported": gpu,
                 "description": desc.value.decode("utf-8", errors="replace"),
                 "recurrent": self._recurrent,
+                "sliding_window": self._n_swa,  # 0: none
+                "swa_full": self._swa_full,
                 "chat_template_fallback": self._template is None,
                 "n_seq_ids": self._n_seq_ids,
                 # what llama.cpp allocated per device, from its own lines: {"RPC0": {"weights": b, ...}}
@@ -784,7 +805,21 @@ class LlamaCppSource(TokenSource):
 
     @property
     def shared_pool(self) -> bool:
-        return not self._recurrent and self._pooling is None
+        return not self._pure_recurrent and self._pooling is None  # a hybrid's attention cells are one unified pool too
+
+    def can_rewind(self) -> bool:
+        """Plain and windowed caches drop a tail; recurrent memory only the tokens of its last decode, and only
+        with llama.cpp's rollback states (``n_rs_seq``): what rejected drafts need, nothing more."""
+        return not self._recurrent or self._n_rs_seq > 0
+
+    @property
+    def needs_checkpoints(self) -> bool:
+        return self._recurrent or self._windowed
+
+    @property
+    def _windowed(self) -> bool:
+        """Sliding-window layers whose cache holds less than a sequence's context (``swa_full`` off)."""
+        return 0 < self._n_swa < self._n_ctx and not self._swa_full
 
     # ------------------------------------------------------------------ text
 
@@ -1141,10 +1176,11 @@ class LlamaCppSource(TokenSource):
     def state_key(self) -> str | None:
         import llama_cpp
 
-        if self._recurrent or self._pooling is not None:
+        if self._pooling is not None:
             return None
+        mem = (" mem=recurrent" if self._recurrent else "") + (f" swa={self._n_swa}" if self._windowed else "")
         return (f"llama.cpp-{getattr(llama_cpp, '__version__', '?')} kv={self.spec.kv_cache_type} "
-                f"fa={int(self.flash_attn)} unified=1 gpu_layers={self._info.n_gpu_layers}")
+                f"fa={int(self.flash_attn)} unified=1 gpu_layers={self._info.n_gpu_layers}{mem}")
 
     def state_save(self, seq: int) -> bytes:
         import llama_cpp
@@ -1159,6 +1195,45 @@ class LlamaCppSource(TokenSource):
 
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         return int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) > 0
+
+    # ------------------------------------------------------------------ checkpoints (partial states)
+
+    def checkpoint_save(self, seq: int) -> bytes:
+        import llama_cpp
+
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, seq, flags))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(llama_cpp.llama_state_seq_get_data_ext(self._ctx, buf, size, seq, flags))
+        if n <= 0:
+            raise BackendError(f"llama.cpp could not save the partial state of sequence {seq}.")
+        return bytes(memoryview(buf)[:n])
+
+    def can_cut(self, seq: int, n: int) -> bool:
+        """Recurrent state: never. A window: while its oldest cell is at most ``n - n_swa`` (llama-server's test),
+        the cells the tokens after ``n`` attend to are all there."""
+        if self._recurrent:
+            return False
+        if not self._windowed:
+            return True
+        import llama_cpp
+
+        lo = int(llama_cpp.llama_memory_seq_pos_min(self._mem, seq))
+        return 0 <= lo <= max(0, n - self._n_swa)
+
+    def checkpoint_restore(self, src: int, dst: int, n: int, data: bytes) -> bool:
+        """The attention cells of ``src`` below ``n`` copied into ``dst`` (``seq_cp``), then the partial state
+        loaded over them: measured equal to evaluating the prefix cold (max logit difference 0.0)."""
+        import llama_cpp
+
+        llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        ok = int(llama_cpp.llama_state_seq_set_data_ext(self._ctx, buf, len(data), dst,
+                                                         llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)) > 0
+        if not ok:
+            llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        return ok
 
     # ------------------------------------------------------------------ pooled outputs (embeddings, rerank)
 

@@ -8,10 +8,12 @@ events. Each step of the loop:
 1. admits waiting requests while a slot is free: renders and fits the prompt
    (:class:`~backends.stream.RequestStream`) and has the KV pool (:class:`~backends.kvpool.KVPool`) place
    it — the sequence whose cached tokens share the longest prefix with the prompt; a prefix held by
-   another sequence (a shared system prompt) is copied (``seq_cp``) instead of evaluated again;
+   another sequence (a shared system prompt) is copied (``seq_cp``) instead of evaluated again; on memory that
+   cannot drop its tail (a hybrid's recurrent state, a sliding window) a prefix comes back from a checkpoint;
 2. gathers one token from every decoding sequence (plus drafted tokens when speculative decoding is on
    and only one sequence decodes), then chunks of pending prompts under the step's token budget
-   (chunked prefill: a long prompt never stalls the streams in flight);
+   (chunked prefill: a long prompt never stalls the streams in flight); a chunk ends where the pool wants a
+   checkpoint of the sequence (a message's start, an image's, every N tokens, the prompt's end), taken after it;
 3. runs one ``evaluate`` for all of them; when the pool is full it frees the least recently used idle
    sequences and retries, and a prompt that still does not fit waits;
 4. samples each sequence with its own sampler, verifies drafts, feeds the tokens to each request's
@@ -47,7 +49,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from backends import pooling
@@ -92,6 +94,7 @@ class _Req:
     last: int | None = None  # sampled, sent, not yet evaluated
     saved: Any = None  # logits to sample the first token from (prompt fully cached)
     admitted: int = 0  # ns
+    points: list[int] = field(default_factory=list)  # prompt lengths at which its sequence takes a checkpoint
 
 
 @dataclass
@@ -106,6 +109,8 @@ class LoopMetrics:
     kv_tokens_idle: int = 0  # tokens kept in the pool by idle sequences for reuse
     kv_tokens_parked: int = 0  # tokens of idle sequences parked in host memory (restored on reuse)
     kv_parked_bytes: int = 0
+    kv_checkpoints: int = 0  # checkpoints kept in host memory (memory without rewind: hybrid, sliding window)
+    kv_checkpoint_bytes: int = 0
     prompt_tokens_evaluated: int = 0
     prompt_tokens_cached: int = 0  # reused from the pool instead of evaluated (copied prefixes included)
     prompt_tokens_copied: int = 0  # of those, copied from another sequence (seq_cp)
@@ -328,6 +333,7 @@ class LoadedModel:
             u, pc = self._pool.usage(), self._pool.counters
             m.kv_tokens_active, m.kv_tokens_idle, m.kv_tokens_parked = u.active, u.idle, u.parked
             m.kv_parked_bytes = u.parked_bytes
+            m.kv_checkpoints, m.kv_checkpoint_bytes = u.checkpoints, u.checkpoint_bytes
             m.prompt_tokens_cached, m.prompt_tokens_copied = pc.prompt_tokens_cached, pc.prompt_tokens_copied
             m.prompt_tokens_restored, m.evictions = pc.prompt_tokens_restored, pc.evictions
         if self._source is not None:
@@ -493,6 +499,8 @@ class LoadedModel:
             req.admitted = time.perf_counter_ns()
             req.stream.stats.queue_duration = req.admitted - req.t_submit
             placed = self.pool.place(req, prompt)
+            req.points = self.pool.checkpoint_points(prompt, [*req.stream.cache_points, placed.diverged],
+                                                     chat=req.stream.request.messages is not None)
             req.seq, req.saved = placed.seq, placed.logits
             req.stream.stats.prompt_cached_tokens = placed.cached
             req.stream.stats.prompt_restored_tokens = placed.restored
@@ -559,8 +567,10 @@ class LoadedModel:
             r.stream.stats.prompt_cached_tokens += gained
             if wait:
                 continue  # an earlier request is evaluating the same prefix: copy it when it is there
-            rest = r.stream.prompt[len(r.seq.tokens):]
-            chunk = rest[:cap]
+            held = len(r.seq.tokens)
+            rest = r.stream.prompt[held:]
+            nxt = next((p for p in r.points if p > held), len(r.stream.prompt))  # a checkpoint is taken there
+            chunk = rest[:min(cap, nxt - held)]
             st = r.stream.stats
             if st.image_tokens or st.audio_tokens:  # a feed is all text or all media positions (separate decodes)
                 img = is_image_token(chunk[0])
@@ -603,6 +613,8 @@ class LoadedModel:
             c.batched_tokens += len(f.tokens)
             if kind == "prefill":
                 c.prompt_tokens_evaluated += len(f.tokens)
+                if r.points and len(r.seq.tokens) in r.points:
+                    self.pool.checkpoint(r.seq)
         for f, (r, kind, drafts), out_rows in zip(feeds, owners, rows, strict=True):
             if r not in self._active or not out_rows:
                 continue

@@ -10,6 +10,7 @@ LOCALLLM_MODELS            where installed models live                          
 LOCALLLM_HOST              server address (serve binds it, faces attach to it)  127.0.0.1:11434
 LOCALLLM_KEEP_ALIVE        how long an idle model stays loaded                  5m
 LOCALLLM_KV_CACHE_TYPE     f16 | q8_0 | q4_0                                    f16
+LOCALLLM_SWA_FULL          1: sliding-window layers as long as the context      0
 LOCALLLM_NUM_PARALLEL      parallel requests (slots) per model                  auto (4 if it fits)
 LOCALLLM_PROMPT_CACHE_SIZE disk for saved prompt prefixes (0 = off)             2GiB
 LOCALLLM_MAX_LOADED_MODELS models loaded at once (0 = as memory allows)         0
@@ -120,6 +121,12 @@ def kv_cache_type() -> str:
         raise SystemExit(f"LOCALLLM_KV_CACHE_TYPE must be {', '.join(KV_CACHE_TYPES[:-1])} or {KV_CACHE_TYPES[-1]}, "
                          f"got {value!r}.")
     return value
+
+
+def swa_full() -> bool:
+    """``LOCALLLM_SWA_FULL=1``: sliding-window layers get a cache as long as the context (exact reuse from any
+    position, at a global layer's memory); default off: the window per sequence, reuse through checkpoints."""
+    return env_str("LOCALLLM_SWA_FULL", "0").lower() not in ("0", "false", "no", "off")
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,

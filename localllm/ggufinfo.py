@@ -63,6 +63,9 @@ class GGUFInfo:
     # multi-token-prediction (MTP, "nextn") layers llama.cpp can draft from (``{arch}.nextn_predict_layers``; the
     # last ones of ``block_count``); 0 = none. A Gemma 4 drafter head is its own file (architecture MTP_HEAD_ARCH).
     mtp_layers: int = 0
+    swa_layers: int = 0  # layers with a sliding window (``sliding_window`` tokens)
+    recurrent_layers: int = 0  # layers with a recurrent state instead of a KV cache (hybrid, recurrent models)
+    recurrent_bytes: int = 0  # that state, all recurrent layers, per sequence (F32, as llama.cpp keeps it)
 
     @property
     def is_recurrent(self) -> bool:
@@ -85,10 +88,31 @@ class GGUFInfo:
         return f"{p / 1e6:.0f}M"
 
     def kv_bytes_per_token(self, kv_type: str = "f16") -> float:
-        """Bytes of K+V cache per context token for all layers."""
+        """Bytes of K+V cache per context token for all attention layers (a windowed one counted whole)."""
         per_elem = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}[kv_type]
-        elems = self.n_layers * self.n_head_kv * (self.head_dim_k + self.head_dim_v)
+        elems = (self.n_layers - self.recurrent_layers) * self.n_head_kv * (self.head_dim_k + self.head_dim_v)
         return elems * per_elem
+
+    def memory_bytes(self, n_cells: int, kv_type: str = "f16", *, n_seq: int = 1, swa_full: bool = False,
+                     n_ubatch: int = 512) -> int:
+        """What llama.cpp allocates for the memory of ``n_cells`` context cells (all slots) with ``n_seq``
+        slots (localllm gives llama.cpp two sequence ids a slot): global layers hold every cell; windowed ones
+        ``sliding_window`` per sequence id + a batch, padded to 256 (unless ``swa_full``); recurrent layers
+        one state per sequence id.
+
+        >>> g = GGUFInfo(path="", file_size=0, architecture="gemma3", name=None, n_layers=6, n_embd=640,
+        ...     n_head=4, n_head_kv=1, head_dim_k=256, head_dim_v=256, context_length=32768, vocab_size=262144,
+        ...     file_type="Q4_K_M", parameters=0, chat_template=None, license=None, sliding_window=512,
+        ...     swa_layers=5)
+        >>> g.memory_bytes(32768) // (1 << 20), g.memory_bytes(32768, swa_full=True) // (1 << 20)
+        (39, 192)
+        """
+        per_layer = self.kv_bytes_per_token(kv_type) / max(self.n_layers - self.recurrent_layers, 1)
+        ids = 2 * max(n_seq, 1)
+        swa = 0 if swa_full or not self.sliding_window else min(self.swa_layers, self.n_layers)
+        window = min(n_cells, -(-((self.sliding_window or 0) * ids + n_ubatch) // 256) * 256) if swa else 0
+        attn = self.n_layers - self.recurrent_layers - swa
+        return int(per_layer * (attn * n_cells + swa * window) + self.recurrent_bytes * ids)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -163,10 +187,25 @@ def check_gguf_file(p: Path) -> None:
         raise InvalidModelFileError(f"{p.name} is not a GGUF file (it does not start with the GGUF magic).")
 
 
+def info_of(data: dict[str, Any], path: str | os.PathLike[str] | None = None, digest: str | None = None) -> GGUFInfo:
+    """A :class:`GGUFInfo` from a manifest's ``info``; one written before the memory layout was read (no
+    ``swa_layers``) gets it from the file's header (``path``), so the planner counts windows and states."""
+    info = GGUFInfo(**data)
+    old = "swa_layers" not in data and (info.sliding_window or info.is_recurrent or info.is_hybrid)
+    if old and (path or info.path):
+        try:
+            fresh = read_gguf(path or info.path, digest=digest)
+        except (InvalidModelFileError, OSError):
+            return info
+        info = replace(info, swa_layers=fresh.swa_layers, recurrent_layers=fresh.recurrent_layers,
+                       recurrent_bytes=fresh.recurrent_bytes)
+    return info
+
+
 def _cache_file(digest: str) -> Path:
     from localllm.config import paths
 
-    return paths().cache / "gguf-info" / f"{digest.removeprefix('sha256:')}.json"
+    return paths().cache / "gguf-info" / f"{digest.removeprefix('sha256:')}.v2.json"  # v2: the memory layout
 
 
 def _other_parts(first: Path, count: Any) -> list[tuple[Any, Path]]:
@@ -259,6 +298,8 @@ def _read_gguf(p: Path) -> GGUFInfo:
         vocab = len(tokens) if tokens is not None else 0
     ftype = f.get("general.file_type")
     sw = a("attention.sliding_window")
+    swa_layers, recurrent_layers, recurrent_bytes = _memory_layout(arch, a, int(a("block_count", 0) or 0),
+                                                                   int(n_embd), sw)
     return GGUFInfo(
         path=str(p),
         file_size=size,
@@ -283,4 +324,52 @@ def _read_gguf(p: Path) -> GGUFInfo:
         pooling=_pooling(a("pooling_type")),
         extra={"tensor_bytes": {**split, "layers": [split["layers"][i] for i in sorted(split["layers"])]}},
         mtp_layers=int(a("nextn_predict_layers", 0) or 0) or len(nextn_layers),
+        swa_layers=swa_layers,
+        recurrent_layers=recurrent_layers,
+        recurrent_bytes=recurrent_bytes,
     )
+
+
+# sliding-window pattern of architectures that set one in code (llama.cpp's load_swa_pattern defaults): of each n
+# layers the first n - 1 are windowed; a GGUF's ``attention.sliding_window_pattern`` (a number or a per-layer
+# array) overrides it
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma4": 6, "cohere2": 4, "gpt-oss": 2, "llama4": 4,
+               "exaone4": 4, "olmo2": 4, "smallthinker": 4}
+
+
+def _memory_layout(arch: str, a: Any, n_layers: int, n_embd: int, sw: Any) -> tuple[int, int, int]:
+    """(windowed layers, recurrent layers, recurrent state bytes per sequence) from the metadata, as llama.cpp's
+    hparams work them out (``set_swa_pattern``, ``n_embd_r``/``n_embd_s``); (0, 0, 0) for a plain transformer."""
+    swa = 0
+    if isinstance(sw, int | float) and sw > 0:
+        pat = a("attention.sliding_window_pattern")
+        if isinstance(pat, list):
+            swa = sum(1 for x in pat[:n_layers] if x)
+        else:
+            n = int(pat) if isinstance(pat, int | float) else SWA_PATTERN.get(arch, 0)
+            swa = sum(1 for il in range(n_layers) if n == 0 or il % n < n - 1) if n or arch in SWA_PATTERN else 0
+    rec = 0
+    if arch in RECURRENT_ARCHS:
+        rec = n_layers
+    elif arch in HYBRID_ARCHS:
+        interval = a("full_attention_interval")
+        layers = a("attention.recurrent_layers")
+        heads_kv = a("attention.head_count_kv")
+        if isinstance(layers, list):
+            rec = sum(1 for x in layers[:n_layers] if x)
+        elif isinstance(heads_kv, list):  # (Jamba, Falcon-H1, Granite 4, LFM2, Nemotron-H: 0 KV heads = recurrent)
+            rec = sum(1 for x in heads_kv[:n_layers] if not x)
+        else:
+            n = int(interval) if isinstance(interval, int | float) and interval > 0 else 4
+            rec = sum(1 for il in range(n_layers) if (il + 1) % n != 0)
+    state = 0
+    if rec:
+        d_conv, d_state = int(a("ssm.conv_kernel", 0) or 0), int(a("ssm.state_size", 0) or 0)
+        d_inner, groups = int(a("ssm.inner_size", 0) or 0), int(a("ssm.group_count", 0) or 0)
+        l_cache = int(a("shortconv.l_cache", 0) or 0)
+        if l_cache:  # LFM2's short convolutions
+            r, s_ = n_embd * (l_cache - 1), 0
+        else:
+            r, s_ = max(d_conv - 1, 0) * (d_inner + 2 * groups * d_state), d_state * d_inner
+        state = 4 * rec * (r + s_)
+    return swa, rec, state

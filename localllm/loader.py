@@ -128,7 +128,7 @@ class Loader:
 
     def plan(self, name: str, options: LoadOptions | None = None) -> tuple[InstalledModel, Plan]:
         """(installed model, plan) without loading anything."""
-        from localllm.ggufinfo import GGUFInfo
+        from localllm.ggufinfo import info_of
         from localllm.mlxmodels import mlx_for_plan
         from localllm.planner import plan
 
@@ -137,7 +137,7 @@ class Loader:
             raise LocalLLMError(f"num_ctx must be at least {MIN_CTX} tokens, got {options.num_ctx}.")
         model = self.store.get(name)
         options = self.model_options(model, options)
-        info = GGUFInfo(**model.info)
+        info = info_of(model.info, model.path, model.digest)
         kv = options.kv_cache_type or config.kv_cache_type()
         if options.devices:
             known = [d.name for d in self.hardware.devices]
@@ -163,6 +163,7 @@ class Loader:
             device_memory=config.device_memory(),
             devices=[d for d in options.devices if d != "CPU"] if options.devices else None,
             tensor_split=list(options.tensor_split) if options.tensor_split else None,
+            swa_full=config.swa_full(),
         )
         return model, p
 
@@ -254,6 +255,8 @@ class Loader:
             extra["tensor_split"] = p.tensor_split
         if model.derived is not None and model.derived.adapters:
             extra["lora"] = [(str(path), scale) for path, scale in self.store.adapters_of(model)]
+        if config.swa_full():
+            extra["swa_full"] = True
         return LoadSpec(
             model_path=str(path),
             n_ctx=p.n_ctx,

@@ -240,9 +240,12 @@ def _default_flash_attn(kv_cache_type: str) -> bool:
 
 
 def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layers: int = 0, *,
-             flash_attn: bool | None = None, device: str = "cuda", n_gpus: int = 1) -> MemoryEstimate:
-    """Memory to load ``info`` with ``n_ctx`` tokens of context and ``n_gpu_layers`` offloaded
-    (llama.cpp's meaning; negative = all). ``flash_attn=None``: on when the V cache is quantized.
+             flash_attn: bool | None = None, device: str = "cuda", n_gpus: int = 1, n_seq: int = 1,
+             swa_full: bool = False) -> MemoryEstimate:
+    """Memory to load ``info`` with ``n_ctx`` tokens of context (all ``n_seq`` slots) and ``n_gpu_layers``
+    offloaded (llama.cpp's meaning; negative = all). ``flash_attn=None``: on when the V cache is quantized. The
+    KV cache is what llama.cpp allocates (:meth:`GGUFInfo.memory_bytes`): sliding-window layers at their window
+    (unless ``swa_full``), recurrent layers one state per sequence.
 
     >>> from localllm.ggufinfo import GGUFInfo
     >>> llama8b = GGUFInfo(path="", file_size=4_920_739_232, architecture="llama", name="8B",
@@ -262,7 +265,7 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
     split = len(w.layers) - layers_gpu  # llama.cpp offloads the last layers first
     gpu_w = sum(w.layers[split:]) + (w.output if output_gpu else 0)
     cpu_w = sum(w.layers[:split]) + w.embd + (0 if (output_gpu or w.tied) else w.output)
-    kv = int(info.kv_bytes_per_token(kv_cache_type) * n_ctx)
+    kv = info.memory_bytes(n_ctx, kv_cache_type, n_seq=n_seq, swa_full=swa_full)
     kv_gpu = kv * layers_gpu // n_layers
     if ngl == 0:
         gpu_c, cpu_c = 0, _graph(info, n_ctx, flash_attn, partial=False)
@@ -272,10 +275,53 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
         gpu_c = _graph(info, n_ctx, flash_attn, partial=True)
         cpu_c = 4 * min(n_ctx, N_UBATCH) * (info.n_embd + info.vocab_size)
     gpu_o = (CUDA_OVERHEAD * max(n_gpus, 1) if device == "cuda" else 0) if ngl else 0
+    host = HOST_OVERHEAD + checkpoint_bytes(info, n_ctx, kv_cache_type, n_seq)  # checkpoints live in host memory
     gpu = gpu_w + kv_gpu + gpu_c + gpu_o
-    cpu = cpu_w + (kv - kv_gpu) + cpu_c + HOST_OVERHEAD
-    return MemoryEstimate(weights=gpu_w + cpu_w, kv_cache=kv, compute=gpu_c + cpu_c, overhead=gpu_o + HOST_OVERHEAD,
+    cpu = cpu_w + (kv - kv_gpu) + cpu_c + host
+    return MemoryEstimate(weights=gpu_w + cpu_w, kv_cache=kv, compute=gpu_c + cpu_c, overhead=gpu_o + host,
                           total=gpu + cpu, gpu=gpu, cpu=cpu)
+
+
+def checkpoint_bytes(info: GGUFInfo, n_ctx: int, kv_cache_type: str, n_seq: int) -> int:
+    """Host memory the checkpoints of a windowed or recurrent model may take at most (``backends.kvpool``'s
+    :class:`~backends.kvpool.CheckpointPolicy`: per slot, 16 checkpoints of one sequence's recurrent state and
+    window, within 256 MiB); 0 for a plain transformer. ``n_ctx``: all slots' cells."""
+    from backends.kvpool import CheckpointPolicy
+
+    pol = CheckpointPolicy()
+    swa = info.swa_layers if info.sliding_window else 0
+    if not (swa or info.recurrent_layers):
+        return 0
+    per_layer = info.kv_bytes_per_token(kv_cache_type) / max(info.n_layers - info.recurrent_layers, 1)
+    window = min(n_ctx // max(n_seq, 1), (info.sliding_window or 0) + N_UBATCH)
+    one = info.recurrent_bytes // 2 + int(swa * window * per_layer)  # (recurrent_bytes: two sequence ids a slot)
+    return max(n_seq, 1) * min(pol.bytes_per_slot, pol.per_seq * one)
+
+
+def memory_layout_reason(info: GGUFInfo, n_cells: int, kv_cache_type: str, n_seq: int, swa_full: bool) -> str:
+    """One line on a windowed or recurrent model's memory (``probe``, ``run --verbose``).
+
+    >>> from localllm.ggufinfo import GGUFInfo
+    >>> g = GGUFInfo(path="", file_size=0, architecture="gemma3", name=None, n_layers=18, n_embd=640, n_head=4,
+    ...     n_head_kv=1, head_dim_k=256, head_dim_v=256, context_length=32768, vocab_size=262144,
+    ...     file_type="Q4_K_M", parameters=0, chat_template=None, license=None, sliding_window=512, swa_layers=15)
+    >>> memory_layout_reason(g, 32768, "f16", 1, False)  # doctest: +ELLIPSIS
+    'memory layout: 15 of 18 layers windowed (512 tokens): KV cache 118.5 MiB instead of 576.0 MiB (...); check...'
+    """
+    kv = info.memory_bytes(n_cells, kv_cache_type, n_seq=n_seq, swa_full=swa_full)
+    parts = []
+    if info.swa_layers and info.sliding_window:
+        parts.append(f"{info.swa_layers} of {info.n_layers} layers windowed ({info.sliding_window:,} tokens)"
+                     + (", cached whole (LOCALLLM_SWA_FULL=1)" if swa_full else ""))
+    if info.recurrent_layers:
+        parts.append(f"{info.recurrent_layers} of {info.n_layers} layers recurrent "
+                     f"({info.recurrent_bytes / MiB:.1f} MiB of state a sequence, no KV cache)")
+    text = "memory layout: " + "; ".join(parts) + f": KV cache {kv / MiB:.1f} MiB"
+    if info.swa_layers and info.sliding_window and not swa_full:
+        full = info.memory_bytes(n_cells, kv_cache_type, n_seq=n_seq, swa_full=True)
+        text += f" instead of {full / MiB:.1f} MiB (LOCALLLM_SWA_FULL=1)"
+    ck = checkpoint_bytes(info, n_cells, kv_cache_type, n_seq)
+    return text + (f"; checkpoints up to {ck / MiB:.1f} MiB of host memory" if ck else "")
 
 
 def _mlx_estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str, on_gpu: bool,
@@ -332,7 +378,8 @@ def _targets(hw: HardwareInfo, device: str, caps: dict[str, int]) -> list[Device
 
 
 def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash_attn: bool,
-                 targets: list[DevicePlan], shares: list[float] | None = None) -> list[DevicePlan]:
+                 targets: list[DevicePlan], shares: list[float] | None = None, *, n_seq: int = 1,
+                 swa_full: bool = False) -> list[DevicePlan]:
     """Place ``ngl`` offloaded layers on ``targets`` as llama.cpp does (``llama_model::load_tensors``: split
     points from the devices' shares, the last layers offloaded first, the output layer last) and estimate
     each device's weights, KV cache and compute buffer."""
@@ -353,7 +400,7 @@ def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash
     w = _weights(info)
     start = max(L + 1 - ngl, 0)
     act = max(min(ngl, L + 1), 1)
-    kv_layer = info.kv_bytes_per_token(kv_cache_type) * n_ctx / L
+    kv_layer = info.memory_bytes(n_ctx, kv_cache_type, n_seq=n_seq, swa_full=swa_full) / L
     out = [replace(t, layers=0, output=False, weights=0, kv_cache=0, compute=0) for t in targets]
     for il in range(start, L + 1):
         j = min(bisect_right(cum, (il - start) / act), n - 1)
@@ -380,8 +427,9 @@ def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash
 
 class _Planner:
     def __init__(self, info: GGUFInfo, hw: HardwareInfo, kv: str, num_gpu: int | None, draft: GGUFInfo | None,
-                 mlx_bytes: int | None = None, caps: dict[str, int] | None = None):
+                 mlx_bytes: int | None = None, caps: dict[str, int] | None = None, swa_full: bool = False):
         self.info, self.hw, self.kv, self.num_gpu, self.draft = info, hw, kv, num_gpu, draft
+        self.swa_full = swa_full
         self.mlx_bytes = mlx_bytes
         self.caps = caps or {}
         self.shares: list[float] | None = None  # --tensor-split
@@ -419,16 +467,18 @@ class _Planner:
         return False, "flash attention off: the GPU kernels do not cover this head size"
 
     # llama.cpp layout ------------------------------------------------------------------------
-    def llama_layout(self, device: str, n_ctx: int, fa: bool) -> _Layout:
+    def llama_layout(self, device: str, n_ctx: int, fa: bool, n_seq: int = 1) -> _Layout:
         info, hw = self.info, self.hw
         budget, n_gpus, _ = self.gpu_budget(device)
 
         def est(ngl: int) -> MemoryEstimate:
-            return estimate(info, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus)
+            return estimate(info, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus, n_seq=n_seq,
+                            swa_full=self.swa_full)
 
         def draft_est(ngl: int) -> MemoryEstimate:
             assert self.draft is not None
-            m = estimate(self.draft, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus)
+            m = estimate(self.draft, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus, n_seq=n_seq,
+                         swa_full=self.swa_full)
             m.overhead -= HOST_OVERHEAD  # one process
             m.cpu -= HOST_OVERHEAD
             m.total -= HOST_OVERHEAD
@@ -442,7 +492,7 @@ class _Planner:
         draft_ngl = 0
         targets = _targets(hw, device, self.caps)
         if targets and device != "cpu" and self.draft is None:
-            return self._devices_layout(targets, device, n_ctx, fa, est)
+            return self._devices_layout(targets, device, n_ctx, fa, est, n_seq)
         if device == "cpu":
             ngl = 0
         elif self.num_gpu is not None and self.num_gpu >= 0:
@@ -471,13 +521,14 @@ class _Planner:
         return _Layout(mem, ngl, draft_ngl, True, "")
 
     def _devices_layout(self, targets: list[DevicePlan], device: str, n_ctx: int, fa: bool,
-                        est: Callable[[int], MemoryEstimate]) -> _Layout:
+                        est: Callable[[int], MemoryEstimate], n_seq: int = 1) -> _Layout:
         """Several llama.cpp devices (RPC workers, ROCm/Vulkan GPUs): the most layers with every device's
         estimate inside its own usable memory."""
         full = self.L + 1
 
         def placed(ngl: int) -> list[DevicePlan]:
-            return split_layers(self.info, ngl, n_ctx, self.kv, fa, targets, self.shares)
+            return split_layers(self.info, ngl, n_ctx, self.kv, fa, targets, self.shares, n_seq=n_seq,
+                                swa_full=self.swa_full)
 
         def ok(ngl: int) -> bool:
             return all(d.total <= d.usable_bytes for d in placed(ngl))
@@ -524,9 +575,11 @@ class _Planner:
         return _Layout(mem, self.L + 1 if device != "cpu" else 0, (self.draft.n_layers + 1) if self.draft and
                        device != "cpu" else 0, True, "")
 
-    def layout(self, backend: Backend, device: str, n_ctx: int, fa: bool) -> _Layout:
-        """How ``backend`` places the model: one unified pool (MLX), or layers offloaded to a GPU (llama.cpp)."""
-        return self.mlx_layout(device, n_ctx) if backend.memory == "unified" else self.llama_layout(device, n_ctx, fa)
+    def layout(self, backend: Backend, device: str, n_ctx: int, fa: bool, n_seq: int = 1) -> _Layout:
+        """How ``backend`` places the model (``n_ctx`` cells for ``n_seq`` slots): one unified pool (MLX), or
+        layers offloaded to a GPU (llama.cpp)."""
+        return (self.mlx_layout(device, n_ctx) if backend.memory == "unified"
+                else self.llama_layout(device, n_ctx, fa, n_seq))
 
     def max_ctx(self, backend: Backend, device: str, fa: bool, ngl: int, n_seq: int = 1) -> int | None:
         """Largest context (a multiple of 256, ≤ the training context) that keeps the layout at
@@ -534,7 +587,7 @@ class _Planner:
         cap = self.info.context_length or 131072
 
         def ok(c: int) -> bool:
-            lay = self.layout(backend, device, c * n_seq, fa)
+            lay = self.layout(backend, device, c * n_seq, fa, n_seq)
             return lay.fits and lay.ngl >= ngl
 
         if not ok(min(MIN_AUTO_CTX, cap)):
@@ -712,7 +765,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
          backend: str = "auto", num_gpu: int | None = None, mlx_model: bool = False,
          draft: GGUFInfo | None = None, mlx: MLXWeights | None = None, num_parallel: int | None = None,
          projector_bytes: int = 0, projector_kind: str = "vision", device_memory: dict[str, int] | None = None,
-         devices: list[str] | None = None, tensor_split: list[float] | None = None) -> Plan:
+         devices: list[str] | None = None, tensor_split: list[float] | None = None, swa_full: bool = False) -> Plan:
     """Decide how to load ``info`` on ``hw``.
 
     ``num_ctx``: a context size to honour (refused with numbers if the model or memory cannot take
@@ -798,7 +851,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
 
     if devices:  # --device: only these of llama.cpp's devices take layers
         hw = replace(hw, devices=[d for d in hw.devices if not d.offloads or d.name in devices])
-    pl = _Planner(info, hw, kv, num_gpu, draft, mw.weights_bytes, device_memory)
+    pl = _Planner(info, hw, kv, num_gpu, draft, mw.weights_bytes, device_memory, swa_full=swa_full)
     pl.shares = tensor_split
     device = _device(chosen, hw, reasons, advice, name, mw, passed, status, asked=backend != "auto")
     device = _registry_device(chosen, hw, device, reasons)
@@ -826,18 +879,18 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
         GPU (more slots never cost GPU placement: a second request is worth less than speed for the first)."""
         nonlocal n_seq
         for c in candidates if shrink else candidates[:1]:
-            base = pl.layout(backend_, device_, c * slot_choices[-1], fa_)
+            base = pl.layout(backend_, device_, c * slot_choices[-1], fa_, slot_choices[-1])
             if not base.fits:
                 continue
             n_seq = slot_choices[-1]
             for s_ in slot_choices[:-1]:
-                lay = pl.layout(backend_, device_, c * s_, fa_)
+                lay = pl.layout(backend_, device_, c * s_, fa_, s_)
                 if lay.fits and lay.ngl >= base.ngl:
                     n_seq = s_
                     return c, lay
             return c, base
         n_seq = slot_choices[-1]  # nothing fits: describe the smallest setup at the first context
-        return candidates[0], pl.layout(backend_, device_, candidates[0] * n_seq, fa_)
+        return candidates[0], pl.layout(backend_, device_, candidates[0] * n_seq, fa_, n_seq)
 
     # an automatic choice of a unified-memory backend (MLX on Metal) that does not fit goes to the next backend
     # of the priority list that runs here (llama.cpp) rather than to a smaller context
@@ -848,7 +901,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
         reasons.append(f"{chosen.label} not used: {lay.why}; falling back to {fallback.label}"
                        + (", which can keep part of the model on the CPU" if fallback.memory == "layers" else ""))
         chosen, kv_reason = fallback, None
-        pl = _Planner(info, hw, (kv_cache_type or "f16").lower(), num_gpu, draft, caps=device_memory)
+        pl = _Planner(info, hw, (kv_cache_type or "f16").lower(), num_gpu, draft, caps=device_memory,
+                      swa_full=swa_full)
         device = _device(chosen, hw, reasons, advice, name, mw, [], status, asked=False)
         device = _registry_device(chosen, hw, device, reasons)
         fa, fa_reason = (False, None) if chosen.memory == "unified" else pl.flash_attn(device)
@@ -893,6 +947,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, *, num_ctx: int | None = None, kv_cac
             + {"audio": "audio is refused", "vision+audio": "images and audio are refused"}.get(
                 projector_kind, "images are refused") + ")")
     reasons.append(f"memory {mem.describe(n_ctx * n_seq, pl.kv)}")
+    if chosen.memory == "layers" and (info.swa_layers or info.recurrent_layers):
+        reasons.append(memory_layout_reason(info, n_ctx * n_seq, pl.kv, n_seq, swa_full))
     if num_parallel:
         reasons.append(f"{n_seq} parallel slot{'s' if n_seq > 1 else ''}: asked for with num_parallel")
     elif n_seq == DEFAULT_PARALLEL:

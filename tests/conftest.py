@@ -17,6 +17,9 @@ Fixtures:
                         MLX build converted, a manifest rewritten) is never seen stale
 ``default_model_path``  Path of its GGUF file (content-addressed: it never changes)
 ``gemma_model``         InstalledModel of ``gemma3:270m`` (4-part mirror, base model, no chat template)
+``hybrid_model``        Path of a made ``qwen35`` hybrid (random F32 weights, the default tokenizer), cached
+``swa_model``           Path of a made ``gemma3`` with a 32-token sliding window (likewise)
+``tied_hybrid_model``   the made hybrid with its output tied to the embedding (it repeats: drafting tests)
 ``home``                an empty, isolated LOCALLLM_HOME (tmp dir) for tests that must start empty
 ``smollm2_wheel``       bytes of a wheel carrying the default model's GGUF, as the PyPI mirror's does
 ``local_mirror``        a :class:`tests.support.MirrorServer` serving it at ``/smollm2.whl`` (no network);
@@ -257,3 +260,32 @@ def bert_reranker_templated(test_cache) -> Path:
     from tests.support_embed import templated_reranker_path
 
     return templated_reranker_path(test_cache)
+def hybrid_model(default_model_path, test_cache) -> Path:
+    """A made ``qwen35`` hybrid (gated-delta-net + attention, random F32 weights, the default model's tokenizer
+    and chat template; :mod:`tests.support_memory`), made once and cached in the test cache (~1 s)."""
+    from tests.support import file_key
+    from tests.support_memory import make_hybrid
+
+    key = file_key(default_model_path)
+    return make_hybrid(default_model_path, test_cache / "derived" / f"hybrid-qwen35-{key}.gguf")
+
+
+@pytest.fixture(scope="session")
+def tied_hybrid_model(default_model_path, test_cache) -> Path:
+    """The made hybrid with its output tied to the embedding: it repeats what it read, so prompt-lookup drafts are
+    accepted, partly accepted and rejected (the drafting tests)."""
+    from tests.support import file_key
+    from tests.support_memory import make_hybrid
+
+    key = file_key(default_model_path)
+    return make_hybrid(default_model_path, test_cache / "derived" / f"hybrid-qwen35-tied-{key}.gguf", tied=True)
+
+
+@pytest.fixture(scope="session")
+def swa_model(default_model_path, test_cache) -> Path:
+    """A made ``gemma3`` with a 32-token sliding window on three of its four layers (random F32 weights, the default
+    model's tokenizer and chat template; :mod:`tests.support_memory`), made once and cached in the test cache."""
+    from tests.support import file_key
+    from tests.support_memory import make_swa
+
+    return make_swa(default_model_path, test_cache / "derived" / f"swa-gemma3-{file_key(default_model_path)}.gguf")

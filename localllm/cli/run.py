@@ -167,6 +167,9 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
     if session.remote and (rpc or devices or gpu_layers is not None or tensor_split):
         sys.stderr.write("Note: --rpc, --device and --gpu-layers apply where the model loads: the server this "
                          "attaches to (start it with `localllm serve --rpc ...`).\n")
+    if session.remote and draft not in (None, "auto"):
+        sys.stderr.write("Note: --draft is not sent to the server this attaches to: it drafts as it loaded the model "
+                         "(the catalog's pairing, or a DRAFT line of a model made with `localllm create`).\n")
     elif rpc is not None or os.environ.get("LOCALLLM_RPC"):
         from localllm.devices import use_workers
 

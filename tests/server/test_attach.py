@@ -40,6 +40,13 @@ def test_run_with_host_answers_from_the_server(url, empty_home):
     assert not (empty_home / "data" / "models" / "blobs").exists()  # nothing pulled in-process
 
 
+def test_run_with_host_says_the_server_does_not_take_its_draft(url, empty_home):
+    out = CliRunner().invoke(cli, ["run", MODEL, "--host", url, "--draft", "ngram", "--temperature", "0",
+                                   "--num-predict", "4", "Say hello."])
+    assert out.exit_code == 0, out.output
+    assert "Note: --draft is not sent to the server" in out.output
+
+
 def test_pull_and_rm_with_host(url, empty_home):
     from localllm.client import Client
 
