@@ -260,6 +260,9 @@ def bert_reranker_templated(test_cache) -> Path:
     from tests.support_embed import templated_reranker_path
 
     return templated_reranker_path(test_cache)
+
+
+@pytest.fixture(scope="session")
 def hybrid_model(default_model_path, test_cache) -> Path:
     """A made ``qwen35`` hybrid (gated-delta-net + attention, random F32 weights, the default model's tokenizer
     and chat template; :mod:`tests.support_memory`), made once and cached in the test cache (~1 s)."""
