@@ -246,12 +246,6 @@ def extract_paths(text: str) -> tuple[str, list[Path]]:
     >>> text, [p.name for p in found]
     ('Transcribe please', ['memo.wav'])
     """
-    found: list[Path] = []
-    out = text
-    for m in _PATH_RE.finditer(text):
-        word = m.group(0).strip("\"'").replace("\\ ", " ")
-        p = Path(word).expanduser()
-        if p.is_file():
-            found.append(p)
-            out = out.replace(m.group(0), "", 1)
-    return re.sub(r"[ \t]{2,}", " ", out).strip(), found
+    from localllm.images import extract_paths as extract
+
+    return extract(text, _PATH_RE)

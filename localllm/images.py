@@ -133,8 +133,9 @@ def read_image(path: str | os.PathLike[str]) -> bytes:
 _PATH_RE = re.compile(r"(?:[~.]?/|[A-Za-z]:\\)?(?:[^\s'\"]|\\ )+\.(?:png|jpe?g|webp|gif|bmp)\b", re.IGNORECASE)
 
 
-def extract_paths(text: str) -> tuple[str, list[Path]]:
-    """(the prompt without them, the image files it names that exist), as ``ollama run`` does.
+def extract_paths(text: str, pattern: re.Pattern[str] = _PATH_RE) -> tuple[str, list[Path]]:
+    """(the prompt without them, the image files it names that exist), as ``ollama run`` does; ``pattern`` finds
+    other files the same way (:func:`localllm.audio.extract_paths`: audio suffixes).
 
     >>> import tempfile, pathlib
     >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "a.png").write_bytes(b"x") and None
@@ -144,7 +145,7 @@ def extract_paths(text: str) -> tuple[str, list[Path]]:
     """
     found: list[Path] = []
     out = text
-    for m in _PATH_RE.finditer(text):
+    for m in pattern.finditer(text):
         word = m.group(0).strip("\"'").replace("\\ ", " ")
         p = Path(word).expanduser()
         if p.is_file():
