@@ -19,6 +19,7 @@ Fixtures:
 ``gemma_model``         InstalledModel of ``gemma3:270m`` (4-part mirror, base model, no chat template)
 ``hybrid_model``        Path of a made ``qwen35`` hybrid (random F32 weights, the default tokenizer), cached
 ``swa_model``           Path of a made ``gemma3`` with a 32-token sliding window (likewise)
+``moe_model``           Path of a made ``gpt-oss`` (4 experts, 2 used; a 32-token window on every other layer)
 ``tied_hybrid_model``   the made hybrid with its output tied to the embedding (it repeats: drafting tests)
 ``home``                an empty, isolated LOCALLLM_HOME (tmp dir) for tests that must start empty
 ``smollm2_wheel``       bytes of a wheel carrying the default model's GGUF, as the PyPI mirror's does
@@ -292,3 +293,14 @@ def swa_model(default_model_path, test_cache) -> Path:
     from tests.support_memory import make_swa
 
     return make_swa(default_model_path, test_cache / "derived" / f"swa-gemma3-{file_key(default_model_path)}.gguf")
+
+
+@pytest.fixture(scope="session")
+def moe_model(default_model_path, test_cache) -> Path:
+    """A made ``gpt-oss`` (mixture of 4 experts, 2 used per token, attention sinks, a 32-token sliding window on
+    every other layer; random F32 weights, the default model's tokenizer and chat template;
+    :mod:`tests.support_memory`), made once and cached in the test cache (~43 MB, a few seconds)."""
+    from tests.support import file_key
+    from tests.support_memory import make_moe
+
+    return make_moe(default_model_path, test_cache / "derived" / f"moe-gpt-oss-{file_key(default_model_path)}.gguf")

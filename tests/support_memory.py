@@ -177,3 +177,71 @@ def make_swa(tokenizer_src: Path, dst: Path, *, seed: int = 0, tied: bool = Fals
     w.close()
     tmp.replace(dst)
     return dst
+
+
+MOE_DIMS = {"D": 128, "FF": 128, "H": 4, "Hkv": 2, "hd": 32, "layers": 4, "window": 32, "experts": 4, "used": 2}
+
+
+def make_moe(tokenizer_src: Path, dst: Path, *, seed: int = 0) -> Path:
+    """Write (once, atomically) a made ``gpt-oss`` at ``dst``: 4 layers of 4 experts (2 used per token), attention
+    sinks, a 32-token sliding window on layers 0 and 2 (llama.cpp's pattern for it: every other layer), random F32
+    weights (F16 embedding rows), the tokenizer and chat template of ``tokenizer_src`` (keys and shapes from
+    llama.cpp's ``src/models/openai-moe.cpp``)."""
+    if dst.is_file():
+        return dst
+    import gguf
+    import numpy as np
+
+    d = MOE_DIMS
+    D, FF, H, Hkv, hd, L, E = (d[k] for k in ("D", "FF", "H", "Hkv", "hd", "layers", "experts"))
+    n_vocab = _n_vocab(tokenizer_src)
+    rng = np.random.default_rng(seed)
+
+    def mat(n_in: int, n_out: int, *lead: int) -> Any:  # ggml [n_in, n_out, *] = numpy (*, n_out, n_in)
+        return (rng.standard_normal((*lead, n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
+
+    def vec(*shape: int, scale: float = 0.1) -> Any:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    arch = "gpt-oss"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), arch=arch)
+    w.add_name("localllm-test-moe")
+    u32 = {"context_length": 4096, "embedding_length": D, "block_count": L, "feed_forward_length": FF,
+           "expert_feed_forward_length": FF, "expert_count": E, "expert_used_count": d["used"],
+           "attention.head_count": H, "attention.head_count_kv": Hkv, "attention.key_length": hd,
+           "attention.value_length": hd, "rope.dimension_count": hd, "attention.sliding_window": d["window"]}
+    for k, v in u32.items():
+        w.add_uint32(f"{arch}.{k}", v)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    _copy_tokenizer(w, tokenizer_src)
+    t: dict[str, Any] = {"token_embd.weight": (rng.standard_normal((n_vocab, D)) / np.sqrt(D)).astype(np.float16),
+                         "output_norm.weight": np.ones(D, dtype=np.float32), "output.weight": mat(D, n_vocab)}
+    for i in range(L):
+        b = f"blk.{i}."
+        t[b + "attn_norm.weight"] = np.ones(D, dtype=np.float32)
+        t[b + "post_attention_norm.weight"] = np.ones(D, dtype=np.float32)
+        t[b + "attn_q.weight"] = mat(D, hd * H)
+        t[b + "attn_k.weight"] = mat(D, hd * Hkv)
+        t[b + "attn_v.weight"] = mat(D, hd * Hkv)
+        t[b + "attn_output.weight"] = mat(hd * H, D)
+        t[b + "attn_output.bias"] = vec(D)
+        t[b + "attn_sinks.weight"] = vec(H, scale=1.0)
+        t[b + "ffn_gate_inp.weight"] = mat(D, E)
+        t[b + "ffn_gate_inp.bias"] = vec(E)
+        t[b + "ffn_gate_exps.weight"] = mat(D, FF, E)
+        t[b + "ffn_up_exps.weight"] = mat(D, FF, E)
+        t[b + "ffn_down_exps.weight"] = mat(FF, D, E)
+        t[b + "ffn_gate_exps.bias"] = vec(E, FF)
+        t[b + "ffn_up_exps.bias"] = vec(E, FF)
+        t[b + "ffn_down_exps.bias"] = vec(E, D)
+    for k, v in t.items():
+        w.add_tensor(k, v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(dst)
+    return dst
