@@ -145,6 +145,98 @@ def test_a_restarted_process_restores_the_prompt_from_the_disk_cache(hybrid, mad
         second.close()
 
 
+CHILD = """
+import json, sys
+sys.path.insert(0, {root!r})
+from backends.base import LoadSpec
+from backends.prompt_cache import PromptCacheSpec
+from backends.registry import load
+from tests.backends.conftest import collect
+from tests.backends.test_hybrid import TURNS, chat
+spec = PromptCacheSpec({cache!r}, "made", min_tokens=64)
+m = load("llamacpp", LoadSpec({model!r}, n_ctx=1024, n_seq=1), prompt_cache=spec)
+text, done, _ = collect(m.generate(chat(TURNS[:2], [{t1!r}])))
+m.close()
+print(json.dumps({{"text": text, "restored": done.stats.prompt_restored_tokens}}))
+"""
+
+
+def _cached(path: Path, root: Path):
+    return load("llamacpp", LoadSpec(str(path), n_ctx=1024, n_seq=1),
+                prompt_cache=PromptCacheSpec(str(root), "made", min_tokens=64))
+
+
+def test_a_second_process_restores_the_conversation_and_answers_as_cold(hybrid, made, tmp_path: Path):
+    """The state (recurrent + attention cells, or the windowed cells) saved by this process is loaded by a fresh
+    interpreter (another address space, another context), which evaluates only the rest of turn 2."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    first = _cached(made, tmp_path / "m")
+    try:
+        t1, _, _ = ask(first, chat(TURNS[:1]))
+    finally:
+        first.close()  # (flushes the background writes)
+    assert list((tmp_path / "m").glob("*.kv"))
+    code = CHILD.format(root=str(Path(__file__).resolve().parents[2]), cache=str(tmp_path / "m"), model=str(made),
+                        t1=t1)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    child = json.loads(r.stdout.strip().splitlines()[-1])
+    assert child["restored"] > 150  # the system prompt and turn 1 at least
+    assert child["text"] == cold(hybrid, chat(TURNS[:2], [t1]))
+
+
+@pytest.mark.parametrize("forged", [False, True], ids=["renamed", "forged"])
+def test_a_cache_entry_of_another_model_is_refused_and_the_prompt_evaluated_cold(hybrid_model, swa_model, forged,
+                                                                                 tmp_path: Path, caplog):
+    """An entry the made ``gemma3`` saved, put where the hybrid looks for the same prompt: renamed (its header names
+    the other model: refused on read) or with a forged header (only llama.cpp can tell: it refuses the state). Either
+    way one log line of ours, the entry removed, the prompt evaluated cold and the cold answer."""
+    import hashlib
+    import json
+    import logging
+
+    other = _cached(swa_model, tmp_path / "swa")
+    try:
+        ask(other, chat(TURNS[:1]))  # saves the whole prompt of turn 1
+    finally:
+        other.close()
+    (entry,) = (tmp_path / "swa").glob("*.kv")
+    with open(entry, "rb") as f:
+        head, state = json.loads(f.readline()), f.read()
+    req = chat(TURNS[:2], ["Room 2."])  # turn 2: turn 1's prompt is its prefix
+    m = _cached(hybrid_model, tmp_path / "hybrid")
+    try:
+        pc = m.prompt_cache
+        assert pc is not None and pc.key != head["key"]
+        want = cold(m, req)
+        m.call(lambda s: m.pool.clear())
+        pc.flush()
+        pc.clear()  # (the hybrid's own entries)
+        path = pc._path(head["tokens"])  # the same tokens (one tokenizer): the name the hybrid looks up
+        if forged:
+            head = {**head, "key": pc.key, "sha256": hashlib.sha256(state).hexdigest()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(json.dumps(head).encode() + b"\n" + state)
+        pc._scan()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="backends"):
+            text, n, cached = ask(m, req)
+        assert (text, cached) == (want, 0)
+        # ours; llama.cpp's own ERROR lines about the state go to backends.llamacpp.native, quiet by default
+        lines = [r.getMessage() for r in caplog.records
+                 if r.name.startswith("backends") and r.name != "backends.llamacpp.native"]
+        assert len(lines) == 1 and path.name in lines[0], lines
+        assert ("refused" if forged else "another model") in lines[0]
+        assert not path.exists()
+    finally:
+        m.close()
+
+
 def test_a_restored_checkpoint_gives_the_cold_logits(made):
     import numpy as np
 
