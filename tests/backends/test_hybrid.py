@@ -388,6 +388,19 @@ def test_a_draft_model_on_a_hybrid_target_gives_the_plain_output(hybrid_model, s
     assert a == b and s.draft_proposed > 0
 
 
+@pytest.mark.parametrize("drafter", ["swa_model", "moe_model"], ids=["rejected", "accepted"])
+def test_a_draft_model_on_the_moe_target_gives_the_plain_output(moe_model, drafter, request):
+    """The made ``gpt-oss`` (experts, a window on every other layer) drafted by another random model (every draft
+    rejected: the windowed cells rolled back) and by itself (drafts accepted)."""
+    from backends.base import DraftSpec
+
+    draft = request.getfixturevalue(drafter)
+    a, b, s = _plain_and_drafted(moe_model, DraftSpec("model", path=str(draft), num_draft=4),
+                                 [{"role": "user", "content": TURNS[0]}], n=16)
+    assert a == b and s.draft_proposed > 0
+    assert (s.draft_accepted > 0) is (draft == moe_model)
+
+
 def test_a_window_that_has_slid_gives_its_prefix_back_from_a_checkpoint(swa_model):
     """~1,000 tokens through a 32-token window whose cache holds 768 cells: the cells before an edit of the
     first user turn are gone, so the edit restores the checkpoint where that turn starts (a cut would attend to
