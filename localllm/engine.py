@@ -102,12 +102,21 @@ class ServerBusyError(LocalLLMError):
         super().__init__(message)
 
 
-def parse_keep_alive(value: Any, default: float | None = None) -> float:
-    """Ollama's keep_alive: ``"5m"``, ``"1h30m"``, ``"10s"``, a number of seconds, negative = forever (inf).
+MAX_KEEP_ALIVE = 100 * 365.25 * 86400.0  # longer than this is forever (a date past year 9999 has no RFC 3339 form)
 
-    >>> parse_keep_alive("5m"), parse_keep_alive(0), parse_keep_alive(-1)
-    (300.0, 0.0, inf)
+
+def parse_keep_alive(value: Any, default: float | None = None) -> float:
+    """Ollama's keep_alive: ``"5m"``, ``"1h30m"``, ``"10s"``, a number of seconds, negative = forever (inf), as is
+    anything over a century.
+
+    >>> parse_keep_alive("5m"), parse_keep_alive(0), parse_keep_alive(-1), parse_keep_alive(1e18)
+    (300.0, 0.0, inf, inf)
     """
+    seconds = _keep_alive(value, default)
+    return float("inf") if seconds > MAX_KEEP_ALIVE else seconds
+
+
+def _keep_alive(value: Any, default: float | None) -> float:
     if value is None or value == "":
         if default is not None:
             return default

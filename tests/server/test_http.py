@@ -360,3 +360,18 @@ def test_an_empty_embed_loads_the_model_the_next_embed_uses(installed_default_mo
     finally:
         srv.stop()
         srv.engine.close()
+
+
+def test_a_keep_alive_past_any_date_is_forever_and_ps_still_answers(url):
+    """A keep_alive of 10^18 seconds (schemathesis sent one) once made ``/api/ps`` a 500: its expiry was past year 9999.
+    Anything over a century is forever, shown as Ollama shows forever."""
+    r = httpx.post(f"{url}/api/generate", json={"model": "smollm2:135m", "prompt": "", "keep_alive": 1e18},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    try:
+        ps = httpx.get(f"{url}/api/ps", timeout=30)
+        assert ps.status_code == 200, ps.text
+        (m,) = [m for m in ps.json()["models"] if m["name"] == "smollm2:135m"]
+        assert m["expires_at"].startswith("2318-")
+    finally:
+        httpx.post(f"{url}/api/generate", json={"model": "smollm2:135m", "prompt": "", "keep_alive": "5m"}, timeout=120)
