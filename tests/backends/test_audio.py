@@ -14,8 +14,6 @@ from tests.backends.conftest import collect
 from tests.support_audio import AUDIO_TOKENS, wav
 from tests.support_vision import png
 
-pytest.importorskip("llama_cpp")
-
 ASK = "Transcribe the audio."
 
 

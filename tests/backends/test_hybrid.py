@@ -19,8 +19,6 @@ from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
 from tests.backends.conftest import collect
 
-pytest.importorskip("llama_cpp")
-
 SYSTEM = "You are the archivist of a small museum. " + " ".join(
     f"Room {i} holds the {w} collection; answer questions about it with the catalogue number." for i, w in
     enumerate(["coin", "map", "clock", "glass", "shell", "stamp", "lamp", "key"]))  # ~170 tokens

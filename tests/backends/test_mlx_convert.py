@@ -28,21 +28,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import llama_cpp
 import numpy as np
 import pytest
 
-pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'localllm[mlx-cpu]')")
-pytest.importorskip("mlx_lm")
-llama_cpp = pytest.importorskip("llama_cpp")
-
-from backends import mlx_convert  # noqa: E402
-from backends.base import GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError  # noqa: E402
-from backends.llamacpp import physical_cores  # noqa: E402
-from backends.mlx_convert import convert_gguf, inspect_gguf  # noqa: E402
-from tests.backends import gguf_rewrite  # noqa: E402
-from tests.backends.conftest import TEST_CACHE, _file_key, collect, derive_gguf  # noqa: E402
+from backends import mlx_convert
+from backends.base import GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError
+from backends.llamacpp import physical_cores
+from backends.mlx_convert import convert_gguf, inspect_gguf
+from tests.backends import gguf_rewrite
+from tests.backends.conftest import TEST_CACHE, _file_key, collect, derive_gguf
 
 pytestmark = pytest.mark.mlx
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _needs_mlx():
+    """mlx[cpu] comes with the test extras: without it every test here skips (a failure under strict mode)."""
+    pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'localllm[mlx-cpu]')")
+    pytest.importorskip("mlx_lm")
 
 CORPUS = [
     "Hello wörld! 12345 ²³ ⅕ café\r\n\tdef f(x): return x**2  # 😀",

@@ -10,12 +10,9 @@ import numpy as np
 import pytest
 
 from backends.base import ContextOverflowError, GenerateRequest, LoadSpec, Sampling, UnsupportedError
+from backends.llamacpp import POOL_INPUTS, LlamaCppSource  # noqa: E402
 from backends.loop import LoadedModel
 from tests.backends.conftest import collect
-
-pytest.importorskip("llama_cpp")
-
-from backends.llamacpp import POOL_INPUTS, LlamaCppSource  # noqa: E402
 
 TEXTS = ["the cat sat on the mat", "hello world", "a dog", "the capital of france is paris",
          "reading books in the morning with coffee and bread"]
