@@ -35,10 +35,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import random
-import re
-import threading
-from collections import Counter, deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,13 +57,20 @@ from backends.base import (
     check_logit_bias,
     is_image_token,
 )
+from backends.llamacpp_log import (
+    allocations,
+    capture,
+    forget_recent,
+    install_log_router,
+    log_callback,
+    native_reason,
+)
+from backends.llamacpp_sampling import ChainSampler, Penalties, grammar_for, seed32
 
 if TYPE_CHECKING:
     from backends.llamacpp_vision import Projector  # noqa: F401 - imported for real where a projector loads
 
 log = logging.getLogger("backends.llamacpp")
-native_log = logging.getLogger("backends.llamacpp.native")  # llama.cpp's own messages
-native_log.addHandler(logging.NullHandler())  # quiet unless the application configures logging
 
 MiB = 1 << 20
 
@@ -86,95 +89,6 @@ PRESERVED_MARKERS = (
     "<|tool_call_start|>", "<|tool_call_end|>",  # LFM2
     "[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]",  # Ministral 3
 )
-
-
-# ------------------------------------------------------------------------------------ native logging
-
-# ggml_log_level: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (llama-cpp-python's _logger.py has the old order)
-_GGML_LEVELS = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
-_log_state: dict[str, Any] = {"cb": None, "level": logging.DEBUG, "buf": "", "verbose": False}
-_recent_native: deque[str] = deque(maxlen=40)  # recent WARN/ERROR lines, to explain load failures
-_capture = threading.local()  # .lines: the loading thread's llama.cpp lines (buffer sizes per device)
-# "load_tensors: RPC0[127.0.0.1:50052] model buffer size =    33.82 MiB", "sched_reserve: CPU compute buffer ..."
-_BUFFER_LINE = re.compile(r"^\w+:\s+(\S+?)\s+(model|KV|RS|compute|output) buffer size =\s*([0-9.]+) MiB")
-
-
-def _on_native_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-    try:
-        if level != 5:  # 5 = GGML_LOG_LEVEL_CONT: continues the previous message
-            _log_state["level"] = _GGML_LEVELS.get(level, logging.DEBUG)
-        lvl = _log_state["level"]
-        _log_state["buf"] += text.decode("utf-8", errors="replace")
-        if not _log_state["buf"].endswith("\n"):
-            return
-        msg, _log_state["buf"] = _log_state["buf"].rstrip(), ""
-        lines = getattr(_capture, "lines", None)
-        if lines is not None and ("buffer size" in msg or "Flash Attention" in msg):
-            lines.append(msg)
-        if lvl >= logging.WARNING:
-            _recent_native.append(msg)
-        if native_log.isEnabledFor(lvl):
-            native_log.log(lvl, "%s", msg)
-    except Exception:  # never let an exception cross into C
-        pass
-
-
-def allocations(lines: list[str], workers: dict[str, list[str]]) -> dict[str, dict[str, int]]:
-    """What llama.cpp says it allocated, per device: {"RPC0": {"weights": b, "kv": b, "compute": b}, "CPU": ...}.
-
-    ``workers``: endpoint → device names (ggml names a worker's buffers ``RPC<k>[host:port]``, k its device
-    there). Host-side buffers (``CPU_Mapped``, ``CUDA_Host``, ``CPU_REPACK``) count as CPU.
-
-    >>> allocations(["load_tensors: RPC0[127.0.0.1:50052] model buffer size =    33.82 MiB",
-    ...              "sched_reserve:        CPU compute buffer size =     7.68 MiB"], {"127.0.0.1:50052": ["RPC3"]})
-    {'RPC3': {'weights': 35462840}, 'CPU': {'compute': 8053063}}
-    """
-    kinds = {"model": "weights", "KV": "kv", "RS": "kv", "compute": "compute", "output": "compute"}  # RS: recurrent
-    out: dict[str, dict[str, int]] = {}
-    for line in lines:
-        m = _BUFFER_LINE.match(line)
-        if not m:
-            continue
-        buf, kind, mib = m.group(1), kinds[m.group(2)], float(m.group(3))
-        rpc = re.fullmatch(r"RPC(\d+)\[(.+)\]", buf)
-        if rpc:
-            names = workers.get(rpc.group(2)) or []
-            k = int(rpc.group(1))
-            dev = names[k] if k < len(names) else f"RPC[{rpc.group(2)}]"
-        elif buf.startswith("CPU") or buf.endswith("_Host"):
-            dev = "CPU"
-        else:
-            dev = buf
-        slot = out.setdefault(dev, {})
-        slot[kind] = slot.get(kind, 0) + int(mib * MiB)
-    return out
-
-
-def install_log_router(verbose: bool = False) -> None:
-    """Route llama.cpp/ggml logging to the ``backends.llamacpp.native`` logger (quiet by default).
-
-    ``verbose`` adds a stderr handler at DEBUG level (``LOCALLLM_DEBUG``). The ctypes callback is kept
-    alive in module state: llama.cpp holds a raw pointer to it.
-    """
-    import llama_cpp
-
-    if _log_state["cb"] is None:
-        _log_state["cb"] = llama_cpp.llama_log_callback(_on_native_log)
-        llama_cpp.llama_log_set(_log_state["cb"], ctypes.c_void_p(0))
-    if verbose and not _log_state["verbose"]:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("llama.cpp: %(message)s"))
-        native_log.addHandler(handler)
-        native_log.setLevel(logging.DEBUG)
-        _log_state["verbose"] = True
-
-
-def _native_reason(*needles: str) -> str | None:
-    """The most recent llama.cpp warning/error line containing one of ``needles`` (or the last one)."""
-    for line in reversed(_recent_native):
-        if not needles or any(n in line for n in needles):
-            return line.split(": ", 1)[-1].strip().rstrip(".")
-    return None
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -244,13 +158,7 @@ def _check_gguf_file(path: Path) -> None:
         raise ModelLoadError(f"{path.name} is not a GGUF model file (bad header); re-download it.")
 
 
-def _seed32(seed: int | None) -> int:
-    """A concrete 32-bit sampler seed. llama.cpp treats 0xFFFFFFFF as "random", so it is remapped; ``seed=0``
-    stays 0 (llama-cpp-python's constructor would turn it into "random")."""
-    if seed is None:
-        return random.getrandbits(31)
-    s = int(seed) & 0xFFFFFFFF
-    return 0xFFFFFFFE if s == 0xFFFFFFFF else s
+
 
 
 
@@ -272,176 +180,7 @@ def _pooling_of(md: dict[str, str], arch: str) -> str | None:
         return None
 
 
-def _grammar_for(fmt: str | dict[str, Any]) -> str:
-    """GBNF for ``format``: ``"json"`` or a JSON Schema."""
-    import json
 
-    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
-
-    if fmt == "json":
-        return JSON_GBNF
-    if isinstance(fmt, dict):
-        try:
-            gbnf = json_schema_to_gbnf(json.dumps(fmt))
-        except Exception as e:
-            raise UnsupportedError(f"This JSON schema cannot be turned into a grammar ({e}).") from None
-        # the converter lets raw control characters into strings, which is not JSON: forbid them
-        return gbnf.replace('char ::= [^"\\\\]', 'char ::= [^"\\\\\\x7F\\x00-\\x1F]')
-    raise UnsupportedError(f"Unknown format {fmt!r}; use \"json\" or a JSON schema.")
-
-
-class Penalties:
-    """Repeat, frequency and presence penalties over the last ``last_n`` sampled tokens, applied to a logits
-    row in place: the arithmetic of llama.cpp's penalties sampler (float32, the same order), but on the few
-    tokens seen instead of every candidate of the vocabulary (that sampler looks up each of the 49k candidates
-    of a small model's vocabulary: two thirds of a step's sampling time).
-
-    >>> p = Penalties(last_n=2, repeat=2.0, frequency=0.5, presence=0.25)
-    >>> for t in (1, 1, 2):
-    ...     p.accept(t)
-    >>> row = np.array([1.0, 4.0, -4.0], dtype=np.single)
-    >>> p.apply(row); row.tolist()  # token 0 was never seen; 1 once, 2 once in the last two
-    [1.0, 1.25, -8.75]
-    """
-
-    def __init__(self, last_n: int, repeat: float, frequency: float, presence: float):
-        self.repeat, self.frequency, self.presence = np.single(repeat), np.single(frequency), np.single(presence)
-        self._recent: deque[int] = deque(maxlen=max(1, last_n))
-        self._counts: Counter[int] = Counter()
-
-    def accept(self, token: int) -> None:
-        if len(self._recent) == self._recent.maxlen:
-            old = self._recent[0]
-            self._counts[old] -= 1
-            if not self._counts[old]:
-                del self._counts[old]
-        self._recent.append(token)
-        self._counts[token] += 1
-
-    def apply(self, row: Any) -> None:
-        if not self._counts:
-            return
-        ids = np.fromiter(self._counts.keys(), dtype=np.intp, count=len(self._counts))
-        n = np.fromiter(self._counts.values(), dtype=np.single, count=len(self._counts))
-        lg = row[ids]
-        lg = np.where(lg <= 0, lg * self.repeat, lg / self.repeat)
-        row[ids] = lg - (n * self.frequency + (n > 0).astype(np.single) * self.presence)
-
-
-PREFILTER_WIDTHS = (8.0, 16.0)  # logit distances below the best tried before the whole vocabulary is handed over
-PREFILTER_MAX = 4096  # candidates above the previous row's threshold beyond which this row's best is looked up
-
-
-class _ChainSampler:
-    """A llama.cpp sampler chain for one request; samples rows of the context's last evaluation.
-
-    Penalties (:class:`Penalties`) and the logit bias are applied to the row first, in place. Without a
-    grammar, the chain is then handed only the candidates that can win: with top-k = k, the tokens at or
-    above a threshold that at least k of them reach (the previous row's best minus 8, else this row's best
-    minus 8 or 16): a superset of the k best, so top-k keeps exactly the tokens it keeps from the whole
-    vocabulary, and what follows it draws the same token with the same seed. Greedy is an argmax. This
-    spares writing out and partially sorting the whole row (49k-262k candidates, the caches cold from the
-    decode): measured, greedy 0.24 vs ~0.30 ms a token on a 49k vocabulary, and 0.43-0.52 vs 0.50-0.57 ms at
-    temperature on a 262k one (even at temperature on 49k). With a grammar, top-k = 0 or too few close
-    candidates, the chain sees the whole row.
-    """
-
-    def __init__(self, src: LlamaCppSource, chain: Any, penalties: Penalties | None = None, *,
-                 prefilter: bool = False, top_k: int = 0, greedy: bool = False,
-                 bias: dict[int, float] | None = None):
-        self._src = src
-        self._chain = chain
-        self._penalties = penalties
-        self._prefilter = prefilter  # False: the chain has the bias and sees the whole row (a grammar)
-        self._top_k = top_k
-        self._greedy = greedy
-        self._last_best: float | None = None  # the best logit of the previous row (a first threshold to try)
-        items = sorted((bias or {}).items())
-        self._bias_ids = np.array([t for t, _ in items], dtype=np.intp)
-        self._bias = np.array([b for _, b in items], dtype=np.single)
-
-    def sample(self, row: int) -> int:
-        import llama_cpp
-
-        if row < 0:  # a row saved from an embeddings-only decode of the same step (an image ended the prompt)
-            return self.sample_logits(self._src.logits(row))
-        ptr = llama_cpp.llama_get_logits_ith(self._src._ctx, row)
-        if not ptr:
-            raise BackendError(f"No logits for batch row {row}.")
-        if not self._prefilter:
-            if self._penalties is not None:
-                self._penalties.apply(self._src._row_view(ptr))  # this row is ours
-            tok = int(llama_cpp.llama_sampler_sample(self._chain, self._src._ctx, row))
-        else:
-            tok = self._pick(self._src._row_view(ptr))  # this row is ours
-            llama_cpp.llama_sampler_accept(self._chain, tok)
-        if self._penalties is not None:
-            self._penalties.accept(tok)
-        return tok
-
-    def sample_logits(self, logits: Any) -> int:
-        import llama_cpp
-
-        row = np.array(logits, dtype=np.single)
-        if self._prefilter:
-            tok = self._pick(row)
-        else:
-            if self._penalties is not None:
-                self._penalties.apply(row)
-            tok = self._apply(self._src._all_ids, row)
-        llama_cpp.llama_sampler_accept(self._chain, tok)
-        if self._penalties is not None:
-            self._penalties.accept(tok)
-        return tok
-
-    def _pick(self, row: Any) -> int:
-        """The token the chain draws from ``row`` (penalties and bias applied here), handing it the fewest
-        candidates that give the same draw."""
-        if self._penalties is not None:
-            self._penalties.apply(row)
-        if self._bias_ids.size:
-            row[self._bias_ids] += self._bias
-        if self._greedy:
-            return int(row.argmax())  # the first of equal maxima, as llama.cpp's greedy sampler
-        if self._top_k > 0:
-            # Any threshold that at least k tokens reach keeps the k best: try the previous row's best first
-            # (one pass fewer over the row), then widths below this row's best.
-            if self._last_best is not None:
-                ids = np.flatnonzero(row >= self._last_best - PREFILTER_WIDTHS[0])
-                if self._top_k <= ids.size <= PREFILTER_MAX:
-                    logits = row[ids]
-                    self._last_best = float(logits.max())
-                    return self._apply(ids.astype(np.intc), logits)
-            best = row.max()
-            self._last_best = float(best)
-            for width in PREFILTER_WIDTHS:
-                ids = np.flatnonzero(row >= best - width)
-                if ids.size >= self._top_k:
-                    return self._apply(ids.astype(np.intc), row[ids])
-        return self._apply(self._src._all_ids, row)
-
-    def _apply(self, ids: Any, logits: Any) -> int:
-        """Run the chain over the candidates ``ids`` with ``logits`` (ascending ids, as llama.cpp builds them)."""
-        import llama_cpp
-
-        n = int(ids.shape[0])
-        buf = self._src._candidates
-        buf["id"][:n] = ids
-        buf["logit"][:n] = logits
-        buf["p"][:n] = 0.0
-        arr = llama_cpp.llama_token_data_array(
-            data=buf.ctypes.data_as(llama_cpp.llama_token_data_p), size=n, selected=-1, sorted=False)
-        llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(arr))
-        if not 0 <= arr.selected < arr.size:
-            raise BackendError("The sampler chain selected no token.")
-        return int(buf["id"][arr.selected])
-
-    def close(self) -> None:
-        if self._chain is not None:
-            import llama_cpp
-
-            llama_cpp.llama_sampler_free(self._chain)
-            self._chain = None
 
 
 class LlamaCppSource(TokenSource):
@@ -491,14 +230,14 @@ class LlamaCppSource(TokenSource):
         self.n_threads = spec.n_threads or physical_cores()
         slots = max(1, spec.n_seq)
         self._n_seq_ids = max(slots, min(256, int(spec.extra.get("n_seq_ids") or 2 * slots)))
-        _recent_native.clear()
+        forget_recent()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = spec.n_gpu_layers
         self._devices_arr: Any = None  # kept alive: llama.cpp reads them during the load
         self._split_arr: Any = None
         if spec.extra.get("devices") and spec.n_gpu_layers != 0:
             self._place_on(mp, list(spec.extra["devices"]), list(spec.extra.get("tensor_split") or []))
-        _capture.lines = []
+        capture.lines = []
         mp.load_mode = (llama_cpp.LLAMA_LOAD_MODE_MMAP if spec.extra.get("use_mmap", True)
                         else llama_cpp.LLAMA_LOAD_MODE_NONE)
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
@@ -578,16 +317,16 @@ class LlamaCppSource(TokenSource):
             if spec.mmproj:
                 from backends.llamacpp_vision import Projector
 
-                _recent_native.clear()
+                forget_recent()
                 self._proj = Projector(spec.mmproj, self._model, self._n_embd, n_threads=self.n_threads,
                                        use_gpu=spec.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload()),
-                                       log_callback=_log_state["cb"], native_reason=_native_reason,
+                                       log_callback=log_callback(), native_reason=native_reason,
                                        # M-RoPE images are evaluated whole: one fits in a step beside every slot
                                        max_image_tokens=max(8, self._n_batch - max(1, spec.n_seq)))
             from backends import ggml_devices
 
-            self._alloc = allocations(getattr(_capture, "lines", None) or [], ggml_devices.added_workers())
-            _capture.lines = None
+            self._alloc = allocations(getattr(capture, "lines", None) or [], ggml_devices.added_workers())
+            capture.lines = None
             remote = ggml_devices.endpoints_of(list(spec.extra.get("devices") or [])) if spec.n_gpu_layers else []
             if remote:  # a worker dying mid-step must not take the process with it (ggml_devices.watch)
                 ggml_devices.watch(self, remote, self._worker_died)
@@ -612,7 +351,7 @@ class LlamaCppSource(TokenSource):
                 pass
         # llama.cpp resolves AUTO when the context is made and says so ("resolve_fused_ops: Flash Attention
         # enabled" / "... not supported, set to disabled")
-        for line in reversed(getattr(_capture, "lines", None) or []):
+        for line in reversed(getattr(capture, "lines", None) or []):
             if "Flash Attention" in line:
                 return "enabled" in line and "disabled" not in line
         if self.spec.kv_cache_type != "f16":
@@ -668,7 +407,7 @@ class LlamaCppSource(TokenSource):
     def _load_error(self, msg: str) -> Exception:
         path, kv = self._path, self.spec.kv_cache_type
         if "Failed to create llama_context" in msg:
-            reason = _native_reason("cache", "flash", "memory", "alloc", "n_ctx", "head")
+            reason = native_reason("cache", "flash", "memory", "alloc", "n_ctx", "head")
             if kv != "f16" and reason and ("cache" in reason or "flash" in reason or "head" in reason):
                 return UnsupportedError(f"{path.name} cannot use a {kv} KV cache: llama.cpp says \"{reason}\"; "
                                         "use --kv-cache f16.")
@@ -677,11 +416,11 @@ class LlamaCppSource(TokenSource):
                                       f"(llama.cpp: {reason}); lower num_ctx or the GPU layers.")
             return ModelLoadError(f"llama.cpp could not create a context for {path.name}"
                                   f"{f' ({reason})' if reason else ''}; lower num_ctx or try --kv-cache f16.")
-        alloc = _native_reason("unable to allocate", "failed to allocate")
+        alloc = native_reason("unable to allocate", "failed to allocate")
         if alloc:  # a device (or the host) has no room for the weights: not a broken file
             return ModelLoadError(f"Not enough memory to load {path.name} with {self.spec.n_gpu_layers} GPU layers "
                                   f"(llama.cpp: {alloc}); lower the GPU layers.")
-        reason = _native_reason("error loading model", "invalid", "unknown", "not within") or _native_reason()
+        reason = native_reason("error loading model", "invalid", "unknown", "not within") or native_reason()
         reason = reason.replace("error loading model: ", "").split(",")[0] if reason else None
         return ModelLoadError(f"{path.name} could not be loaded: it is corrupt, truncated or of an unsupported "
                               f"architecture{f' (llama.cpp: {reason})' if reason else ''}.")
@@ -1106,7 +845,7 @@ class LlamaCppSource(TokenSource):
         evaluation)."""
         return np.frombuffer(memoryview(self._row_type.from_address(ctypes.addressof(ptr.contents))), dtype=np.single)
 
-    def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | None) -> _ChainSampler:
+    def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | None) -> ChainSampler:
         import llama_cpp
 
         s = sampling
@@ -1114,12 +853,12 @@ class LlamaCppSource(TokenSource):
         grammar = None
         gbnf = self.spec.extra.get("grammar") if fmt in (None, "", "text") else None  # a load-wide GBNF (tests)
         if fmt not in (None, "", "text"):
-            gbnf = _grammar_for(fmt)  # type: ignore[arg-type]
+            gbnf = grammar_for(fmt)  # type: ignore[arg-type]
         if gbnf:
-            _recent_native.clear()
+            forget_recent()
             grammar = llama_cpp.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root")
             if not grammar:
-                why = _native_reason()
+                why = native_reason()
                 raise UnsupportedError(f"llama.cpp rejected the grammar for this format{f' ({why})' if why else ''}.")
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
 
@@ -1149,8 +888,8 @@ class LlamaCppSource(TokenSource):
             if s.min_p and s.min_p > 0:
                 add(llama_cpp.llama_sampler_init_min_p(float(s.min_p), 1))
             add(llama_cpp.llama_sampler_init_temp(float(s.temperature)))
-            add(llama_cpp.llama_sampler_init_dist(_seed32(s.seed)))
-        return _ChainSampler(self, chain, penalties, prefilter=prefilter, greedy=greedy,
+            add(llama_cpp.llama_sampler_init_dist(seed32(s.seed)))
+        return ChainSampler(self, chain, penalties, prefilter=prefilter, greedy=greedy,
                              top_k=int(s.top_k) if s.top_k and s.top_k > 0 else 0,
                              bias={int(t): float(b) for t, b in s.logit_bias.items()} if prefilter and s.logit_bias
                              else None)

@@ -60,7 +60,7 @@ def _native_lines() -> Iterator[list[str]]:
     """The llama.cpp log lines this thread produces meanwhile (the quantizer's plan is only in its log): a filter
     on the router's logger takes this thread's records; those under the logger's own level go nowhere else, as
     they would not have without it (the rest of the process logs as before)."""
-    from backends.llamacpp import install_log_router, native_log
+    from backends.llamacpp_log import install_log_router, native_log
 
     install_log_router()
     me, lines = threading.get_ident(), []
@@ -139,7 +139,7 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], type_name
     gives the finished file's size as both."""
     import llama_cpp
 
-    from backends.llamacpp import install_log_router
+    from backends.llamacpp_log import install_log_router
 
     install_log_router()  # the quantizer logs every tensor: into logging, not onto the user's terminal
     key = canonical_type(type_name)

@@ -110,7 +110,7 @@ def derive_gguf(src: Path, dst: Path, ftype: str) -> Path:
     """Requantize ``src`` into ``dst`` with llama.cpp's quantizer (``ftype``: f32 | f16 | q8_0 | q4_0). Atomic."""
     import llama_cpp
 
-    from backends.llamacpp import install_log_router
+    from backends.llamacpp_log import install_log_router
 
     install_log_router()  # the quantizer logs every tensor; keep it in logging, not on stdout
     ftypes = {"f32": llama_cpp.LLAMA_FTYPE_ALL_F32, "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16,

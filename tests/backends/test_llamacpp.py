@@ -317,7 +317,7 @@ def test_penalties_match_llama_cpp_penalties_sampler(repeat, freq, presence, las
     import numpy as np
     from llama_cpp import _internals as internals
 
-    from backends.llamacpp import Penalties
+    from backends.llamacpp_sampling import Penalties
 
     n_vocab = 49152
     rng = np.random.default_rng(7)
