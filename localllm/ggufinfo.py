@@ -129,8 +129,7 @@ def read_gguf(path: str | os.PathLike[str], *, digest: str | None = None) -> GGU
     if key_file is not None and key_file.is_file():
         try:
             cached = json.loads(key_file.read_text())
-            if "mtp_layers" in cached and "pooling" in cached:  # older entries lack them: read the file again
-                return replace(GGUFInfo(**cached), path=str(p))
+            return replace(GGUFInfo(**cached), path=str(p))
         except (OSError, ValueError, TypeError):
             pass
     info = _read_gguf(p)
@@ -205,7 +204,8 @@ def info_of(data: dict[str, Any], path: str | os.PathLike[str] | None = None, di
 def _cache_file(digest: str) -> Path:
     from localllm.config import paths
 
-    return paths().cache / "gguf-info" / f"{digest.removeprefix('sha256:')}.v2.json"  # v2: the memory layout
+    # the version names what an entry holds (v3: the memory layout, MTP layers, pooling): an older one is read again
+    return paths().cache / "gguf-info" / f"{digest.removeprefix('sha256:')}.v3.json"
 
 
 def _other_parts(first: Path, count: Any) -> list[tuple[Any, Path]]:
