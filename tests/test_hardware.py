@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from localllm import hardware
+from localllm import gpus, hardware
 from localllm.hardware import GiB, MiB, parse_gpu_backend, parse_nvidia_smi, probe, simd_from_flags
 from tests.support import tiny_gguf
 
@@ -211,7 +211,7 @@ def test_nvidia_smi_without_a_driver(monkeypatch, tmp_path):
 
 def test_nvidia_smi_that_hangs_is_timed_out(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    monkeypatch.setattr(hardware, "NVIDIA_SMI_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(gpus, "NVIDIA_SMI_TIMEOUT_S", 0.5)
     _fake_smi(monkeypatch, tmp_path, "exec sleep 30\n")
     hw = probe(refresh=True)
     assert hw.gpus == []

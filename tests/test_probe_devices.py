@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from localllm import hardware
+from localllm import gpus, hardware
 from localllm.ggufinfo import read_gguf
 from localllm.hardware import GPU, GiB, HardwareInfo, LlamaDevice, MiB, parse_rocm_smi, parse_vulkaninfo, probe
 from localllm.planner import CUDA_ADVICE, ROCM_ADVICE, SYCL_ADVICE, VULKAN_ADVICE, plan
@@ -79,7 +79,7 @@ def _tools(monkeypatch, tmp_path: Path, **scripts: str) -> None:
 def _sysfs(monkeypatch, tmp_path: Path) -> Path:
     root = tmp_path / "sys"
     root.mkdir()
-    monkeypatch.setenv(hardware.SYSFS_ROOT_ENV, str(root))
+    monkeypatch.setenv(gpus.SYSFS_ROOT_ENV, str(root))
     monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML either: as on a machine with an AMD card only
     return root
 
@@ -272,7 +272,7 @@ def test_no_drm_directory_is_a_note(monkeypatch, tmp_path):
 def test_a_hanging_tool_is_timed_out(monkeypatch, tmp_path):
     root = _sysfs(monkeypatch, tmp_path)
     _amd(root)
-    monkeypatch.setattr(hardware, "GPU_TOOL_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(gpus, "GPU_TOOL_TIMEOUT_S", 0.5)
     _tools(monkeypatch, tmp_path, rocm_smi="while :; do :; done\n", vulkaninfo="exit 3\n")
     [g] = probe(refresh=True).gpus
     assert g.name == "AMD GPU [1002:744c]" and g.total_bytes == 16 * GiB
