@@ -15,8 +15,8 @@ import pytest
 from localllm.tui.app import LocalLLMApp
 from localllm.tui.chat import ToolCallView
 from localllm.tui.modals import SettingsModal, ToolConfirmModal
+from tests.cli.test_mcp_repl import TOOL_MODEL, tool_store  # noqa: F401 - the fixture
 from tests.test_mcp_host import recorder
-from tests.test_mcp_repl import TOOL_MODEL, tool_store  # noqa: F401 - the fixture
 
 from .test_chat import wait_until
 

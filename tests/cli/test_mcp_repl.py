@@ -141,7 +141,7 @@ def test_a_model_whose_template_has_no_tools_is_told_in_one_line(default_model, 
 def test_the_real_model_makes_a_forced_call_to_the_time_server_through_run(tool_store, tmp_path):
     """``localllm run --mcp time --tool-choice required`` in a real pty: the default model (with a tool-capable
     template), a grammar-forced call, ``mcp-server-time`` over stdio, the confirmation typed on the terminal."""
-    from tests.test_cli_run import PtyProcess
+    from .test_run import PtyProcess
 
     home = tmp_path / "home"
     (home / "config").mkdir(parents=True)
@@ -200,7 +200,7 @@ def _gone(pid: int, timeout: float = 15) -> bool:
 
 
 def test_ctrl_c_stops_a_running_tool_and_the_server_goes_with_the_repl(tool_store, tmp_path):
-    from tests.test_cli_run import PtyProcess
+    from .test_run import PtyProcess
 
     env, home = _rec_home(tmp_path, tool_store)
     p = PtyProcess([TOOL_MODEL, "--mcp", "rec", "--tool-choice", "required", "--temperature", "0",
@@ -228,7 +228,7 @@ def test_ctrl_c_stops_a_running_tool_and_the_server_goes_with_the_repl(tool_stor
 
 def test_a_killed_repl_leaves_no_server_behind(tool_store, tmp_path):
     """SIGKILL (a crash): nothing of ours runs any more, but the stdio server sees its stdin close and exits."""
-    from tests.test_cli_run import PtyProcess
+    from .test_run import PtyProcess
 
     env, home = _rec_home(tmp_path, tool_store)
     p = PtyProcess([TOOL_MODEL, "--mcp", "rec"], env=env)

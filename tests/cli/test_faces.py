@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from tests.support import DEFAULT_MODEL, SMOL_SHA, MirrorServer, Route, mirror_toml, use_catalog
-from tests.test_cli_exit import _fresh_home, assert_clean
+
+from .test_exit import _fresh_home, assert_clean
 
 DRAFT_LINE = re.compile(r"^draft acceptance:\s+\d+\.\d\d% \((\d+)/(\d+) token\(s\)\)$", re.M)
 PROGRESS = re.compile(r"(pulling|verifying|validating|writing) .*")  # a pull's plain progress lines
@@ -230,7 +231,7 @@ def test_the_catalogs_draft_is_used_automatically(installed_default_model, tmp_p
 
 
 def test_repl_set_format_json_answers_json(default_model_path):
-    from tests.test_cli_run import PtyProcess
+    from .test_run import PtyProcess
 
     question = "Give the name and age of a person as a JSON object with the keys name and age."
     p = PtyProcess([str(default_model_path)])
