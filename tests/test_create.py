@@ -187,7 +187,7 @@ def test_a_value_the_request_chose_wins_even_when_it_is_the_default(store):
     from localllm.client import options_json
     from localllm.server.options import api_options, options_of
     from localllm.session import open_session
-    from localllm.tui.chat import request_from
+    from localllm.tui.answer import request_from
 
     mf = Modelfile("b", {"temperature": 0.0, "top_k": 1, "num_predict": 9})
 

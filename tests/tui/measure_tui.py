@@ -61,7 +61,7 @@ async def streaming(tokens: int, answers: int) -> tuple[list[float], list[float]
     os.environ["LOCALLLM_MODELS"] = str(MODELS)
     from localllm.chats import ChatStore
     from localllm.tui.app import LocalLLMApp
-    from localllm.tui.chat import PromptInput
+    from localllm.tui.widgets import PromptInput
 
     chats = ChatStore(Path(os.environ["LOCALLLM_HOME"]) / "chats.sqlite3")
     conv = chats.create(title="measure", model="smollm2:135m",

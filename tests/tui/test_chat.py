@@ -9,7 +9,8 @@ from textual.widgets import OptionList
 
 from localllm.chats import ChatStore
 from localllm.tui.app import LocalLLMApp
-from localllm.tui.chat import ChatScreen, MessageView, PromptInput
+from localllm.tui.chat import ChatScreen
+from localllm.tui.widgets import MessageView, PromptInput
 
 MODEL = "smollm2:135m"
 pytestmark = pytest.mark.asyncio

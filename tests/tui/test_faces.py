@@ -15,7 +15,7 @@ import pytest
 from textual.widgets import OptionList
 
 from localllm.tui.app import LocalLLMApp
-from localllm.tui.chat import PromptInput, ThinkingView
+from localllm.tui.widgets import PromptInput, ThinkingView
 from tests.fixtures_thinking import THINK_GBNF, write_thinking_model
 
 from .test_chat import wait_until

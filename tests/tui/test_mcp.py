@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from localllm.tui.app import LocalLLMApp
-from localllm.tui.chat import ToolCallView
 from localllm.tui.modals import SettingsModal, ToolConfirmModal
+from localllm.tui.widgets import ToolCallView
 from tests.cli.test_mcp_repl import TOOL_MODEL, tool_store  # noqa: F401 - the fixture
 from tests.test_mcp_host import recorder
 

@@ -99,7 +99,7 @@ def test_chat_screen_with_thinking(snap_compare, tmp_path, monkeypatch):
     async def run_before(pilot):
         from textual.widgets._collapsible import CollapsibleTitle
 
-        from localllm.tui.chat import ThinkingView
+        from localllm.tui.widgets import ThinkingView
 
         await pilot.pause()
         await pilot.click(pilot.app.screen.query(ThinkingView).first().query_one(CollapsibleTitle))

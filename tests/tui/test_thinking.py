@@ -9,8 +9,9 @@ import pytest
 from textual.widgets._collapsible import CollapsibleTitle
 
 from localllm.chats import ChatStore
+from localllm.tui.answer import request_from
 from localllm.tui.app import LocalLLMApp
-from localllm.tui.chat import MessageView, ThinkingView, request_from
+from localllm.tui.widgets import MessageView, ThinkingView
 from tests.fixtures_thinking import THINK_GBNF, write_thinking_model
 
 from .test_chat import wait_until
