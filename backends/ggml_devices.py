@@ -3,12 +3,10 @@
 llama-cpp-python does not wrap ggml's device registry, but ``libggml.so`` / ``libggml-base.so`` beside
 ``libllama.so`` export it. One call lists every device of the installed build — CPU, CUDA, ROCm/HIP, Vulkan,
 Metal, SYCL, and ``RPC<n>`` devices for each worker added — with free/total memory, where NVML sees only
-NVIDIA (``../shared/reference/devices.md`` has what was measured)::
+NVIDIA (``../shared/reference/devices.md`` has what was measured). On a machine without a GPU::
 
-    >>> [d.name for d in list_devices()]  # doctest: +SKIP
-    ['CPU']
-    >>> rpc_supported()  # doctest: +SKIP
-    False
+    [d.name for d in list_devices()]  # ['CPU']
+    rpc_supported()                   # False: a build without -DGGML_RPC=on
 
 RPC (a build with ``-DGGML_RPC=on``): :func:`start_worker` serves this machine's devices (what
 ``localllm worker`` runs); :func:`add_worker` makes a worker's devices part of this process's device list, after

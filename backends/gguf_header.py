@@ -5,11 +5,11 @@ array, so the tokenizer's 49k-262k strings take seconds. This walks the same lay
 own types (``GGUFValueType``, ``GGMLQuantizationType``, ``GGML_QUANT_SIZES``) and its limits, reads
 scalars, strings and short arrays, and seeks past long arrays, which stay in the file as a
 :class:`LazyArray` until asked for. Anything that does not fit the file's length raises
-:class:`GGUFHeaderError`. Nothing here imports ``localllm``.
+:class:`GGUFHeaderError`. Nothing here imports ``localllm``. On the default model::
 
->>> h = read_header("model.gguf")  # doctest: +SKIP
->>> h.fields["general.architecture"], len(h.fields["tokenizer.ggml.tokens"]), h.tensors[0].n_bytes  # doctest: +SKIP
-('llama', 49152, 30081024)
+    h = read_header("model.gguf")
+    h.fields["general.architecture"], len(h.fields["tokenizer.ggml.tokens"]), h.tensors[0].n_bytes
+    # ('llama', 49152, 30081024)
 """
 
 from __future__ import annotations

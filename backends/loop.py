@@ -154,13 +154,13 @@ def _close_all() -> None:
 
 
 class LoadedModel:
-    """A model loaded on its own decode thread, serving up to ``spec.n_seq`` requests at once.
+    """A model loaded on its own decode thread, serving up to ``spec.n_seq`` requests at once::
 
-        >>> from backends.registry import load                                   # doctest: +SKIP
-        >>> m = load("llamacpp", LoadSpec("smollm2.gguf", n_ctx=2048, n_seq=4))  # doctest: +SKIP
-        >>> for ev in m.generate(GenerateRequest(prompt="Once upon")):           # doctest: +SKIP
-        ...     print(ev)
-        >>> m.close()                                                            # doctest: +SKIP
+        from backends.registry import load
+        m = load("llamacpp", LoadSpec("smollm2.gguf", n_ctx=2048, n_seq=4))
+        for ev in m.generate(GenerateRequest(prompt="Once upon")):
+            print(ev)
+        m.close()
 
     ``generate`` (sync) and ``agenerate`` (asyncio) stream events; leaving either early cancels the
     request at the next step. ``call(fn)`` runs ``fn(source)`` on the loop thread between steps.

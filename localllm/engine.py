@@ -3,14 +3,14 @@ cancellation. Loading is the loader's (:mod:`localllm.loader`: plan → spec →
 (CLI, server, TUI) talk to the engine and never to a backend.
 
 One module on purpose: residency and the entry points (``generate``, ``agenerate``, ``embed``)
-that hold references on it are one unit under one lock.
+that hold references on it are one unit under one lock. With the default model installed::
 
-    >>> from localllm.engine import Engine, GenerateRequest, Sampling, TextChunk
-    >>> with Engine() as engine:
-    ...     req = GenerateRequest(messages=[{"role": "user", "content": "Hi"}], sampling=Sampling(seed=1))
-    ...     for event in engine.generate("smollm2:135m", req):
-    ...         if isinstance(event, TextChunk):
-    ...             print(event.text, end="")
+    from localllm.engine import Engine, GenerateRequest, Sampling, TextChunk
+    with Engine() as engine:
+        req = GenerateRequest(messages=[{"role": "user", "content": "Hi"}], sampling=Sampling(seed=1))
+        for event in engine.generate("smollm2:135m", req):
+            if isinstance(event, TextChunk):
+                print(event.text, end="")
 
 Concurrency: each loaded model runs on its own decode loop (:class:`backends.loop.LoadedModel`): one
 thread owns the model, and up to ``num_parallel`` requests decode together in one batch per step
@@ -636,12 +636,12 @@ class Engine:
         from the model's decode loop through the event loop. Leaving the ``async for`` early (or the
         task being cancelled, as when an HTTP client disconnects) cancels the request at the next step
         and frees its slot; so does setting ``cancel`` (the stream then ends with
-        ``Done(finish_reason="cancelled")``).
+        ``Done(finish_reason="cancelled")``)::
 
-            >>> async def first_words(engine, req):  # doctest: +SKIP
-            ...     async for ev in engine.agenerate("smollm2:135m", req):
-            ...         if isinstance(ev, TextChunk):
-            ...             return ev.text
+            async def first_words(engine, req):
+                async for ev in engine.agenerate("smollm2:135m", req):
+                    if isinstance(ev, TextChunk):
+                        return ev.text
         """
         t_start = time.perf_counter_ns()
         cancel = cancel if cancel is not None else threading.Event()

@@ -7,11 +7,10 @@ each other; split, each part would need the others' internals.
 layers to offload, the context size, the KV cache type and flash attention, and says why, one line
 per decision::
 
-    >>> from localllm.ggufinfo import read_gguf
-    >>> from localllm.hardware import probe
-    >>> p = plan(read_gguf("smollm2.gguf"), probe())  # doctest: +SKIP
-    >>> p.backend, p.device, p.verdict_text, p.n_ctx  # doctest: +SKIP
-    ('llamacpp', 'cpu', 'CPU', 4096)
+    from localllm.ggufinfo import read_gguf
+    from localllm.hardware import probe
+    p = plan(read_gguf("smollm2.gguf"), probe())
+    p.backend, p.device, p.verdict_text, p.n_ctx  # ('llamacpp', 'cpu', 'CPU', 4096)
 
 Memory, as the peers count it (``reference/tui-and-runners.md`` §3)::
 

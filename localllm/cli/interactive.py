@@ -1,11 +1,12 @@
-"""The interactive ``>>>`` prompt of ``localllm run`` (Ollama's ``cmd/interactive.go``).
+"""The interactive ``>>>`` prompt of ``localllm run`` (Ollama's ``cmd/interactive.go``); what a user types
+after it::
 
-    >>> Why is the sky blue?
-    >>> \"\"\"A message
-    ... over several lines\"\"\"
-    >>> /set parameter temperature 0
-    >>> /show info
-    >>> /bye
+    Why is the sky blue?
+    \"\"\"A message
+    over several lines\"\"\"
+    /set parameter temperature 0
+    /show info
+    /bye
 
 Ctrl+C stops the answer being written (the prompt comes back); Ctrl+D or ``/bye`` exits. Input
 history lives in ``<data>/history`` unless ``LOCALLLM_NOHISTORY`` is set. ``/set think`` / ``/set nothink``

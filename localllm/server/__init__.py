@@ -1,8 +1,8 @@
 """The REST server: Ollama's API (``/api/*``), OpenAI's (``/v1/*``, Responses included) and Anthropic's
-Messages (``/v1/messages``) over one :class:`~localllm.engine.Engine`.
+Messages (``/v1/messages``) over one :class:`~localllm.engine.Engine`::
 
-    >>> from localllm.server import create_app, serve
-    >>> serve("127.0.0.1:11434")  # doctest: +SKIP  (blocks; ``localllm serve`` calls it)
+    from localllm.server import serve
+    serve("127.0.0.1:11434")  # blocks; ``localllm serve`` calls it
 
 Modules:
 

@@ -1,9 +1,9 @@
 """The FastAPI app: Ollama's ``/api/*``, OpenAI's ``/v1/*`` (Chat Completions, Completions, Responses,
 Embeddings, Models) and Anthropic's ``/v1/messages`` on one engine, behind the security middleware (see
-:mod:`localllm.server.security`).
+:mod:`localllm.server.security`)::
 
-    >>> from localllm.server.app import create_app
-    >>> app = create_app()          # doctest: +SKIP  (an Engine on the default store)
+    from localllm.server.app import create_app
+    app = create_app()  # an Engine on the default store
 
 The routes come from the table of APIs (:data:`localllm.server.apis.APIS`); every error leaves in the shape of
 the API whose route the request matched: ``{"error": "..."}`` for Ollama's, ``{"error": {"message", "type",

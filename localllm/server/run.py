@@ -1,8 +1,8 @@
 """Bind the address and run uvicorn: ``serve()`` for ``localllm serve``, :class:`ServerThread` for tests
-and benchmarks (a real server on a free port in a background thread).
+and benchmarks (a real server on a free port in a background thread)::
 
-    >>> with ServerThread() as srv:          # doctest: +SKIP
-    ...     httpx.get(srv.url + "/api/version").json()
+    with ServerThread() as srv:
+        httpx.get(srv.url + "/api/version").json()
 """
 
 from __future__ import annotations
