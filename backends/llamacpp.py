@@ -1,7 +1,8 @@
 """GGUF models through llama.cpp (llama-cpp-python's low-level API): a token source for the decode loop.
 
-One module on purpose: one backend, llama-cpp-python's low-level API behind the token-source
-contract (evaluation, the sampler chain, KV and state operations).
+One backend, llama-cpp-python's low-level API behind the token-source contract (evaluation, KV and state
+operations); its sampler chain is :mod:`backends.llamacpp_sampling`'s, llama.cpp's log lines
+:mod:`backends.llamacpp_log`'s.
 
 One ``llama_context`` holds every sequence of a loaded model: ``n_seq_max`` sequence ids over one
 **unified** KV pool of ``n_ctx × n_seq`` cells (a sequence may use up to ``n_ctx`` of them), so a shared
