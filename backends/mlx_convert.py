@@ -1,16 +1,14 @@
 """GGUF → MLX model directory, offline (no Hugging Face, no torch).
 
-One module on purpose: one format change, GGUF to MLX (tensor names, dequantization, the
-quantization block, the tokenizer), read top to bottom.
+The conversion here; the GGUF reader it builds on is :mod:`backends.mlx_gguf`, the tokenizer files
+:mod:`backends.mlx_tokenizer`'s.
 
 Any GGUF of an architecture mlx-lm has a model class for, whose tensor names map cleanly onto it,
 becomes a directory that ``mlx_lm.load(dir)`` accepts as it is::
 
-    >>> from backends.mlx_convert import convert_gguf, inspect_gguf
-    >>> inspect_gguf("gemma-3-270m-q4_k_m.gguf").model_type      # doctest: +SKIP
-    'gemma3_text'
-    >>> convert_gguf("gemma-3-270m-q4_k_m.gguf", "gemma-mlx", progress=print)   # doctest: +SKIP
-    PosixPath('gemma-mlx')
+    from backends.mlx_convert import convert_gguf, inspect_gguf
+    inspect_gguf("gemma-3-270m-q4_k_m.gguf").model_type                   # 'gemma3_text'
+    convert_gguf("gemma-3-270m-q4_k_m.gguf", "gemma-mlx", progress=print)  # PosixPath('gemma-mlx')
 
 Architectures (``general.architecture`` → mlx-lm ``model_type``): ``llama`` (Llama 2/3/3.1/3.2, Mistral 7B,
 SmolLM — Mistral GGUFs are written as ``llama``), ``qwen2``, ``qwen3``, ``gemma3`` (→ ``gemma3_text``) and
@@ -48,13 +46,16 @@ import math
 import os
 import re
 import shutil
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from backends.base import ModelLoadError, UnsupportedError
+from backends.base import UnsupportedError
+from backends.mlx_gguf import GGUFFile, np_shape
+from backends.mlx_tokenizer import check_tokenizer, write_tokenizer
 
 if TYPE_CHECKING:
     from backends.gguf_header import TensorInfo
@@ -148,121 +149,6 @@ def _target_name(arch: str, gguf_name: str) -> str:
     raise UnsupportedError(f"The MLX converter does not know the {arch} GGUF tensor {gguf_name!r}.")
 
 
-# ------------------------------------------------------------------------------------ tokenizers
-
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
-          rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}"
-          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
-           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-# llama.cpp's tokenizer.ggml.pre → (regexes applied in turn, ignore_merges) as in its llama-vocab.cpp
-_PRE: dict[str, tuple[tuple[str, ...], bool]] = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), ((_LLAMA3,), True)),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), ((_QWEN2,), False)),
-    **dict.fromkeys(("gpt-4o", "llama4"), ((_GPT4O,), True)),
-    "tekken": ((_TEKKEN,), True),
-    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
-                    ((r"\p{N}", _GPT2), False)),
-    **dict.fromkeys(("gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "roberta-bpe", "trillion"), ((_GPT2,), False)),
-    "default": ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+"), False),
-}
-SUPPORTED_PRE = tuple(sorted(_PRE))
-TOKENIZER_MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece BPE
-
-# Control tokens that end a turn besides the declared EOS (llama.cpp's "end of generation" set, FIM excluded).
-_EOG_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>"}
-
-
-# ------------------------------------------------------------------------------------ reading GGUF
-
-
-class _GGUF:
-    """The parts of a GGUF the converter reads: the header from :mod:`backends.gguf_header` (the vocabulary
-    read only when asked), each tensor's bytes memory-mapped when it is converted."""
-
-    def __init__(self, path: Path):
-        from backends.gguf_header import read_header
-
-        try:
-            header = read_header(path)
-            for t in header.tensors:
-                if t.offset + t.n_bytes > header.file_size:
-                    raise ValueError(f"tensor {t.name} ends at byte {t.offset + t.n_bytes:,} but the file has "
-                                     f"{header.file_size:,} bytes")
-        except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
-            raise ModelLoadError(f"Cannot read {path.name} as GGUF: {e}") from e
-        self.path = path
-        self.fields = header.fields
-        self.byteorder = header.byteorder
-        self.tensors = {t.name: t for t in header.tensors}
-        self.arch = str(self.get("general.architecture") or "")
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """A field's value; arrays as lists (long ones read from the file on each call)."""
-        from backends.gguf_header import LazyArray
-
-        v = self.fields.get(key)
-        if v is None:
-            return default
-        if isinstance(v, LazyArray):
-            try:
-                v = v.read()
-            except Exception:  # noqa: BLE001 - a malformed field reads as missing
-                return default
-            return v if isinstance(v, list) else v.tolist()
-        return v
-
-    def has(self, key: str) -> bool:
-        """The field is present and, for an array, not empty (nothing is read)."""
-        from backends.gguf_header import LazyArray
-
-        v = self.fields.get(key)
-        return len(v) > 0 if isinstance(v, list | LazyArray) else bool(v)
-
-    def a(self, key: str, default: Any = None) -> Any:
-        """An architecture-prefixed key: ``a("block_count")`` is ``<arch>.block_count``."""
-        return self.get(f"{self.arch}.{key}", default)
-
-    def type_of(self, name: str) -> str:
-        return self.tensors[name].type.name
-
-    def data(self, t: TensorInfo) -> Any:
-        """The tensor's data, memory-mapped (nothing read until used), shaped as ``gguf.GGUFReader`` shapes it:
-        numbers for the float and integer types, rows of bytes for the block types."""
-        import numpy as np
-        from gguf.quants import quant_shape_to_byte_shape
-
-        shape, code = _np_shape(t), _NUMPY_TYPES.get(t.type.name)
-        if code is None:
-            return np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset,
-                             shape=quant_shape_to_byte_shape(shape, t.type))
-        return np.memmap(self.path, dtype=np.dtype(self.byteorder + code), mode="r", offset=t.offset, shape=shape)
-
-    def array(self, name: str) -> Any:
-        """A float32 numpy copy of a (small, float) tensor, in GGUF's row-major layout."""
-        import numpy as np
-        from gguf.quants import dequantize
-
-        t = self.tensors[name]
-        return np.asarray(dequantize(self.data(t), t.type), dtype=np.float32).reshape(_np_shape(t))
-
-
-# GGML types whose data is numbers, as numpy type codes (the byte order goes before); the rest are blocks of bytes
-_NUMPY_TYPES = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}
-
-
-def _np_shape(t: TensorInfo) -> tuple[int, ...]:
-    return tuple(int(x) for x in reversed(t.shape))
-
-
 # ------------------------------------------------------------------------------------ what converts
 
 
@@ -310,27 +196,6 @@ def _refuse_types(types: Counter[str]) -> None:
         )
 
 
-def _check_tokenizer(g: _GGUF) -> str:
-    model = g.get("tokenizer.ggml.model")
-    if model not in TOKENIZER_MODELS:
-        raise UnsupportedError(
-            f"The MLX converter rebuilds BPE ('gpt2') and SentencePiece ('llama') vocabularies, and this GGUF's "
-            f"tokenizer is {model!r}."
-        )
-    if model == "gpt2":
-        pre = str(g.get("tokenizer.ggml.pre") or "default")
-        if pre not in _PRE:
-            raise UnsupportedError(
-                f"The GGUF's pre-tokenizer {pre!r} is not supported by the MLX converter "
-                f"(supported: {', '.join(SUPPORTED_PRE)})."
-            )
-        if not g.has("tokenizer.ggml.merges"):
-            raise UnsupportedError("This BPE GGUF has no merges (tokenizer.ggml.merges), so MLX cannot tokenize it.")
-    elif "tokenizer.ggml.scores" not in g.fields:
-        raise UnsupportedError("This SentencePiece GGUF has no token scores, so MLX cannot tokenize it.")
-    return str(model)
-
-
 def _out_bytes(ttype: str, shape: tuple[int, ...], dtype_size: int, policy: str = "mlx") -> int:
     """Bytes of one tensor once converted (weights + scales + biases)."""
     n = math.prod(shape)
@@ -361,11 +226,11 @@ def inspect_gguf(gguf_path: str | os.PathLike[str], *, dtype: str = "float32", p
         raise ValueError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
-    g = _GGUF(Path(gguf_path))
+    g = GGUFFile(Path(gguf_path))
     return _inspect(g, dtype, policy)
 
 
-def _inspect(g: _GGUF, dtype: str, policy: str = "mlx") -> ConversionInfo:
+def _inspect(g: GGUFFile, dtype: str, policy: str = "mlx") -> ConversionInfo:
     arch = g.arch
     if arch not in ARCHITECTURES:
         raise UnsupportedError(
@@ -376,7 +241,7 @@ def _inspect(g: _GGUF, dtype: str, policy: str = "mlx") -> ConversionInfo:
     if isinstance(pooling, int) and pooling > 0:  # Qwen3-Embedding / -Reranker: a qwen3 decoder with a pooling head
         raise UnsupportedError(f"This {arch} GGUF is an embedding or reranking model (its own pooling head); mlx-lm "
                                "has no pooling, so it runs on llama.cpp.")
-    tok = _check_tokenizer(g)
+    tok = check_tokenizer(g)
     weights = [t for name, t in g.tensors.items() if name not in _CONFIG_TENSORS]
     for t in weights:
         _target_name(arch, t.name)  # raises on an unknown tensor
@@ -384,7 +249,7 @@ def _inspect(g: _GGUF, dtype: str, policy: str = "mlx") -> ConversionInfo:
     _refuse_types(types)
     _config(g)  # raises on unsupported hyper-parameters (RoPE scaling, soft-capping, ...)
     size = _DTYPE_SIZE[dtype]
-    est = sum(_out_bytes(t.type.name, _np_shape(t), size, policy) for t in weights)
+    est = sum(_out_bytes(t.type.name, np_shape(t), size, policy) for t in weights)
     return ConversionInfo(
         architecture=arch, model_type=ARCHITECTURES[arch], tokenizer=tok, tensor_types=dict(types),
         policy={t: _policy(t, policy) for t in types}, source_bytes=sum(t.n_bytes for t in g.tensors.values()),
@@ -407,7 +272,7 @@ def _int(v: Any, default: int = 0) -> int:
     return int(v) if v is not None else default
 
 
-def _config(g: _GGUF) -> dict[str, Any]:
+def _config(g: GGUFFile) -> dict[str, Any]:
     arch = g.arch
     hidden = _int(g.a("embedding_length"))
     n_head = _int(g.a("attention.head_count"))
@@ -489,7 +354,7 @@ def _config(g: _GGUF) -> dict[str, Any]:
     return cfg
 
 
-def _llama3_rope(g: _GGUF, cfg: dict[str, Any]) -> dict[str, Any]:
+def _llama3_rope(g: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     """Llama 3.1/3.2 write their RoPE scaling as per-frequency factors; mlx-lm wants the parameters that
     produce them. Recover them (factor = the largest factor; Meta's 8192/1/4 otherwise) and check."""
     import numpy as np
@@ -515,23 +380,6 @@ def _llama3_rope(g: _GGUF, cfg: dict[str, Any]) -> dict[str, Any]:
                     "high_freq_factor": high, "original_max_position_embeddings": old}
     raise UnsupportedError("This GGUF's per-frequency RoPE factors (rope_freqs) do not match Llama 3's scaling, "
                            "so the MLX converter cannot express them.")
-
-
-def _eos_ids(g: _GGUF, tokens: list[str], types: list[int]) -> list[int]:
-    ids: list[int] = []
-    for key in ("eos", "eot", "eom"):
-        v = g.get(f"tokenizer.ggml.{key}_token_id")
-        if v is not None and int(v) not in ids:
-            ids.append(int(v))
-    for i, (tok, typ) in enumerate(zip(tokens, types, strict=False)):
-        if typ == 3 and tok in _EOG_TEXTS and i not in ids:
-            ids.append(i)
-    return ids
-
-
-def _token_types(g: _GGUF, n: int) -> list[int]:
-    t = g.get("tokenizer.ggml.token_type")
-    return [int(x) for x in t] if t is not None else [1] * n
 
 
 # ------------------------------------------------------------------------------------ weights
@@ -578,7 +426,7 @@ class _Converted:
     quant: tuple[int, int] | None  # (group_size, bits)
 
 
-def _convert_tensor(g: _GGUF, t: TensorInfo, cfg: dict[str, Any], dtype: Any, policy: str = "mlx") -> _Converted:
+def _convert_tensor(g: GGUFFile, t: TensorInfo, cfg: dict[str, Any], dtype: Any, policy: str = "mlx") -> _Converted:
     import mlx.core as mx
     import numpy as np
 
@@ -586,7 +434,7 @@ def _convert_tensor(g: _GGUF, t: TensorInfo, cfg: dict[str, Any], dtype: Any, po
     ttype = t.type.name
     target = _target_name(arch, name)
     module, _, suffix = target.rpartition(".")
-    shape = _np_shape(t)
+    shape = np_shape(t)
     raw = g.data(t)
     # llama: undo the RoPE row permutation of Q and K (rows of any representation: raw blocks included)
     if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
@@ -638,119 +486,6 @@ def _nbytes(arrays: dict[str, Any]) -> int:
     return sum(int(a.nbytes) for a in arrays.values())
 
 
-# ------------------------------------------------------------------------------------ tokenizer files
-
-
-def _bpe_tokenizer(g: _GGUF, tokens: list[str], types: list[int]) -> Any:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    pre = str(g.get("tokenizer.ggml.pre") or "default")
-    regexes, ignore_merges = _PRE[pre]
-    merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges", [])]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
-                              ignore_merges=ignore_merges))
-    if pre == "smollm":  # measured identical to llama.cpp on 56k tokens (reference/mlx-from-gguf.md)
-        tk.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    elif regexes == (_GPT2,):
-        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        tk.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tk.decoder = decoders.ByteLevel()
-    return tk
-
-
-def _spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[tuple[str, str]]:
-    """SentencePiece BPE as merges: every split of a normal piece into two pieces of the vocabulary, ranked by
-    the merged piece's score (highest first), as llama.cpp's SPM tokenizer merges the best-scoring bigram."""
-    vocab = {t: i for i, t in enumerate(tokens)}
-    found: list[tuple[float, int, int, str, str]] = []
-    for piece, typ, score in zip(tokens, types, scores, strict=False):
-        if typ != 1 or len(piece) < 2:
-            continue
-        for k in range(1, len(piece)):
-            left, right = piece[:k], piece[k:]
-            li, ri = vocab.get(left), vocab.get(right)
-            if li is not None and ri is not None:
-                found.append((-score, li, ri, left, right))
-    found.sort()
-    return [(left, right) for _, _, _, left, right in found]
-
-
-def _spm_tokenizer(g: _GGUF, tokens: list[str], types: list[int]) -> Any:
-    from tokenizers import Tokenizer, decoders, models, normalizers
-
-    scores = [float(s) for s in g.get("tokenizer.ggml.scores")]
-    unk_id = g.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, types, scores), unk_token=unk,
-                              fuse_unk=True, byte_fallback=True))
-    add_prefix = bool(g.get("tokenizer.ggml.add_space_prefix", True))
-    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", "▁")]
-    if add_prefix:
-        steps.insert(0, normalizers.Prepend("▁"))
-    tk.normalizer = normalizers.Sequence(steps)
-    dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_prefix:
-        dec.append(decoders.Strip(" ", 1, 0))
-    tk.decoder = decoders.Sequence(dec)
-    return tk
-
-
-def _write_tokenizer(g: _GGUF, out: Path, cfg: dict[str, Any]) -> list[int]:
-    """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json (and chat_template.jinja);
-    return the end-of-generation ids. No transformers import."""
-    from tokenizers import AddedToken, processors
-
-    tokens: list[str] = [str(t) for t in g.get("tokenizer.ggml.tokens")]
-    types = _token_types(g, len(tokens))
-    model = g.get("tokenizer.ggml.model")
-    tk = _bpe_tokenizer(g, tokens, types) if model == "gpt2" else _spm_tokenizer(g, tokens, types)
-    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=False)
-               if ty in (2, 3)]
-    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types, strict=False) if ty == 4]
-    tk.add_special_tokens(special)
-    if user:
-        tk.add_tokens(user)
-
-    def tok(key: str) -> str | None:
-        v = g.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[int(v)] if v is not None and 0 <= int(v) < len(tokens) else None
-
-    bos, eos, unk, pad = tok("bos"), tok("eos"), tok("unknown"), tok("padding")
-    add_bos = bool(g.get("tokenizer.ggml.add_bos_token", model == "llama"))
-    if add_bos and bos is not None:
-        tk.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
-    elif model == "gpt2":
-        tk.post_processor = processors.ByteLevel(trim_offsets=False)
-    tk.save(str(out / "tokenizer.json"))
-    template = g.get("tokenizer.chat_template")
-    tcfg: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": cfg["max_position_embeddings"],
-        "bos_token": bos,
-        "eos_token": eos,
-        "unk_token": unk,
-        "pad_token": pad,
-    }
-    if template:
-        tcfg["chat_template"] = template
-        (out / "chat_template.jinja").write_text(template, encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False), encoding="utf-8")
-    named = (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad))
-    (out / "special_tokens_map.json").write_text(json.dumps({k: v for k, v in named if v}, indent=2),
-                                                 encoding="utf-8")
-    return _eos_ids(g, tokens, types)
-
-
 # ------------------------------------------------------------------------------------ the conversion
 
 
@@ -774,7 +509,7 @@ def _clean_stale(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _write_weights(g: _GGUF, cfg: dict[str, Any], tmp: Path, dtype: Any, policy: str,
+def _write_weights(g: GGUFFile, cfg: dict[str, Any], tmp: Path, dtype: Any, policy: str,
                    progress: Progress | None, total: int) -> dict[str, tuple[int, int]]:
     """Convert every tensor into safetensors shards of at most SHARD_BYTES; return module → (group, bits)."""
     import mlx.core as mx
@@ -845,7 +580,7 @@ def convert_gguf(
     except KeyError:
         raise ValueError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}") from None
     src, out = Path(gguf_path), Path(out_dir)
-    g = _GGUF(src)
+    g = GGUFFile(src)
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     info = _inspect(g, dtype, policy)  # refuses before anything is written
@@ -861,7 +596,7 @@ def convert_gguf(
     tmp.mkdir()
     try:
         # the tokenizer first: its vocabulary (read from the file here, not kept) is gone before the weights come in
-        cfg["eos_token_id"] = _write_tokenizer(g, tmp, cfg)
+        cfg["eos_token_id"] = write_tokenizer(g, tmp, cfg)
         quant = _write_weights(g, cfg, tmp, mx_dtype, policy, progress, total)
         if quant:
             common = Counter(quant.values()).most_common(1)[0][0]
@@ -894,7 +629,7 @@ def convert_gguf(
     return out
 
 
-def _file_type(g: _GGUF) -> str | None:
+def _file_type(g: GGUFFile) -> str | None:
     ft = g.get("general.file_type")
     if ft is None:
         return None
@@ -904,6 +639,20 @@ def _file_type(g: _GGUF) -> str | None:
         return LlamaFileType(int(ft)).name.removeprefix("MOSTLY_")
     except (ImportError, ValueError):
         return str(ft)
+
+
+def code_digest() -> str:
+    """The converter's code (this module, the GGUF reader and the tokenizer builder it uses, the header parser
+    under them) as a hex digest: a cache of conversions or of what converts, keyed by it, is redone when any
+    of them changes."""
+    import hashlib
+
+    from backends import gguf_header, mlx_gguf, mlx_tokenizer
+
+    h = hashlib.sha256()
+    for m in (sys.modules[__name__], mlx_gguf, mlx_tokenizer, gguf_header):
+        h.update(Path(str(m.__file__)).read_bytes())
+    return h.hexdigest()
 
 
 def is_mlx_dir(path: str | os.PathLike[str]) -> bool:

@@ -158,14 +158,14 @@ def tensor(g, t, cfg, dtype, policy="mlx"):
     by_type[t.tensor_type.name] = (s + time.perf_counter() - t0, b + int(t.n_bytes))
     return out
 mc._convert_tensor = tensor
-real_init = mc._GGUF.__init__
-mc._GGUF.__init__ = timed("read GGUF header", real_init)
+real_init = mc.GGUFFile.__init__
+mc.GGUFFile.__init__ = timed("read GGUF header", real_init)
 real_inspect = mc._inspect
 def inspect(*a, **kw):
     info["x"] = real_inspect(*a, **kw)
     return info["x"]
 mc._inspect = timed("check", inspect)
-mc._write_tokenizer = timed("tokenizer", mc._write_tokenizer)
+mc.write_tokenizer = timed("tokenizer", mc.write_tokenizer)
 mc._write_weights = timed("weights", mc._write_weights)
 t0 = time.perf_counter()
 mc.convert_gguf({src!r}, {out!r}, dtype={dtype!r}, policy={policy!r})

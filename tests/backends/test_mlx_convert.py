@@ -36,6 +36,8 @@ from backends import mlx_convert
 from backends.base import GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError
 from backends.llamacpp import physical_cores
 from backends.mlx_convert import convert_gguf, inspect_gguf
+from backends.mlx_gguf import GGUFFile
+from backends.mlx_tokenizer import write_tokenizer
 from tests.backends import gguf_rewrite
 from tests.backends.conftest import TEST_CACHE, _file_key, collect, derive_gguf
 
@@ -60,10 +62,7 @@ CORPUS = [
 
 def _converter_key() -> str:
     """The converter's code (and the GGUF reader it builds on): a change to either converts again."""
-    from backends import gguf_header
-
-    code = b"".join(Path(m.__file__).read_bytes() for m in (mlx_convert, gguf_header))  # type: ignore[arg-type]
-    return hashlib.sha256(code).hexdigest()[:10]
+    return mlx_convert.code_digest()[:10]
 
 
 def _rewritten(src: Path, name: str, make: Callable[[Path], Path]) -> Path:
@@ -291,16 +290,16 @@ def test_bpe_pre_tokenizers_match_llama_cpp(pre: str, default_model_path: Path, 
 
     src = gguf_rewrite.with_metadata(default_model_path, tmp_path / f"{pre}.gguf",
                                      {"tokenizer.ggml.pre": (pre, gguf.GGUFValueType.STRING)})
-    g = mlx_convert._GGUF(src)
-    mlx_convert._write_tokenizer(g, tmp_path, mlx_convert._config(g))
+    g = GGUFFile(src)
+    write_tokenizer(g, tmp_path, mlx_convert._config(g))
     assert_tokenizes_like_llama_cpp(src, tmp_path)
 
 
 def test_sentencepiece_tokenizer_matches_llama_cpp(gemma_path: Path, tmp_path: Path):
     """Gemma's SentencePiece vocabulary (262k pieces, byte fallback, whitespace and newline runs as
     user-defined tokens, no space prefix)."""
-    g = mlx_convert._GGUF(gemma_path)
-    mlx_convert._write_tokenizer(g, tmp_path, mlx_convert._config(g))
+    g = GGUFFile(gemma_path)
+    write_tokenizer(g, tmp_path, mlx_convert._config(g))
     assert_tokenizes_like_llama_cpp(gemma_path, tmp_path, CORPUS + ["<start_of_turn>user\nhi<end_of_turn>"])
 
 
@@ -310,8 +309,8 @@ def test_sentencepiece_with_space_prefix_matches_llama_cpp(gemma_path: Path, tmp
 
     src = _rewritten(gemma_path, "space-prefix", lambda dst: gguf_rewrite.with_metadata(
         gemma_path, dst, {"tokenizer.ggml.add_space_prefix": (True, gguf.GGUFValueType.BOOL)}))
-    g = mlx_convert._GGUF(src)
-    mlx_convert._write_tokenizer(g, tmp_path, mlx_convert._config(g))
+    g = GGUFFile(src)
+    write_tokenizer(g, tmp_path, mlx_convert._config(g))
     assert_tokenizes_like_llama_cpp(src, tmp_path)
     tcfg = json.loads((tmp_path / "tokenizer.json").read_text())
     assert tcfg["decoder"]["decoders"][-1]["type"] == "Strip"  # mlx-lm's SPM detokenizer trims that space
