@@ -1,7 +1,5 @@
 """MLX (mlx-lm) as a token source: Apple Silicon's native runtime; also runs on Linux with ``mlx[cpu]``.
 
-One module on purpose, as ``llamacpp.py``: one backend behind the token-source contract.
-
 Loads an MLX model directory (``config.json``, ``model*.safetensors`` 4/8-bit, HF tokenizer), e.g. an
 ``mlx-community`` repo or one built offline from a GGUF by :mod:`backends.mlx_convert`. Each sequence
 id has its own mlx-lm prompt cache (a list of per-layer caches) while it prefills; the sequences that
@@ -9,14 +7,14 @@ decode one token in a step are moved into rows of mlx-lm's ``BatchKVCache`` (lef
 forward pass (:meth:`MLXSource.evaluate`), and leave it for anything else (a prompt, drafts, a trim, a
 copy, a save). With a quantized KV cache (mlx-lm has no batched one) the sequences take turns. A
 shared prefix is copied by slicing the cache arrays; for the prompt cache on disk a sequence's caches are
-saved as raw arrays cut to its length (:meth:`MLXSource.state_save`) and checked against the model's
+saved as raw arrays cut to its length (:mod:`backends.mlx_state`) and checked against the model's
 shape before they are loaded.
 
-Sampling is ours, per request: a private random key per request (``seed`` reproduces the text whatever
-else runs), temperature / top-k / top-p / min-p through mlx-lm's functions, penalties over the tokens
-this request generated (as llama.cpp's chain), and ``format`` (``json`` and a common subset of JSON
-Schema) through a byte-level automaton (:mod:`backends.mlx_json`). Schema keywords outside that subset
-(``$ref``, ``anyOf``, ``pattern``...) are refused by name rather than ignored.
+Sampling is ours, per request (:mod:`backends.mlx_sampling`): a private random key per request (``seed``
+reproduces the text whatever else runs), temperature / top-k / top-p / min-p through mlx-lm's functions,
+penalties over the tokens this request generated (as llama.cpp's chain), and ``format`` (``json`` and a
+common subset of JSON Schema) through a byte-level automaton (:mod:`backends.mlx_json`). Schema keywords
+outside that subset (``$ref``, ``anyOf``, ``pattern``...) are refused by name rather than ignored.
 
 Not supported, refused with :class:`UnsupportedError`: images, KV quantization with a rotating
 (sliding-window) cache or a head size not divisible by 32. ``n_gpu_layers``/``n_threads`` do not apply:
@@ -43,22 +41,11 @@ from backends.base import (
     Sampling,
     TokenSource,
     UnsupportedError,
-    check_logit_bias,
 )
+from backends.mlx_sampling import MLXSampler
+from backends.mlx_state import kv_cache
 
 KV_BITS = {"f16": None, "q8_0": 8, "q4_0": 4}
-_UINT = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}  # a dtype's bits as raw integers, by item size
-KV_DTYPES = ("float16", "bfloat16", "float32", "uint32")  # what a saved KV array may be (uint32: packed quants)
-
-
-def _kv_cache(keys: Any, values: Any, offset: int, quant: tuple[int, int] | None) -> Any:
-    """An mlx-lm cache holding ``keys``/``values`` (arrays, or (w, scales, biases) tuples when ``quant`` is
-    (group size, bits)) at ``offset`` positions."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
-
-    c = KVCache() if quant is None else QuantizedKVCache(group_size=quant[0], bits=quant[1])
-    c.keys, c.values, c.offset = keys, values, offset
-    return c
 
 
 @contextmanager
@@ -110,85 +97,6 @@ def _hold_thread() -> None:
         return
     if getattr(_thread_state, "release", None) is None:
         _thread_state.release = _ThreadRelease()
-
-
-class _MLXSampler:
-    """One request's sampler: processors (penalties, JSON) then temperature / top-k / top-p / min-p."""
-
-    def __init__(self, src: MLXSource, s: Sampling, fmt: str | dict[str, Any] | None):
-        import mlx.core as mx
-        from mlx_lm.sample_utils import (
-            make_frequency_penalty,
-            make_presence_penalty,
-            make_repetition_penalty,
-        )
-
-        self._src = src
-        self._mx = mx
-        self._temp = max(0.0, float(s.temperature or 0.0))
-        self._top_k = max(0, int(s.top_k or 0))
-        self._top_p = float(s.top_p) if s.top_p is not None and 0 < s.top_p < 1 else 0.0
-        self._min_p = max(0.0, float(s.min_p or 0.0))
-        seed = s.seed if s.seed is not None else int.from_bytes(__import__("os").urandom(4), "little")
-        self._key = mx.random.key(int(seed) & 0xFFFFFFFF)
-        self.history: list[int] = []
-        n = src.n_ctx if s.repeat_last_n == -1 else max(0, s.repeat_last_n)
-        self._procs: list[Any] = []
-        if n > 0:
-            if s.repeat_penalty and s.repeat_penalty != 1.0:
-                self._procs.append(make_repetition_penalty(s.repeat_penalty, n))
-            if s.presence_penalty:
-                self._procs.append(make_presence_penalty(s.presence_penalty, n))
-            if s.frequency_penalty:
-                self._procs.append(make_frequency_penalty(s.frequency_penalty, n))
-        self._json = src._json_constraint(fmt) if fmt not in (None, "", "text") else None
-        self._bias = None
-        if s.logit_bias:
-            n_logits = src.info.n_vocab
-            check_logit_bias(s.logit_bias, n_logits)
-            bias = [0.0] * n_logits
-            for t, b in s.logit_bias.items():
-                bias[t] = float(b)
-            self._bias = mx.array(bias, dtype=mx.float32)
-
-    def _pick(self, logits: Any) -> int:
-        mx = self._mx
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-
-        row = logits.reshape(1, -1).astype(mx.float32)
-        if self.history and self._procs:
-            toks = mx.array(self.history, dtype=mx.int32)
-            for p in self._procs:
-                row = p(toks, row)
-        if self._bias is not None:
-            row = row + self._bias[: row.shape[-1]]
-        if self._json is not None:
-            row = self._json.apply(row)
-        if self._temp <= 0:
-            tok = int(mx.argmax(row, axis=-1).item())
-        else:
-            lp = row - mx.logsumexp(row, axis=-1, keepdims=True)
-            if self._top_k > 0:
-                lp = apply_top_k(lp, self._top_k)
-            if 0 < self._top_p < 1:
-                lp = apply_top_p(lp, self._top_p)
-            if self._min_p > 0:
-                lp = apply_min_p(lp, self._min_p)
-            self._key, sub = mx.random.split(self._key)
-            tok = int(mx.random.categorical(lp * (1.0 / self._temp), key=sub).item())
-        self.history.append(tok)
-        if self._json is not None:
-            self._json.advance(tok)
-        return tok
-
-    def sample(self, row: int) -> int:
-        return self._pick(self._src._rows[row])
-
-    def sample_logits(self, logits: Any) -> int:
-        return self._pick(self._mx.array(logits))
-
-    def close(self) -> None:
-        self._json = None
 
 
 class MLXSource(TokenSource):
@@ -548,7 +456,7 @@ class MLXSource(TokenSource):
 
         return np.array(self._rows[row].astype(self._mx.float32), dtype=np.float32)
 
-    def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | None) -> _MLXSampler:
+    def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | None) -> MLXSampler:
         if isinstance(fmt, dict):
             from backends.mlx_json import SchemaError, compile_schema
 
@@ -558,7 +466,9 @@ class MLXSource(TokenSource):
                 raise UnsupportedError(f"This JSON schema cannot be followed on MLX: {e}.") from e
         elif fmt not in (None, "", "text", "json"):
             raise UnsupportedError(f"Unknown format {fmt!r}: use json or a JSON schema.")
-        return _MLXSampler(self, sampling, fmt)
+        json = self._json_constraint(fmt) if fmt not in (None, "", "text") else None
+        return MLXSampler(sampling, row=lambda i: self._rows[i], n_ctx=self.n_ctx, n_vocab=self._info.n_vocab,
+                          json=json)
 
     def _json_constraint(self, fmt: str | dict[str, Any] | None) -> Any:
         from backends.mlx_json import JSONConstraint, compile_schema
@@ -620,7 +530,7 @@ class MLXSource(TokenSource):
                 return type(x)(cut(y) for y in x)
             return x[..., :n, :]
 
-        new = [_kv_cache(cut(c.keys), cut(c.values), n,
+        new = [kv_cache(cut(c.keys), cut(c.values), n,
                          (c.group_size, c.bits) if isinstance(c, QuantizedKVCache) else None) for c in cache]
         self._mx.eval([x.state for x in new])
         self._caches[dst] = new
@@ -653,75 +563,25 @@ class MLXSource(TokenSource):
                 f"group={self._kv_group} device={self._mx.default_device()}")
 
     def state_save(self, seq: int) -> bytes:
-        """One sequence's caches as bytes: a length-prefixed JSON header (per layer: offset, and dtype and
-        shape of each array) and then the arrays' raw bytes, cut to the positions the sequence holds."""
-        import json
-
-        import numpy as np
-        from mlx_lm.models.cache import QuantizedKVCache
+        """One sequence's caches as bytes (:func:`backends.mlx_state.caches_to_bytes`)."""
+        from backends.mlx_state import caches_to_bytes
 
         self._unbatch([seq])
         cache = self._caches.get(seq)
         if not cache:
             raise UnsupportedError(f"Sequence {seq} holds nothing to save.")
-        n = cache[0].offset
-        layers: list[dict[str, Any]] = []
-        blobs: list[bytes] = []
-        for c in cache:
-            quant = isinstance(c, QuantizedKVCache)
-            parts = [*c.keys, *c.values] if quant else [c.keys, c.values]
-            arrays = []
-            for a in parts:
-                a = a[..., :n, :]
-                raw = np.array(a.view(getattr(self._mx, _UINT[a.dtype.size]))).tobytes()
-                arrays.append({"dtype": str(a.dtype).removeprefix("mlx.core."), "shape": list(a.shape)})
-                blobs.append(raw)
-            layers.append({"quant": [c.group_size, c.bits] if quant else None, "arrays": arrays})
-        head = json.dumps({"format": 1, "offset": n, "layers": layers}).encode()
-        return len(head).to_bytes(8, "little") + head + b"".join(blobs)
+        return caches_to_bytes(cache)
 
     def state_load(self, seq: int, data: bytes) -> bool:
         """Restore :meth:`state_save`'s bytes into ``seq``; False (``seq`` untouched) for bytes that do not
         fit this model: another layer count, head count, KV type or dtype."""
-        import json
+        from backends.mlx_state import caches_from_bytes
 
-        import numpy as np
-
-        mx = self._mx
-        try:
-            size = int.from_bytes(data[:8], "little")
-            head = json.loads(data[8:8 + size])
-            n, layers = int(head["offset"]), head["layers"]
-            if head.get("format") != 1 or n <= 0 or len(layers) != len(self._model.layers):
-                return False
-            quant = [self._kv_group, self._kv_bits] if self._kv_bits is not None else None
-            heads = int(self._config.get("num_key_value_heads") or self._config["num_attention_heads"])
-            pos, new = 8 + size, []
-            for layer in layers:
-                if layer["quant"] != quant or len(layer["arrays"]) != (6 if quant else 2):
-                    return False
-                arrays = []
-                for a in layer["arrays"]:
-                    if a["dtype"] not in KV_DTYPES:
-                        return False
-                    dtype, shape = getattr(mx, a["dtype"]), tuple(a["shape"])
-                    if len(shape) != 4 or shape[:3] != (1, heads, n):
-                        return False
-                    count = int(np.prod(shape)) * dtype.size
-                    if pos + count > len(data):
-                        return False
-                    raw = np.frombuffer(data, dtype=f"<u{dtype.size}", count=count // dtype.size, offset=pos)
-                    arrays.append(mx.array(raw.reshape(shape)).view(dtype))
-                    pos += count
-                if quant:
-                    new.append(_kv_cache(tuple(arrays[:3]), tuple(arrays[3:]), n, (quant[0], quant[1])))
-                else:
-                    new.append(_kv_cache(arrays[0], arrays[1], n, None))
-            if pos != len(data):
-                return False
-        except (ValueError, KeyError, TypeError, AttributeError):
+        quant = (self._kv_group, self._kv_bits) if self._kv_bits is not None else None
+        heads = int(self._config.get("num_key_value_heads") or self._config["num_attention_heads"])
+        new = caches_from_bytes(data, n_layers=len(self._model.layers), heads=heads, quant=quant)
+        if new is None:
             return False
-        mx.eval([x.state for x in new])
         self._unbatch([seq], keep=False)
         self._caches[seq] = new
         self._count_kv()
