@@ -1,5 +1,5 @@
 """The tool loop of a chat, without I/O: what the REPL (:mod:`localllm.cli.interactive`) and the terminal app
-(:mod:`localllm.tui.chat`) share. A face generates, asks the user and shows things; this module decides
+(:mod:`localllm.tui.answer`) share. A face generates, asks the user and shows things; this module decides
 which tools go with a request, whether a call needs asking, what goes back to the model, and when to stop.
 
 One user turn, as both faces run it::
