@@ -1,7 +1,7 @@
 """Embedding and reranking models on every face of the server, through the official ``ollama`` and ``openai`` clients
 and curl: the made BERT embedder and reranker (:mod:`tests.support_embed`) pulled into a private store beside the
 default model. Their numbers are compared with the backend's own here; with llama-server's in
-``tests/test_llama_server_parity.py``."""
+``tests/server/test_llama_server_parity.py``."""
 
 from __future__ import annotations
 
