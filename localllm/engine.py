@@ -1,9 +1,10 @@
-"""The engine owns loaded models: residency (checkout/checkin, keep-alive, eviction, the queue bound) and
-cancellation. Loading is the loader's (:mod:`localllm.loader`: plan → spec → weights → decode loop). Faces
-(CLI, server, TUI) talk to the engine and never to a backend.
-
-One module on purpose: residency and the entry points (``generate``, ``agenerate``, ``embed``)
-that hold references on it are one unit under one lock.
+"""The engine owns loaded models: it budgets memory and starts and stops loads (checkout/checkin, keep-alive,
+eviction, the queue bound) and cancels requests, the shape of Ollama's ``server/sched.go``. A load is prepared by
+the loader (:meth:`localllm.loader.Loader.prepare`: installed model, merged options, plan and estimate), which
+then loads what was prepared (spec → weights → decode loop). What it keeps of a loaded model and which idle
+models make room are :mod:`localllm.residency`'s; a prompt that outgrows the context, :mod:`localllm.growth`'s.
+Faces (CLI, server, TUI) talk to the engine and never to a backend. Residency and the entry points that hold
+references on it (``generate``, ``agenerate``, ``embed``) share one lock, here.
 
     >>> from localllm.engine import Engine, GenerateRequest, Sampling, TextChunk
     >>> with Engine() as engine:
@@ -192,12 +193,12 @@ class Engine:
                     self._leaving.discard(running)
                 self.loader.refresh_hardware()  # the dead worker's devices leave the device list
                 return None
-            if running is None or running.closed or not self._compatible(running, options):
+            if running is None or running.closed or not running.serves(self.loader.options(options)):
                 return None
             if alias is not None:
                 self._aliases[alias] = running.name
             running.refs += 1
-            self._touch(running, keep_alive)
+            running.touch(keep_alive)
             return running
 
     def _checkout(self, name: str, options: LoadOptions, keep_alive: float | None,
@@ -264,33 +265,13 @@ class Engine:
             running.refs -= 1
             if keep_alive is not None:
                 running.keep_alive = keep_alive
-            self._touch(running, running.keep_alive)
+            running.touch(running.keep_alive)
             close_now = running.refs == 0 and (running.closed or running.keep_alive == 0)
             if close_now:
                 self._retire(running)
             self._idle.notify_all()
         if close_now:
             self._close(running)
-
-    def _compatible(self, running: RunningModel, options: LoadOptions) -> bool:
-        """Whether ``running`` can serve a request that asks for ``options`` (``None`` takes what is loaded, so
-        does ``auto`` unless the engine has a backend; ``embedding`` does not matter: every loaded model embeds)."""
-        want, have = self.loader.options(options), running.options
-        if want.num_ctx is not None and want.num_ctx != running.info.n_ctx:
-            return False
-        for f in ("num_gpu", "kv_cache_type", "num_thread", "num_parallel"):
-            if getattr(want, f) is not None and getattr(want, f) != getattr(have, f):
-                return False
-        if want.backend != "auto" and want.backend != running.plan.backend:
-            return False
-        if want.draft != "auto" and (want.draft, want.num_draft) != (have.draft, have.num_draft):
-            return False
-        return True
-
-    def _touch(self, running: RunningModel, keep_alive: float) -> None:
-        running.keep_alive = keep_alive
-        running.last_used = time.monotonic()
-        running.expires_at = running.last_used + keep_alive
 
     # ------------------------------------------------------------------ memory
 

@@ -1,5 +1,8 @@
-"""The loader: plan → load. From an installed model and :class:`LoadOptions` it makes the planner's
-:class:`~localllm.planner.Plan`, the :class:`LoadSpec` with its draft (:class:`DraftSpec`) and prompt cache
+"""The loader: prepare → load. :meth:`Loader.prepare` is the one place a load is prepared: from a name and
+:class:`LoadOptions` it reads the installed model, merges the options (the request's, a created model's
+PARAMETERs and DRAFT, the defaults) and makes the planner's :class:`~localllm.planner.Plan` with its memory
+estimate: a :class:`Prepared`, what ``probe`` prints, the advice judges and the engine loads. :meth:`Loader.load`
+turns it into the :class:`LoadSpec` with its draft (:class:`DraftSpec`) and prompt cache
 (:class:`PromptCacheSpec`), prepares the weights the backend takes (an MLX conversion on first use) and starts
 the model's decode loop (:class:`backends.loop.LoadedModel`). Which models stay loaded, for how long and who
 uses them is the engine's (:mod:`localllm.engine`); the loader keeps nothing of a model it has loaded.

@@ -91,6 +91,27 @@ class RunningModel:
     closed: bool = False  # unloaded: no new request gets it (its model closes when the last one ends)
     installed: InstalledModel | None = None  # details for ps
 
+    def serves(self, options: LoadOptions) -> bool:
+        """Whether this load can serve a request that asks for ``options`` (the engine's backend applied: ``None``
+        and ``auto`` take what is loaded; ``embedding`` does not matter: every loaded model embeds)."""
+        want, have = options, self.options
+        if want.num_ctx is not None and want.num_ctx != self.info.n_ctx:
+            return False
+        for f in ("num_gpu", "kv_cache_type", "num_thread", "num_parallel"):
+            if getattr(want, f) is not None and getattr(want, f) != getattr(have, f):
+                return False
+        if want.backend != "auto" and want.backend != self.plan.backend:
+            return False
+        if want.draft != "auto" and (want.draft, want.num_draft) != (have.draft, have.num_draft):
+            return False
+        return True
+
+    def touch(self, keep_alive: float) -> None:
+        """Used now: its keep-alive counts from now."""
+        self.keep_alive = keep_alive
+        self.last_used = time.monotonic()
+        self.expires_at = self.last_used + keep_alive
+
     @property
     def backend(self) -> str:
         """The inference backend's name (a registered :class:`backends.descriptor.Backend`)."""
