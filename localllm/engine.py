@@ -202,16 +202,16 @@ class Engine:
             return running
 
     def _checkout(self, name: str, options: LoadOptions, keep_alive: float | None,
-                  cancel: threading.Event | None) -> RunningModel:
+                  cancel: threading.Event | None, installed: InstalledModel | None = None) -> RunningModel:
         """The loaded model for ``name`` with one more reference (so nothing evicts it); prepares and loads it
-        if needed (:meth:`Loader.prepare`, then memory made for its estimate, one load at a time). Pair with
-        :meth:`_checkin`."""
+        if needed (:meth:`Loader.prepare`, then memory made for its estimate, one load at a time). ``installed``:
+        ``name`` as the caller read it from the store already. Pair with :meth:`_checkin`."""
         ka = self.keep_alive if keep_alive is None else keep_alive
         while True:
             running = self._reuse(name, options, ka)  # loaded and compatible: no need to queue behind a load
             if running is not None:
                 return running
-            prepared = self.loader.prepare(name, options)
+            prepared = self.loader.prepare(name, options, model=installed)
             running = self._reuse(prepared.name, prepared.options, ka, alias=name)  # under its canonical name
             if running is not None:
                 return running
@@ -344,14 +344,15 @@ class Engine:
     # ------------------------------------------------------------------ work
 
     def _start(self, name: str, request: GenerateRequest, options: LoadOptions, cancel: threading.Event,
-               keep_alive: float | None, t_start: int) -> tuple[RunningModel, bool, Channel[Event]]:
+               keep_alive: float | None, t_start: int, installed: InstalledModel | None,
+               ) -> tuple[RunningModel, bool, Channel[Event]]:
         """Load (or find) ``name`` and queue ``request`` on its decode loop: (model, was it loaded, events).
         The caller owns one reference on the model (``_checkin`` when the stream ends)."""
         self._enter_queue()
         try:
             while True:
                 was_loaded = self._lookup(name) is not None
-                running = self._checkout(name, options, keep_alive, cancel)
+                running = self._checkout(name, options, keep_alive, cancel, installed)
                 if running.closed:  # unloaded between the lookup and now: load again
                     self._checkin(running, keep_alive)
                     continue
@@ -381,11 +382,13 @@ class Engine:
         *,
         cancel: threading.Event | None = None,
         keep_alive: float | None = None,
+        installed: InstalledModel | None = None,
     ) -> Generator[Event, None, None]:
         """Stream events for ``request`` on ``name`` (loaded on demand). The last event is :class:`Done`;
         its ``stats.load_duration`` includes the load if this call loaded the model. A prompt that does not fit
         the loaded context reloads the model with one that fits when the request leaves the context to the
-        planner (:func:`~localllm.growth.grown`).
+        planner (:func:`~localllm.growth.grown`). ``installed``: ``name`` as the caller read it from the store
+        already (the server does, to answer 404 first): a load does not read it again.
 
         Raises :class:`ServerBusyError` on the first ``next()`` when the queue is full. Closing the
         generator early cancels the request at the next step."""
@@ -398,7 +401,8 @@ class Engine:
         request, options = growable(request, options or LoadOptions())
         try:
             while True:
-                running, was_loaded, events = self._start(name, request, options, cancel, keep_alive, t_start)
+                running, was_loaded, events = self._start(name, request, options, cancel, keep_alive, t_start,
+                                                          installed)
                 retry = None
                 sent = False
                 try:
@@ -452,6 +456,7 @@ class Engine:
         *,
         cancel: threading.Event | None = None,
         keep_alive: float | None = None,
+        installed: InstalledModel | None = None,
     ) -> AsyncGenerator[Event, None]:
         """:meth:`generate` for asyncio callers: the load runs in a worker thread, the events arrive
         from the model's decode loop through the event loop. Leaving the ``async for`` early (or the
@@ -471,7 +476,7 @@ class Engine:
         try:
             while True:
                 started = asyncio.ensure_future(asyncio.to_thread(
-                    self._start, name, request, options, cancel, keep_alive, t_start))
+                    self._start, name, request, options, cancel, keep_alive, t_start, installed))
                 try:
                     running, was_loaded, events = await asyncio.shield(started)
                 except asyncio.CancelledError:  # the caller left during the load: the thread goes on, its

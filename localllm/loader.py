@@ -174,13 +174,15 @@ class Loader:
             return replace(options, backend=self.backend)
         return options
 
-    def prepare(self, name: str, options: LoadOptions | None = None) -> Prepared:
+    def prepare(self, name: str, options: LoadOptions | None = None, *,
+                model: InstalledModel | None = None) -> Prepared:
         """Everything about loading ``name`` that is known before it loads, nothing loaded: the installed model
         (the store read once), the options merged (the request's, then a created model's PARAMETERs and DRAFT
         where the request leaves them, the loader's backend where it says auto) and the planner's plan with its
         memory estimate and devices. The one way a load is prepared: the engine loads what this returns; probe,
         the advice (fit verdicts, the TUI) and bench show it. A plan that does not fit is returned
-        (``verdict="too_big"``; :meth:`Prepared.check_fits` raises); an impossible request raises.
+        (``verdict="too_big"``; :meth:`Prepared.check_fits` raises); an impossible request raises. ``model``:
+        ``name`` as the caller read it from the store already (then the store is not read).
 
             prepared = Loader(Store()).prepare("smollm2:135m", LoadOptions(num_ctx=2048))
             prepared.plan.n_ctx      # 2048
@@ -189,7 +191,7 @@ class Loader:
         options = self.options(options or LoadOptions())
         if options.num_ctx is not None and options.num_ctx < MIN_CTX:
             raise LocalLLMError(f"num_ctx must be at least {MIN_CTX} tokens, got {options.num_ctx}.")
-        model = self.store.get(name)
+        model = model if model is not None else self.store.get(name)
         options = self.model_options(model, options)
         return Prepared(model, options, self._plan(model, options))
 

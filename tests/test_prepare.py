@@ -131,3 +131,24 @@ def test_prepare_merges_the_options_once_and_its_estimate_is_the_plans(default_m
         assert tight.plan.verdict == "too_big"
         with pytest.raises(LocalLLMError, match="does not fit this machine"):
             tight.check_fits()
+
+
+def test_a_model_the_caller_read_is_not_read_from_the_store_again(default_model, monkeypatch):
+    """The server reads the installed model to answer 404 first and hands it to the engine: a request that loads
+    the model reads the store once, not twice (measured: 2 -> 1 ``Store.get`` per loading ``/api/chat``)."""
+    from localllm.engine import Engine, GenerateRequest, Sampling
+    from localllm.store import Store
+
+    store = Store()
+    model = store.get(DEFAULT_MODEL)
+    reads: list[str] = []
+    real_get = Store.get
+    monkeypatch.setattr(Store, "get", lambda self, name: reads.append(name) or real_get(self, name))
+    request = GenerateRequest(prompt="Hi", sampling=Sampling(temperature=0, max_tokens=1))
+    with Engine(store, keep_alive=60) as engine:
+        events = list(engine.generate(DEFAULT_MODEL, request, LoadOptions(num_ctx=512, num_parallel=1),
+                                      installed=model))
+        assert events and engine.is_loaded(DEFAULT_MODEL)
+        assert reads == []
+        list(engine.generate(DEFAULT_MODEL, request, LoadOptions(num_ctx=1024, num_parallel=1)))  # reload: reads
+        assert reads == [DEFAULT_MODEL]
