@@ -84,7 +84,7 @@ from localllm import config
 from localllm.errors import LocalLLMError
 from localllm.growth import growable, grown
 from localllm.loader import Loader, LoadOptions, Prepared
-from localllm.residency import (  # noqa: F401 - re-exported: faces import them from the engine
+from localllm.residency import (  # noqa: F401 - all but in_the_way re-exported, for the faces
     DEFAULT_KEEP_ALIVE,
     DEFAULT_MAX_QUEUE,
     RunningModel,
