@@ -235,6 +235,7 @@ class Running:
     prompt_cache_bytes: int = 0
     kv_cache_bytes: int | None = None  # the KV cache's size (reported, else estimated)
     devices: list[DeviceUse] = field(default_factory=list)  # per llama.cpp device other than the CPU
+    plan: str = ""  # the plan it loaded with, in one line (localllm.loader.plan_line), as `probe` prints it
 
     @property
     def short_id(self) -> str:

@@ -1,9 +1,11 @@
-"""The engine owns loaded models: residency (checkout/checkin, keep-alive, eviction, the queue bound) and
-cancellation. Loading is the loader's (:mod:`localllm.loader`: plan → spec → weights → decode loop). Faces
-(CLI, server, TUI) talk to the engine and never to a backend.
-
-One module on purpose: residency and the entry points (``generate``, ``agenerate``, ``embed``)
-that hold references on it are one unit under one lock. With the default model installed::
+"""The engine owns loaded models: it budgets memory and starts and stops loads (checkout/checkin, keep-alive,
+eviction, the queue bound) and cancels requests, the shape of Ollama's ``server/sched.go``. A load is prepared by
+the loader (:meth:`localllm.loader.Loader.prepare`: installed model, merged options, plan and estimate), which
+then loads what was prepared (spec → weights → decode loop). What it keeps of a loaded model and which idle
+models make room are :mod:`localllm.residency`'s; a prompt that outgrows the context, :mod:`localllm.growth`'s.
+Faces (CLI, server, TUI) talk to the engine and never to a backend. Residency and the entry points that hold
+references on it (``generate``, ``agenerate``, ``embed``) share one lock, here. With the default model
+installed::
 
     from localllm.engine import Engine, GenerateRequest, Sampling, TextChunk
     with Engine() as engine:
@@ -47,13 +49,12 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import os
 import threading
 import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Generator
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 # The request/event types faces use: re-exported so no face imports ``backends``.
 from backends.base import (  # noqa: F401
@@ -76,135 +77,28 @@ from backends.base import (  # noqa: F401
     UnsupportedError,
 )
 from backends.channel import Channel
-from backends.loop import LoadedModel, LoopMetrics
+from backends.loop import LoadedModel
 from backends.pooling import Pooled  # noqa: F401 - what embed_many / rerank answer, for the faces
 from backends.pooling import shorten as shorten_vectors  # noqa: F401 - Matryoshka truncation, for the faces
 from backends.stream import MAX_TOP_LOGPROBS  # noqa: F401 - the limit, for the faces (they never import backends)
 from localllm import config
 from localllm.errors import LocalLLMError
-from localllm.loader import Loader, LoadOptions
+from localllm.growth import growable, grown
+from localllm.loader import Loader, LoadOptions, Prepared
+from localllm.residency import (  # noqa: F401 - all but in_the_way re-exported, for the faces
+    DEFAULT_KEEP_ALIVE,
+    DEFAULT_MAX_QUEUE,
+    RunningModel,
+    ServerBusyError,
+    in_the_way,
+    parse_keep_alive,
+)
 
 if TYPE_CHECKING:
     from localllm.hardware import HardwareInfo
     from localllm.mlxmodels import ConversionProgress
     from localllm.planner import Plan
     from localllm.store import InstalledModel, Store
-
-DEFAULT_KEEP_ALIVE = 300.0  # seconds (Ollama: 5m)
-DEFAULT_MAX_QUEUE = 512
-BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
-
-
-class ServerBusyError(LocalLLMError):
-    """More requests are waiting than ``LOCALLLM_MAX_QUEUE`` allows (HTTP 503)."""
-
-    def __init__(self, message: str = BUSY_MESSAGE):
-        super().__init__(message)
-
-
-MAX_KEEP_ALIVE = 100 * 365.25 * 86400.0  # longer than this is forever (a date past year 9999 has no RFC 3339 form)
-
-
-def parse_keep_alive(value: Any, default: float | None = None) -> float:
-    """Ollama's keep_alive: ``"5m"``, ``"1h30m"``, ``"10s"``, a number of seconds, negative = forever (inf), as is
-    anything over a century.
-
-    >>> parse_keep_alive("5m"), parse_keep_alive(0), parse_keep_alive(-1), parse_keep_alive(1e18)
-    (300.0, 0.0, inf, inf)
-    """
-    seconds = _keep_alive(value, default)
-    return float("inf") if seconds > MAX_KEEP_ALIVE else seconds
-
-
-def _keep_alive(value: Any, default: float | None) -> float:
-    if value is None or value == "":
-        if default is not None:
-            return default
-        return parse_keep_alive(os.environ.get("LOCALLLM_KEEP_ALIVE") or DEFAULT_KEEP_ALIVE, DEFAULT_KEEP_ALIVE)
-    if isinstance(value, bool):
-        raise LocalLLMError(f"keep_alive must be a duration like '5m' or a number of seconds, got {value!r}.")
-    if isinstance(value, int | float):
-        return float("inf") if value < 0 else float(value)
-    text = str(value).strip().lower()
-    try:
-        seconds = float(text)
-        return float("inf") if seconds < 0 else seconds
-    except ValueError:
-        pass
-    import re
-
-    if text.startswith("-"):
-        return float("inf")
-    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", text)
-    if not parts or "".join(n + u for n, u in parts) != text:
-        raise LocalLLMError(f"keep_alive must be a duration like '5m' or a number of seconds, got {value!r}.")
-    unit = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
-    return sum(float(n) * unit[u] for n, u in parts)
-
-
-@dataclass(eq=False)
-class RunningModel:
-    """A loaded model as ``ps`` shows it."""
-
-    name: str
-    digest: str
-    model: LoadedModel
-    options: LoadOptions
-    plan: Plan
-    loaded_at: float
-    load_duration_ns: int
-    keep_alive: float
-    expires_at: float  # monotonic deadline; inf = never
-    last_used: float = field(default_factory=time.monotonic)
-    refs: int = 0  # requests holding or waiting for this model (never evicted while > 0)
-    estimate: int = 0  # the planner's memory estimate (bytes) used for residency decisions
-    closed: bool = False  # unloaded: no new request gets it (its model closes when the last one ends)
-    installed: InstalledModel | None = None  # details for ps
-
-    @property
-    def backend(self) -> str:
-        """The inference backend's name (a registered :class:`backends.descriptor.Backend`)."""
-        return self.plan.backend
-
-    @property
-    def metrics(self) -> LoopMetrics:
-        """Slots, KV cells, tokens and drafts of this model's decode loop now."""
-        return self.model.metrics()
-
-    @property
-    def batched(self) -> bool:
-        """Whether its slots decode in one batched pass per step (else they take turns, one pass each)."""
-        return self.model.source.can_batch
-
-    @property
-    def active(self) -> int:
-        """Requests decoding now."""
-        return self.model.metrics().slots_busy
-
-    @property
-    def info(self) -> ModelInfo:
-        return self.model.info
-
-    @property
-    def size(self) -> int:
-        return self.info.size_bytes or self.estimate
-
-    @property
-    def size_vram(self) -> int:
-        return self.info.vram_bytes
-
-    @property
-    def expires_in(self) -> float:
-        """Seconds until keep-alive unloads it (inf = never; while busy, counted from now)."""
-        if self.refs > 0:
-            return self.keep_alive
-        return self.expires_at - time.monotonic()
-
-    @property
-    def expires_at_wall(self) -> float | None:
-        """Expiry as a Unix time (``None`` = never), for ``ps`` and ``/api/ps``."""
-        left = self.expires_in
-        return None if left == float("inf") else time.time() + max(0.0, left)
 
 log = logging.getLogger("localllm.engine")
 
@@ -265,9 +159,15 @@ class Engine:
     def on_convert(self, notify: Callable[[ConversionProgress], None] | None) -> None:
         self.loader.on_convert = notify
 
+    def prepare(self, name: str, options: LoadOptions | None = None) -> Prepared:
+        """What loading ``name`` would be (installed model, merged options, plan), nothing loaded: the loader's
+        :meth:`~localllm.loader.Loader.prepare`, the one the engine loads from."""
+        return self.loader.prepare(name, options)
+
     def plan_for(self, name: str, options: LoadOptions | None = None) -> tuple[InstalledModel, Plan]:
-        """(installed model, plan) without loading anything."""
-        return self.loader.plan(name, options)
+        """(installed model, plan) of :meth:`prepare`."""
+        prepared = self.prepare(name, options)
+        return prepared.model, prepared.plan
 
     # ------------------------------------------------------------------ checkout / checkin
 
@@ -294,66 +194,64 @@ class Engine:
                     self._leaving.discard(running)
                 self.loader.refresh_hardware()  # the dead worker's devices leave the device list
                 return None
-            if running is None or running.closed or not self._compatible(running, options):
+            if running is None or running.closed or not running.serves(self.loader.options(options)):
                 return None
             if alias is not None:
                 self._aliases[alias] = running.name
             running.refs += 1
-            self._touch(running, keep_alive)
+            running.touch(keep_alive)
             return running
 
     def _checkout(self, name: str, options: LoadOptions, keep_alive: float | None,
-                  cancel: threading.Event | None) -> RunningModel:
-        """The loaded model for ``name`` with one more reference (so nothing evicts it); loads it if
-        needed, one load at a time. Pair with :meth:`_checkin`."""
+                  cancel: threading.Event | None, installed: InstalledModel | None = None) -> RunningModel:
+        """The loaded model for ``name`` with one more reference (so nothing evicts it); prepares and loads it
+        if needed (:meth:`Loader.prepare`, then memory made for its estimate, one load at a time). ``installed``:
+        ``name`` as the caller read it from the store already. Pair with :meth:`_checkin`."""
         ka = self.keep_alive if keep_alive is None else keep_alive
-        options = self.loader.options(options)
         while True:
             running = self._reuse(name, options, ka)  # loaded and compatible: no need to queue behind a load
             if running is not None:
                 return running
-            model, p = self.loader.plan(name, options)
-            options = self.loader.model_options(model, options)  # a created model's num_ctx, DRAFT, ...
-            running = self._reuse(model.name, options, ka, alias=name)  # loaded under its canonical name
+            prepared = self.loader.prepare(name, options, model=installed)
+            running = self._reuse(prepared.name, prepared.options, ka, alias=name)  # under its canonical name
             if running is not None:
                 return running
-            self.loader.check_fits(model, p)
-            need = self._estimate(p)
+            prepared.check_fits()
             _acquire(self._load_lock, cancel)
             try:
                 if self._closed.is_set():
                     raise LocalLLMError("localllm is shutting down; no model is loaded any more.")
                 with self._lock:
-                    running = self._reuse(model.name, options, ka, alias=name)  # loaded by another request meanwhile
+                    running = self._reuse(prepared.name, prepared.options, ka, alias=name)  # loaded meanwhile
                     if running is not None:
                         return running
-                    old = self._lookup(model.name)  # loaded with other options: it closes once its requests end
+                    old = self._lookup(prepared.name)  # loaded with other options: it closes once its requests end
                     close_old = old is not None and self._retire(old) and old.refs == 0
                 if old is not None and close_old:
                     self._close(old)
-                if self._make_room(need):
-                    return self._load(name, model, options, p, need, ka, cancel)
+                if self._make_room(prepared.estimate):
+                    return self._load(name, prepared, ka, cancel)
             finally:
                 self._load_lock.release()
-            self._wait_for_room(need, cancel)  # the models in the way are busy: wait, holding no lock
+            self._wait_for_room(prepared.estimate, cancel)  # the models in the way are busy: wait, holding no lock
 
-    def _load(self, name: str, model: InstalledModel, options: LoadOptions, p: Plan, need: int,
-              keep_alive: float, cancel: threading.Event | None) -> RunningModel:
-        """Load ``model`` through the loader and put it in service with one reference. Hold ``_load_lock``."""
-        loaded, load_ns, p = self.loader.load_fitting(model, options, p, cancel)
+    def _load(self, name: str, prepared: Prepared, keep_alive: float, cancel: threading.Event | None) -> RunningModel:
+        """Load ``prepared`` through the loader and put it in service with one reference. Hold ``_load_lock``."""
+        loaded, load_ns, done = self.loader.load_fitting(prepared, cancel)
+        model = done.model
         now = time.monotonic()
         running = RunningModel(
             name=model.name,
             digest=model.model_digest,  # a created model's own, not its base's (ps)
             model=loaded,
-            options=options,
-            plan=p,
+            options=done.options,
+            plan=done.plan,
             loaded_at=time.time(),
             load_duration_ns=load_ns,
             keep_alive=keep_alive,
             expires_at=now + keep_alive,
             refs=1,
-            estimate=need,
+            estimate=prepared.estimate,  # what was budgeted (a fallback's plan takes no more)
             installed=model,
         )
         with self._lock:
@@ -368,7 +266,7 @@ class Engine:
             running.refs -= 1
             if keep_alive is not None:
                 running.keep_alive = keep_alive
-            self._touch(running, running.keep_alive)
+            running.touch(running.keep_alive)
             close_now = running.refs == 0 and (running.closed or running.keep_alive == 0)
             if close_now:
                 self._retire(running)
@@ -376,34 +274,7 @@ class Engine:
         if close_now:
             self._close(running)
 
-    @staticmethod
-    def _compatible(running: RunningModel, options: LoadOptions) -> bool:
-        """Whether ``running`` can serve a request that asks for ``options`` (``None`` and ``auto`` take what
-        is loaded; ``embedding`` does not matter: every loaded model embeds)."""
-        want, have = options, running.options
-        if want.num_ctx is not None and want.num_ctx != running.info.n_ctx:
-            return False
-        for f in ("num_gpu", "kv_cache_type", "num_thread", "num_parallel"):
-            if getattr(want, f) is not None and getattr(want, f) != getattr(have, f):
-                return False
-        if want.backend != "auto" and want.backend != running.plan.backend:
-            return False
-        if want.draft != "auto" and (want.draft, want.num_draft) != (have.draft, have.num_draft):
-            return False
-        return True
-
-    def _touch(self, running: RunningModel, keep_alive: float) -> None:
-        running.keep_alive = keep_alive
-        running.last_used = time.monotonic()
-        running.expires_at = running.last_used + keep_alive
-
     # ------------------------------------------------------------------ memory
-
-    @staticmethod
-    def _estimate(p: Plan) -> int:
-        """Bytes the planner expects this load to take (weights + KV + compute + overhead, draft included),
-        RAM and VRAM together: ``Plan.memory.total``."""
-        return int(p.memory.total)
 
     def _budget(self) -> int:
         """Memory all loaded models may take together: ``memory_budget``, else what was free (RAM +
@@ -424,25 +295,8 @@ class Engine:
         return int(ram * 0.9) + int(vram * 0.9)
 
     def _in_the_way(self, need: int, budget: int) -> list[RunningModel] | None:
-        """None when ``need`` more bytes fit the budget and the count stays under ``max_loaded``; else the idle
-        models to unload for it, least recently used first, or ``[]`` when that would not do (busy models are
-        in the way: unloading idle ones would not make room yet). The first model always fits (the planner
-        already said whether it does). Hold ``_lock``."""
-        resident = [*self._models.values(), *self._leaving]
-        used, count = sum(m.estimate or m.size for m in resident), len(resident)
-
-        def fits() -> bool:
-            return count == 0 or ((self.max_loaded <= 0 or count < self.max_loaded) and used + need <= budget)
-
-        if fits():
-            return None
-        victims = []
-        for m in sorted((m for m in resident if m.refs == 0 and not m.closed), key=lambda m: m.last_used):
-            victims.append(m)
-            used, count = used - (m.estimate or m.size), count - 1
-            if fits():
-                return victims
-        return []
+        """:func:`~localllm.residency.in_the_way` of the models resident now. Hold ``_lock``."""
+        return in_the_way([*self._models.values(), *self._leaving], need, budget, self.max_loaded)
 
     def _make_room(self, need: int) -> bool:
         """Unload idle models, least recently used first, until ``need`` fits; False (nothing unloaded) when
@@ -491,14 +345,15 @@ class Engine:
     # ------------------------------------------------------------------ work
 
     def _start(self, name: str, request: GenerateRequest, options: LoadOptions, cancel: threading.Event,
-               keep_alive: float | None, t_start: int) -> tuple[RunningModel, bool, Channel[Event]]:
+               keep_alive: float | None, t_start: int, installed: InstalledModel | None,
+               ) -> tuple[RunningModel, bool, Channel[Event]]:
         """Load (or find) ``name`` and queue ``request`` on its decode loop: (model, was it loaded, events).
         The caller owns one reference on the model (``_checkin`` when the stream ends)."""
         self._enter_queue()
         try:
             while True:
                 was_loaded = self._lookup(name) is not None
-                running = self._checkout(name, options, keep_alive, cancel)
+                running = self._checkout(name, options, keep_alive, cancel, installed)
                 if running.closed:  # unloaded between the lookup and now: load again
                     self._checkin(running, keep_alive)
                     continue
@@ -528,11 +383,13 @@ class Engine:
         *,
         cancel: threading.Event | None = None,
         keep_alive: float | None = None,
+        installed: InstalledModel | None = None,
     ) -> Generator[Event, None, None]:
         """Stream events for ``request`` on ``name`` (loaded on demand). The last event is :class:`Done`;
         its ``stats.load_duration`` includes the load if this call loaded the model. A prompt that does not fit
         the loaded context reloads the model with one that fits when the request leaves the context to the
-        planner (:meth:`_grown`).
+        planner (:func:`~localllm.growth.grown`). ``installed``: ``name`` as the caller read it from the store
+        already (the server does, to answer 404 first): a load does not read it again.
 
         Raises :class:`ServerBusyError` on the first ``next()`` when the queue is full. Closing the
         generator early cancels the request at the next step."""
@@ -542,10 +399,11 @@ class Engine:
             yield Done(Stats(), finish_reason="cancelled")
             return
         self._track(cancel)
-        request, options = self._growable(request, options or LoadOptions())
+        request, options = growable(request, options or LoadOptions())
         try:
             while True:
-                running, was_loaded, events = self._start(name, request, options, cancel, keep_alive, t_start)
+                running, was_loaded, events = self._start(name, request, options, cancel, keep_alive, t_start,
+                                                          installed)
                 retry = None
                 sent = False
                 try:
@@ -568,43 +426,11 @@ class Engine:
         finally:
             self._untrack(cancel)
 
-    # ------------------------------------------------------------------ the context an agent's prompt needs
-
-    @staticmethod
-    def _growable(request: GenerateRequest, options: LoadOptions) -> tuple[GenerateRequest, LoadOptions]:
-        """A request that leaves the context to the planner keeps every turn: the context grows instead."""
-        if options.num_ctx is None and request.messages is not None and not request.keep_turns:
-            return replace(request, keep_turns=True), options
-        return request, options
-
     def _grown(self, running: RunningModel, request: GenerateRequest, options: LoadOptions,
                e: ContextOverflowError) -> tuple[GenerateRequest, LoadOptions] | None:
-        """What to retry a request with whose prompt did not fit ``running``'s context: a larger context (the
-        smallest power of two that holds the prompt and the answer's reserve, up to the trained context and
-        to what the planner says memory holds), else the same context with old turns dropped as usual (which
-        raises the overflow with its numbers when even that does not fit); None: nothing more to try."""
-        from backends.base import answer_reserve
-
-        if options.num_ctx is not None and not request.keep_turns:
-            return None  # the context was asked for
-        have = running.info.n_ctx
-        trained = running.info.n_ctx_train or have
-        fallback = (replace(request, keep_turns=False), options) if request.keep_turns else None
-        derived = running.installed.derived if running.installed is not None else None
-        if derived is not None and derived.parameters.get("num_ctx"):
-            return fallback  # a created model's PARAMETER num_ctx is a setting: honoured, as a request's is
-        want = have
-        while want < trained and e.prompt_tokens > want - answer_reserve(request.sampling.max_tokens, want):
-            want *= 2
-        want = min(want, trained)
-        while want > have:
-            _, p = self.loader.plan(running.name, replace(options, num_ctx=want))
-            if p.verdict != "too_big":
-                log.info("%s: the prompt needs %d tokens; reloading with a %d-token context (was %d)",
-                         running.name, e.prompt_tokens, want, have)
-                return request, replace(options, num_ctx=want)
-            want //= 2
-        return fallback
+        """:func:`~localllm.growth.grown`, asking the loader whether each larger context fits."""
+        return grown(running, request, options, e,
+                     lambda want: self.loader.prepare(running.name, replace(options, num_ctx=want)).plan.fits)
 
     def _release(self, running: RunningModel, events: Channel[Event], cancel: threading.Event,
                  keep_alive: float | None) -> None:
@@ -631,6 +457,7 @@ class Engine:
         *,
         cancel: threading.Event | None = None,
         keep_alive: float | None = None,
+        installed: InstalledModel | None = None,
     ) -> AsyncGenerator[Event, None]:
         """:meth:`generate` for asyncio callers: the load runs in a worker thread, the events arrive
         from the model's decode loop through the event loop. Leaving the ``async for`` early (or the
@@ -646,11 +473,11 @@ class Engine:
         t_start = time.perf_counter_ns()
         cancel = cancel if cancel is not None else threading.Event()
         self._track(cancel)
-        request, options = self._growable(request, options or LoadOptions())
+        request, options = growable(request, options or LoadOptions())
         try:
             while True:
                 started = asyncio.ensure_future(asyncio.to_thread(
-                    self._start, name, request, options, cancel, keep_alive, t_start))
+                    self._start, name, request, options, cancel, keep_alive, t_start, installed))
                 try:
                     running, was_loaded, events = await asyncio.shield(started)
                 except asyncio.CancelledError:  # the caller left during the load: the thread goes on, its

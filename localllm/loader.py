@@ -1,5 +1,8 @@
-"""The loader: plan → load. From an installed model and :class:`LoadOptions` it makes the planner's
-:class:`~localllm.planner.Plan`, the :class:`LoadSpec` with its draft (:class:`DraftSpec`) and prompt cache
+"""The loader: prepare → load. :meth:`Loader.prepare` is the one place a load is prepared: from a name and
+:class:`LoadOptions` it reads the installed model, merges the options (the request's, a created model's
+PARAMETERs and DRAFT, the defaults) and makes the planner's :class:`~localllm.planner.Plan` with its memory
+estimate: a :class:`Prepared`, what ``probe`` prints, the advice judges and the engine loads. :meth:`Loader.load`
+turns it into the :class:`LoadSpec` with its draft (:class:`DraftSpec`) and prompt cache
 (:class:`PromptCacheSpec`), prepares the weights the backend takes (an MLX conversion on first use) and starts
 the model's decode loop (:class:`backends.loop.LoadedModel`). Which models stay loaded, for how long and who
 uses them is the engine's (:mod:`localllm.engine`); the loader keeps nothing of a model it has loaded.
@@ -34,7 +37,7 @@ log = logging.getLogger("localllm.loader")
 if TYPE_CHECKING:
     from localllm.hardware import HardwareInfo
     from localllm.mlxmodels import ConversionProgress
-    from localllm.planner import Plan
+    from localllm.planner import DevicePlan, Plan
     from localllm.store import InstalledModel, Store
 
 
@@ -54,6 +57,51 @@ class LoadOptions:
     num_parallel: int | None = None  # slots; None = LOCALLLM_NUM_PARALLEL, else the planner (4 where it fits)
     devices: tuple[str, ...] | None = None  # llama.cpp devices to offload to ("RPC0", "CUDA1"; "CPU" = none)
     tensor_split: tuple[float, ...] | None = None  # their shares of the layers (default: by usable memory)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A load made ready by :meth:`Loader.prepare`, nothing loaded yet: what ``probe`` prints, the advice judges,
+    the engine budgets memory for and then loads (:meth:`Loader.load_fitting`)."""
+
+    model: InstalledModel  # read from the store once
+    options: LoadOptions  # the request's, with a created model's PARAMETERs/DRAFT and the loader's backend
+    plan: Plan  # the planner's: backend, layers, context, slots, memory (Plan.memory), devices (Plan.devices)
+
+    @property
+    def name(self) -> str:
+        """The store's canonical name (what the engine keys a loaded model by)."""
+        return self.model.name
+
+    @property
+    def estimate(self) -> int:
+        """Bytes the planner expects this load to take, RAM and device memory together: ``Plan.memory.total``."""
+        return int(self.plan.memory.total)
+
+    @property
+    def devices(self) -> list[DevicePlan]:
+        """The llama.cpp devices the layers go to, in llama.cpp's order, with each one's estimate ([]: one GPU or
+        none)."""
+        return self.plan.devices
+
+    def check_fits(self) -> None:
+        """Raise :class:`PlanError` (the planner's reason) when the plan says the model does not fit this machine."""
+        p = self.plan
+        if p.verdict != "too_big":
+            return
+        why = next((r for r in p.reasons if r.startswith("does not fit")), None)
+        if why:
+            raise PlanError(why.removeprefix("does not fit: ").rstrip(".") + "; it does not fit this machine.")
+        raise PlanError(f"{self.model.name} does not fit this machine: {'; '.join(p.reasons)}")
+
+
+def plan_line(p: Plan) -> str:
+    """The plan in one line, as ``probe`` and ``run --verbose`` print it: the planner's summary and the layers
+    offloaded.
+
+    ``"llama.cpp on CPU, CPU, 4,096-token context, 4 slots, 412 MiB; 0/31 layers offloaded"``
+    """
+    return f"{p.summary}; {p.n_gpu_layers}/{p.n_layers + 1} layers offloaded"
 
 
 def _env_parallel() -> int | None:
@@ -118,7 +166,7 @@ class Loader:
         """Stop a conversion in progress (at its next progress report); used when the engine closes."""
         self._stopped.set()
 
-    # ------------------------------------------------------------------ plan
+    # ------------------------------------------------------------------ prepare
 
     def options(self, options: LoadOptions) -> LoadOptions:
         """``options`` with the loader's backend (``Engine(backend=)`` / ``LOCALLLM_BACKEND``) where it says auto."""
@@ -126,17 +174,43 @@ class Loader:
             return replace(options, backend=self.backend)
         return options
 
+    def prepare(self, name: str, options: LoadOptions | None = None, *,
+                model: InstalledModel | None = None) -> Prepared:
+        """Everything about loading ``name`` that is known before it loads, nothing loaded: the installed model
+        (the store read once), the options merged (the request's, then a created model's PARAMETERs and DRAFT
+        where the request leaves them, the loader's backend where it says auto) and the planner's plan with its
+        memory estimate and devices. The one way a load is prepared: the engine loads what this returns; probe,
+        the advice (fit verdicts, the TUI) and bench show it. A plan that does not fit is returned
+        (``verdict="too_big"``; :meth:`Prepared.check_fits` raises); an impossible request raises. ``model``:
+        ``name`` as the caller read it from the store already (then the store is not read).
+
+            prepared = Loader(Store()).prepare("smollm2:135m", LoadOptions(num_ctx=2048))
+            prepared.plan.n_ctx      # 2048
+            prepared.estimate        # bytes, what the engine makes room for
+        """
+        options = self.options(options or LoadOptions())
+        if options.num_ctx is not None and options.num_ctx < MIN_CTX:
+            raise LocalLLMError(f"num_ctx must be at least {MIN_CTX} tokens, got {options.num_ctx}.")
+        model = model if model is not None else self.store.get(name)
+        options = self.model_options(model, options)
+        return Prepared(model, options, self._plan(model, options))
+
+    def replan(self, prepared: Prepared, **changes: Any) -> Prepared:
+        """``prepared`` planned again with ``changes`` to its options (``num_gpu=``, ``num_ctx=``), the store not
+        read again; the options it keeps are the ones asked for (a fallback's ``num_gpu`` is the plan's)."""
+        return replace(prepared, plan=self._plan(prepared.model, replace(prepared.options, **changes)))
+
     def plan(self, name: str, options: LoadOptions | None = None) -> tuple[InstalledModel, Plan]:
-        """(installed model, plan) without loading anything."""
+        """(installed model, plan): :meth:`prepare`'s two parts, for a caller that needs no more."""
+        prepared = self.prepare(name, options)
+        return prepared.model, prepared.plan
+
+    def _plan(self, model: InstalledModel, options: LoadOptions) -> Plan:
+        """The planner's plan for ``model`` with merged ``options`` on this machine."""
         from localllm.ggufinfo import info_of
         from localllm.mlxmodels import mlx_for_plan
         from localllm.planner import plan
 
-        options = self.options(options or LoadOptions())
-        if options.num_ctx is not None and options.num_ctx < MIN_CTX:
-            raise LocalLLMError(f"num_ctx must be at least {MIN_CTX} tokens, got {options.num_ctx}.")
-        model = self.store.get(name)
-        options = self.model_options(model, options)
         info = info_of(model.info, model.path, model.digest)
         kv = options.kv_cache_type or config.kv_cache_type()
         if options.devices:
@@ -147,7 +221,7 @@ class Loader:
                                     f"{', '.join(known) or 'none: llama.cpp is not installed'}).")
             if set(options.devices) == {"CPU"}:
                 options = replace(options, num_gpu=0)
-        p = plan(
+        return plan(
             info,
             self.hardware,
             num_ctx=options.num_ctx,
@@ -165,7 +239,6 @@ class Loader:
             tensor_split=list(options.tensor_split) if options.tensor_split else None,
             swa_full=config.swa_full(),
         )
-        return model, p
 
     @staticmethod
     def model_options(model: InstalledModel, options: LoadOptions) -> LoadOptions:
@@ -187,23 +260,13 @@ class Loader:
                 changes["num_draft"] = max(1, min(int(p["draft_num_predict"]), 64))
         return replace(options, **changes) if changes else options  # type: ignore[arg-type]
 
-    @staticmethod
-    def check_fits(model: InstalledModel, p: Plan) -> None:
-        """Raise :class:`PlanError` (the planner's reason) when ``p`` says the model does not fit this machine."""
-        if p.verdict != "too_big":
-            return
-        why = next((r for r in p.reasons if r.startswith("does not fit")), None)
-        if why:
-            raise PlanError(why.removeprefix("does not fit: ").rstrip(".") + "; it does not fit this machine.")
-        raise PlanError(f"{model.name} does not fit this machine: {'; '.join(p.reasons)}")
-
     # ------------------------------------------------------------------ load
 
-    def load(self, model: InstalledModel, options: LoadOptions, p: Plan,
-             cancel: threading.Event | None) -> tuple[LoadedModel, int]:
-        """Load ``model`` as ``p`` says (converting its weights first where the plan asks): (its decode loop,
-        load time in ns). ``cancel`` stops a conversion."""
-        spec = self.spec(model, options, p)
+    def load(self, prepared: Prepared, cancel: threading.Event | None) -> tuple[LoadedModel, int]:
+        """Load ``prepared`` as its plan says (converting the weights first where the plan asks): (its decode
+        loop, load time in ns). ``cancel`` stops a conversion."""
+        model, p = prepared.model, prepared.plan
+        spec = self.spec(model, prepared.options, p)
         before_load = None
         if p.mlx_convert:  # on the thread that will run it (MLX keeps per-thread state)
             from localllm.mlxmodels import mlx_dtype
@@ -218,30 +281,30 @@ class Loader:
                              before_load=before_load)
         return loaded, time.perf_counter_ns() - t0
 
-    def load_fitting(self, model: InstalledModel, options: LoadOptions, p: Plan,
-                     cancel: threading.Event | None, say: Callable[[str], None] | None = None,
-                     ) -> tuple[LoadedModel, int, Plan]:
+    def load_fitting(self, prepared: Prepared, cancel: threading.Event | None,
+                     say: Callable[[str], None] | None = None) -> tuple[LoadedModel, int, Prepared]:
         """:meth:`load`, and where the devices run out of memory at load (the estimate was short, another
-        process took memory), fall back with one line each: half the GPU layers, then the CPU. Returns the plan
-        that loaded. A load asked for with ``num_gpu`` is not second-guessed."""
+        process took memory), fall back with one line each: half the GPU layers, then the CPU (planned again
+        with :meth:`replan`). Returns what loaded. A load asked for with ``num_gpu`` is not second-guessed."""
         from backends.base import ModelLoadError
 
         tried_half = False
         while True:
+            p = prepared.plan
             try:
-                loaded, ns = self.load(model, options, p, cancel)
-                return loaded, ns, p
+                loaded, ns = self.load(prepared, cancel)
+                return loaded, ns, prepared
             except ModelLoadError as e:
-                if p.n_gpu_layers <= 0 or options.num_gpu is not None or p.backend != "llamacpp" \
+                if p.n_gpu_layers <= 0 or prepared.options.num_gpu is not None or p.backend != "llamacpp" \
                         or "memory" not in str(e).lower():
                     raise
                 fewer = p.n_gpu_layers // 2 if p.n_gpu_layers > 1 and not tried_half else 0
                 tried_half = True
-                line = (f"{model.name}: out of device memory at load with {p.n_gpu_layers} layers offloaded; "
+                line = (f"{prepared.name}: out of device memory at load with {p.n_gpu_layers} layers offloaded; "
                         + (f"loading with {fewer}" if fewer else "loading on the CPU only"))
                 (say or log.warning)(line)
-                _, p = self.plan(model.name, replace(options, num_gpu=fewer))
-                p.reasons.append(line)
+                prepared = self.replan(prepared, num_gpu=fewer)
+                prepared.plan.reasons.append(line)
 
     def spec(self, model: InstalledModel, options: LoadOptions, p: Plan) -> LoadSpec:
         """What the backend is given to load ``model`` as planned (``model_path`` set by the conversion when the

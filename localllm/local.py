@@ -180,6 +180,8 @@ class LocalRunner:
 
 
 def running(m: RunningModel) -> Running:
+    from localllm.loader import plan_line
+
     info = m.info
     wall = m.expires_at_wall
     return Running(
@@ -188,7 +190,7 @@ def running(m: RunningModel) -> Running:
         kv_cache_type=info.kv_cache_type, n_gpu_layers=info.n_gpu_layers, n_layers=info.n_layers, draft=info.draft,
         n_threads=m.model.spec.n_threads, slots=info.n_seq, kv_cache_bytes=_kv_bytes(m),
         slots_busy=m.metrics.slots_busy, batched=m.batched, prompt_cache_entries=m.metrics.prompt_cache_entries,
-        prompt_cache_bytes=m.metrics.prompt_cache_bytes, devices=device_use(m),
+        prompt_cache_bytes=m.metrics.prompt_cache_bytes, devices=device_use(m), plan=plan_line(m.plan),
     )
 
 
@@ -266,8 +268,8 @@ class LocalAdvisor:
         self.engine = engine
 
     def fit(self, name: str) -> Fit:
-        model, plan = self.engine.plan_for(name)
-        return fit_of(plan, model.name)
+        prepared = self.engine.prepare(name)
+        return fit_of(prepared.plan, prepared.name)
 
     def catalog(self) -> list[CatalogItem]:
         store = self.engine.store

@@ -1,4 +1,4 @@
-"""The loader on its own (no engine): plan → spec → a decode loop that answers; the draft and context choices a
+"""The loader on its own (no engine): prepare → spec → a decode loop that answers; the draft and context choices a
 user makes reach the spec; a context below the floor is refused before anything loads."""
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ def loader(default_model):
 
 def test_the_loader_loads_a_model_that_answers_without_an_engine(loader):
     options = LoadOptions(num_ctx=1024, num_thread=3, embedding=True)
-    model, plan = loader.plan(MODEL, options)
-    loader.check_fits(model, plan)
-    loaded, load_ns = loader.load(model, options, plan, None)
+    prepared = loader.prepare(MODEL, options)
+    prepared.check_fits()
+    model, plan = prepared.model, prepared.plan
+    assert prepared.estimate == plan.memory.total > 0 and prepared.options.num_thread == 3
+    loaded, load_ns = loader.load(prepared, None)
     try:
         assert load_ns > 0
         assert loaded.spec.model_path == str(model.path)

@@ -108,10 +108,17 @@ def stats_lines(stats: Stats) -> list[str]:
     return lines
 
 
-def print_stats(stats: Stats, err: IO[str] | None = None) -> None:
+def print_stats(stats: Stats, err: IO[str] | None = None, plan: str = "") -> None:
+    """The ``--verbose`` block on ``err``; ``plan``: the loaded model's plan line (:func:`loaded_plan`), last."""
     err = err or sys.stderr
-    err.write("\n".join(stats_lines(stats)) + "\n")
+    err.write("\n".join(stats_lines(stats) + ([f"plan:                 {plan}"] if plan else [])) + "\n")
     err.flush()
+
+
+def loaded_plan(runner: Runner, name: str) -> str:
+    """The plan ``name`` loaded with, in the line ``localllm probe`` prints for it (in-process; "" from a server,
+    which does not say)."""
+    return next((m.plan for m in runner.ps() if m.name == name), "")
 
 
 def overflow_note(stats: Stats) -> str | None:

@@ -93,6 +93,7 @@ class Variant:
     kv_cache_bytes: int | None = None
     load_ms: float | None = None
     n_ctx: int | None = None
+    plan: str = ""  # the plan it loaded with (localllm.loader.plan_line), as `localllm probe` prints it
     error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -112,6 +113,7 @@ class Variant:
             kv_cache_bytes=self.kv_cache_bytes,
             n_ctx=self.n_ctx,
             load_ms=round(self.load_ms, 1) if self.load_ms is not None else None,
+            plan=self.plan,
         )
         return out
 
@@ -150,6 +152,7 @@ def run_variant(runner: LocalRunner, name: str, variant: Variant, *, pp: int, tg
         variant.load_ms = (time.perf_counter() - t0) * 1000
         variant.kv_cache_bytes = running.kv_cache_bytes
         variant.n_ctx = n_ctx = running.context_length
+        variant.plan = running.plan
         if pp + 8 > n_ctx or 16 + tg > n_ctx:
             raise LocalLLMError(f"--pp {pp} / --tg {tg} do not fit the {n_ctx}-token context.")
         greedy = Sampling(temperature=0.0, seed=0, max_tokens=8)

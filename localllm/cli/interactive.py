@@ -32,6 +32,7 @@ from localllm.cli.answer import (
     RunSettings,
     ctrl_c_sets,
     ensure_model,
+    loaded_plan,
     overflow_note,
     parse_think_flag,
     print_stats,
@@ -231,7 +232,7 @@ class Repl:
             self.err.write(f"{overflow_note(done.stats)}\n")
             del self.messages[:dropped]  # the backend left them out; keep our copy in step
         if self.settings.verbose:
-            print_stats(done.stats, self.err)
+            print_stats(done.stats, self.err, loaded_plan(self.runner, self.model))
 
     # -------------------------------------------------------------------------------- tools (MCP)
 

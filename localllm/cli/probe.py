@@ -33,11 +33,11 @@ if TYPE_CHECKING:
 def plan_for_model(name: str, hw: HardwareInfo, *, num_ctx: int | None, kv_cache_type: str, backend: str,
                    num_gpu: int | None, store: Store | None = None,
                    ) -> tuple[InstalledModel | None, Plan | None, str | None]:
-    """(installed model or None, plan or None, why there is no plan), made by the engine's own loader
-    (:meth:`localllm.loader.Loader.plan`): the same plan ``serve`` and the REPL load — a created model's
-    ``num_ctx``, the projector's memory, ``LOCALLLM_NUM_PARALLEL``, ``LOCALLLM_BACKEND``, MLX weights or their
-    conversion. A model that is not installed yields no plan (the planner needs its GGUF metadata); an
-    impossible request yields PlanError's sentence."""
+    """(installed model or None, plan or None, why there is no plan), prepared as the engine prepares a load
+    (:meth:`localllm.loader.Loader.prepare`): the same plan ``run``, ``serve`` and the REPL load — a created
+    model's ``num_ctx``, the projector's memory, ``LOCALLLM_NUM_PARALLEL``, ``LOCALLLM_BACKEND``, llama.cpp's
+    devices (RPC workers), MLX weights or their conversion. A model that is not installed yields no plan (the
+    planner needs its GGUF metadata); an impossible request yields PlanError's sentence."""
     from localllm.errors import LocalLLMError, ModelNotFoundError
     from localllm.loader import Loader, LoadOptions
     from localllm.store import Store as _Store
@@ -45,8 +45,9 @@ def plan_for_model(name: str, hw: HardwareInfo, *, num_ctx: int | None, kv_cache
     store = store or _Store()
     loader = Loader(store, hardware=hw)
     try:
-        return (*loader.plan(name, LoadOptions(num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend,
-                                                num_gpu=num_gpu)), None)
+        prepared = loader.prepare(name, LoadOptions(num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend,
+                                                    num_gpu=num_gpu))
+        return prepared.model, prepared.plan, None
     except ModelNotFoundError as e:
         return None, None, f"{e} (The plan needs its GGUF metadata.)"
     except LocalLLMError as e:
@@ -96,6 +97,8 @@ def render(hw: HardwareInfo, name: str, model: InstalledModel | None, p: Plan | 
     from rich.console import Console
     from rich.table import Table
 
+    from localllm.loader import plan_line
+
     console = Console(highlight=False, soft_wrap=True)
     table = Table(title="Hardware", title_justify="left", show_header=False, box=None, padding=(0, 2))
     table.add_column(style="bold")
@@ -122,7 +125,7 @@ def render(hw: HardwareInfo, name: str, model: InstalledModel | None, p: Plan | 
     if p is None:
         console.print(f"  {why}", markup=False)
         return
-    console.print(f"  {p.summary}", markup=False)
+    console.print(f"  {plan_line(p)}", markup=False)
     for r in p.reasons:
         console.print(f"  - {r}", markup=False)
     mtp = int(model.info.get("mtp_layers") or 0) if model is not None else 0

@@ -48,6 +48,7 @@ from localllm.cli.answer import (
     RunSettings,
     build_settings,
     ensure_model,
+    loaded_plan,
     overflow_note,
     print_stats,
     stream_answer,
@@ -272,6 +273,6 @@ def one_shot(runner: Runner, name: str, text: str, settings: RunSettings,
         if note:
             err.write(note + "\n")
         if settings.verbose:
-            print_stats(done.stats, err)
+            print_stats(done.stats, err, loaded_plan(runner, name))
     return 130 if answer.cancelled else 0
 

@@ -186,7 +186,7 @@ async def begin(http: Request, call: Call) -> Run:
         if call.request.messages is not None:
             await run_sync(resolve, call.request.messages)
     options = context_of(http, call.options, model)
-    agen = engine_of(http).agenerate(name, call.request, options, keep_alive=call.keep_alive)
+    agen = engine_of(http).agenerate(name, call.request, options, keep_alive=call.keep_alive, installed=model)
     first = await first_event(agen, http)  # a failure before any output raises here: a real status
     return Run(first, agen)
 

@@ -16,7 +16,7 @@ from fastapi import Request
 
 if TYPE_CHECKING:
     from localllm.engine import Event, GenerateRequest, LoadOptions, Pooled, RunningModel, Stats
-    from localllm.store import Store
+    from localllm.store import InstalledModel, Store
 
 T = TypeVar("T")
 
@@ -38,8 +38,10 @@ class ServerEngine(Protocol):
         ...
 
     def agenerate(self, name: str, request: GenerateRequest, options: LoadOptions | None = None, *,
-                  cancel: threading.Event | None = None,
-                  keep_alive: float | None = None) -> AsyncGenerator[Event, None]: ...
+                  cancel: threading.Event | None = None, keep_alive: float | None = None,
+                  installed: InstalledModel | None = None) -> AsyncGenerator[Event, None]:
+        """``installed``: ``name`` as the server read it from the store (a load does not read it again)."""
+        ...
 
     def load(self, name: str, options: LoadOptions | None = None, *,
              keep_alive: float | None = None) -> RunningModel: ...

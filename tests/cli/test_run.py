@@ -22,7 +22,7 @@ from localllm.cli.answer import stats_lines
 from localllm.cli.display import go_duration
 
 STATS_FIELDS = ["total duration", "load duration", "prompt eval count", "prompt eval duration", "prompt eval rate",
-                "eval count", "eval duration", "eval rate", "prompt cache"]
+                "eval count", "eval duration", "eval rate", "prompt cache", "plan"]  # plan: as probe prints it
 
 
 def run_cli(*args: str, input: str | None = None):

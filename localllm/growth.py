@@ -1,0 +1,56 @@
+"""A prompt that outgrows the loaded context: a request that leaves the context to the planner keeps every turn
+(:func:`growable`), and when its prompt does not fit the model is loaded again with a larger context
+(:func:`grown`), where the trained context and the planner's memory estimate allow; else old turns are dropped
+as usual. The engine retries with what these return.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from backends.base import ContextOverflowError, GenerateRequest
+from localllm.loader import LoadOptions
+
+if TYPE_CHECKING:
+    from localllm.residency import RunningModel
+
+log = logging.getLogger("localllm.engine")
+
+
+def growable(request: GenerateRequest, options: LoadOptions) -> tuple[GenerateRequest, LoadOptions]:
+    """A request that leaves the context to the planner keeps every turn: the context grows instead."""
+    if options.num_ctx is None and request.messages is not None and not request.keep_turns:
+        return replace(request, keep_turns=True), options
+    return request, options
+
+
+def grown(running: RunningModel, request: GenerateRequest, options: LoadOptions, e: ContextOverflowError,
+          fits: Callable[[int], bool]) -> tuple[GenerateRequest, LoadOptions] | None:
+    """What to retry a request with whose prompt did not fit ``running``'s context: a larger context (the
+    smallest power of two that holds the prompt and the answer's reserve, up to the trained context and
+    to what ``fits(n_ctx)``, the planner, says memory holds), else the same context with old turns dropped as
+    usual (which raises the overflow with its numbers when even that does not fit); None: nothing more to try."""
+    from backends.base import answer_reserve
+
+    if options.num_ctx is not None and not request.keep_turns:
+        return None  # the context was asked for
+    have = running.info.n_ctx
+    trained = running.info.n_ctx_train or have
+    fallback = (replace(request, keep_turns=False), options) if request.keep_turns else None
+    derived = running.installed.derived if running.installed is not None else None
+    if derived is not None and derived.parameters.get("num_ctx"):
+        return fallback  # a created model's PARAMETER num_ctx is a setting: honoured, as a request's is
+    want = have
+    while want < trained and e.prompt_tokens > want - answer_reserve(request.sampling.max_tokens, want):
+        want *= 2
+    want = min(want, trained)
+    while want > have:
+        if fits(want):
+            log.info("%s: the prompt needs %d tokens; reloading with a %d-token context (was %d)",
+                     running.name, e.prompt_tokens, want, have)
+            return request, replace(options, num_ctx=want)
+        want //= 2
+    return fallback
