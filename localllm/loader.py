@@ -54,6 +54,8 @@ class LoadOptions:
     num_parallel: int | None = None  # slots; None = LOCALLLM_NUM_PARALLEL, else the planner (4 where it fits)
     devices: tuple[str, ...] | None = None  # llama.cpp devices to offload to ("RPC0", "CUDA1"; "CPU" = none)
     tensor_split: tuple[float, ...] | None = None  # their shares of the layers (default: by usable memory)
+    cpu_moe: bool = False  # a mixture of experts: every expert tensor in RAM (llama.cpp --cpu-moe)
+    num_cpu_moe: int | None = None  # the first N layers' experts in RAM (--n-cpu-moe N); None = the planner
 
 
 def _env_parallel() -> int | None:
@@ -164,6 +166,8 @@ class Loader:
             devices=[d for d in options.devices if d != "CPU"] if options.devices else None,
             tensor_split=list(options.tensor_split) if options.tensor_split else None,
             swa_full=config.swa_full(),
+            cpu_moe=options.cpu_moe or config.cpu_moe(),
+            num_cpu_moe=options.num_cpu_moe,
         )
         return model, p
 
@@ -262,6 +266,7 @@ class Loader:
             n_ctx=p.n_ctx,
             n_seq=p.n_seq,
             n_gpu_layers=p.n_gpu_layers,
+            n_cpu_moe=p.n_cpu_moe,
             n_threads=options.num_thread or p.n_threads,
             kv_cache_type=p.kv_cache_type,  # type: ignore[arg-type]
             flash_attn=None if p.kv_cache_type == "f16" else True,  # llama.cpp decides (auto)

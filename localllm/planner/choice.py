@@ -51,6 +51,9 @@ class Plan:
     # where the offloaded layers go, device by device in llama.cpp's order (empty: one GPU, or none)
     devices: list[DevicePlan] = field(default_factory=list)
     shares: list[float] | None = None  # --tensor-split as given (None: by usable memory)
+    # a mixture of experts: the first N layers' expert tensors stay in RAM though their layers are offloaded
+    # (llama.cpp's --n-cpu-moe N; n_layers: all of them, --cpu-moe); 0 = none
+    n_cpu_moe: int = 0
 
     @property
     def tensor_split(self) -> list[float]:
@@ -100,7 +103,9 @@ class PlanRequest:
     layers are split over them as llama.cpp splits them (:func:`~localllm.planner.layout.split_layers`,
     ``Plan.devices`` and ``Plan.tensor_split``); ``tensor_split``: the devices' shares instead of their usable
     memory (``--tensor-split 3,1``; one number per device, in that order). ``swa_full``: cache windowed layers
-    whole.
+    whole. ``cpu_moe``: keep every expert tensor of a mixture of experts in RAM; ``num_cpu_moe``: those of the
+    first N layers (llama.cpp's ``--cpu-moe`` / ``--n-cpu-moe N``); neither: the planner keeps as few in RAM as
+    the device needs.
     """
 
     num_ctx: int | None = None
@@ -117,13 +122,16 @@ class PlanRequest:
     devices: list[str] | None = None
     tensor_split: list[float] | None = None
     swa_full: bool = False
+    cpu_moe: bool = False
+    num_cpu_moe: int | None = None
 
 
 def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *, num_ctx: int | None = None,
          kv_cache_type: str = "f16", backend: str = "auto", num_gpu: int | None = None, mlx_model: bool = False,
          draft: GGUFInfo | None = None, mlx: MLXWeights | None = None, num_parallel: int | None = None,
          projector_bytes: int = 0, projector_kind: str = "vision", device_memory: dict[str, int] | None = None,
-         devices: list[str] | None = None, tensor_split: list[float] | None = None, swa_full: bool = False) -> Plan:
+         devices: list[str] | None = None, tensor_split: list[float] | None = None, swa_full: bool = False,
+         cpu_moe: bool = False, num_cpu_moe: int | None = None) -> Plan:
     """Decide how to load ``info`` on ``hw``: ``plan(info, hw, PlanRequest(num_ctx=8192))``, or the same fields
     as keywords (``plan(info, hw, num_ctx=8192)``; :class:`PlanRequest` says what each means). Raises
     :class:`PlanError` for what cannot be done as asked; a model that is simply too big gets
@@ -136,7 +144,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
     asked = PlanRequest(num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend, num_gpu=num_gpu,
                         mlx_model=mlx_model, draft=draft, mlx=mlx, num_parallel=num_parallel,
                         projector_bytes=projector_bytes, projector_kind=projector_kind, device_memory=device_memory,
-                        devices=devices, tensor_split=tensor_split, swa_full=swa_full)
+                        devices=devices, tensor_split=tensor_split, swa_full=swa_full, cpu_moe=cpu_moe,
+                        num_cpu_moe=num_cpu_moe)
     if request is not None and asked != PlanRequest():
         raise TypeError("plan() takes a PlanRequest or keywords, not both")
     req = request if request is not None else asked
@@ -150,7 +159,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
     max_ctx = None
     if verdict != "too_big":
         try:
-            max_ctx = pl.max_ctx(fit.chosen, fit.device, fit.fa, min(lay.ngl, L + 1), fit.n_seq)
+            max_ctx = pl.max_ctx(fit.chosen, fit.device, fit.fa, min(lay.ngl, L + 1), fit.n_seq, lay.n_cpu_moe)
         except Exception:
             max_ctx = None
     ts = req.tensor_split
@@ -159,7 +168,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
                 verdict=verdict, verdict_text=verdict_text, memory=mem, reasons=fit.reasons,  # type: ignore[arg-type]
                 advice="\n".join(fit.advice) or None, draft_n_gpu_layers=lay.draft_ngl, max_ctx=max_ctx,
                 n_seq=fit.n_seq, devices=lay.devices, shares=ts if ts and len(ts) == len(lay.devices) else None,
-                mlx_convert=fit.chosen.converts_from is not None and not choice.mw.installed)
+                mlx_convert=fit.chosen.converts_from is not None and not choice.mw.installed,
+                n_cpu_moe=lay.n_cpu_moe if fit.chosen.memory == "layers" else 0)
 
 
 # ------------------------------------------------------------------------------- 1. the request checked
@@ -186,6 +196,8 @@ def _checked(info: GGUFInfo, req: PlanRequest) -> tuple[str, str]:
         if ctx_train and req.num_ctx > ctx_train:
             raise PlanError(f"A {req.num_ctx:,}-token context is more than {_name(info)} was trained for "
                             f"({ctx_train:,} tokens).")
+    if req.num_cpu_moe is not None and req.num_cpu_moe < 0:
+        raise PlanError(f"num_cpu_moe must be 0 or more layers, got {req.num_cpu_moe}.")
     if req.num_parallel is not None and not 1 <= req.num_parallel <= MAX_PARALLEL:
         raise PlanError(f"num_parallel must be between 1 and {MAX_PARALLEL}, got {req.num_parallel}.")
     return kv, backend
@@ -295,7 +307,8 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
     advice: list[str] = []
     if req.devices:  # --device: only these of llama.cpp's devices take layers
         hw = replace(hw, devices=[d for d in hw.devices if not d.offloads or d.name in req.devices])
-    pl = _Planner(info, hw, c.kv, num_gpu, req.draft, c.mw.weights_bytes, req.device_memory, swa_full=req.swa_full)
+    pl = _Planner(info, hw, c.kv, num_gpu, req.draft, c.mw.weights_bytes, req.device_memory, swa_full=req.swa_full,
+                  cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe)
     pl.shares = req.tensor_split
     device = _device(chosen, hw, reasons, advice, name, c.mw, c.passed, c.status, asked=backend != "auto")
     device = _registry_device(chosen, hw, device, reasons)
@@ -325,7 +338,7 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
                 continue
             for s_ in slot_choices[:-1]:
                 lay_ = pl_.layout(backend_, device_, ctx * s_, fa_, s_)
-                if lay_.fits and lay_.ngl >= base.ngl:
+                if lay_.fits and lay_.ngl >= base.ngl and lay_.n_cpu_moe <= base.n_cpu_moe:
                     return ctx, s_, lay_
             return ctx, slot_choices[-1], base
         n = slot_choices[-1]  # nothing fits: describe the smallest setup at the first context
@@ -343,7 +356,7 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
                        + (", which can keep part of the model on the CPU" if fallback.memory == "layers" else ""))
         chosen, kv_reason = fallback, None
         pl = _Planner(info, hw, (req.kv_cache_type or "f16").lower(), num_gpu, req.draft, caps=req.device_memory,
-                      swa_full=req.swa_full)
+                      swa_full=req.swa_full, cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe)
         device = _device(chosen, hw, reasons, advice, name, c.mw, [], c.status, asked=False)
         device = _registry_device(chosen, hw, device, reasons)
         fa, fa_reason = (False, None) if chosen.memory == "unified" else pl.flash_attn(device)
@@ -370,12 +383,39 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
 # ---------------------------------------------------------------------------------- 4. verdict and reasons
 
 
+def experts_reason(info: GGUFInfo, req: PlanRequest, ngl: int, n_cpu_moe: int, budget_desc: str) -> str:
+    """One line on where a mixture of experts' expert tensors are (``probe``, ``run --verbose``)."""
+    L, eb = info.n_layers, info.expert_bytes
+    ram = sum(eb[:n_cpu_moe])
+    of = f"{info.n_experts} experts a layer, {info.n_experts_used} used per token" if info.n_experts else "experts"
+    if ngl <= 0:
+        return f"experts ({of}) on the CPU with their layers"
+    where = (f"experts of the first {n_cpu_moe} of {L} layers in RAM ({_gb(ram)} of {_gb(sum(eb))})"
+             if n_cpu_moe < L else f"experts of all {L} layers in RAM ({_gb(ram)})")
+    if req.cpu_moe:
+        return f"{where}: asked for with cpu_moe ({of})"
+    if req.num_cpu_moe is not None:
+        return (f"{where}: asked for with num_cpu_moe {req.num_cpu_moe} ({of})" if n_cpu_moe
+                else f"experts on the device with their layers: asked for with num_cpu_moe 0 ({of})")
+    if req.num_gpu is not None and req.num_gpu >= 0:
+        return f"experts ({of}) with their layers: num_gpu places whole layers"
+    if not n_cpu_moe:
+        return (f"experts ({of}) on the device with their layers: {_gb(sum(eb))} in all"
+                if ngl >= L + 1 else
+                f"experts ({of}) with their layers: even with every expert in RAM the device cannot hold every "
+                f"layer's attention and shared tensors, so whole layers are split")
+    return (f"{where}: every layer's attention, router and shared tensors fit on the device ({budget_desc}) but "
+            f"not every expert; the rest stay on the CPU, which runs them for each token ({of})")
+
+
 def _verdict(info: GGUFInfo, fit: _Fit) -> tuple[str, str]:
     L, lay = info.n_layers, fit.lay
     if not lay.fits:
         return "too_big", "does not fit"
     if fit.chosen.memory == "unified":
         return ("gpu", "fits on GPU") if fit.device != "cpu" else ("cpu", "CPU")
+    if lay.ngl >= L + 1 and lay.n_cpu_moe:
+        return "partial", f"experts of {lay.n_cpu_moe}/{L} layers in RAM"
     if lay.ngl >= L + 1:
         return "gpu", "fits on GPU"
     if lay.ngl > 0:
@@ -425,13 +465,16 @@ def _explain(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, fit: _Fit, verd
             reasons.append(f"{min(lay.ngl, L)} of {L} layers on the GPU: asked for with num_gpu {num_gpu}"
                            + (f"; the estimate ({_gb(mem.gpu)}) exceeds {budget_desc}, loading may fail"
                               if over else ""))
-        elif verdict == "gpu":
-            reasons.append(f"all {L} layers and the output layer on the GPU: {_gb(mem.gpu)} of {budget_desc}")
+        elif lay.ngl >= L + 1:
+            reasons.append(f"all {L} layers and the output layer on the GPU: {_gb(mem.gpu)} of {budget_desc}"
+                           + (", the experts of some in RAM (below)" if lay.n_cpu_moe else ""))
         elif verdict == "partial":
             reasons.append(f"{lay.ngl} of {L} layers on the GPU: as many as fit in {budget_desc} "
                            f"(keeping {GPU_MARGIN // MiB} MiB spare); the rest run on the CPU, slower")
         else:
             reasons.append(f"no layer fits on the GPU ({budget_desc}): CPU only")
+        if info.expert_bytes:
+            reasons.append(experts_reason(info, req, lay.ngl, lay.n_cpu_moe, budget_desc))
         for d in lay.devices:  # several llama.cpp devices: what each takes
             if d.layers or d.output:
                 reasons.append(f"{d.name} ({d.description}): {d.layers} layers"

@@ -75,6 +75,11 @@ class _Weights:
     output: int  # output layer (+ final norm); a tied one is the embedding matrix again
     tied: bool
     layers: tuple[int, ...]  # per repeating layer, blk.0 first
+    experts: tuple[int, ...] = ()  # of each layer's bytes, its expert tensors' (a mixture of experts; () = dense)
+
+    def moved(self, first: int, last: int, n_cpu_moe: int) -> int:
+        """Expert bytes of layers ``first..last-1`` that stay on the CPU with ``n_cpu_moe`` (the first N layers')."""
+        return sum(self.experts[first:min(last, n_cpu_moe)]) if self.experts else 0
 
     @property
     def total(self) -> int:
@@ -92,7 +97,9 @@ def _weights(info: GGUFInfo) -> _Weights:
             embd = int(tb.get("token_embd") or 0)
             tied = tb.get("output") is None
             output = (embd if tied else int(tb["output"])) + int(tb.get("other") or 0)
-            return _Weights(embd=embd, output=output, tied=tied, layers=layers)
+            experts = info.expert_bytes
+            return _Weights(embd=embd, output=output, tied=tied, layers=layers,
+                            experts=experts if len(experts) == len(layers) else ())
     size = max(int(info.file_size), 0)
     bytes_per_param = size / info.parameters if info.parameters else 0.6
     embd = int(info.vocab_size * info.n_embd * bytes_per_param)
@@ -124,9 +131,10 @@ def _default_flash_attn(kv_cache_type: str) -> bool:
 
 def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layers: int = 0, *,
              flash_attn: bool | None = None, device: str = "cuda", n_gpus: int = 1, n_seq: int = 1,
-             swa_full: bool = False) -> MemoryEstimate:
+             swa_full: bool = False, n_cpu_moe: int = 0) -> MemoryEstimate:
     """Memory to load ``info`` with ``n_ctx`` tokens of context (all ``n_seq`` slots) and ``n_gpu_layers``
-    offloaded (llama.cpp's meaning; negative = all). ``flash_attn=None``: on when the V cache is quantized. The
+    offloaded (llama.cpp's meaning; negative = all), the expert tensors of the first ``n_cpu_moe`` layers kept in
+    RAM (llama.cpp's ``--n-cpu-moe``). ``flash_attn=None``: on when the V cache is quantized. The
     KV cache is what llama.cpp allocates (:meth:`GGUFInfo.memory_bytes`): sliding-window layers at their window
     (unless ``swa_full``), recurrent layers one state per sequence.
 
@@ -146,8 +154,9 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
     layers_gpu, output_gpu = min(ngl, n_layers), ngl > n_layers
     w = _weights(info)
     split = len(w.layers) - layers_gpu  # llama.cpp offloads the last layers first
-    gpu_w = sum(w.layers[split:]) + (w.output if output_gpu else 0)
-    cpu_w = sum(w.layers[:split]) + w.embd + (0 if (output_gpu or w.tied) else w.output)
+    moved = w.moved(split, len(w.layers), n_cpu_moe)  # offloaded layers' experts that stay in RAM
+    gpu_w = sum(w.layers[split:]) + (w.output if output_gpu else 0) - moved
+    cpu_w = sum(w.layers[:split]) + w.embd + (0 if (output_gpu or w.tied) else w.output) + moved
     kv = info.memory_bytes(n_ctx, kv_cache_type, n_seq=n_seq, swa_full=swa_full)
     kv_gpu = kv * layers_gpu // n_layers
     if ngl == 0:

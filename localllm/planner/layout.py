@@ -64,6 +64,7 @@ class _Layout:
     fits: bool
     why: str  # the limiting resource when it does not fit, with numbers
     devices: list[DevicePlan] = field(default_factory=list)
+    n_cpu_moe: int = 0  # the first N layers' expert tensors stay in RAM (llama.cpp's --n-cpu-moe)
 
 
 def _targets(hw: HardwareInfo, device: str, caps: dict[str, int]) -> list[DevicePlan]:
@@ -90,10 +91,11 @@ def _targets(hw: HardwareInfo, device: str, caps: dict[str, int]) -> list[Device
 
 def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash_attn: bool,
                  targets: list[DevicePlan], shares: list[float] | None = None, *, n_seq: int = 1,
-                 swa_full: bool = False) -> list[DevicePlan]:
+                 swa_full: bool = False, n_cpu_moe: int = 0) -> list[DevicePlan]:
     """Place ``ngl`` offloaded layers on ``targets`` as llama.cpp does (``llama_model::load_tensors``: split
     points from the devices' shares, the last layers offloaded first, the output layer last) and estimate
-    each device's weights, KV cache and compute buffer."""
+    each device's weights, KV cache and compute buffer; the experts of the first ``n_cpu_moe`` layers stay in RAM
+    (their layer's device does not hold them)."""
     from bisect import bisect_right
 
     n = len(targets)
@@ -117,7 +119,7 @@ def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash
         j = min(bisect_right(cum, (il - start) / act), n - 1)
         if il < L:
             out[j].layers += 1
-            out[j].weights += w.layers[il] if il < len(w.layers) else 0
+            out[j].weights += (w.layers[il] - w.moved(il, il + 1, n_cpu_moe)) if il < len(w.layers) else 0
             out[j].kv_cache += int(kv_layer)
         else:
             out[j].output = True
@@ -138,9 +140,13 @@ def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash
 
 class _Planner:
     def __init__(self, info: GGUFInfo, hw: HardwareInfo, kv: str, num_gpu: int | None, draft: GGUFInfo | None,
-                 mlx_bytes: int | None = None, caps: dict[str, int] | None = None, swa_full: bool = False):
+                 mlx_bytes: int | None = None, caps: dict[str, int] | None = None, swa_full: bool = False,
+                 cpu_moe: bool = False, num_cpu_moe: int | None = None):
         self.info, self.hw, self.kv, self.num_gpu, self.draft = info, hw, kv, num_gpu, draft
         self.swa_full = swa_full
+        # the experts kept in RAM as asked: all layers' (cpu_moe), the first N layers' (num_cpu_moe), else decided
+        self.moe_asked: int | None = (info.n_layers if cpu_moe else min(max(num_cpu_moe, 0), info.n_layers)
+                                      if num_cpu_moe is not None else None)
         self.mlx_bytes = mlx_bytes
         self.caps = caps or {}
         self.shares: list[float] | None = None  # --tensor-split
@@ -182,9 +188,9 @@ class _Planner:
         info, hw = self.info, self.hw
         budget, n_gpus, _ = self.gpu_budget(device)
 
-        def est(ngl: int) -> MemoryEstimate:
+        def est(ngl: int, n_moe: int = 0) -> MemoryEstimate:
             return estimate(info, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus, n_seq=n_seq,
-                            swa_full=self.swa_full)
+                            swa_full=self.swa_full, n_cpu_moe=n_moe)
 
         def draft_est(ngl: int) -> MemoryEstimate:
             assert self.draft is not None
@@ -204,19 +210,8 @@ class _Planner:
         targets = _targets(hw, device, self.caps)
         if targets and device != "cpu" and self.draft is None:
             return self._devices_layout(targets, device, n_ctx, fa, est, n_seq)
-        if device == "cpu":
-            ngl = 0
-        elif self.num_gpu is not None and self.num_gpu >= 0:
-            ngl = min(self.num_gpu, full)
-        elif est(full).gpu <= budget:
-            ngl = full
-        else:  # most layers that fit: GPU memory grows with every layer, so bisect
-            lo, hi = 0, full  # est(lo) fits (0 layers take no VRAM), est(hi) does not
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if est(mid).gpu <= budget else (lo, mid)
-            ngl = lo
-        mem = est(ngl)
+        ngl, n_moe = self._place(device, lambda ngl_, n_: est(ngl_, n_).gpu <= budget)
+        mem = est(ngl, n_moe)
         if self.draft is not None:
             dfull = self.draft.n_layers + 1
             if ngl == full and device != "cpu" and mem.gpu + draft_est(dfull).gpu <= budget:
@@ -228,41 +223,56 @@ class _Planner:
             return _Layout(mem, ngl, draft_ngl, False,
                            f"needs {_gb(ram_need)} of RAM{' for the CPU part' if ngl else ''}, "
                            f"more than the {_gb(ram_limit)} this machine can give it "
-                           f"({_gb(hw.ram_total)} total)")
-        return _Layout(mem, ngl, draft_ngl, True, "")
+                           f"({_gb(hw.ram_total)} total)", n_cpu_moe=n_moe)
+        return _Layout(mem, ngl, draft_ngl, True, "", n_cpu_moe=n_moe)
 
-    def _devices_layout(self, targets: list[DevicePlan], device: str, n_ctx: int, fa: bool,
-                        est: Callable[[int], MemoryEstimate], n_seq: int = 1) -> _Layout:
-        """Several llama.cpp devices (RPC workers, ROCm/Vulkan GPUs): the most layers with every device's
-        estimate inside its own usable memory."""
-        full = self.L + 1
-
-        def placed(ngl: int) -> list[DevicePlan]:
-            return split_layers(self.info, ngl, n_ctx, self.kv, fa, targets, self.shares, n_seq=n_seq,
-                                swa_full=self.swa_full)
-
-        def ok(ngl: int) -> bool:
-            return all(d.total <= d.usable_bytes for d in placed(ngl))
-
+    def _place(self, device: str, fits: Callable[[int, int], bool]) -> tuple[int, int]:
+        """(layers offloaded, llama.cpp's meaning; the first N layers whose experts stay in RAM). ``fits(ngl, n)``:
+        that placement fits the device(s). Every layer when it fits; else, for a mixture of experts, every layer
+        with the experts of as few first layers as fit kept in RAM (llama.cpp's ``--n-cpu-moe N``: attention,
+        router and shared tensors stay on the device, where they are used for every token); else as many whole
+        layers as fit. ``num_gpu`` forces whole layers; ``cpu_moe``/``num_cpu_moe`` force the experts."""
+        full, L = self.L + 1, self.L
+        moe = bool(self.info.expert_bytes) and device != "cpu"
+        n_moe = (self.moe_asked or 0) if moe else 0
+        if device == "cpu":
+            return 0, 0
         if self.num_gpu is not None and self.num_gpu >= 0:
             ngl = min(self.num_gpu, full)
-        elif ok(full):
-            ngl = full
-        else:
-            lo, hi = 0, full
+            return ngl, n_moe if ngl else 0
+        if fits(full, n_moe):
+            return full, n_moe
+        if moe and self.moe_asked is None and fits(full, L):
+            lo, hi = 0, L  # fits(full, hi); not fits(full, lo): device memory falls with every layer's experts
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-            ngl = lo
-        devs = placed(ngl) if ngl else []
-        mem = est(ngl)
+                lo, hi = (lo, mid) if fits(full, mid) else (mid, hi)
+            return full, hi
+        lo, hi = 0, full  # whole layers: fits(lo) (0 layers take no device memory), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid, n_moe) else (lo, mid)
+        return lo, n_moe if lo else 0
+
+    def _devices_layout(self, targets: list[DevicePlan], device: str, n_ctx: int, fa: bool,
+                        est: Callable[[int, int], MemoryEstimate], n_seq: int = 1) -> _Layout:
+        """Several llama.cpp devices (RPC workers, ROCm/Vulkan GPUs): the most layers with every device's
+        estimate inside its own usable memory."""
+
+        def placed(ngl: int, n_moe: int) -> list[DevicePlan]:
+            return split_layers(self.info, ngl, n_ctx, self.kv, fa, targets, self.shares, n_seq=n_seq,
+                                swa_full=self.swa_full, n_cpu_moe=n_moe)
+
+        ngl, n_moe = self._place(device, lambda ngl_, n_: all(d.total <= d.usable_bytes for d in placed(ngl_, n_)))
+        devs = placed(ngl, n_moe) if ngl else []
+        mem = est(ngl, n_moe)
         gpu = sum(d.total for d in devs)
         mem = replace(mem, gpu=gpu, cpu=mem.total - gpu)
         ram_limit = _ram_limit(self.hw)
         if mem.cpu > ram_limit:
             return _Layout(mem, ngl, 0, False, f"needs {_gb(mem.cpu)} of RAM for the CPU part, more than the "
-                                               f"{_gb(ram_limit)} this machine can give it", devs)
-        return _Layout(mem, ngl, 0, True, "", devs)
+                                               f"{_gb(ram_limit)} this machine can give it", devs, n_moe)
+        return _Layout(mem, ngl, 0, True, "", devs, n_moe)
 
     def mlx_layout(self, device: str, n_ctx: int) -> _Layout:
         mem = _mlx_estimate(self.info, n_ctx, self.kv, on_gpu=device != "cpu", weights_bytes=self.mlx_bytes)
@@ -292,14 +302,16 @@ class _Planner:
         return (self.mlx_layout(device, n_ctx) if backend.memory == "unified"
                 else self.llama_layout(device, n_ctx, fa, n_seq))
 
-    def max_ctx(self, backend: Backend, device: str, fa: bool, ngl: int, n_seq: int = 1) -> int | None:
+    def max_ctx(self, backend: Backend, device: str, fa: bool, ngl: int, n_seq: int = 1,
+                n_cpu_moe: int | None = None) -> int | None:
         """Largest context (a multiple of 256, ≤ the training context) that keeps the layout at
-        least as good (same number of GPU layers), or None when even MIN_AUTO_CTX does not."""
+        least as good (same number of GPU layers, no more layers' experts in RAM), or None when even MIN_AUTO_CTX
+        does not."""
         cap = self.info.context_length or 131072
 
         def ok(c: int) -> bool:
             lay = self.layout(backend, device, c * n_seq, fa, n_seq)
-            return lay.fits and lay.ngl >= ngl
+            return lay.fits and lay.ngl >= ngl and (n_cpu_moe is None or lay.n_cpu_moe <= n_cpu_moe)
 
         if not ok(min(MIN_AUTO_CTX, cap)):
             return None
