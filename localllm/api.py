@@ -235,6 +235,7 @@ class Running:
     prompt_cache_bytes: int = 0
     kv_cache_bytes: int | None = None  # the KV cache's size (reported, else estimated)
     devices: list[DeviceUse] = field(default_factory=list)  # per llama.cpp device other than the CPU
+    n_cpu_moe: int = 0  # a mixture of experts: the first N layers' experts stay in RAM (llama.cpp --n-cpu-moe)
 
     @property
     def short_id(self) -> str:

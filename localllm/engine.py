@@ -383,10 +383,12 @@ class Engine:
         want, have = options, running.options
         if want.num_ctx is not None and want.num_ctx != running.info.n_ctx:
             return False
-        for f in ("num_gpu", "kv_cache_type", "num_thread", "num_parallel"):
+        for f in ("num_gpu", "kv_cache_type", "num_thread", "num_parallel", "num_cpu_moe"):
             if getattr(want, f) is not None and getattr(want, f) != getattr(have, f):
                 return False
         if want.backend != "auto" and want.backend != running.plan.backend:
+            return False
+        if want.cpu_moe and not have.cpu_moe:
             return False
         if want.draft != "auto" and (want.draft, want.num_draft) != (have.draft, have.num_draft):
             return False

@@ -183,6 +183,10 @@ class Loader:
             changes["num_ctx"] = int(p["num_ctx"])
         if options.num_gpu is None and p.get("num_gpu") is not None and int(p["num_gpu"]) >= 0:
             changes["num_gpu"] = int(p["num_gpu"])
+        if not options.cpu_moe and p.get("cpu_moe") in (True, "true", "True", 1):
+            changes["cpu_moe"] = True
+        if options.num_cpu_moe is None and p.get("num_cpu_moe") is not None and int(p["num_cpu_moe"]) >= 0:
+            changes["num_cpu_moe"] = int(p["num_cpu_moe"])
         if options.num_thread is None and p.get("num_thread") and int(p["num_thread"]) > 0:
             changes["num_thread"] = int(p["num_thread"])
         if options.draft == "auto" and model.derived.draft:

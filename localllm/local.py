@@ -188,7 +188,7 @@ def running(m: RunningModel) -> Running:
         kv_cache_type=info.kv_cache_type, n_gpu_layers=info.n_gpu_layers, n_layers=info.n_layers, draft=info.draft,
         n_threads=m.model.spec.n_threads, slots=info.n_seq, kv_cache_bytes=_kv_bytes(m),
         slots_busy=m.metrics.slots_busy, batched=m.batched, prompt_cache_entries=m.metrics.prompt_cache_entries,
-        prompt_cache_bytes=m.metrics.prompt_cache_bytes, devices=device_use(m),
+        prompt_cache_bytes=m.metrics.prompt_cache_bytes, devices=device_use(m), n_cpu_moe=m.plan.n_cpu_moe,
     )
 
 

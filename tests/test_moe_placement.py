@@ -134,6 +134,12 @@ def test_on_an_rpc_worker_the_experts_placed_in_ram_are_where_llama_cpp_allocate
     worker = _start_worker(tmp_path, port := _free_port())
     try:
         out = _generate(tmp_path, big_moe, f"127.0.0.1:{port}", LOCALLLM_DEVICE_MEMORY="RPC0=100MiB")
+        # the CLI's flag: every expert in RAM, said by --verbose after the answer
+        r = subprocess.run([sys.executable, "-m", "localllm", "run", str(big_moe), "Hi", "--rpc", f"127.0.0.1:{port}",
+                            "--cpu-moe", "--verbose", "--num-predict", "2", "--num-ctx", "256"],
+                           env=_env(tmp_path, LOCALLLM_NUM_PARALLEL="1"), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert f"experts in RAM:       the first {info.n_layers} layer(s) of {info.n_layers}" in r.stderr, r.stderr
     finally:
         worker.kill()
         worker.wait(10)
@@ -150,3 +156,25 @@ def test_on_an_rpc_worker_the_experts_placed_in_ram_are_where_llama_cpp_allocate
     tb = info.extra["tensor_bytes"]
     assert got["weights"] < sum(tb["layers"]) + tb["output"] - moved * 0.9
     assert out["text"] == cpu["text"]
+
+
+def test_the_options_reach_the_load_from_the_api_the_cli_and_a_modelfile():
+    from localllm.cli.answer import build_settings
+    from localllm.errors import LocalLLMError
+    from localllm.modelfile import PARAMETERS
+    from localllm.server.options import options_of
+
+    _, load = options_of({"cpu_moe": True, "num_cpu_moe": 3})
+    assert load.cpu_moe and load.num_cpu_moe == 3
+    assert options_of({"num_cpu_moe": -1})[1].num_cpu_moe is None  # -1 = the planner's choice, as num_gpu
+    with pytest.raises(Exception, match="cpu_moe"):
+        options_of({"cpu_moe": "yes"})
+    s = build_settings(cpu_moe=True, num_cpu_moe=2)
+    assert s.load.cpu_moe and s.load.num_cpu_moe == 2
+    assert PARAMETERS["num_cpu_moe"] == "integer" and PARAMETERS["cpu_moe"] == "boolean"
+    with pytest.raises(LocalLLMError, match="num_cpu_moe must be 0 or more"):
+        from localllm.ggufinfo import GGUFInfo
+
+        plan(GGUFInfo(path="", file_size=1, architecture="gpt-oss", name="m", n_layers=2, n_embd=8, n_head=1,
+                      n_head_kv=1, head_dim_k=8, head_dim_v=8, context_length=512, vocab_size=8, file_type="F32",
+                      parameters=1, chat_template=None, license=None), machine(ram_gib=4), num_cpu_moe=-2)
