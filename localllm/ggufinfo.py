@@ -71,6 +71,7 @@ class GGUFInfo:
     # expert tensors' bytes per layer are ``expert_bytes`` (``extra["tensor_bytes"]["experts"]``).
     n_experts: int = 0
     n_experts_used: int = 0
+    n_ff_exp: int = 0  # an expert's feed-forward width (``{arch}.expert_feed_forward_length``)
 
     @property
     def is_recurrent(self) -> bool:
@@ -213,7 +214,8 @@ def info_of(data: dict[str, Any], path: str | os.PathLike[str] | None = None, di
             return info
         info = replace(info, swa_layers=fresh.swa_layers, recurrent_layers=fresh.recurrent_layers,
                        recurrent_bytes=fresh.recurrent_bytes, n_experts=fresh.n_experts,
-                       n_experts_used=fresh.n_experts_used, extra={**(info.extra or {}), **fresh.extra})
+                       n_experts_used=fresh.n_experts_used, n_ff_exp=fresh.n_ff_exp,
+                       extra={**(info.extra or {}), **fresh.extra})
     return info
 
 
@@ -221,7 +223,7 @@ def _cache_file(digest: str) -> Path:
     from localllm.config import paths
 
     # the version names what an entry holds (v3: the memory layout, MTP layers, pooling; v4: expert tensor bytes by
-    # layer and tensor bytes by class): an older one is read again
+    # layer and by class, the experts' width): an older one is read again
     return paths().cache / "gguf-info" / f"{digest.removeprefix('sha256:')}.v4.json"
 
 
@@ -351,6 +353,7 @@ def _read_gguf(p: Path) -> GGUFInfo:
         recurrent_bytes=recurrent_bytes,
         n_experts=int(a("expert_count", 0) or 0),
         n_experts_used=int(a("expert_used_count", 0) or 0),
+        n_ff_exp=int(a("expert_feed_forward_length", 0) or 0),
     )
 
 

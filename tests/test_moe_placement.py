@@ -61,14 +61,18 @@ def test_experts_of_the_first_layers_stay_in_ram_when_the_device_cannot_hold_the
     assert d.weights == whole.devices[0].weights - eb[0] - eb[1]
     line = next(r for r in p.reasons if r.startswith("experts of the first 2 of 4 layers in RAM"))
     assert "attention, router and shared tensors fit on the device" in line and "8 experts a layer, 2 used" in line
-    assert p.memory.total == whole.memory.total and p.memory.cpu == whole.memory.cpu + eb[0] + eb[1]
+    # the experts' bytes move to RAM, and the CPU's compute buffer grows to run them
+    cpu_compute = p.memory.compute - whole.memory.compute
+    assert 0 < cpu_compute < 16 * MiB
+    assert p.memory.cpu == whole.memory.cpu + eb[0] + eb[1] + cpu_compute
+    assert p.memory.total == whole.memory.total + cpu_compute
     # less room: more layers' experts in RAM, never fewer layers on the device while the experts can move
     q = _plan(info, (need - eb[0] * 7 // 2) // MiB)
     assert q.n_gpu_layers == L + 1 and q.n_cpu_moe == 4
     # the estimate moves exactly the expert bytes
     full = estimate(info, 256, n_gpu_layers=L + 1, device="gpu")
     moved = estimate(info, 256, n_gpu_layers=L + 1, device="gpu", n_cpu_moe=3)
-    assert full.gpu - moved.gpu == sum(eb[:3]) and moved.total == full.total
+    assert full.gpu - moved.gpu == sum(eb[:3]) and moved.weights == full.weights
 
 
 def test_num_gpu_still_splits_whole_layers_and_cpu_moe_keeps_every_expert_in_ram(big_moe, default_model_path):
@@ -105,7 +109,8 @@ _GEN = textwrap.dedent("""
     req = GenerateRequest(prompt="The capital of France is", sampling=Sampling(temperature=0, max_tokens=16, seed=1))
     text = "".join(ev.text for ev in lm.generate(req) if isinstance(ev, TextChunk))
     print(json.dumps({"text": text, "ngl": lm.info.n_gpu_layers, "alloc": lm.info.extra["devices"],
-                      "n_cpu_moe": plan.n_cpu_moe, "gpu": plan.memory.gpu, "cpu_weights": plan.memory.weights,
+                      "n_cpu_moe": plan.n_cpu_moe, "gpu": plan.memory.gpu,
+                      "compute": plan.memory.compute,
                       "plan": [{"name": d.name, "weights": d.weights, "kv": d.kv_cache, "compute": d.compute,
                                 "total": d.total, "usable": d.usable_bytes} for d in plan.devices],
                       "reasons": plan.reasons}))
@@ -153,6 +158,8 @@ def test_on_an_rpc_worker_the_experts_placed_in_ram_are_where_llama_cpp_allocate
     # the device holds every layer but the planned layers' experts, which llama.cpp put in host memory
     moved = sum(info.expert_bytes[:out["n_cpu_moe"]])
     assert out["alloc"]["CPU"]["weights"] >= moved
+    # the CPU runs those experts: its compute buffer, as planned (the plan's compute = the device's + the CPU's)
+    assert abs((out["compute"] - d["compute"]) / out["alloc"]["CPU"]["compute"] - 1) <= 0.10, out["alloc"]
     tb = info.extra["tensor_bytes"]
     assert got["weights"] < sum(tb["layers"]) + tb["output"] - moved * 0.9
     assert out["text"] == cpu["text"]
