@@ -185,3 +185,25 @@ def test_the_options_reach_the_load_from_the_api_the_cli_and_a_modelfile():
         plan(GGUFInfo(path="", file_size=1, architecture="gpt-oss", name="m", n_layers=2, n_embd=8, n_head=1,
                       n_head_kv=1, head_dim_k=8, head_dim_v=8, context_length=512, vocab_size=8, file_type="F32",
                       parameters=1, chat_template=None, license=None), machine(ram_gib=4), num_cpu_moe=-2)
+
+
+def test_over_two_devices_the_experts_of_the_first_layers_go_until_each_device_fits(big_moe):
+    """llama.cpp keeps the experts of the *first* N layers in RAM, and the first layers are on the first device:
+    when the second device is the short one, N grows until its own layers' experts leave it."""
+    info = read_gguf(big_moe)
+    hw = _rpc_machine()
+    hw = replace(hw, devices=[*hw.devices, LlamaDevice(2, "RPC1", "127.0.0.1:50053", "gpu", 20 * GiB, 20 * GiB, "RPC",
+                                                       offloads=True, remote=True, endpoint="127.0.0.1:50053")])
+    roomy = plan(info, hw, num_ctx=256, num_parallel=1, tensor_split=[1, 1])
+    [a, b] = roomy.devices
+    assert (a.layers, b.layers, b.output) == (3, 1, True) and roomy.n_cpu_moe == 0  # the output counts in the split
+    eb = info.expert_bytes
+    # RPC1 (layer 3 and the output) short of half its layer's experts: every layer's experts must go
+    caps = {"RPC0": a.total, "RPC1": b.total - eb[3] // 2}
+    p = plan(info, hw, num_ctx=256, num_parallel=1, device_memory=caps, tensor_split=[1, 1])
+    assert p.n_gpu_layers == info.n_layers + 1 and p.n_cpu_moe == 4, p.reasons
+    assert all(d.total <= d.usable_bytes for d in p.devices)
+    assert p.devices[0].weights == a.weights - sum(eb[:3]) and p.devices[1].weights == b.weights - eb[3]
+    # RPC0 short instead: the experts of its first layer suffice
+    p = plan(info, hw, num_ctx=256, num_parallel=1, device_memory={"RPC0": a.total - eb[0] // 2}, tensor_split=[1, 1])
+    assert p.n_cpu_moe == 1 and p.devices[1].weights == b.weights
