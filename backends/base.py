@@ -93,6 +93,7 @@ class LoadSpec:
     n_ctx: int = 4096  # tokens per sequence (what one request may use)
     n_seq: int = 1  # sequences decoding at once (slots); the KV pool holds n_ctx × n_seq cells
     n_gpu_layers: int = 0  # -1 = all
+    n_cpu_moe: int = 0  # the first N layers' expert tensors stay in RAM though offloaded (llama.cpp --n-cpu-moe)
     n_threads: int | None = None  # None = physical cores
     n_batch: int = 512  # most tokens one evaluation takes
     kv_cache_type: KVCacheType = "f16"

@@ -175,6 +175,20 @@ def device_handle(name: str) -> int | None:
     return int(h) if h else None
 
 
+def cpu_buffer_type() -> int:
+    """The CPU device's buffer type (``ggml_backend_cpu_buffer_type()``, reached through the registry): where a
+    tensor buffer-type override keeps weights in host memory (:mod:`backends.tensor_overrides`)."""
+    L = _L()
+    L.ggml.ggml_backend_dev_by_type.argtypes, L.ggml.ggml_backend_dev_by_type.restype = [ctypes.c_int], ctypes.c_void_p
+    L.base.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    L.base.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+    dev = L.ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    buft = L.base.ggml_backend_dev_buffer_type(dev) if dev else None
+    if not buft:
+        raise RuntimeError("llama.cpp's device list has no CPU device")
+    return int(buft)
+
+
 def rpc_supported() -> bool:
     """The installed build has ggml's RPC backend (``-DGGML_RPC=on``)."""
     try:

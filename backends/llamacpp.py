@@ -238,6 +238,10 @@ class LlamaCppSource(TokenSource):
         self._split_arr: Any = None
         if spec.extra.get("devices") and spec.n_gpu_layers != 0:
             self._place_on(mp, list(spec.extra["devices"]), list(spec.extra.get("tensor_split") or []))
+        from backends.tensor_overrides import experts_on_cpu
+
+        # a mixture of experts: the first layers' experts in RAM (the array is read at load; kept with the model)
+        self._overrides = experts_on_cpu(mp, spec.n_cpu_moe) if spec.n_gpu_layers != 0 else None
         capture.lines = []
         mp.load_mode = (llama_cpp.LLAMA_LOAD_MODE_MMAP if spec.extra.get("use_mmap", True)
                         else llama_cpp.LLAMA_LOAD_MODE_NONE)

@@ -236,6 +236,7 @@ class Running:
     kv_cache_bytes: int | None = None  # the KV cache's size (reported, else estimated)
     devices: list[DeviceUse] = field(default_factory=list)  # per llama.cpp device other than the CPU
     plan: str = ""  # the plan it loaded with, in one line (localllm.loader.plan_line), as `probe` prints it
+    n_cpu_moe: int = 0  # a mixture of experts: the first N layers' experts stay in RAM (llama.cpp --n-cpu-moe)
 
     @property
     def short_id(self) -> str:

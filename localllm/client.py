@@ -148,6 +148,7 @@ def running_from_ps(d: JSON) -> Running:
                    batched=bool(d.get("batched", True)),
                    prompt_cache_entries=_int((d.get("prompt_cache") or {}).get("entries")),
                    prompt_cache_bytes=_int((d.get("prompt_cache") or {}).get("bytes")),
+                   n_cpu_moe=_int(d.get("n_cpu_moe")),
                    devices=[DeviceUse(str(x.get("name") or ""), _int(x.get("size")), _int(x.get("estimate")),
                                       str(x.get("description") or "")) for x in d.get("devices") or []
                             if isinstance(x, dict)])

@@ -11,6 +11,7 @@ LOCALLLM_HOST              server address (serve binds it, faces attach to it)  
 LOCALLLM_KEEP_ALIVE        how long an idle model stays loaded                  5m
 LOCALLLM_KV_CACHE_TYPE     f16 | q8_0 | q4_0                                    f16
 LOCALLLM_SWA_FULL          1: sliding-window layers as long as the context      0
+LOCALLLM_CPU_MOE           1: every expert tensor of a MoE model in RAM         0 (as few as needed)
 LOCALLLM_NUM_PARALLEL      parallel requests (slots) per model                  auto (4 if it fits)
 LOCALLLM_PROMPT_CACHE_SIZE disk for saved prompt prefixes (0 = off)             2GiB
 LOCALLLM_MAX_LOADED_MODELS models loaded at once (0 = as memory allows)         0
@@ -127,6 +128,12 @@ def swa_full() -> bool:
     """``LOCALLLM_SWA_FULL=1``: sliding-window layers get a cache as long as the context (exact reuse from any
     position, at a global layer's memory); default off: the window per sequence, reuse through checkpoints."""
     return env_str("LOCALLLM_SWA_FULL", "0").lower() not in ("0", "false", "no", "off")
+
+
+def cpu_moe() -> bool:
+    """``LOCALLLM_CPU_MOE=1`` (``serve --cpu-moe``): a mixture of experts keeps every expert tensor in RAM
+    (llama.cpp's ``--cpu-moe``); default off: the planner keeps as few layers' experts in RAM as the device needs."""
+    return env_str("LOCALLLM_CPU_MOE", "0").lower() not in ("0", "false", "no", "off")
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,11 @@ class GGUFInfo:
     swa_layers: int = 0  # layers with a sliding window (``sliding_window`` tokens)
     recurrent_layers: int = 0  # layers with a recurrent state instead of a KV cache (hybrid, recurrent models)
     recurrent_bytes: int = 0  # that state, all recurrent layers, per sequence (F32, as llama.cpp keeps it)
+    # a mixture of experts: experts per layer (``{arch}.expert_count``) and used per token; 0 = a dense model. The
+    # expert tensors' bytes per layer are ``expert_bytes`` (``extra["tensor_bytes"]["experts"]``).
+    n_experts: int = 0
+    n_experts_used: int = 0
+    n_ff_exp: int = 0  # an expert's feed-forward width (``{arch}.expert_feed_forward_length``)
 
     @property
     def is_recurrent(self) -> bool:
@@ -79,6 +85,15 @@ class GGUFInfo:
     def is_mtp_head(self) -> bool:
         """A drafter head for multi-token prediction, not a model to chat with (Gemma 4's ``mtp-*.gguf``)."""
         return self.architecture == MTP_HEAD_ARCH
+
+    @property
+    def expert_bytes(self) -> tuple[int, ...]:
+        """Bytes of each layer's expert tensors (``blk.N.ffn_{gate,up,down,gate_up}_exps``, the ones llama.cpp's
+        ``--cpu-moe`` keeps in RAM), blk.0 first; () for a dense model or an entry read before they were counted.
+        """
+        tb = (self.extra or {}).get("tensor_bytes")
+        experts = tb.get("experts") if isinstance(tb, dict) else None
+        return tuple(int(x) for x in experts) if isinstance(experts, list) and any(experts) else ()
 
     @property
     def parameter_label(self) -> str:
@@ -190,22 +205,26 @@ def info_of(data: dict[str, Any], path: str | os.PathLike[str] | None = None, di
     """A :class:`GGUFInfo` from a manifest's ``info``; one written before the memory layout was read (no
     ``swa_layers``) gets it from the file's header (``path``), so the planner counts windows and states."""
     info = GGUFInfo(**data)
-    old = "swa_layers" not in data and (info.sliding_window or info.is_recurrent or info.is_hybrid)
+    old = ("swa_layers" not in data and (info.sliding_window or info.is_recurrent or info.is_hybrid)
+           or "n_experts" not in data)  # read before the expert tensors were counted
     if old and (path or info.path):
         try:
             fresh = read_gguf(path or info.path, digest=digest)
         except (InvalidModelFileError, OSError):
             return info
         info = replace(info, swa_layers=fresh.swa_layers, recurrent_layers=fresh.recurrent_layers,
-                       recurrent_bytes=fresh.recurrent_bytes)
+                       recurrent_bytes=fresh.recurrent_bytes, n_experts=fresh.n_experts,
+                       n_experts_used=fresh.n_experts_used, n_ff_exp=fresh.n_ff_exp,
+                       extra={**(info.extra or {}), **fresh.extra})
     return info
 
 
 def _cache_file(digest: str) -> Path:
     from localllm.config import paths
 
-    # the version names what an entry holds (v3: the memory layout, MTP layers, pooling): an older one is read again
-    return paths().cache / "gguf-info" / f"{digest.removeprefix('sha256:')}.v3.json"
+    # the version names what an entry holds (v3: the memory layout, MTP layers, pooling; v4: expert tensor bytes by
+    # layer and by class, the experts' width): an older one is read again
+    return paths().cache / "gguf-info" / f"{digest.removeprefix('sha256:')}.v4.json"
 
 
 def _other_parts(first: Path, count: Any) -> list[tuple[Any, Path]]:
@@ -244,7 +263,7 @@ def _read_gguf(p: Path) -> GGUFInfo:
     n_params = 0
     nextn_layers: set[int] = set()  # blocks that carry MTP ("nextn") tensors
     # weight bytes by where llama.cpp puts them (the planner splits GPU/CPU with this)
-    split: dict[str, Any] = {"token_embd": 0, "output": None, "other": 0, "layers": {}}
+    split: dict[str, Any] = {"token_embd": 0, "output": None, "other": 0, "layers": {}, "experts": {}, "classes": {}}
     # a split GGUF (NAME-00001-of-0000N.gguf, llama.cpp loads the rest from beside it): all parts' tensors count
     parts = [(header, p)] + _other_parts(p, header.fields.get("split.count"))
     total = 0
@@ -261,6 +280,8 @@ def _read_gguf(p: Path) -> GGUFInfo:
             split["layers"][i] = split["layers"].get(i, 0) + t.n_bytes
             if ".nextn." in t.name:
                 nextn_layers.add(i)
+            if EXPERTS_RE.search(t.name):
+                split["experts"][i] = split["experts"].get(i, 0) + t.n_bytes
         elif t.name == "token_embd.weight":
             split["token_embd"] += t.n_bytes
         elif t.name == "output.weight":
@@ -268,6 +289,8 @@ def _read_gguf(p: Path) -> GGUFInfo:
         else:
             split["other"] += t.n_bytes
         n_params += t.n_elements
+        cls = _tensor_class(t.name)
+        split["classes"][cls] = split["classes"].get(cls, 0) + t.n_bytes
     size = total
     if not any(h.tensors for h, _ in parts):
         raise InvalidModelFileError(f"{p.name} holds no tensors.")
@@ -322,12 +345,29 @@ def _read_gguf(p: Path) -> GGUFInfo:
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=f.get("tokenizer.ggml.eos_token_id"),
         pooling=_pooling(a("pooling_type")),
-        extra={"tensor_bytes": {**split, "layers": [split["layers"][i] for i in sorted(split["layers"])]}},
+        extra={"tensor_bytes": {**split, "layers": [split["layers"][i] for i in sorted(split["layers"])],
+                                "experts": [split["experts"].get(i, 0) for i in sorted(split["layers"])]}},
         mtp_layers=int(a("nextn_predict_layers", 0) or 0) or len(nextn_layers),
         swa_layers=swa_layers,
         recurrent_layers=recurrent_layers,
         recurrent_bytes=recurrent_bytes,
+        n_experts=int(a("expert_count", 0) or 0),
+        n_experts_used=int(a("expert_used_count", 0) or 0),
+        n_ff_exp=int(a("expert_feed_forward_length", 0) or 0),
     )
+
+
+# llama.cpp's expert tensors (common/common.h LLM_FFN_EXPS_REGEX: what --cpu-moe / --n-cpu-moe keep on the CPU)
+EXPERTS_PATTERN = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+EXPERTS_RE = re.compile(EXPERTS_PATTERN)
+
+
+def _tensor_class(name: str) -> str:
+    """``blk.3.ffn_up_exps.weight`` -> ``ffn_up_exps``; ``token_embd.weight`` -> ``token_embd``."""
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+        parts = parts[2:]
+    return parts[0] if len(parts) == 1 or parts[-1] not in ("weight", "bias", "scale") else ".".join(parts[:-1])
 
 
 # sliding-window pattern of architectures that set one in code (llama.cpp's load_swa_pattern defaults): of each n

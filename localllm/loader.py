@@ -57,6 +57,8 @@ class LoadOptions:
     num_parallel: int | None = None  # slots; None = LOCALLLM_NUM_PARALLEL, else the planner (4 where it fits)
     devices: tuple[str, ...] | None = None  # llama.cpp devices to offload to ("RPC0", "CUDA1"; "CPU" = none)
     tensor_split: tuple[float, ...] | None = None  # their shares of the layers (default: by usable memory)
+    cpu_moe: bool = False  # a mixture of experts: every expert tensor in RAM (llama.cpp --cpu-moe)
+    num_cpu_moe: int | None = None  # the first N layers' experts in RAM (--n-cpu-moe N); None = the planner
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,8 @@ class Loader:
             devices=[d for d in options.devices if d != "CPU"] if options.devices else None,
             tensor_split=list(options.tensor_split) if options.tensor_split else None,
             swa_full=config.swa_full(),
+            cpu_moe=options.cpu_moe or config.cpu_moe(),
+            num_cpu_moe=options.num_cpu_moe,
         )
 
     @staticmethod
@@ -252,6 +256,10 @@ class Loader:
             changes["num_ctx"] = int(p["num_ctx"])
         if options.num_gpu is None and p.get("num_gpu") is not None and int(p["num_gpu"]) >= 0:
             changes["num_gpu"] = int(p["num_gpu"])
+        if not options.cpu_moe and p.get("cpu_moe") in (True, "true", "True", 1):
+            changes["cpu_moe"] = True
+        if options.num_cpu_moe is None and p.get("num_cpu_moe") is not None and int(p["num_cpu_moe"]) >= 0:
+            changes["num_cpu_moe"] = int(p["num_cpu_moe"])
         if options.num_thread is None and p.get("num_thread") and int(p["num_thread"]) > 0:
             changes["num_thread"] = int(p["num_thread"])
         if options.draft == "auto" and model.derived.draft:
@@ -325,6 +333,7 @@ class Loader:
             n_ctx=p.n_ctx,
             n_seq=p.n_seq,
             n_gpu_layers=p.n_gpu_layers,
+            n_cpu_moe=p.n_cpu_moe,
             n_threads=options.num_thread or p.n_threads,
             kv_cache_type=p.kv_cache_type,  # type: ignore[arg-type]
             flash_attn=None if p.kv_cache_type == "f16" else True,  # llama.cpp decides (auto)

@@ -191,6 +191,7 @@ def running(m: RunningModel) -> Running:
         n_threads=m.model.spec.n_threads, slots=info.n_seq, kv_cache_bytes=_kv_bytes(m),
         slots_busy=m.metrics.slots_busy, batched=m.batched, prompt_cache_entries=m.metrics.prompt_cache_entries,
         prompt_cache_bytes=m.metrics.prompt_cache_bytes, devices=device_use(m), plan=plan_line(m.plan),
+        n_cpu_moe=m.plan.n_cpu_moe,
     )
 
 

@@ -57,10 +57,10 @@ INTEGER, NUMBER, BOOLEAN, STRING = "integer", "number", "boolean", "string"
 PARAMETERS: dict[str, str] = {
     "num_ctx": INTEGER, "num_batch": INTEGER, "num_gpu": INTEGER, "main_gpu": INTEGER, "num_thread": INTEGER,
     "num_keep": INTEGER, "seed": INTEGER, "num_predict": INTEGER, "top_k": INTEGER, "repeat_last_n": INTEGER,
-    "draft_num_predict": INTEGER,
+    "draft_num_predict": INTEGER, "num_cpu_moe": INTEGER,
     "temperature": NUMBER, "top_p": NUMBER, "min_p": NUMBER, "typical_p": NUMBER, "repeat_penalty": NUMBER,
     "presence_penalty": NUMBER, "frequency_penalty": NUMBER,
-    "use_mmap": BOOLEAN, "numa": BOOLEAN, "low_vram": BOOLEAN, "penalize_newline": BOOLEAN,
+    "use_mmap": BOOLEAN, "numa": BOOLEAN, "low_vram": BOOLEAN, "penalize_newline": BOOLEAN, "cpu_moe": BOOLEAN,
     "stop": STRING,
 }
 ROLES = ("system", "user", "assistant", "tool")

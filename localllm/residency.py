@@ -97,10 +97,12 @@ class RunningModel:
         want, have = options, self.options
         if want.num_ctx is not None and want.num_ctx != self.info.n_ctx:
             return False
-        for f in ("num_gpu", "kv_cache_type", "num_thread", "num_parallel"):
+        for f in ("num_gpu", "kv_cache_type", "num_thread", "num_parallel", "num_cpu_moe"):
             if getattr(want, f) is not None and getattr(want, f) != getattr(have, f):
                 return False
         if want.backend != "auto" and want.backend != self.plan.backend:
+            return False
+        if want.cpu_moe and not have.cpu_moe:
             return False
         if want.draft != "auto" and (want.draft, want.num_draft) != (have.draft, have.num_draft):
             return False

@@ -182,17 +182,18 @@ def make_swa(tokenizer_src: Path, dst: Path, *, seed: int = 0, tied: bool = Fals
 MOE_DIMS = {"D": 128, "FF": 128, "H": 4, "Hkv": 2, "hd": 32, "layers": 4, "window": 32, "experts": 4, "used": 2}
 
 
-def make_moe(tokenizer_src: Path, dst: Path, *, seed: int = 0) -> Path:
+def make_moe(tokenizer_src: Path, dst: Path, *, seed: int = 0, dims: dict[str, int] | None = None) -> Path:
     """Write (once, atomically) a made ``gpt-oss`` at ``dst``: 4 layers of 4 experts (2 used per token), attention
     sinks, a 32-token sliding window on layers 0 and 2 (llama.cpp's pattern for it: every other layer), random F32
     weights (F16 embedding rows), the tokenizer and chat template of ``tokenizer_src`` (keys and shapes from
-    llama.cpp's ``src/models/openai-moe.cpp``)."""
+    llama.cpp's ``src/models/openai-moe.cpp``). ``dims``: sizes over :data:`MOE_DIMS`'s (larger experts for the
+    placement tests)."""
     if dst.is_file():
         return dst
     import gguf
     import numpy as np
 
-    d = MOE_DIMS
+    d = {**MOE_DIMS, **(dims or {})}
     D, FF, H, Hkv, hd, L, E = (d[k] for k in ("D", "FF", "H", "Hkv", "hd", "layers", "experts"))
     n_vocab = _n_vocab(tokenizer_src)
     rng = np.random.default_rng(seed)

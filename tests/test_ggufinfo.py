@@ -116,3 +116,24 @@ def test_metadata_is_read_once_per_content_whatever_the_path(home, default_model
     assert Store().get(str(paths[0])).info == a.info
     assert reads == [paths[0]]
     assert a.digest == b.digest and b.info["path"] == str(paths[1]) and b.info == {**a.info, "path": str(paths[1])}
+
+
+def test_expert_tensors_are_counted_per_layer_and_the_rest_by_class(moe_model, default_model_path):
+    """A mixture of experts: each layer's ``ffn_*_exps`` bytes (what llama.cpp's ``--cpu-moe`` keeps in RAM) apart
+    from its attention and router, read from the tensor table; a dense model has none."""
+    import gguf
+
+    info = read_gguf(moe_model)
+    assert (info.n_experts, info.n_experts_used) == (4, 2)
+    reader = gguf.GGUFReader(str(moe_model))
+    want = [sum(int(t.n_bytes) for t in reader.tensors if t.name.startswith(f"blk.{i}.") and "_exps" in t.name)
+            for i in range(info.n_layers)]
+    assert list(info.expert_bytes) == want and all(want)
+    tb = info.extra["tensor_bytes"]
+    assert all(0 < e < layer for e, layer in zip(info.expert_bytes, tb["layers"], strict=True))
+    classes = tb["classes"]
+    assert sum(classes.values()) == sum(int(t.n_bytes) for t in reader.tensors)
+    assert classes["ffn_up_exps"] + classes["ffn_gate_exps"] + classes["ffn_down_exps"] == sum(want)
+    assert classes["attn_q"] and classes["ffn_gate_inp"] and classes["token_embd"]
+    dense = read_gguf(default_model_path)
+    assert dense.expert_bytes == () and dense.n_experts == 0 and dense.extra["tensor_bytes"]["classes"]["attn_q"]

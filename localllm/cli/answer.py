@@ -121,6 +121,16 @@ def loaded_plan(runner: Runner, name: str) -> str:
     return next((m.plan for m in runner.ps() if m.name == name), "")
 
 
+def placement_lines(runner: Runner, name: str) -> list[str]:
+    """``--verbose``: where a mixture of experts was placed (its experts partly in RAM), else nothing."""
+    try:
+        models = runner.ps()
+    except Exception:  # a server that cannot say: the stats stand alone
+        return []
+    return [f"experts in RAM:       the first {m.n_cpu_moe} layer(s)" + (f" of {m.n_layers}" if m.n_layers else "")
+            for m in models if m.n_cpu_moe and (m.name == name or len(models) == 1)]
+
+
 def overflow_note(stats: Stats) -> str | None:
     """The stderr line for turns dropped to fit the context, or None."""
     n = stats.dropped_messages
@@ -340,6 +350,8 @@ def build_settings(
     gpu_layers: int | None = None,
     devices: tuple[str, ...] = (),
     tensor_split: str | None = None,
+    cpu_moe: bool = False,
+    num_cpu_moe: int | None = None,
     verbose: bool = False,
     keepalive: str | None = None,
     think: str | None = None,
@@ -381,6 +393,8 @@ def build_settings(
         num_gpu=gpu_layers if gpu_layers is not None and gpu_layers >= 0 else None,
         devices=tuple(d for part in devices for d in part.split(",") if d.strip()) or None,
         tensor_split=parse_split(tensor_split),
+        cpu_moe=cpu_moe,
+        num_cpu_moe=num_cpu_moe,
     )
     ka = parse_keep_alive(keepalive) if keepalive not in (None, "") else None
     return RunSettings(sampling=sampling, load=load, system=system, format=fmt, verbose=verbose, keep_alive=ka,

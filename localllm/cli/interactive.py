@@ -35,6 +35,7 @@ from localllm.cli.answer import (
     loaded_plan,
     overflow_note,
     parse_think_flag,
+    placement_lines,
     print_stats,
     stream_answer,
     user_message,
@@ -233,6 +234,7 @@ class Repl:
             del self.messages[:dropped]  # the backend left them out; keep our copy in step
         if self.settings.verbose:
             print_stats(done.stats, self.err, loaded_plan(self.runner, self.model))
+            self.err.writelines(line + "\n" for line in placement_lines(self.runner, self.model))
 
     # -------------------------------------------------------------------------------- tools (MCP)
 

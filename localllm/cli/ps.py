@@ -44,7 +44,7 @@ def command(host: str | None, as_json: bool) -> None:
                                 "slots": m.slots, "slots_busy": m.slots_busy, "batched": m.batched,
                                 "prompt_cache": {"entries": m.prompt_cache_entries, "bytes": m.prompt_cache_bytes},
                                 "expires_at": m.expires_at.isoformat() if m.expires_at else None,
-                                "until": m.until,
+                                "until": m.until, "n_cpu_moe": m.n_cpu_moe,
                                 "devices": [{"name": d.name, "description": d.description, "size": d.size,
                                              "estimate": d.estimate} for d in m.devices]} for m in models],
                                indent=2))
@@ -65,3 +65,6 @@ def command(host: str | None, as_json: bool) -> None:
             click.echo(f"{m.name} on " + ", ".join(
                 f"{d.name}" + (f" ({d.description})" if d.description else "") + f" {human_size(d.size)}"
                 + (f" (estimated {human_size(d.estimate)})" if d.estimate else "") for d in m.devices))
+        if m.n_cpu_moe:  # a mixture of experts placed across the device and RAM
+            click.echo(f"{m.name}: experts of the first {m.n_cpu_moe} layers in RAM, the rest of the model on the "
+                       "device")

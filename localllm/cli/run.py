@@ -50,6 +50,7 @@ from localllm.cli.answer import (
     ensure_model,
     loaded_plan,
     overflow_note,
+    placement_lines,
     print_stats,
     stream_answer,
     user_message,
@@ -107,6 +108,10 @@ class RunCommand(click.Command):
               help="Shares of the layers per device, in `localllm probe`'s order (default: by free memory).")
 @click.option("--rpc", default=None, metavar="HOST:PORT,...",
               help="Add llama.cpp RPC workers (`localllm worker`) as devices (default: LOCALLLM_RPC).")
+@click.option("--cpu-moe", is_flag=True, default=False,
+              help="A mixture of experts: keep every expert tensor in RAM (default: as few as the device needs).")
+@click.option("--num-cpu-moe", type=click.IntRange(min=0), default=None, metavar="N",
+              help="A mixture of experts: keep the experts of the first N layers in RAM (llama.cpp's --n-cpu-moe).")
 @click.option("--verbose", is_flag=True, help="Print timings and token counts after each answer.")
 @click.option("--host", default=None, metavar="URL",
               help="Talk to a localllm or Ollama server there instead of in-process.")
@@ -122,7 +127,8 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
             draft: str | None, num_draft: int | None, kv_cache: str | None, backend: str, think: str | None,
             hidethinking: bool, images: tuple[str, ...], audio: tuple[str, ...], gpu_layers: int | None,
             devices: tuple[str, ...],
-            tensor_split: str | None, rpc: str | None, verbose: bool, host: str | None,
+            tensor_split: str | None, rpc: str | None, cpu_moe: bool, num_cpu_moe: int | None, verbose: bool,
+            host: str | None,
             keepalive: str | None, mcp_servers: tuple[str, ...], tool_choice: str) -> None:
     """Run MODEL: answer PROMPT (or piped stdin) once, else chat interactively.
 
@@ -142,7 +148,7 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
         temperature=temperature, seed=seed, num_predict=num_predict, num_ctx=num_ctx, system=system,
         fmt=fmt, draft=draft, num_draft=num_draft, kv_cache=kv_cache, backend=backend, verbose=verbose,
         keepalive=keepalive, think=think, hide_thinking=hidethinking, gpu_layers=gpu_layers, devices=devices,
-        tensor_split=tensor_split,
+        tensor_split=tensor_split, cpu_moe=cpu_moe, num_cpu_moe=num_cpu_moe,
     )
     prompts = list(prompt)
     piped = not isatty(sys.stdin)
@@ -165,7 +171,8 @@ def command(model: str, prompt: tuple[str, ...], temperature: float | None, seed
     if tool_choice == "required" and (tools is None or not tools.servers):
         raise click.UsageError("--tool-choice required needs an MCP server (--mcp NAME).")
     session = open_session(host, keep_alive=settings.keep_alive, on_convert=ConversionDisplay())
-    if session.remote and (rpc or devices or gpu_layers is not None or tensor_split):
+    if session.remote and (rpc or devices or gpu_layers is not None or tensor_split or cpu_moe
+                           or num_cpu_moe is not None):
         sys.stderr.write("Note: --rpc, --device and --gpu-layers apply where the model loads: the server this "
                          "attaches to (start it with `localllm serve --rpc ...`).\n")
     if session.remote and draft not in (None, "auto"):
@@ -274,5 +281,6 @@ def one_shot(runner: Runner, name: str, text: str, settings: RunSettings,
             err.write(note + "\n")
         if settings.verbose:
             print_stats(done.stats, err, loaded_plan(runner, name))
+            err.writelines(line + "\n" for line in placement_lines(runner, name))
     return 130 if answer.cancelled else 0
 

@@ -27,6 +27,7 @@ Environment:
   LOCALLLM_BACKEND            auto | llamacpp | mlx, for requests (auto)
   LOCALLLM_RPC                llama.cpp RPC workers, host:port,... (as --rpc)
   LOCALLLM_DEVICE_MEMORY      cap per device for the planner: RPC0=2GiB,... or 4GiB
+  LOCALLLM_CPU_MOE            1: every expert tensor of a MoE model in RAM (as --cpu-moe)
 """
 
 
@@ -39,8 +40,11 @@ Environment:
               help="Backend for every request (default: LOCALLLM_BACKEND or auto, the planner's choice).")
 @click.option("--rpc", default=None, metavar="HOST:PORT,...",
               help="Add llama.cpp RPC workers (`localllm worker`) as devices (default: LOCALLLM_RPC).")
+@click.option("--cpu-moe", is_flag=True, default=False,
+              help="Mixtures of experts keep every expert tensor in RAM (default: LOCALLLM_CPU_MOE, else as few as "
+                   "the device needs).")
 @click.option("--debug", is_flag=True, help="Log every request.")
-def command(address: str | None, keep_alive: str | None, backend: str | None, rpc: str | None,
+def command(address: str | None, keep_alive: str | None, backend: str | None, rpc: str | None, cpu_moe: bool,
             debug: bool) -> None:
     """Serve the Ollama and OpenAI APIs (streaming, several models, keep-alive)."""
     from localllm import config
@@ -49,6 +53,8 @@ def command(address: str | None, keep_alive: str | None, backend: str | None, rp
     from localllm.server.run import serve
 
     config.check_settings()  # a bad LOCALLLM_* value: one sentence now, not an error on every request
+    if cpu_moe:
+        os.environ["LOCALLLM_CPU_MOE"] = "1"  # the loader reads it for every load
     ka = parse_keep_alive(keep_alive) if keep_alive else parse_keep_alive(None)
     if rpc is not None or os.environ.get("LOCALLLM_RPC"):
         from localllm.devices import use_workers

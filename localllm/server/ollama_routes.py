@@ -405,6 +405,8 @@ async def ps(request: Request) -> dict[str, Any]:
             "context_length": int(m.info.n_ctx),
             # beyond Ollama's fields: what llama.cpp allocated per device, beside the planner's estimate
             "devices": [asdict(d) for d in device_use(m)],
+            # a mixture of experts: the first N layers' experts kept in RAM (0: none)
+            "n_cpu_moe": int(m.plan.n_cpu_moe),
             # beyond Ollama's fields (its clients ignore them): the decode loop's slots and KV pool
             **_slots(m),
         })

@@ -40,7 +40,8 @@ _OPTION_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "typical_p": (_NUMBER, "number"), "repeat_penalty": (_NUMBER, "number"),
     "presence_penalty": (_NUMBER, "number"), "frequency_penalty": (_NUMBER, "number"),
     "use_mmap": ((bool,), "boolean"), "numa": ((bool,), "boolean"), "low_vram": ((bool,), "boolean"),
-    "penalize_newline": ((bool,), "boolean"),
+    "penalize_newline": ((bool,), "boolean"), "cpu_moe": ((bool,), "boolean"),
+    "num_cpu_moe": ((int,), "integer"),
     "stop": ((list, str), "array"),
 }
 
@@ -139,7 +140,12 @@ def options_of(options: dict[str, Any] | None, *, defaults: dict[str, Any] | Non
     if num_thread is not None and num_thread > 1024:
         raise bad_request('option "num_thread" must be at most 1024')
     draft_n = opts.get("draft_num_predict")
+    num_cpu_moe = opts.get("num_cpu_moe")
+    if num_cpu_moe is not None and num_cpu_moe < 0:
+        num_cpu_moe = None  # -1 = auto, as num_gpu
     load = LoadOptions(
+        cpu_moe=bool(opts.get("cpu_moe", False)),
+        num_cpu_moe=min(num_cpu_moe, 100000) if num_cpu_moe is not None else None,
         num_ctx=num_ctx,
         num_gpu=min(num_gpu, 100000) if num_gpu is not None else None,
         num_thread=num_thread,

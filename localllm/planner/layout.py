@@ -1,0 +1,327 @@
+"""Step 2 of a plan: where the bytes go — layers offloaded to a GPU (or split over llama.cpp's devices as
+llama.cpp splits them), or one unified pool (MLX), and the largest context that keeps that placement.
+
+Layers are offloaded like Ollama's ``EstimateGPULayers``: all of them (plus the output layer) when they fit in
+free VRAM minus a 512 MiB margin, else as many as fit. ``n_gpu_layers`` follows llama.cpp: ``n_layers + 1``
+means every layer and the output layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from backends.descriptor import Backend
+from localllm.ggufinfo import GGUFInfo
+from localllm.hardware import GiB, HardwareInfo, MiB, metal_budget_rule
+from localllm.planner.estimation import (
+    CUDA_OVERHEAD,
+    FA_HEAD_DIMS,
+    GPU_MARGIN,
+    HOST_OVERHEAD,
+    MIN_AUTO_CTX,
+    N_UBATCH,
+    MemoryEstimate,
+    _gb,
+    _mlx_estimate,
+    _weights,
+    estimate,
+)
+
+
+@dataclass
+class DevicePlan:
+    """One llama.cpp device the plan puts layers on, with the planner's estimate of what it allocates there."""
+
+    name: str  # "RPC0", "CUDA0", "ROCm0"...
+    description: str  # "127.0.0.1:50052", "NVIDIA GeForce RTX 4090"
+    usable_bytes: int  # free memory minus the margin, capped by LOCALLLM_DEVICE_MEMORY (its share of the split)
+    layers: int = 0  # repeating layers placed here
+    output: bool = False  # the output layer is here
+    weights: int = 0
+    kv_cache: int = 0
+    compute: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.compute
+
+
+
+# -------------------------------------------------------------------------------------------- plan
+
+
+def _ram_limit(hw: HardwareInfo) -> int:
+    """RAM the model may take: all of it but a share the OS keeps (1 GiB or 10 %, the larger)."""
+    return hw.ram_total - max(GiB, hw.ram_total // 10) if hw.ram_total else 1 << 62
+
+
+@dataclass
+class _Layout:
+    mem: MemoryEstimate
+    ngl: int
+    draft_ngl: int
+    fits: bool
+    why: str  # the limiting resource when it does not fit, with numbers
+    devices: list[DevicePlan] = field(default_factory=list)
+    n_cpu_moe: int = 0  # the first N layers' expert tensors stay in RAM (llama.cpp's --n-cpu-moe)
+
+
+def _targets(hw: HardwareInfo, device: str, caps: dict[str, int]) -> list[DevicePlan]:
+    """The llama.cpp devices layers may go to for ``device``, with what each can take: free memory minus
+    GPU_MARGIN, capped by ``caps`` (LOCALLLM_DEVICE_MEMORY: a device's name, or "*" for all). [] where the probe
+    has no device list (a simulated probe, MLX): the single-budget path then counts the memory."""
+    if device == "gpu":
+        devs = hw.offload_devices
+    elif device == "cuda":
+        devs = [d for d in hw.offload_devices if d.backend in ("CUDA", "RPC")]
+        if not any(d.remote for d in devs):
+            return []  # NVML's view, as before (its free memory and per-GPU CUDA overhead)
+    else:
+        return []
+    out = []
+    for d in devs:
+        usable = max(d.free_bytes - GPU_MARGIN, 0)
+        cap = caps.get(d.name, caps.get("*"))
+        if cap is not None:
+            usable = min(usable, cap)
+        out.append(DevicePlan(d.name, d.description, usable))
+    return out
+
+
+def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash_attn: bool,
+                 targets: list[DevicePlan], shares: list[float] | None = None, *, n_seq: int = 1,
+                 swa_full: bool = False, n_cpu_moe: int = 0) -> list[DevicePlan]:
+    """Place ``ngl`` offloaded layers on ``targets`` as llama.cpp does (``llama_model::load_tensors``: split
+    points from the devices' shares, the last layers offloaded first, the output layer last) and estimate
+    each device's weights, KV cache and compute buffer; the experts of the first ``n_cpu_moe`` layers stay in RAM
+    (their layer's device does not hold them)."""
+    from bisect import bisect_right
+
+    n = len(targets)
+    if not n:
+        return []
+    L = max(info.n_layers, 1)
+    # each device's share: --tensor-split's, else its usable memory (llama.cpp's own default is free memory)
+    shares = list(shares) if shares and len(shares) == n else [float(t.usable_bytes) for t in targets]
+    if sum(shares) <= 0:
+        shares = [1.0] * n
+    cum, acc = [], 0.0
+    for x in shares:
+        acc += x
+        cum.append(acc / sum(shares))
+    w = _weights(info)
+    start = max(L + 1 - ngl, 0)
+    act = max(min(ngl, L + 1), 1)
+    kv_layer = info.memory_bytes(n_ctx, kv_cache_type, n_seq=n_seq, swa_full=swa_full) / L
+    out = [replace(t, layers=0, output=False, weights=0, kv_cache=0, compute=0) for t in targets]
+    for il in range(start, L + 1):
+        j = min(bisect_right(cum, (il - start) / act), n - 1)
+        if il < L:
+            out[j].layers += 1
+            out[j].weights += (w.layers[il] - w.moved(il, il + 1, n_cpu_moe)) if il < len(w.layers) else 0
+            out[j].kv_cache += int(kv_layer)
+        else:
+            out[j].output = True
+            out[j].weights += w.output
+    b = min(n_ctx, N_UBATCH)
+    e, h, v = info.n_embd, max(info.n_head, 1), info.vocab_size
+    # a device's compute buffer, per row of the batch: the layer's activations (~15 × n_embd floats), or on the
+    # device with the output layer the logits, plus the attention over the pool (2 floats per cell with flash
+    # attention; the whole score matrix without). Fitted to llama.cpp's allocations on the default model at 512 and
+    # 2,048 cells (within 3 %, benchmarks/rpc.py); Ollama's GraphSize counts the single-GPU case.
+    attn = 2 * n_ctx if flash_attn else n_ctx * (1 + h)
+    for d in out:
+        if d.layers or d.output:
+            # the buffer is the largest node's, not a sum: the logits outweigh a layer where the output is
+            d.compute = 4 * b * (attn + (e + v if d.output else 15 * e))
+    return out
+
+
+class _Planner:
+    def __init__(self, info: GGUFInfo, hw: HardwareInfo, kv: str, num_gpu: int | None, draft: GGUFInfo | None,
+                 mlx_bytes: int | None = None, caps: dict[str, int] | None = None, swa_full: bool = False,
+                 cpu_moe: bool = False, num_cpu_moe: int | None = None):
+        self.info, self.hw, self.kv, self.num_gpu, self.draft = info, hw, kv, num_gpu, draft
+        self.swa_full = swa_full
+        # the experts kept in RAM as asked: all layers' (cpu_moe), the first N layers' (num_cpu_moe), else decided
+        self.moe_asked: int | None = (info.n_layers if cpu_moe else min(max(num_cpu_moe, 0), info.n_layers)
+                                      if num_cpu_moe is not None else None)
+        self.mlx_bytes = mlx_bytes
+        self.caps = caps or {}
+        self.shares: list[float] | None = None  # --tensor-split
+        self.L = info.n_layers
+
+    # device budget -------------------------------------------------------------------------
+    def gpu_budget(self, device: str) -> tuple[int, int, str]:
+        """(usable bytes, number of GPUs, description) for ``device``."""
+        targets = _targets(self.hw, device, self.caps)
+        if targets:
+            names = " + ".join(f"{t.name} ({t.description})" if t.description else t.name for t in targets)
+            return (sum(t.usable_bytes for t in targets), len(targets),
+                    f"{_gb(sum(t.usable_bytes for t in targets))} usable on {names}")
+        if device == "cuda":
+            gpus = self.hw.nvidia_gpus
+            usable = sum(max(g.free_bytes - GPU_MARGIN, 0) for g in gpus)
+            names = " + ".join(g.name for g in gpus)
+            return usable, len(gpus), f"{_gb(sum(g.free_bytes for g in gpus))} free VRAM on {names}"
+        if device == "metal":
+            budget = self.hw.metal_budget or metal_budget_rule(self.hw.ram_total)
+            return max(budget - GPU_MARGIN, 0), 1, f"the {_gb(budget)} Metal working-set budget"
+        return 0, 0, "no GPU"
+
+    def flash_attn(self, device: str) -> tuple[bool, str]:
+        if self.kv != "f16":
+            return True, f"flash attention on: llama.cpp needs it for a quantized ({self.kv}) V cache"
+        i = self.info
+        if device in ("cuda", "metal") and i.head_dim_k == i.head_dim_v and i.head_dim_k in FA_HEAD_DIMS:
+            return True, (f"flash attention on: the GPU kernels cover head size {i.head_dim_k}, and it saves "
+                          f"the n_ctx × batch attention buffer")
+        if device == "cpu":
+            return True, "flash attention: llama.cpp's auto setting, on for the CPU kernels"
+        if device == "gpu":
+            return True, "flash attention: llama.cpp's auto setting (on where the devices run it, as RPC workers do)"
+        return False, "flash attention off: the GPU kernels do not cover this head size"
+
+    # llama.cpp layout ------------------------------------------------------------------------
+    def llama_layout(self, device: str, n_ctx: int, fa: bool, n_seq: int = 1) -> _Layout:
+        info, hw = self.info, self.hw
+        budget, n_gpus, _ = self.gpu_budget(device)
+
+        def est(ngl: int, n_moe: int = 0) -> MemoryEstimate:
+            return estimate(info, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus, n_seq=n_seq,
+                            swa_full=self.swa_full, n_cpu_moe=n_moe)
+
+        def draft_est(ngl: int) -> MemoryEstimate:
+            assert self.draft is not None
+            m = estimate(self.draft, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus, n_seq=n_seq,
+                         swa_full=self.swa_full)
+            m.overhead -= HOST_OVERHEAD  # one process
+            m.cpu -= HOST_OVERHEAD
+            m.total -= HOST_OVERHEAD
+            if ngl:  # the CUDA context is shared too
+                shared = CUDA_OVERHEAD * n_gpus if device == "cuda" else 0
+                m.overhead, m.gpu, m.total = m.overhead - shared, m.gpu - shared, m.total - shared
+            m.draft = m.total
+            return m
+
+        full = self.L + 1
+        draft_ngl = 0
+        targets = _targets(hw, device, self.caps)
+        if targets and device != "cpu" and self.draft is None:
+            return self._devices_layout(targets, device, n_ctx, fa, est, n_seq)
+        ngl, n_moe = self._place(device, lambda ngl_, n_: est(ngl_, n_).gpu <= budget)
+        mem = est(ngl, n_moe)
+        if self.draft is not None:
+            dfull = self.draft.n_layers + 1
+            if ngl == full and device != "cpu" and mem.gpu + draft_est(dfull).gpu <= budget:
+                draft_ngl = dfull
+            mem = mem + draft_est(draft_ngl)
+        ram_limit = _ram_limit(hw)
+        ram_need = mem.total if device == "metal" else mem.cpu  # unified memory on Apple Silicon
+        if ram_need > ram_limit:
+            return _Layout(mem, ngl, draft_ngl, False,
+                           f"needs {_gb(ram_need)} of RAM{' for the CPU part' if ngl else ''}, "
+                           f"more than the {_gb(ram_limit)} this machine can give it "
+                           f"({_gb(hw.ram_total)} total)", n_cpu_moe=n_moe)
+        return _Layout(mem, ngl, draft_ngl, True, "", n_cpu_moe=n_moe)
+
+    def _place(self, device: str, fits: Callable[[int, int], bool]) -> tuple[int, int]:
+        """(layers offloaded, llama.cpp's meaning; the first N layers whose experts stay in RAM). ``fits(ngl, n)``:
+        that placement fits the device(s). Every layer when it fits; else, for a mixture of experts, every layer
+        with the experts of as few first layers as fit kept in RAM (llama.cpp's ``--n-cpu-moe N``: attention,
+        router and shared tensors stay on the device, where they are used for every token); else as many whole
+        layers as fit. ``num_gpu`` forces whole layers; ``cpu_moe``/``num_cpu_moe`` force the experts."""
+        full, L = self.L + 1, self.L
+        moe = bool(self.info.expert_bytes) and device != "cpu"
+        n_moe = (self.moe_asked or 0) if moe else 0
+        if device == "cpu":
+            return 0, 0
+        if self.num_gpu is not None and self.num_gpu >= 0:
+            ngl = min(self.num_gpu, full)
+            return ngl, n_moe if ngl else 0
+        if fits(full, n_moe):
+            return full, n_moe
+        if moe and self.moe_asked is None and fits(full, L):
+            lo, hi = 0, L  # fits(full, hi); not fits(full, lo): device memory falls with every layer's experts
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if fits(full, mid) else (mid, hi)
+            return full, hi
+        lo, hi = 0, full  # whole layers: fits(lo) (0 layers take no device memory), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid, n_moe) else (lo, mid)
+        return lo, n_moe if lo else 0
+
+    def _devices_layout(self, targets: list[DevicePlan], device: str, n_ctx: int, fa: bool,
+                        est: Callable[[int, int], MemoryEstimate], n_seq: int = 1) -> _Layout:
+        """Several llama.cpp devices (RPC workers, ROCm/Vulkan GPUs): the most layers with every device's
+        estimate inside its own usable memory."""
+
+        def placed(ngl: int, n_moe: int) -> list[DevicePlan]:
+            return split_layers(self.info, ngl, n_ctx, self.kv, fa, targets, self.shares, n_seq=n_seq,
+                                swa_full=self.swa_full, n_cpu_moe=n_moe)
+
+        ngl, n_moe = self._place(device, lambda ngl_, n_: all(d.total <= d.usable_bytes for d in placed(ngl_, n_)))
+        devs = placed(ngl, n_moe) if ngl else []
+        mem = est(ngl, n_moe)
+        gpu = sum(d.total for d in devs)
+        mem = replace(mem, gpu=gpu, cpu=mem.total - gpu)
+        ram_limit = _ram_limit(self.hw)
+        if mem.cpu > ram_limit:
+            return _Layout(mem, ngl, 0, False, f"needs {_gb(mem.cpu)} of RAM for the CPU part, more than the "
+                                               f"{_gb(ram_limit)} this machine can give it", devs, n_moe)
+        return _Layout(mem, ngl, 0, True, "", devs, n_moe)
+
+    def mlx_layout(self, device: str, n_ctx: int) -> _Layout:
+        mem = _mlx_estimate(self.info, n_ctx, self.kv, on_gpu=device != "cpu", weights_bytes=self.mlx_bytes)
+        if self.draft is not None:
+            d = _mlx_estimate(self.draft, n_ctx, self.kv, on_gpu=device != "cpu")
+            d.overhead -= HOST_OVERHEAD
+            d.total -= HOST_OVERHEAD
+            if device == "cpu":
+                d.cpu -= HOST_OVERHEAD
+            d.draft = d.total
+            mem = mem + d
+        if device == "metal":
+            budget, _, desc = self.gpu_budget("metal")
+            if mem.gpu > budget:
+                return _Layout(mem, 0, 0, False, f"MLX needs {_gb(mem.gpu)}, more than {desc} allows "
+                                                 f"({_gb(budget)} after a {GPU_MARGIN // MiB} MiB margin)")
+        limit = _ram_limit(self.hw)
+        if mem.total > limit:
+            return _Layout(mem, 0, 0, False, f"needs {_gb(mem.total)} of RAM, more than the {_gb(limit)} "
+                                             f"this machine can give it ({_gb(self.hw.ram_total)} total)")
+        return _Layout(mem, self.L + 1 if device != "cpu" else 0, (self.draft.n_layers + 1) if self.draft and
+                       device != "cpu" else 0, True, "")
+
+    def layout(self, backend: Backend, device: str, n_ctx: int, fa: bool, n_seq: int = 1) -> _Layout:
+        """How ``backend`` places the model (``n_ctx`` cells for ``n_seq`` slots): one unified pool (MLX), or
+        layers offloaded to a GPU (llama.cpp)."""
+        return (self.mlx_layout(device, n_ctx) if backend.memory == "unified"
+                else self.llama_layout(device, n_ctx, fa, n_seq))
+
+    def max_ctx(self, backend: Backend, device: str, fa: bool, ngl: int, n_seq: int = 1,
+                n_cpu_moe: int | None = None) -> int | None:
+        """Largest context (a multiple of 256, ≤ the training context) that keeps the layout at
+        least as good (same number of GPU layers, no more layers' experts in RAM), or None when even MIN_AUTO_CTX
+        does not."""
+        cap = self.info.context_length or 131072
+
+        def ok(c: int) -> bool:
+            lay = self.layout(backend, device, c * n_seq, fa, n_seq)
+            return lay.fits and lay.ngl >= ngl and (n_cpu_moe is None or lay.n_cpu_moe <= n_cpu_moe)
+
+        if not ok(min(MIN_AUTO_CTX, cap)):
+            return None
+        lo, hi = min(MIN_AUTO_CTX, cap), cap
+        if ok(hi):
+            return hi
+        while hi - lo > 256:
+            mid = (lo + hi) // 2 // 256 * 256 or lo
+            if mid <= lo:
+                break
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        return lo
+
