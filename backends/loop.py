@@ -49,7 +49,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from backends import pooling
@@ -427,12 +427,27 @@ class LoadedModel:
         self._source_class.on_thread()
         if self._before_load is not None:  # e.g. a first-use conversion, on the thread that will run the model
             self._before_load()
-        src = self._source_class(spec)
+        try:
+            src = self._source_class(spec)
+        except BackendError as e:
+            if spec.draft is None or spec.draft.kind != "mtp":
+                raise
+            if not spec.draft.auto:  # a GGUF that names MTP layers without carrying them, or a build without them
+                raise UnsupportedError(f"The model could not be loaded with its MTP layers ({e}); use --draft none.") \
+                    from None
+            spec = self.spec = replace(spec, draft=None)
+            src = self._source_class(spec)
+            src.info.extra["draft_off"] = f"its MTP layers could not be loaded: {e}"
         self._source = src
         src.on_fatal = self.abandon
         try:
             if spec.draft is not None:
-                self._drafter, self._controller = setup_draft(src, spec.draft, self._source_class, spec)
+                try:
+                    self._drafter, self._controller = setup_draft(src, spec.draft, self._source_class, spec)
+                except UnsupportedError as e:
+                    if not spec.draft.auto:
+                        raise
+                    src.info.extra["draft_off"] = str(e)  # a default draft that cannot run: plain decoding, and why
             pc, state_key = self._pcache_spec, src.state_key()
             cache = None
             if pc is not None and pc.max_bytes > 0 and state_key is not None:

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from localllm.api import drafting_text
 from localllm.engine import Done, GenerateRequest, RunningModel, Stats, TextChunk, ToolCalls
 from localllm.errors import InvalidModelFileError, LocalLLMError
 from localllm.local import device_use, modelfile_of
@@ -405,6 +406,8 @@ async def ps(request: Request) -> dict[str, Any]:
             "context_length": int(m.info.n_ctx),
             # beyond Ollama's fields: what llama.cpp allocated per device, beside the planner's estimate
             "devices": [asdict(d) for d in device_use(m)],
+            # speculative decoding now: the draft, on or paused, or why it is off ("" without one)
+            "drafting": drafting_text(m.info.draft, m.metrics.drafting, (m.info.extra or {}).get("draft_off")),
             # beyond Ollama's fields (its clients ignore them): the decode loop's slots and KV pool
             **_slots(m),
         })

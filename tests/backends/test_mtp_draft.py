@@ -117,3 +117,21 @@ def test_several_streams_draft_in_one_batch_and_answer_as_alone(made, plain_answ
 def test_a_model_without_mtp_layers_is_refused(hybrid_model):
     with pytest.raises(UnsupportedError, match="no multi-token-prediction"):
         load(hybrid_model, draft=True)
+
+
+def test_run_verbose_and_probe_say_mtp_drafting_is_on_or_off(made, home):
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "localllm", *args], capture_output=True, text=True, timeout=180)
+
+    path = str(made["echo"])
+    run = ("run", path, "Hi", "--verbose", "--num-predict", "8", "--num-ctx", "256")
+    r = cli(*run)
+    assert r.returncode == 0, r.stderr
+    assert "drafting:             MTP layers: " in r.stderr  # on by default ("on" or "paused (not paying)")
+    r = cli(*run, "--draft", "none")
+    assert r.returncode == 0 and "drafting:" not in r.stderr
+    r = cli("probe", "-m", path)
+    assert r.returncode == 0 and "the GGUF has 1 multi-token-prediction (MTP) layer: it drafts from them" in r.stdout
