@@ -82,6 +82,8 @@ class SpecController:
         self.loss_ns = 0.0  # what drafting cost beyond plain decoding, catch-up included (negative: gained)
         self.decode_ns = 0.0  # all decode steps reported
         self.tokens = self.drafted_tokens = 0.0  # tokens emitted (per stream), and of those by drafting steps
+        self.steps = 0  # decode steps reported
+        self.first_off: tuple[int, float] | None = None  # (steps, tokens) when drafting first stopped
 
     # ------------------------------------------------------------------ the model
 
@@ -162,6 +164,7 @@ class SpecController:
         p = self.p
         drafted = proposed > 0 or overhead_ns > 0
         self.decode_ns += ns
+        self.steps += 1
         self.tokens += emitted
         self.drafted_tokens += emitted if proposed else 0
         if p is not None:
@@ -233,6 +236,8 @@ class SpecController:
             self.mode, self.n = "spec", k
             return True
         self.mode, self._since, self._plain_next = "plain", 0, False
+        if self.first_off is None:
+            self.first_off = (self.steps, self.tokens)
         return False
 
     def state(self) -> dict[str, Any]:
@@ -247,4 +252,6 @@ class SpecController:
                 "best_n": k, "expected_speedup": round(gain, 3), "credit_ms": round(self.credit / 1e6, 1),
                 "gap": self.gap, "probes": self.probes, "lost_probes": self.lost_probes,
                 "drafted_tokens": f"{round(self.drafted_tokens)}/{round(self.tokens)}",
+                "first_off": None if self.first_off is None else
+                f"step {self.first_off[0]} (token {round(self.first_off[1])})",
                 "cost_vs_plain": f"{100 * self.loss_ns / max(self.decode_ns - self.loss_ns, 1):+.1f}%"}
