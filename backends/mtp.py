@@ -120,7 +120,7 @@ class MtpDrafter:
 
     name = "mtp"
     multi_seq = True
-    keep_rows = 1024  # hidden rows kept per sequence (older ones: a hole in the MTP cache if ever caught up)
+    keep_rows = 512  # hidden rows kept per sequence (the most a probe catches up on; n_embd floats each)
 
     def __init__(self, model: Any, target_ctx: Any, *, n_threads: int):
         import llama_cpp

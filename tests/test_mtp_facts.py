@@ -95,3 +95,13 @@ def test_the_refusal_sentences():
         "m has multi-token-prediction (MTP) layers, but only the llama.cpp backend drafts from them; "
         "use --backend llamacpp or --draft none.")
     assert "no qwen35.nextn_predict_layers" in (mtp_refusal("m", {"architecture": "qwen35"}) or "")
+
+
+def test_drafting_travels_in_api_ps():
+    from localllm.api import drafting_text
+    from localllm.client import running_from_ps
+
+    assert drafting_text("mtp", "paused (not paying)") == "MTP layers: paused (not paying)"
+    assert drafting_text("/models/draft.gguf", "on") == "draft model draft.gguf: on"
+    assert drafting_text(None, None) == ""
+    assert running_from_ps({"name": "m", "drafting": "MTP layers: on"}).drafting == "MTP layers: on"
