@@ -65,23 +65,25 @@ class SpecController:
         self.catchup_limit, self.learn_catchup, self.samples = catchup_limit, learn_catchup, samples
         self._plain: list[float] = []  # ns of the last plain steps
         self._costs: list[float] = []  # c of the last drafting steps (in plain steps)
-        self._raw: list[tuple[int, float, float, int]] = []  # (k, ns net, ns, emitted): steps before p was known
+        self._raw: list[tuple[float, float, float, float]] = []  # (k, ns net, ns, emitted): steps before p was known
         self._acc, self._tried = 3.5, 5.0  # decayed sums of accepted and of judged drafts (a prior of 0.7)
         self.mode = "spec"  # the first probe learns what drafting does
         self._probing = self._learning = True
         self._plain_next = False  # the next step is a plain one (probes alternate; drafting interleaves)
         self._run = 0  # drafting steps since the last plain step
-        self._probe_steps = self._probe_tok = 0  # drafting steps and their tokens in the current probe
+        self._probe_steps, self._probe_tok = 0, 0.0  # drafting steps and their tokens in the current probe
         self._probe_ns = 0.0  # their time, catch-up included
         self._learn_catchup_ns = 0.0
         self.credit = 0.0  # ns drafting may still lose (negative: a debt that plain decoding repays)
         self.gap = first_gap  # plain tokens before the next probe
-        self._since = 0  # plain tokens since drafting stopped
+        self._since = 0.0  # plain tokens since drafting stopped
         self._probe_cost = 0.0  # what the last probe lost against plain decoding (ns); the next must be covered
         self.probes, self.lost_probes = 1, 0
         self.loss_ns = 0.0  # what drafting cost beyond plain decoding, catch-up included (negative: gained)
         self.decode_ns = 0.0  # all decode steps reported
-        self.tokens = self.drafted_tokens = 0  # tokens emitted, and of those by drafting steps
+        self.tokens = self.drafted_tokens = 0.0  # tokens emitted (per stream), and of those by drafting steps
+        self.steps = 0  # decode steps reported
+        self.first_off: tuple[int, float] | None = None  # (steps, tokens) when drafting first stopped
 
     # ------------------------------------------------------------------ the model
 
@@ -126,7 +128,7 @@ class SpecController:
         p = self.p
         if p is not None and self._since >= self.gap and self.credit >= self._probe_cost:
             self.mode, self._probing, self._plain_next = "spec", True, False
-            self._probe_steps = self._probe_tok = 0
+            self._probe_steps, self._probe_tok = 0, 0.0
             self._probe_ns = 0.0
             self.n = max(2, self.best()[0])
             self.probes += 1
@@ -139,13 +141,30 @@ class SpecController:
             return None
         return self.learn_catchup if self._learning else self.catchup_limit
 
-    def record(self, *, proposed: int, accepted: int, emitted: int, ns: int, overhead_ns: int = 0) -> None:
+    def sibling(self) -> SpecController:
+        """A controller with the same settings and nothing learnt (another regime: several streams drafting)."""
+        return SpecController(self.n_max, probe=self.probe, probe_tokens=self.probe_tokens, margin=self.margin,
+                              budget=self.budget, cap_tokens=self.cap_tokens, first_gap=self.first_gap,
+                              max_gap=self.max_gap, interleave=self.interleave, catchup_limit=self.catchup_limit,
+                              learn_catchup=self.learn_catchup, samples=self.samples)
+
+    def record(self, *, proposed: float, accepted: float, emitted: float, ns: int, overhead_ns: int = 0,
+               streams: int = 1, rejected: int | None = None) -> None:
         """One decode step: tokens proposed/accepted, tokens it produced, its time in ns, of which
-        ``overhead_ns`` went to a draft model catching up."""
+        ``overhead_ns`` went to a draft model catching up.
+
+        A step of several streams (``streams`` > 1) reports the totals over them and how many streams had a draft
+        ``rejected``; it is judged per stream (a plain step of that many streams is the unit of ``p``)."""
+        if streams > 1:
+            rej = float(rejected or 0) / streams
+            proposed, accepted, emitted = proposed / streams, accepted / streams, emitted / streams
+        else:
+            rej = 1.0 if accepted < proposed else 0.0  # drafts after the first rejection were not judged
         net = float(max(ns - overhead_ns, 1))
         p = self.p
         drafted = proposed > 0 or overhead_ns > 0
         self.decode_ns += ns
+        self.steps += 1
         self.tokens += emitted
         self.drafted_tokens += emitted if proposed else 0
         if p is not None:
@@ -163,15 +182,14 @@ class SpecController:
                 self._since += emitted
             self._plain_next, self._run = False, 0
             return
-        rejected = 1 if accepted < proposed else 0  # drafts after the first rejection were not judged
         self._acc = 0.85 * self._acc + accepted
-        self._tried = 0.85 * self._tried + accepted + rejected
+        self._tried = 0.85 * self._tried + accepted + rej
         if p is None:  # judged (and charged) at the end of the first probe
             self._raw.append((proposed, net, float(ns), emitted))
         else:
             self._costs = [*self._costs[-(self.samples - 1):], max(0.0, (net / p - 1) / proposed)]
         if self._learning:  # no cost model yet: all accepted → one more, else what was accepted + 1
-            self.n = min(self.n + 1, self.n_max) if accepted == proposed else max(1, accepted + 1)
+            self.n = min(self.n + 1, self.n_max) if accepted >= proposed else max(1, round(accepted) + 1)
         if self._probing:
             self._probe_steps += 1
             self._probe_tok += emitted
@@ -218,6 +236,8 @@ class SpecController:
             self.mode, self.n = "spec", k
             return True
         self.mode, self._since, self._plain_next = "plain", 0, False
+        if self.first_off is None:
+            self.first_off = (self.steps, self.tokens)
         return False
 
     def state(self) -> dict[str, Any]:
@@ -231,5 +251,7 @@ class SpecController:
                 "draft_cost": round(c, 3) if c is not None else None, "accept": round(self.accept, 3),
                 "best_n": k, "expected_speedup": round(gain, 3), "credit_ms": round(self.credit / 1e6, 1),
                 "gap": self.gap, "probes": self.probes, "lost_probes": self.lost_probes,
-                "drafted_tokens": f"{self.drafted_tokens}/{self.tokens}",
+                "drafted_tokens": f"{round(self.drafted_tokens)}/{round(self.tokens)}",
+                "first_off": None if self.first_off is None else
+                f"step {self.first_off[0]} (token {round(self.first_off[1])})",
                 "cost_vs_plain": f"{100 * self.loss_ns / max(self.decode_ns - self.loss_ns, 1):+.1f}%"}

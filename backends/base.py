@@ -77,12 +77,14 @@ class PoolFullError(BackendError):
 @dataclass
 class DraftSpec:
     """Speculative decoding. ``kind="model"``: a second model with the same vocabulary;
-    ``kind="ngram"``: prompt-lookup drafting (no extra model)."""
+    ``kind="ngram"``: prompt-lookup drafting (no extra model); ``kind="mtp"``: the model's own
+    multi-token-prediction layers (llama.cpp; loaded with them)."""
 
-    kind: Literal["model", "ngram"]
+    kind: Literal["model", "ngram", "mtp"]
     path: str | None = None  # model file / directory for kind="model"
     num_draft: int = 4  # upper bound on tokens proposed per step (the controller adapts below it)
     n_gpu_layers: int = 0
+    auto: bool = False  # chosen by default, not asked for: when it cannot run, decode plainly (the reason in info)
 
 
 @dataclass

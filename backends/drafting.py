@@ -2,14 +2,17 @@
 
 A :class:`Drafter` proposes up to ``k`` tokens that may follow a sequence's history; the decode loop
 (:mod:`backends.loop`) verifies them in the target's batch, and the :class:`~backends._speculative.SpecController`
-decides how many to ask for (0: decode plainly). Two drafters: :class:`NgramDrafter` (prompt lookup) and
-:class:`ModelDrafter` (a second, smaller model with the same vocabulary). :func:`setup_draft` makes the drafter
-and the controller a :class:`~backends.base.DraftSpec` asks for, refusing what cannot work in one sentence.
+decides how many to ask for (0: decode plainly). Three drafters: :class:`NgramDrafter` (prompt lookup),
+:class:`ModelDrafter` (a second, smaller model with the same vocabulary) and :class:`~backends.mtp.MtpDrafter`
+(the target's own multi-token-prediction layers, which read the target's hidden states: :meth:`Drafter.observe`).
+:func:`setup_draft` makes the drafter and the controller a :class:`~backends.base.DraftSpec` asks for, refusing
+what cannot work in one sentence.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 from backends._speculative import SpecController
@@ -22,16 +25,44 @@ class Drafter(Protocol):
 
     name: str
     catchup_ns: int  # what the last :meth:`propose` spent catching up on tokens it had not seen (0: none)
+    multi_seq: bool  # drafts for several sequences of one step (:meth:`propose_many`); else one sequence only
 
-    def propose(self, history: list[int], k: int, max_catchup: int | None = None) -> list[int]:
-        """Up to ``k`` tokens that may follow ``history`` (the target sequence's tokens and its last sampled
+    def propose(self, history: list[int], k: int, max_catchup: int | None = None, seq: int = 0) -> list[int]:
+        """Up to ``k`` tokens that may follow ``history`` (the target sequence ``seq``'s tokens and its last sampled
         one); ``max_catchup``: evaluate at most that many unseen tokens first (None: all)."""
+        ...
+
+    def propose_many(self, asks: Sequence[tuple[int, list[int], int]],
+                     max_catchup: int | None = None) -> list[list[int]]:
+        """:meth:`propose` for several ``(seq, history, k)`` of one step."""
+        ...
+
+    def observe(self, feeds: Sequence[Feed], held: Sequence[list[int]]) -> None:
+        """After every evaluation of the target: its ``feeds`` (one batch, in order) and each feed's sequence's
+        tokens now (a drafter that reads the target's hidden states takes them here)."""
         ...
 
     def close(self) -> None: ...
 
 
-class NgramDrafter:
+class _Stateless:
+    """The parts of :class:`Drafter` a drafter that ignores the target's evaluations shares."""
+
+    catchup_ns = 0
+    multi_seq = False
+
+    def propose(self, history: list[int], k: int, max_catchup: int | None = None, seq: int = 0) -> list[int]:
+        raise NotImplementedError
+
+    def propose_many(self, asks: Sequence[tuple[int, list[int], int]],
+                     max_catchup: int | None = None) -> list[list[int]]:
+        return [self.propose(h, k, max_catchup, seq) for seq, h, k in asks]
+
+    def observe(self, feeds: Sequence[Feed], held: Sequence[list[int]]) -> None:
+        pass
+
+
+class NgramDrafter(_Stateless):
     """Prompt lookup: the tokens that followed the last occurrence of the current n-gram."""
 
     name = "ngram"
@@ -40,7 +71,7 @@ class NgramDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.catchup_ns = 0
 
-    def propose(self, history: list[int], k: int, max_catchup: int | None = None) -> list[int]:
+    def propose(self, history: list[int], k: int, max_catchup: int | None = None, seq: int = 0) -> list[int]:
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(history) <= n:
                 continue
@@ -54,7 +85,7 @@ class NgramDrafter:
         pass
 
 
-class ModelDrafter:
+class ModelDrafter(_Stateless):
     """A second, smaller model proposes tokens greedily; its one sequence follows the target's history
     (the common prefix is kept, only new tokens are evaluated).
 
@@ -96,7 +127,7 @@ class ModelDrafter:
             history = history[:at] + history[at + skipped :]
         return history
 
-    def propose(self, history: list[int], k: int, max_catchup: int | None = None) -> list[int]:
+    def propose(self, history: list[int], k: int, max_catchup: int | None = None, seq: int = 0) -> list[int]:
         self.catchup_ns = self.catchup_tokens = 0
         view = self._view(history)
         k = min(k, self.source.n_ctx - len(view) - 1)
@@ -167,7 +198,12 @@ def setup_draft(src: TokenSource, d: DraftSpec, source_class: type[TokenSource],
             "(recurrent/hybrid memory or a sliding window) is not trimmable, so rejected draft tokens cannot be "
             "rolled back; use --draft none.")
     drafter: Drafter
-    if d.kind == "ngram":
+    if d.kind == "mtp":
+        from backends.mtp import mtp_drafter
+
+        drafter = mtp_drafter(src)
+        src.info.draft = "mtp"
+    elif d.kind == "ngram":
         drafter = NgramDrafter()
         src.info.draft = "ngram"
     elif d.kind == "model":
@@ -191,7 +227,7 @@ def setup_draft(src: TokenSource, d: DraftSpec, source_class: type[TokenSource],
         src.info.draft = d.path
         src.info.size_bytes += dsrc.info.size_bytes
     else:
-        raise UnsupportedError(f"Unknown draft kind {d.kind!r}; use a model or ngram.")
+        raise UnsupportedError(f"Unknown draft kind {d.kind!r}; use a model, ngram or mtp.")
     # draft_always: draft every step whatever the timings say (tests of exactness)
     controller = SpecController(max(1, d.num_draft), margin=0.0 if spec.extra.get("draft_always") else 0.97)
     return drafter, controller

@@ -234,6 +234,7 @@ class LlamaCppSource(TokenSource):
         forget_recent()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = spec.n_gpu_layers
+        mp.load_mtp = spec.draft is not None and spec.draft.kind == "mtp"  # the MTP block (backends.mtp drafts)
         self._devices_arr: Any = None  # kept alive: llama.cpp reads them during the load
         self._split_arr: Any = None
         if spec.extra.get("devices") and spec.n_gpu_layers != 0:
@@ -550,6 +551,23 @@ class LlamaCppSource(TokenSource):
     @property
     def shared_pool(self) -> bool:
         return not self._pure_recurrent and self._pooling is None  # a hybrid's attention cells are one unified pool too
+
+    @property
+    def model_handle(self) -> Any:
+        """The ``llama_model *`` (for :mod:`backends.mtp`, which runs the model's MTP block beside this context)."""
+        return self._model
+
+    @property
+    def context_handle(self) -> Any:
+        """The ``llama_context *`` that evaluates this source's sequences."""
+        return self._ctx
+
+    @property
+    def mtp_layers(self) -> int:
+        """Multi-token-prediction layers loaded with the weights (0 unless the load asked for them)."""
+        import llama_cpp
+
+        return int(llama_cpp.llama_model_n_layer_nextn(self._model))
 
     def can_rewind(self) -> bool:
         """Plain and windowed caches drop a tail; recurrent memory only the tokens of its last decode, and only

@@ -49,10 +49,11 @@ import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from backends import pooling
+from backends._speculative import SpecController
 from backends.base import (
     BackendError,
     Event,
@@ -176,7 +177,8 @@ class LoadedModel:
         self._source_class = source_class
         self._source: TokenSource | None = None
         self._drafter: Drafter | None = None
-        self._controller: Any = None
+        self._controller: SpecController | None = None
+        self._wide: dict[int, SpecController] = {}  # controllers of steps where several sequences draft (by count)
         self._pool: KVPool | None = None
         self._incoming: deque[_Req] = deque()
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -319,6 +321,11 @@ class LoadedModel:
         return self._controller
 
     @property
+    def wide_controllers(self) -> dict[int, SpecController]:
+        """The controllers of steps where several sequences draft at once, by how many sequences (a copy)."""
+        return dict(self._wide)
+
+    @property
     def busy(self) -> int:
         """Requests running or waiting now."""
         return len(self._active) + len(self._incoming)
@@ -420,12 +427,27 @@ class LoadedModel:
         self._source_class.on_thread()
         if self._before_load is not None:  # e.g. a first-use conversion, on the thread that will run the model
             self._before_load()
-        src = self._source_class(spec)
+        try:
+            src = self._source_class(spec)
+        except BackendError as e:
+            if spec.draft is None or spec.draft.kind != "mtp":
+                raise
+            if not spec.draft.auto:  # a GGUF that names MTP layers without carrying them, or a build without them
+                raise UnsupportedError(f"The model could not be loaded with its MTP layers ({e}); use --draft none.") \
+                    from None
+            spec = self.spec = replace(spec, draft=None)
+            src = self._source_class(spec)
+            src.info.extra["draft_off"] = f"its MTP layers could not be loaded: {e}"
         self._source = src
         src.on_fatal = self.abandon
         try:
             if spec.draft is not None:
-                self._drafter, self._controller = setup_draft(src, spec.draft, self._source_class, spec)
+                try:
+                    self._drafter, self._controller = setup_draft(src, spec.draft, self._source_class, spec)
+                except UnsupportedError as e:
+                    if not spec.draft.auto:
+                        raise
+                    src.info.extra["draft_off"] = str(e)  # a default draft that cannot run: plain decoding, and why
             pc, state_key = self._pcache_spec, src.state_key()
             cache = None
             if pc is not None and pc.max_bytes > 0 and state_key is not None:
@@ -541,17 +563,13 @@ class LoadedModel:
         feeds: list[Feed] = []
         owners: list[tuple[_Req, str, list[int]]] = []  # (request, "decode"|"prefill", drafts)
         decoding = [r for r in self._active if r.last is not None]
-        # drafting is off for a request with images: its history holds image placeholders, which neither a draft
-        # model nor prompt lookup can propose or evaluate as tokens
-        spec_on = (self._drafter is not None and self._controller is not None and len(self._active) == 1
-                   and len(decoding) == 1 and not decoding[0].stream.request.format
-                   and not decoding[0].stream.stats.image_tokens and not decoding[0].stream.stats.audio_tokens)
+        ctl, drafting = self._spec_policy(decoding)
+        proposed = self._propose(ctl, drafting) if drafting else {}
+        if proposed and self._drafter is not None:
+            catchup = self._drafter.catchup_ns
         for r in decoding:
             assert r.seq is not None and r.last is not None
-            drafts: list[int] = []
-            if spec_on:
-                drafts = self._propose(r)
-                catchup = self._drafter.catchup_ns if self._drafter is not None else 0
+            drafts = proposed.get(id(r), [])
             feeds.append(Feed(r.seq.id, [r.last, *drafts], src.positions(r.seq.tokens), 1 + len(drafts)))
             owners.append((r, "decode", drafts))
             budget -= 1 + len(drafts)
@@ -615,14 +633,23 @@ class LoadedModel:
                 c.prompt_tokens_evaluated += len(f.tokens)
                 if r.points and len(r.seq.tokens) in r.points:
                     self.pool.checkpoint(r.seq)
+        if self._drafter is not None:  # a drafter that reads the target's hidden states (MTP) takes them now
+            self._drafter.observe(feeds, [r.seq.tokens if r.seq is not None else [] for r, _, _ in owners])
+        judged: list[tuple[int, int, int]] = []  # (proposed, accepted, emitted) of the decoding sequences
         for f, (r, kind, drafts), out_rows in zip(feeds, owners, rows, strict=True):
             if r not in self._active or not out_rows:
                 continue
             try:
-                self._sample(r, kind, drafts, f, out_rows, step_ns, catchup)
+                verdict = self._sample(r, kind, drafts, f, out_rows)
+                if kind == "decode":
+                    judged.append(verdict)
             except Exception as e:  # noqa: BLE001 - one sequence failing ends only its stream
                 log.warning("a request on %s failed: %s", self.name, e, exc_info=log.isEnabledFor(logging.DEBUG))
                 self._end(r, "error", error=e)
+        if ctl is not None and judged and all(kind == "decode" for _, kind, _ in owners):
+            ctl.record(proposed=sum(j[0] for j in judged), accepted=sum(j[1] for j in judged),
+                       emitted=sum(j[2] for j in judged), ns=step_ns, overhead_ns=catchup, streams=len(judged),
+                       rejected=sum(1 for j in judged if j[1] < j[0]))
 
     def _evaluate(self, feeds: list[Feed], owners: list[tuple[_Req, str, list[int]]]) -> list[list[int]] | None:
         """Evaluate, freeing idle sequences (LRU) or deferring prompt chunks while the pool is full."""
@@ -650,18 +677,49 @@ class LoadedModel:
                     self._end(r, "error", error=e)
                 return None
 
-    def _propose(self, r: _Req) -> list[int]:
-        ctl, drafter = self._controller, self._drafter
-        assert ctl is not None and drafter is not None and r.seq is not None and r.last is not None
-        room = min(r.stream.max_new - len(r.stream.generated) - 1, self.source.n_ctx - len(r.seq.tokens) - 2)
-        k = min(ctl.n_draft(), room)
-        if k <= 0:
-            return []
-        history = [*r.seq.tokens, r.last]
-        return [int(t) for t in drafter.propose(history, k, max_catchup=ctl.max_catchup())[:k]]
+    def _spec_policy(self, decoding: list[_Req]) -> tuple[SpecController | None, list[_Req]]:
+        """The controller that judges this step (None: none does) and the requests that may draft in it.
 
-    def _sample(self, r: _Req, kind: str, drafts: list[int], f: Feed, out_rows: list[int], step_ns: int,
-                catchup: int = 0) -> None:
+        One sequence decoding alone: the model's controller. Several, all decoding (no prompt in flight) with a
+        drafter that serves several sequences (MTP): a controller of its own for that many streams, since what a
+        drafted token costs and gains depends on the batch around it. Drafting is off for a request with a format
+        (grammar) or media (image placeholders in its history: nothing can propose or evaluate those as tokens)."""
+        d, ctl = self._drafter, self._controller
+        if d is None or ctl is None or not decoding:
+            return None, []
+        ok = [r for r in decoding if not r.stream.request.format and not r.stream.stats.image_tokens
+              and not r.stream.stats.audio_tokens]
+        if len(self._active) == 1 and len(decoding) == 1:
+            return ctl, ok
+        if not d.multi_seq or len(ok) != len(decoding) or len(decoding) != len(self._active):
+            return None, []
+        wide = self._wide.get(len(ok))
+        if wide is None:
+            wide = self._wide[len(ok)] = ctl.sibling()
+        return wide, ok
+
+    def _propose(self, ctl: SpecController | None, rs: list[_Req]) -> dict[int, list[int]]:
+        """Drafts for ``rs`` (by ``id`` of the request), as many as ``ctl`` asks for this step."""
+        drafter = self._drafter
+        assert ctl is not None and drafter is not None
+        n = ctl.n_draft()
+        if n <= 0:
+            return {}
+        asks: list[tuple[int, list[int], int]] = []
+        owners: list[_Req] = []
+        for r in rs:
+            assert r.seq is not None and r.last is not None
+            room = min(r.stream.max_new - len(r.stream.generated) - 1, self.source.n_ctx - len(r.seq.tokens) - 2)
+            if min(n, room) > 0:
+                asks.append((r.seq.id, [*r.seq.tokens, r.last], min(n, room)))
+                owners.append(r)
+        if not asks:
+            return {}
+        got = drafter.propose_many(asks, max_catchup=ctl.max_catchup())
+        return {id(r): [int(t) for t in g[:k]] for r, (_, _, k), g in zip(owners, asks, got, strict=True)}
+
+    def _sample(self, r: _Req, kind: str, drafts: list[int], f: Feed, out_rows: list[int]) -> tuple[int, int, int]:
+        """Sample ``r``'s rows, verify its drafts, emit; (drafts proposed, accepted, tokens emitted)."""
         src = self.source
         sampler = r.sampler
         assert sampler is not None and r.seq is not None
@@ -684,10 +742,8 @@ class LoadedModel:
             self._counters.draft_proposed += len(drafts)
             self._counters.draft_accepted += accepted
             self.pool.trim(r.seq, len(r.seq.tokens) - len(f.tokens) + 1 + accepted)
-        if kind == "decode" and self._controller is not None and len(self._active) == 1:
-            self._controller.record(proposed=len(drafts), accepted=len(toks) - 1 if drafts else 0,
-                                    emitted=len(toks), ns=step_ns, overhead_ns=catchup)
         self._emit(r, toks, lps)
+        return len(drafts), len(toks) - 1 if drafts else 0, len(toks)
 
     def _emit(self, r: _Req, toks: list[int], lps: list[Any]) -> None:
         """Feed sampled tokens to the request's stream; end it when it is complete."""

@@ -68,7 +68,7 @@ class Installed:
     chat_template: str | None = None
     license: str | None = None
     capabilities: list[str] = field(default_factory=list)  # "completion", "tools", "thinking", ...
-    mtp_layers: int = 0  # multi-token-prediction layers in the GGUF (self-speculation; not drafted from yet)
+    mtp_layers: int = 0  # multi-token-prediction layers in the GGUF (self-speculation: drafted from by default)
     base: str | None = None  # the model a created (derived) one was made from (``details.parent_model``)
     modelfile: str = ""  # a Modelfile that recreates the model (``show --modelfile``, ``/api/show``)
     system: str | None = None  # a created model's SYSTEM
@@ -226,7 +226,8 @@ class Running:
     kv_cache_type: str = ""
     n_gpu_layers: int = 0
     n_layers: int = 0
-    draft: str | None = None  # "ngram", a draft model's path, None
+    draft: str | None = None  # "ngram", "mtp", a draft model's path, None
+    drafting: str = ""  # speculative decoding now, one line: "MTP layers: on", "...: paused (not paying)", "off (why)"
     n_threads: int | None = None
     slots: int = 0  # sequences that decode together
     slots_busy: int = 0  # of which decoding a request now
@@ -249,6 +250,22 @@ class Running:
     @property
     def until(self) -> str:
         return until(self.expires_at)
+
+
+def drafting_text(draft: str | None, state: str | None, off: str | None = None) -> str:
+    """One line on a loaded model's speculative decoding: the draft, and whether it drafts now or why not.
+
+    >>> drafting_text("mtp", "on")
+    'MTP layers: on'
+    >>> drafting_text(None, None, "no MTP context")
+    'off (no MTP context)'
+    """
+    if off:
+        return f"off ({off})"
+    if not draft:
+        return ""
+    what = {"mtp": "MTP layers", "ngram": "prompt lookup"}.get(draft) or f"draft model {draft.rsplit('/', 1)[-1]}"
+    return f"{what}: {state or 'on'}"
 
 
 @dataclass

@@ -145,7 +145,7 @@ def running_from_ps(d: JSON) -> Running:
                    size=_int(d.get("size")), size_vram=_int(d.get("size_vram")),
                    context_length=_int(d.get("context_length")), expires_at=parse_time(d.get("expires_at")),
                    slots=_int(d.get("slots")), slots_busy=_int(d.get("slots_busy")),
-                   batched=bool(d.get("batched", True)),
+                   batched=bool(d.get("batched", True)), drafting=str(d.get("drafting") or ""),
                    prompt_cache_entries=_int((d.get("prompt_cache") or {}).get("entries")),
                    prompt_cache_bytes=_int((d.get("prompt_cache") or {}).get("bytes")),
                    n_cpu_moe=_int(d.get("n_cpu_moe")),

@@ -50,7 +50,7 @@ class LoadOptions:
     num_gpu: int | None = None  # layers to offload; None = planner, 0 = CPU
     kv_cache_type: str | None = None  # f16 | q8_0 | q4_0; None = LOCALLLM_KV_CACHE_TYPE
     backend: str = "auto"  # auto (the planner's choice) or a registered backend's name
-    draft: str = "auto"  # auto (catalog pairing if installed) | none | ngram | NAME | PATH
+    draft: str = "auto"  # auto (MTP layers, else the catalog pairing if installed) | none | ngram | mtp | NAME | PATH
     num_draft: int = 4
     num_thread: int | None = None
     embedding: bool = False  # make the embedding context at load (any loaded model embeds on demand)
@@ -112,16 +112,34 @@ def _env_parallel() -> int | None:
     return n if n > 0 else None
 
 
-def mtp_refusal(name: str, info: dict[str, Any]) -> str:
-    """Why ``--draft mtp`` cannot run ``name`` (one sentence): drafting from MTP layers is not built yet, and a
-    GGUF without them has nothing to draft from."""
-    n = int(info.get("mtp_layers") or 0)
-    if n:
-        return (f"{name} has {n} multi-token-prediction (MTP) layer{'s' if n > 1 else ''}, but localllm does not "
-                "draft from them yet; use --draft ngram, a draft model, or --draft none.")
+def mtp_refusal(name: str, info: dict[str, Any], backend: str = "llamacpp") -> str | None:
+    """Why ``--draft mtp`` cannot run ``name`` on ``backend`` (one sentence), or None when it can: drafting from
+    multi-token-prediction (MTP) layers needs them in the GGUF and the llama.cpp backend."""
+    if int(info.get("mtp_layers") or 0) and backend == "llamacpp":
+        return None
+    if int(info.get("mtp_layers") or 0):
+        return (f"{name} has multi-token-prediction (MTP) layers, but only the llama.cpp backend drafts from them; "
+                "use --backend llamacpp or --draft none.")
     arch = info.get("architecture") or "its architecture"
     return (f"{name} has no multi-token-prediction (MTP) layers (no {arch}.nextn_predict_layers in its GGUF), so "
             "--draft mtp has nothing to draft from; MTP builds ship as separate *-MTP-GGUF files.")
+
+
+def mtp_note(info: dict[str, Any], backend: str, draft: str = "auto") -> str | None:
+    """What happens to a GGUF's MTP layers in a load (one line), or None when it has none."""
+    n = int(info.get("mtp_layers") or 0)
+    if not n:
+        return None
+    layers = f"{n} multi-token-prediction (MTP) layer{'s' if n > 1 else ''}"
+    choice = (draft or "auto").strip()
+    if backend != "llamacpp":
+        return f"the GGUF has {layers}: only the llama.cpp backend drafts from them (plain decoding here)"
+    if choice == "none":
+        return f"the GGUF has {layers}: not drafted from (--draft none)"
+    if choice not in ("auto", "mtp"):
+        return f"the GGUF has {layers}: not drafted from (--draft {choice} drafts instead)"
+    return (f"the GGUF has {layers}: it drafts from them (speculative decoding with no second model; paused "
+            "while it does not pay; --draft none: off)")
 
 
 class Loader:
@@ -368,7 +386,12 @@ class Loader:
         if choice == "ngram":
             return DraftSpec(kind="ngram", num_draft=options.num_draft)
         if choice == "mtp":  # self-speculation from the GGUF's own multi-token-prediction layers
-            raise LocalLLMError(mtp_refusal(model.name, model.info))
+            why = mtp_refusal(model.name, model.info, backend)
+            if why:
+                raise LocalLLMError(why)
+            return DraftSpec(kind="mtp", num_draft=options.num_draft)
+        if choice == "auto" and mtp_refusal(model.name, model.info, backend) is None:
+            return DraftSpec(kind="mtp", num_draft=options.num_draft, auto=True)  # the GGUF's own MTP layers
         if choice == "auto":
             draft_name = model.catalog.draft if model.catalog is not None else None
             if not draft_name:

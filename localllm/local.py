@@ -11,7 +11,7 @@ import threading
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from localllm.api import CatalogItem, DeviceUse, Fit, Installed, ProgressFn, Ranked, Running
+from localllm.api import CatalogItem, DeviceUse, Fit, Installed, ProgressFn, Ranked, Running, drafting_text
 
 if TYPE_CHECKING:
     from localllm.api import AsyncEventStream, EventStream
@@ -188,6 +188,7 @@ def running(m: RunningModel) -> Running:
         name=m.name, digest=m.digest, size=int(m.size), size_vram=int(m.size_vram), context_length=info.n_ctx,
         expires_at=None if wall is None else datetime.fromtimestamp(wall, UTC), backend=m.backend,
         kv_cache_type=info.kv_cache_type, n_gpu_layers=info.n_gpu_layers, n_layers=info.n_layers, draft=info.draft,
+        drafting=drafting_text(info.draft, m.metrics.drafting, (info.extra or {}).get("draft_off")),
         n_threads=m.model.spec.n_threads, slots=info.n_seq, kv_cache_bytes=_kv_bytes(m),
         slots_busy=m.metrics.slots_busy, batched=m.batched, prompt_cache_entries=m.metrics.prompt_cache_entries,
         prompt_cache_bytes=m.metrics.prompt_cache_bytes, devices=device_use(m), plan=plan_line(m.plan),

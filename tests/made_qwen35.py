@@ -19,9 +19,14 @@ S, G, V, K = 16, 1, 2, 4  # ssm state size, k heads (groups), v heads (time-step
 
 
 def write_qwen35(src: Path, dst: Path, *, layers: int = 4, mtp: int = 0, template: str | None = None,
-                 seed: int = 0) -> Path:
+                 seed: int = 0, f32: bool = False, echo: bool = False) -> Path:
     """``dst``: a ``layers``-block qwen35 (every 4th block full attention) plus ``mtp`` MTP blocks, with the
-    tokenizer of ``src`` (a GGUF) and ``template`` (default: ``src``'s)."""
+    tokenizer of ``src`` (a GGUF) and ``template`` (default: ``src``'s).
+
+    ``f32``: matrices in F32 (exact comparisons: greedy output with drafts equals it without). ``echo``: an MTP
+    block that proposes the token it reads (its projection keeps the token's embedding, its attention and
+    feed-forward add nothing); the output being tied to the embedding, the trunk tends to repeat what it read
+    too, so MTP drafts are accepted part of the time, as a trained head's are (random weights: near never)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -53,12 +58,14 @@ def write_qwen35(src: Path, dst: Path, *, layers: int = 4, mtp: int = 0, templat
         w.add_chat_template(template)
 
     def mat(rows: int, cols: int) -> np.ndarray:  # numpy (rows, cols) = ggml {cols, rows}
-        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float16)
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32 if f32 else np.float16)
 
     def ones(n: int) -> np.ndarray:
         return np.ones(n, dtype=np.float32)
 
     t: dict[str, np.ndarray] = {"token_embd.weight": mat(vocab, D), "output_norm.weight": ones(D)}
+    if echo:  # embeddings of unit scale per dimension: the residual stream keeps the token, which the tied output reads
+        t["token_embd.weight"] = rng.standard_normal((vocab, D)).astype(np.float32 if f32 else np.float16)
 
     def attention(i: int) -> None:
         t[f"blk.{i}.attn_q.weight"] = mat(2 * HD * H, D)  # query + output gate
@@ -94,6 +101,10 @@ def write_qwen35(src: Path, dst: Path, *, layers: int = 4, mtp: int = 0, templat
         block_common(i)
         attention(i)
         t[f"blk.{i}.nextn.eh_proj.weight"] = mat(D, 2 * D)
+        if echo:  # [embedding | hidden] -> embedding; the block's own attention and FFN add zero to it
+            t[f"blk.{i}.nextn.eh_proj.weight"] = np.hstack([np.eye(D), np.zeros((D, D))]).astype(np.float32)
+            t[f"blk.{i}.attn_output.weight"] = np.zeros((D, HD * H), dtype=np.float32)
+            t[f"blk.{i}.ffn_down.weight"] = np.zeros((D, FF), dtype=np.float32)
         t[f"blk.{i}.nextn.enorm.weight"] = ones(D)
         t[f"blk.{i}.nextn.hnorm.weight"] = ones(D)
         t[f"blk.{i}.nextn.shared_head_norm.weight"] = ones(D)

@@ -1,7 +1,8 @@
 """MTP facts read from a GGUF (issue 36): ``{arch}.nextn_predict_layers`` (or blocks that carry ``nextn`` tensors)
-are read into GGUFInfo.mtp_layers and shown by ``show`` and ``probe``; ``--draft mtp`` is recognised and refused in
-one sentence either way (a GGUF with MTP layers: drafting from them is not built yet; one without: nothing to
-draft from). The made model is the default GGUF with the MTP key added (no MTP tensors: enough for the facts)."""
+are read into GGUFInfo.mtp_layers and shown by ``show`` and ``probe`` (drafted from by default on llama.cpp);
+``--draft mtp`` on a GGUF that llama.cpp runs no MTP layers of is refused in one sentence (the drafting itself:
+``tests/backends/test_mtp_draft.py``). The made model is the default GGUF (a llama) with the MTP key added and no
+MTP tensors: the facts are read, llama.cpp runs none."""
 
 from __future__ import annotations
 
@@ -70,18 +71,18 @@ def test_show_and_probe_say_so(home, mtp_model):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["mtp_layers"] == 1
     r = cli("show", str(mtp_model))
-    assert r.returncode == 0 and "MTP layers          1 (self-speculation; localllm does not draft from them yet)" \
+    assert r.returncode == 0 and "MTP layers          1 (self-speculation: drafted from by default on llama.cpp" \
         in r.stdout
     r = cli("probe", "-m", str(mtp_model))
     assert r.returncode == 0, r.stderr
-    assert "the GGUF has 1 multi-token-prediction (MTP) layer: localllm does not draft from them yet" in r.stdout
+    assert "the GGUF has 1 multi-token-prediction (MTP) layer: it drafts from them" in r.stdout
     assert json.loads(cli("probe", "-m", str(mtp_model), "--json").stdout)["mtp_layers"] == 1
 
 
 def test_draft_mtp_is_recognised_and_explained(home, mtp_model, default_model_path):
     r = cli("run", str(mtp_model), "--draft", "mtp", "Hi")
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "has 1 multi-token-prediction (MTP) layer, but localllm does not draft from them yet" in r.stderr
+    assert "could not be loaded with its MTP layers" in r.stderr  # the key without the tensors: llama.cpp refuses it
     r = cli("run", str(default_model_path), "--draft", "mtp", "Hi")
     assert r.returncode == 1 and "has no multi-token-prediction (MTP) layers (no llama.nextn_predict_layers" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -89,6 +90,18 @@ def test_draft_mtp_is_recognised_and_explained(home, mtp_model, default_model_pa
 
 
 def test_the_refusal_sentences():
-    assert mtp_refusal("m", {"mtp_layers": 2, "architecture": "qwen35"}).startswith(
-        "m has 2 multi-token-prediction (MTP) layers, but")
-    assert "no qwen35.nextn_predict_layers" in mtp_refusal("m", {"architecture": "qwen35"})
+    assert mtp_refusal("m", {"mtp_layers": 2, "architecture": "qwen35"}) is None  # llama.cpp drafts from them
+    assert mtp_refusal("m", {"mtp_layers": 2, "architecture": "qwen35"}, "mlx") == (
+        "m has multi-token-prediction (MTP) layers, but only the llama.cpp backend drafts from them; "
+        "use --backend llamacpp or --draft none.")
+    assert "no qwen35.nextn_predict_layers" in (mtp_refusal("m", {"architecture": "qwen35"}) or "")
+
+
+def test_drafting_travels_in_api_ps():
+    from localllm.api import drafting_text
+    from localllm.client import running_from_ps
+
+    assert drafting_text("mtp", "paused (not paying)") == "MTP layers: paused (not paying)"
+    assert drafting_text("/models/draft.gguf", "on") == "draft model draft.gguf: on"
+    assert drafting_text(None, None) == ""
+    assert running_from_ps({"name": "m", "drafting": "MTP layers: on"}).drafting == "MTP layers: on"

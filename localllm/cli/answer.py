@@ -108,6 +108,18 @@ def stats_lines(stats: Stats) -> list[str]:
     return lines
 
 
+def drafting_line(runner: Runner, name: str) -> str | None:
+    """The ``--verbose`` line on speculative decoding for the model ``name`` runs on (None without a draft)."""
+    try:
+        loaded = runner.ps()
+    except Exception:  # noqa: BLE001 - a stats line is not worth failing the answer for
+        return None
+    m = next((r for r in loaded if r.name == name), loaded[0] if len(loaded) == 1 else None)
+    if m is None or not m.drafting:
+        return None
+    return f"drafting:             {m.drafting}"
+
+
 def print_stats(stats: Stats, err: IO[str] | None = None, plan: str = "") -> None:
     """The ``--verbose`` block on ``err``; ``plan``: the loaded model's plan line (:func:`loaded_plan`), last."""
     err = err or sys.stderr

@@ -128,11 +128,11 @@ def render(hw: HardwareInfo, name: str, model: InstalledModel | None, p: Plan | 
     console.print(f"  {plan_line(p)}", markup=False)
     for r in p.reasons:
         console.print(f"  - {r}", markup=False)
-    mtp = int(model.info.get("mtp_layers") or 0) if model is not None else 0
-    if mtp:
-        console.print(f"  - the GGUF has {mtp} multi-token-prediction (MTP) layer{'s' if mtp > 1 else ''}: localllm "
-                      "does not draft from them yet (plain decoding; --draft ngram or a draft model speculate)",
-                      markup=False)
+    from localllm.loader import mtp_note
+
+    note = mtp_note(model.info, p.backend) if model is not None else None
+    if note:
+        console.print(f"  - {note}", markup=False)
     if p.max_ctx:
         console.print(f"  - largest context that loads the same way: about {p.max_ctx:,} tokens", markup=False)
     if p.advice:
@@ -190,6 +190,9 @@ def command(name: str, num_ctx: int | None, kv_cache_type: str | None, backend: 
         out["plan"] = p.as_dict() if p else None
         out["plan_error"] = why
         out["mtp_layers"] = int(model.info.get("mtp_layers") or 0) if model is not None else None
+        from localllm.loader import mtp_note
+
+        out["mtp_drafting"] = mtp_note(model.info, p.backend) if model is not None and p is not None else None
         click.echo(json.dumps(out, indent=2))
     else:
         render(hw, name, model, p, why)

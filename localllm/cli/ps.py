@@ -42,6 +42,7 @@ def command(host: str | None, as_json: bool) -> None:
         click.echo(json.dumps([{"name": m.name, "id": m.short_id, "size": m.size, "size_vram": m.size_vram,
                                 "processor": m.processor, "context": m.context_length,
                                 "slots": m.slots, "slots_busy": m.slots_busy, "batched": m.batched,
+                                "drafting": m.drafting,
                                 "prompt_cache": {"entries": m.prompt_cache_entries, "bytes": m.prompt_cache_bytes},
                                 "expires_at": m.expires_at.isoformat() if m.expires_at else None,
                                 "until": m.until, "n_cpu_moe": m.n_cpu_moe,
@@ -60,6 +61,9 @@ def command(host: str | None, as_json: bool) -> None:
               f"{m.prompt_cache_entries} ({human_size(m.prompt_cache_bytes)})" if m.prompt_cache_entries else "-",
               m.until) for m in models]
     click.echo(format_table(rows))
+    for m in models:  # speculative decoding: the draft, and whether it drafts now (or why not)
+        if m.drafting:
+            click.echo(f"{m.name} drafting: {m.drafting}")
     for m in models:  # several llama.cpp devices: what each holds (allocated, and the planner's estimate)
         if m.devices:
             click.echo(f"{m.name} on " + ", ".join(

@@ -47,6 +47,7 @@ from localllm.api import Runner
 from localllm.cli.answer import (
     RunSettings,
     build_settings,
+    drafting_line,
     ensure_model,
     loaded_plan,
     overflow_note,
@@ -87,7 +88,7 @@ class RunCommand(click.Command):
 @click.option("--format", "fmt", default=None, metavar="json", help="Response format: json.")
 @click.option("--draft", default=None, metavar="NAME|PATH|ngram|mtp|none",
               help="Speculative decoding: a draft model, prompt-lookup (ngram), the GGUF's own multi-token-"
-                   "prediction layers (mtp: recognised and checked; drafting from them is not built yet), or none.")
+                   "prediction layers (mtp: the default where it has them, llama.cpp), or none.")
 @click.option("--num-draft", type=int, default=None, help="Most tokens the draft proposes per step (default 4).")
 @click.option("--kv-cache", default=None, metavar="f16|q8_0|q4_0",
               help="KV cache type (default: LOCALLLM_KV_CACHE_TYPE).")
@@ -282,5 +283,8 @@ def one_shot(runner: Runner, name: str, text: str, settings: RunSettings,
         if settings.verbose:
             print_stats(done.stats, err, loaded_plan(runner, name))
             err.writelines(line + "\n" for line in placement_lines(runner, name))
+            line = drafting_line(runner, name)
+            if line:
+                err.write(line + "\n")
     return 130 if answer.cancelled else 0
 

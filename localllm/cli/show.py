@@ -68,8 +68,8 @@ def render(d: dict[str, Any], full_template: bool) -> str:
             ("quantization", d["quantization"])]
     out += [f"    {k:<20}{v}" for k, v in rows if v is not None]
     if d.get("mtp_layers"):  # multi-token prediction: llama.cpp's --spec-type draft-mtp reads these
-        out.append(f"    {'MTP layers':<20}{d['mtp_layers']} (self-speculation; localllm does not draft from them "
-                   "yet)")
+        out.append(f"    {'MTP layers':<20}{d['mtp_layers']} (self-speculation: drafted from by default on llama.cpp; "
+                   "--draft none: off)")
     if d["architecture"] == MTP_HEAD_ARCH:
         out.append(f"    {'MTP head':<20}a drafter for its model's multi-token prediction, not a chat model")
     out += ["", "  Chat template"]

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from localllm.api import drafting_text
 from localllm.engine import Done, GenerateRequest, RunningModel, Stats, TextChunk, ToolCalls
 from localllm.errors import InvalidModelFileError, LocalLLMError
 from localllm.local import device_use, modelfile_of
@@ -407,6 +408,8 @@ async def ps(request: Request) -> dict[str, Any]:
             "devices": [asdict(d) for d in device_use(m)],
             # a mixture of experts: the first N layers' experts kept in RAM (0: none)
             "n_cpu_moe": int(m.plan.n_cpu_moe),
+            # speculative decoding now: the draft, on or paused, or why it is off ("" without one)
+            "drafting": drafting_text(m.info.draft, m.metrics.drafting, (m.info.extra or {}).get("draft_off")),
             # beyond Ollama's fields (its clients ignore them): the decode loop's slots and KV pool
             **_slots(m),
         })

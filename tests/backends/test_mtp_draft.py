@@ -1,0 +1,137 @@
+"""Drafting from a model's own multi-token-prediction (MTP) layers (``backends/mtp.py``), on made Qwen3.5 hybrids
+with an MTP block (``tests/made_qwen35.py``, F32):
+
+* ``echo``: the MTP block proposes the token it reads and the trunk (output tied to the embedding) tends to repeat
+  it, so drafts are accepted in part — the verification keeps some and rolls the hybrid's recurrent state back
+  over the others;
+* ``random``: random MTP weights, drafts (almost) never accepted — the adaptive guard must turn drafting off.
+
+Greedy answers with MTP drafts (forced on: ``draft_always``) equal the plain ones, alone and with several streams
+drafting in one shared batch."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from backends.base import Done, DraftSpec, GenerateRequest, LoadSpec, Sampling, TextChunk, UnsupportedError
+from backends.llamacpp import LlamaCppSource
+from backends.loop import LoadedModel
+from tests.made_qwen35 import write_qwen35
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3, 4,"]
+N = {"echo": 32, "random": 12}  # tokens per answer
+
+
+def made_mtp(src: Path, cache: Path, kind: str) -> Path:
+    """The made MTP hybrid of ``kind`` ("echo" or "random"), written once into the test cache (~5 s each)."""
+    from tests.support import file_key
+
+    dst = cache / "derived" / f"qwen35-mtp-{kind}-f32-{file_key(src)}.gguf"
+    if not dst.is_file():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        write_qwen35(src, dst, mtp=1, f32=True, echo=kind == "echo")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def made(default_model_path, test_cache) -> dict[str, Path]:
+    return {kind: made_mtp(Path(default_model_path), test_cache, kind) for kind in ("echo", "random")}
+
+
+def load(path: Path, *, draft: bool, always: bool = True, n_seq: int = 1) -> LoadedModel:
+    extra = {"draft_always": True} if draft and always else {}
+    spec = LoadSpec(str(path), n_ctx=512, n_seq=n_seq, n_threads=1, draft=DraftSpec("mtp") if draft else None,
+                    extra=extra)
+    return LoadedModel(LlamaCppSource, spec, name=path.stem)
+
+
+def greedy(m: LoadedModel, prompt: str, n: int = 32) -> tuple[str, Done]:
+    text, done = [], None
+    for ev in m.generate(GenerateRequest(prompt=prompt, sampling=Sampling(temperature=0.0, max_tokens=n))):
+        if isinstance(ev, TextChunk):
+            text.append(ev.text)
+        elif isinstance(ev, Done):
+            done = ev
+    assert done is not None
+    return "".join(text), done
+
+
+@pytest.fixture(scope="module")
+def plain_answers(made) -> dict[str, list[str]]:
+    out = {}
+    for kind in ("echo", "random"):
+        with load(made[kind], draft=False) as m:
+            out[kind] = [greedy(m, p, N[kind])[0] for p in PROMPTS]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["echo", "random"])
+def test_greedy_with_mtp_drafts_equals_plain(made, plain_answers, kind):
+    with load(made[kind], draft=True) as m:
+        assert m.info.draft == "mtp"
+        got = [greedy(m, p, N[kind]) for p in PROMPTS]
+    assert [t for t, _ in got] == plain_answers[kind]
+    proposed = sum(d.stats.draft_proposed for _, d in got)
+    accepted = sum(d.stats.draft_accepted for _, d in got)
+    assert proposed > 10  # drafting forced on: every step verified drafts
+    if kind == "echo":  # accepted and rejected drafts both: the hybrid's state rolled back over the rejected ones
+        assert 0 < accepted < proposed
+    else:
+        assert accepted <= proposed // 4
+        assert proposed > 10
+
+
+def test_the_guard_turns_useless_mtp_drafting_off(made):
+    with load(made["random"], draft=True, always=False) as m:
+        for p in PROMPTS:
+            greedy(m, p, n=48)
+        ctl = m.controller
+        assert ctl is not None and ctl.lost_probes >= 1 and not ctl.drafting, ctl.state()
+        assert m.metrics().drafting == "paused (not paying)"
+
+
+def test_several_streams_draft_in_one_batch_and_answer_as_alone(made, plain_answers):
+    n = 3
+    with load(made["echo"], draft=True, n_seq=n) as m:
+        results: list[tuple[str, Done] | None] = [None] * n
+        start = threading.Barrier(n)
+
+        def one(i: int) -> None:
+            start.wait()
+            results[i] = greedy(m, PROMPTS[i], N["echo"])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wide = m.wide_controllers
+    assert [r[0] for r in results if r] == plain_answers["echo"][:n]
+    assert any(w > 1 and c.tokens > 0 for w, c in wide.items()), "no step drafted for several streams at once"
+    assert all(r is not None and r[1].stats.draft_proposed > 0 for r in results)
+
+
+def test_a_model_without_mtp_layers_is_refused(hybrid_model):
+    with pytest.raises(UnsupportedError, match="no multi-token-prediction"):
+        load(hybrid_model, draft=True)
+
+
+def test_run_verbose_and_probe_say_mtp_drafting_is_on_or_off(made, home):
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "localllm", *args], capture_output=True, text=True, timeout=180)
+
+    path = str(made["echo"])
+    run = ("run", path, "Hi", "--verbose", "--num-predict", "8", "--num-ctx", "256")
+    r = cli(*run)
+    assert r.returncode == 0, r.stderr
+    assert "drafting:             MTP layers: " in r.stderr  # on by default ("on" or "paused (not paying)")
+    r = cli(*run, "--draft", "none")
+    assert r.returncode == 0 and "drafting:" not in r.stderr
+    r = cli("probe", "-m", path)
+    assert r.returncode == 0 and "the GGUF has 1 multi-token-prediction (MTP) layer: it drafts from them" in r.stdout
