@@ -413,7 +413,7 @@ def test_unreachable_hub_fails_fast_in_one_sentence(store, monkeypatch, kind, re
     assert store.get("smollm2:135m").formats == ["GGUF"]  # the GGUF stays installed
 
     # on Apple Silicon the pull tries the MLX weights by itself and carries on without them
-    import localllm.store as store_mod
+    import localllm.store.pull as store_mod
 
     monkeypatch.setattr(store_mod, "apple_silicon", lambda: True)
     events: list = []
@@ -423,7 +423,7 @@ def test_unreachable_hub_fails_fast_in_one_sentence(store, monkeypatch, kind, re
 
 
 def test_mlx_is_fetched_by_default_only_on_apple_silicon(store, hub, monkeypatch):
-    import localllm.store as store_mod
+    import localllm.store.pull as store_mod
 
     monkeypatch.setattr(store_mod, "apple_silicon", lambda: False)
     assert store.pull("smollm2:135m").formats == ["GGUF"] and hub.calls == []
