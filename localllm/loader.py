@@ -206,7 +206,6 @@ class Loader:
         spec = self.spec(model, options, p)
         before_load = None
         if p.mlx_convert:  # on the thread that will run it (MLX keeps per-thread state)
-
             def before_load() -> None:
                 self._convert(model, cancel, p)
                 spec.model_path = str(model.weights_path(p.backend))

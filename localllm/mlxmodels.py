@@ -22,7 +22,8 @@ mlx`` one sentence saying why and what to do) and hand it to the pure planner; a
 set makes the engine build the directory on the model's load thread before loading it, reporting
 :class:`ConversionProgress` to the face that asked. Whether a GGUF converts is read from its header once
 per file and kept under ``<cache>/mlx-convertible`` (this module owns that cache; the planner reads no file).
-(Fetching MLX weights from the Hub is the store's, in :mod:`localllm.mlxpull`.)
+:class:`MLXFormat` is MLX as a registered weights format (:mod:`localllm.formats`): the store fetches the
+catalog's ``mlx_repo`` through it (:mod:`localllm.mlxpull`), finds conversions by digest and sizes them for the plan.
 """
 
 from __future__ import annotations
