@@ -175,7 +175,7 @@ def test_missing_file_is_not_listed_and_pull_repairs_it(store):
     assert [x.name for x in store.list()] == ["smollm2:135m"]
 
 
-def test_mlx_path_is_recorded(store, tmp_path):
+def test_weights_in_another_format_are_recorded(store, tmp_path):
     (tmp_path / "mlx").mkdir()
     m = store.set_weights("smollm2:135m", "mlx", Weights("mlx", tmp_path / "mlx"))
     assert m.weights_of("mlx").path == tmp_path / "mlx"
