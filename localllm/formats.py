@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from backends.descriptor import Backend
     from localllm.catalog import CatalogEntry
     from localllm.hardware import HardwareInfo
-    from localllm.mlxmodels import MLXWeights
 
 
 @dataclass(frozen=True)
@@ -64,6 +63,22 @@ class Weights:
     def of_record(fmt: str, d: dict[str, Any]) -> Weights:
         rest = {k: v for k, v in d.items() if k not in ("path", "repo", "revision")}
         return Weights(fmt, Path(d["path"]), d.get("repo") or None, d.get("revision") or None, rest or None)
+
+
+@dataclass(frozen=True)
+class PlanWeights:
+    """What a format has for a model, as the planner takes it (``plan(mlx=...)``; ``MLXWeights`` is its MLX name):
+    installed weights, or a source that converts on first use, or why not."""
+
+    installed: bool = False  # complete weights exist (fetched or converted)
+    convertible: bool = False  # the weights it converts from do (checked from their header)
+    why_not: str = ""  # why they do not convert (one sentence), when not installed
+    weights_bytes: int | None = None  # their size: the installed files', or the conversion's estimate
+    source: str = ""  # "mlx-community/X@1a2b3c", "converted from the GGUF", "Q4_K → 4-bit, ..." (the plan)
+
+    @property
+    def usable(self) -> bool:
+        return self.installed or self.convertible
 
 
 @dataclass(frozen=True)
@@ -106,7 +121,7 @@ class WeightsFormat(Protocol):
         """The bytes of installed weights at ``path``, as the plan counts them."""
         ...
 
-    def for_plan(self, model: Any, hw: HardwareInfo, backend: str) -> MLXWeights:
+    def for_plan(self, model: Any, hw: HardwareInfo, backend: str) -> PlanWeights:
         """What this format has for ``model`` (installed weights, a source that converts, or why not) for the
         planner's ``mlx=`` (a backend asked for, or ``"auto"``)."""
         ...
@@ -140,10 +155,8 @@ class GGUFFormat:
     def size(self, path: Path) -> int:
         return path.stat().st_size
 
-    def for_plan(self, model: Any, hw: HardwareInfo, backend: str) -> MLXWeights:
-        from localllm.mlxmodels import MLXWeights
-
-        return MLXWeights(installed=True, weights_bytes=self.size(Path(model.path)))
+    def for_plan(self, model: Any, hw: HardwareInfo, backend: str) -> PlanWeights:
+        return PlanWeights(installed=True, weights_bytes=self.size(Path(model.path)))
 
     def convert(self, model: Any, device: str, progress: Callable[[int, int], None] | None) -> Path:
         return Path(model.path)
@@ -193,7 +206,7 @@ def of_backend(backend: str) -> WeightsFormat:
     return get(descriptor.get(backend).weights)
 
 
-def for_plan(model: Any, hw: HardwareInfo, backend: str) -> MLXWeights | None:
+def for_plan(model: Any, hw: HardwareInfo, backend: str) -> PlanWeights | None:
     """What the planner gets as ``mlx=`` for ``model``: for a backend asked for that loads a format other than the
     GGUF, that format's answer (installed, converts, or why not); for ``"auto"``, the answer of the first such
     format in the planner's order; None for a backend that loads the GGUF."""

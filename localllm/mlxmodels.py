@@ -42,7 +42,7 @@ from backends import descriptor
 from backends.descriptor import MLX
 from localllm.config import paths
 from localllm.errors import LocalLLMError
-from localllm.formats import Fetched, Weights, WeightsFormat
+from localllm.formats import Fetched, PlanWeights, Weights, WeightsFormat
 
 if TYPE_CHECKING:
     from localllm.catalog import CatalogEntry
@@ -89,19 +89,7 @@ class InstalledLike(GGUFModel, Protocol):
     def weights_of(self, fmt: str) -> Weights | None: ...
 
 
-@dataclass(frozen=True)
-class MLXWeights:
-    """What MLX has for a model: installed weights, or a GGUF that converts (on first use)."""
-
-    installed: bool = False  # a complete MLX directory exists (downloaded or converted)
-    convertible: bool = False  # the GGUF converts to MLX (checked from its header)
-    why_not: str = ""  # why the GGUF does not convert (one sentence), when not installed
-    weights_bytes: int | None = None  # the MLX weights: the directory's size, or the conversion's estimate
-    source: str = ""  # "mlx-community/X@1a2b3c", "converted from the GGUF", "Q4_K → 4-bit, ..." (the plan)
-
-    @property
-    def usable(self) -> bool:
-        return self.installed or self.convertible
+MLXWeights = PlanWeights  # what MLX has for a model: installed weights, or a GGUF that converts (on first use)
 
 
 def mlx_root(models: Path | None = None) -> Path:

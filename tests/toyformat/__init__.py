@@ -22,8 +22,7 @@ from backends.descriptor import Backend
 from backends.llamacpp import LlamaCppSource
 from localllm.catalog import CatalogEntry
 from localllm.errors import LocalLLMError, SourceUnavailable
-from localllm.formats import Fetched
-from localllm.mlxmodels import MLXWeights
+from localllm.formats import Fetched, PlanWeights
 
 NAME = "toy"
 
@@ -66,11 +65,11 @@ class ToyFormat:
     def size(self, path: Path) -> int:
         return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
-    def for_plan(self, model: Any, hw: Any, backend: str) -> MLXWeights:
+    def for_plan(self, model: Any, hw: Any, backend: str) -> PlanWeights:
         w = model.weights_of(NAME)
         if w is None:
-            return MLXWeights(why_not="no toy weights are installed")
-        return MLXWeights(installed=True, weights_bytes=self.size(w.path), source=w.source)
+            return PlanWeights(why_not="no toy weights are installed")
+        return PlanWeights(installed=True, weights_bytes=self.size(w.path), source=w.source)
 
     def convert(self, model: Any, device: str, progress: Callable[[int, int], None] | None) -> Path:
         raise LocalLLMError("Toy weights are fetched, not converted.")
