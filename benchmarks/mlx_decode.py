@@ -50,9 +50,10 @@ class _Ours:
 
     def __init__(self, model: str, mlx_dir: str, tokens: int, num_ctx: int):
         from localllm.engine import LoadOptions
+        from localllm.formats import Weights
 
         self.engine, self.name, _ = engine_and_model(model)
-        self.engine.store.set_mlx_path(self.name, Path(mlx_dir))
+        self.engine.store.set_weights(self.name, "mlx", Weights("mlx", Path(mlx_dir)))
         self.options = LoadOptions(num_ctx=num_ctx, draft="none", backend="mlx", kv_cache_type="f16")
         running = self.engine.load(self.name, self.options)
         assert running.backend == "mlx", running.backend
@@ -101,7 +102,7 @@ def decode(model: str, rounds: int, tokens: int, num_ctx: int) -> dict[str, Any]
     from localllm.store import Store
 
     installed = Store().ensure(model)
-    mlx_dir = str(installed.mlx_path or convert_installed(installed))
+    mlx_dir = str(installed.weights_path("mlx") or convert_installed(installed))
     ours, raw = [], []
     with Side("localllm", _Ours, model=model, mlx_dir=mlx_dir, tokens=tokens, num_ctx=num_ctx) as a, \
             Side("mlx_lm", _Raw, mlx_dir=mlx_dir, tokens=tokens) as b:
@@ -270,7 +271,7 @@ def runtime(model: str, tokens: int, num_ctx: int) -> dict[str, Any]:
     from localllm.store import Store
 
     m = Store().ensure(model)
-    mlx_dir = str(m.mlx_path or convert_installed(m))
+    mlx_dir = str(m.weights_path("mlx") or convert_installed(m))
     greedy = dict(temperature=0.0, repeat_penalty=1.0)
     b = load("mlx", LoadSpec(model_path=mlx_dir, n_ctx=num_ctx))
     msgs = [{"role": "system", "content": "You are a helpful assistant."}]

@@ -98,8 +98,9 @@ class CatalogEntry:
     gguf_repo: str | None
     gguf_files: dict[str, str]  # quant -> file name in gguf_repo
     gguf_sha256: dict[str, str] = field(default_factory=dict)  # quant -> sha256, where pinned
-    mlx_repo: str | None = None  # Hugging Face repo of MLX weights (safetensors + config + tokenizer)
-    mlx_revision: str | None = None  # a commit (or branch) of mlx_repo to pin; None: its default branch
+    # weights in other formats than the GGUF: format name -> (repo, revision or None: its default branch); models.toml
+    # spells MLX's ``mlx_repo``/``mlx_revision`` and any format ``weights.<format> = "repo[@revision]"``
+    weights: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     draft: str | None = None  # alias of a same-vocabulary draft model
     mirrors: list[Mirror] = field(default_factory=list)
     template_note: str | None = None
@@ -116,6 +117,16 @@ class CatalogEntry:
     dimensions: int | None = None
     matryoshka: tuple[int, ...] = ()
     pooling: str | None = None  # "mean", "cls", "last" (embedding), "rank" (reranker); from the model card
+
+    @property
+    def mlx_repo(self) -> str | None:
+        """Hugging Face repo of MLX weights (safetensors + config + tokenizer)."""
+        return self.weights["mlx"][0] if "mlx" in self.weights else None
+
+    @property
+    def mlx_revision(self) -> str | None:
+        """A commit (or branch) of ``mlx_repo`` to pin; None: its default branch."""
+        return self.weights["mlx"][1] if "mlx" in self.weights else None
 
     @property
     def quants(self) -> list[str]:
@@ -173,6 +184,22 @@ def _capabilities(raw: list[str], name: str) -> tuple[str, ...]:
     return caps
 
 
+def _weights_sources(raw: dict[str, Any]) -> dict[str, tuple[str, str | None]]:
+    """An entry's sources of weights in other formats: ``mlx_repo``/``mlx_revision``, and ``[x.weights]`` tables
+    whose keys are format names and values ``"repo"`` or ``"repo@revision"``.
+
+    >>> _weights_sources({"mlx_repo": "mlx-community/X", "weights": {"toy": "/srv/toy@v2"}})
+    {'mlx': ('mlx-community/X', None), 'toy': ('/srv/toy', 'v2')}
+    """
+    out: dict[str, tuple[str, str | None]] = {}
+    if raw.get("mlx_repo"):
+        out["mlx"] = (str(raw["mlx_repo"]), raw.get("mlx_revision") or None)
+    for fmt, where in (raw.get("weights") or {}).items():
+        repo, _, rev = str(where).partition("@")
+        out[str(fmt)] = (repo, rev or None)
+    return out
+
+
 def _entry(name: str, raw: dict[str, Any]) -> CatalogEntry:
     family, _, size = name.partition(":")
     quants = [q.upper() for q in raw.get("quants", [])]
@@ -205,8 +232,7 @@ def _entry(name: str, raw: dict[str, Any]) -> CatalogEntry:
         gguf_repo=raw.get("gguf_repo"),
         gguf_files=files,
         gguf_sha256={k.upper(): v.lower() for k, v in raw.get("gguf_sha256", {}).items()},
-        mlx_repo=raw.get("mlx_repo") or None,
-        mlx_revision=raw.get("mlx_revision") or None,
+        weights=_weights_sources(raw),
         draft=raw.get("draft"),
         mirrors=mirrors,
         template_note=raw.get("template_note"),

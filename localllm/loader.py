@@ -227,8 +227,8 @@ class Loader:
 
     def _plan(self, model: InstalledModel, options: LoadOptions) -> Plan:
         """The planner's plan for ``model`` with merged ``options`` on this machine."""
+        from localllm import formats
         from localllm.ggufinfo import info_of
-        from localllm.mlxmodels import mlx_for_plan
         from localllm.planner import plan
 
         info = info_of(model.info, model.path, model.digest)
@@ -248,9 +248,9 @@ class Loader:
             kv_cache_type=kv,
             backend=options.backend,
             num_gpu=options.num_gpu,
-            mlx_model=model.mlx_path is not None,
-            # MLX weights installed / the GGUF converts on first use (Plan.mlx_convert) / why not
-            mlx=mlx_for_plan(model, self.hardware, options.backend),
+            mlx_model=bool(model.weights),
+            # the backend's weights (another format than the GGUF) installed / converting on first use / why not
+            mlx=formats.for_plan(model, self.hardware, options.backend),
             num_parallel=options.num_parallel or _env_parallel(),
             projector_bytes=model.projector.size if model.projector is not None else 0,
             projector_kind="+".join(model.projector.kinds) if model.projector is not None else "vision",
@@ -295,11 +295,9 @@ class Loader:
         spec = self.spec(model, prepared.options, p)
         before_load = None
         if p.mlx_convert:  # on the thread that will run it (MLX keeps per-thread state)
-            from localllm.mlxmodels import mlx_dtype
-
             def before_load() -> None:
-                self._convert(model, cancel, mlx_dtype(p.device))
-                spec.model_path = str(model.mlx_path)
+                self._convert(model, cancel, p)
+                spec.model_path = str(model.weights_path(p.backend))
 
         cls = self._backend_class(p.backend)
         t0 = time.perf_counter_ns()
@@ -409,12 +407,13 @@ class Loader:
             raise LocalLLMError(f"Draft model {draft.name} has no {backend} weights installed.")
         return DraftSpec(kind="model", path=str(path), num_draft=options.num_draft)
 
-    def _convert(self, model: InstalledModel, cancel: threading.Event | None, dtype: str) -> None:
-        """Build the MLX weights of ``model`` from its GGUF (first use of ``--backend mlx``), record them in
-        the store and set ``model.mlx_path``. Runs on the model's decode thread before it loads; reports to
-        ``on_convert``; ``cancel`` or :meth:`stop` stops it at the next progress report (nothing half-written
-        is kept)."""
-        from localllm.mlxmodels import ConversionProgress, convert_installed
+    def _convert(self, model: InstalledModel, cancel: threading.Event | None, p: Plan) -> None:
+        """Build the weights ``p.backend`` loads from the model's GGUF (first use of ``--backend mlx``: its format's
+        ``convert``), record them in the store and in ``model.weights``. Runs on the model's decode thread before it
+        loads; reports to ``on_convert``; ``cancel`` or :meth:`stop` stops it at the next progress report (nothing
+        half-written is kept)."""
+        from localllm import formats
+        from localllm.mlxmodels import ConversionProgress
 
         notify = self.on_convert
         t0 = time.monotonic()
@@ -430,13 +429,14 @@ class Loader:
         if notify is not None:
             notify(ConversionProgress(model.name, "start"))
         try:
-            path = convert_installed(model, dtype=dtype, progress=progress)
+            fmt = formats.of_backend(p.backend)
+            weights = formats.Weights(fmt.name, fmt.convert(model, p.device, progress))
         except BaseException as e:
             if notify is not None:
                 notify(ConversionProgress(model.name, "failed", seconds=time.monotonic() - t0, error=str(e)))
             raise
         if not model.local:  # a local .gguf path has no manifest: its MLX dir is found by digest
-            self.store.set_mlx_path(model.name, path)
-        model.mlx_path = path
+            self.store.set_weights(model.name, fmt.name, weights)
+        model.weights[fmt.name] = weights
         if notify is not None:
             notify(ConversionProgress(model.name, "done", seconds=time.monotonic() - t0))

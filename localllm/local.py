@@ -11,6 +11,7 @@ import threading
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+from backends.descriptor import MLX
 from localllm.api import CatalogItem, DeviceUse, Fit, Installed, ProgressFn, Ranked, Running, drafting_text
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ def capabilities(info: dict[str, object]) -> list[str]:
 def installed(m: InstalledModel) -> Installed:
     """The store's record as the faces see it."""
     info = m.info
+    mlx = m.weights_of(MLX)
     return Installed(
         name=m.name, digest=m.model_digest, weights_digest=m.digest, size=m.size, modified=m.modified,
         formats=list(m.formats),
@@ -64,8 +66,8 @@ def installed(m: InstalledModel) -> Installed:
         path=str(m.path), source=m.source, local=m.local, quant=m.quant,
         catalog=m.catalog.name if m.catalog else None, draft=m.catalog.draft if m.catalog else None,
         template_note=m.catalog.template_note if m.catalog else None,
-        mlx_path=str(m.mlx_path) if m.mlx_path else None, mlx_source=m.mlx_source, mlx_repo=m.mlx_repo,
-        mlx_revision=m.mlx_revision,
+        mlx_path=str(mlx.path) if mlx else None, mlx_source=mlx.source if mlx else None,
+        mlx_repo=mlx.repo if mlx else None, mlx_revision=mlx.revision if mlx else None,
         projector_path=str(m.projector.path) if m.projector else None,
         projector_digest=m.projector.digest if m.projector else None,
         projector_size=m.projector.size if m.projector else 0,

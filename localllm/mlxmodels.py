@@ -20,7 +20,8 @@ mlx`` one sentence saying why and what to do) and hand it to the pure planner; a
 set makes the engine build the directory on the model's load thread before loading it, reporting
 :class:`ConversionProgress` to the face that asked. Whether a GGUF converts is read from its header once
 per file and kept under ``<cache>/mlx-convertible`` (this module owns that cache; the planner reads no file).
-(Fetching MLX weights from the Hub is the store's, in :mod:`localllm.mlxpull`.)
+:class:`MLXFormat` is MLX as a registered weights format (:mod:`localllm.formats`): the store fetches the
+catalog's ``mlx_repo`` through it (:mod:`localllm.mlxpull`), finds conversions by digest and sizes them for the plan.
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from backends import descriptor
 from backends.descriptor import MLX
 from localllm.config import paths
 from localllm.errors import LocalLLMError
+from localllm.formats import Fetched, PlanWeights, Weights, WeightsFormat
 
 if TYPE_CHECKING:
+    from localllm.catalog import CatalogEntry
     from localllm.hardware import HardwareInfo
 
 _lock = threading.Lock()
@@ -79,28 +82,12 @@ class GGUFModel(Protocol):
 
 
 class InstalledLike(GGUFModel, Protocol):
-    """An installed model as the planner sees it: its GGUF and the MLX weights the store found."""
+    """An installed model as the planner sees it: its GGUF and the weights in other formats the store found."""
 
-    @property
-    def mlx_path(self) -> Path | None: ...
-
-    @property
-    def mlx_source(self) -> str | None: ...
+    def weights_of(self, fmt: str) -> Weights | None: ...
 
 
-@dataclass(frozen=True)
-class MLXWeights:
-    """What MLX has for a model: installed weights, or a GGUF that converts (on first use)."""
-
-    installed: bool = False  # a complete MLX directory exists (downloaded or converted)
-    convertible: bool = False  # the GGUF converts to MLX (checked from its header)
-    why_not: str = ""  # why the GGUF does not convert (one sentence), when not installed
-    weights_bytes: int | None = None  # the MLX weights: the directory's size, or the conversion's estimate
-    source: str = ""  # "mlx-community/X@1a2b3c", "converted from the GGUF", "Q4_K → 4-bit, ..." (the plan)
-
-    @property
-    def usable(self) -> bool:
-        return self.installed or self.convertible
+MLXWeights = PlanWeights  # what MLX has for a model: installed weights, or a GGUF that converts (on first use)
 
 
 def mlx_root(models: Path | None = None) -> Path:
@@ -182,11 +169,9 @@ def mlx_weights(model: InstalledLike, hw: HardwareInfo | None = None, *, backend
     Looks at the MLX directory the store found, else — where the answer matters (Apple Silicon with mlx,
     or a ``backend`` that loads MLX weights) — at whether the GGUF converts, from its header (cached per
     file, so planning stays fast). Never converts anything."""
-    mlx_path = model.mlx_path
-    if mlx_path is not None and Path(mlx_path).is_dir():
-        size = sum(p.stat().st_size for p in Path(mlx_path).glob("*.safetensors"))
-        return MLXWeights(installed=True, weights_bytes=size or None,
-                          source=str(model.mlx_source or "installed"))
+    have = model.weights_of(MLX)
+    if have is not None and have.path.is_dir():
+        return MLXWeights(installed=True, weights_bytes=MLX_FORMAT.size(have.path) or None, source=have.source)
     statuses = [hw.backend(b.name) for b in descriptor.taking(MLX)] if hw is not None else []
     mlx_ok = any(s.available for s in statuses)
     if not takes_mlx(backend) and not (hw is not None and hw.apple_silicon and mlx_ok):
@@ -286,3 +271,54 @@ def convert_installed(model: GGUFModel, *, force: bool = False, dtype: str = "fl
             return convert_gguf(src, target, dtype=dtype, progress=progress)
         except BackendError as e:
             raise ConversionError(str(e)) from e
+
+
+def apple_silicon() -> bool:
+    """True on an Apple Silicon Mac, where MLX runs the models (a pull fetches MLX weights there)."""
+    import platform
+    import sys
+
+    return sys.platform == "darwin" and platform.machine() == "arm64"
+
+
+class MLXFormat:
+    """MLX weights as a registered format (:mod:`localllm.formats`): a directory under ``<models>/mlx``, fetched
+    from the catalog's ``mlx_repo`` (:mod:`localllm.mlxpull`) or converted from the GGUF (by its digest)."""
+
+    name: str = MLX
+    label: str = "MLX"
+    converts_from: str | None = descriptor.GGUF
+
+    def source(self, entry: CatalogEntry) -> tuple[str, str | None] | None:
+        return entry.weights.get(MLX)
+
+    def fetch_unasked(self) -> bool:
+        return apple_silicon()
+
+    def fetch(self, repo: str, revision: str | None, *, models: Path, staging: Path,
+              on_start: Callable[[str, int], None], on_bytes: Callable[[int], None],
+              cancel: threading.Event | None) -> Fetched:
+        from localllm import mlxpull
+
+        snap = mlxpull.fetch_mlx(repo, revision=revision, staging_root=staging,
+                                 target_for=lambda sha: mlx_root(models) / f"hf-{repo.replace('/', '--')}-{sha[:12]}",
+                                 on_start=on_start, on_bytes=on_bytes, cancel=cancel)
+        return Fetched(snap.path, snap.revision, snap.size, snap.files)
+
+    def find(self, models: Path, digest: str) -> Path | None:
+        hexpart = digest.split(":", 1)[-1].lower()
+        p = mlx_root(models) / hexpart
+        return p if re.fullmatch(r"[0-9a-f]{16,128}", hexpart) and _complete(p) else None
+
+    def size(self, path: Path) -> int:
+        return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+    def for_plan(self, model: Any, hw: HardwareInfo, backend: str) -> MLXWeights:
+        mw = mlx_for_plan(model, hw, backend)
+        return mw if mw is not None else MLXWeights()
+
+    def convert(self, model: Any, device: str, progress: Callable[[int, int], None] | None) -> Path:
+        return convert_installed(model, dtype=mlx_dtype(device), progress=progress)
+
+
+MLX_FORMAT: WeightsFormat = MLXFormat()

@@ -398,7 +398,7 @@ def test_probe_command_refusals(home, installed_default_model, tmp_path):
     models = home / "data" / "models"
     install_copy(models, TEST_HOME / "data" / "models")
     manifest = models / "manifests" / "library" / "smollm2" / "135m.json"
-    manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"mlx_path": None}))
+    manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"mlx_path": None, "weights": {}}))
     r = _cli("--ctx", "9000")
     assert r.exit_code == 1 and "9,000-token context is more than" in r.output and "8,192 tokens" in r.output
     r = _cli("--backend", "mlx")

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from localllm.formats import Weights
 from localllm.mlxmodels import (
     ConversionError,
     cannot_convert_sentence,
@@ -44,7 +45,7 @@ def own_home(home: Path, installed_default_model) -> Path:
     models = home / "data" / "models"
     install_copy(models, TEST_HOME / "data" / "models")
     manifest = models / "manifests" / "library" / "smollm2" / "135m.json"
-    manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"mlx_path": None}))
+    manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"mlx_path": None, "weights": {}}))
     return home
 
 
@@ -62,7 +63,7 @@ def test_an_unconverted_or_digestless_model_has_no_mlx_dir(home: Path):
 
 def test_other_architectures_are_refused_with_a_reason(home: Path, tmp_path: Path):
     model = SimpleNamespace(name="blm", digest="sha256:" + "cd" * 32, path=_tiny_gguf(tmp_path / "b.gguf", "bloom"),
-                            mlx_path=None)
+                            weights_of=lambda fmt: None)
     ok, why = convertible(model)
     assert not ok and "'bloom' architecture" in why
     sentence = cannot_convert_sentence("blm", why)
@@ -84,11 +85,12 @@ def test_mlx_for_plan_says_the_gguf_converts_until_mlx_weights_exist(home: Path,
     from localllm.hardware import probe
 
     hw = probe()
-    mw = mlx_for_plan(SimpleNamespace(name="x", path=default_model.path, mlx_path=None, mlx_source=None), hw, "mlx")
+    mw = mlx_for_plan(SimpleNamespace(name="x", path=default_model.path, weights_of=lambda fmt: None), hw, "mlx")
     assert mw.convertible and not mw.installed and mw.usable
     built = tmp_path / "mlx-dir"
     built.mkdir()
-    with_weights = SimpleNamespace(name="x", path=default_model.path, mlx_path=built, mlx_source=None)
+    with_weights = SimpleNamespace(name="x", path=default_model.path,
+                                   weights_of=lambda fmt: Weights(fmt, built))
     assert mlx_for_plan(with_weights, hw, "mlx").installed
 
 
@@ -142,7 +144,7 @@ def test_convert_command_records_the_mlx_dir_in_the_store(own_home: Path):
     assert "converting smollm2:135m to MLX (once, offline)…" in result.output
     path = Path(result.output.strip().splitlines()[-1])
     assert path.parent == own_home / "data" / "models" / "mlx"
-    assert mlx_dir_for(_installed()) == path and _installed().mlx_path == path
+    assert mlx_dir_for(_installed()) == path and _installed().weights_path("mlx") == path
 
 
 def test_engine_converts_on_first_use_then_runs_on_mlx(own_home: Path):
@@ -180,7 +182,7 @@ def test_engine_converts_on_first_use_then_runs_on_mlx(own_home: Path):
     assert events[-2].done == events[-2].total > 0 and events[-1].seconds > 0
     assert threads == {"localllm-model-smollm2:135m"}  # on the thread that then runs the model
     installed = _installed()
-    assert installed.mlx_path == own_home / "data" / "models" / "mlx" / installed.digest.split(":")[-1]
+    assert installed.weights_path("mlx") == own_home / "data" / "models" / "mlx" / installed.digest.split(":")[-1]
     with Engine() as engine:
         assert not engine.plan_for("smollm2:135m", LoadOptions(backend="mlx"))[1].mlx_convert
 
@@ -208,7 +210,7 @@ def test_a_cancelled_first_use_conversion_leaves_nothing(own_home: Path):
     assert stages[0] == "start" and stages[-1] == "failed"
     root = own_home / "data" / "models" / "mlx"
     assert not root.exists() or not any(root.iterdir())  # no half-written directory
-    assert _installed().mlx_path is None
+    assert _installed().weights_path("mlx") is None
 
 
 def test_mlx_weights_live_in_one_module_and_the_planner_reads_no_file():

@@ -370,14 +370,16 @@ def test_mlx_weights_of_real_models(default_model, gemma_model, tmp_path):
     the Linux laptop case asks nothing (no header read)."""
     from dataclasses import replace
 
+    from localllm.formats import Weights
+
     mac = mac16(mlx=True, mlx_metal=True)
-    smol = replace(default_model, mlx_path=None)
+    smol = replace(default_model, weights={})
     mw = mlx_weights(smol, mac)
     assert mw.convertible and not mw.installed and "Q4_1 kept 4-bit" in mw.source
     assert mw.weights_bytes and mw.weights_bytes > 0.9 * default_model.size  # f16 scales on Metal
     on_cpu = mlx_weights(smol, machine(ram_gib=16, mlx=True), backend="mlx")
     assert on_cpu.weights_bytes > mw.weights_bytes  # float32 scales on the CPU
-    gem = mlx_weights(replace(gemma_model, mlx_path=None), mac)
+    gem = mlx_weights(replace(gemma_model, weights={}), mac)
     assert gem.convertible and "Q4_K requantized 4-bit" in gem.source and "Q6_K requantized 8-bit" in gem.source
     p = plan(GGUFInfo(**gemma_model.info), mac, mlx=gem)
     assert p.backend == "mlx" and p.mlx_convert and p.memory.weights == gem.weights_bytes
@@ -385,11 +387,11 @@ def test_mlx_weights_of_real_models(default_model, gemma_model, tmp_path):
     d = tmp_path / "mlx"
     d.mkdir()
     (d / "model.safetensors").write_bytes(b"x" * 1000)
-    got = mlx_weights(replace(default_model, mlx_path=d), mac)
+    got = mlx_weights(replace(default_model, weights={"mlx": Weights("mlx", d)}), mac)
     assert got.installed and got.weights_bytes == 1000
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 100)
-    assert "Cannot read" in mlx_weights(replace(default_model, mlx_path=None, path=bad), mac).why_not
+    assert "Cannot read" in mlx_weights(replace(default_model, weights={}, path=bad), mac).why_not
 
 
 # ---------------------------------------------------------------------------------- --backend
@@ -555,12 +557,12 @@ def private_default(home, default_model):
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src_manifest, dst)
     data = json.loads(dst.read_text())
-    data["mlx_path"], data["mlx"] = None, None
+    data["mlx_path"], data["mlx"], data["weights"] = None, None, {}
     dst.write_text(json.dumps(data))
     paths().blobs.mkdir(parents=True, exist_ok=True)
     os.link(default_model.path, paths().blobs / Path(default_model.path).name)
     m = Store().get("smollm2:135m")
-    assert m.mlx_path is None
+    assert m.weights_of("mlx") is None
     return m
 
 

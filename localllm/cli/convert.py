@@ -34,6 +34,8 @@ from localllm.errors import LocalLLMError
 )
 def command(model: str, force: bool, dtype: str) -> None:
     """Convert an installed GGUF model to MLX (offline, no download; Q4_0/Q4_1/Q8_0 stay as they are)."""
+    from backends.descriptor import MLX
+    from localllm.formats import Weights
     from localllm.mlxmodels import ConversionProgress, convert_installed, mlx_dir_for
     from localllm.store import Store
 
@@ -53,7 +55,7 @@ def command(model: str, force: bool, dtype: str) -> None:
         finally:
             display.close()
     try:
-        store.set_mlx_path(installed.name, path)  # the planner now sees an MLX build of this model
+        store.set_weights(installed.name, MLX, Weights(MLX, path))  # the planner now sees an MLX build of it
     except LocalLLMError:
         pass  # a local .gguf path has no manifest: the MLX dir is found by its digest (mlx_dir_for)
     click.echo(str(path))

@@ -59,7 +59,7 @@ def _fresh_home(root: Path) -> Path:
     install_copy(models, TEST_HOME / "data" / "models")
     manifest = models / "manifests" / "library" / "smollm2" / "135m.json"
     data = json.loads(manifest.read_text(encoding="utf-8"))
-    data["mlx_path"] = None  # the shared home may have built one: this home starts without
+    data["mlx_path"], data["weights"] = None, {}  # the shared home may have built one: this home starts without
     manifest.write_text(json.dumps(data), encoding="utf-8")
     return root
 
@@ -179,7 +179,7 @@ def test_backend_mlx_converts_on_first_use(tmp_path, installed_default_model):
     assert first.stderr.strip() == CONVERTING and first.stdout.strip()
     assert (_mlx_dir(home) / "config.json").is_file()
     manifest = json.loads((home / "data/models/manifests/library/smollm2/135m.json").read_text())
-    assert manifest["mlx_path"] == str(_mlx_dir(home))  # recorded in the store
+    assert manifest["weights"]["mlx"]["path"] == str(_mlx_dir(home))  # recorded in the store
     second = localllm(home, "run", DEFAULT_MODEL, "Say hello.", "--backend", "mlx", "--num-predict", "4",
                       "--temperature", "0")
     assert_clean(second)  # once: no conversion the second time

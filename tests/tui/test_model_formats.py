@@ -27,7 +27,7 @@ def own_models(tui_home, default_model, tmp_path, monkeypatch) -> Path:
     dst = models / manifest.relative_to(src)
     dst.parent.mkdir(parents=True)
     data = json.loads(manifest.read_text())
-    data["mlx_path"], data["mlx"] = None, None
+    data["mlx_path"], data["mlx"], data["weights"] = None, None, {}
     dst.write_text(json.dumps(data))
     (models / "blobs").mkdir()
     os.link(default_model.path, models / "blobs" / Path(default_model.path).name)
