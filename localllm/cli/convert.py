@@ -34,8 +34,7 @@ from localllm.errors import LocalLLMError
 )
 def command(model: str, force: bool, dtype: str) -> None:
     """Convert an installed GGUF model to MLX (offline, no download; Q4_0/Q4_1/Q8_0 stay as they are)."""
-    from backends.descriptor import MLX
-    from localllm.formats import Weights
+    from localllm.formats import MLX, Weights  # MLX: the format's name (backends.descriptor's, re-exported)
     from localllm.mlxmodels import ConversionProgress, convert_installed, mlx_dir_for
     from localllm.store import Store
 
