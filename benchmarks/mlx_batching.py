@@ -38,11 +38,12 @@ class Ours:
 
     def __init__(self, model: str, slots: int, batched: bool):
         from backends.base import LoadSpec
+        from backends.specs import Tuning
         from backends.mlx import MLXSource
         from backends.registry import load
 
         self.m = load("mlx", LoadSpec(model_path=_mlx_dir(model), n_ctx=1024, n_seq=slots,
-                                      extra={"no_batch": not batched}))
+                                      tuning=Tuning(batch=batched)))
         src = self.m.source
         assert isinstance(src, MLXSource)
         self.src = src

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from backends.base import GenerateRequest, LoadSpec, Sampling
+from backends.specs import Tuning
 from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
 from tests.backends.conftest import collect
@@ -60,7 +61,7 @@ def made(request) -> Path:
 @pytest.fixture(scope="module")
 def hybrid(made):
     m = load("llamacpp", LoadSpec(str(made), n_ctx=1024, n_seq=2))
-    assert m.source.needs_checkpoints
+    assert m.source.capabilities.checkpoints is not None
     yield m
     m.close()
 
@@ -243,7 +244,7 @@ def test_a_restored_checkpoint_gives_the_cold_logits(made):
 
     src = LlamaCppSource(LoadSpec(str(made), n_ctx=1024, n_seq=2))
     try:
-        assert src.needs_checkpoints
+        assert src.capabilities.checkpoints is not None
         toks = src.prompt_tokens(SYSTEM + " " + SYSTEM)
 
         def run(seq: int, part: list[int], pos: int) -> np.ndarray:
@@ -276,9 +277,9 @@ def test_sliding_window_layers_keep_their_window_unless_swa_full_is_asked_for(sw
 
     sizes = {}
     for full in (False, True):
-        src = LlamaCppSource(LoadSpec(str(swa_model), n_ctx=2048, n_seq=1, extra={"swa_full": full}))
+        src = LlamaCppSource(LoadSpec(str(swa_model), n_ctx=2048, n_seq=1, swa_full=full))
         try:
-            assert src.needs_checkpoints is not full  # a full-size window cache drops nothing: plain reuse
+            assert (src.capabilities.checkpoints is None) is full  # a full-size window cache drops nothing: plain reuse
             sizes[full] = src.info.extra["kv_bytes"]  # what llama.cpp allocated
             assert src.info.extra["sliding_window"] == 32
         finally:
@@ -358,7 +359,7 @@ def _plain_and_drafted(path: Path, draft, messages: list[dict[str, str]], n: int
         a, _, _ = collect(plain.generate(req))
     finally:
         plain.close()
-    spec = load("llamacpp", LoadSpec(str(path), n_ctx=1024, n_seq=1, draft=draft, extra={"draft_always": True}))
+    spec = load("llamacpp", LoadSpec(str(path), n_ctx=1024, n_seq=1, draft=draft, tuning=Tuning(draft_always=True)))
     try:
         assert spec.source.can_rewind()  # llama.cpp keeps rollback states (n_rs_seq) for the drafts
         b, done, _ = collect(spec.generate(req))

@@ -59,10 +59,10 @@ def test_invalid_kv_type_is_refused(default_model_path):
 
 
 def test_quantized_kv_is_checked_with_the_head_sizes_the_engine_read(default_model_path):
-    """The engine passes the head sizes it read at install (``extra["head_dims"]``); the check uses them
+    """The engine passes the head sizes it read at install (``LoadSpec.head_dims``); the check uses them
     rather than reading the GGUF header again (the file's are 64, which q8_0 would take)."""
     with pytest.raises(UnsupportedError, match="multiple of 32.*this model has 72"):
-        LlamaCppSource(LoadSpec(str(default_model_path), kv_cache_type="q8_0", extra={"head_dims": (72, 72)}))
+        LlamaCppSource(LoadSpec(str(default_model_path), kv_cache_type="q8_0", head_dims=(72, 72)))
 
 
 def _one_sentence(msg: str) -> bool:
@@ -149,7 +149,7 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "description
 def test_tool_calls_are_parsed_into_an_event(backend_factory):
     from backends.base import TextChunk, ToolCalls
 
-    b = backend_factory("llamacpp", extra={"chat_template": TOOLS_TEMPLATE})
+    b = backend_factory("llamacpp", chat_template=TOOLS_TEMPLATE)
     assert b.call(lambda s: s.supports_tools())
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     call_schema = {"type": "object", "properties": {

@@ -25,6 +25,7 @@ from backends.base import (
     UnsupportedError,
 )
 from backends.mlx import MLXSource
+from backends.specs import Tuning
 from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
 from tests.backends.conftest import collect
@@ -353,7 +354,7 @@ def test_unknown_kv_type_is_refused(mlx_dir: Path):
 @pytest.fixture(scope="module")
 def self_drafted(mlx_dir: Path):
     """The default model drafting for itself, always (one load for the tests that use it)."""
-    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, extra={"draft_always": True},
+    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, tuning=Tuning(draft_always=True),
                     draft=DraftSpec(kind="model", path=str(mlx_dir), num_draft=3))
     with load("mlx", spec) as b:
         yield b
@@ -372,7 +373,7 @@ def test_model_draft_is_exact_and_reports_acceptance(mlx_dir: Path, bike_greedy:
 
 
 def test_ngram_draft_is_exact(mlx_dir: Path, bike_greedy: str):
-    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, extra={"draft_always": True},
+    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, tuning=Tuning(draft_always=True),
                     draft=DraftSpec(kind="ngram", num_draft=3))
     with load("mlx", spec) as b:
         text, done, _ = collect(b.generate(GenerateRequest(prompt=BIKE_TEXT, sampling=greedy(20))))
