@@ -38,9 +38,9 @@ class Ours:
 
     def __init__(self, model: str, slots: int, batched: bool):
         from backends.base import LoadSpec
-        from backends.specs import Tuning
         from backends.mlx import MLXSource
         from backends.registry import load
+        from backends.specs import Tuning
 
         self.m = load("mlx", LoadSpec(model_path=_mlx_dir(model), n_ctx=1024, n_seq=slots,
                                       tuning=Tuning(batch=batched)))

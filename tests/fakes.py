@@ -32,7 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from backends.base import Feed, LoadSpec, ModelInfo, ModelLoadError, Sampling, TokenSource
+from backends.errors import ModelLoadError
+from backends.source import Feed, ModelInfo, TokenSource
+from backends.specs import LoadSpec, Sampling
 
 EOS = 0
 _MARK = "\x02assistant\x02"  # where the rendered prompt hands over to the answer

@@ -11,17 +11,9 @@ import threading
 
 import pytest
 
-from backends.base import (
-    BackendError,
-    ContextOverflowError,
-    Done,
-    GenerateRequest,
-    LoadSpec,
-    ModelLoadError,
-    Sampling,
-    TextChunk,
-    UnsupportedError,
-)
+from backends.errors import BackendError, ContextOverflowError, ModelLoadError, UnsupportedError
+from backends.events import Done, TextChunk
+from backends.specs import GenerateRequest, LoadSpec, Sampling
 from tests.backends.conftest import collect
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}]

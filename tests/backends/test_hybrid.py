@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import GenerateRequest, LoadSpec, Sampling
-from backends.specs import Tuning
 from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
+from backends.specs import GenerateRequest, LoadSpec, Sampling, Tuning
 from tests.backends.conftest import collect
 
 SYSTEM = "You are the archivist of a small museum. " + " ".join(
@@ -147,7 +146,7 @@ def test_a_restarted_process_restores_the_prompt_from_the_disk_cache(hybrid, mad
 CHILD = """
 import json, sys
 sys.path.insert(0, {root!r})
-from backends.base import LoadSpec
+from backends.specs import LoadSpec
 from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
 from tests.backends.conftest import collect
@@ -239,8 +238,8 @@ def test_a_cache_entry_of_another_model_is_refused_and_the_prompt_evaluated_cold
 def test_a_restored_checkpoint_gives_the_cold_logits(made):
     import numpy as np
 
-    from backends.base import Feed
     from backends.llamacpp import LlamaCppSource
+    from backends.source import Feed
 
     src = LlamaCppSource(LoadSpec(str(made), n_ctx=1024, n_seq=2))
     try:
@@ -351,7 +350,7 @@ def test_concurrent_conversations_with_one_system_prompt_equal_their_solo_answer
 
 
 def _plain_and_drafted(path: Path, draft, messages: list[dict[str, str]], n: int = 48):
-    from backends.base import GenerateRequest, Sampling
+    from backends.specs import GenerateRequest, Sampling
 
     req = GenerateRequest(messages=messages, sampling=Sampling(temperature=0.0, max_tokens=n))
     plain = load("llamacpp", LoadSpec(str(path), n_ctx=1024, n_seq=1))
@@ -371,7 +370,7 @@ def _plain_and_drafted(path: Path, draft, messages: list[dict[str, str]], n: int
 def test_prompt_lookup_drafts_on_a_hybrid_target_give_the_plain_output(tied_hybrid_model):
     """Drafts accepted whole, in part and not at all are rolled back by llama.cpp's recurrent rollback states
     (a cut inside the last decode): temperature 0 on F32 gives the plain tokens."""
-    from backends.base import DraftSpec
+    from backends.specs import DraftSpec
 
     a, b, s = _plain_and_drafted(tied_hybrid_model, DraftSpec("ngram", num_draft=8),
                                  [{"role": "user", "content": "x\n\n\n\n\n\n\n mid"}])
@@ -380,7 +379,7 @@ def test_prompt_lookup_drafts_on_a_hybrid_target_give_the_plain_output(tied_hybr
 
 
 def test_a_draft_model_on_a_hybrid_target_gives_the_plain_output(hybrid_model, swa_model):
-    from backends.base import DraftSpec
+    from backends.specs import DraftSpec
 
     a, b, s = _plain_and_drafted(hybrid_model, DraftSpec("model", path=str(swa_model), num_draft=4),
                                  [{"role": "user", "content": TURNS[0]}], n=24)
@@ -391,7 +390,7 @@ def test_a_draft_model_on_a_hybrid_target_gives_the_plain_output(hybrid_model, s
 def test_a_draft_model_on_the_moe_target_gives_the_plain_output(moe_model, drafter, request):
     """The made ``gpt-oss`` (experts, a window on every other layer) drafted by another random model (every draft
     rejected: the windowed cells rolled back) and by itself (drafts accepted)."""
-    from backends.base import DraftSpec
+    from backends.specs import DraftSpec
 
     draft = request.getfixturevalue(drafter)
     a, b, s = _plain_and_drafted(moe_model, DraftSpec("model", path=str(draft), num_draft=4),

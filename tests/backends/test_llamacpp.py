@@ -10,10 +10,11 @@ import pytest
 
 from backends._speculative import SpecController
 from backends._stops import StopMatcher, Utf8Stream, parse_tool_calls
-from backends.base import DraftSpec, GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError
 from backends.drafting import NgramDrafter, vocab_problem
+from backends.errors import ModelLoadError, UnsupportedError
 from backends.llamacpp import LlamaCppSource, kv_type_problem, physical_cores
 from backends.registry import load
+from backends.specs import DraftSpec, GenerateRequest, LoadSpec, Sampling
 from backends.stream import RequestStream
 from tests.backends.conftest import collect
 
@@ -147,7 +148,7 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "description
 
 
 def test_tool_calls_are_parsed_into_an_event(backend_factory):
-    from backends.base import TextChunk, ToolCalls
+    from backends.events import TextChunk, ToolCalls
 
     b = backend_factory("llamacpp", chat_template=TOOLS_TEMPLATE)
     assert b.call(lambda s: s.supports_tools())
@@ -364,7 +365,7 @@ def test_sampler_draws_what_llama_cpp_draws_from_the_whole_row(default_model_pat
     import numpy as np
     from llama_cpp import _internals as internals
 
-    from backends.base import Feed
+    from backends.source import Feed
 
     s = SAMPLINGS[name]
     src = LlamaCppSource(LoadSpec(model_path=str(default_model_path), n_ctx=256))

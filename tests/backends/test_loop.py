@@ -11,10 +11,11 @@ import time
 
 import pytest
 
-from backends.base import BackendError, GenerateRequest, LoadSpec, Sampling, TextChunk
+from backends.errors import BackendError
+from backends.events import TextChunk
 from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
-from backends.specs import Tuning
+from backends.specs import GenerateRequest, LoadSpec, Sampling, Tuning
 from tests.backends.conftest import collect
 from tests.fakes import fake
 

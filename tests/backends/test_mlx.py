@@ -25,9 +25,9 @@ from backends.base import (
     UnsupportedError,
 )
 from backends.mlx import MLXSource
-from backends.specs import Tuning
 from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
+from backends.specs import Tuning
 from tests.backends.conftest import collect
 
 

@@ -9,9 +9,10 @@ import threading
 import numpy as np
 import pytest
 
-from backends.base import ContextOverflowError, GenerateRequest, LoadSpec, Sampling, UnsupportedError
+from backends.errors import ContextOverflowError, UnsupportedError
 from backends.llamacpp import POOL_INPUTS, LlamaCppSource  # noqa: E402
 from backends.loop import LoadedModel
+from backends.specs import GenerateRequest, LoadSpec, Sampling
 from tests.backends.conftest import collect
 
 TEXTS = ["the cat sat on the mat", "hello world", "a dog", "the capital of france is paris",
