@@ -395,26 +395,18 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
             pooling=self._pooling,
             n_embd_out=int(llama_cpp.llama_model_n_cls_out(self._model)) if self._pooling == "rank"
             else int(llama_cpp.llama_model_n_embd_out(self._model)),
-            extra={
-                "projector": self._proj.path if self._proj is not None else None,
-                "projector_bytes": proj_bytes,
-                "path": str(self._path),
-                "n_params": int(llama_cpp.llama_model_n_params(self._model)),
-                "weights_bytes": weights,
-                "kv_bytes": kv_bytes,
-                "kv_cache_bytes": kv_bytes,
-                "flash_attn": self.flash_attn,
-                "n_threads": self.n_threads,
-                "gpu_offload_supported": gpu,
-                "description": desc.value.decode("utf-8", errors="replace"),
-                "recurrent": self._recurrent,
-                "sliding_window": self._n_swa,  # 0: none
-                "swa_full": self._swa_full,
-                "chat_template_fallback": self._template is None,
-                "n_seq_ids": self._n_seq_ids,
-                # what llama.cpp allocated per device, from its own lines: {"RPC0": {"weights": b, ...}}
-                "devices": self._alloc,
-            },
+            kv_bytes=kv_bytes,
+            weights_bytes=weights,
+            projector=self._proj.path if self._proj is not None else None,
+            projector_bytes=proj_bytes,
+            n_params=int(llama_cpp.llama_model_n_params(self._model)),
+            description=desc.value.decode("utf-8", errors="replace"),
+            flash_attn=self.flash_attn,
+            n_threads=self.n_threads,
+            n_seq_ids=self._n_seq_ids,
+            sliding_window=self._n_swa,
+            swa_full=self._swa_full,
+            allocations=self._alloc,
         )
 
     # ------------------------------------------------------------------ what it is

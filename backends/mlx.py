@@ -274,8 +274,9 @@ class MLXSource(TokenSource):
             kv_cache_type=kv_type,
             n_seq=self._slots,
             kv_cells=self._n_ctx * self._slots,
-            extra={"device": str(mx.default_device()), "quantization": self._config.get("quantization"),
-                   "cache": sorted(kinds), "batched": self._batch_ok},
+            weights_bytes=self._weights_bytes,
+            device=str(mx.default_device()),
+            batched=self._batch_ok,
         )
 
     # ------------------------------------------------------------------ loading

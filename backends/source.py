@@ -64,7 +64,22 @@ class ModelInfo:
     # embedding model (a rank one a reranker): it pools, and cannot generate text (:mod:`backends.pooling`)
     pooling: str | None = None
     n_embd_out: int = 0  # width of a pooled output (an embedding; a rank head: its scores)
-    extra: dict[str, Any] = field(default_factory=dict)
+    # what the backend measured or chose at load (0 / "" / None: not reported)
+    kv_bytes: int = 0  # the KV cache allocated (all sequences)
+    weights_bytes: int = 0
+    projector: str | None = None  # the projector file loaded beside the model
+    projector_bytes: int = 0
+    n_params: int = 0
+    description: str = ""  # the library's one-line description of the model
+    device: str = ""  # where it runs, where the library names one device (MLX)
+    flash_attn: bool | None = None
+    n_threads: int = 0
+    n_seq_ids: int = 0  # sequence ids of the pool (slots plus idle prefixes kept)
+    sliding_window: int = 0  # the window of sliding-window layers (0: none)
+    swa_full: bool = False  # those layers keep the whole context
+    batched: bool = True  # several sequences decode in one batched pass
+    # per device, what the library allocated at load, from its own lines: {"RPC0": {"weights": b, "kv": b}}
+    allocations: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def embedding_only(self) -> bool:

@@ -194,7 +194,7 @@ def running(m: RunningModel) -> Running:
 
 def device_use(m: RunningModel) -> list[DeviceUse]:
     """Per device (the CPU left out): what llama.cpp allocated, beside the plan's estimate."""
-    alloc = m.info.extra.get("devices") or {}
+    alloc = m.info.allocations
     planned = {d.name: d for d in m.plan.devices}
     order = list(planned)  # llama.cpp's device order (the plan's), then the rest by name
     names = sorted((n for n in alloc if n != "CPU"), key=lambda n: (order.index(n) if n in order else len(order), n))
@@ -206,7 +206,7 @@ def _kv_bytes(m: RunningModel) -> int | None:
     """The KV cache of one sequence's context: as the backend reports it, else layers × KV heads × head size ×
     context for the type."""
     info = m.info
-    reported = (info.extra or {}).get("kv_cache_bytes")
+    reported = info.kv_bytes
     if reported:
         return int(reported)
     if m.installed is None:

@@ -40,7 +40,7 @@ def first_logprobs(model, messages) -> np.ndarray:
 
 
 def test_audio_tokens_count_in_the_prompt_and_the_projector_says_audio(alm):
-    assert alm.info.audio and not alm.info.vision and alm.info.extra["projector"]
+    assert alm.info.audio and not alm.info.vision and alm.info.projector
     _, plain, _ = collect(alm.generate(GenerateRequest(messages=chat(), sampling=greedy(2))))
     _, heard, _ = collect(alm.generate(GenerateRequest(messages=chat(wav(seed=1)), sampling=greedy(2))))
     s = heard.stats

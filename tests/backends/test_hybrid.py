@@ -279,8 +279,8 @@ def test_sliding_window_layers_keep_their_window_unless_swa_full_is_asked_for(sw
         src = LlamaCppSource(LoadSpec(str(swa_model), n_ctx=2048, n_seq=1, swa_full=full))
         try:
             assert (src.capabilities.checkpoints is None) is full  # a full-size window cache drops nothing: plain reuse
-            sizes[full] = src.info.extra["kv_bytes"]  # what llama.cpp allocated
-            assert src.info.extra["sliding_window"] == 32
+            sizes[full] = src.info.kv_bytes  # what llama.cpp allocated
+            assert src.info.sliding_window == 32
         finally:
             src.close()
     # 1 global layer of 2,048 cells + 3 windowed of 768 (the window x 2 sequence ids + a batch, padded to 256)
@@ -299,7 +299,7 @@ def test_the_planner_counts_the_memory_llama_cpp_allocates(made, n_ctx, n_seq):
     assert info.swa_layers in (2, 3) or (info.recurrent_layers == 3 and info.recurrent_bytes > 0)
     src = LlamaCppSource(LoadSpec(str(made), n_ctx=n_ctx, n_seq=n_seq))
     try:
-        allocated = src.info.extra["kv_bytes"]
+        allocated = src.info.kv_bytes
     finally:
         src.close()
     planned = estimate(info, n_ctx * n_seq, "f16", n_seq=n_seq).kv_cache
@@ -318,7 +318,7 @@ def test_the_planner_counts_gemma3_270m_as_llama_cpp_allocates(gemma_model):
     assert (info.swa_layers, info.sliding_window) == (15, 512)
     src = LlamaCppSource(LoadSpec(str(gemma_model.path), n_ctx=32768, n_seq=1))
     try:
-        allocated = src.info.extra["kv_bytes"]
+        allocated = src.info.kv_bytes
     finally:
         src.close()
     assert estimate(info, 32768, "f16").kv_cache == pytest.approx(allocated, rel=0.02)

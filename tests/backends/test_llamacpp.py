@@ -35,7 +35,7 @@ def greedy(n: int = 32, **kw) -> Sampling:
 def test_threads_default_to_physical_cores_and_logs_stay_quiet(default_model_path, capfd, caplog):
     caplog.set_level(logging.DEBUG, logger="backends.llamacpp.native")
     with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=512)) as b:
-        assert b.info.extra["n_threads"] == physical_cores()
+        assert b.info.n_threads == physical_cores()
     out, err = capfd.readouterr()
     assert "llama_model_loader" not in out + err  # nothing printed by llama.cpp itself...
     assert any("llama" in r.getMessage() for r in caplog.records)  # ...it went to logging
@@ -45,8 +45,8 @@ def test_threads_default_to_physical_cores_and_logs_stay_quiet(default_model_pat
 def test_quantized_kv_cache_loads_and_generates(backend_factory, kv):
     f16 = backend_factory("llamacpp")
     b = backend_factory("llamacpp", kv_cache_type=kv)
-    assert b.info.kv_cache_type == kv and b.info.extra["flash_attn"] is True
-    assert b.info.extra["kv_bytes"] < f16.info.extra["kv_bytes"] / 1.8
+    assert b.info.kv_cache_type == kv and b.info.flash_attn is True
+    assert b.info.kv_bytes < f16.info.kv_bytes / 1.8
     text, done, _ = collect(b.generate(GenerateRequest(messages=CAPITAL, sampling=greedy(24))))
     assert "Paris" in text and done.finish_reason == "stop"
 

@@ -298,7 +298,7 @@ def test_concurrent_streams_decode_in_one_pass_and_equal_their_solo_output(mlx_d
     # would evaluate at a generated token's cost each)
     asks = ["Once upon a time, a cat", "The rain fell softly on the old", "Gravity is"]
     with load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=1024, n_seq=3)) as m:
-        assert m.source.can_batch and m.info.extra["batched"] is True
+        assert m.source.can_batch and m.info.batched is True
         solo = [collect(m.generate(GenerateRequest(prompt=a, sampling=greedy(10))))[0] for a in asks]
         assert m.source.batched_steps == 0  # alone, each is its own pass
         out: list[str | None] = [None] * len(asks)
@@ -319,7 +319,7 @@ def test_concurrent_streams_decode_in_one_pass_and_equal_their_solo_output(mlx_d
 
 def test_quantized_kv_slots_take_turns(mlx_dir: Path):
     with load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=512, n_seq=2, kv_cache_type="q8_0")) as m:
-        assert not m.source.can_batch and m.info.extra["batched"] is False  # no batched quantized cache in mlx-lm
+        assert not m.source.can_batch and m.info.batched is False  # no batched quantized cache in mlx-lm
 
 
 # ------------------------------------------------------------------------------ KV quantization

@@ -41,7 +41,7 @@ def first_logprobs(model, messages) -> np.ndarray:
 
 
 def test_image_tokens_count_in_the_prompt_and_the_projector_is_loaded(vlm):
-    assert vlm.info.vision and vlm.info.extra["projector"]
+    assert vlm.info.vision and vlm.info.projector
     _, plain, _ = collect(vlm.generate(GenerateRequest(messages=chat(), sampling=greedy(2))))
     _, seen, _ = collect(vlm.generate(GenerateRequest(messages=chat(png(seed=11)), sampling=greedy(2))))
     s = seen.stats
