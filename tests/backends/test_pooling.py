@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from backends.errors import ContextOverflowError, UnsupportedError
-from backends.llamacpp import POOL_INPUTS, LlamaCppSource  # noqa: E402
+from backends.llamacpp import LlamaCppSource  # noqa: E402
+from backends.llamacpp_pool import POOL_INPUTS  # noqa: E402
 from backends.loop import LoadedModel
 from backends.specs import GenerateRequest, LoadSpec, Sampling
 from tests.backends.conftest import collect
