@@ -25,6 +25,9 @@ events. Each step of the loop:
    memory instead (attention spans every cell up to the highest in use) and copied back when their
    conversation returns.
 
+Each request is a :class:`~backends.slot.Slot` in an explicit state that only its transitions change
+(:mod:`backends.slot`); what a load can do beyond the core contract is read once from its capabilities.
+
 Speculative decoding is a step policy: while exactly one sequence decodes (and no grammar constrains
 it), a draft (:mod:`backends.drafting`: a second model with the same vocabulary, or prompt lookup)
 proposes tokens that are verified in the same evaluation; with several sequences decoding, drafting
@@ -257,7 +260,7 @@ class LoadedModel:
         def media(s: TokenSource) -> list[int]:
             m = s.capabilities.media
             if m is None:
-                raise UnsupportedError("This model has no vision projector, so it cannot take images.")
+                raise UnsupportedError(s.vision_problem())
             return m.prompt_media(text, list(images))
 
         return self.call(media)

@@ -230,6 +230,15 @@ class TokenSource(abc.ABC):
         """Whether the tail of a sequence can be dropped (``seq_rm`` from a position on): what drafts need."""
         return not self.info.recurrent
 
+    def vision_problem(self) -> str:
+        """Why this load cannot take images (one sentence), asked when a request brings one and the load's
+        capabilities have no media input (a load with one answers :meth:`MediaInput.vision_problem`)."""
+        return "This model has no vision projector, so it cannot take images."
+
+    def audio_problem(self) -> str:
+        """Why this load cannot take audio (one sentence), as :meth:`vision_problem` for a clip."""
+        return "This model has no audio projector, so it cannot take audio."
+
     # ---- optional capabilities
     @property
     def capabilities(self) -> Capabilities:
