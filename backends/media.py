@@ -19,7 +19,7 @@ AUDIO_MAGIC = {"WAV": lambda b: b[:4] == b"RIFF" and b[8:12] == b"WAVE", "FLAC":
 
 
 def audio_format(data: bytes) -> str | None:
-    """"WAV", "MP3" or "FLAC" when ``data`` starts as one (the test mtmd's decoder makes), else None.
+    r""""WAV", "MP3" or "FLAC" when ``data`` starts as one (the test mtmd's decoder makes), else None.
 
     >>> audio_format(b"RIFF\x00\x00\x00\x00WAVEfmt "), audio_format(b"\x89PNG\r\n\x1a\n")
     ('WAV', None)
