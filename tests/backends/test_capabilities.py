@@ -58,3 +58,15 @@ def test_a_llamacpp_load_names_what_it_has(backend_factory: Any):
     assert caps.media is None and caps.checkpoints is None
     assert caps.states is not None and caps.pooling is not None
     assert m.slot_states() == []  # nothing running
+
+
+def test_tokenizing_images_on_a_load_without_media_is_one_sentence():
+    import pytest
+
+    from backends.errors import UnsupportedError
+    from backends.registry import load
+
+    with load(FakeSource, LoadSpec("x.gguf")) as m:
+        assert m.tokenize("ab") == m.tokenize("ab", images=[])
+        with pytest.raises(UnsupportedError, match="^This model has no vision projector, so it cannot take images.$"):
+            m.tokenize("<__media__>", images=[b"\x89PNG"])
