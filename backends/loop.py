@@ -73,6 +73,8 @@ log = logging.getLogger("backends.loop")
 T = TypeVar("T")
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
+# the states a step tests, as module names (an enum member's lookup costs ~10x a global's, per token)
+_PREFILL, _READY, _DECODE = SlotState.PREFILL, SlotState.READY, SlotState.DECODE
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -489,7 +491,7 @@ class LoadedModel:
             return
         # first tokens from saved logits (a fully cached prompt): no evaluation
         for r in list(self._active):
-            if r.state is SlotState.READY:
+            if r.state is _READY:
                 assert r.sampler is not None
                 logits = r.take_saved()
                 tok = r.sampler.sample_logits(logits)
@@ -503,7 +505,7 @@ class LoadedModel:
         catchup = 0
         feeds: list[Feed] = []
         owners: list[tuple[Slot, SlotState, list[int]]] = []  # (request, DECODE or PREFILL, drafts)
-        decoding = [r for r in self._active if r.state is SlotState.DECODE]
+        decoding = [r for r in self._active if r.state is _DECODE]
         # drafting is off for a request with images: its history holds image placeholders, which neither a draft
         # model nor prompt lookup can propose or evaluate as tokens
         spec_on = (self._drafter is not None and self._controller is not None and len(self._active) == 1
@@ -516,16 +518,16 @@ class LoadedModel:
                 drafts = self._propose(r)
                 catchup = self._drafter.catchup_ns if self._drafter is not None else 0
             feeds.append(Feed(r.seq.id, [r.last, *drafts], self._positions(r.seq.tokens), 1 + len(drafts)))
-            owners.append((r, SlotState.DECODE, drafts))
+            owners.append((r, _DECODE, drafts))
             budget -= 1 + len(drafts)
         cap = budget if not decoding else min(budget, self.prefill_chunk)
         room = budget  # the step's tokens left, beyond the prefill chunk: a whole image may take them
         for r in list(self._active):
-            if r.state is not SlotState.PREFILL or cap <= 0:
+            if r.state is not _PREFILL or cap <= 0:
                 continue
             assert r.seq is not None
             ahead = [(q.stream.prompt, q.seq) for q in self._active[:self._active.index(r)]
-                     if q.seq is not None and q.state is SlotState.PREFILL]
+                     if q.seq is not None and q.state is _PREFILL]
             wait, gained = self.pool.join(r.seq, r.stream.prompt, ahead)
             r.stream.stats.prompt_cached_tokens += gained
             if wait:
@@ -561,7 +563,7 @@ class LoadedModel:
                     st.audio_chunks_encoded += work.audio
                     st.audio_encode_duration += work.audio_ns
             feeds.append(Feed(r.seq.id, chunk, self._positions(r.seq.tokens), 1 if len(chunk) == len(rest) else 0))
-            owners.append((r, SlotState.PREFILL, []))
+            owners.append((r, _PREFILL, []))
             cap -= len(chunk)
             room -= len(chunk)
         if not feeds:
@@ -576,7 +578,7 @@ class LoadedModel:
             assert r.seq is not None
             r.seq.tokens.extend(f.tokens)
             c.batched_tokens += len(f.tokens)
-            if kind is SlotState.PREFILL:
+            if kind is _PREFILL:
                 c.prompt_tokens_evaluated += len(f.tokens)
                 if r.points and len(r.seq.tokens) in r.points:
                     self.pool.checkpoint(r.seq)
@@ -598,7 +600,7 @@ class LoadedModel:
             except PoolFullError:
                 if self.pool.make_room():
                     continue
-                keep = [i for i, (_, kind, _) in enumerate(owners) if kind is SlotState.DECODE]
+                keep = [i for i, (_, kind, _) in enumerate(owners) if kind is _DECODE]
                 if len(keep) < len(feeds) and keep:  # prompts wait; the streams in flight go on
                     feeds[:] = [feeds[i] for i in keep]
                     owners[:] = [owners[i] for i in keep]
@@ -634,11 +636,11 @@ class LoadedModel:
         toks: list[int] = []
         lps: list[Any] = []
         for j, row in enumerate(out_rows):
-            lg = src.logits(row) if want_lp or (kind is SlotState.PREFILL and j == len(out_rows) - 1) else None
+            lg = src.logits(row) if want_lp or (kind is _PREFILL and j == len(out_rows) - 1) else None
             tok = sampler.sample(row)
             toks.append(tok)
             lps.append(r.stream.logprob(lg, tok) if want_lp else None)
-            if kind is SlotState.PREFILL and lg is not None:
+            if kind is _PREFILL and lg is not None:
                 r.seq.prompt_logits = (len(r.stream.prompt), lg)
             if j >= len(drafts) or tok != drafts[j] or src.is_eog(tok):
                 break
@@ -649,7 +651,7 @@ class LoadedModel:
             self._counters.draft_proposed += len(drafts)
             self._counters.draft_accepted += accepted
             self.pool.trim(r.seq, len(r.seq.tokens) - len(f.tokens) + 1 + accepted)
-        if kind is SlotState.DECODE and self._controller is not None and len(self._active) == 1:
+        if kind is _DECODE and self._controller is not None and len(self._active) == 1:
             self._controller.record(proposed=len(drafts), accepted=len(toks) - 1 if drafts else 0,
                                     emitted=len(toks), ns=step_ns, overhead_ns=catchup)
         self._emit(r, toks, lps)

@@ -54,11 +54,14 @@ _LEGAL: dict[SlotState, frozenset[SlotState]] = {
 }
 
 
+_DECODE = SlotState.DECODE
+
+
 class IllegalTransition(RuntimeError):
     """A slot was moved in a way its state does not allow (a bug in the decode loop)."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Slot:
     """One request in the decode loop. The loop reads :attr:`state`, :attr:`last` and :attr:`saved`; only the
     transition methods change them (and :attr:`seq`, once, at admission)."""
@@ -129,7 +132,8 @@ class Slot:
 
     def decoded(self, token: int) -> None:
         """PREFILL, READY or DECODE → DECODE: ``token`` was sampled and sent; the next step evaluates it."""
-        self._go(SlotState.DECODE)
+        if self._state is not _DECODE:  # (every token but the first stays in DECODE)
+            self._go(_DECODE)
         self._last = token
 
     def finish(self) -> None:
