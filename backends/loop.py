@@ -73,8 +73,7 @@ log = logging.getLogger("backends.loop")
 T = TypeVar("T")
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
-# the states a step tests, as module names (an enum member's lookup costs ~10x a global's, per token)
-_PREFILL, _READY, _DECODE = SlotState.PREFILL, SlotState.READY, SlotState.DECODE
+_PREFILL, _READY, _DECODE = SlotState.PREFILL, SlotState.READY, SlotState.DECODE  # globals: enum lookups cost more
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -84,8 +83,7 @@ _live: weakref.WeakSet[LoadedModel] = weakref.WeakSet()
 
 @atexit.register
 def _close_all() -> None:
-    """Close every model still loaded before the interpreter finalizes (native threads and objects
-    must not be torn down by the garbage collector at exit)."""
+    """Close every model still loaded before the interpreter finalizes (not torn down by the collector at exit)."""
     for m in list(_live):
         try:
             m.close()
