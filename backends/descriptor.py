@@ -11,7 +11,7 @@ module imports no backend library (each check imports what it needs when called)
     >>> get("mlx").weights, get("mlx").converts_from, get("llamacpp").label
     ('mlx', 'gguf', 'llama.cpp')
 
-A third backend is its :class:`~backends.base.TokenSource` file plus one :func:`register` call (the two
+A third backend is its :class:`~backends.source.TokenSource` file plus one :func:`register` call (the two
 built-in ones are registered at the bottom of this module; a test registers its own the same way).
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 KVCacheType = Literal["f16", "q8_0", "q4_0"]
-KV_CACHE_TYPES: tuple[str, ...] = get_args(KVCacheType)  # the one list (backends.base re-exports it)
+KV_CACHE_TYPES: tuple[str, ...] = get_args(KVCacheType)  # the one list (backends.base re-exports it for a transition)
 GGUF = "gguf"  # weights: one GGUF file (what the store pulls)
 MLX = "mlx"  # weights: an MLX directory (safetensors, config.json, tokenizer), downloaded or converted from the GGUF
 
@@ -71,7 +71,7 @@ class Backend:
         return self.apple_priority if apple_silicon and self.apple_priority is not None else self.priority
 
     def source_class(self) -> Any:
-        """Its :class:`~backends.base.TokenSource` class (imports the backend's module)."""
+        """Its :class:`~backends.source.TokenSource` class (imports the backend's module)."""
         module, cls = self.source.split(":")
         return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
 
@@ -82,7 +82,7 @@ class Backend:
                 return replace(self.probe(), name=self.name, label=self.label)
             cls = self.source_class()  # importable; and the class's own check, where it has one
             owner = next(k for k in cls.__mro__ if "available" in vars(k))
-            ok, why = (True, "") if owner.__module__ == "backends.base" else cls.available()
+            ok, why = (True, "") if owner.__module__ == "backends.source" else cls.available()
         except Exception as e:  # noqa: BLE001 - a module that fails to import, a probe with a bug
             return BackendStatus(self.name, False, _short_error(e), False, label=self.label)
         return BackendStatus(self.name, ok, why or f"{self.source.split(':')[0]} importable", False, label=self.label)

@@ -211,7 +211,7 @@ def setup_draft(src: TokenSource, d: DraftSpec, source_class: type[TokenSource],
             raise UnsupportedError("A draft model needs a path to its file.")
         dspec = LoadSpec(model_path=d.path, n_ctx=src.n_ctx, n_seq=1, n_gpu_layers=d.n_gpu_layers,
                          n_threads=spec.n_threads, n_batch=spec.n_batch, verbose=spec.verbose,
-                         extra={k: v for k, v in spec.extra.items() if k in ("use_mmap",)})
+                         use_mmap=spec.use_mmap)
         try:
             dsrc = source_class(dspec)
         except BackendError as e:
@@ -223,13 +223,13 @@ def setup_draft(src: TokenSource, d: DraftSpec, source_class: type[TokenSource],
         if problem:
             dsrc.close()
             raise UnsupportedError(problem)
-        drafter = ModelDrafter(dsrc, p_min=float(spec.extra.get("draft_p_min", 0.0)))
+        drafter = ModelDrafter(dsrc, p_min=spec.tuning.draft_p_min)
         src.info.draft = d.path
         src.info.size_bytes += dsrc.info.size_bytes
     else:
         raise UnsupportedError(f"Unknown draft kind {d.kind!r}; use a model, ngram or mtp.")
     # draft_always: draft every step whatever the timings say (tests of exactness)
-    controller = SpecController(max(1, d.num_draft), margin=0.0 if spec.extra.get("draft_always") else 0.97)
+    controller = SpecController(max(1, d.num_draft), margin=0.0 if spec.tuning.draft_always else 0.97)
     return drafter, controller
 
 

@@ -1,6 +1,6 @@
 """The KV pool of one loaded model: which tokens each sequence id holds, and how a prompt reuses them.
 
-A :class:`KVPool` keeps one :class:`Seq` per sequence id of a :class:`~backends.base.TokenSource` (the
+A :class:`KVPool` keeps one :class:`Seq` per sequence id of a :class:`~backends.source.TokenSource` (the
 cells are the source's; the pool knows what they hold) and decides, for the decode loop
 (:mod:`backends.loop`), everything about those cells that is not evaluation:
 
@@ -31,8 +31,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from backends.base import BackendError, TokenSource
+from backends.errors import BackendError
 from backends.prompt_cache import PromptCache
+from backends.source import Checkpoints, SequenceStates, TokenSource, cut_of, positions_of
 
 log = logging.getLogger("backends.kvpool")
 
@@ -55,7 +56,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """The partial state (:meth:`TokenSource.checkpoint_save`) of a sequence when it held exactly its first ``n``
+    """The partial state (:meth:`Checkpoints.checkpoint_save`) of a sequence when it held exactly its first ``n``
     tokens: with the sequence's attention cells below ``n`` it gives that prefix back."""
 
     n: int
@@ -81,7 +82,7 @@ class CheckpointPolicy:
 @dataclass
 class Seq:
     """One KV sequence id and what its cells hold: one cell per token, at positions ``0 .. len(tokens)-1``, or
-    fewer positions where an image takes fewer than its tokens (M-RoPE: see :meth:`TokenSource.positions`)."""
+    fewer positions where an image takes fewer than its tokens (M-RoPE: see :meth:`MediaInput.positions`)."""
 
     id: int
     tokens: list[int] = field(default_factory=list)
@@ -156,7 +157,23 @@ class KVPool:
         self.seqs = [Seq(i) for i in range(source.n_seq_ids)]
         self.counters = PoolCounters()
         # memory that cannot drop its tail: prefixes are reused from checkpoints only (None: plain KV cells)
-        self.checkpointing = (checkpoints or CheckpointPolicy()) if source.needs_checkpoints else None
+        caps = source.capabilities
+        self._cut, self._positions = cut_of(caps.media), positions_of(caps.media)
+        self._ckpt: Checkpoints | None = caps.checkpoints
+        self._states: SequenceStates | None = caps.states
+        self.checkpointing = (checkpoints or CheckpointPolicy()) if caps.checkpoints is not None else None
+
+    @property
+    def _ck(self) -> Checkpoints:
+        """The source's checkpoints (asked only while :attr:`checkpointing` is on)."""
+        assert self._ckpt is not None
+        return self._ckpt
+
+    @property
+    def _st(self) -> SequenceStates:
+        """The source's sequence states (asked only with a prompt cache or parking, which need them)."""
+        assert self._states is not None, "this source cannot save sequence states"
+        return self._states
 
     # ------------------------------------------------------------------ what it holds
 
@@ -217,7 +234,7 @@ class KVPool:
                 if target.tokens:
                     self.counters.evictions += 1
                 target.parked = None
-                best_n, pos = src.kv_cut(best.tokens, best_n)
+                best_n, pos = self._cut(best.tokens, best_n)
                 ok = src.seq_cp(best.id, target.id, pos)  # empties the target first
                 target.tokens = list(best.tokens[:best_n]) if ok else []
                 target.prompt_logits = None
@@ -235,7 +252,7 @@ class KVPool:
         elif keep >= len(prompt):
             keep = len(prompt) - 1  # the last prompt token is evaluated again for its logits
         if keep < len(seq.tokens):
-            keep, pos = src.kv_cut(seq.tokens, keep)
+            keep, pos = self._cut(seq.tokens, keep)
             if not src.seq_rm(seq.id, pos):
                 src.seq_rm(seq.id)  # memory without partial removal: nothing is kept, the saved row is stale
                 keep, saved, out.logits = 0, None, None
@@ -265,7 +282,7 @@ class KVPool:
         if logits is not None and n == len(s.tokens):
             return n, None, logits  # (the answer added nothing to the sequence)
         limit = n if logits is not None else min(n, len(prompt) - 1)  # else the last token is evaluated again
-        if s.owner is None and s.in_pool() and self.source.can_cut(s.id, limit):
+        if s.owner is None and s.in_pool() and (self._ckpt is None or self._ckpt.can_cut(s.id, limit)):
             return limit, None, logits if limit == n else None  # (a window still holding what follows the cut)
         ck = next((c for c in reversed(s.checkpoints) if c.n <= limit), None)
         if ck is None:
@@ -300,13 +317,13 @@ class KVPool:
                     if target.tokens:
                         self.counters.evictions += 1
                     self.drop(target)
-                    keep, pos = src.kv_cut(best.tokens, best_n)
+                    keep, pos = self._cut(best.tokens, best_n)
                     ok = src.seq_cp(best.id, target.id, pos)
                     target.tokens = list(best.tokens[:keep]) if ok else []
                     target.checkpoints = [c for c in best.checkpoints if c.n <= keep] if ok else []
                     seq, copied = target, (keep if ok else 0)
             if best_n < len(seq.tokens):
-                keep, pos = src.kv_cut(seq.tokens, best_n)
+                keep, pos = self._cut(seq.tokens, best_n)
                 if src.seq_rm(seq.id, pos):
                     del seq.tokens[keep:]
                     seq.checkpoints = [c for c in seq.checkpoints if c.n <= keep]
@@ -319,7 +336,7 @@ class KVPool:
                 if target.tokens:
                     self.counters.evictions += 1
                 self.drop(target)
-                if src.checkpoint_restore(best.id, target.id, best_ck.n, best_ck.data):
+                if self._ck.checkpoint_restore(best.id, target.id, best_ck.n, best_ck.data):
                     target.tokens = list(prompt[:best_ck.n])
                     target.checkpoints = [c for c in best.checkpoints if c.n <= best_ck.n]
                     target.prompt_logits = (best_ck.n, best_lg) if best_lg is not None else None
@@ -362,7 +379,7 @@ class KVPool:
         pol = self.checkpointing
         if pol is None or not prompt:
             return []
-        from backends.base import is_image_token
+        from backends.media import is_image_token
 
         out = {n for n in points if 0 < n <= len(prompt)}
         out.add(len(prompt))
@@ -385,7 +402,7 @@ class KVPool:
         if pol is None or n == 0 or (seq.checkpoints and seq.checkpoints[-1].n >= n):
             return
         try:
-            data = self.source.checkpoint_save(seq.id)
+            data = self._ck.checkpoint_save(seq.id)
         except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be taken costs only a later evaluation
             log.warning("could not take a checkpoint of %d tokens: %s", n, e)
             return
@@ -410,7 +427,7 @@ class KVPool:
         n, data = pc.lookup(prompt, max_len=len(prompt) - 1 if self.checkpointing is not None else None)
         if data is None or n <= keep:
             return keep, 0
-        if not self.source.state_load(seq.id, data):
+        if not self._st.state_load(seq.id, data):
             pc.remove(prompt[:n], "the backend refused it")
             self.source.seq_rm(seq.id)
             seq.tokens, seq.prompt_logits, seq.checkpoints = [], None, []
@@ -420,7 +437,7 @@ class KVPool:
             self.checkpoint(seq)  # a later divergence after it comes back here
         keep = min(n, len(prompt) - 1)  # logits are not saved: the last prompt token is evaluated again
         if keep < n:
-            keep, pos = self.source.kv_cut(seq.tokens, keep)
+            keep, pos = self._cut(seq.tokens, keep)
             self.source.seq_rm(seq.id, pos)
             del seq.tokens[keep:]
         self.counters.prompt_tokens_restored += keep
@@ -449,10 +466,10 @@ class KVPool:
                 if n > best_n:
                     best, best_n = s, n
         if best is not None:
-            best_n = self.source.kv_cut(best.tokens, best_n)[0]
+            best_n = self._cut(best.tokens, best_n)[0]
         if best is None or best_n - have < JOIN_MIN // 2:
             return Join(False, 0)
-        if not self.source.seq_cp(best.id, seq.id, self.source.positions(best.tokens[:best_n])):
+        if not self.source.seq_cp(best.id, seq.id, self._positions(best.tokens[:best_n])):
             seq.tokens, seq.prompt_logits, seq.no_join = [], None, True  # the copy emptied it
             return Join(False, 0)
         seq.tokens, seq.prompt_logits = list(best.tokens[:best_n]), None
@@ -474,7 +491,7 @@ class KVPool:
                 best, best_ck = s, ck
         if best is None or best_ck is None or best_ck.n - have < JOIN_MIN // 2:
             return Join(False, 0)
-        if not self.source.checkpoint_restore(best.id, seq.id, best_ck.n, best_ck.data):
+        if not self._ck.checkpoint_restore(best.id, seq.id, best_ck.n, best_ck.data):
             seq.tokens, seq.prompt_logits, seq.checkpoints, seq.no_join = [], None, [], True
             return Join(False, 0)
         seq.tokens, seq.prompt_logits = list(prompt[:best_ck.n]), None
@@ -488,7 +505,7 @@ class KVPool:
     def trim(self, seq: Seq, keep: int) -> None:
         """Drop the tokens of ``seq`` after the first ``keep`` (rejected drafts)."""
         if keep < len(seq.tokens):
-            keep, pos = self.source.kv_cut(seq.tokens, keep)
+            keep, pos = self._cut(seq.tokens, keep)
             self.source.seq_rm(seq.id, pos)
             del seq.tokens[keep:]
             seq.checkpoints = [c for c in seq.checkpoints if c.n <= keep]
@@ -563,7 +580,7 @@ class KVPool:
                 self.drop(s)
                 continue
             try:
-                data = src.state_save(s.id)
+                data = self._st.state_save(s.id)
             except Exception as e:  # noqa: BLE001 - a state that cannot be taken: the cells just go
                 log.debug("could not park sequence %d: %s", s.id, e)
                 self.drop(s)
@@ -577,7 +594,7 @@ class KVPool:
         assert data is not None
         s.parked = None
         try:
-            ok = self.source.state_load(s.id, data)
+            ok = self._st.state_load(s.id, data)
         except Exception as e:  # noqa: BLE001 - treated as a miss
             log.debug("could not restore parked sequence %d: %s", s.id, e)
             ok = False
@@ -595,7 +612,7 @@ class KVPool:
         seq.owner = None
         seq.last_used = time.monotonic()
         if failed:
-            keep, pos = self.source.kv_cut(seq.tokens, len(seq.tokens))
+            keep, pos = self._cut(seq.tokens, len(seq.tokens))
             if self.source.seq_rm(seq.id, pos):
                 del seq.tokens[keep:]
                 seq.checkpoints = [c for c in seq.checkpoints if c.n <= keep]
@@ -621,17 +638,17 @@ class KVPool:
                 return
             try:
                 if n == len(seq.tokens):
-                    data = self.source.state_save(seq.id)
+                    data = self._st.state_save(seq.id)
                 elif self.checkpointing is not None:  # memory without rewind: from a checkpoint at n, or not
                     ck = next((c for c in seq.checkpoints if c.n == n), None)
-                    if ck is None or not self.source.checkpoint_restore(seq.id, tmp.id, n, ck.data):
+                    if ck is None or not self._ck.checkpoint_restore(seq.id, tmp.id, n, ck.data):
                         continue
-                    data = self.source.state_save(tmp.id)
+                    data = self._st.state_save(tmp.id)
                     self.source.seq_rm(tmp.id)
-                elif self.source.kv_cut(toks, n)[0] != n:
+                elif self._cut(toks, n)[0] != n:
                     continue  # inside an image that is kept whole
-                elif self.source.seq_cp(seq.id, tmp.id, self.source.positions(toks)):
-                    data = self.source.state_save(tmp.id)
+                elif self.source.seq_cp(seq.id, tmp.id, self._positions(toks)):
+                    data = self._st.state_save(tmp.id)
                     self.source.seq_rm(tmp.id)
                 else:
                     continue

@@ -1,9 +1,5 @@
 """GGUF models through llama.cpp (llama-cpp-python's low-level API): a token source for the decode loop.
 
-One backend, llama-cpp-python's low-level API behind the token-source contract (evaluation, KV and state
-operations); its sampler chain is :mod:`backends.llamacpp_sampling`'s, llama.cpp's log lines
-:mod:`backends.llamacpp_log`'s.
-
 One ``llama_context`` holds every sequence of a loaded model: ``n_seq_max`` sequence ids over one
 **unified** KV pool of ``n_ctx × n_seq`` cells (a sequence may use up to ``n_ctx`` of them), so a shared
 prefix is copied between sequences by tagging its cells (``llama_memory_seq_cp``), not by evaluating
@@ -21,52 +17,44 @@ Traps of llama-cpp-python 0.3.36 handled here (see shared/reference/batching-and
 a quantized V cache needs flash attention, an unflagged row has no logits, and llama.cpp's own logging
 levels are mapped wrongly by llama-cpp-python (we install our own callback).
 
-Backend-specific knobs in ``LoadSpec.extra``: ``chat_template`` (override the GGUF's), ``n_threads_batch``,
-``use_mmap`` (default True), ``n_seq_ids`` (sequence ids in the pool; default 2 × slots, so idle
-conversations keep their prefix while others run), ``grammar`` (a GBNF grammar for every request that
-asks for no format: tests make a small model "think" with it), ``head_dims`` ((K, V) head sizes from
-metadata the caller has read, so that a quantized KV cache is checked without reading the GGUF header),
-``lora`` ((adapter GGUF path, scale) pairs: LoRA adapters applied through llama.cpp's adapter API),
-``swa_full`` (sliding-window layers as long as the context: exact reuse from any position at the memory of a
-global layer; default off, as llama-server: the window per sequence, reuse through checkpoints).
+What a load reads beyond the core of :class:`~backends.specs.LoadSpec`: ``chat_template``, ``lora``, ``devices`` and
+``tensor_split``, ``head_dims``, ``use_mmap``, ``n_threads_batch``, ``swa_full``, and of its ``tuning``
+``n_seq_ids`` and ``grammar``. By concern, beside this module: :mod:`backends.llamacpp_checks` (files, host, KV
+types), :mod:`backends.llamacpp_sampling`, :mod:`backends.llamacpp_log`, and the capabilities mixed into the
+source: media (:mod:`backends.llamacpp_vision`), sequence states and checkpoints (:mod:`backends.llamacpp_state`),
+pooled outputs (:mod:`backends.llamacpp_pool`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from backends.base import (
-    FALLBACK_CHAT_TEMPLATE,
-    KV_CACHE_TYPES,
-    BackendError,
-    Feed,
-    LoadSpec,
-    MediaWork,
-    ModelInfo,
-    ModelLoadError,
-    PoolFullError,
-    Sampling,
-    TokenSource,
-    UnsupportedError,
-    check_logit_bias,
-    is_image_token,
+from backends.errors import BackendError, ModelLoadError, PoolFullError, UnsupportedError
+from backends.llamacpp_checks import (  # noqa: F401 - physical_cores, kv_type_problem, KV_* re-exported
+    KV_BLOCK,
+    KV_BYTES_PER_ELEM,
+    KV_GGML_TYPE,
+    check_gguf_file,
+    head_dims_from_file,
+    kv_type_problem,
+    physical_cores,
+    pooling_of,
 )
-from backends.llamacpp_log import (
-    allocations,
-    capture,
-    forget_recent,
-    install_log_router,
-    log_callback,
-    native_reason,
-)
-from backends.llamacpp_sampling import ChainSampler, Penalties, grammar_for, seed32
+from backends.llamacpp_log import allocations, capture, forget_recent, install_log_router, log_callback, native_reason
+from backends.llamacpp_pool import PooledOutputs
+from backends.llamacpp_sampling import ChainSampler, make_sampler
+from backends.llamacpp_state import SequenceMemory
+from backends.llamacpp_vision import MediaInputs
+from backends.media import is_image_token
+from backends.source import FALLBACK_CHAT_TEMPLATE, Capabilities, Feed, ModelInfo, TokenSource
+from backends.specs import LoadSpec, LoraAdapter, Sampling
+from backends.stream import check_logit_bias
 
 if TYPE_CHECKING:
     from backends.llamacpp_vision import Projector  # noqa: F401 - imported for real where a projector loads
@@ -75,10 +63,6 @@ log = logging.getLogger("backends.llamacpp")
 
 MiB = 1 << 20
 
-# ggml type ids (llama_cpp.GGML_TYPE_*), block sizes and bytes per element of the KV cache types we offer
-KV_GGML_TYPE = {"f16": 1, "q8_0": 8, "q4_0": 2}
-KV_BLOCK = {"f16": 1, "q8_0": 32, "q4_0": 32}
-KV_BYTES_PER_ELEM = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 # Special (control) tokens a chat format needs in the generated text to be parsed: written out by piece() where
 # the vocabulary has them as one token, hidden like every other control token otherwise (llama.cpp's server keeps
 # the same lists as "preserved tokens": common/parsers/gpt-oss.cpp, gemma4.cpp, qwen3-coder.cpp, lfm2.cpp,
@@ -92,99 +76,10 @@ PRESERVED_MARKERS = (
 )
 
 
-# ---------------------------------------------------------------------------------------- helpers
-
-
-def physical_cores() -> int:
-    """Physical CPU cores available to this process (threads for llama.cpp)."""
-    n = None
-    try:
-        import psutil
-
-        n = psutil.cpu_count(logical=False)
-    except Exception:
-        pass
-    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(n or logical, logical))
-
-
-def kv_type_problem(kv_type: str, head_dim_k: int, head_dim_v: int) -> str | None:
-    """Why ``kv_type`` cannot be used for a model with these head sizes (one sentence), else None.
-
-    >>> kv_type_problem("q8_0", 64, 64) is None
-    True
-    >>> kv_type_problem("q4_0", 128, 128) is None
-    True
-    >>> kv_type_problem("q8_0", 72, 72)
-    'KV cache type q8_0 needs a head size that is a multiple of 32 (with flash attention), but this model has 72.'
-    >>> kv_type_problem("q5_k", 64, 64)
-    "KV cache type 'q5_k' is not supported; choose one of f16, q8_0, q4_0."
-    """
-    if kv_type not in KV_GGML_TYPE:
-        return f"KV cache type {kv_type!r} is not supported; choose one of {', '.join(KV_CACHE_TYPES)}."
-    block = KV_BLOCK[kv_type]
-    for dim in (head_dim_k, head_dim_v):
-        if dim and dim % block:
-            return (f"KV cache type {kv_type} needs a head size that is a multiple of {block} "
-                    f"(with flash attention), but this model has {dim}.")
-    return None
-
-
-def _head_dims_from_file(path: Path) -> tuple[int, int]:
-    """(head_dim_k, head_dim_v) from the GGUF's key-value section (read in milliseconds); (0, 0) if unknown."""
-    try:
-        from backends.gguf_header import read_header
-
-        val = read_header(path, tensors=False).fields.get
-        arch = val("general.architecture")
-        n_embd, n_head = val(f"{arch}.embedding_length"), val(f"{arch}.attention.head_count")
-        if isinstance(n_head, list):
-            n_head = max(n_head)
-        default = n_embd // n_head if n_embd and n_head else 0
-        hk = int(val(f"{arch}.attention.key_length") or default)
-        return hk, int(val(f"{arch}.attention.value_length") or default)
-    except Exception:
-        return 0, 0
-
-
-def _check_gguf_file(path: Path) -> None:
-    if not path.is_file():
-        raise ModelLoadError(f"Model file not found: {path}.")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-    except OSError as e:
-        raise ModelLoadError(f"Cannot read model file {path}: {e.strerror}.") from None
-    if len(head) < 8 or head[:4] != b"GGUF":
-        raise ModelLoadError(f"{path.name} is not a GGUF model file (bad header); re-download it.")
-
-
-
-
-
-
 _backend_initialised = False
-POOL_INPUTS = 64  # most inputs one pooling evaluation takes (sequence ids of the pooling context)
 
 
-def _pooling_of(md: dict[str, str], arch: str) -> str | None:
-    """The GGUF's own pooling (``<arch>.pooling_type``) by name; None for a model without one (0: none).
-
-    >>> _pooling_of({"bert.pooling_type": "4"}, "bert"), _pooling_of({}, "llama")
-    ('rank', None)
-    """
-    from backends.pooling import POOLING_TYPES
-
-    try:
-        return POOLING_TYPES.get(int(md.get(f"{arch}.pooling_type", "0")))
-    except ValueError:
-        return None
-
-
-
-
-
-class LlamaCppSource(TokenSource):
+class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
     """One GGUF model in one llama.cpp context: ``spec.n_seq`` slots over a unified KV pool."""
 
     name = "llamacpp"
@@ -216,7 +111,7 @@ class LlamaCppSource(TokenSource):
         self._alloc: dict[str, dict[str, int]] = {}  # per device, what llama.cpp allocated at load
         path = Path(spec.model_path)
         self._path = path
-        _check_gguf_file(path)
+        check_gguf_file(path)
         kv = spec.kv_cache_type
         if kv not in KV_GGML_TYPE:
             raise UnsupportedError(kv_type_problem(kv, 0, 0) or f"KV cache type {kv!r} is not supported.")
@@ -224,27 +119,27 @@ class LlamaCppSource(TokenSource):
         if quantized_kv:
             if spec.flash_attn is False:
                 raise UnsupportedError(f"A {kv} KV cache needs flash attention; do not switch it off, or use f16.")
-            dims = tuple(spec.extra.get("head_dims") or ())  # what the caller read already, else the file's
-            problem = kv_type_problem(kv, *(dims if any(dims) else _head_dims_from_file(path)))
+            dims = spec.head_dims  # what the caller read already, else the file's
+            problem = kv_type_problem(kv, *(dims if dims is not None and any(dims) else head_dims_from_file(path)))
             if problem:
                 raise UnsupportedError(f"{path.name}: {problem} Use --kv-cache f16.")
         self.n_threads = spec.n_threads or physical_cores()
         slots = max(1, spec.n_seq)
-        self._n_seq_ids = max(slots, min(256, int(spec.extra.get("n_seq_ids") or 2 * slots)))
+        self._n_seq_ids = max(slots, min(256, spec.tuning.n_seq_ids or 2 * slots))
         forget_recent()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = spec.n_gpu_layers
         mp.load_mtp = spec.draft is not None and spec.draft.kind == "mtp"  # the MTP block (backends.mtp drafts)
         self._devices_arr: Any = None  # kept alive: llama.cpp reads them during the load
         self._split_arr: Any = None
-        if spec.extra.get("devices") and spec.n_gpu_layers != 0:
-            self._place_on(mp, list(spec.extra["devices"]), list(spec.extra.get("tensor_split") or []))
+        if spec.devices and spec.n_gpu_layers != 0:
+            self._place_on(mp, list(spec.devices), list(spec.tensor_split))
         from backends.tensor_overrides import experts_on_cpu
 
         # a mixture of experts: the first layers' experts in RAM (the array is read at load; kept with the model)
         self._overrides = experts_on_cpu(mp, spec.n_cpu_moe) if spec.n_gpu_layers != 0 else None
         capture.lines = []
-        mp.load_mode = (llama_cpp.LLAMA_LOAD_MODE_MMAP if spec.extra.get("use_mmap", True)
+        mp.load_mode = (llama_cpp.LLAMA_LOAD_MODE_MMAP if spec.use_mmap
                         else llama_cpp.LLAMA_LOAD_MODE_NONE)
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
@@ -259,7 +154,7 @@ class LlamaCppSource(TokenSource):
             self._row_type = ctypes.c_float * self._n_vocab
             self._md = self._metadata()
             self._arch = self._md.get("general.architecture", "unknown")
-            self._pooling = _pooling_of(self._md, self._arch)  # an embedding / rerank model: pools, never generates
+            self._pooling = pooling_of(self._md, self._arch)  # an embedding / rerank model: pools, never generates
             cp = llama_cpp.llama_context_default_params()
             cp.n_ctx = spec.n_ctx * slots
             cp.n_batch = spec.n_batch
@@ -269,7 +164,7 @@ class LlamaCppSource(TokenSource):
                 self._pool_setup(cp)
             cp.kv_unified = True
             cp.n_threads = self.n_threads
-            cp.n_threads_batch = int(spec.extra.get("n_threads_batch") or self.n_threads)
+            cp.n_threads_batch = spec.n_threads_batch or self.n_threads
             cp.type_k = cp.type_v = KV_GGML_TYPE[kv]
             cp.flash_attn_type = {None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
                                   True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -278,7 +173,7 @@ class LlamaCppSource(TokenSource):
             cp.no_perf = True
             # sliding-window layers keep their window (+ a batch) per sequence id, as llama-server does; reuse
             # stays right through checkpoints. swa_full: every layer as long as the context (exact reuse anywhere)
-            self._swa_full = bool(spec.extra.get("swa_full", False))
+            self._swa_full = spec.swa_full
             cp.swa_full = self._swa_full
             # drafts on recurrent memory: llama.cpp keeps the last states of each sequence (n_rs_seq, where the
             # architecture supports it), so a cut inside the last decode (rejected draft tokens) is right
@@ -290,7 +185,7 @@ class LlamaCppSource(TokenSource):
             if not self._ctx:
                 self._ctx = None
                 raise self._load_error("Failed to create llama_context")
-            self._loras = self._load_loras(spec.extra.get("lora") or [])
+            self._loras = self._load_loras(spec.lora)
             self._apply_loras(self._ctx)
             self._mem = llama_cpp.llama_get_memory(self._ctx)
             self._n_rs_seq = int(llama_cpp.llama_n_rs_seq(self._ctx))  # 0: unsupported by the architecture, or off
@@ -306,7 +201,7 @@ class LlamaCppSource(TokenSource):
             self._n_swa = int(llama_cpp.llama_model_n_swa(self._model))
             self._pure_recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model))
             self._recurrent = self._pure_recurrent or bool(llama_cpp.llama_model_is_hybrid(self._model))
-            self._template = spec.extra.get("chat_template") or self._md.get("tokenizer.chat_template")
+            self._template = spec.chat_template or self._md.get("tokenizer.chat_template")
             eos, bos = llama_cpp.llama_vocab_eos(self._vocab), llama_cpp.llama_vocab_bos(self._vocab)
             self._bos = int(bos)
             self._bos_text = self._token_text(bos) if bos >= 0 else ""
@@ -333,7 +228,7 @@ class LlamaCppSource(TokenSource):
 
             self._alloc = allocations(getattr(capture, "lines", None) or [], ggml_devices.added_workers())
             capture.lines = None
-            remote = ggml_devices.endpoints_of(list(spec.extra.get("devices") or [])) if spec.n_gpu_layers else []
+            remote = ggml_devices.endpoints_of(list(spec.devices)) if spec.n_gpu_layers else []
             if remote:  # a worker dying mid-step must not take the process with it (ggml_devices.watch)
                 ggml_devices.watch(self, remote, self._worker_died)
             self._info = self._build_info()
@@ -366,17 +261,18 @@ class LlamaCppSource(TokenSource):
 
         return parse_gpu_backend(llama_cpp.llama_print_system_info().decode(errors="replace")) is None
 
-    def _load_loras(self, loras: list[tuple[str, float]]) -> list[tuple[Any, float]]:
-        """LoRA adapters (``extra["lora"]``: (GGUF path, scale) pairs) loaded on the model's weights; llama.cpp
+    def _load_loras(self, loras: list[LoraAdapter]) -> list[tuple[Any, float]]:
+        """LoRA adapters (``spec.lora``: adapter GGUFs and their scales) loaded on the model's weights; llama.cpp
         frees them with the model."""
         import llama_cpp
 
         out: list[tuple[Any, float]] = []
-        for path, scale in loras:
-            adapter = llama_cpp.llama_adapter_lora_init(self._model, str(path).encode())
+        for lora in loras:
+            adapter = llama_cpp.llama_adapter_lora_init(self._model, str(lora.path).encode())
             if not adapter:
-                raise self._load_error(f"llama.cpp could not load the LoRA adapter {Path(path).name} on this model")
-            out.append((adapter, float(scale)))
+                name = Path(lora.path).name
+                raise self._load_error(f"llama.cpp could not load the LoRA adapter {name} on this model")
+            out.append((adapter, float(lora.scale)))
         return out
 
     def _apply_loras(self, ctx: Any) -> None:
@@ -504,26 +400,18 @@ class LlamaCppSource(TokenSource):
             pooling=self._pooling,
             n_embd_out=int(llama_cpp.llama_model_n_cls_out(self._model)) if self._pooling == "rank"
             else int(llama_cpp.llama_model_n_embd_out(self._model)),
-            extra={
-                "projector": self._proj.path if self._proj is not None else None,
-                "projector_bytes": proj_bytes,
-                "path": str(self._path),
-                "n_params": int(llama_cpp.llama_model_n_params(self._model)),
-                "weights_bytes": weights,
-                "kv_bytes": kv_bytes,
-                "kv_cache_bytes": kv_bytes,
-                "flash_attn": self.flash_attn,
-                "n_threads": self.n_threads,
-                "gpu_offload_supported": gpu,
-                "description": desc.value.decode("utf-8", errors="replace"),
-                "recurrent": self._recurrent,
-                "sliding_window": self._n_swa,  # 0: none
-                "swa_full": self._swa_full,
-                "chat_template_fallback": self._template is None,
-                "n_seq_ids": self._n_seq_ids,
-                # what llama.cpp allocated per device, from its own lines: {"RPC0": {"weights": b, ...}}
-                "devices": self._alloc,
-            },
+            kv_bytes=kv_bytes,
+            weights_bytes=weights,
+            projector=self._proj.path if self._proj is not None else None,
+            projector_bytes=proj_bytes,
+            n_params=int(llama_cpp.llama_model_n_params(self._model)),
+            description=desc.value.decode("utf-8", errors="replace"),
+            flash_attn=self.flash_attn,
+            n_threads=self.n_threads,
+            n_seq_ids=self._n_seq_ids,
+            sliding_window=self._n_swa,
+            swa_full=self._swa_full,
+            allocations=self._alloc,
         )
 
     # ------------------------------------------------------------------ what it is
@@ -575,8 +463,12 @@ class LlamaCppSource(TokenSource):
         return not self._recurrent or self._n_rs_seq > 0
 
     @property
-    def needs_checkpoints(self) -> bool:
-        return self._recurrent or self._windowed
+    def capabilities(self) -> Capabilities:
+        """Media with a projector; checkpoints where the memory cannot drop its tail (recurrent, a window);
+        sequence states and pooled outputs but on an embedding / rerank model (which keeps no states)."""
+        return Capabilities(media=self if self._proj is not None else None,
+                            checkpoints=self if self._recurrent or self._windowed else None,
+                            states=self if self._pooling is None else None, pooling=self)
 
     @property
     def _windowed(self) -> bool:
@@ -682,123 +574,6 @@ class LlamaCppSource(TokenSource):
     # ------------------------------------------------------------------ evaluation
 
     # ------------------------------------------------------------------ images
-
-    @property
-    def vision(self) -> bool:
-        return self._proj is not None and self._proj.vision and self._proj.problem() is None
-
-    def vision_problem(self) -> str:
-        if self._proj is not None:
-            return self._proj.problem() or ("This model cannot take images." if self._proj.vision else
-                                            "This model's projector has no vision encoder, so it cannot take images.")
-        return super().vision_problem()
-
-    @property
-    def audio(self) -> bool:
-        return self._proj is not None and self._proj.audio and self._proj.problem() is None
-
-    def audio_problem(self) -> str:
-        if self._proj is not None:
-            return self._proj.problem() or ("This model cannot take audio." if self._proj.audio else
-                                            "This model's projector has no audio encoder, so it cannot take audio.")
-        return super().audio_problem()
-
-    def prepare_media(self, media: Sequence[bytes]) -> None:
-        if self._proj is not None and self._proj.audio:
-            self._proj.prepare(media)
-
-    def audio_token_count(self, tokens: Sequence[int]) -> int:
-        return self._proj.audio_count(tokens) if self._proj is not None and self._proj.audio else 0
-
-    def prompt_media(self, text: str, images: list[bytes]) -> list[int]:
-        if self._proj is None:
-            raise UnsupportedError(self.vision_problem())
-        add_bos = self._add_bos and not (self._bos_text and text.startswith(self._bos_text))
-        return list(self._proj.tokenize(text, images, add_bos))
-
-    def encode_images(self, tokens: Sequence[int]) -> MediaWork:
-        if self._proj is None or not any(is_image_token(t) for t in tokens):
-            return MediaWork()
-        return self._proj.encode(tokens)
-
-    @property
-    def media_whole(self) -> bool:
-        return self._proj is not None and (self._proj.non_causal or self._proj.mrope)
-
-    def positions(self, tokens: Sequence[int]) -> int:
-        return self._proj.positions(tokens) if self._proj is not None else len(tokens)
-
-    def kv_cut(self, tokens: Sequence[int], n: int) -> tuple[int, int]:
-        return self._proj.kv_cut(tokens, n) if self._proj is not None else (n, n)
-
-    def media_span(self, tokens: Sequence[int]) -> int:
-        return self._proj.span(tokens) if self._proj is not None else 0
-
-    def media_counters(self) -> MediaWork:
-        p = self._proj
-        if p is None:
-            return MediaWork()
-        return MediaWork(p.encoded, p.encoded_tokens, p.encode_ns, p.audio_encoded, p.audio_encoded_tokens,
-                         p.audio_encode_ns)
-
-    def _evaluate_images(self, feeds: Sequence[Feed]) -> list[list[int]]:
-        """One embeddings-only decode for the image feeds; rows of their outputs are saved (negative handles),
-        since the token decode of the same step replaces the context's logits."""
-        import llama_cpp
-
-        assert self._proj is not None
-        if self._ebatch is None:
-            self._ebatch = llama_cpp.llama_batch_init(self._n_batch, self._n_embd, 1)
-        b = self._ebatch
-        n, outs = 0, []
-        mrope: list[tuple[int, int, int, int]] | None = [] if self._proj.mrope else None
-        for f in feeds:
-            k = len(f.tokens)
-            if n + k > self._n_batch:
-                raise BackendError(f"A step of {n + k} image positions exceeds the batch size {self._n_batch}.")
-            rows = self._proj.rows(f.tokens)
-            ctypes.memmove(ctypes.addressof(b.embd.contents) + n * self._n_embd * 4, rows.ctypes.data, rows.nbytes)
-            if mrope is not None:
-                mrope.extend(self._proj.mrope_positions(f.tokens, f.pos))
-            mine = []
-            for j in range(k):
-                i = n + j
-                b.pos[i], b.n_seq_id[i], b.seq_id[i][0] = f.pos + j, 1, f.seq
-                b.logits[i] = j >= k - f.outputs
-                if b.logits[i]:
-                    mine.append(i)
-            n += k
-            outs.append(mine)
-        b.n_tokens = n
-        non_causal = self._proj.non_causal  # Gemma 3: the image's positions see each other (whole images only)
-        pos_type = type(b.pos)
-        pos_own = int(ctypes.cast(b.pos, ctypes.c_void_p).value or 0)  # an address (a field read shares the struct)
-        if mrope is not None:  # four positions an embedding, section-major: pos[s * n + i] (llama_batch's layout)
-            sections = (ctypes.c_int32 * (4 * n))(*(p[s] for s in range(4) for p in mrope))
-            b.pos = ctypes.cast(sections, pos_type)
-        if non_causal:
-            llama_cpp.llama_set_causal_attn(self._ctx, False)
-        try:
-            rc = llama_cpp.llama_decode(self._ctx, b)
-        finally:
-            if mrope is not None:
-                b.pos = ctypes.cast(pos_own, pos_type)  # llama_batch_free frees the batch's own array
-            if non_causal:
-                llama_cpp.llama_set_causal_attn(self._ctx, True)
-        if rc == 1:
-            raise PoolFullError("No room in the KV cache for this step.")
-        if rc != 0:
-            raise BackendError(f"llama.cpp failed to evaluate the image (llama_decode returned {rc}).")
-        handles = []
-        for mine in outs:
-            hs = []
-            for i in mine:
-                ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
-                self._saved_rows.append(self._row_view(ptr).copy())
-                hs.append(-len(self._saved_rows))
-            handles.append(hs)
-        return handles
-
     def evaluate(self, feeds: Sequence[Feed]) -> list[list[int]]:
         self._saved_rows = []
         kinds = [bool(f.tokens) and is_image_token(f.tokens[0]) for f in feeds]
@@ -869,53 +644,8 @@ class LlamaCppSource(TokenSource):
         return np.frombuffer(memoryview(self._row_type.from_address(ctypes.addressof(ptr.contents))), dtype=np.single)
 
     def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | None) -> ChainSampler:
-        import llama_cpp
-
-        s = sampling
-        check_logit_bias(s.logit_bias, self._n_vocab)
-        grammar = None
-        gbnf = self.spec.extra.get("grammar") if fmt in (None, "", "text") else None  # a load-wide GBNF (tests)
-        if fmt not in (None, "", "text"):
-            gbnf = grammar_for(fmt)  # type: ignore[arg-type]
-        if gbnf:
-            forget_recent()
-            grammar = llama_cpp.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root")
-            if not grammar:
-                why = native_reason()
-                raise UnsupportedError(f"llama.cpp rejected the grammar for this format{f' ({why})' if why else ''}.")
-        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-
-        def add(smpl: Any) -> None:
-            llama_cpp.llama_sampler_chain_add(chain, smpl)  # the chain owns it now
-
-        prefilter = grammar is None  # the bias goes on the row and the chain sees only the close candidates
-        if s.logit_bias and not prefilter:
-            arr = (llama_cpp.llama_logit_bias * len(s.logit_bias))()
-            for i, (t, b) in enumerate(s.logit_bias.items()):
-                arr[i] = llama_cpp.llama_logit_bias(int(t), float(b))
-            add(llama_cpp.llama_sampler_init_logit_bias(self._n_vocab, len(s.logit_bias), arr))
-        penalties = None
-        last_n = self._n_ctx if s.repeat_last_n == -1 else max(0, s.repeat_last_n)
-        if last_n and (s.repeat_penalty not in (0, 1.0) or s.presence_penalty or s.frequency_penalty):
-            penalties = Penalties(last_n, s.repeat_penalty or 1.0, s.frequency_penalty, s.presence_penalty)
-        if grammar is not None:
-            add(grammar)
-        greedy = s.temperature is None or s.temperature <= 0
-        if greedy:
-            add(llama_cpp.llama_sampler_init_greedy())
-        else:
-            if s.top_k and s.top_k > 0:
-                add(llama_cpp.llama_sampler_init_top_k(int(s.top_k)))
-            if s.top_p is not None and 0 < s.top_p < 1:
-                add(llama_cpp.llama_sampler_init_top_p(float(s.top_p), 1))
-            if s.min_p and s.min_p > 0:
-                add(llama_cpp.llama_sampler_init_min_p(float(s.min_p), 1))
-            add(llama_cpp.llama_sampler_init_temp(float(s.temperature)))
-            add(llama_cpp.llama_sampler_init_dist(seed32(s.seed)))
-        return ChainSampler(self, chain, penalties, prefilter=prefilter, greedy=greedy,
-                             top_k=int(s.top_k) if s.top_k and s.top_k > 0 else 0,
-                             bias={int(t): float(b) for t, b in s.logit_bias.items()} if prefilter and s.logit_bias
-                             else None)
+        check_logit_bias(sampling.logit_bias, self._n_vocab)
+        return make_sampler(self, self._vocab, self._n_vocab, self._n_ctx, sampling, fmt, self.spec.tuning.grammar)
 
     # ------------------------------------------------------------------ KV cells
 
@@ -933,190 +663,7 @@ class LlamaCppSource(TokenSource):
         llama_cpp.llama_memory_seq_cp(self._mem, src, dst, 0, n)
         return True
 
-    # ------------------------------------------------------------------ sequence states (prompt cache)
-
-    def state_key(self) -> str | None:
-        import llama_cpp
-
-        if self._pooling is not None:
-            return None
-        mem = (" mem=recurrent" if self._recurrent else "") + (f" swa={self._n_swa}" if self._windowed else "")
-        return (f"llama.cpp-{getattr(llama_cpp, '__version__', '?')} kv={self.spec.kv_cache_type} "
-                f"fa={int(self.flash_attn)} unified=1 gpu_layers={self._info.n_gpu_layers}{mem}")
-
-    def state_save(self, seq: int) -> bytes:
-        import llama_cpp
-
-        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, seq))
-        buf = (ctypes.c_uint8 * size)()
-        n = int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq))
-        return bytes(memoryview(buf)[:n])
-
-    def state_load(self, seq: int, data: bytes) -> bool:
-        import llama_cpp
-
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        return int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) > 0
-
-    # ------------------------------------------------------------------ checkpoints (partial states)
-
-    def checkpoint_save(self, seq: int) -> bytes:
-        import llama_cpp
-
-        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        size = int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, seq, flags))
-        buf = (ctypes.c_uint8 * size)()
-        n = int(llama_cpp.llama_state_seq_get_data_ext(self._ctx, buf, size, seq, flags))
-        if n <= 0:
-            raise BackendError(f"llama.cpp could not save the partial state of sequence {seq}.")
-        return bytes(memoryview(buf)[:n])
-
-    def can_cut(self, seq: int, n: int) -> bool:
-        """Recurrent state: never. A window: while its oldest cell is at most ``n - n_swa`` (llama-server's test),
-        the cells the tokens after ``n`` attend to are all there."""
-        if self._recurrent:
-            return False
-        if not self._windowed:
-            return True
-        import llama_cpp
-
-        lo = int(llama_cpp.llama_memory_seq_pos_min(self._mem, seq))
-        return 0 <= lo <= max(0, n - self._n_swa)
-
-    def checkpoint_restore(self, src: int, dst: int, n: int, data: bytes) -> bool:
-        """The attention cells of ``src`` below ``n`` copied into ``dst`` (``seq_cp``), then the partial state
-        loaded over them: measured equal to evaluating the prefix cold (max logit difference 0.0)."""
-        import llama_cpp
-
-        llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
-        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, 0, n)
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        ok = int(llama_cpp.llama_state_seq_set_data_ext(self._ctx, buf, len(data), dst,
-                                                         llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)) > 0
-        if not ok:
-            llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
-        return ok
-
     # ------------------------------------------------------------------ pooled outputs (embeddings, rerank)
-
-    def _pool_setup(self, cp: Any) -> None:
-        """Context parameters of an embedding / rerank model: its own pooling, one evaluation takes a whole
-        context of tokens (non-causal attention needs every token of a batch in one micro-batch), as many
-        inputs as llama.cpp allows sequences, and no generation KV beyond one batch's inputs."""
-        import llama_cpp
-
-        n_ctx = min(self.spec.n_ctx, int(llama_cpp.llama_model_n_ctx_train(self._model)) or self.spec.n_ctx)
-        tokens = max(self.spec.n_batch, n_ctx)
-        cp.n_ctx = cp.n_batch = cp.n_ubatch = tokens
-        cp.n_seq_max = self._n_seq_ids = max(1, min(POOL_INPUTS, int(llama_cpp.llama_max_parallel_sequences())))
-        cp.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED  # the GGUF's
-
-    def _embed_ctx(self) -> tuple[Any, Any, int, int]:
-        """The context that pools: an embedding model's own, or for a chat model a second context on the same
-        weights with mean pooling (made on first use)."""
-        if self._embed is None:
-            import llama_cpp
-
-            n = min(self._n_ctx, 2048)
-            p = llama_cpp.llama_context_default_params()
-            p.n_ctx = p.n_batch = p.n_ubatch = n
-            p.n_seq_max = seqs = max(1, min(POOL_INPUTS, int(llama_cpp.llama_max_parallel_sequences())))
-            p.kv_unified = True
-            p.n_threads = p.n_threads_batch = self.n_threads
-            p.embeddings = True
-            p.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
-            ctx = llama_cpp.llama_init_from_model(self._model, p)
-            if not ctx:
-                raise ModelLoadError("llama.cpp could not create an embedding context for this model.")
-            self._apply_loras(ctx)
-            self._embed = (ctx, llama_cpp.llama_batch_init(n, 0, 1), n, seqs)
-        return self._embed
-
-    def embed_tokens(self, text: str) -> list[int]:
-        # what llama-server evaluates for an embedding input: special tokens added ([CLS] ... [SEP], BOS ...) and
-        # special-token text parsed (tokenize_input_subprompt(..., add_special=true, parse_special=true))
-        return self._tokenize(text, True, True)
-
-    def tail_tokens(self, *, rerank: bool = False) -> int:
-        import llama_cpp
-
-        v = self._vocab
-        if rerank:
-            template = self._md.get("tokenizer.chat_template.rerank")
-            if template and "{document}" in template:
-                return len(self._tokenize(template.split("{document}", 1)[1], False, True))
-            return int(bool(llama_cpp.llama_vocab_get_add_eos(v)))
-        return int(bool(llama_cpp.llama_vocab_get_add_sep(v) or llama_cpp.llama_vocab_get_add_eos(v)))
-
-    def rerank_tokens(self, query: str, document: str) -> list[int]:
-        """llama-server's ``format_prompt_rerank``: the GGUF's rerank template (``tokenizer.chat_template.rerank``,
-        Qwen3-Reranker's) with ``{query}`` and ``{document}`` filled in, else BOS query [EOS] [SEP] document [EOS]
-        as the vocabulary adds them."""
-        import llama_cpp
-
-        if self._pooling != "rank":
-            return super().rerank_tokens(query, document)
-        template = self._md.get("tokenizer.chat_template.rerank")
-        if template:
-            return self._tokenize(template.replace("{query}", query).replace("{document}", document), False, True)
-        v = self._vocab
-        eos = int(llama_cpp.llama_vocab_eos(v))
-        if eos < 0:
-            eos = int(llama_cpp.llama_vocab_sep(v))
-        add_eos = bool(llama_cpp.llama_vocab_get_add_eos(v))
-        out: list[int] = [int(llama_cpp.llama_vocab_bos(v))] if llama_cpp.llama_vocab_get_add_bos(v) else []
-        out += self._tokenize(query, False, False)
-        if add_eos:
-            out.append(eos)
-        if llama_cpp.llama_vocab_get_add_sep(v):
-            out.append(int(llama_cpp.llama_vocab_sep(v)))
-        out += self._tokenize(document, False, False)
-        if add_eos:
-            out.append(eos)
-        return out
-
-    @property
-    def can_pool(self) -> bool:
-        return True
-
-    def pool_limits(self) -> tuple[int, int]:
-        _, _, tokens, seqs = self._embed_ctx()
-        return tokens, seqs
-
-    def pool(self, inputs: Sequence[Sequence[int]]) -> list[Any]:
-        """One ``llama_decode`` of all ``inputs`` (sequence ids 0..k-1 of the pooling context), their pooled outputs
-        read with ``llama_get_embeddings_seq``; the context's memory (a causal model's cells) is cleared after."""
-        import llama_cpp
-
-        ctx, b, tokens, seqs = self._embed_ctx()
-        total = sum(len(x) for x in inputs)
-        if total > tokens or len(inputs) > seqs or any(not x for x in inputs):
-            raise BackendError(f"A pooling batch of {len(inputs)} inputs and {total} tokens does not fit "
-                               f"({seqs} inputs, {tokens} tokens).")
-        i = 0
-        for s, toks in enumerate(inputs):
-            for j, t in enumerate(toks):
-                b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = t, j, 1, s, True
-                i += 1
-        b.n_tokens = total
-        mem = llama_cpp.llama_get_memory(ctx)
-        try:
-            rc = llama_cpp.llama_decode(ctx, b)
-            if rc != 0:
-                raise BackendError(f"llama.cpp failed to evaluate the inputs (llama_decode returned {rc}).")
-            width = (int(llama_cpp.llama_model_n_cls_out(self._model)) if self._pooling == "rank"
-                     else int(llama_cpp.llama_model_n_embd_out(self._model)))
-            out = []
-            for s in range(len(inputs)):
-                ptr = llama_cpp.llama_get_embeddings_seq(ctx, s)
-                if not ptr:
-                    raise BackendError("llama.cpp gave no pooled output for an input.")
-                out.append(np.array(np.ctypeslib.as_array(ptr, shape=(width,)), dtype=np.float32))
-            return out
-        finally:
-            if mem:
-                llama_cpp.llama_memory_clear(mem, True)
-
     def embed(self, texts: list[str]) -> list[list[float]]:
         """L2-normalised embeddings, one per text (texts longer than the context are cut), in batches."""
         from backends import pooling

@@ -11,7 +11,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from backends.base import BackendError, UnsupportedError
+from backends.errors import BackendError, UnsupportedError
+from backends.llamacpp_log import forget_recent, native_reason
+from backends.specs import Sampling
 
 
 class RowSource(Protocol):
@@ -204,3 +206,56 @@ class ChainSampler:
 
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
+
+
+def make_sampler(src: RowSource, vocab: Any, n_vocab: int, n_ctx: int, sampling: Sampling,
+                 fmt: str | dict[str, Any] | None, load_grammar: str | None = None) -> ChainSampler:
+    """A fresh sampler chain for one request on ``src`` (the logit bias already checked against the vocabulary):
+    the bias, the grammar of ``fmt`` (else ``load_grammar``, a load-wide GBNF), greedy or top-k / top-p / min-p,
+    temperature and a seeded draw; penalties applied to the row by :class:`ChainSampler`."""
+    import llama_cpp
+
+    s = sampling
+    grammar = None
+    gbnf = load_grammar if fmt in (None, "", "text") else None  # a load-wide GBNF (tests)
+    if fmt not in (None, "", "text"):
+        gbnf = grammar_for(fmt)  # type: ignore[arg-type]
+    if gbnf:
+        forget_recent()
+        grammar = llama_cpp.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
+        if not grammar:
+            why = native_reason()
+            raise UnsupportedError(f"llama.cpp rejected the grammar for this format{f' ({why})' if why else ''}.")
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+
+    def add(smpl: Any) -> None:
+        llama_cpp.llama_sampler_chain_add(chain, smpl)  # the chain owns it now
+
+    prefilter = grammar is None  # the bias goes on the row and the chain sees only the close candidates
+    if s.logit_bias and not prefilter:
+        arr = (llama_cpp.llama_logit_bias * len(s.logit_bias))()
+        for i, (t, b) in enumerate(s.logit_bias.items()):
+            arr[i] = llama_cpp.llama_logit_bias(int(t), float(b))
+        add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(s.logit_bias), arr))
+    penalties = None
+    last_n = n_ctx if s.repeat_last_n == -1 else max(0, s.repeat_last_n)
+    if last_n and (s.repeat_penalty not in (0, 1.0) or s.presence_penalty or s.frequency_penalty):
+        penalties = Penalties(last_n, s.repeat_penalty or 1.0, s.frequency_penalty, s.presence_penalty)
+    if grammar is not None:
+        add(grammar)
+    greedy = s.temperature is None or s.temperature <= 0
+    if greedy:
+        add(llama_cpp.llama_sampler_init_greedy())
+    else:
+        if s.top_k and s.top_k > 0:
+            add(llama_cpp.llama_sampler_init_top_k(int(s.top_k)))
+        if s.top_p is not None and 0 < s.top_p < 1:
+            add(llama_cpp.llama_sampler_init_top_p(float(s.top_p), 1))
+        if s.min_p and s.min_p > 0:
+            add(llama_cpp.llama_sampler_init_min_p(float(s.min_p), 1))
+        add(llama_cpp.llama_sampler_init_temp(float(s.temperature)))
+        add(llama_cpp.llama_sampler_init_dist(seed32(s.seed)))
+    return ChainSampler(src, chain, penalties, prefilter=prefilter, greedy=greedy,
+                         top_k=int(s.top_k) if s.top_k and s.top_k > 0 else 0,
+                         bias={int(t): float(b) for t, b in s.logit_bias.items()} if prefilter and s.logit_bias
+                         else None)

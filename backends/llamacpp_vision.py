@@ -1,7 +1,7 @@
 """Images for the llama.cpp token source: a vision projector (mmproj GGUF) loaded with llama.cpp's ``mtmd``.
 
 :class:`Projector` is what :class:`~backends.llamacpp.LlamaCppSource` holds when its :class:`LoadSpec` names
-an ``mmproj``. It turns a rendered prompt with one :data:`~backends.base.IMAGE_MARKER` per image into token
+an ``mmproj``. It turns a rendered prompt with one :data:`~backends.media.IMAGE_MARKER` per image into token
 ids (``mtmd_tokenize``: text chunks and image chunks), where each image chunk becomes as many **negative
 placeholder ids** as it takes positions. Each placeholder is derived from the sha256 of the image's bytes
 and its index, so the decode loop and the KV pool treat an image like any other prompt tokens: a second
@@ -54,19 +54,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from backends.base import (
-    IMAGE_MARKER,
-    BackendError,
-    MediaWork,
-    ModelLoadError,
-    UnsupportedError,
-    is_audio,
-    is_image_token,
-)
+from backends.errors import BackendError, ModelLoadError, PoolFullError, UnsupportedError
+from backends.media import IMAGE_MARKER, MediaWork, is_audio, is_image_token
+from backends.source import Feed
 
 log = logging.getLogger("backends.llamacpp")
 
@@ -543,3 +537,136 @@ class Projector:
                 self._forget(e)
             self._M.mtmd_free(self._ctx)
             self._ctx = None
+
+
+class MediaInputs:
+    """The :class:`~backends.source.MediaInput` capability of :class:`~backends.llamacpp.LlamaCppSource` (mixed
+    into it; a load has it when a projector is loaded), and the embeddings-only decode of image positions."""
+
+    if TYPE_CHECKING:
+        _proj: Projector | None
+        _add_bos: bool
+        _bos_text: str
+        _ctx: Any
+        _ebatch: Any
+        _n_batch: int
+        _n_embd: int
+        _saved_rows: list[Any]
+
+        def _row_view(self, ptr: Any) -> Any: ...
+
+    @property
+    def vision(self) -> bool:
+        return self._proj is not None and self._proj.vision and self._proj.problem() is None
+
+    def vision_problem(self) -> str:
+        if self._proj is not None:
+            return self._proj.problem() or ("This model cannot take images." if self._proj.vision else
+                                            "This model's projector has no vision encoder, so it cannot take images.")
+        return "This model has no vision projector, so it cannot take images."
+
+    @property
+    def audio(self) -> bool:
+        return self._proj is not None and self._proj.audio and self._proj.problem() is None
+
+    def audio_problem(self) -> str:
+        if self._proj is not None:
+            return self._proj.problem() or ("This model cannot take audio." if self._proj.audio else
+                                            "This model's projector has no audio encoder, so it cannot take audio.")
+        return "This model has no audio projector, so it cannot take audio."
+
+    def prepare_media(self, media: Sequence[bytes]) -> None:
+        if self._proj is not None and self._proj.audio:
+            self._proj.prepare(media)
+
+    def audio_token_count(self, tokens: Sequence[int]) -> int:
+        return self._proj.audio_count(tokens) if self._proj is not None and self._proj.audio else 0
+
+    def prompt_media(self, text: str, images: list[bytes]) -> list[int]:
+        if self._proj is None:
+            raise UnsupportedError(self.vision_problem())
+        add_bos = self._add_bos and not (self._bos_text and text.startswith(self._bos_text))
+        return list(self._proj.tokenize(text, images, add_bos))
+
+    def encode_images(self, tokens: Sequence[int]) -> MediaWork:
+        if self._proj is None or not any(is_image_token(t) for t in tokens):
+            return MediaWork()
+        return self._proj.encode(tokens)
+
+    @property
+    def media_whole(self) -> bool:
+        return self._proj is not None and (self._proj.non_causal or self._proj.mrope)
+
+    def positions(self, tokens: Sequence[int]) -> int:
+        return self._proj.positions(tokens) if self._proj is not None else len(tokens)
+
+    def kv_cut(self, tokens: Sequence[int], n: int) -> tuple[int, int]:
+        return self._proj.kv_cut(tokens, n) if self._proj is not None else (n, n)
+
+    def media_span(self, tokens: Sequence[int]) -> int:
+        return self._proj.span(tokens) if self._proj is not None else 0
+
+    def media_counters(self) -> MediaWork:
+        p = self._proj
+        if p is None:
+            return MediaWork()
+        return MediaWork(p.encoded, p.encoded_tokens, p.encode_ns, p.audio_encoded, p.audio_encoded_tokens,
+                         p.audio_encode_ns)
+
+    def _evaluate_images(self, feeds: Sequence[Feed]) -> list[list[int]]:
+        """One embeddings-only decode for the image feeds; rows of their outputs are saved (negative handles),
+        since the token decode of the same step replaces the context's logits."""
+        import llama_cpp
+
+        assert self._proj is not None
+        if self._ebatch is None:
+            self._ebatch = llama_cpp.llama_batch_init(self._n_batch, self._n_embd, 1)
+        b = self._ebatch
+        n, outs = 0, []
+        mrope: list[tuple[int, int, int, int]] | None = [] if self._proj.mrope else None
+        for f in feeds:
+            k = len(f.tokens)
+            if n + k > self._n_batch:
+                raise BackendError(f"A step of {n + k} image positions exceeds the batch size {self._n_batch}.")
+            rows = self._proj.rows(f.tokens)
+            ctypes.memmove(ctypes.addressof(b.embd.contents) + n * self._n_embd * 4, rows.ctypes.data, rows.nbytes)
+            if mrope is not None:
+                mrope.extend(self._proj.mrope_positions(f.tokens, f.pos))
+            mine = []
+            for j in range(k):
+                i = n + j
+                b.pos[i], b.n_seq_id[i], b.seq_id[i][0] = f.pos + j, 1, f.seq
+                b.logits[i] = j >= k - f.outputs
+                if b.logits[i]:
+                    mine.append(i)
+            n += k
+            outs.append(mine)
+        b.n_tokens = n
+        non_causal = self._proj.non_causal  # Gemma 3: the image's positions see each other (whole images only)
+        pos_type = type(b.pos)
+        pos_own = int(ctypes.cast(b.pos, ctypes.c_void_p).value or 0)  # an address (a field read shares the struct)
+        if mrope is not None:  # four positions an embedding, section-major: pos[s * n + i] (llama_batch's layout)
+            sections = (ctypes.c_int32 * (4 * n))(*(p[s] for s in range(4) for p in mrope))
+            b.pos = ctypes.cast(sections, pos_type)
+        if non_causal:
+            llama_cpp.llama_set_causal_attn(self._ctx, False)
+        try:
+            rc = llama_cpp.llama_decode(self._ctx, b)
+        finally:
+            if mrope is not None:
+                b.pos = ctypes.cast(pos_own, pos_type)  # llama_batch_free frees the batch's own array
+            if non_causal:
+                llama_cpp.llama_set_causal_attn(self._ctx, True)
+        if rc == 1:
+            raise PoolFullError("No room in the KV cache for this step.")
+        if rc != 0:
+            raise BackendError(f"llama.cpp failed to evaluate the image (llama_decode returned {rc}).")
+        handles = []
+        for mine in outs:
+            hs = []
+            for i in mine:
+                ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
+                self._saved_rows.append(self._row_view(ptr).copy())
+                hs.append(-len(self._saved_rows))
+            handles.append(hs)
+        return handles

@@ -1,6 +1,6 @@
 """One decode loop per loaded model: many sequences, one batched evaluation per step, one thread.
 
-:class:`LoadedModel` owns a :class:`~backends.base.TokenSource` on a thread of its own (llama.cpp's CPU
+:class:`LoadedModel` owns a :class:`~backends.source.TokenSource` on a thread of its own (llama.cpp's CPU
 threads belong to the thread that calls it; MLX streams are thread-local), made and closed there too.
 Requests arrive through :meth:`LoadedModel.submit` and leave as a :class:`~backends.channel.Channel` of
 events. Each step of the loop:
@@ -25,6 +25,9 @@ events. Each step of the loop:
    memory instead (attention spans every cell up to the highest in use) and copied back when their
    conversation returns.
 
+Each request is a :class:`~backends.slot.Slot` in an explicit state that only its transitions change
+(:mod:`backends.slot`); what a load can do beyond the core contract is read once from its capabilities.
+
 Speculative decoding is a step policy: while exactly one sequence decodes (and no grammar constrains
 it), a draft (:mod:`backends.drafting`: a second model with the same vocabulary, or prompt lookup)
 proposes tokens that are verified in the same evaluation; with several sequences decoding, drafting
@@ -48,94 +51,31 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from backends import pooling
 from backends._speculative import SpecController
-from backends.base import (
-    BackendError,
-    Event,
-    Feed,
-    GenerateRequest,
-    LoadSpec,
-    ModelInfo,
-    PoolFullError,
-    Sampler,
-    TokenSource,
-    UnsupportedError,
-    is_audio,
-    is_image_token,
-    message_images,
-)
 from backends.channel import Channel
 from backends.drafting import Drafter, setup_draft
-from backends.kvpool import KVPool, Seq
+from backends.errors import BackendError, PoolFullError, UnsupportedError
+from backends.events import Event
+from backends.kvpool import KVPool
+from backends.media import is_audio, is_image_token
+from backends.metrics import LoopMetrics
 from backends.pooling import Pooled
 from backends.prompt_cache import PromptCache, PromptCacheSpec
-from backends.stream import RequestStream
+from backends.slot import Slot, SlotState
+from backends.source import Capabilities, Feed, ModelInfo, TokenSource, positions_of
+from backends.specs import GenerateRequest, LoadSpec
+from backends.stream import RequestStream, message_images
 
 log = logging.getLogger("backends.loop")
 T = TypeVar("T")
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
-
-
-# ------------------------------------------------------------------------------------------ state
-
-
-@dataclass
-class _Req:
-    stream: RequestStream
-    channel: Channel[Event]
-    t_submit: int
-    seq: Seq | None = None
-    sampler: Sampler | None = None
-    last: int | None = None  # sampled, sent, not yet evaluated
-    saved: Any = None  # logits to sample the first token from (prompt fully cached)
-    admitted: int = 0  # ns
-    points: list[int] = field(default_factory=list)  # prompt lengths at which its sequence takes a checkpoint
-
-
-@dataclass
-class LoopMetrics:
-    """Counters since load, and gauges now (a snapshot; see :meth:`LoadedModel.metrics`)."""
-
-    slots: int = 0
-    slots_busy: int = 0
-    waiting: int = 0
-    kv_cells: int = 0  # the pool
-    kv_tokens_active: int = 0  # tokens held by sequences of running requests
-    kv_tokens_idle: int = 0  # tokens kept in the pool by idle sequences for reuse
-    kv_tokens_parked: int = 0  # tokens of idle sequences parked in host memory (restored on reuse)
-    kv_parked_bytes: int = 0
-    kv_checkpoints: int = 0  # checkpoints kept in host memory (memory without rewind: hybrid, sliding window)
-    kv_checkpoint_bytes: int = 0
-    prompt_tokens_evaluated: int = 0
-    prompt_tokens_cached: int = 0  # reused from the pool instead of evaluated (copied prefixes included)
-    prompt_tokens_copied: int = 0  # of those, copied from another sequence (seq_cp)
-    generated_tokens: int = 0
-    draft_proposed: int = 0
-    draft_accepted: int = 0
-    steps: int = 0
-    batched_tokens: int = 0  # tokens evaluated over all steps
-    evictions: int = 0  # idle sequences dropped to make room
-    requests: int = 0
-    drafting: str | None = None  # None, or the controller's state
-    prompt_cache_entries: int = 0  # on disk (the model's directory)
-    prompt_cache_bytes: int = 0
-    prompt_cache_hits: int = 0
-    prompt_cache_misses: int = 0
-    prompt_tokens_restored: int = 0  # prompt tokens restored from disk instead of evaluated
-    images_encoded: int = 0  # by the vision projector (an image whose embeddings or KV cells are kept: not again)
-    image_tokens_encoded: int = 0
-    image_encode_ns: int = 0
-    audio_chunks_encoded: int = 0  # by the audio projector (a clip is a chunk per 30 s; one kept: not again)
-    audio_tokens_encoded: int = 0
-    audio_encode_ns: int = 0
-    pooled_inputs: int = 0  # embedding inputs and rerank documents evaluated (backends.pooling)
-    pooled_tokens: int = 0  # their tokens
+_PREFILL, _READY, _DECODE = SlotState.PREFILL, SlotState.READY, SlotState.DECODE  # globals: enum lookups cost more
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -145,8 +85,7 @@ _live: weakref.WeakSet[LoadedModel] = weakref.WeakSet()
 
 @atexit.register
 def _close_all() -> None:
-    """Close every model still loaded before the interpreter finalizes (native threads and objects
-    must not be torn down by the garbage collector at exit)."""
+    """Close every model still loaded before the interpreter finalizes (not torn down by the collector at exit)."""
     for m in list(_live):
         try:
             m.close()
@@ -173,17 +112,19 @@ class LoadedModel:
         self.spec = spec
         self.name = name
         self.slots = max(1, spec.n_seq)
-        self.prefill_chunk = max(1, int(spec.extra.get("prefill_chunk", prefill_chunk)))
+        self.prefill_chunk = max(1, spec.tuning.prefill_chunk or prefill_chunk)
         self._source_class = source_class
         self._source: TokenSource | None = None
+        self._caps = Capabilities()
+        self._positions: Callable[[Sequence[int]], int] = len
         self._drafter: Drafter | None = None
         self._controller: SpecController | None = None
         self._wide: dict[int, SpecController] = {}  # controllers of steps where several sequences draft (by count)
         self._pool: KVPool | None = None
-        self._incoming: deque[_Req] = deque()
+        self._incoming: deque[Slot] = deque()
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Condition()
-        self._active: list[_Req] = []
+        self._active: list[Slot] = []
         self._closing = False
         self._abandoned = False  # its source died (on_fatal): the thread may be stuck in C for good
         self._counters = LoopMetrics()
@@ -228,24 +169,28 @@ class LoadedModel:
             ch.fail(BackendError("This model has been unloaded."))
             return ch
         t = t_submit_ns if t_submit_ns is not None else time.perf_counter_ns()
-        req = _Req(RequestStream(request, t), ch, t)
+        clips = [m for m in (request.images or []) + message_images(list(request.messages or [])) if is_audio(m)]
+        media = self._caps.media if clips else None
+        req = (Slot.loading_media if media is not None else Slot)(RequestStream(request, t), ch, t)
 
         def enqueue() -> None:
             with self._wake:
                 if self._closing:  # unloaded while its clips were prepared: the loop will not drain it any more
+                    req.finish()
                     ch.fail(BackendError("This model has been unloaded."))
                     return
+                if req.state is SlotState.LOADING_MEDIA:
+                    req.queue()
                 self._incoming.append(req)
                 self._wake.notify_all()
 
-        clips = [m for m in (request.images or []) + message_images(list(request.messages or [])) if is_audio(m)]
-        if not clips:
+        if media is None:  # no clips (or no projector: the loop's tokenize refuses them in one sentence)
             enqueue()
             return ch
 
         def prepare() -> None:  # a clip's decode and mel spectrogram (~1 s a 30 s chunk) off the loop and the caller
             try:
-                self.source.prepare_media(clips)
+                media.prepare_media(clips)
             except Exception:  # noqa: BLE001 - the loop's tokenize reports a bad clip in one sentence
                 log.debug("preparing audio failed", exc_info=True)
             finally:
@@ -255,7 +200,7 @@ class LoadedModel:
         return ch
 
     def generate(self, request: GenerateRequest, cancel: threading.Event | None = None) -> Iterator[Event]:
-        """Stream events for ``request`` (the last is :class:`~backends.base.Done`)."""
+        """Stream events for ``request`` (the last is :class:`~backends.events.Done`)."""
         return iter(self.submit(request, cancel))
 
     def agenerate(self, request: GenerateRequest, cancel: threading.Event | None = None) -> AsyncIterator[Event]:
@@ -295,7 +240,7 @@ class LoadedModel:
     def embed_many(self, texts: list[str], *, truncate: bool = True) -> Pooled:
         """Embeddings of ``texts`` (and the tokens they took), evaluated in batches between decode steps
         (:mod:`backends.pooling`); a backend that cannot pool embeds them in one job."""
-        if not self.call(lambda s: s.can_pool):
+        if self._caps.pooling is None:
             vectors = self.call(lambda s: s.embed(texts))
             return self._count(Pooled(vectors=vectors), len(texts))
         return self._count(pooling.embed(self.call, texts, truncate=truncate), len(texts))
@@ -309,8 +254,19 @@ class LoadedModel:
         self._counters.pooled_tokens += pooled.tokens
         return pooled
 
-    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
-        return self.call(lambda s: s.tokenize(text, special=special))
+    def tokenize(self, text: str, *, special: bool = False, images: list[bytes] | None = None) -> list[int]:
+        """``text``'s token ids; with ``images``, ``text`` holds an :data:`~backends.media.IMAGE_MARKER` per image
+        and each image is as many placeholder ids as the positions it takes (a load with a projector)."""
+        if not images:
+            return self.call(lambda s: s.tokenize(text, special=special))
+
+        def media(s: TokenSource) -> list[int]:
+            m = s.capabilities.media
+            if m is None:
+                raise UnsupportedError(s.vision_problem())
+            return m.prompt_media(text, list(images))
+
+        return self.call(media)
 
     def detokenize(self, tokens: list[int]) -> str:
         return self.call(lambda s: s.detokenize(tokens))
@@ -330,6 +286,11 @@ class LoadedModel:
         """Requests running or waiting now."""
         return len(self._active) + len(self._incoming)
 
+    def slot_states(self) -> list[SlotState]:
+        """The state of each request in the loop now, running ones first, then those waiting (as llama-server's
+        ``/slots`` lists its slots); asked on the loop thread, between steps."""
+        return self.call(lambda _: [r.state for r in [*self._active, *self._incoming]])
+
     def metrics(self) -> LoopMetrics:
         m = LoopMetrics(**vars(self._counters))
         m.slots = self.slots
@@ -343,8 +304,8 @@ class LoadedModel:
             m.kv_checkpoints, m.kv_checkpoint_bytes = u.checkpoints, u.checkpoint_bytes
             m.prompt_tokens_cached, m.prompt_tokens_copied = pc.prompt_tokens_cached, pc.prompt_tokens_copied
             m.prompt_tokens_restored, m.evictions = pc.prompt_tokens_restored, pc.evictions
-        if self._source is not None:
-            mw = self._source.media_counters()
+        if self._caps.media is not None:
+            mw = self._caps.media.media_counters()
             m.images_encoded, m.image_tokens_encoded, m.image_encode_ns = mw.images, mw.tokens, mw.ns
             m.audio_chunks_encoded, m.audio_tokens_encoded, m.audio_encode_ns = mw.audio, mw.audio_tokens, mw.audio_ns
         if self._controller is not None:
@@ -437,7 +398,7 @@ class LoadedModel:
                     from None
             spec = self.spec = replace(spec, draft=None)
             src = self._source_class(spec)
-            src.info.extra["draft_off"] = f"its MTP layers could not be loaded: {e}"
+            src.info.draft_off = f"its MTP layers could not be loaded: {e}"
         self._source = src
         src.on_fatal = self.abandon
         try:
@@ -447,13 +408,15 @@ class LoadedModel:
                 except UnsupportedError as e:
                     if not spec.draft.auto:
                         raise
-                    src.info.extra["draft_off"] = str(e)  # a default draft that cannot run: plain decoding, and why
-            pc, state_key = self._pcache_spec, src.state_key()
+                    src.info.draft_off = str(e)  # a default draft that cannot run: plain decoding, and why
+            self._caps = caps = src.capabilities
+            self._positions = positions_of(caps.media)
+            pc, state_key = self._pcache_spec, caps.states.state_key() if caps.states is not None else None
             cache = None
             if pc is not None and pc.max_bytes > 0 and state_key is not None:
                 cache = PromptCache(pc.root, key=f"{pc.model_key} {state_key}", max_bytes=pc.max_bytes,
                                     min_tokens=pc.min_tokens, budget_root=pc.budget_root)
-            can_park = src.shared_pool and state_key is not None and not spec.extra.get("no_park")
+            can_park = src.shared_pool and state_key is not None and spec.tuning.park
             self._pool = KVPool(src, prompt_cache=cache, can_park=bool(can_park))
         except BaseException:
             src.close()
@@ -505,6 +468,7 @@ class LoadedModel:
                 self._close_cancelled(req)
                 continue
             if src.info.embedding_only:  # the faces say so first; a library caller learns it here
+                req.finish()
                 req.channel.fail(UnsupportedError(
                     f"This is {'a reranking' if src.info.pooling == 'rank' else 'an embedding'} model: it cannot "
                     "generate text."))
@@ -512,26 +476,26 @@ class LoadedModel:
             try:
                 prompt = req.stream.prepare(src)
                 req.sampler = src.sampler(req.stream.request.sampling, req.stream.request.format)
-            except BackendError as e:
-                req.channel.fail(e)
-                continue
             except Exception as e:  # noqa: BLE001 - a template or tokenizer crash: one sentence
-                req.channel.fail(BackendError(f"The model could not prepare this request: {e}"))
+                req.finish()
+                req.channel.fail(e if isinstance(e, BackendError) else
+                                 BackendError(f"The model could not prepare this request: {e}"))
                 continue
-            req.admitted = time.perf_counter_ns()
-            req.stream.stats.queue_duration = req.admitted - req.t_submit
+            now = time.perf_counter_ns()
+            req.stream.stats.queue_duration = now - req.t_submit
             placed = self.pool.place(req, prompt)
-            req.points = self.pool.checkpoint_points(prompt, [*req.stream.cache_points, placed.diverged],
-                                                     chat=req.stream.request.messages is not None)
-            req.seq, req.saved = placed.seq, placed.logits
+            req.admit(placed.seq, placed.logits, self.pool.checkpoint_points(
+                prompt, [*req.stream.cache_points, placed.diverged], chat=req.stream.request.messages is not None),
+                now)
             req.stream.stats.prompt_cached_tokens = placed.cached
             req.stream.stats.prompt_restored_tokens = placed.restored
             self._active.append(req)
             self._counters.requests += 1
 
     @staticmethod
-    def _close_cancelled(r: _Req) -> None:
+    def _close_cancelled(r: Slot) -> None:
         """End a request that was cancelled before it was admitted (it holds no sequence yet)."""
+        r.finish()
         for ev in r.stream.close("cancelled"):
             r.channel.put(ev)
         r.channel.close()
@@ -548,9 +512,9 @@ class LoadedModel:
             return
         # first tokens from saved logits (a fully cached prompt): no evaluation
         for r in list(self._active):
-            if r.saved is not None:
+            if r.state is _READY:
                 assert r.sampler is not None
-                logits, r.saved = r.saved, None
+                logits = r.take_saved()
                 tok = r.sampler.sample_logits(logits)
                 lp = r.stream.logprob(logits, tok) if r.stream.wants_logprobs else None
                 self._emit(r, [tok], [lp])
@@ -561,8 +525,8 @@ class LoadedModel:
         t_step = time.perf_counter_ns()  # the step's cost includes drafting (a draft model's catch-up too)
         catchup = 0
         feeds: list[Feed] = []
-        owners: list[tuple[_Req, str, list[int]]] = []  # (request, "decode"|"prefill", drafts)
-        decoding = [r for r in self._active if r.last is not None]
+        owners: list[tuple[Slot, SlotState, list[int]]] = []  # (request, DECODE or PREFILL, drafts)
+        decoding = [r for r in self._active if r.state is _DECODE]
         ctl, drafting = self._spec_policy(decoding)
         proposed = self._propose(ctl, drafting) if drafting else {}
         if proposed and self._drafter is not None:
@@ -570,17 +534,17 @@ class LoadedModel:
         for r in decoding:
             assert r.seq is not None and r.last is not None
             drafts = proposed.get(id(r), [])
-            feeds.append(Feed(r.seq.id, [r.last, *drafts], src.positions(r.seq.tokens), 1 + len(drafts)))
-            owners.append((r, "decode", drafts))
+            feeds.append(Feed(r.seq.id, [r.last, *drafts], self._positions(r.seq.tokens), 1 + len(drafts)))
+            owners.append((r, _DECODE, drafts))
             budget -= 1 + len(drafts)
         cap = budget if not decoding else min(budget, self.prefill_chunk)
         room = budget  # the step's tokens left, beyond the prefill chunk: a whole image may take them
         for r in list(self._active):
-            if r.last is not None or cap <= 0:
+            if r.state is not _PREFILL or cap <= 0:
                 continue
             assert r.seq is not None
             ahead = [(q.stream.prompt, q.seq) for q in self._active[:self._active.index(r)]
-                     if q.seq is not None and q.last is None]
+                     if q.seq is not None and q.state is _PREFILL]
             wait, gained = self.pool.join(r.seq, r.stream.prompt, ahead)
             r.stream.stats.prompt_cached_tokens += gained
             if wait:
@@ -591,11 +555,13 @@ class LoadedModel:
             chunk = rest[:min(cap, nxt - held)]
             st = r.stream.stats
             if st.image_tokens or st.audio_tokens:  # a feed is all text or all media positions (separate decodes)
+                media = self._caps.media
+                assert media is not None  # the prompt holds media: the stream checked the projector
                 img = is_image_token(chunk[0])
                 cut = next((i for i, t in enumerate(chunk) if is_image_token(t) != img), len(chunk))
                 chunk = chunk[:cut]
-                if img and src.media_whole:  # one whole image per feed (non-causal attention over it)
-                    span = src.media_span(rest)
+                if img and media.media_whole:  # one whole image per feed (non-causal attention over it)
+                    span = media.media_span(rest)
                     if span > src.n_batch:
                         self._end(r, "error", error=BackendError(
                             f"An image takes {span} positions, more than one step evaluates ({src.n_batch})."))
@@ -605,7 +571,7 @@ class LoadedModel:
                     chunk = rest[:span]
                 if img:
                     try:
-                        work = src.encode_images(chunk)  # the vision tower, only for images not encoded before
+                        work = media.encode_images(chunk)  # the vision tower, only for images not encoded before
                     except Exception as e:  # noqa: BLE001 - a bad image ends only its own request
                         self._end(r, "error", error=e)
                         continue
@@ -613,8 +579,8 @@ class LoadedModel:
                     st.image_encode_duration += work.ns
                     st.audio_chunks_encoded += work.audio
                     st.audio_encode_duration += work.audio_ns
-            feeds.append(Feed(r.seq.id, chunk, src.positions(r.seq.tokens), 1 if len(chunk) == len(rest) else 0))
-            owners.append((r, "prefill", []))
+            feeds.append(Feed(r.seq.id, chunk, self._positions(r.seq.tokens), 1 if len(chunk) == len(rest) else 0))
+            owners.append((r, _PREFILL, []))
             cap -= len(chunk)
             room -= len(chunk)
         if not feeds:
@@ -629,7 +595,7 @@ class LoadedModel:
             assert r.seq is not None
             r.seq.tokens.extend(f.tokens)
             c.batched_tokens += len(f.tokens)
-            if kind == "prefill":
+            if kind is _PREFILL:
                 c.prompt_tokens_evaluated += len(f.tokens)
                 if r.points and len(r.seq.tokens) in r.points:
                     self.pool.checkpoint(r.seq)
@@ -641,17 +607,17 @@ class LoadedModel:
                 continue
             try:
                 verdict = self._sample(r, kind, drafts, f, out_rows)
-                if kind == "decode":
+                if kind is _DECODE:
                     judged.append(verdict)
             except Exception as e:  # noqa: BLE001 - one sequence failing ends only its stream
                 log.warning("a request on %s failed: %s", self.name, e, exc_info=log.isEnabledFor(logging.DEBUG))
                 self._end(r, "error", error=e)
-        if ctl is not None and judged and all(kind == "decode" for _, kind, _ in owners):
+        if ctl is not None and judged and all(kind is _DECODE for _, kind, _ in owners):
             ctl.record(proposed=sum(j[0] for j in judged), accepted=sum(j[1] for j in judged),
                        emitted=sum(j[2] for j in judged), ns=step_ns, overhead_ns=catchup, streams=len(judged),
                        rejected=sum(1 for j in judged if j[1] < j[0]))
 
-    def _evaluate(self, feeds: list[Feed], owners: list[tuple[_Req, str, list[int]]]) -> list[list[int]] | None:
+    def _evaluate(self, feeds: list[Feed], owners: list[tuple[Slot, SlotState, list[int]]]) -> list[list[int]] | None:
         """Evaluate, freeing idle sequences (LRU) or deferring prompt chunks while the pool is full."""
         src = self.source
         while True:
@@ -660,7 +626,7 @@ class LoadedModel:
             except PoolFullError:
                 if self.pool.make_room():
                     continue
-                keep = [i for i, (_, kind, _) in enumerate(owners) if kind == "decode"]
+                keep = [i for i, (_, kind, _) in enumerate(owners) if kind is _DECODE]
                 if len(keep) < len(feeds) and keep:  # prompts wait; the streams in flight go on
                     feeds[:] = [feeds[i] for i in keep]
                     owners[:] = [owners[i] for i in keep]
@@ -677,7 +643,7 @@ class LoadedModel:
                     self._end(r, "error", error=e)
                 return None
 
-    def _spec_policy(self, decoding: list[_Req]) -> tuple[SpecController | None, list[_Req]]:
+    def _spec_policy(self, decoding: list[Slot]) -> tuple[SpecController | None, list[Slot]]:
         """The controller that judges this step (None: none does) and the requests that may draft in it.
 
         One sequence decoding alone: the model's controller. Several, all decoding (no prompt in flight) with a
@@ -698,7 +664,7 @@ class LoadedModel:
             wide = self._wide[len(ok)] = ctl.sibling()
         return wide, ok
 
-    def _propose(self, ctl: SpecController | None, rs: list[_Req]) -> dict[int, list[int]]:
+    def _propose(self, ctl: SpecController | None, rs: list[Slot]) -> dict[int, list[int]]:
         """Drafts for ``rs`` (by ``id`` of the request), as many as ``ctl`` asks for this step."""
         drafter = self._drafter
         assert ctl is not None and drafter is not None
@@ -706,7 +672,7 @@ class LoadedModel:
         if n <= 0:
             return {}
         asks: list[tuple[int, list[int], int]] = []
-        owners: list[_Req] = []
+        owners: list[Slot] = []
         for r in rs:
             assert r.seq is not None and r.last is not None
             room = min(r.stream.max_new - len(r.stream.generated) - 1, self.source.n_ctx - len(r.seq.tokens) - 2)
@@ -718,7 +684,8 @@ class LoadedModel:
         got = drafter.propose_many(asks, max_catchup=ctl.max_catchup())
         return {id(r): [int(t) for t in g[:k]] for r, (_, _, k), g in zip(owners, asks, got, strict=True)}
 
-    def _sample(self, r: _Req, kind: str, drafts: list[int], f: Feed, out_rows: list[int]) -> tuple[int, int, int]:
+    def _sample(self, r: Slot, kind: SlotState, drafts: list[int], f: Feed,
+                out_rows: list[int]) -> tuple[int, int, int]:
         """Sample ``r``'s rows, verify its drafts, emit; (drafts proposed, accepted, tokens emitted)."""
         src = self.source
         sampler = r.sampler
@@ -727,11 +694,11 @@ class LoadedModel:
         toks: list[int] = []
         lps: list[Any] = []
         for j, row in enumerate(out_rows):
-            lg = src.logits(row) if want_lp or (kind == "prefill" and j == len(out_rows) - 1) else None
+            lg = src.logits(row) if want_lp or (kind is _PREFILL and j == len(out_rows) - 1) else None
             tok = sampler.sample(row)
             toks.append(tok)
             lps.append(r.stream.logprob(lg, tok) if want_lp else None)
-            if kind == "prefill" and lg is not None:
+            if kind is _PREFILL and lg is not None:
                 r.seq.prompt_logits = (len(r.stream.prompt), lg)
             if j >= len(drafts) or tok != drafts[j] or src.is_eog(tok):
                 break
@@ -745,7 +712,7 @@ class LoadedModel:
         self._emit(r, toks, lps)
         return len(drafts), len(toks) - 1 if drafts else 0, len(toks)
 
-    def _emit(self, r: _Req, toks: list[int], lps: list[Any]) -> None:
+    def _emit(self, r: Slot, toks: list[int], lps: list[Any]) -> None:
         """Feed sampled tokens to the request's stream; end it when it is complete."""
         stream = r.stream
         for tok, lp in zip(toks, lps, strict=True):
@@ -754,18 +721,20 @@ class LoadedModel:
             self._counters.generated_tokens += 1
             if stream.finish is not None:
                 break
-        r.last = toks[-1] if stream.finish is None else None
+        if stream.finish is None:
+            r.decoded(toks[-1])
         if stream.finish is None and r.seq is not None and len(r.seq.tokens) + 1 >= self.source.n_ctx:
             stream.finish = "length"  # the sequence's context is full
         if stream.finish is not None:
             self._end(r, stream.finish)
 
-    def _end(self, r: _Req, reason: Any, error: BaseException | None = None) -> None:
+    def _end(self, r: Slot, reason: Any, error: BaseException | None = None) -> None:
         """End ``r`` (finished, cancelled or failed). Its sequence stays as an idle prefix whatever the reason
         (the evaluated prompt is the valuable part: the next request with the same system prompt copies it),
         and its long prefixes go to the prompt cache on disk once the consumer has its last event."""
         if r in self._active:
             self._active.remove(r)
+        r.finish()
         seq = r.seq
         if seq is not None:
             self.pool.release(seq, failed=error is not None)

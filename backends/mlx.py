@@ -126,9 +126,9 @@ class MLXSource(TokenSource):
         self._n_ctx = spec.n_ctx if spec.n_ctx and spec.n_ctx > 0 else self._n_ctx_train
         self._eos = set(self._tok.eos_token_ids)
         self._slots = max(1, spec.n_seq)
-        self._n_seq_ids = max(self._slots, int(spec.extra.get("n_seq_ids") or 2 * self._slots))
-        self._template_override: str | None = spec.extra.get("chat_template")  # a Modelfile's TEMPLATE
-        if spec.extra.get("lora"):
+        self._n_seq_ids = max(self._slots, spec.tuning.n_seq_ids or 2 * self._slots)
+        self._template_override: str | None = spec.chat_template  # a Modelfile's TEMPLATE
+        if spec.lora:
             raise ModelLoadError("LoRA adapters run on the llama.cpp backend only; use --backend llamacpp.")
         kv_type = spec.kv_cache_type or "f16"
         if kv_type not in KV_BITS:
@@ -152,7 +152,7 @@ class MLXSource(TokenSource):
         self._kv_bytes = 0  # of all caches, counted on the loop's thread after it changes them (see ``info``)
         self._kv_counted = 0.0  # when (monotonic)
         # sequences decoding together: one mlx-lm BatchKVCache per layer, a row per sequence (plain caches only)
-        self._batch_ok = self._kv_bits is None and kinds == {"KVCache"} and not spec.extra.get("no_batch")
+        self._batch_ok = self._kv_bits is None and kinds == {"KVCache"} and spec.tuning.batch
         self._bcache: list[Any] | None = None
         self._bseqs: list[int] = []  # row order
         self._blens: dict[int, int] = {}  # tokens each row holds
@@ -182,8 +182,9 @@ class MLXSource(TokenSource):
             kv_cache_type=kv_type,
             n_seq=self._slots,
             kv_cells=self._n_ctx * self._slots,
-            extra={"device": str(mx.default_device()), "quantization": self._config.get("quantization"),
-                   "cache": sorted(kinds), "batched": self._batch_ok},
+            weights_bytes=self._weights_bytes,
+            device=str(mx.default_device()),
+            batched=self._batch_ok,
         )
 
     # ------------------------------------------------------------------ loading

@@ -13,8 +13,8 @@ How a request is served (:func:`embed`, :func:`rerank`), with ``call`` the model
 1. the inputs are tokenized as the model wants them (BOS / [CLS] and [SEP] / EOS; for a rerank pair, the GGUF's
    rerank template or ``[CLS] query [SEP] document``), the way llama-server does, so the numbers are llama.cpp's;
 2. an input longer than the model's context is cut (keeping the closing [SEP] / EOS), or refused with
-   ``truncate=False`` (:class:`~backends.base.ContextOverflowError`, one sentence naming the input);
-3. the inputs are packed into batches of at most :meth:`~backends.base.TokenSource.pool_limits` tokens and
+   ``truncate=False`` (:class:`~backends.errors.ContextOverflowError`, one sentence naming the input);
+3. the inputs are packed into batches of at most :meth:`~backends.source.Pooling.pool_limits` tokens and
    sequences, and each batch is **one job** on the loop: one evaluation, each input a sequence of its own, the
    sequences cleared after it (no state is kept from one request, or one batch, to the next). Chat requests of
    the same loaded model decode between two batches, so a long rerank never stalls their streams;
@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from backends.base import ContextOverflowError, TokenSource, UnsupportedError
+from backends.errors import ContextOverflowError, UnsupportedError
+from backends.source import Pooling, TokenSource
 
 T = TypeVar("T")
 Call = Callable[[Callable[[TokenSource], Any]], Any]  # LoadedModel.call
@@ -119,11 +120,11 @@ def shorten(vectors: list[list[float]], dimensions: int | None) -> list[list[flo
 
 def _evaluate(call: Call, inputs: list[list[int]]) -> tuple[list[Any], int]:
     """Each input's pooled output, evaluated in batches (one job on the loop each); (outputs, batches)."""
-    max_tokens, max_inputs = call(lambda s: s.pool_limits())
+    max_tokens, max_inputs = call(lambda s: pooler(s).pool_limits())
     out: list[Any] = [None] * len(inputs)
     groups = batches([len(x) for x in inputs], max_tokens, max_inputs)
     def job(group: list[int]) -> Callable[[TokenSource], list[Any]]:
-        return lambda s: s.pool([inputs[i] for i in group])
+        return lambda s: pooler(s).pool([inputs[i] for i in group])
 
     for group in groups:
         rows = call(job(group))
@@ -132,8 +133,16 @@ def _evaluate(call: Call, inputs: list[list[int]]) -> tuple[list[Any], int]:
     return out, len(groups)
 
 
+def pooler(src: TokenSource) -> Pooling:
+    """``src``'s pooling capability; :class:`~backends.errors.UnsupportedError` when its load has none."""
+    p = src.capabilities.pooling
+    if p is None:
+        raise UnsupportedError(f"The {src.name} backend cannot pool outputs; embed texts one at a time.")
+    return p
+
+
 def _limit(src: TokenSource) -> int:
-    return min(src.n_ctx, src.pool_limits()[0])
+    return min(src.n_ctx, pooler(src).pool_limits()[0])
 
 
 def embed(call: Call, texts: list[str], *, truncate: bool = True) -> Pooled:
@@ -142,8 +151,9 @@ def embed(call: Call, texts: list[str], *, truncate: bool = True) -> Pooled:
     def prepare(s: TokenSource) -> list[tuple[list[int], bool]]:
         if s.info.pooling == "rank":
             raise UnsupportedError("This model is a reranker: it scores query-document pairs and makes no embeddings.")
-        limit, tail = _limit(s), s.tail_tokens()
-        return [fit(s.embed_tokens(t) or s.prompt_tokens(""), limit, tail=tail, truncate=truncate,
+        limit, p = _limit(s), pooler(s)
+        tail = p.tail_tokens()
+        return [fit(p.embed_tokens(t) or s.prompt_tokens(""), limit, tail=tail, truncate=truncate,
                     what=f"Input {i}") for i, t in enumerate(texts)]
 
     fitted = call(prepare)
@@ -159,8 +169,9 @@ def rerank(call: Call, query: str, documents: list[str], *, truncate: bool = Tru
     def prepare(s: TokenSource) -> list[tuple[list[int], bool]]:
         if s.info.pooling != "rank":
             raise UnsupportedError("This model has no rank head, so it cannot rerank; use a reranking model.")
-        limit, tail = _limit(s), s.tail_tokens(rerank=True)
-        return [fit(s.rerank_tokens(query, d), limit, tail=tail, truncate=truncate, what=f"Document {i}")
+        limit, p = _limit(s), pooler(s)
+        tail = p.tail_tokens(rerank=True)
+        return [fit(p.rerank_tokens(query, d), limit, tail=tail, truncate=truncate, what=f"Document {i}")
                 for i, d in enumerate(documents)]
 
     fitted = call(prepare)

@@ -7,7 +7,7 @@ key and the tokens, so a lookup for a prompt is a handful of hashes of its prefi
 that has an entry).
 
 * **Keyed** by everything the state depends on: the caller's model key (digest, backend) plus the
-  source's :meth:`~backends.base.TokenSource.state_key` (library build, KV type, flash attention...)
+  source's :meth:`~backends.source.SequenceStates.state_key` (library build, KV type, flash attention...)
   and the exact tokens. Anything else is a miss.
 * **Safe**: written to a temporary file and renamed into place (two processes writing the same entry
   both leave a whole file); a truncated, corrupt or mismatched file is detected on read, ignored with one

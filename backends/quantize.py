@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from backends.base import BackendError
+from backends.errors import BackendError
 
 # (bytes written so far, the planned size of the output file; 0 = unknown)
 QuantizeProgress = Callable[[int, int], None]

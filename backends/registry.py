@@ -1,7 +1,7 @@
 """Backend names to token-source classes, imported lazily (they pull heavy libraries), and loading one.
 
 The names and everything else about a backend are its descriptor's (:mod:`backends.descriptor`); adding a
-backend is its ``backends/<name>.py`` with a :class:`~backends.base.TokenSource` subclass and one
+backend is its ``backends/<name>.py`` with a :class:`~backends.source.TokenSource` subclass and one
 :func:`~backends.descriptor.register` call.
 
     >>> sorted(BACKENDS)
@@ -14,8 +14,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 from backends import descriptor
-from backends.base import LoadSpec, TokenSource
 from backends.loop import LoadedModel
+from backends.source import TokenSource
+from backends.specs import LoadSpec
 
 
 class _Sources(Mapping[str, str]):

@@ -2,10 +2,10 @@
 to the events a caller sees.
 
 :class:`RequestStream` does what no token source should repeat: the chat template and the context
-policy (:func:`~backends.base.fit_messages`), stop strings that never leak (:class:`~backends._stops.StopMatcher`),
+policy (:func:`fit_messages`, below), stop strings that never leak (:class:`~backends._stops.StopMatcher`),
 UTF-8 held until a character is complete, tool calls (held while the text could still become one,
 parsed at the end), thinking split from the answer, ``max_tokens`` and the context end, logprobs, the
-stats, and exactly one closing :class:`~backends.base.Done`.
+stats, and exactly one closing :class:`~backends.events.Done`.
 
 It runs on the decode loop's thread (string work only, no model calls but the source's token tables).
 """
@@ -14,37 +14,22 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from backends import _chatfix, _thinking
 from backends._stops import StopMatcher, Utf8Stream, could_be_tool_call, parse_tool_calls, tool_marker_at
-from backends.base import (
-    IMAGE_MARKER,
-    ContextOverflowError,
-    Done,
-    Event,
-    FinishReason,
-    GenerateRequest,
-    Stats,
-    TextChunk,
-    TokenLogprob,
-    TokenSource,
-    ToolCalls,
-    UnsupportedError,
-    answer_reserve,
-    check_fits,
-    fit_messages,
-    is_audio,
-    is_image_token,
-    message_images,
-    text_messages,
-)
+from backends.errors import ContextOverflowError, UnsupportedError
+from backends.events import Done, Event, FinishReason, Stats, TextChunk, TokenLogprob, ToolCalls
+from backends.media import IMAGE_MARKER, is_audio, is_image_token
+from backends.source import TokenSource
+from backends.specs import GenerateRequest
 
 MAX_TOP_LOGPROBS = 20
 
 
 class RequestStream:
-    """One request's text pipeline. :meth:`prepare` once (may raise a :class:`~backends.base.BackendError`),
+    """One request's text pipeline. :meth:`prepare` once (may raise a :class:`~backends.errors.BackendError`),
     then :meth:`push` each sampled token until :attr:`finish` is set, then :meth:`close`."""
 
     def __init__(self, request: GenerateRequest, t_submit_ns: int | None = None):
@@ -77,19 +62,21 @@ class RequestStream:
             raise UnsupportedError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}.")
         self.stats.n_ctx = n_ctx
         media = req.has_images
+        mi = source.capabilities.media if media else None
         if media:
             sent = list(req.images or []) + message_images(list(req.messages or []))
-            if any(is_audio(m) for m in sent) and not source.audio:
-                raise UnsupportedError(source.audio_problem())
-            if not all(is_audio(m) for m in sent) and not source.vision:
-                raise UnsupportedError(source.vision_problem())
+            if any(is_audio(m) for m in sent) and not (mi is not None and mi.audio):
+                raise UnsupportedError((mi or source).audio_problem())
+            if not all(is_audio(m) for m in sent) and not (mi is not None and mi.vision):
+                raise UnsupportedError((mi or source).vision_problem())
         if req.prompt is not None:
             if media:
                 imgs = list(req.images or [])
                 text = req.prompt
                 if IMAGE_MARKER not in text:
                     text = IMAGE_MARKER * len(imgs) + ("\n" + text if text else "")
-                toks = source.prompt_media(text, imgs)
+                assert mi is not None
+                toks = mi.prompt_media(text, imgs)
             else:
                 toks = source.prompt_tokens(req.prompt)
             check_fits(len(toks), n_ctx)
@@ -110,8 +97,8 @@ class RequestStream:
                 if req.add_generation_prompt:
                     text += _thinking.prompt_suffix(style, req.think, text)
                 last_text[0] = text
-                if media:
-                    return source.prompt_media(text, message_images(m))
+                if mi is not None:
+                    return mi.prompt_media(text, message_images(m))
                 return source.prompt_tokens(text)
 
             reserve = answer_reserve(req.sampling.max_tokens, n_ctx)
@@ -140,8 +127,8 @@ class RequestStream:
             raise UnsupportedError("The prompt is empty and this model has no start token to begin from.")
         self.prompt = toks
         self.stats.prompt_eval_count = len(toks)
-        if media:
-            self.stats.audio_tokens = source.audio_token_count(toks)
+        if mi is not None:
+            self.stats.audio_tokens = mi.audio_token_count(toks)
             self.stats.image_tokens = sum(1 for t in toks if is_image_token(t)) - self.stats.audio_tokens
             sent = list(req.images or []) if req.prompt is not None else message_images(msgs)
             self.stats.audio_clips = sum(1 for m in sent if is_audio(m))
@@ -275,3 +262,105 @@ class RequestStream:
         s.total_duration = now - self.t0
         out.append(Done(stats=s, finish_reason=finish))
         return out
+
+
+# ------------------------------------------------------------------------------------ context policy
+
+
+def check_logit_bias(bias: dict[int, float], n_vocab: int) -> None:
+    """Refuse a ``logit_bias`` that names a token outside the model's vocabulary (ids ``0..n_vocab-1``)."""
+    bad = [t for t in bias if not 0 <= t < n_vocab]
+    if bad:
+        raise UnsupportedError(f"logit_bias names token {bad[0]}, which this model's vocabulary "
+                               f"(0-{n_vocab - 1}) does not have.")
+
+
+def answer_reserve(max_tokens: int, n_ctx: int) -> int:
+    """Tokens kept free for the answer: ``max_tokens``, else n_ctx/8 (64..1024); at most half the context."""
+    want = max_tokens if max_tokens and max_tokens > 0 else min(max(n_ctx // 8, 64), 1024)
+    return max(1, min(want, n_ctx // 2))
+
+
+def fit_messages(
+    messages: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], list[int]], n_ctx: int, reserve: int
+) -> tuple[list[int], int]:
+    """(prompt tokens, messages dropped): the policy every backend follows when a chat outgrows its context.
+
+    While the rendered prompt leaves less than ``reserve`` tokens for the answer, the oldest turns go
+    first — never a system message nor the last user message; an assistant/tool reply right after a
+    dropped turn goes with it, so the chat still starts with a user turn. A prompt that does not fit
+    at all raises :class:`ContextOverflowError` with the numbers.
+    """
+    msgs = list(messages)
+    toks = render(msgs)
+    dropped = 0
+    while len(toks) > n_ctx - reserve:
+        last_user = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=len(msgs) - 1)
+        droppable = [i for i, m in enumerate(msgs) if i < last_user and m.get("role") != "system"]
+        if not droppable:
+            break
+        del msgs[droppable[0]]
+        dropped += 1
+        last_user -= 1
+        while True:  # keep the first remaining turn a user turn
+            i = next((j for j, m in enumerate(msgs) if m.get("role") != "system"), None)
+            if i is None or i >= last_user or msgs[i].get("role") == "user":
+                break
+            del msgs[i]
+            dropped += 1
+            last_user -= 1
+        toks = render(msgs)
+    check_fits(len(toks), n_ctx, dropped)
+    return toks, dropped
+
+
+def check_fits(n_prompt: int, n_ctx: int, dropped: int = 0) -> None:
+    """Raise :class:`ContextOverflowError` when ``n_prompt`` tokens leave no room in ``n_ctx``."""
+    if n_prompt >= n_ctx:
+        what = "The prompt" if dropped == 0 else f"Even after dropping {dropped} older messages, the prompt"
+        raise ContextOverflowError(
+            f"{what} needs {n_prompt} tokens but the context holds {n_ctx}; shorten it or load the model "
+            "with a larger context (num_ctx).", prompt_tokens=n_prompt, n_ctx=n_ctx)
+
+
+def message_text(content: Any) -> str:
+    """The text of a message's ``content`` (a string, or OpenAI content parts of type text).
+
+    >>> message_text([{"type": "text", "text": "a"}, "b"])
+    'ab'
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") in (None, "text"):
+                parts.append(str(p.get("text", "")))
+            elif isinstance(p, str):
+                parts.append(p)
+            else:
+                raise UnsupportedError("This model takes text only; image and audio parts are not supported.")
+        return "".join(parts)
+    return str(content)
+
+
+def text_messages(messages: list[dict[str, Any]], *, images: bool = False) -> list[dict[str, Any]]:
+    """Messages with text-only ``content``. A message's ``images`` (raw bytes) are refused in one sentence, or,
+    with ``images``, kept and announced by one :data:`IMAGE_MARKER` each before the text (as Ollama does)."""
+    out = []
+    for m in messages:
+        imgs = m.get("images")
+        if imgs and not images:
+            raise UnsupportedError("This model takes text only; images are not supported.")
+        text = message_text(m.get("content"))
+        if imgs:
+            text = IMAGE_MARKER * len(imgs) + ("\n" + text if text else "")
+        out.append({**m, "content": text})
+    return out
+
+
+def message_images(messages: list[dict[str, Any]]) -> list[bytes]:
+    """The images of ``messages`` in prompt order (the order of their markers once rendered)."""
+    return [bytes(i) for m in messages for i in (m.get("images") or [])]

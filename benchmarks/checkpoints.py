@@ -76,9 +76,9 @@ def raw(msgs: list[dict[str, str]]) -> str:
 
 
 def ours(path: Path, ctx: int, threads: int, tokens: int, plain: bool = False) -> list[dict[str, Any]]:
-    from backends.base import GenerateRequest, LoadSpec, Sampling
     from backends.loop import LoadedModel
     from backends.registry import source_class
+    from backends.specs import GenerateRequest, LoadSpec, Sampling
 
     m = LoadedModel(source_class("llamacpp"), LoadSpec(str(path), n_ctx=ctx, n_seq=1, n_threads=threads))
     rows = []
@@ -99,7 +99,7 @@ def ours(path: Path, ctx: int, threads: int, tokens: int, plain: bool = False) -
                          "evaluated": st.prompt_eval_count - st.prompt_cached_tokens,
                          "prompt_ms": st.prompt_eval_duration / 1e6, "ttft_ms": (ttft or 0) * 1e3})
         rows.append({"checkpoints": m.metrics().kv_checkpoints, "checkpoint_bytes": m.metrics().kv_checkpoint_bytes,
-                     "memory_bytes": m.info.extra["kv_bytes"]})
+                     "memory_bytes": m.info.kv_bytes})
     finally:
         m.close()
     return rows

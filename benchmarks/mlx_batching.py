@@ -40,9 +40,10 @@ class Ours:
         from backends.base import LoadSpec
         from backends.mlx import MLXSource
         from backends.registry import load
+        from backends.specs import Tuning
 
         self.m = load("mlx", LoadSpec(model_path=_mlx_dir(model), n_ctx=1024, n_seq=slots,
-                                      extra={"no_batch": not batched}))
+                                      tuning=Tuning(batch=batched)))
         src = self.m.source
         assert isinstance(src, MLXSource)
         self.src = src

@@ -66,7 +66,7 @@ _ALLOC = textwrap.dedent("""
     from localllm.engine import Engine, LoadOptions
     e = Engine()
     rm = e.load(sys.argv[1], LoadOptions(num_ctx=int(sys.argv[3]), num_parallel=int(sys.argv[4])))
-    alloc = rm.model.info.extra["devices"]
+    alloc = rm.model.info.allocations
     print(json.dumps([{"name": d.name, "layers": d.layers, "estimate": d.total,
                        "allocated": sum(alloc.get(d.name, {}).values())} for d in rm.plan.devices]))
     os._exit(0)

@@ -64,8 +64,7 @@ def fake_backend_class(name: str):
 
     class Instant(FakeSource):
         def __init__(self, spec):
-            spec.extra.update(reply="x" * 100_000, chunk=1)
-            super().__init__(spec)
+            super().__init__(spec, reply="x" * 100_000, chunk=1)
 
     return Instant
 

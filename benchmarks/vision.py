@@ -48,8 +48,9 @@ def main() -> None:
                          "llama-mtmd-cli) on the same files: its own image and prompt timings, load excluded")
     a = ap.parse_args()
 
-    from backends.base import GenerateRequest, LoadSpec, Sampling, TextChunk
+    from backends.events import TextChunk
     from backends.registry import load
+    from backends.specs import GenerateRequest, LoadSpec, Sampling
     from tests.support_vision import make_projector, png
 
     model = a.model

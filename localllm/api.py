@@ -13,7 +13,7 @@ the TUI (``localllm/tui``) use nothing else to list, pull, remove, run and unloa
 
 Errors are the project's: :class:`~localllm.errors.ModelNotFoundError` for an unknown model,
 :class:`~localllm.errors.LocalLLMError` (one sentence) for anything else a user can cause; a backend's
-:class:`~backends.base.BackendError` passes through the in-process runner as it is.
+:class:`~backends.errors.BackendError` passes through the in-process runner as it is.
 """
 
 from __future__ import annotations

@@ -554,7 +554,7 @@ class Engine:
                 from backends.base import IMAGE_MARKER
 
                 marked = IMAGE_MARKER * len(images) + ("\n" + text if text else "")
-                return running.model.call(lambda s: s.prompt_media(marked, list(images)))
+                return running.model.tokenize(marked, images=list(images))
             return running.model.tokenize(text)
         finally:
             self._checkin(running, None)

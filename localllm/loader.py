@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from backends import descriptor
-from backends.base import DraftSpec, LoadSpec, TokenSource
+from backends.base import DraftSpec, LoadSpec, LoraAdapter, TokenSource
 from backends.loop import LoadedModel
 from backends.prompt_cache import PromptCacheSpec
 from backends.registry import source_class
@@ -334,16 +334,9 @@ class Loader:
         """What the backend is given to load ``model`` as planned (``model_path`` set by the conversion when the
         plan converts first)."""
         path = model.weights_path(p.backend)
-        extra: dict[str, object] = {"head_dims": (model.info.get("head_dim_k", 0), model.info.get("head_dim_v", 0))}
-        if model.derived is not None and model.derived.template is not None:
-            extra["chat_template"] = model.derived.template  # a Modelfile's TEMPLATE replaces the GGUF's
-        if p.devices and p.n_gpu_layers:  # several llama.cpp devices: exactly these, split as planned
-            extra["devices"] = [d.name for d in p.devices]
-            extra["tensor_split"] = p.tensor_split
-        if model.derived is not None and model.derived.adapters:
-            extra["lora"] = [(str(path), scale) for path, scale in self.store.adapters_of(model)]
-        if config.swa_full():
-            extra["swa_full"] = True
+        template = model.derived.template if model.derived is not None else None  # a Modelfile's TEMPLATE
+        several = bool(p.devices and p.n_gpu_layers)  # several llama.cpp devices: exactly these, split as planned
+        adapters = model.derived is not None and model.derived.adapters
         return LoadSpec(
             model_path=str(path),
             n_ctx=p.n_ctx,
@@ -359,8 +352,13 @@ class Loader:
             mmproj=str(model.projector.path) if model.projector is not None and descriptor.get(p.backend).vision
             else None,
             verbose=os.environ.get("LOCALLLM_DEBUG", "") not in ("", "0"),
+            chat_template=template,
+            lora=[LoraAdapter(str(path), scale) for path, scale in self.store.adapters_of(model)] if adapters else [],
+            devices=[d.name for d in p.devices] if several else [],
+            tensor_split=list(p.tensor_split) if several else [],
             # the head sizes read with the model's metadata: a quantized KV cache is checked without the header
-            extra=extra,
+            head_dims=(model.info.get("head_dim_k", 0), model.info.get("head_dim_v", 0)),
+            swa_full=config.swa_full(),
         )
 
     def prompt_cache_spec(self, model: InstalledModel, backend: str) -> PromptCacheSpec | None:

@@ -190,7 +190,7 @@ def running(m: RunningModel) -> Running:
         name=m.name, digest=m.digest, size=int(m.size), size_vram=int(m.size_vram), context_length=info.n_ctx,
         expires_at=None if wall is None else datetime.fromtimestamp(wall, UTC), backend=m.backend,
         kv_cache_type=info.kv_cache_type, n_gpu_layers=info.n_gpu_layers, n_layers=info.n_layers, draft=info.draft,
-        drafting=drafting_text(info.draft, m.metrics.drafting, (info.extra or {}).get("draft_off")),
+        drafting=drafting_text(info.draft, m.metrics.drafting, info.draft_off or None),
         n_threads=m.model.spec.n_threads, slots=info.n_seq, kv_cache_bytes=_kv_bytes(m),
         slots_busy=m.metrics.slots_busy, batched=m.batched, prompt_cache_entries=m.metrics.prompt_cache_entries,
         prompt_cache_bytes=m.metrics.prompt_cache_bytes, devices=device_use(m), plan=plan_line(m.plan),
@@ -200,7 +200,7 @@ def running(m: RunningModel) -> Running:
 
 def device_use(m: RunningModel) -> list[DeviceUse]:
     """Per device (the CPU left out): what llama.cpp allocated, beside the plan's estimate."""
-    alloc = m.info.extra.get("devices") or {}
+    alloc = m.info.allocations
     planned = {d.name: d for d in m.plan.devices}
     order = list(planned)  # llama.cpp's device order (the plan's), then the rest by name
     names = sorted((n for n in alloc if n != "CPU"), key=lambda n: (order.index(n) if n in order else len(order), n))
@@ -212,7 +212,7 @@ def _kv_bytes(m: RunningModel) -> int | None:
     """The KV cache of one sequence's context: as the backend reports it, else layers × KV heads × head size ×
     context for the type."""
     info = m.info
-    reported = (info.extra or {}).get("kv_cache_bytes")
+    reported = info.kv_bytes
     if reported:
         return int(reported)
     if m.installed is None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from backends._thinking import LEVELS, ThinkStyle, thinking_style
 from backends._thinking import parse_think as _parse
-from backends.base import ThinkValue
+from backends.specs import ThinkValue
 
 __all__ = ["LEVELS", "ThinkStyle", "ThinkValue", "parse_think", "style_of", "thinks", "asks_to_think"]
 

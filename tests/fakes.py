@@ -2,7 +2,8 @@
 of a stream, an out-of-memory at load, a slow stream to cancel, a tool call on demand.
 
 It runs under the real decode loop and the real per-request stream, so everything above the token
-source is exercised. Knobs arrive in ``LoadSpec.extra`` (the model file is not read):
+source is exercised. Knobs (:class:`Knobs`) are the class's (:func:`fake` makes one with them) or its
+constructor's keywords (a subclass passes them on); the model file is not read:
 
 * ``reply``: the text every generation streams (default: echoes the last user message / the prompt);
 * ``chunk``: characters per token of the reply (default 4); ``delay``: seconds per step (default 0);
@@ -17,7 +18,7 @@ source is exercised. Knobs arrive in ``LoadSpec.extra`` (the model file is not r
 
 >>> from backends.base import LoadSpec, GenerateRequest
 >>> from backends.registry import load
->>> m = load(FakeSource, LoadSpec("fake.gguf", extra={"reply": "hi there"}))
+>>> m = load(fake(reply="hi there"), LoadSpec("fake.gguf"))
 >>> [type(e).__name__ for e in m.generate(GenerateRequest(prompt="x"))]
 ['TextChunk', 'TextChunk', 'Done']
 >>> m.close()
@@ -28,9 +29,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
-from backends.base import Feed, LoadSpec, ModelInfo, ModelLoadError, Sampling, TokenSource
+from backends.errors import ModelLoadError
+from backends.source import Feed, ModelInfo, TokenSource
+from backends.specs import LoadSpec, Sampling
 
 EOS = 0
 _MARK = "\x02assistant\x02"  # where the rendered prompt hands over to the answer
@@ -62,7 +66,7 @@ class _Sampler:
 
     def _start(self, prompt: list[int]) -> None:
         if self.pieces is None:
-            only = self.src.spec.extra.get("crash_if")
+            only = self.src.knobs.crash_if
             self.may_crash = only is None or only in self.src.detokenize(prompt)
             reply = self.src._reply_for(prompt)
             n = self.src._chunk
@@ -71,8 +75,8 @@ class _Sampler:
 
     def _next(self) -> int:
         assert self.pieces is not None
-        crash = self.src.spec.extra.get("crash_after")
-        if crash is not None and self.may_crash and self.i >= int(crash):
+        crash = self.src.knobs.crash_after
+        if crash is not None and self.may_crash and self.i >= crash:
             raise RuntimeError("fake backend crashed")
         if self.i >= len(self.pieces):
             return EOS
@@ -91,18 +95,35 @@ class _Sampler:
         pass
 
 
+@dataclass
+class Knobs:
+    """What the fake does (see the module's docstring)."""
+
+    reply: str | None = None
+    chunk: int = 4
+    delay: float = 0.0
+    crash_after: int | None = None
+    crash_if: str | None = None
+    fail_load: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    answer_tool_results: bool = False
+    tool_calls_if: str | None = None
+
+
 class FakeSource(TokenSource):
     """Deterministic, instant (unless ``delay``), no weights."""
 
     name = "fake"
+    defaults: ClassVar[Knobs] = Knobs()
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
         return True, ""
 
-    def __init__(self, spec: LoadSpec):
+    def __init__(self, spec: LoadSpec, **knobs: Any):
         super().__init__(spec)
-        fail = spec.extra.get("fail_load")
+        self.knobs = replace(self.defaults, **knobs)
+        fail = self.knobs.fail_load
         if fail == "oom":
             raise ModelLoadError(f"Not enough memory to load {spec.model_path} with a {spec.n_ctx}-token context.")
         if fail:
@@ -112,7 +133,7 @@ class FakeSource(TokenSource):
         self.vocab = _Vocab()
         self._seqs: dict[int, list[int]] = {}
         self._rows: list[tuple[int, int]] = []  # (seq, position) per output row
-        self._chunk = max(1, int(spec.extra.get("chunk", 4)))
+        self._chunk = max(1, self.knobs.chunk)
         self._info = ModelInfo(architecture="fake", n_ctx=spec.n_ctx, n_ctx_train=spec.n_ctx, n_layers=1,
                                n_vocab=256, chat_template="{{ tools }}", size_bytes=1 << 20,
                                kv_cache_type=spec.kv_cache_type, n_seq=max(1, spec.n_seq),
@@ -151,7 +172,7 @@ class FakeSource(TokenSource):
 
     # ---- evaluation
     def evaluate(self, feeds: Sequence[Feed]) -> list[list[int]]:
-        delay = float(self.spec.extra.get("delay", 0))
+        delay = self.knobs.delay
         if delay:
             time.sleep(delay)
         self._rows = []
@@ -170,14 +191,14 @@ class FakeSource(TokenSource):
     def _reply_for(self, prompt: list[int]) -> str:
         text = self.detokenize(prompt)
         last = text.rpartition(_MARK)[0].rsplit("\x02", 2)
-        if self.spec.extra.get("answer_tool_results") and len(last) == 3 and last[1] == "tool":
+        if self.knobs.answer_tool_results and len(last) == 3 and last[1] == "tool":
             return f"The tool said: {last[2]}"
-        wanted = self.spec.extra.get("tool_calls_if")
+        wanted = self.knobs.tool_calls_if
         asked = wanted is None or wanted in text.rpartition("\x02user\x02")[2]
-        if "tool_calls" in self.spec.extra and text.startswith("\x02tools\x02") and asked:
-            return "".join(f"<tool_call>{json.dumps(c)}</tool_call>" for c in self.spec.extra["tool_calls"])
-        if "reply" in self.spec.extra:
-            return str(self.spec.extra["reply"])
+        if self.knobs.tool_calls is not None and text.startswith("\x02tools\x02") and asked:
+            return "".join(f"<tool_call>{json.dumps(c)}</tool_call>" for c in self.knobs.tool_calls)
+        if self.knobs.reply is not None:
+            return self.knobs.reply
         if _MARK not in text:
             return text
         users = text.rpartition(_MARK)[0].split("\x02user\x02")
@@ -217,3 +238,8 @@ class FakeSource(TokenSource):
 
     def close(self) -> None:
         self.closed = True
+
+
+def fake(**knobs: Any) -> type[FakeSource]:
+    """A :class:`FakeSource` class with these knobs (:class:`Knobs`), for ``load(fake(reply="hi"), spec)``."""
+    return type("FakeSource", (FakeSource,), {"defaults": replace(FakeSource.defaults, **knobs)})

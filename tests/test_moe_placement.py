@@ -108,7 +108,7 @@ _GEN = textwrap.dedent("""
     lm, plan = rm.model, rm.plan
     req = GenerateRequest(prompt="The capital of France is", sampling=Sampling(temperature=0, max_tokens=16, seed=1))
     text = "".join(ev.text for ev in lm.generate(req) if isinstance(ev, TextChunk))
-    print(json.dumps({"text": text, "ngl": lm.info.n_gpu_layers, "alloc": lm.info.extra["devices"],
+    print(json.dumps({"text": text, "ngl": lm.info.n_gpu_layers, "alloc": lm.info.allocations,
                       "n_cpu_moe": plan.n_cpu_moe, "gpu": plan.memory.gpu,
                       "compute": plan.memory.compute,
                       "plan": [{"name": d.name, "weights": d.weights, "kv": d.kv_cache, "compute": d.compute,

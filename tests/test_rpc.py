@@ -109,7 +109,7 @@ _GEN = textwrap.dedent("""
                           sampling=Sampling(temperature=0, max_tokens=32, seed=1))
     from localllm.engine import TextChunk
     text = "".join(ev.text for ev in lm.generate(req) if isinstance(ev, TextChunk))
-    print(json.dumps({"text": text, "ngl": lm.info.n_gpu_layers, "alloc": lm.info.extra["devices"],
+    print(json.dumps({"text": text, "ngl": lm.info.n_gpu_layers, "alloc": lm.info.allocations,
                       "vram": lm.info.vram_bytes, "added": [w.endpoint for w in added],
                       "plan": [{"name": d.name, "layers": d.layers, "output": d.output, "total": d.total,
                                 "kv": d.kv_cache, "usable": d.usable_bytes} for d in plan.devices],

@@ -14,7 +14,7 @@ Method (like ``llama-bench``): one warm-up generation per variant, then per repe
 * **tg**: ``--tg`` tokens generated at temperature 0 after a short prompt; rate = eval count / eval
   duration. Draft variants also report the acceptance rate.
 
-The KV cache size is what the loaded model reports (``ModelInfo.extra["kv_cache_bytes"]`` when the
+The KV cache size is what the loaded model reports (``ModelInfo.kv_bytes`` when the
 backend sets it, else layers × KV heads × head size × context for the type): ``Running.kv_cache_bytes``.
 The benchmark runs in-process (:class:`~localllm.local.LocalRunner`: it sizes prompts with the model's
 tokenizer, which a server does not offer).

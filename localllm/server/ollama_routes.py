@@ -409,7 +409,7 @@ async def ps(request: Request) -> dict[str, Any]:
             # a mixture of experts: the first N layers' experts kept in RAM (0: none)
             "n_cpu_moe": int(m.plan.n_cpu_moe),
             # speculative decoding now: the draft, on or paused, or why it is off ("" without one)
-            "drafting": drafting_text(m.info.draft, m.metrics.drafting, (m.info.extra or {}).get("draft_off")),
+            "drafting": drafting_text(m.info.draft, m.metrics.drafting, m.info.draft_off or None),
             # beyond Ollama's fields (its clients ignore them): the decode loop's slots and KV pool
             **_slots(m),
         })

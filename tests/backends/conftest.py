@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from backends.base import LoadSpec
 from backends.loop import LoadedModel
 from backends.registry import available, load
+from backends.specs import LoadSpec
 
 BACKENDS = ["llamacpp", "mlx"]  # the backends the behavioural tests run on
 # fixture giving the default model in each backend's format
@@ -147,7 +147,7 @@ def derived_model(default_model_path: Path) -> Callable[[str], Path]:
 
 def collect(events: Any) -> tuple[str, Any, list[Any]]:
     """(joined text, the Done event, all events) of one generation."""
-    from backends.base import Done, TextChunk
+    from backends.events import Done, TextChunk
 
     evs = list(events)
     text = "".join(e.text for e in evs if isinstance(e, TextChunk))

@@ -8,8 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from backends.base import GenerateRequest, LoadSpec, Sampling, UnsupportedError
+from backends.errors import UnsupportedError
 from backends.registry import load
+from backends.specs import GenerateRequest, LoadSpec, Sampling
 from tests.backends.conftest import collect
 from tests.support_audio import AUDIO_TOKENS, wav
 from tests.support_vision import png
@@ -39,7 +40,7 @@ def first_logprobs(model, messages) -> np.ndarray:
 
 
 def test_audio_tokens_count_in_the_prompt_and_the_projector_says_audio(alm):
-    assert alm.info.audio and not alm.info.vision and alm.info.extra["projector"]
+    assert alm.info.audio and not alm.info.vision and alm.info.projector
     _, plain, _ = collect(alm.generate(GenerateRequest(messages=chat(), sampling=greedy(2))))
     _, heard, _ = collect(alm.generate(GenerateRequest(messages=chat(wav(seed=1)), sampling=greedy(2))))
     s = heard.stats
@@ -129,7 +130,7 @@ def test_an_audio_stream_batched_with_text_streams_leaves_theirs_as_solo(derived
 CHILD = """
 import json, sys
 sys.path.insert(0, {root!r})
-from backends.base import GenerateRequest, LoadSpec, Sampling
+from backends.specs import GenerateRequest, LoadSpec, Sampling
 from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
 from tests.backends.conftest import collect
@@ -210,7 +211,7 @@ def test_a_prompt_with_clips_is_tokenized_piecewise_as_mtmd_does_it_whole(alm):
 
 
 def test_audio_tokens_count_toward_the_context_fit(default_model_path, audio_projector):
-    from backends.base import ContextOverflowError
+    from backends.errors import ContextOverflowError
 
     with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=64, n_seq=1, mmproj=str(audio_projector))) as m:
         with pytest.raises(ContextOverflowError, match="context holds 64"):

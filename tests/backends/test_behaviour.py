@@ -11,17 +11,9 @@ import threading
 
 import pytest
 
-from backends.base import (
-    BackendError,
-    ContextOverflowError,
-    Done,
-    GenerateRequest,
-    LoadSpec,
-    ModelLoadError,
-    Sampling,
-    TextChunk,
-    UnsupportedError,
-)
+from backends.errors import BackendError, ContextOverflowError, ModelLoadError, UnsupportedError
+from backends.events import Done, TextChunk
+from backends.specs import GenerateRequest, LoadSpec, Sampling
 from tests.backends.conftest import collect
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}]
@@ -235,21 +227,21 @@ def test_tokenize_round_trip(backend):
 # ---------------------------------------------------------------------------- the fake token source
 
 from backends.registry import load  # noqa: E402
-from tests.fakes import FakeSource  # noqa: E402
+from tests.fakes import fake  # noqa: E402
 
 
 def test_fake_source_crashes_mid_stream_and_fails_loads():
-    with load(FakeSource, LoadSpec("x.gguf", extra={"reply": "abcdefghij", "chunk": 2, "crash_after": 2})) as m:
+    with load(fake(reply="abcdefghij", chunk=2, crash_after=2), LoadSpec("x.gguf")) as m:
         gen = m.generate(GenerateRequest(prompt="hi"))
         assert [next(gen).text, next(gen).text] == ["ab", "cd"]
         with pytest.raises(BackendError, match="crashed"):
             next(gen)
     with pytest.raises(ModelLoadError, match="memory"):
-        load(FakeSource, LoadSpec("x.gguf", extra={"fail_load": "oom"}))
+        load(fake(fail_load="oom"), LoadSpec("x.gguf"))
 
 
 def test_fake_source_honours_stops_cancel_and_length():
-    with load(FakeSource, LoadSpec("x.gguf", extra={"reply": "hello STOP world", "chunk": 1})) as m:
+    with load(fake(reply="hello STOP world", chunk=1), LoadSpec("x.gguf")) as m:
         text, done, _ = collect(m.generate(GenerateRequest(prompt="p", sampling=Sampling(stop=["STOP"]))))
         assert text == "hello " and done.finish_reason == "stop"
         text, done, _ = collect(m.generate(GenerateRequest(prompt="p", sampling=Sampling(max_tokens=5))))

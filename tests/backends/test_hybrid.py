@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import GenerateRequest, LoadSpec, Sampling
 from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
+from backends.specs import GenerateRequest, LoadSpec, Sampling, Tuning
 from tests.backends.conftest import collect
 
 SYSTEM = "You are the archivist of a small museum. " + " ".join(
@@ -60,7 +60,7 @@ def made(request) -> Path:
 @pytest.fixture(scope="module")
 def hybrid(made):
     m = load("llamacpp", LoadSpec(str(made), n_ctx=1024, n_seq=2))
-    assert m.source.needs_checkpoints
+    assert m.source.capabilities.checkpoints is not None
     yield m
     m.close()
 
@@ -146,7 +146,7 @@ def test_a_restarted_process_restores_the_prompt_from_the_disk_cache(hybrid, mad
 CHILD = """
 import json, sys
 sys.path.insert(0, {root!r})
-from backends.base import LoadSpec
+from backends.specs import LoadSpec
 from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
 from tests.backends.conftest import collect
@@ -238,12 +238,12 @@ def test_a_cache_entry_of_another_model_is_refused_and_the_prompt_evaluated_cold
 def test_a_restored_checkpoint_gives_the_cold_logits(made):
     import numpy as np
 
-    from backends.base import Feed
     from backends.llamacpp import LlamaCppSource
+    from backends.source import Feed
 
     src = LlamaCppSource(LoadSpec(str(made), n_ctx=1024, n_seq=2))
     try:
-        assert src.needs_checkpoints
+        assert src.capabilities.checkpoints is not None
         toks = src.prompt_tokens(SYSTEM + " " + SYSTEM)
 
         def run(seq: int, part: list[int], pos: int) -> np.ndarray:
@@ -276,11 +276,11 @@ def test_sliding_window_layers_keep_their_window_unless_swa_full_is_asked_for(sw
 
     sizes = {}
     for full in (False, True):
-        src = LlamaCppSource(LoadSpec(str(swa_model), n_ctx=2048, n_seq=1, extra={"swa_full": full}))
+        src = LlamaCppSource(LoadSpec(str(swa_model), n_ctx=2048, n_seq=1, swa_full=full))
         try:
-            assert src.needs_checkpoints is not full  # a full-size window cache drops nothing: plain reuse
-            sizes[full] = src.info.extra["kv_bytes"]  # what llama.cpp allocated
-            assert src.info.extra["sliding_window"] == 32
+            assert (src.capabilities.checkpoints is None) is full  # a full-size window cache drops nothing: plain reuse
+            sizes[full] = src.info.kv_bytes  # what llama.cpp allocated
+            assert src.info.sliding_window == 32
         finally:
             src.close()
     # 1 global layer of 2,048 cells + 3 windowed of 768 (the window x 2 sequence ids + a batch, padded to 256)
@@ -299,7 +299,7 @@ def test_the_planner_counts_the_memory_llama_cpp_allocates(made, n_ctx, n_seq):
     assert info.swa_layers in (2, 3) or (info.recurrent_layers == 3 and info.recurrent_bytes > 0)
     src = LlamaCppSource(LoadSpec(str(made), n_ctx=n_ctx, n_seq=n_seq))
     try:
-        allocated = src.info.extra["kv_bytes"]
+        allocated = src.info.kv_bytes
     finally:
         src.close()
     planned = estimate(info, n_ctx * n_seq, "f16", n_seq=n_seq).kv_cache
@@ -318,7 +318,7 @@ def test_the_planner_counts_gemma3_270m_as_llama_cpp_allocates(gemma_model):
     assert (info.swa_layers, info.sliding_window) == (15, 512)
     src = LlamaCppSource(LoadSpec(str(gemma_model.path), n_ctx=32768, n_seq=1))
     try:
-        allocated = src.info.extra["kv_bytes"]
+        allocated = src.info.kv_bytes
     finally:
         src.close()
     assert estimate(info, 32768, "f16").kv_cache == pytest.approx(allocated, rel=0.02)
@@ -350,7 +350,7 @@ def test_concurrent_conversations_with_one_system_prompt_equal_their_solo_answer
 
 
 def _plain_and_drafted(path: Path, draft, messages: list[dict[str, str]], n: int = 48):
-    from backends.base import GenerateRequest, Sampling
+    from backends.specs import GenerateRequest, Sampling
 
     req = GenerateRequest(messages=messages, sampling=Sampling(temperature=0.0, max_tokens=n))
     plain = load("llamacpp", LoadSpec(str(path), n_ctx=1024, n_seq=1))
@@ -358,7 +358,7 @@ def _plain_and_drafted(path: Path, draft, messages: list[dict[str, str]], n: int
         a, _, _ = collect(plain.generate(req))
     finally:
         plain.close()
-    spec = load("llamacpp", LoadSpec(str(path), n_ctx=1024, n_seq=1, draft=draft, extra={"draft_always": True}))
+    spec = load("llamacpp", LoadSpec(str(path), n_ctx=1024, n_seq=1, draft=draft, tuning=Tuning(draft_always=True)))
     try:
         assert spec.source.can_rewind()  # llama.cpp keeps rollback states (n_rs_seq) for the drafts
         b, done, _ = collect(spec.generate(req))
@@ -370,7 +370,7 @@ def _plain_and_drafted(path: Path, draft, messages: list[dict[str, str]], n: int
 def test_prompt_lookup_drafts_on_a_hybrid_target_give_the_plain_output(tied_hybrid_model):
     """Drafts accepted whole, in part and not at all are rolled back by llama.cpp's recurrent rollback states
     (a cut inside the last decode): temperature 0 on F32 gives the plain tokens."""
-    from backends.base import DraftSpec
+    from backends.specs import DraftSpec
 
     a, b, s = _plain_and_drafted(tied_hybrid_model, DraftSpec("ngram", num_draft=8),
                                  [{"role": "user", "content": "x\n\n\n\n\n\n\n mid"}])
@@ -379,7 +379,7 @@ def test_prompt_lookup_drafts_on_a_hybrid_target_give_the_plain_output(tied_hybr
 
 
 def test_a_draft_model_on_a_hybrid_target_gives_the_plain_output(hybrid_model, swa_model):
-    from backends.base import DraftSpec
+    from backends.specs import DraftSpec
 
     a, b, s = _plain_and_drafted(hybrid_model, DraftSpec("model", path=str(swa_model), num_draft=4),
                                  [{"role": "user", "content": TURNS[0]}], n=24)
@@ -390,7 +390,7 @@ def test_a_draft_model_on_a_hybrid_target_gives_the_plain_output(hybrid_model, s
 def test_a_draft_model_on_the_moe_target_gives_the_plain_output(moe_model, drafter, request):
     """The made ``gpt-oss`` (experts, a window on every other layer) drafted by another random model (every draft
     rejected: the windowed cells rolled back) and by itself (drafts accepted)."""
-    from backends.base import DraftSpec
+    from backends.specs import DraftSpec
 
     draft = request.getfixturevalue(drafter)
     a, b, s = _plain_and_drafted(moe_model, DraftSpec("model", path=str(draft), num_draft=4),

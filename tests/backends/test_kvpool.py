@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from backends.base import Feed, LoadSpec, ModelInfo, Sampling, TokenSource
 from backends.kvpool import JOIN_MIN, PARK_ALONE, KVPool, Seq
 from backends.prompt_cache import PromptCache
+from backends.source import Feed, ModelInfo, TokenSource
+from backends.specs import LoadSpec, Sampling
 
 TEXT = ("The lighthouse keeper climbed the stairs every evening, counted the ships on the horizon and wrote "
         "their names in a book that nobody read. ")

@@ -10,10 +10,11 @@ import pytest
 
 from backends._speculative import SpecController
 from backends._stops import StopMatcher, Utf8Stream, parse_tool_calls
-from backends.base import DraftSpec, GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError
 from backends.drafting import NgramDrafter, vocab_problem
+from backends.errors import ModelLoadError, UnsupportedError
 from backends.llamacpp import LlamaCppSource, kv_type_problem, physical_cores
 from backends.registry import load
+from backends.specs import DraftSpec, GenerateRequest, LoadSpec, Sampling
 from backends.stream import RequestStream
 from tests.backends.conftest import collect
 
@@ -34,7 +35,7 @@ def greedy(n: int = 32, **kw) -> Sampling:
 def test_threads_default_to_physical_cores_and_logs_stay_quiet(default_model_path, capfd, caplog):
     caplog.set_level(logging.DEBUG, logger="backends.llamacpp.native")
     with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=512)) as b:
-        assert b.info.extra["n_threads"] == physical_cores()
+        assert b.info.n_threads == physical_cores()
     out, err = capfd.readouterr()
     assert "llama_model_loader" not in out + err  # nothing printed by llama.cpp itself...
     assert any("llama" in r.getMessage() for r in caplog.records)  # ...it went to logging
@@ -44,8 +45,8 @@ def test_threads_default_to_physical_cores_and_logs_stay_quiet(default_model_pat
 def test_quantized_kv_cache_loads_and_generates(backend_factory, kv):
     f16 = backend_factory("llamacpp")
     b = backend_factory("llamacpp", kv_cache_type=kv)
-    assert b.info.kv_cache_type == kv and b.info.extra["flash_attn"] is True
-    assert b.info.extra["kv_bytes"] < f16.info.extra["kv_bytes"] / 1.8
+    assert b.info.kv_cache_type == kv and b.info.flash_attn is True
+    assert b.info.kv_bytes < f16.info.kv_bytes / 1.8
     text, done, _ = collect(b.generate(GenerateRequest(messages=CAPITAL, sampling=greedy(24))))
     assert "Paris" in text and done.finish_reason == "stop"
 
@@ -59,10 +60,10 @@ def test_invalid_kv_type_is_refused(default_model_path):
 
 
 def test_quantized_kv_is_checked_with_the_head_sizes_the_engine_read(default_model_path):
-    """The engine passes the head sizes it read at install (``extra["head_dims"]``); the check uses them
+    """The engine passes the head sizes it read at install (``LoadSpec.head_dims``); the check uses them
     rather than reading the GGUF header again (the file's are 64, which q8_0 would take)."""
     with pytest.raises(UnsupportedError, match="multiple of 32.*this model has 72"):
-        LlamaCppSource(LoadSpec(str(default_model_path), kv_cache_type="q8_0", extra={"head_dims": (72, 72)}))
+        LlamaCppSource(LoadSpec(str(default_model_path), kv_cache_type="q8_0", head_dims=(72, 72)))
 
 
 def _one_sentence(msg: str) -> bool:
@@ -147,9 +148,9 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "description
 
 
 def test_tool_calls_are_parsed_into_an_event(backend_factory):
-    from backends.base import TextChunk, ToolCalls
+    from backends.events import TextChunk, ToolCalls
 
-    b = backend_factory("llamacpp", extra={"chat_template": TOOLS_TEMPLATE})
+    b = backend_factory("llamacpp", chat_template=TOOLS_TEMPLATE)
     assert b.call(lambda s: s.supports_tools())
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     call_schema = {"type": "object", "properties": {
@@ -364,7 +365,7 @@ def test_sampler_draws_what_llama_cpp_draws_from_the_whole_row(default_model_pat
     import numpy as np
     from llama_cpp import _internals as internals
 
-    from backends.base import Feed
+    from backends.source import Feed
 
     s = SAMPLINGS[name]
     src = LlamaCppSource(LoadSpec(model_path=str(default_model_path), n_ctx=256))

@@ -11,11 +11,13 @@ import time
 
 import pytest
 
-from backends.base import BackendError, GenerateRequest, LoadSpec, Sampling, TextChunk
+from backends.errors import BackendError
+from backends.events import TextChunk
 from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
+from backends.specs import GenerateRequest, LoadSpec, Sampling, Tuning
 from tests.backends.conftest import collect
-from tests.fakes import FakeSource
+from tests.fakes import fake
 
 QUESTIONS = ["Tell me a story about a cat.", "Write a poem about rain.", "Explain gravity to a child.",
              "List three fruits and their colours."]
@@ -147,7 +149,7 @@ def test_a_cancelled_request_keeps_its_evaluated_prompt_in_the_pool_and_on_disk(
 
 def test_a_long_prompt_does_not_stall_streams_in_flight(default_model_path):
     with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=4096, n_seq=2,
-                                   extra={"prefill_chunk": 32})) as m:
+                                   tuning=Tuning(prefill_chunk=32))) as m:
         times: list[float] = []  # when each of the stream's tokens arrived
         started = threading.Event()
 
@@ -181,8 +183,8 @@ def test_a_long_prompt_does_not_stall_streams_in_flight(default_model_path):
 
 
 def test_one_crashing_sequence_ends_only_its_stream():
-    spec = LoadSpec("fake.gguf", n_seq=3, extra={"delay": 0.002, "chunk": 1, "crash_after": 5, "crash_if": "boom"})
-    with load(FakeSource, spec) as m:
+    spec = LoadSpec("fake.gguf", n_seq=3)
+    with load(fake(delay=0.002, chunk=1, crash_after=5, crash_if="boom"), spec) as m:
         out: dict[str, object] = {}
 
         def run(name: str, req: GenerateRequest) -> None:
@@ -264,7 +266,7 @@ def test_idle_kv_is_parked_while_others_decode_and_comes_back(derived_model):
     others = [chat("Tell me about the moon.", n=16), chat("Name three trees.", n=16)]
     texts = []
     for no_park in (False, True):
-        spec = LoadSpec(str(derived_model("f32")), n_ctx=1024, n_seq=2, extra={"no_park": no_park})
+        spec = LoadSpec(str(derived_model("f32")), n_ctx=1024, n_seq=2, tuning=Tuning(park=not no_park))
         with load("llamacpp", spec) as m:
             first, done1, _ = collect(m.generate(conv))
             held = done1.stats.context_used

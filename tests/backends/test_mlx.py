@@ -27,6 +27,7 @@ from backends.base import (
 from backends.mlx import MLXSource
 from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
+from backends.specs import Tuning
 from tests.backends.conftest import collect
 
 
@@ -297,7 +298,7 @@ def test_concurrent_streams_decode_in_one_pass_and_equal_their_solo_output(mlx_d
     # would evaluate at a generated token's cost each)
     asks = ["Once upon a time, a cat", "The rain fell softly on the old", "Gravity is"]
     with load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=1024, n_seq=3)) as m:
-        assert m.source.can_batch and m.info.extra["batched"] is True
+        assert m.source.can_batch and m.info.batched is True
         solo = [collect(m.generate(GenerateRequest(prompt=a, sampling=greedy(10))))[0] for a in asks]
         assert m.source.batched_steps == 0  # alone, each is its own pass
         out: list[str | None] = [None] * len(asks)
@@ -318,7 +319,7 @@ def test_concurrent_streams_decode_in_one_pass_and_equal_their_solo_output(mlx_d
 
 def test_quantized_kv_slots_take_turns(mlx_dir: Path):
     with load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=512, n_seq=2, kv_cache_type="q8_0")) as m:
-        assert not m.source.can_batch and m.info.extra["batched"] is False  # no batched quantized cache in mlx-lm
+        assert not m.source.can_batch and m.info.batched is False  # no batched quantized cache in mlx-lm
 
 
 # ------------------------------------------------------------------------------ KV quantization
@@ -353,7 +354,7 @@ def test_unknown_kv_type_is_refused(mlx_dir: Path):
 @pytest.fixture(scope="module")
 def self_drafted(mlx_dir: Path):
     """The default model drafting for itself, always (one load for the tests that use it)."""
-    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, extra={"draft_always": True},
+    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, tuning=Tuning(draft_always=True),
                     draft=DraftSpec(kind="model", path=str(mlx_dir), num_draft=3))
     with load("mlx", spec) as b:
         yield b
@@ -372,7 +373,7 @@ def test_model_draft_is_exact_and_reports_acceptance(mlx_dir: Path, bike_greedy:
 
 
 def test_ngram_draft_is_exact(mlx_dir: Path, bike_greedy: str):
-    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, extra={"draft_always": True},
+    spec = LoadSpec(model_path=str(mlx_dir), n_ctx=1024, tuning=Tuning(draft_always=True),
                     draft=DraftSpec(kind="ngram", num_draft=3))
     with load("mlx", spec) as b:
         text, done, _ = collect(b.generate(GenerateRequest(prompt=BIKE_TEXT, sampling=greedy(20))))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import Done, DraftSpec, GenerateRequest, LoadSpec, Sampling, TextChunk, UnsupportedError
+from backends.base import Done, DraftSpec, GenerateRequest, LoadSpec, Sampling, TextChunk, Tuning, UnsupportedError
 from backends.llamacpp import LlamaCppSource
 from backends.loop import LoadedModel
 from tests.made_qwen35 import write_qwen35
@@ -42,9 +42,8 @@ def made(default_model_path, test_cache) -> dict[str, Path]:
 
 
 def load(path: Path, *, draft: bool, always: bool = True, n_seq: int = 1) -> LoadedModel:
-    extra = {"draft_always": True} if draft and always else {}
     spec = LoadSpec(str(path), n_ctx=512, n_seq=n_seq, n_threads=1, draft=DraftSpec("mtp") if draft else None,
-                    extra=extra)
+                    tuning=Tuning(draft_always=draft and always))
     return LoadedModel(LlamaCppSource, spec, name=path.stem)
 
 

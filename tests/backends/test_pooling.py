@@ -9,9 +9,11 @@ import threading
 import numpy as np
 import pytest
 
-from backends.base import ContextOverflowError, GenerateRequest, LoadSpec, Sampling, UnsupportedError
-from backends.llamacpp import POOL_INPUTS, LlamaCppSource  # noqa: E402
+from backends.errors import ContextOverflowError, UnsupportedError
+from backends.llamacpp import LlamaCppSource  # noqa: E402
+from backends.llamacpp_pool import POOL_INPUTS  # noqa: E402
 from backends.loop import LoadedModel
+from backends.specs import GenerateRequest, LoadSpec, Sampling
 from tests.backends.conftest import collect
 
 TEXTS = ["the cat sat on the mat", "hello world", "a dog", "the capital of france is paris",
@@ -37,7 +39,7 @@ def test_an_encoder_loads_as_an_embedding_model_that_cannot_generate(embedder):
     info = embedder.info
     assert info.pooling == "mean" and info.embedding_only and info.n_embd_out == 64
     assert info.n_ctx == 512  # capped to what the model was trained for (position embeddings)
-    assert embedder.call(lambda s: s.state_key()) is None  # no prompt cache, no parking: nothing is kept
+    assert embedder.call(lambda s: s.capabilities.states) is None  # no prompt cache, no parking: nothing is kept
     with pytest.raises(UnsupportedError, match="embedding model: it cannot generate text"):
         collect(embedder.generate(GenerateRequest(prompt="the cat", sampling=Sampling(max_tokens=2))))
     with pytest.raises(UnsupportedError, match="no rank head"):

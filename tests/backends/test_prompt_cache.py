@@ -10,9 +10,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from backends.base import GenerateRequest, LoadSpec, Sampling
 from backends.prompt_cache import SUFFIX, PromptCache, PromptCacheSpec
 from backends.registry import load
+from backends.specs import GenerateRequest, LoadSpec, Sampling
 from tests.backends.conftest import collect
 
 SYSTEM = "You are a careful assistant. " + " ".join(

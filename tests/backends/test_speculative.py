@@ -162,9 +162,9 @@ def test_catchup_is_bounded_only_while_probing():
 
 @pytest.fixture(scope="module")
 def draft(default_model_path):
-    from backends.base import LoadSpec
     from backends.drafting import ModelDrafter
     from backends.llamacpp import LlamaCppSource
+    from backends.specs import LoadSpec
 
     d = ModelDrafter(LlamaCppSource(LoadSpec(str(default_model_path), n_ctx=512)))
     yield d

@@ -163,7 +163,8 @@ def test_gpt_oss_renders_each_reasoning_level_and_its_tools(family_model, level)
 
 def _through_the_stream(b, think, text: str) -> tuple[str, str, list[dict[str, Any]], int]:
     """The prompt rendered by the real source, then ``text`` in the model's own tokens, one push each."""
-    from backends.base import GenerateRequest, Sampling, TextChunk, ToolCalls
+    from backends.events import TextChunk, ToolCalls
+    from backends.specs import GenerateRequest, Sampling
     from backends.stream import RequestStream
 
     def run(s) -> tuple[str, str, list[dict[str, Any]], int]:
@@ -281,7 +282,8 @@ def test_format_markers_that_are_control_tokens_reach_the_parser(default_model_p
     assert b.call(lambda s: [s.piece(i).decode() for i in sorted(GEMMA_MARKERS)]) == list(GEMMA_MARKERS.values())
     assert b.call(lambda s: s.piece(2)) == b""  # other control tokens stay hidden (<|im_end|>)
 
-    from backends.base import GenerateRequest, Sampling, TextChunk, ToolCalls
+    from backends.events import TextChunk, ToolCalls
+    from backends.specs import GenerateRequest, Sampling
     from backends.stream import RequestStream
 
     def run(s):
@@ -300,7 +302,7 @@ def test_gemma4_takes_tool_results_inside_the_model_turn(family_model):
     """OpenAI-shaped history (assistant tool_calls, then role "tool") is reshaped for Gemma 4's template, which
     takes the results as the calling message's ``tool_responses``: the call and its response stay in one model
     turn, and the generation prompt continues that turn (no new "<|turn>model")."""
-    from backends.base import GenerateRequest, Sampling
+    from backends.specs import GenerateRequest, Sampling
     from backends.stream import RequestStream
 
     b, _ = family_model("gemma4")

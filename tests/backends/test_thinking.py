@@ -376,10 +376,11 @@ def test_llamacpp_renders_the_thinking_model_and_it_thinks(thinking_model_path, 
     """The llama.cpp backend sees a Qwen3-style template; rendered with enable_thinking on/off it gives
     Qwen3's two prompts; under THINK_GBNF the real model writes a thought, and the stream, cut into the
     model's own tokens, splits into thinking and content — as TextChunk(thinking=True) events."""
-    from backends.base import GenerateRequest, Sampling, TextChunk
+    from backends.events import TextChunk
+    from backends.specs import GenerateRequest, Sampling, Tuning
 
 
-    b = backend_factory("llamacpp", fresh=True, model_path=str(thinking_model_path), extra={"grammar": THINK_GBNF})
+    b = backend_factory("llamacpp", fresh=True, model_path=str(thinking_model_path), tuning=Tuning(grammar=THINK_GBNF))
     style = thinking_style(b.info.chat_template, b.info.architecture)
     assert style == QWEN3
     plain = b.call(lambda s: s.render(USER))

@@ -43,8 +43,7 @@ def run_repl(store, calls: list[dict], servers: dict, lines: list[str], tmp_path
 
     class Calling(FakeSource):
         def __init__(self, spec):
-            spec.extra.update(tool_calls=calls, answer_tool_results=answer_tool_results)
-            super().__init__(spec)
+            super().__init__(spec, tool_calls=calls, answer_tool_results=answer_tool_results)
 
     host = McpHost(parse_config(json.dumps({"mcpServers": servers}), "mcp.json"), log_dir=tmp_path / "logs")
     prompts: list[str] = []

@@ -38,7 +38,7 @@ def install_derived(gguf: Path, name: str, home: Path, *, wheel_name: str | None
 
 def grammar_backend(gbnf: str) -> Any:
     """A ``backend_class`` for :class:`~localllm.engine.Engine`: llama.cpp with ``gbnf`` applied to every
-    request without a format (``LoadSpec.extra["grammar"]``), so a tiny model writes a given shape."""
+    request without a format (``Tuning.grammar``), so a tiny model writes a given shape."""
     from backends.registry import source_class
 
     def pick(name: str) -> Any:
@@ -46,7 +46,7 @@ def grammar_backend(gbnf: str) -> Any:
 
         class WithGrammar(cls):  # type: ignore[valid-type, misc]
             def __init__(self, spec: Any):
-                spec.extra["grammar"] = gbnf
+                spec.tuning.grammar = gbnf
                 super().__init__(spec)
 
         return WithGrammar

@@ -42,15 +42,14 @@ def agent_server(default_model_path, tmp_path_factory):
             last = next((m.get("content") or "" for m in reversed(messages) if m.get("role") == "user"), "")
             if isinstance(last, str) and last.startswith("call:") and messages[-1].get("role") == "user":
                 name, _, args = last[5:].partition(" ")
-                self.spec.extra["tool_calls"] = [{"name": name, "arguments": json.loads(args or "{}")}]
+                self.knobs.tool_calls = [{"name": name, "arguments": json.loads(args or "{}")}]
             else:
-                self.spec.extra.pop("tool_calls", None)
+                self.knobs.tool_calls = None
             return super().render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                   template_kwargs=template_kwargs)
 
         def __init__(self, spec):
-            spec.extra.update(answer_tool_results=True, reply="done")
-            super().__init__(spec)
+            super().__init__(spec, answer_tool_results=True, reply="done")
 
     gguf, wheel = tool_model(default_model_path)
     store = install_derived(gguf, TOOL_MODEL, tmp_path_factory.mktemp("agents-home"), **wheel)

@@ -127,8 +127,7 @@ def test_a_mid_stream_error_is_an_error_event(installed_default_model):
 
     class Crashing(FakeSource):
         def __init__(self, spec):
-            spec.extra.update(reply="one two three four five six", chunk=4, crash_after=2)
-            super().__init__(spec)
+            super().__init__(spec, reply="one two three four five six", chunk=4, crash_after=2)
 
     srv = start(Engine(keep_alive=300, backend_class=lambda name: Crashing))
     try:

@@ -152,8 +152,7 @@ def crash_server(installed_default_model):
 
     class CrashesAtOnce(FakeSource):
         def __init__(self, spec):
-            spec.extra.update(reply="never said", crash_after=0)
-            super().__init__(spec)
+            super().__init__(spec, reply="never said", crash_after=0)
 
     srv = start(Engine(keep_alive=300, backend_class=lambda name: CrashesAtOnce))
     yield srv

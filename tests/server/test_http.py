@@ -295,8 +295,7 @@ def test_error_mid_stream_is_the_last_ndjson_line(installed_default_model):
 
     class Crashing(FakeSource):
         def __init__(self, spec):
-            spec.extra.update(reply="one two three four five six", chunk=4, crash_after=2)
-            super().__init__(spec)
+            super().__init__(spec, reply="one two three four five six", chunk=4, crash_after=2)
 
     srv = start(Engine(keep_alive=300, backend_class=lambda name: Crashing))
     try:

@@ -44,8 +44,7 @@ def tool_server(tool_store):
 
     class ToolCalling(FakeSource):
         def __init__(self, spec):
-            spec.extra.update(tool_calls=[{"name": "get_weather", "arguments": {"city": "Paris"}}])
-            super().__init__(spec)
+            super().__init__(spec, tool_calls=[{"name": "get_weather", "arguments": {"city": "Paris"}}])
 
     srv = serve(tool_store, backend_class=lambda name: ToolCalling)
     yield srv

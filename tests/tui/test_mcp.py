@@ -32,8 +32,7 @@ def make_app(store, chats, tmp_path, calls, servers, **knobs):
 
     class Calling(FakeSource):
         def __init__(self, spec):
-            spec.extra.update(tool_calls=calls, answer_tool_results=True, **knobs)
-            super().__init__(spec)
+            super().__init__(spec, tool_calls=calls, answer_tool_results=True, **knobs)
 
     host = McpHost(parse_config(json.dumps({"mcpServers": servers}), "mcp.json"), log_dir=tmp_path / "logs")
     session = open_session(engine=Engine(store=store, keep_alive=300, backend_class=lambda name: Calling))
