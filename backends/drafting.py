@@ -6,18 +6,23 @@ decides how many to ask for (0: decode plainly). Three drafters: :class:`NgramDr
 :class:`ModelDrafter` (a second, smaller model with the same vocabulary) and :class:`~backends.mtp.MtpDrafter`
 (the target's own multi-token-prediction layers, which read the target's hidden states: :meth:`Drafter.observe`).
 :func:`setup_draft` makes the drafter and the controller a :class:`~backends.base.DraftSpec` asks for, refusing
-what cannot work in one sentence.
+what cannot work in one sentence; a :class:`Speculation` holds them for a load and decides, each step, which
+controller judges it and which slots draft.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from backends._speculative import SpecController
 from backends.base import BackendError, DraftSpec, Feed, LoadSpec, Sampling, TokenSource, UnsupportedError
 from backends.kvpool import common_prefix
+
+if TYPE_CHECKING:
+    from backends.slot import Slot
 
 
 class Drafter(Protocol):
@@ -234,3 +239,54 @@ def setup_draft(src: TokenSource, d: DraftSpec, source_class: type[TokenSource],
 
 
 __all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "setup_draft", "vocab_problem"]
+
+
+@dataclass
+class Speculation:
+    """A load's drafter and its adaptive controller, plus one controller per stream count for steps where several
+    sequences draft at once (what a drafted token costs and gains depends on the batch around it)."""
+
+    drafter: Drafter
+    controller: SpecController
+    wide: dict[int, SpecController] = field(default_factory=dict)  # by how many sequences draft in the step
+
+    def policy(self, decoding: list[Slot], active: int) -> tuple[SpecController | None, list[Slot]]:
+        """The controller that judges this step (None: none does) and the slots that may draft in it, of
+        ``decoding`` (the slots decoding now) among ``active`` running requests.
+
+        One sequence decoding alone: the load's controller. Several, all decoding (no prompt in flight) with a
+        drafter that serves several sequences (MTP): the controller for that many streams. Drafting is off for a
+        request with a format (grammar) or media (image placeholders in its history: nothing can propose or
+        evaluate those as tokens)."""
+        if not decoding:
+            return None, []
+        ok = [r for r in decoding if not r.stream.request.format and not r.stream.stats.image_tokens
+              and not r.stream.stats.audio_tokens]
+        if active == 1 and len(decoding) == 1:
+            return self.controller, ok
+        if not self.drafter.multi_seq or len(ok) != len(decoding) or len(decoding) != active:
+            return None, []
+        wide = self.wide.get(len(ok))
+        if wide is None:
+            wide = self.wide[len(ok)] = self.controller.sibling()
+        return wide, ok
+
+    def propose(self, ctl: SpecController | None, slots: list[Slot], n_ctx: int) -> dict[int, list[int]]:
+        """Drafts for ``slots`` (by ``id`` of the slot), as many as ``ctl`` asks for this step and each slot's
+        room (its ``max_tokens``, the context of ``n_ctx`` tokens) allows."""
+        assert ctl is not None
+        n = ctl.n_draft()
+        if n <= 0:
+            return {}
+        asks: list[tuple[int, list[int], int]] = []
+        owners: list[Slot] = []
+        for r in slots:
+            assert r.seq is not None and r.last is not None
+            room = min(r.stream.max_new - len(r.stream.generated) - 1, n_ctx - len(r.seq.tokens) - 2)
+            if min(n, room) > 0:
+                asks.append((r.seq.id, [*r.seq.tokens, r.last], min(n, room)))
+                owners.append(r)
+        if not asks:
+            return {}
+        got = self.drafter.propose_many(asks, max_catchup=ctl.max_catchup())
+        return {id(r): [int(t) for t in g[:k]] for r, (_, _, k), g in zip(owners, asks, got, strict=True)}

@@ -58,7 +58,7 @@ from typing import Any, TypeVar
 from backends import pooling
 from backends._speculative import SpecController
 from backends.channel import Channel
-from backends.drafting import Drafter, setup_draft
+from backends.drafting import Speculation, setup_draft
 from backends.errors import BackendError, PoolFullError, UnsupportedError
 from backends.events import Event
 from backends.kvpool import KVPool
@@ -117,9 +117,7 @@ class LoadedModel:
         self._source: TokenSource | None = None
         self._caps = Capabilities()
         self._positions: Callable[[Sequence[int]], int] = len
-        self._drafter: Drafter | None = None
-        self._controller: SpecController | None = None
-        self._wide: dict[int, SpecController] = {}  # controllers of steps where several sequences draft (by count)
+        self._spec: Speculation | None = None  # the drafter and its controllers, with a draft
         self._pool: KVPool | None = None
         self._incoming: deque[Slot] = deque()
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -274,12 +272,12 @@ class LoadedModel:
     @property
     def controller(self) -> Any:
         """The speculative-decoding controller (None without a draft)."""
-        return self._controller
+        return self._spec.controller if self._spec is not None else None
 
     @property
     def wide_controllers(self) -> dict[int, SpecController]:
         """The controllers of steps where several sequences draft at once, by how many sequences (a copy)."""
-        return dict(self._wide)
+        return dict(self._spec.wide) if self._spec is not None else {}
 
     @property
     def busy(self) -> int:
@@ -308,8 +306,8 @@ class LoadedModel:
             mw = self._caps.media.media_counters()
             m.images_encoded, m.image_tokens_encoded, m.image_encode_ns = mw.images, mw.tokens, mw.ns
             m.audio_chunks_encoded, m.audio_tokens_encoded, m.audio_encode_ns = mw.audio, mw.audio_tokens, mw.audio_ns
-        if self._controller is not None:
-            m.drafting = "on" if self._controller.drafting else "paused (not paying)"
+        if self._spec is not None:
+            m.drafting = "on" if self._spec.controller.drafting else "paused (not paying)"
         if self.prompt_cache is not None:
             st = self.prompt_cache.stats
             m.prompt_cache_entries, m.prompt_cache_bytes = st.entries, st.bytes
@@ -404,7 +402,7 @@ class LoadedModel:
         try:
             if spec.draft is not None:
                 try:
-                    self._drafter, self._controller = setup_draft(src, spec.draft, self._source_class, spec)
+                    self._spec = Speculation(*setup_draft(src, spec.draft, self._source_class, spec))
                 except UnsupportedError as e:
                     if not spec.draft.auto:
                         raise
@@ -435,8 +433,8 @@ class LoadedModel:
         if self._pool is not None:
             self._pool.close()  # the entries being written are finished, not lost
         try:
-            if self._drafter is not None:
-                self._drafter.close()
+            if self._spec is not None:
+                self._spec.drafter.close()
         finally:
             if self._source is not None:
                 self._source.close()
@@ -527,10 +525,10 @@ class LoadedModel:
         feeds: list[Feed] = []
         owners: list[tuple[Slot, SlotState, list[int]]] = []  # (request, DECODE or PREFILL, drafts)
         decoding = [r for r in self._active if r.state is _DECODE]
-        ctl, drafting = self._spec_policy(decoding)
-        proposed = self._propose(ctl, drafting) if drafting else {}
-        if proposed and self._drafter is not None:
-            catchup = self._drafter.catchup_ns
+        ctl, drafting = self._spec.policy(decoding, len(self._active)) if self._spec is not None else (None, [])
+        proposed = self._spec.propose(ctl, drafting, src.n_ctx) if self._spec is not None and drafting else {}
+        if proposed and self._spec is not None:
+            catchup = self._spec.drafter.catchup_ns
         for r in decoding:
             assert r.seq is not None and r.last is not None
             drafts = proposed.get(id(r), [])
@@ -599,8 +597,8 @@ class LoadedModel:
                 c.prompt_tokens_evaluated += len(f.tokens)
                 if r.points and len(r.seq.tokens) in r.points:
                     self.pool.checkpoint(r.seq)
-        if self._drafter is not None:  # a drafter that reads the target's hidden states (MTP) takes them now
-            self._drafter.observe(feeds, [r.seq.tokens if r.seq is not None else [] for r, _, _ in owners])
+        if self._spec is not None:  # a drafter that reads the target's hidden states (MTP) takes them now
+            self._spec.drafter.observe(feeds, [r.seq.tokens if r.seq is not None else [] for r, _, _ in owners])
         judged: list[tuple[int, int, int]] = []  # (proposed, accepted, emitted) of the decoding sequences
         for f, (r, kind, drafts), out_rows in zip(feeds, owners, rows, strict=True):
             if r not in self._active or not out_rows:
@@ -642,47 +640,6 @@ class LoadedModel:
                 for r, _, _ in owners:
                     self._end(r, "error", error=e)
                 return None
-
-    def _spec_policy(self, decoding: list[Slot]) -> tuple[SpecController | None, list[Slot]]:
-        """The controller that judges this step (None: none does) and the requests that may draft in it.
-
-        One sequence decoding alone: the model's controller. Several, all decoding (no prompt in flight) with a
-        drafter that serves several sequences (MTP): a controller of its own for that many streams, since what a
-        drafted token costs and gains depends on the batch around it. Drafting is off for a request with a format
-        (grammar) or media (image placeholders in its history: nothing can propose or evaluate those as tokens)."""
-        d, ctl = self._drafter, self._controller
-        if d is None or ctl is None or not decoding:
-            return None, []
-        ok = [r for r in decoding if not r.stream.request.format and not r.stream.stats.image_tokens
-              and not r.stream.stats.audio_tokens]
-        if len(self._active) == 1 and len(decoding) == 1:
-            return ctl, ok
-        if not d.multi_seq or len(ok) != len(decoding) or len(decoding) != len(self._active):
-            return None, []
-        wide = self._wide.get(len(ok))
-        if wide is None:
-            wide = self._wide[len(ok)] = ctl.sibling()
-        return wide, ok
-
-    def _propose(self, ctl: SpecController | None, rs: list[Slot]) -> dict[int, list[int]]:
-        """Drafts for ``rs`` (by ``id`` of the request), as many as ``ctl`` asks for this step."""
-        drafter = self._drafter
-        assert ctl is not None and drafter is not None
-        n = ctl.n_draft()
-        if n <= 0:
-            return {}
-        asks: list[tuple[int, list[int], int]] = []
-        owners: list[Slot] = []
-        for r in rs:
-            assert r.seq is not None and r.last is not None
-            room = min(r.stream.max_new - len(r.stream.generated) - 1, self.source.n_ctx - len(r.seq.tokens) - 2)
-            if min(n, room) > 0:
-                asks.append((r.seq.id, [*r.seq.tokens, r.last], min(n, room)))
-                owners.append(r)
-        if not asks:
-            return {}
-        got = drafter.propose_many(asks, max_catchup=ctl.max_catchup())
-        return {id(r): [int(t) for t in g[:k]] for r, (_, _, k), g in zip(owners, asks, got, strict=True)}
 
     def _sample(self, r: Slot, kind: SlotState, drafts: list[int], f: Feed,
                 out_rows: list[int]) -> tuple[int, int, int]:
