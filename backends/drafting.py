@@ -214,7 +214,7 @@ def setup_draft(src: TokenSource, d: DraftSpec, source_class: type[TokenSource],
     elif d.kind == "model":
         if not d.path:
             raise UnsupportedError("A draft model needs a path to its file.")
-        dspec = LoadSpec(model_path=d.path, n_ctx=src.n_ctx, n_seq=1, n_gpu_layers=d.n_gpu_layers,
+        dspec = LoadSpec(model_path=d.path, n_ctx=src.n_ctx, slots=1, n_gpu_layers=d.n_gpu_layers,
                          n_threads=spec.n_threads, n_batch=spec.n_batch, verbose=spec.verbose,
                          use_mmap=spec.use_mmap)
         try:

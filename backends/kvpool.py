@@ -410,7 +410,7 @@ class KVPool:
         self.counters.checkpoints_taken += 1
         if len(seq.checkpoints) > pol.per_seq:
             del seq.checkpoints[1]  # the first (a system prompt's) and the latest stay
-        budget = pol.bytes_per_slot * max(1, self.source.info.n_seq)
+        budget = pol.bytes_per_slot * max(1, self.source.info.slots)
         while self.usage().checkpoint_bytes > budget:
             holders = [s for s in self.seqs if s.checkpoints and s is not seq] or [seq]
             victim = min(holders, key=lambda s: (s.owner is not None, s.last_used))

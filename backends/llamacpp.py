@@ -1,7 +1,7 @@
 """GGUF models through llama.cpp (llama-cpp-python's low-level API): a token source for the decode loop.
 
 One ``llama_context`` holds every sequence of a loaded model: ``n_seq_max`` sequence ids over one
-**unified** KV pool of ``n_ctx × n_seq`` cells (a sequence may use up to ``n_ctx`` of them), so a shared
+**unified** KV pool of ``n_ctx × slots`` cells (a sequence may use up to ``n_ctx`` of them), so a shared
 prefix is copied between sequences by tagging its cells (``llama_memory_seq_cp``), not by evaluating
 it again. :meth:`LlamaCppSource.evaluate` puts the tokens of several sequences into one ``llama_batch``
 and runs one ``llama_decode``; each request samples with its own sampler chain (seed, temperature,
@@ -80,7 +80,7 @@ _backend_initialised = False
 
 
 class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
-    """One GGUF model in one llama.cpp context: ``spec.n_seq`` slots over a unified KV pool."""
+    """One GGUF model in one llama.cpp context: ``spec.slots`` slots over a unified KV pool."""
 
     name = "llamacpp"
 
@@ -124,7 +124,7 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
             if problem:
                 raise UnsupportedError(f"{path.name}: {problem} Use --kv-cache f16.")
         self.n_threads = spec.n_threads or physical_cores()
-        slots = max(1, spec.n_seq)
+        slots = max(1, spec.slots)
         self._n_seq_ids = max(slots, min(256, spec.tuning.n_seq_ids or 2 * slots))
         forget_recent()
         mp = llama_cpp.llama_model_default_params()
@@ -223,7 +223,7 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
                                        use_gpu=spec.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload()),
                                        log_callback=log_callback(), native_reason=native_reason,
                                        # M-RoPE images are evaluated whole: one fits in a step beside every slot
-                                       max_image_tokens=max(8, self._n_batch - max(1, spec.n_seq)))
+                                       max_image_tokens=max(8, self._n_batch - max(1, spec.slots)))
             from backends import ggml_devices
 
             self._alloc = allocations(getattr(capture, "lines", None) or [], ggml_devices.added_workers())
@@ -392,7 +392,7 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
                         else int(weights * frac + (kv_bytes if offloaded else 0))),
             kv_cache_type=self.spec.kv_cache_type,
             draft=None,
-            n_seq=max(1, self.spec.n_seq),
+            slots=max(1, self.spec.slots),
             kv_cells=self._pool,
             recurrent=self._recurrent,
             vision=self._proj is not None and self._proj.vision,

@@ -94,10 +94,10 @@ def _close_all() -> None:
 
 
 class LoadedModel:
-    """A model loaded on its own decode thread, serving up to ``spec.n_seq`` requests at once::
+    """A model loaded on its own decode thread, serving up to ``spec.slots`` requests at once::
 
         from backends.registry import load
-        m = load("llamacpp", LoadSpec("smollm2.gguf", n_ctx=2048, n_seq=4))
+        m = load("llamacpp", LoadSpec("smollm2.gguf", n_ctx=2048, slots=4))
         for ev in m.generate(GenerateRequest(prompt="Once upon")):
             print(ev)
         m.close()
@@ -111,7 +111,7 @@ class LoadedModel:
                  before_load: Callable[[], None] | None = None):
         self.spec = spec
         self.name = name
-        self.slots = max(1, spec.n_seq)
+        self.slots = max(1, spec.slots)
         self.prefill_chunk = max(1, spec.tuning.prefill_chunk or prefill_chunk)
         self._source_class = source_class
         self._source: TokenSource | None = None

@@ -100,7 +100,7 @@ def _hold_thread() -> None:
 
 
 class MLXSource(TokenSource):
-    """One MLX model; ``spec.n_seq`` slots, each with its own prompt cache."""
+    """One MLX model; ``spec.slots`` slots, each with its own prompt cache."""
 
     name = "mlx"
 
@@ -125,7 +125,7 @@ class MLXSource(TokenSource):
         self._n_ctx_train = int(self._config.get("max_position_embeddings") or 0) or 4096
         self._n_ctx = spec.n_ctx if spec.n_ctx and spec.n_ctx > 0 else self._n_ctx_train
         self._eos = set(self._tok.eos_token_ids)
-        self._slots = max(1, spec.n_seq)
+        self._slots = max(1, spec.slots)
         self._n_seq_ids = max(self._slots, spec.tuning.n_seq_ids or 2 * self._slots)
         self._template_override: str | None = spec.chat_template  # a Modelfile's TEMPLATE
         if spec.lora:
@@ -180,7 +180,7 @@ class MLXSource(TokenSource):
             size_bytes=self._weights_bytes,
             vram_bytes=self._weights_bytes if self._on_gpu() else 0,
             kv_cache_type=kv_type,
-            n_seq=self._slots,
+            slots=self._slots,
             kv_cells=self._n_ctx * self._slots,
             weights_bytes=self._weights_bytes,
             device=str(mx.default_device()),

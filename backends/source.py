@@ -56,7 +56,7 @@ class ModelInfo:
     kv_cache_type: str = "f16"
     draft: str | None = None  # "ngram" / draft model path / None
     draft_off: str = ""  # why a default draft (MTP) is not running, "" when it runs or none was asked
-    n_seq: int = 1  # sequences that can decode at once
+    slots: int = 1  # sequences that can decode at once
     kv_cells: int = 0  # cells in the KV pool (all sequences together)
     recurrent: bool = False  # recurrent / hybrid memory: no partial KV removal, no drafts
     vision: bool = False  # a projector with a vision encoder is loaded: prompts may hold images
@@ -153,7 +153,7 @@ class TokenSource(abc.ABC):
     @property
     def n_seq_ids(self) -> int:
         """Sequence ids the pool can tell apart (active slots plus idle prefixes kept for reuse)."""
-        return max(1, self.info.n_seq)
+        return max(1, self.info.slots)
 
     @property
     def n_batch(self) -> int:

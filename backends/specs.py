@@ -51,7 +51,7 @@ class LoadSpec:
 
     model_path: str
     n_ctx: int = 4096  # tokens per sequence (what one request may use)
-    n_seq: int = 1  # sequences decoding at once (slots); the KV pool holds n_ctx × n_seq cells
+    slots: int = 1  # sequences decoding at once (slots); the KV pool holds n_ctx × slots cells
     n_gpu_layers: int = 0  # -1 = all
     n_cpu_moe: int = 0  # the first N layers' expert tensors stay in RAM though offloaded (llama.cpp --n-cpu-moe)
     n_threads: int | None = None  # None = physical cores

@@ -63,7 +63,7 @@ def main() -> None:
     def clip(i: int) -> bytes:  # a different clip each round (cold means not seen before), the given one first
         return given if given is not None and i == 0 else wav(seed=1000 + i)
 
-    m = load("llamacpp", LoadSpec(model, n_ctx=2048, n_seq=4, n_threads=a.threads, mmproj=proj))
+    m = load("llamacpp", LoadSpec(model, n_ctx=2048, slots=4, n_threads=a.threads, mmproj=proj))
     ask = "Transcribe the audio."
 
     def ttft(clips: list[bytes]) -> tuple[float, int, float]:

@@ -80,7 +80,7 @@ def ours(path: Path, ctx: int, threads: int, tokens: int, plain: bool = False) -
     from backends.registry import source_class
     from backends.specs import GenerateRequest, LoadSpec, Sampling
 
-    m = LoadedModel(source_class("llamacpp"), LoadSpec(str(path), n_ctx=ctx, n_seq=1, n_threads=threads))
+    m = LoadedModel(source_class("llamacpp"), LoadSpec(str(path), n_ctx=ctx, slots=1, n_threads=threads))
     rows = []
     try:
         for label, msgs in scenario():

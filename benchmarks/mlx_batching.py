@@ -42,7 +42,7 @@ class Ours:
         from backends.registry import load
         from backends.specs import Tuning
 
-        self.m = load("mlx", LoadSpec(model_path=_mlx_dir(model), n_ctx=1024, n_seq=slots,
+        self.m = load("mlx", LoadSpec(model_path=_mlx_dir(model), n_ctx=1024, slots=slots,
                                       tuning=Tuning(batch=batched)))
         src = self.m.source
         assert isinstance(src, MLXSource)

@@ -57,7 +57,7 @@ class Variant:
 
         draft = None if mode == "plain" else DraftSpec("mtp", auto=False)
         extra = {"draft_always": True} if mode == "forced" else {}
-        self.model = LoadedModel(LlamaCppSource, LoadSpec(path, n_ctx=1024, n_seq=slots, n_threads=threads,
+        self.model = LoadedModel(LlamaCppSource, LoadSpec(path, n_ctx=1024, slots=slots, n_threads=threads,
                                                           draft=draft, extra=extra))
         self.tokens = tokens
         self.run(1, warm=True)

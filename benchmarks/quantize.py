@@ -120,14 +120,14 @@ def main() -> int:
             bare_s = time.perf_counter() - t0
             print(f"{key}: localllm create --quantize {ours_s:.2f} s (the F32 import included), "
                   f"llama_model_quantize alone {bare_s:.2f} s, {ours.size:,} bytes, "
-                  f"sha256 {ours.digest.removeprefix('sha256:')[:16]}")
+                  f"sha256 {ours.weights_digest.removeprefix('sha256:')[:16]}")
             if theirs_bin is None:
                 continue
             out = root / f"llama-quantize-{key}.gguf"
             t0 = time.perf_counter()
             subprocess.run([theirs_bin, str(f32), str(out), key, str(args.threads)], check=True, capture_output=True)
             theirs_s = time.perf_counter() - t0
-            same = sha256(out) == ours.digest.removeprefix("sha256:")
+            same = sha256(out) == ours.weights_digest.removeprefix("sha256:")
             line = (f"{key}: llama-quantize {theirs_s:.2f} s, {out.stat().st_size:,} bytes, "
                     f"identical file: {'yes' if same else 'no'}")
             if not same:

@@ -64,7 +64,7 @@ def main() -> None:
     def pic(i: int) -> bytes:
         return img if img is not None and i == 0 else png(seed=1000 + i)
 
-    m = load("llamacpp", LoadSpec(model, n_ctx=2048, n_seq=4, n_threads=a.threads, mmproj=proj))
+    m = load("llamacpp", LoadSpec(model, n_ctx=2048, slots=4, n_threads=a.threads, mmproj=proj))
     ask = "Describe the picture in one sentence."
 
     def ttft(images: list[bytes]) -> tuple[float, int, float]:

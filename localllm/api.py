@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Advisor", "AsyncEventStream", "CatalogItem", "EventStream", "Fit", "Installed", "Models", "ProgressFn",
-    "PullProgress", "Runner", "Running", "processor", "until",
+    "PullProgress", "Runner", "Loaded", "processor", "until",
 ]
 
 ProgressFn = Callable[[PullProgress], None]
@@ -212,7 +212,7 @@ class DeviceUse:
 
 
 @dataclass
-class Running:
+class Loaded:
     """A loaded model, as ``ps`` shows it. A server fills what ``/api/ps`` says; the fields below
     ``expires_at`` are known in-process only (``""`` / 0 / None otherwise)."""
 
@@ -280,7 +280,7 @@ class Ranked:
 
 
 class Runner(Protocol):
-    """Running models: generate (a sync or an async stream of events), load, unload, ps.
+    """Loaded models: generate (a sync or an async stream of events), load, unload, ps.
 
     Events are the engine's: :class:`~localllm.engine.TextChunk` (``thinking=True`` for reasoning),
     :class:`~localllm.engine.ToolCalls`, and one closing :class:`~localllm.engine.Done`. Leaving a stream
@@ -301,13 +301,13 @@ class Runner(Protocol):
                   cancel: threading.Event | None = None, keep_alive: float | None = None) -> AsyncEventStream:
         """:meth:`generate` for asyncio callers (the loop is never blocked)."""
 
-    def load(self, name: str, options: LoadOptions | None = None, *, keep_alive: float | None = None) -> Running:
+    def load(self, name: str, options: LoadOptions | None = None, *, keep_alive: float | None = None) -> Loaded:
         """Load ``name`` now (or find it loaded with compatible options)."""
 
     def unload(self, name: str) -> bool:
         """Unload ``name`` once its generations end; True if it was loaded."""
 
-    def ps(self) -> list[Running]:
+    def ps(self) -> list[Loaded]:
         """Loaded models, the one that expires last first."""
 
     def rerank(self, name: str, query: str, documents: list[str], options: LoadOptions | None = None, *,

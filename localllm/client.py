@@ -27,7 +27,7 @@ from collections.abc import Generator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from localllm.api import DeviceUse, Installed, ProgressFn, PullProgress, Ranked, Running
+from localllm.api import DeviceUse, Installed, Loaded, ProgressFn, PullProgress, Ranked
 from localllm.errors import LocalLLMError, ModelNotFoundError
 
 if TYPE_CHECKING:
@@ -139,9 +139,9 @@ def installed_from_show(name: str, d: JSON, listed: Installed | None) -> Install
     )
 
 
-def running_from_ps(d: JSON) -> Running:
+def running_from_ps(d: JSON) -> Loaded:
     """One ``/api/ps`` entry."""
-    return Running(name=str(d.get("name") or d.get("model") or ""), digest=_digest(d.get("digest")),
+    return Loaded(name=str(d.get("name") or d.get("model") or ""), digest=_digest(d.get("digest")),
                    size=_int(d.get("size")), size_vram=_int(d.get("size_vram")),
                    context_length=_int(d.get("context_length")), expires_at=parse_time(d.get("expires_at")),
                    slots=_int(d.get("slots")), slots_busy=_int(d.get("slots_busy")),
@@ -472,19 +472,19 @@ class Client:
 
     # ------------------------------------------------------------------ Runner
 
-    def ps(self) -> builtins.list[Running]:
+    def ps(self) -> builtins.list[Loaded]:
         return [running_from_ps(m) for m in self._json("GET", "/api/ps").get("models", [])]
 
     def is_loaded(self, name: str) -> bool:
         return any(m.name == name for m in self.ps())
 
-    def load(self, name: str, options: LoadOptions | None = None, *, keep_alive: float | None = None) -> Running:
+    def load(self, name: str, options: LoadOptions | None = None, *, keep_alive: float | None = None) -> Loaded:
         body: JSON = {"model": name, "stream": False, "options": options_json(None, options)}
         if keep_alive is not None:
             body["keep_alive"] = _keep_alive(keep_alive)
         self._request("POST", "/api/generate", body)
         loaded = self.ps()
-        return next((m for m in loaded if m.name == name), None) or Running(name=name)
+        return next((m for m in loaded if m.name == name), None) or Loaded(name=name)
 
     def unload(self, name: str) -> bool:
         """Unload ``name`` now (``localllm stop``). True if it was loaded."""

@@ -88,7 +88,7 @@ from localllm.loader import Loader, LoadOptions, Prepared
 from localllm.residency import (  # noqa: F401 - all but in_the_way re-exported, for the faces
     DEFAULT_KEEP_ALIVE,
     DEFAULT_MAX_QUEUE,
-    RunningModel,
+    Resident,
     ServerBusyError,
     in_the_way,
     parse_keep_alive,
@@ -126,8 +126,8 @@ class Engine:
         self.memory_budget = memory_budget  # bytes for all loaded models; None = free RAM (+VRAM) at first load
         self._baseline: tuple[int, int] | None = None  # (free RAM, free VRAM) with nothing loaded
         self.observers: list[Callable[[str, Stats], None]] = []  # called with (model, stats) as each generation ends
-        self._models: dict[str, RunningModel] = {}  # in service, by the store's canonical name
-        self._leaving: set[RunningModel] = set()  # unloaded, not closed yet (their memory still counts)
+        self._models: dict[str, Resident] = {}  # in service, by the store's canonical name
+        self._leaving: set[Resident] = set()  # unloaded, not closed yet (their memory still counts)
         self._aliases: dict[str, str] = {}  # requested name -> loaded key (the store's canonical name)
         self._lock = threading.RLock()  # guards _models, _leaving, _aliases, refs, _pending
         self._idle = threading.Condition(self._lock)  # notified when a model's refs drop or it closes
@@ -171,18 +171,18 @@ class Engine:
 
     # ------------------------------------------------------------------ checkout / checkin
 
-    def load(self, name: str, options: LoadOptions | None = None, *, keep_alive: float | None = None) -> RunningModel:
+    def load(self, name: str, options: LoadOptions | None = None, *, keep_alive: float | None = None) -> Resident:
         """Load ``name`` (or return it if already loaded with compatible options)."""
         running = self._checkout(name, options or LoadOptions(), keep_alive, None)
         self._checkin(running, keep_alive)
         return running
 
-    def _lookup(self, name: str) -> RunningModel | None:
+    def _lookup(self, name: str) -> Resident | None:
         with self._lock:
             return self._models.get(self._aliases.get(name, name))
 
     def _reuse(self, name: str, options: LoadOptions, keep_alive: float, *,
-               alias: str | None = None) -> RunningModel | None:
+               alias: str | None = None) -> Resident | None:
         """The model loaded under ``name`` with one more reference, if its options suit ``options`` (``alias``:
         the name the request used, remembered for the next lookup); else None."""
         with self._lock:
@@ -203,7 +203,7 @@ class Engine:
             return running
 
     def _checkout(self, name: str, options: LoadOptions, keep_alive: float | None,
-                  cancel: threading.Event | None, installed: InstalledModel | None = None) -> RunningModel:
+                  cancel: threading.Event | None, installed: InstalledModel | None = None) -> Resident:
         """The loaded model for ``name`` with one more reference (so nothing evicts it); prepares and loads it
         if needed (:meth:`Loader.prepare`, then memory made for its estimate, one load at a time). ``installed``:
         ``name`` as the caller read it from the store already. Pair with :meth:`_checkin`."""
@@ -235,12 +235,12 @@ class Engine:
                 self._load_lock.release()
             self._wait_for_room(prepared.estimate, cancel)  # the models in the way are busy: wait, holding no lock
 
-    def _load(self, name: str, prepared: Prepared, keep_alive: float, cancel: threading.Event | None) -> RunningModel:
+    def _load(self, name: str, prepared: Prepared, keep_alive: float, cancel: threading.Event | None) -> Resident:
         """Load ``prepared`` through the loader and put it in service with one reference. Hold ``_load_lock``."""
         loaded, load_ns, done = self.loader.load_fitting(prepared, cancel)
         model = done.model
         now = time.monotonic()
-        running = RunningModel(
+        running = Resident(
             name=model.name,
             digest=model.model_digest,  # a created model's own, not its base's (ps)
             model=loaded,
@@ -259,7 +259,7 @@ class Engine:
             self._aliases[name] = model.name
         return running
 
-    def _checkin(self, running: RunningModel, keep_alive: float | None) -> None:
+    def _checkin(self, running: Resident, keep_alive: float | None) -> None:
         """Drop a reference; keep-alive starts counting when the last one goes (0 = unload now). The last
         reference of an unloaded model closes it."""
         with self._lock:
@@ -294,7 +294,7 @@ class Engine:
         ram, vram = self._baseline
         return int(ram * 0.9) + int(vram * 0.9)
 
-    def _in_the_way(self, need: int, budget: int) -> list[RunningModel] | None:
+    def _in_the_way(self, need: int, budget: int) -> list[Resident] | None:
         """:func:`~localllm.residency.in_the_way` of the models resident now. Hold ``_lock``."""
         return in_the_way([*self._models.values(), *self._leaving], need, budget, self.max_loaded)
 
@@ -346,7 +346,7 @@ class Engine:
 
     def _start(self, name: str, request: GenerateRequest, options: LoadOptions, cancel: threading.Event,
                keep_alive: float | None, t_start: int, installed: InstalledModel | None,
-               ) -> tuple[RunningModel, bool, Channel[Event]]:
+               ) -> tuple[Resident, bool, Channel[Event]]:
         """Load (or find) ``name`` and queue ``request`` on its decode loop: (model, was it loaded, events).
         The caller owns one reference on the model (``_checkin`` when the stream ends)."""
         self._enter_queue()
@@ -365,7 +365,7 @@ class Engine:
         finally:
             self._leave_queue()
 
-    def _finish(self, running: RunningModel, event: Event, was_loaded: bool, t_start: int) -> None:
+    def _finish(self, running: Resident, event: Event, was_loaded: bool, t_start: int) -> None:
         if isinstance(event, Done):
             event.stats.load_duration = 0 if was_loaded else running.load_duration_ns
             event.stats.total_duration = time.perf_counter_ns() - t_start
@@ -426,13 +426,13 @@ class Engine:
         finally:
             self._untrack(cancel)
 
-    def _grown(self, running: RunningModel, request: GenerateRequest, options: LoadOptions,
+    def _grown(self, running: Resident, request: GenerateRequest, options: LoadOptions,
                e: ContextOverflowError) -> tuple[GenerateRequest, LoadOptions] | None:
         """:func:`~localllm.growth.grown`, asking the loader whether each larger context fits."""
         return grown(running, request, options, e,
                      lambda want: self.loader.prepare(running.name, replace(options, num_ctx=want)).plan.fits)
 
-    def _release(self, running: RunningModel, events: Channel[Event], cancel: threading.Event,
+    def _release(self, running: Resident, events: Channel[Event], cancel: threading.Event,
                  keep_alive: float | None) -> None:
         """A stream's consumer is done: a request it left before its end is cancelled, the reference returned."""
         if not events.closed:
@@ -483,7 +483,7 @@ class Engine:
                 except asyncio.CancelledError:  # the caller left during the load: the thread goes on, its
                     cancel.set()  # request is cancelled, and the model's reference is returned once it is done
 
-                    def release(f: asyncio.Future[tuple[RunningModel, bool, Channel[Event]]]) -> None:
+                    def release(f: asyncio.Future[tuple[Resident, bool, Channel[Event]]]) -> None:
                         if not f.cancelled() and f.exception() is None:
                             self._checkin(f.result()[0], keep_alive)
 
@@ -561,7 +561,7 @@ class Engine:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def ps(self) -> list[RunningModel]:
+    def ps(self) -> list[Resident]:
         """Loaded models, the one that expires last first (as ``/api/ps``)."""
         with self._lock:
             return sorted(self._models.values(), key=lambda m: -m.expires_in)
@@ -585,7 +585,7 @@ class Engine:
                 self._idle.wait(0.1)
         return True
 
-    def _unload(self, running: RunningModel) -> None:
+    def _unload(self, running: Resident) -> None:
         """Take ``running`` out of service; it closes now if nothing holds it, else when its last request
         ends (:meth:`_checkin`). Returns at once."""
         with self._lock:
@@ -593,7 +593,7 @@ class Engine:
         if close_now:
             self._close(running)
 
-    def _retire(self, running: RunningModel) -> bool:
+    def _retire(self, running: Resident) -> bool:
         """Out of service, into ``_leaving`` (its memory counts until :meth:`_close`). False if it was out
         already. Hold ``_lock``."""
         if running.closed:
@@ -606,7 +606,7 @@ class Engine:
         self._leaving.add(running)
         return True
 
-    def _close(self, running: RunningModel) -> None:
+    def _close(self, running: Resident) -> None:
         """Close a retired model's decode loop (cancelling what still runs on it) and forget it."""
         try:
             running.model.close()

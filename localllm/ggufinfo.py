@@ -108,9 +108,9 @@ class GGUFInfo:
         elems = (self.n_layers - self.recurrent_layers) * self.n_head_kv * (self.head_dim_k + self.head_dim_v)
         return elems * per_elem
 
-    def memory_bytes(self, n_cells: int, kv_type: str = "f16", *, n_seq: int = 1, swa_full: bool = False,
+    def memory_bytes(self, n_cells: int, kv_type: str = "f16", *, slots: int = 1, swa_full: bool = False,
                      n_ubatch: int = 512) -> int:
-        """What llama.cpp allocates for the memory of ``n_cells`` context cells (all slots) with ``n_seq``
+        """What llama.cpp allocates for the memory of ``n_cells`` context cells (all slots) with ``slots``
         slots (localllm gives llama.cpp two sequence ids a slot): global layers hold every cell; windowed ones
         ``sliding_window`` per sequence id + a batch, padded to 256 (unless ``swa_full``); recurrent layers
         one state per sequence id.
@@ -123,7 +123,7 @@ class GGUFInfo:
         (39, 192)
         """
         per_layer = self.kv_bytes_per_token(kv_type) / max(self.n_layers - self.recurrent_layers, 1)
-        ids = 2 * max(n_seq, 1)
+        ids = 2 * max(slots, 1)
         swa = 0 if swa_full or not self.sliding_window else min(self.swa_layers, self.n_layers)
         window = min(n_cells, -(-((self.sliding_window or 0) * ids + n_ubatch) // 256) * 256) if swa else 0
         attn = self.n_layers - self.recurrent_layers - swa

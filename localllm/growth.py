@@ -15,7 +15,7 @@ from backends.base import ContextOverflowError, GenerateRequest
 from localllm.loader import LoadOptions
 
 if TYPE_CHECKING:
-    from localllm.residency import RunningModel
+    from localllm.residency import Resident
 
 log = logging.getLogger("localllm.engine")
 
@@ -27,7 +27,7 @@ def growable(request: GenerateRequest, options: LoadOptions) -> tuple[GenerateRe
     return request, options
 
 
-def grown(running: RunningModel, request: GenerateRequest, options: LoadOptions, e: ContextOverflowError,
+def grown(running: Resident, request: GenerateRequest, options: LoadOptions, e: ContextOverflowError,
           fits: Callable[[int], bool]) -> tuple[GenerateRequest, LoadOptions] | None:
     """What to retry a request with whose prompt did not fit ``running``'s context: a larger context (the
     smallest power of two that holds the prompt and the answer's reserve, up to the trained context and

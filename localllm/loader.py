@@ -231,7 +231,7 @@ class Loader:
         from localllm.ggufinfo import info_of
         from localllm.planner import plan
 
-        info = info_of(model.info, model.path, model.digest)
+        info = info_of(model.info, model.path, model.weights_digest)
         kv = options.kv_cache_type or config.kv_cache_type()
         if options.devices:
             known = [d.name for d in self.hardware.devices]
@@ -340,7 +340,7 @@ class Loader:
         return LoadSpec(
             model_path=str(path),
             n_ctx=p.n_ctx,
-            n_seq=p.n_seq,
+            slots=p.slots,
             n_gpu_layers=p.n_gpu_layers,
             n_cpu_moe=p.n_cpu_moe,
             n_threads=options.num_thread or p.n_threads,
@@ -364,13 +364,14 @@ class Loader:
     def prompt_cache_spec(self, model: InstalledModel, backend: str) -> PromptCacheSpec | None:
         """Where this model's saved prompt prefixes live (``LOCALLLM_PROMPT_CACHE_SIZE``; 0 = none)."""
         size = config.prompt_cache_size()
-        if size <= 0 or not model.digest:
+        if size <= 0 or not model.weights_digest:
             return None
         root = config.paths().prompt_cache
         adapters = model.derived.adapters if model.derived is not None else []
         if adapters:  # a LoRA changes every KV state: its prefixes are not the base weights' prefixes
             return None
-        return PromptCacheSpec(str(root / model.digest.removeprefix("sha256:")), f"{model.digest} {backend}",
+        digest = model.weights_digest
+        return PromptCacheSpec(str(root / digest.removeprefix("sha256:")), f"{digest} {backend}",
                                max_bytes=size, budget_root=str(root))
 
     def draft_spec(self, model: InstalledModel, options: LoadOptions, backend: str) -> DraftSpec | None:

@@ -12,12 +12,12 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from backends.descriptor import MLX
-from localllm.api import CatalogItem, DeviceUse, Fit, Installed, ProgressFn, Ranked, Running, drafting_text
+from localllm.api import CatalogItem, DeviceUse, Fit, Installed, Loaded, ProgressFn, Ranked, drafting_text
 
 if TYPE_CHECKING:
     from localllm.api import AsyncEventStream, EventStream
     from localllm.catalog import CatalogEntry
-    from localllm.engine import Engine, GenerateRequest, LoadOptions, RunningModel
+    from localllm.engine import Engine, GenerateRequest, LoadOptions, Resident
     from localllm.hardware import HardwareInfo
     from localllm.modelfile import Modelfile
     from localllm.planner import Plan
@@ -53,7 +53,7 @@ def installed(m: InstalledModel) -> Installed:
     info = m.info
     mlx = m.weights_of(MLX)
     return Installed(
-        name=m.name, digest=m.model_digest, weights_digest=m.digest, size=m.size, modified=m.modified,
+        name=m.name, digest=m.model_digest, weights_digest=m.weights_digest, size=m.size, modified=m.modified,
         formats=list(m.formats),
         architecture=str(info.get("architecture") or ""), parameters=int(info.get("parameters") or 0),
         quantization=str(info.get("file_type") or m.quant or ""),
@@ -153,13 +153,13 @@ class LocalRunner:
                   cancel: threading.Event | None = None, keep_alive: float | None = None) -> AsyncEventStream:
         return self.engine.agenerate(name, request, options, cancel=cancel, keep_alive=keep_alive)
 
-    def load(self, name: str, options: LoadOptions | None = None, *, keep_alive: float | None = None) -> Running:
+    def load(self, name: str, options: LoadOptions | None = None, *, keep_alive: float | None = None) -> Loaded:
         return running(self.engine.load(name, options, keep_alive=keep_alive))
 
     def unload(self, name: str) -> bool:
         return self.engine.unload(name)
 
-    def ps(self) -> list[Running]:
+    def ps(self) -> list[Loaded]:
         return [running(m) for m in self.engine.ps()]
 
     def rerank(self, name: str, query: str, documents: list[str], options: LoadOptions | None = None, *,
@@ -181,24 +181,24 @@ class LocalRunner:
         self.engine.close()
 
 
-def running(m: RunningModel) -> Running:
+def running(m: Resident) -> Loaded:
     from localllm.loader import plan_line
 
     info = m.info
     wall = m.expires_at_wall
-    return Running(
+    return Loaded(
         name=m.name, digest=m.digest, size=int(m.size), size_vram=int(m.size_vram), context_length=info.n_ctx,
         expires_at=None if wall is None else datetime.fromtimestamp(wall, UTC), backend=m.backend,
         kv_cache_type=info.kv_cache_type, n_gpu_layers=info.n_gpu_layers, n_layers=info.n_layers, draft=info.draft,
         drafting=drafting_text(info.draft, m.metrics.drafting, info.draft_off or None),
-        n_threads=m.model.spec.n_threads, slots=info.n_seq, kv_cache_bytes=_kv_bytes(m),
+        n_threads=m.model.spec.n_threads, slots=info.slots, kv_cache_bytes=_kv_bytes(m),
         slots_busy=m.metrics.slots_busy, batched=m.batched, prompt_cache_entries=m.metrics.prompt_cache_entries,
         prompt_cache_bytes=m.metrics.prompt_cache_bytes, devices=device_use(m), plan=plan_line(m.plan),
         n_cpu_moe=m.plan.n_cpu_moe,
     )
 
 
-def device_use(m: RunningModel) -> list[DeviceUse]:
+def device_use(m: Resident) -> list[DeviceUse]:
     """Per device (the CPU left out): what llama.cpp allocated, beside the plan's estimate."""
     alloc = m.info.allocations
     planned = {d.name: d for d in m.plan.devices}
@@ -208,7 +208,7 @@ def device_use(m: RunningModel) -> list[DeviceUse]:
                       planned[name].description if name in planned else "") for name in names]
 
 
-def _kv_bytes(m: RunningModel) -> int | None:
+def _kv_bytes(m: Resident) -> int | None:
     """The KV cache of one sequence's context: as the backend reports it, else layers × KV heads × head size ×
     context for the type."""
     info = m.info

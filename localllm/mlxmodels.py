@@ -75,7 +75,7 @@ class GGUFModel(Protocol):
     def name(self) -> str: ...
 
     @property
-    def digest(self) -> str | None: ...  # "sha256:<hex>"
+    def weights_digest(self) -> str | None: ...  # "sha256:<hex>"
 
     @property
     def path(self) -> str | os.PathLike[str]: ...  # the .gguf
@@ -107,7 +107,7 @@ def takes_mlx(backend: str) -> bool:
 
 
 def _key(model: GGUFModel) -> str:
-    digest = str(model.digest or "")
+    digest = str(model.weights_digest or "")
     hexpart = digest.split(":", 1)[-1].lower()
     if not re.fullmatch(r"[0-9a-f]{16,128}", hexpart):
         raise ValueError(f"installed model {model.name!r} has no sha256 digest")

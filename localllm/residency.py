@@ -1,4 +1,4 @@
-"""Residency: what the engine keeps of a loaded model (:class:`RunningModel`: references, keep-alive, the plan it
+"""Residency: what the engine keeps of a loaded model (:class:`Resident`: references, keep-alive, the plan it
 loaded with), Ollama's ``keep_alive`` durations, the queue bound's error, and which idle models make room for a
 load (:func:`in_the_way`). The engine (:mod:`localllm.engine`) holds the lock these run under; nothing here
 loads or closes anything.
@@ -73,7 +73,7 @@ def _keep_alive(value: Any, default: float | None) -> float:
 
 
 @dataclass(eq=False)
-class RunningModel:
+class Resident:
     """A loaded model as ``ps`` shows it."""
 
     name: str
@@ -160,7 +160,7 @@ class RunningModel:
         return None if left == float("inf") else time.time() + max(0.0, left)
 
 
-def in_the_way(resident: list[RunningModel], need: int, budget: int, max_loaded: int) -> list[RunningModel] | None:
+def in_the_way(resident: list[Resident], need: int, budget: int, max_loaded: int) -> list[Resident] | None:
     """None when ``need`` more bytes fit ``budget`` beside the ``resident`` models and their count stays under
     ``max_loaded`` (0 = any count); else the idle models to unload for it, least recently used first, or ``[]``
     when that would not do (busy models are in the way: unloading idle ones would not make room yet). The first

@@ -136,8 +136,8 @@ class FakeSource(TokenSource):
         self._chunk = max(1, self.knobs.chunk)
         self._info = ModelInfo(architecture="fake", n_ctx=spec.n_ctx, n_ctx_train=spec.n_ctx, n_layers=1,
                                n_vocab=256, chat_template="{{ tools }}", size_bytes=1 << 20,
-                               kv_cache_type=spec.kv_cache_type, n_seq=max(1, spec.n_seq),
-                               kv_cells=spec.n_ctx * max(1, spec.n_seq),
+                               kv_cache_type=spec.kv_cache_type, slots=max(1, spec.slots),
+                               kv_cells=spec.n_ctx * max(1, spec.slots),
                                draft=(spec.draft.kind if spec.draft else None))
 
     @property

@@ -48,7 +48,7 @@ def test_derived_model_stores_only_what_it_adds_and_shares_the_blob(store):
     before = _blobs(store)
     m = store.create("terse", parse(TERSE))
     base = store.get(DEFAULT_MODEL)
-    assert (m.digest, m.path, m.base) == (base.digest, base.path, DEFAULT_MODEL)
+    assert (m.weights_digest, m.path, m.base) == (base.weights_digest, base.path, DEFAULT_MODEL)
     assert _blobs(store) == before  # no bytes copied
     manifest = json.loads((store.paths.manifests / "library" / "terse" / "latest.json").read_text())
     assert manifest["derived"] == {
@@ -76,17 +76,18 @@ def test_a_created_model_has_its_own_digest_a_copy_shares_it_and_rm_keeps_what_o
     from localllm.local import installed
 
     base = store.get(DEFAULT_MODEL)
-    assert base.model_digest == base.digest  # a pulled model: its weights' digest, as before
+    assert base.model_digest == base.weights_digest  # a pulled model: its weights' digest, as before
     m = store.create("terse", parse(TERSE))
-    assert m.digest == base.digest and m.model_digest != base.model_digest and m.short_id != base.short_id
-    assert installed(m).digest == m.model_digest and installed(m).weights_digest == base.digest
+    assert m.weights_digest == base.weights_digest
+    assert m.model_digest != base.model_digest and m.short_id != base.short_id
+    assert installed(m).digest == m.model_digest and installed(m).weights_digest == base.weights_digest
     again = store.create("terse2", parse(TERSE))
     assert again.model_digest == m.model_digest  # names and times are not part of it
     other = store.create("warmer", parse(TERSE.replace("temperature 0", "temperature 0.5")))
     assert other.model_digest not in (m.model_digest, base.model_digest)
     assert store.copy("terse", "terse-copy").model_digest == m.model_digest
-    assert store.create("plain", parse(f"FROM {DEFAULT_MODEL}\n")).model_digest == base.digest  # adds nothing
-    cache = store.paths.prompt_cache / base.digest.removeprefix("sha256:")  # the weights' saved prefixes
+    assert store.create("plain", parse(f"FROM {DEFAULT_MODEL}\n")).model_digest == base.weights_digest  # adds nothing
+    cache = store.paths.prompt_cache / base.weights_digest.removeprefix("sha256:")  # the weights' saved prefixes
     cache.mkdir(parents=True)
     (cache / "entry").write_bytes(b"kv")
     store.remove("terse")
@@ -111,7 +112,7 @@ def test_a_created_model_and_its_base_load_apart_with_their_own_settings(store):
         loaded = {r.name: r for r in engine.ps()}
         assert set(loaded) == {"small-ctx", DEFAULT_MODEL}
         assert loaded["small-ctx"].info.n_ctx == 256 and loaded[DEFAULT_MODEL].info.n_ctx != 256
-        assert (loaded["small-ctx"].digest, loaded[DEFAULT_MODEL].digest) == (m.model_digest, base.digest)
+        assert (loaded["small-ctx"].digest, loaded[DEFAULT_MODEL].digest) == (m.model_digest, base.weights_digest)
         assert small.stats.eval_count <= 2 and full.stats.eval_count == 4
 
 
@@ -136,7 +137,7 @@ def test_from_a_local_gguf_copies_it_into_the_blobs_and_show_modelfile_recreates
     text = modelfile_of(m)
     again = store.create("again", parse(text))
     assert again.derived is not None and m.derived is not None
-    assert (again.digest, again.derived.system) == (m.digest, "hi")
+    assert (again.weights_digest, again.derived.system) == (m.weights_digest, "hi")
     assert _blobs(store) == [m.path.name]
 
 
@@ -359,7 +360,7 @@ def f32_models(tmp_path_factory, installed_default_model) -> Path:
     install_copy(pp.models, TEST_HOME / "data" / "models")
     store = Store(paths=pp)
     m = store.create("smol-f32", parse("FROM smollm2:135m\n"), quantize="f32", requantize=True)
-    assert m.quant == "F32" and m.quantized_from == store.get(DEFAULT_MODEL).digest
+    assert m.quant == "F32" and m.quantized_from == store.get(DEFAULT_MODEL).weights_digest
     return pp.models
 
 
@@ -392,8 +393,8 @@ def test_quantize_q8_0_and_q4_k_m_from_the_f32_variant(f32_store, capsys):
     q8 = store.create("smol-q8", parse("FROM smol-f32\nSYSTEM kept\n"), quantize="q8_0",
                       progress=lambda p: events.append(p.status))
     q4 = store.create("smol-q4km", parse("FROM smol-f32\n"), quantize="Q4_K_M")
-    assert (q8.quant, q4.quant, q8.base, q8.quantized_from) == ("Q8_0", "Q4_K_M", "smol-f32", f32.digest)
-    assert q8.path.parent == store.paths.blobs and q8.digest not in (f32.digest, q4.digest)
+    assert (q8.quant, q4.quant, q8.base, q8.quantized_from) == ("Q8_0", "Q4_K_M", "smol-f32", f32.weights_digest)
+    assert q8.path.parent == store.paths.blobs and q8.weights_digest not in (f32.weights_digest, q4.weights_digest)
     assert q4.size < q8.size < f32.size / 3
     assert q8.derived is not None and q8.derived.system == "kept"
     assert any(e.startswith("quantizing F32 model to Q8_0") for e in events)

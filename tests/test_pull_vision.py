@@ -39,7 +39,7 @@ def test_pull_from_the_hub_fetches_the_f16_projector_and_rm_frees_it(hub, defaul
     _hub(hub, repo, {"Tiny-Q4_1.gguf": default_model_path.read_bytes(), "mmproj-Tiny-f16.gguf": proj,
                      "mmproj-Tiny-f32.gguf": b"GGUF" + b"\0" * 60})
     m = Store().pull(f"hf.co/{repo}:Q4_1")
-    assert m.digest == f"sha256:{SMOL_SHA}"
+    assert m.weights_digest == f"sha256:{SMOL_SHA}"
     assert m.projector is not None and m.projector.digest == f"sha256:{_sha(proj)}"
     assert m.projector.source == f"hf:{repo}/mmproj-Tiny-f16.gguf"
     assert hub.sent(f"/{repo}/resolve/{'e' * 40}/mmproj-Tiny-f32.gguf") == 0

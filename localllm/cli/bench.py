@@ -15,7 +15,7 @@ Method (like ``llama-bench``): one warm-up generation per variant, then per repe
   duration. Draft variants also report the acceptance rate.
 
 The KV cache size is what the loaded model reports (``ModelInfo.kv_bytes`` when the
-backend sets it, else layers × KV heads × head size × context for the type): ``Running.kv_cache_bytes``.
+backend sets it, else layers × KV heads × head size × context for the type): ``Loaded.kv_cache_bytes``.
 The benchmark runs in-process (:class:`~localllm.local.LocalRunner`: it sizes prompts with the model's
 tokenizer, which a server does not offer).
 """

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:
-    from localllm.api import Running
+    from localllm.api import Loaded
 
 
 @click.command("ps")
@@ -52,7 +52,7 @@ def command(host: str | None, as_json: bool) -> None:
         return
     rows = [("NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "SLOTS", "PROMPT CACHE", "UNTIL")]
 
-    def slots(m: Running) -> str:
+    def slots(m: Loaded) -> str:
         if not m.slots:
             return "-"
         return f"{m.slots_busy}/{m.slots}" + ("" if m.batched or m.slots < 2 else " (taking turns)")

@@ -47,7 +47,7 @@ class Plan:
     draft_n_gpu_layers: int = 0
     max_ctx: int | None = None  # the largest context that would fit the same way (None: not computed)
     mlx_convert: bool = False  # backend MLX from the GGUF: convert it (once, offline) before loading
-    n_seq: int = 1  # parallel slots: sequences decoding together over one KV pool of n_ctx × n_seq cells
+    slots: int = 1  # parallel slots: sequences decoding together over one KV pool of n_ctx × slots cells
     # where the offloaded layers go, device by device in llama.cpp's order (empty: one GPU, or none)
     devices: list[DevicePlan] = field(default_factory=list)
     shares: list[float] | None = None  # --tensor-split as given (None: by usable memory)
@@ -74,7 +74,7 @@ class Plan:
         where = {"cuda": "CUDA", "metal": "Metal", "cpu": "CPU", "gpu": "GPU"}[self.device]
         if self.devices and self.device == "gpu":
             where = " + ".join(d.name for d in self.devices)
-        slots = f", {self.n_seq} slots" if self.n_seq > 1 else ""
+        slots = f", {self.slots} slots" if self.slots > 1 else ""
         return (f"{name} on {where}, {self.verdict_text}, {self.n_ctx:,}-token context{slots}, "
                 f"{_gb(self.memory.total)}")
 
@@ -159,7 +159,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
     max_ctx = None
     if verdict != "too_big":
         try:
-            max_ctx = pl.max_ctx(fit.chosen, fit.device, fit.fa, min(lay.ngl, L + 1), fit.n_seq, lay.n_cpu_moe)
+            max_ctx = pl.max_ctx(fit.chosen, fit.device, fit.fa, min(lay.ngl, L + 1), fit.slots, lay.n_cpu_moe)
         except Exception:
             max_ctx = None
     ts = req.tensor_split
@@ -167,7 +167,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
                 n_ctx=fit.n_ctx, kv_cache_type=pl.kv, flash_attn=fit.fa, n_threads=fit.threads,
                 verdict=verdict, verdict_text=verdict_text, memory=mem, reasons=fit.reasons,  # type: ignore[arg-type]
                 advice="\n".join(fit.advice) or None, draft_n_gpu_layers=lay.draft_ngl, max_ctx=max_ctx,
-                n_seq=fit.n_seq, devices=lay.devices, shares=ts if ts and len(ts) == len(lay.devices) else None,
+                slots=fit.slots, devices=lay.devices, shares=ts if ts and len(ts) == len(lay.devices) else None,
                 mlx_convert=fit.chosen.converts_from is not None and not choice.mw.installed,
                 n_cpu_moe=lay.n_cpu_moe if fit.chosen.memory == "layers" else 0)
 
@@ -291,7 +291,7 @@ class _Fit:
     fa_reason: str | None
     kv_reason: str | None
     n_ctx: int
-    n_seq: int
+    slots: int
     lay: _Layout
     candidates: list[int]
     reasons: list[str]
@@ -350,7 +350,7 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
     later = [b for b in order[order.index(chosen) + 1:] if c.status[b.name].available and c.ready(b)]
     fallback = later[0] if backend == "auto" and chosen.memory == "unified" and device != "cpu" and later else None
     kv_reason = c.kv_reason
-    n_ctx, n_seq, lay = pick(pl, chosen, device, fa, shrink=fallback is None)
+    n_ctx, slots, lay = pick(pl, chosen, device, fa, shrink=fallback is None)
     if fallback is not None and not lay.fits:
         reasons.append(f"{chosen.label} not used: {lay.why}; falling back to {fallback.label}"
                        + (", which can keep part of the model on the CPU" if fallback.memory == "layers" else ""))
@@ -360,7 +360,7 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
         device = _device(chosen, hw, reasons, advice, name, c.mw, [], c.status, asked=False)
         device = _registry_device(chosen, hw, device, reasons)
         fa, fa_reason = (False, None) if chosen.memory == "unified" else pl.flash_attn(device)
-        n_ctx, n_seq, lay = pick(pl, chosen, device, fa)
+        n_ctx, slots, lay = pick(pl, chosen, device, fa)
 
     if not lay.fits and req.num_ctx is not None:
         smallest = pl.layout(chosen, device, min(MIN_AUTO_CTX, req.num_ctx), fa)
@@ -376,7 +376,7 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
     if ts and any(x < 0 for x in ts) or ts and sum(ts) <= 0:
         raise PlanError("--tensor-split takes shares of 0 or more, at least one above 0 (e.g. 3,1).")
     threads = max(hw.physical_cores or hw.logical_cores or 1, 1)
-    return _Fit(chosen, device, pl, fa, fa_reason, kv_reason, n_ctx, n_seq, lay, candidates, reasons, advice,
+    return _Fit(chosen, device, pl, fa, fa_reason, kv_reason, n_ctx, slots, lay, candidates, reasons, advice,
                 threads)
 
 
@@ -427,7 +427,7 @@ def _explain(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, fit: _Fit, verd
     """Appends the reason lines of the memory, placement, context, KV cache and threads to ``fit.reasons``;
     returns the memory estimate with the projector counted."""
     name, chosen, device, lay, pl = _name(info), fit.chosen, fit.device, fit.lay, fit.pl
-    n_ctx, n_seq = fit.n_ctx, fit.n_seq
+    n_ctx, slots = fit.n_ctx, fit.slots
     reasons, L, mem = fit.reasons, info.n_layers, fit.lay.mem
     ctx_train = info.context_length or 0
     projector_bytes, projector_kind, num_gpu = req.projector_bytes, req.projector_kind, req.num_gpu
@@ -441,15 +441,15 @@ def _explain(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, fit: _Fit, verd
             f"{projector_kind} projector {_gb(projector_bytes)} not used: {chosen.label} has no vision ("
             + {"audio": "audio is refused", "vision+audio": "images and audio are refused"}.get(
                 projector_kind, "images are refused") + ")")
-    reasons.append(f"memory {mem.describe(n_ctx * n_seq, pl.kv)}")
+    reasons.append(f"memory {mem.describe(n_ctx * slots, pl.kv)}")
     if chosen.memory == "layers" and (info.swa_layers or info.recurrent_layers):
-        reasons.append(memory_layout_reason(info, n_ctx * n_seq, pl.kv, n_seq, req.swa_full))
+        reasons.append(memory_layout_reason(info, n_ctx * slots, pl.kv, slots, req.swa_full))
     if req.num_parallel:
-        reasons.append(f"{n_seq} parallel slot{'s' if n_seq > 1 else ''}: asked for with num_parallel")
-    elif n_seq == DEFAULT_PARALLEL:
-        reasons.append(f"{n_seq} parallel slots: requests decode together, one KV pool of {n_ctx:,} tokens each")
+        reasons.append(f"{slots} parallel slot{'s' if slots > 1 else ''}: asked for with num_parallel")
+    elif slots == DEFAULT_PARALLEL:
+        reasons.append(f"{slots} parallel slots: requests decode together, one KV pool of {n_ctx:,} tokens each")
     elif verdict != "too_big":
-        reasons.append(f"{n_seq} parallel slot{'s' if n_seq > 1 else ''}: fewer than {DEFAULT_PARALLEL} so the "
+        reasons.append(f"{slots} parallel slot{'s' if slots > 1 else ''}: fewer than {DEFAULT_PARALLEL} so the "
                        f"{n_ctx:,}-token context fits")
     mw = req.mlx if req.mlx is not None else MLXWeights(installed=req.mlx_model)
     if chosen.weights != GGUF and mw.weights_bytes:
@@ -502,8 +502,8 @@ def _explain(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, fit: _Fit, verd
                        f"sliding-window attention (window {info.sliding_window:,}): the KV figure is an upper bound")
     per_tok = info.kv_bytes_per_token(pl.kv)
     reasons.append(fit.kv_reason or f"KV cache {pl.kv}: {per_tok / 1024:,.1f} KiB per token"
-                   + (f", {_gb(mem.kv_cache)} for {n_ctx * n_seq:,} tokens"
-                      + (f" ({n_seq} slots × {n_ctx:,})" if n_seq > 1 else "") if mem.kv_cache else ""))
+                   + (f", {_gb(mem.kv_cache)} for {n_ctx * slots:,} tokens"
+                      + (f" ({slots} slots × {n_ctx:,})" if slots > 1 else "") if mem.kv_cache else ""))
     if fit.fa_reason:
         reasons.append(fit.fa_reason)
     reasons.append(f"threads {fit.threads}: the physical cores this process may run on (hyper-threads do not speed "

@@ -130,9 +130,9 @@ def _default_flash_attn(kv_cache_type: str) -> bool:
 
 
 def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layers: int = 0, *,
-             flash_attn: bool | None = None, device: str = "cuda", n_gpus: int = 1, n_seq: int = 1,
+             flash_attn: bool | None = None, device: str = "cuda", n_gpus: int = 1, slots: int = 1,
              swa_full: bool = False, n_cpu_moe: int = 0) -> MemoryEstimate:
-    """Memory to load ``info`` with ``n_ctx`` tokens of context (all ``n_seq`` slots) and ``n_gpu_layers``
+    """Memory to load ``info`` with ``n_ctx`` tokens of context (all ``slots`` slots) and ``n_gpu_layers``
     offloaded (llama.cpp's meaning; negative = all), the expert tensors of the first ``n_cpu_moe`` layers kept in
     RAM (llama.cpp's ``--n-cpu-moe``). ``flash_attn=None``: on when the V cache is quantized. The
     KV cache is what llama.cpp allocates (:meth:`GGUFInfo.memory_bytes`): sliding-window layers at their window
@@ -157,7 +157,7 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
     moved = w.moved(split, len(w.layers), n_cpu_moe)  # offloaded layers' experts that stay in RAM
     gpu_w = sum(w.layers[split:]) + (w.output if output_gpu else 0) - moved
     cpu_w = sum(w.layers[:split]) + w.embd + (0 if (output_gpu or w.tied) else w.output) + moved
-    kv = info.memory_bytes(n_ctx, kv_cache_type, n_seq=n_seq, swa_full=swa_full)
+    kv = info.memory_bytes(n_ctx, kv_cache_type, slots=slots, swa_full=swa_full)
     kv_gpu = kv * layers_gpu // n_layers
     if ngl == 0:
         gpu_c, cpu_c = 0, _graph(info, n_ctx, flash_attn, partial=False)
@@ -169,7 +169,7 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
     if moved:  # the CPU runs those experts: its buffer holds their activations (gate, up, down of the used ones)
         cpu_c = max(cpu_c, moe_cpu_compute(info, n_ctx))
     gpu_o = (CUDA_OVERHEAD * max(n_gpus, 1) if device == "cuda" else 0) if ngl else 0
-    host = HOST_OVERHEAD + checkpoint_bytes(info, n_ctx, kv_cache_type, n_seq)  # checkpoints live in host memory
+    host = HOST_OVERHEAD + checkpoint_bytes(info, n_ctx, kv_cache_type, slots)  # checkpoints live in host memory
     gpu = gpu_w + kv_gpu + gpu_c + gpu_o
     cpu = cpu_w + (kv - kv_gpu) + cpu_c + host
     return MemoryEstimate(weights=gpu_w + cpu_w, kv_cache=kv, compute=gpu_c + cpu_c, overhead=gpu_o + host,
@@ -183,7 +183,7 @@ def moe_cpu_compute(info: GGUFInfo, n_ctx: int) -> int:
     return 4 * b * (3 * info.n_ff_exp * max(info.n_experts_used, 1) + 6 * info.n_embd)
 
 
-def checkpoint_bytes(info: GGUFInfo, n_ctx: int, kv_cache_type: str, n_seq: int) -> int:
+def checkpoint_bytes(info: GGUFInfo, n_ctx: int, kv_cache_type: str, slots: int) -> int:
     """Host memory the checkpoints of a windowed or recurrent model may take at most (``backends.kvpool``'s
     :class:`~backends.kvpool.CheckpointPolicy`: per slot, 16 checkpoints of one sequence's recurrent state and
     window, within 256 MiB); 0 for a plain transformer. ``n_ctx``: all slots' cells."""
@@ -194,12 +194,12 @@ def checkpoint_bytes(info: GGUFInfo, n_ctx: int, kv_cache_type: str, n_seq: int)
     if not (swa or info.recurrent_layers):
         return 0
     per_layer = info.kv_bytes_per_token(kv_cache_type) / max(info.n_layers - info.recurrent_layers, 1)
-    window = min(n_ctx // max(n_seq, 1), (info.sliding_window or 0) + N_UBATCH)
+    window = min(n_ctx // max(slots, 1), (info.sliding_window or 0) + N_UBATCH)
     one = info.recurrent_bytes // 2 + int(swa * window * per_layer)  # (recurrent_bytes: two sequence ids a slot)
-    return max(n_seq, 1) * min(pol.bytes_per_slot, pol.per_seq * one)
+    return max(slots, 1) * min(pol.bytes_per_slot, pol.per_seq * one)
 
 
-def memory_layout_reason(info: GGUFInfo, n_cells: int, kv_cache_type: str, n_seq: int, swa_full: bool) -> str:
+def memory_layout_reason(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, swa_full: bool) -> str:
     """One line on a windowed or recurrent model's memory (``probe``, ``run --verbose``).
 
     >>> from localllm.ggufinfo import GGUFInfo
@@ -209,7 +209,7 @@ def memory_layout_reason(info: GGUFInfo, n_cells: int, kv_cache_type: str, n_seq
     >>> memory_layout_reason(g, 32768, "f16", 1, False)  # doctest: +ELLIPSIS
     'memory layout: 15 of 18 layers windowed (512 tokens): KV cache 118.5 MiB instead of 576.0 MiB (...); check...'
     """
-    kv = info.memory_bytes(n_cells, kv_cache_type, n_seq=n_seq, swa_full=swa_full)
+    kv = info.memory_bytes(n_cells, kv_cache_type, slots=slots, swa_full=swa_full)
     parts = []
     if info.swa_layers and info.sliding_window:
         parts.append(f"{info.swa_layers} of {info.n_layers} layers windowed ({info.sliding_window:,} tokens)"
@@ -219,9 +219,9 @@ def memory_layout_reason(info: GGUFInfo, n_cells: int, kv_cache_type: str, n_seq
                      f"({info.recurrent_bytes / MiB:.1f} MiB of state a sequence, no KV cache)")
     text = "memory layout: " + "; ".join(parts) + f": KV cache {kv / MiB:.1f} MiB"
     if info.swa_layers and info.sliding_window and not swa_full:
-        full = info.memory_bytes(n_cells, kv_cache_type, n_seq=n_seq, swa_full=True)
+        full = info.memory_bytes(n_cells, kv_cache_type, slots=slots, swa_full=True)
         text += f" instead of {full / MiB:.1f} MiB (LOCALLLM_SWA_FULL=1)"
-    ck = checkpoint_bytes(info, n_cells, kv_cache_type, n_seq)
+    ck = checkpoint_bytes(info, n_cells, kv_cache_type, slots)
     return text + (f"; checkpoints up to {ck / MiB:.1f} MiB of host memory" if ck else "")
 
 

@@ -90,7 +90,7 @@ def _targets(hw: HardwareInfo, device: str, caps: dict[str, int]) -> list[Device
 
 
 def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash_attn: bool,
-                 targets: list[DevicePlan], shares: list[float] | None = None, *, n_seq: int = 1,
+                 targets: list[DevicePlan], shares: list[float] | None = None, *, slots: int = 1,
                  swa_full: bool = False, n_cpu_moe: int = 0) -> list[DevicePlan]:
     """Place ``ngl`` offloaded layers on ``targets`` as llama.cpp does (``llama_model::load_tensors``: split
     points from the devices' shares, the last layers offloaded first, the output layer last) and estimate
@@ -113,7 +113,7 @@ def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash
     w = _weights(info)
     start = max(L + 1 - ngl, 0)
     act = max(min(ngl, L + 1), 1)
-    kv_layer = info.memory_bytes(n_ctx, kv_cache_type, n_seq=n_seq, swa_full=swa_full) / L
+    kv_layer = info.memory_bytes(n_ctx, kv_cache_type, slots=slots, swa_full=swa_full) / L
     out = [replace(t, layers=0, output=False, weights=0, kv_cache=0, compute=0) for t in targets]
     for il in range(start, L + 1):
         j = min(bisect_right(cum, (il - start) / act), n - 1)
@@ -184,17 +184,17 @@ class _Planner:
         return False, "flash attention off: the GPU kernels do not cover this head size"
 
     # llama.cpp layout ------------------------------------------------------------------------
-    def llama_layout(self, device: str, n_ctx: int, fa: bool, n_seq: int = 1) -> _Layout:
+    def llama_layout(self, device: str, n_ctx: int, fa: bool, slots: int = 1) -> _Layout:
         info, hw = self.info, self.hw
         budget, n_gpus, _ = self.gpu_budget(device)
 
         def est(ngl: int, n_moe: int = 0) -> MemoryEstimate:
-            return estimate(info, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus, n_seq=n_seq,
+            return estimate(info, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus, slots=slots,
                             swa_full=self.swa_full, n_cpu_moe=n_moe)
 
         def draft_est(ngl: int) -> MemoryEstimate:
             assert self.draft is not None
-            m = estimate(self.draft, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus, n_seq=n_seq,
+            m = estimate(self.draft, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus, slots=slots,
                          swa_full=self.swa_full)
             m.overhead -= HOST_OVERHEAD  # one process
             m.cpu -= HOST_OVERHEAD
@@ -209,7 +209,7 @@ class _Planner:
         draft_ngl = 0
         targets = _targets(hw, device, self.caps)
         if targets and device != "cpu" and self.draft is None:
-            return self._devices_layout(targets, device, n_ctx, fa, est, n_seq)
+            return self._devices_layout(targets, device, n_ctx, fa, est, slots)
         ngl, n_moe = self._place(device, lambda ngl_, n_: est(ngl_, n_).gpu <= budget)
         mem = est(ngl, n_moe)
         if self.draft is not None:
@@ -255,12 +255,12 @@ class _Planner:
         return lo, n_moe if lo else 0
 
     def _devices_layout(self, targets: list[DevicePlan], device: str, n_ctx: int, fa: bool,
-                        est: Callable[[int, int], MemoryEstimate], n_seq: int = 1) -> _Layout:
+                        est: Callable[[int, int], MemoryEstimate], slots: int = 1) -> _Layout:
         """Several llama.cpp devices (RPC workers, ROCm/Vulkan GPUs): the most layers with every device's
         estimate inside its own usable memory."""
 
         def placed(ngl: int, n_moe: int) -> list[DevicePlan]:
-            return split_layers(self.info, ngl, n_ctx, self.kv, fa, targets, self.shares, n_seq=n_seq,
+            return split_layers(self.info, ngl, n_ctx, self.kv, fa, targets, self.shares, slots=slots,
                                 swa_full=self.swa_full, n_cpu_moe=n_moe)
 
         ngl, n_moe = self._place(device, lambda ngl_, n_: all(d.total <= d.usable_bytes for d in placed(ngl_, n_)))
@@ -296,13 +296,13 @@ class _Planner:
         return _Layout(mem, self.L + 1 if device != "cpu" else 0, (self.draft.n_layers + 1) if self.draft and
                        device != "cpu" else 0, True, "")
 
-    def layout(self, backend: Backend, device: str, n_ctx: int, fa: bool, n_seq: int = 1) -> _Layout:
-        """How ``backend`` places the model (``n_ctx`` cells for ``n_seq`` slots): one unified pool (MLX), or
+    def layout(self, backend: Backend, device: str, n_ctx: int, fa: bool, slots: int = 1) -> _Layout:
+        """How ``backend`` places the model (``n_ctx`` cells for ``slots`` slots): one unified pool (MLX), or
         layers offloaded to a GPU (llama.cpp)."""
         return (self.mlx_layout(device, n_ctx) if backend.memory == "unified"
-                else self.llama_layout(device, n_ctx, fa, n_seq))
+                else self.llama_layout(device, n_ctx, fa, slots))
 
-    def max_ctx(self, backend: Backend, device: str, fa: bool, ngl: int, n_seq: int = 1,
+    def max_ctx(self, backend: Backend, device: str, fa: bool, ngl: int, slots: int = 1,
                 n_cpu_moe: int | None = None) -> int | None:
         """Largest context (a multiple of 256, ≤ the training context) that keeps the layout at
         least as good (same number of GPU layers, no more layers' experts in RAM), or None when even MIN_AUTO_CTX
@@ -310,7 +310,7 @@ class _Planner:
         cap = self.info.context_length or 131072
 
         def ok(c: int) -> bool:
-            lay = self.layout(backend, device, c * n_seq, fa, n_seq)
+            lay = self.layout(backend, device, c * slots, fa, slots)
             return lay.fits and lay.ngl >= ngl and (n_cpu_moe is None or lay.n_cpu_moe <= n_cpu_moe)
 
         if not ok(min(MIN_AUTO_CTX, cap)):

@@ -39,7 +39,7 @@ from localllm.engine import (
     GenerateRequest,
     LoadOptions,
     Pooled,
-    RunningModel,
+    Resident,
     TextChunk,
     TokenLogprob,
     ToolCalls,
@@ -338,6 +338,6 @@ async def embed_texts(http: Request, model: str, texts: list[str], options: dict
     return pooled, load_ns, found
 
 
-def loaded(engine: ServerEngine, name: str) -> RunningModel | None:
+def loaded(engine: ServerEngine, name: str) -> Resident | None:
     """The loaded model under its installed ``name`` (None when it is not loaded)."""
     return next((m for m in engine.ps() if m.name == name), None)

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from localllm.api import drafting_text
-from localllm.engine import Done, GenerateRequest, RunningModel, Stats, TextChunk, ToolCalls
+from localllm.engine import Done, GenerateRequest, Resident, Stats, TextChunk, ToolCalls
 from localllm.errors import InvalidModelFileError, LocalLLMError
 from localllm.local import device_use, modelfile_of
 from localllm.modelfile import ROLES, Modelfile, ModelfileError, check_parameters, check_template
@@ -382,7 +382,7 @@ async def show(body: ModelBody, request: Request) -> Response:
     })
 
 
-def _slots(m: RunningModel) -> dict[str, Any]:
+def _slots(m: Resident) -> dict[str, Any]:
     try:
         lm = m.metrics
     except Exception:  # noqa: BLE001 - unloading right now

@@ -2,7 +2,7 @@
 the translators and ``/metrics`` are typed against (:class:`localllm.engine.Engine` is the one in use; a test may
 hand in another), the store behind it, and :func:`run_sync` for the blocking calls.
 
-It is not :class:`localllm.api.Runner`: the faces' runner answers with ``api.Running`` summaries, while the server
+It is not :class:`localllm.api.Runner`: the faces' runner answers with ``api.Loaded`` summaries, while the server
 reads what a loaded model is doing now (its decode loop's slots, its load time) for ``/api/ps`` and ``/metrics``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from fastapi import Request
 
 if TYPE_CHECKING:
-    from localllm.engine import Event, GenerateRequest, LoadOptions, Pooled, RunningModel, Stats
+    from localllm.engine import Event, GenerateRequest, LoadOptions, Pooled, Resident, Stats
     from localllm.store import InstalledModel, Store
 
 T = TypeVar("T")
@@ -44,7 +44,7 @@ class ServerEngine(Protocol):
         ...
 
     def load(self, name: str, options: LoadOptions | None = None, *,
-             keep_alive: float | None = None) -> RunningModel: ...
+             keep_alive: float | None = None) -> Resident: ...
 
     def unload(self, name: str) -> bool: ...
 
@@ -59,7 +59,7 @@ class ServerEngine(Protocol):
 
     def tokenize(self, name: str, text: str, images: list[bytes] | None = None) -> list[int]: ...
 
-    def ps(self) -> list[RunningModel]: ...
+    def ps(self) -> list[Resident]: ...
 
     def is_loaded(self, name: str) -> bool: ...
 

@@ -71,8 +71,8 @@ class Creating(Pulling):
         with self._store_lock():
             old = self._read_manifest(self._manifest_path(dref))
             self._write_manifest(dref, data)
-            if old is not None and old.digest != data["digest"]:
-                self._gc_blob(old.digest)
+            if old is not None and old.weights_digest != data["digest"]:
+                self._gc_blob(old.weights_digest)
             for a in old.derived.adapters if old is not None and old.derived is not None else []:
                 self._gc_blob(a.split()[0])
         out = self._read_manifest(self._manifest_path(dref))

@@ -40,8 +40,8 @@ class Collecting(StoreBase):
                 while parent != self.paths.manifests and parent.is_dir() and not any(parent.iterdir()):
                     parent.rmdir()
                     parent = parent.parent
-                if self._gc_blob(m.digest):
-                    self._gc_prompt_cache(m.digest)
+                if self._gc_blob(m.weights_digest):
+                    self._gc_prompt_cache(m.weights_digest)
                 for a in m.derived.adapters if m.derived is not None else []:
                     self._gc_blob(a.split()[0])
                 if m.projector is not None and not m.projector.external:
@@ -74,7 +74,7 @@ class Collecting(StoreBase):
                 continue
             used_digests.add(str(data.get("digest")))
             used_paths.update(str(w.path.resolve()) for w in weights_in(data).values())
-        hexdigest = m.digest.removeprefix("sha256:").lower()
+        hexdigest = m.weights_digest.removeprefix("sha256:").lower()
         for fmt in formats.registered():
             if fmt.name == GGUF:
                 continue
@@ -82,10 +82,10 @@ class Collecting(StoreBase):
             doomed: list[Path] = []
             if fmt.name in m.weights:
                 doomed.append(m.weights[fmt.name].path)
-            if m.digest not in used_digests:
+            if m.weights_digest not in used_digests:
                 doomed.append(root / hexdigest)
             for d in doomed:
                 d = d.resolve()
                 if d.parent == root and d.is_dir() and str(d) not in used_paths and not (
-                        d.name == hexdigest and m.digest in used_digests):
+                        d.name == hexdigest and m.weights_digest in used_digests):
                     shutil.rmtree(d, ignore_errors=True)

@@ -110,7 +110,7 @@ class StoreBase:
                     entry = None
             return InstalledModel(
                 name=data["name"],
-                digest=data["digest"],
+                weights_digest=data["digest"],
                 path=file,
                 size=int(data["size"]),
                 modified=datetime.fromisoformat(data["modified"]),
@@ -220,7 +220,7 @@ class StoreBase:
             w = m.weights.get(fmt.name)
             if fmt.name == GGUF or (w is not None and w.path.exists()):
                 continue
-            found = fmt.find(self.paths.models, m.digest)
+            found = fmt.find(self.paths.models, m.weights_digest)
             if found is None:
                 m.weights.pop(fmt.name, None)
             else:
@@ -264,7 +264,7 @@ class StoreBase:
                              vision=vision, audio=audio)
         return InstalledModel(
             name=str(path),
-            digest=digest,
+            weights_digest=digest,
             path=path,
             size=st.st_size,
             modified=datetime.fromtimestamp(st.st_mtime, UTC),

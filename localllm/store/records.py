@@ -63,7 +63,7 @@ def projector_beside(path: Path) -> Path | None:
 @dataclass
 class InstalledModel:
     name: str
-    digest: str  # "sha256:<hex>" of the weights (the GGUF blob): blobs, the prompt cache and MLX builds key on it
+    weights_digest: str  # "sha256:<hex>" of the GGUF blob: blobs, the prompt cache and MLX builds key on it
     path: Path  # the .gguf
     size: int
     modified: datetime
@@ -92,8 +92,8 @@ class InstalledModel:
         its base thus differ, a ``cp`` copy shares its source's, and the same Modelfile over the same weights
         gives the same one again (names and times are not part of it)."""
         if self.derived is None or not any(v for v in self.derived.as_dict().values()):
-            return self.digest
-        what = {"weights": self.digest, "projector": self.projector.digest if self.projector else None,
+            return self.weights_digest
+        what = {"weights": self.weights_digest, "projector": self.projector.digest if self.projector else None,
                 "adds": self.derived.as_dict()}
         return "sha256:" + hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
@@ -119,7 +119,7 @@ class InstalledModel:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "digest": self.digest, "model_digest": self.model_digest, "path": str(self.path),
+            "name": self.name, "digest": self.weights_digest, "model_digest": self.model_digest, "path": str(self.path),
             "size": self.size,
             "modified": self.modified.isoformat(), "source": self.source, "local": self.local,
             "quant": self.quant, "catalog": self.catalog.name if self.catalog else None,

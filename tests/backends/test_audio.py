@@ -20,7 +20,7 @@ ASK = "Transcribe the audio."
 
 @pytest.fixture(scope="module")
 def alm(default_model_path, audio_projector):
-    m = load("llamacpp", LoadSpec(str(default_model_path), n_ctx=1024, n_seq=2, mmproj=str(audio_projector)))
+    m = load("llamacpp", LoadSpec(str(default_model_path), n_ctx=1024, slots=2, mmproj=str(audio_projector)))
     yield m
     m.close()
 
@@ -109,7 +109,7 @@ def test_an_audio_stream_batched_with_text_streams_leaves_theirs_as_solo(derived
     """On the F32 model (quantized kernels are not batch-invariant): two text streams answer token for token as
     they do alone while an audio request is admitted and evaluated beside them."""
     asks = ["What is the capital of France? Answer in one short sentence.", "Count from one to ten."]
-    with load("llamacpp", LoadSpec(str(derived_model("f32")), n_ctx=1024, n_seq=3,
+    with load("llamacpp", LoadSpec(str(derived_model("f32")), n_ctx=1024, slots=3,
                                    mmproj=str(audio_projector))) as m:
         solo = [collect(m.generate(GenerateRequest(messages=chat(text=a), sampling=greedy(12))))[0] for a in asks]
         out: dict[str, tuple] = {}
@@ -137,7 +137,7 @@ from tests.backends.conftest import collect
 from tests.support_audio import wav
 spec = PromptCacheSpec({cache!r}, "test-model audio", min_tokens=16)
 msgs = [{{"role": "user", "content": "Transcribe the audio.", "images": [wav(seed=77)]}}]
-with load("llamacpp", LoadSpec({model!r}, n_ctx=1024, n_seq=1, mmproj={proj!r}), prompt_cache=spec) as m:
+with load("llamacpp", LoadSpec({model!r}, n_ctx=1024, slots=1, mmproj={proj!r}), prompt_cache=spec) as m:
     text, done, _ = collect(m.generate(GenerateRequest(messages=msgs, sampling=Sampling(temperature=0, max_tokens=6))))
 s = done.stats
 print(json.dumps({{"text": text, "restored": s.prompt_restored_tokens, "prompt": s.prompt_eval_count,
@@ -213,7 +213,7 @@ def test_a_prompt_with_clips_is_tokenized_piecewise_as_mtmd_does_it_whole(alm):
 def test_audio_tokens_count_toward_the_context_fit(default_model_path, audio_projector):
     from backends.errors import ContextOverflowError
 
-    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=64, n_seq=1, mmproj=str(audio_projector))) as m:
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=64, slots=1, mmproj=str(audio_projector))) as m:
         with pytest.raises(ContextOverflowError, match="context holds 64"):
             collect(m.generate(GenerateRequest(messages=chat(wav(seed=15)), sampling=greedy(2))))
         text, _, _ = collect(m.generate(GenerateRequest(messages=chat(text="Hi"), sampling=greedy(2))))
@@ -223,7 +223,7 @@ def test_audio_tokens_count_toward_the_context_fit(default_model_path, audio_pro
 def test_clips_are_prepared_off_the_loop_and_unload_ends_a_request_still_preparing(default_model_path,
                                                                                    audio_projector):
     seen: list[str] = []
-    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=512, n_seq=1, mmproj=str(audio_projector))) as m:
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=512, slots=1, mmproj=str(audio_projector))) as m:
         src = m.source
         real = src.prepare_media
 

@@ -59,7 +59,7 @@ def made(request) -> Path:
 
 @pytest.fixture(scope="module")
 def hybrid(made):
-    m = load("llamacpp", LoadSpec(str(made), n_ctx=1024, n_seq=2))
+    m = load("llamacpp", LoadSpec(str(made), n_ctx=1024, slots=2))
     assert m.source.capabilities.checkpoints is not None
     yield m
     m.close()
@@ -106,7 +106,7 @@ def test_two_conversations_share_the_system_prompt_through_a_checkpoint(hybrid):
 
 
 def test_an_idle_conversation_is_parked_and_continues_as_if_it_had_stayed(made):
-    m = load("llamacpp", LoadSpec(str(made), n_ctx=2048, n_seq=1))
+    m = load("llamacpp", LoadSpec(str(made), n_ctx=2048, slots=1))
     try:
         long = chat(TURNS[:1], n=8)
         long.messages[0]["content"] = SYSTEM * 4  # ~700 tokens: idle, it is parked beside a running request
@@ -127,14 +127,14 @@ def test_an_idle_conversation_is_parked_and_continues_as_if_it_had_stayed(made):
 
 def test_a_restarted_process_restores_the_prompt_from_the_disk_cache(hybrid, made, tmp_path: Path):
     spec = PromptCacheSpec(str(tmp_path / "m"), "hybrid", min_tokens=64, budget_root=str(tmp_path))
-    first = load("llamacpp", LoadSpec(str(made), n_ctx=1024, n_seq=1), prompt_cache=spec)
+    first = load("llamacpp", LoadSpec(str(made), n_ctx=1024, slots=1), prompt_cache=spec)
     try:
         t1, _, _ = ask(first, chat(TURNS[:1]))
     finally:
         first.close()
     assert list((tmp_path / "m").glob("*.kv"))
     turn2 = chat(TURNS[:2], [t1])
-    second = load("llamacpp", LoadSpec(str(made), n_ctx=1024, n_seq=1), prompt_cache=spec)
+    second = load("llamacpp", LoadSpec(str(made), n_ctx=1024, slots=1), prompt_cache=spec)
     try:
         text, done, _ = collect(second.generate(turn2))
         assert done.stats.prompt_restored_tokens > 150
@@ -152,7 +152,7 @@ from backends.registry import load
 from tests.backends.conftest import collect
 from tests.backends.test_hybrid import TURNS, chat
 spec = PromptCacheSpec({cache!r}, "made", min_tokens=64)
-m = load("llamacpp", LoadSpec({model!r}, n_ctx=1024, n_seq=1), prompt_cache=spec)
+m = load("llamacpp", LoadSpec({model!r}, n_ctx=1024, slots=1), prompt_cache=spec)
 text, done, _ = collect(m.generate(chat(TURNS[:2], [{t1!r}])))
 m.close()
 print(json.dumps({{"text": text, "restored": done.stats.prompt_restored_tokens}}))
@@ -160,7 +160,7 @@ print(json.dumps({{"text": text, "restored": done.stats.prompt_restored_tokens}}
 
 
 def _cached(path: Path, root: Path):
-    return load("llamacpp", LoadSpec(str(path), n_ctx=1024, n_seq=1),
+    return load("llamacpp", LoadSpec(str(path), n_ctx=1024, slots=1),
                 prompt_cache=PromptCacheSpec(str(root), "made", min_tokens=64))
 
 
@@ -241,7 +241,7 @@ def test_a_restored_checkpoint_gives_the_cold_logits(made):
     from backends.llamacpp import LlamaCppSource
     from backends.source import Feed
 
-    src = LlamaCppSource(LoadSpec(str(made), n_ctx=1024, n_seq=2))
+    src = LlamaCppSource(LoadSpec(str(made), n_ctx=1024, slots=2))
     try:
         assert src.capabilities.checkpoints is not None
         toks = src.prompt_tokens(SYSTEM + " " + SYSTEM)
@@ -276,7 +276,7 @@ def test_sliding_window_layers_keep_their_window_unless_swa_full_is_asked_for(sw
 
     sizes = {}
     for full in (False, True):
-        src = LlamaCppSource(LoadSpec(str(swa_model), n_ctx=2048, n_seq=1, swa_full=full))
+        src = LlamaCppSource(LoadSpec(str(swa_model), n_ctx=2048, slots=1, swa_full=full))
         try:
             assert (src.capabilities.checkpoints is None) is full  # a full-size window cache drops nothing: plain reuse
             sizes[full] = src.info.kv_bytes  # what llama.cpp allocated
@@ -287,8 +287,8 @@ def test_sliding_window_layers_keep_their_window_unless_swa_full_is_asked_for(sw
     assert sizes[False] == pytest.approx(sizes[True] / 4 * (1 + 3 * 768 / 2048), rel=0.02)  # (MiB, 2 decimals)
 
 
-@pytest.mark.parametrize("n_ctx,n_seq", [(4096, 1), (1024, 4)])
-def test_the_planner_counts_the_memory_llama_cpp_allocates(made, n_ctx, n_seq):
+@pytest.mark.parametrize("n_ctx,slots", [(4096, 1), (1024, 4)])
+def test_the_planner_counts_the_memory_llama_cpp_allocates(made, n_ctx, slots):
     """Windowed layers at the window (+ a batch) per sequence id, recurrent states per sequence id: the planner's
     KV figure against what llama.cpp says it allocated (its KV and RS buffer lines)."""
     from backends.llamacpp import LlamaCppSource
@@ -297,14 +297,14 @@ def test_the_planner_counts_the_memory_llama_cpp_allocates(made, n_ctx, n_seq):
 
     info = read_gguf(made)
     assert info.swa_layers in (2, 3) or (info.recurrent_layers == 3 and info.recurrent_bytes > 0)
-    src = LlamaCppSource(LoadSpec(str(made), n_ctx=n_ctx, n_seq=n_seq))
+    src = LlamaCppSource(LoadSpec(str(made), n_ctx=n_ctx, slots=slots))
     try:
         allocated = src.info.kv_bytes
     finally:
         src.close()
-    planned = estimate(info, n_ctx * n_seq, "f16", n_seq=n_seq).kv_cache
+    planned = estimate(info, n_ctx * slots, "f16", slots=slots).kv_cache
     assert planned == pytest.approx(allocated, rel=0.02)
-    assert info.memory_bytes(n_ctx * n_seq, n_seq=n_seq, swa_full=True) > planned or info.recurrent_layers
+    assert info.memory_bytes(n_ctx * slots, slots=slots, swa_full=True) > planned or info.recurrent_layers
 
 
 def test_the_planner_counts_gemma3_270m_as_llama_cpp_allocates(gemma_model):
@@ -314,9 +314,9 @@ def test_the_planner_counts_gemma3_270m_as_llama_cpp_allocates(gemma_model):
     from localllm.ggufinfo import info_of
     from localllm.planner import estimate
 
-    info = info_of(gemma_model.info, gemma_model.path, gemma_model.digest)
+    info = info_of(gemma_model.info, gemma_model.path, gemma_model.weights_digest)
     assert (info.swa_layers, info.sliding_window) == (15, 512)
-    src = LlamaCppSource(LoadSpec(str(gemma_model.path), n_ctx=32768, n_seq=1))
+    src = LlamaCppSource(LoadSpec(str(gemma_model.path), n_ctx=32768, slots=1))
     try:
         allocated = src.info.kv_bytes
     finally:
@@ -353,12 +353,12 @@ def _plain_and_drafted(path: Path, draft, messages: list[dict[str, str]], n: int
     from backends.specs import GenerateRequest, Sampling
 
     req = GenerateRequest(messages=messages, sampling=Sampling(temperature=0.0, max_tokens=n))
-    plain = load("llamacpp", LoadSpec(str(path), n_ctx=1024, n_seq=1))
+    plain = load("llamacpp", LoadSpec(str(path), n_ctx=1024, slots=1))
     try:
         a, _, _ = collect(plain.generate(req))
     finally:
         plain.close()
-    spec = load("llamacpp", LoadSpec(str(path), n_ctx=1024, n_seq=1, draft=draft, tuning=Tuning(draft_always=True)))
+    spec = load("llamacpp", LoadSpec(str(path), n_ctx=1024, slots=1, draft=draft, tuning=Tuning(draft_always=True)))
     try:
         assert spec.source.can_rewind()  # llama.cpp keeps rollback states (n_rs_seq) for the drafts
         b, done, _ = collect(spec.generate(req))
@@ -408,7 +408,7 @@ def test_a_window_that_has_slid_gives_its_prefix_back_from_a_checkpoint(swa_mode
                                          {"role": "user", "content": prefix + SYSTEM * 6}],
                                sampling=Sampling(temperature=0.0, max_tokens=8))
 
-    m = load("llamacpp", LoadSpec(str(swa_model), n_ctx=2048, n_seq=1))
+    m = load("llamacpp", LoadSpec(str(swa_model), n_ctx=2048, slots=1))
     try:
         ask(m, long_turn("Read this. "))
         held = next(s for s in m.pool.seqs if len(s.tokens) > 900)

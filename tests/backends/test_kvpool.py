@@ -29,7 +29,7 @@ TEXT = ("The lighthouse keeper climbed the stairs every evening, counted the shi
 def source(derived_model):
     from backends.llamacpp import LlamaCppSource
 
-    src = LlamaCppSource(LoadSpec(str(derived_model("f32")), n_ctx=1024, n_seq=2))
+    src = LlamaCppSource(LoadSpec(str(derived_model("f32")), n_ctx=1024, slots=2))
     yield src
     src.close()
 

@@ -50,7 +50,7 @@ def run_together(model, reqs: list[GenerateRequest]) -> list[tuple[str, object]]
 
 @pytest.fixture(scope="module")
 def f32_model(derived_model):
-    m = load("llamacpp", LoadSpec(str(derived_model("f32")), n_ctx=1024, n_seq=4))
+    m = load("llamacpp", LoadSpec(str(derived_model("f32")), n_ctx=1024, slots=4))
     yield m
     m.close()
 
@@ -129,7 +129,7 @@ def test_a_cancelled_request_keeps_its_evaluated_prompt_in_the_pool_and_on_disk(
     disk cache has it for the next process."""
     system = SYSTEM * 4
     spec = PromptCacheSpec(str(tmp_path), "test-model", min_tokens=256)
-    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=2048, n_seq=1),
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=2048, slots=1),
               prompt_cache=spec) as m:
         gen = m.generate(chat("Where are the hammers?", n=64, system=system))
         for ev in gen:
@@ -148,7 +148,7 @@ def test_a_cancelled_request_keeps_its_evaluated_prompt_in_the_pool_and_on_disk(
 
 
 def test_a_long_prompt_does_not_stall_streams_in_flight(default_model_path):
-    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=4096, n_seq=2,
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=4096, slots=2,
                                    tuning=Tuning(prefill_chunk=32))) as m:
         times: list[float] = []  # when each of the stream's tokens arrived
         started = threading.Event()
@@ -183,7 +183,7 @@ def test_a_long_prompt_does_not_stall_streams_in_flight(default_model_path):
 
 
 def test_one_crashing_sequence_ends_only_its_stream():
-    spec = LoadSpec("fake.gguf", n_seq=3)
+    spec = LoadSpec("fake.gguf", slots=3)
     with load(fake(delay=0.002, chunk=1, crash_after=5, crash_if="boom"), spec) as m:
         out: dict[str, object] = {}
 
@@ -206,7 +206,7 @@ def test_one_crashing_sequence_ends_only_its_stream():
 
 
 def test_an_error_in_one_request_leaves_the_others_streaming(default_model_path):
-    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=1024, n_seq=3)) as m:
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=1024, slots=3)) as m:
         results: dict[int, object] = {}
 
         def run(i: int, req: GenerateRequest) -> None:
@@ -231,7 +231,7 @@ def test_an_error_in_one_request_leaves_the_others_streaming(default_model_path)
 
 def test_a_full_pool_makes_a_prompt_wait_not_fail(default_model_path):
     # 2 slots of 256 tokens: two long prompts cannot both be in the pool with their answers at once
-    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=256, n_seq=2)) as m:
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=256, slots=2)) as m:
         assert m.info.kv_cells == 512
         long = "Repeat: " + "one two three four five six seven eight nine ten. " * 15  # ~180 tokens
         out = run_together(m, [chat(long, n=75), chat(long.replace("one", "uno"), n=75)])
@@ -240,7 +240,7 @@ def test_a_full_pool_makes_a_prompt_wait_not_fail(default_model_path):
 
 
 def test_seeded_request_alone_repeats_exactly_and_idle_prefixes_survive(default_model_path):
-    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=1024, n_seq=2)) as m:
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=1024, slots=2)) as m:
         req = chat("Write a limerick about a printer.", n=40, seed=9)
         req.sampling.temperature = 0.9
         a = collect(m.generate(req))[0]
@@ -250,7 +250,7 @@ def test_seeded_request_alone_repeats_exactly_and_idle_prefixes_survive(default_
 
 
 def test_pool_metrics_move(default_model_path):
-    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=512, n_seq=2)) as m:
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=512, slots=2)) as m:
         m0 = m.metrics()
         collect(m.generate(chat("Hi", n=8)))
         m1 = m.metrics()
@@ -266,7 +266,7 @@ def test_idle_kv_is_parked_while_others_decode_and_comes_back(derived_model):
     others = [chat("Tell me about the moon.", n=16), chat("Name three trees.", n=16)]
     texts = []
     for no_park in (False, True):
-        spec = LoadSpec(str(derived_model("f32")), n_ctx=1024, n_seq=2, tuning=Tuning(park=not no_park))
+        spec = LoadSpec(str(derived_model("f32")), n_ctx=1024, slots=2, tuning=Tuning(park=not no_park))
         with load("llamacpp", spec) as m:
             first, done1, _ = collect(m.generate(conv))
             held = done1.stats.context_used
@@ -289,7 +289,7 @@ def test_idle_kv_is_parked_while_others_decode_and_comes_back(derived_model):
 def test_parking_goes_on_after_the_pool_was_emptied(default_model_path):
     """The parked total is the parked sequences' own: a pool emptied while a conversation was parked (and then
     a bigger one to park beside others) parks within its budget instead of failing the requests."""
-    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=256, n_seq=2)) as m:
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=256, slots=2)) as m:
         assert m.pool.park_budget == 256
         collect(m.generate(chat("Tell me about the sea.", n=40)))
         run_together(m, [chat("Name a tree.", n=8), chat("Name a bird.", n=8)])

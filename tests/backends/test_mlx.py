@@ -242,7 +242,7 @@ def test_two_threads_are_served_together(plain):
 def test_info_can_be_read_from_other_threads_while_requests_run(mlx_dir: Path):
     """``ps``, ``/metrics`` and every request read a loaded model's info from other threads while the loop's
     thread moves caches in and out of the batch: a reader hammering it never fails and sees the KV grow."""
-    with load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=512, n_seq=3)) as m:
+    with load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=512, slots=3)) as m:
         base = m.info.size_bytes
         errors: list[BaseException] = []
         sizes: list[int] = []
@@ -297,7 +297,7 @@ def test_concurrent_streams_decode_in_one_pass_and_equal_their_solo_output(mlx_d
     # raw prompts of three lengths (left padding in the batch; no chat template, whose 30 tokens MLX's CPU backend
     # would evaluate at a generated token's cost each)
     asks = ["Once upon a time, a cat", "The rain fell softly on the old", "Gravity is"]
-    with load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=1024, n_seq=3)) as m:
+    with load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=1024, slots=3)) as m:
         assert m.source.can_batch and m.info.batched is True
         solo = [collect(m.generate(GenerateRequest(prompt=a, sampling=greedy(10))))[0] for a in asks]
         assert m.source.batched_steps == 0  # alone, each is its own pass
@@ -318,7 +318,7 @@ def test_concurrent_streams_decode_in_one_pass_and_equal_their_solo_output(mlx_d
 
 
 def test_quantized_kv_slots_take_turns(mlx_dir: Path):
-    with load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=512, n_seq=2, kv_cache_type="q8_0")) as m:
+    with load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=512, slots=2, kv_cache_type="q8_0")) as m:
         assert not m.source.can_batch and m.info.batched is False  # no batched quantized cache in mlx-lm
 
 
@@ -492,7 +492,7 @@ from backends.registry import load
 from tests.backends.conftest import collect
 from tests.backends.test_mlx import ASK, greedy
 spec = PromptCacheSpec({cache!r}, "test-model mlx", min_tokens=16)
-with load("mlx", LoadSpec(model_path={model!r}, n_ctx=1024, n_seq=1), prompt_cache=spec) as m:
+with load("mlx", LoadSpec(model_path={model!r}, n_ctx=1024, slots=1), prompt_cache=spec) as m:
     text, done, _ = collect(m.generate(GenerateRequest(prompt=ASK, sampling=greedy(8))))
 stats = done.stats
 print(json.dumps({{"text": text, "restored": stats.prompt_restored_tokens, "prompt": stats.prompt_eval_count}}))
@@ -501,7 +501,7 @@ print(json.dumps({{"text": text, "restored": stats.prompt_restored_tokens, "prom
 
 def _mlx_cached(mlx_dir: Path, cache: Path, kv: str = "f16"):
     spec = PromptCacheSpec(str(cache), "test-model mlx", min_tokens=16)
-    return load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=1024, n_seq=1, kv_cache_type=kv), prompt_cache=spec)
+    return load("mlx", LoadSpec(model_path=str(mlx_dir), n_ctx=1024, slots=1, kv_cache_type=kv), prompt_cache=spec)
 
 
 def test_a_second_process_restores_the_prompt_from_disk_and_answers_the_same(mlx_dir: Path, tmp_path: Path):

@@ -447,7 +447,7 @@ def test_sigkill_mid_conversion_leaves_nothing_registered_and_the_next_run_conve
     from localllm.mlxmodels import convert_installed, mlx_dir_for, mlx_root
 
     digest = "sha256:" + default_model_path.name.removeprefix("sha256-")
-    model = SimpleNamespace(name="smollm2:135m", digest=digest, path=default_model_path)
+    model = SimpleNamespace(name="smollm2:135m", weights_digest=digest, path=default_model_path)
     child = textwrap.dedent(f"""
         import sys, time
         from types import SimpleNamespace

@@ -41,8 +41,8 @@ def made(default_model_path, test_cache) -> dict[str, Path]:
     return {kind: made_mtp(Path(default_model_path), test_cache, kind) for kind in ("echo", "random")}
 
 
-def load(path: Path, *, draft: bool, always: bool = True, n_seq: int = 1) -> LoadedModel:
-    spec = LoadSpec(str(path), n_ctx=512, n_seq=n_seq, n_threads=1, draft=DraftSpec("mtp") if draft else None,
+def load(path: Path, *, draft: bool, always: bool = True, slots: int = 1) -> LoadedModel:
+    spec = LoadSpec(str(path), n_ctx=512, slots=slots, n_threads=1, draft=DraftSpec("mtp") if draft else None,
                     tuning=Tuning(draft_always=draft and always))
     return LoadedModel(LlamaCppSource, spec, name=path.stem)
 
@@ -94,7 +94,7 @@ def test_the_guard_turns_useless_mtp_drafting_off(made):
 
 def test_several_streams_draft_in_one_batch_and_answer_as_alone(made, plain_answers):
     n = 3
-    with load(made["echo"], draft=True, n_seq=n) as m:
+    with load(made["echo"], draft=True, slots=n) as m:
         results: list[tuple[str, Done] | None] = [None] * n
         start = threading.Barrier(n)
 

@@ -23,7 +23,7 @@ LONG = " ".join(["cat", "dog", "bird"] * 240)  # 720 words: over the made models
 
 @pytest.fixture(scope="module")
 def embedder(bert_embedder):
-    m = LoadedModel(LlamaCppSource, LoadSpec(str(bert_embedder), n_ctx=4096, n_seq=2), name="embedder")
+    m = LoadedModel(LlamaCppSource, LoadSpec(str(bert_embedder), n_ctx=4096, slots=2), name="embedder")
     yield m
     m.close()
 
@@ -98,7 +98,7 @@ def test_a_reranker_scores_pairs_as_llama_server_builds_them(reranker):
 def test_a_chat_model_embeds_between_the_steps_of_a_chat_stream(default_model_path):
     """The default model's mean-pooled embeddings (a second context) run as jobs of its decode loop: a chat
     stream in flight goes on, gives the text it gives alone, and the embeddings equal those made alone."""
-    spec = LoadSpec(str(default_model_path), n_ctx=1024, n_seq=2, embedding=True)
+    spec = LoadSpec(str(default_model_path), n_ctx=1024, slots=2, embedding=True)
     with LoadedModel(LlamaCppSource, spec, name="chat+embed") as m:
         req = GenerateRequest(prompt="Once upon a time", sampling=Sampling(temperature=0, max_tokens=40))
         alone_text, _, _ = collect(m.generate(req))
@@ -160,7 +160,7 @@ def test_a_decoder_with_a_pooling_head_is_an_embedding_model_on_llama_cpp_only(d
     assert capabilities_of(read_gguf(decoder_embedder).as_dict()) == ["embedding"]
     with pytest.raises(UnsupportedError, match="embedding or reranking model .*mlx-lm has no pooling"):
         inspect_gguf(decoder_embedder)  # the planner keeps it on llama.cpp, and probe says why
-    with LoadedModel(LlamaCppSource, LoadSpec(str(decoder_embedder), n_ctx=1024, n_seq=2)) as m:
+    with LoadedModel(LlamaCppSource, LoadSpec(str(decoder_embedder), n_ctx=1024, slots=2)) as m:
         assert m.info.pooling == "last" and m.info.n_embd_out == 576
         with pytest.raises(UnsupportedError, match="embedding model"):
             collect(m.generate(GenerateRequest(prompt="Hello", sampling=Sampling(max_tokens=2))))

@@ -32,7 +32,7 @@ def ask(q: str, n: int = 24, system: str = SYSTEM) -> GenerateRequest:
 def _model(path: Path, root: Path, kv: str = "f16", **kw):
     spec = PromptCacheSpec(str(root / "m"), "test-model", max_bytes=kw.pop("max_bytes", 1 << 30),
                            budget_root=str(root), min_tokens=kw.pop("min_tokens", PromptCacheSpec.min_tokens))
-    return load("llamacpp", LoadSpec(str(path), n_ctx=2048, n_seq=1, kv_cache_type=kv),  # type: ignore[arg-type]
+    return load("llamacpp", LoadSpec(str(path), n_ctx=2048, slots=1, kv_cache_type=kv),  # type: ignore[arg-type]
                 prompt_cache=spec, **kw)
 
 

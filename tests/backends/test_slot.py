@@ -86,7 +86,7 @@ def test_the_loop_cancels_a_slot_mid_prefill_and_admits_the_queued_one():
     """One slot, a 400-token prompt fed 8 tokens a step (20 ms each): the first request is in PREFILL for
     seconds, the second waits QUEUED; cancelled mid-prefill, the first ends at once with no token generated
     and the second takes the slot."""
-    spec = LoadSpec("fake.gguf", n_seq=1, n_batch=8, tuning=Tuning(prefill_chunk=8))
+    spec = LoadSpec("fake.gguf", slots=1, n_batch=8, tuning=Tuning(prefill_chunk=8))
     with load(fake(delay=0.02, reply="ok"), spec) as m:
         cancel = threading.Event()
         first = m.submit(GenerateRequest(prompt="x" * 400), cancel)

@@ -19,7 +19,7 @@ ASK = "Describe the picture."
 
 @pytest.fixture(scope="module")
 def vlm(default_model_path, test_projector):
-    m = load("llamacpp", LoadSpec(str(default_model_path), n_ctx=1024, n_seq=2, mmproj=str(test_projector)))
+    m = load("llamacpp", LoadSpec(str(default_model_path), n_ctx=1024, slots=2, mmproj=str(test_projector)))
     yield m
     m.close()
 
@@ -145,7 +145,7 @@ from tests.backends.conftest import collect
 from tests.support_vision import png
 spec = PromptCacheSpec({cache!r}, "test-model vision", min_tokens=16)
 msgs = [{{"role": "user", "content": "Describe the picture in detail.", "images": [png(seed=77)]}}]
-with load("llamacpp", LoadSpec({model!r}, n_ctx=1024, n_seq=1, mmproj={proj!r}), prompt_cache=spec) as m:
+with load("llamacpp", LoadSpec({model!r}, n_ctx=1024, slots=1, mmproj={proj!r}), prompt_cache=spec) as m:
     text, done, _ = collect(m.generate(GenerateRequest(messages=msgs, sampling=Sampling(temperature=0, max_tokens=6))))
 s = done.stats
 print(json.dumps({{"text": text, "restored": s.prompt_restored_tokens, "prompt": s.prompt_eval_count,
@@ -216,7 +216,7 @@ def test_the_loop_evaluates_images_as_llama_cpps_own_helper_does(default_model_p
     size = 64 if kind == "mlp" else 128
     pic = png(size, size, seed=9)
     for model, batched in ((default_model_path, False), (derived_model("f32"), True)):
-        with load("llamacpp", LoadSpec(str(model), n_ctx=1024, n_seq=2, mmproj=str(proj))) as m:
+        with load("llamacpp", LoadSpec(str(model), n_ctx=1024, slots=2, mmproj=str(proj))) as m:
             prompt = m.call(lambda s: s.render([{"role": "user", "content": "<__media__>\n" + ASK}]))
             side = threading.Thread(target=lambda: collect(m.generate(GenerateRequest(  # noqa: B023
                 messages=chat(text="Count to twenty."), sampling=greedy(24)))))

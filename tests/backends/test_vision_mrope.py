@@ -20,7 +20,7 @@ ASK = "Describe the picture."
 @pytest.fixture(scope="module")
 def qvl(mrope_model):
     model, proj = mrope_model
-    m = load("llamacpp", LoadSpec(str(model), n_ctx=1024, n_seq=2, mmproj=str(proj)))
+    m = load("llamacpp", LoadSpec(str(model), n_ctx=1024, slots=2, mmproj=str(proj)))
     yield m
     m.close()
 
@@ -143,7 +143,7 @@ from tests.backends.conftest import collect
 from tests.support_vision import MROPE_IMAGE, png
 spec = PromptCacheSpec({cache!r}, "test-model m-rope", min_tokens=16)
 msgs = [{{"role": "user", "content": "Describe the picture in detail.", "images": [png(*MROPE_IMAGE, seed=77)]}}]
-with load("llamacpp", LoadSpec({model!r}, n_ctx=1024, n_seq=1, mmproj={proj!r}), prompt_cache=spec) as m:
+with load("llamacpp", LoadSpec({model!r}, n_ctx=1024, slots=1, mmproj={proj!r}), prompt_cache=spec) as m:
     text, done, evs = collect(m.generate(GenerateRequest(messages=msgs, sampling=Sampling(temperature=0, max_tokens=8),
                                                          logprobs=True, top_logprobs=5)))
 top = [lp for _, lp, _ in next(e.logprobs[0] for e in evs if getattr(e, "logprobs", None)).top]
@@ -186,7 +186,7 @@ def test_a_large_picture_is_scaled_to_fit_one_step_beside_the_streams(mrope_mode
     import threading
 
     model, proj = mrope_model
-    with load("llamacpp", LoadSpec(str(model), n_ctx=1024, n_seq=2, n_batch=64, mmproj=str(proj))) as m:
+    with load("llamacpp", LoadSpec(str(model), n_ctx=1024, slots=2, n_batch=64, mmproj=str(proj))) as m:
         out: dict[str, tuple] = {}
 
         def go(key, messages, n):

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from localllm.api import CatalogItem, Fit, Installed, Running
+from localllm.api import CatalogItem, Fit, Installed, Loaded
 from localllm.hardware import BackendStatus, HardwareInfo
 from localllm.session import Session
 
@@ -173,8 +173,8 @@ class StaticRunner:
     label = "in-process"
     remote = False
 
-    def ps(self) -> list[Running]:
-        return [Running("smollm2:135m", backend="llamacpp")]
+    def ps(self) -> list[Loaded]:
+        return [Loaded("smollm2:135m", backend="llamacpp")]
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
@@ -182,7 +182,7 @@ class StaticRunner:
     def agenerate(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
-    def load(self, *args: Any, **kwargs: Any) -> Running:
+    def load(self, *args: Any, **kwargs: Any) -> Loaded:
         raise NotImplementedError
 
     def unload(self, name: str) -> bool:

@@ -45,7 +45,7 @@ async def test_installed_models_show_their_formats(own_models, chats, default_mo
         assert [str(c.label) for c in table.columns.values()][-1] == "Formats"
         assert [str(table.get_row_at(i)[7]) for i in range(table.row_count)] == ["GGUF"]
 
-        mlx = own_models / "mlx" / default_model.digest.removeprefix("sha256:")  # a converted build
+        mlx = own_models / "mlx" / default_model.weights_digest.removeprefix("sha256:")  # a converted build
         mlx.mkdir(parents=True)
         for name in ("config.json", "model.safetensors", "tokenizer.json"):
             (mlx / name).write_text("{}")
