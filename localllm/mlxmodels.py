@@ -131,7 +131,7 @@ def _complete(p: Path) -> bool:
 def mlx_dir_for(model: GGUFModel) -> Path | None:
     """The complete MLX directory for an installed model, or None. Looks only; never converts.
 
-    >>> mlx_dir_for(type("M", (), {"digest": "sha256:" + "0" * 64})()) is None
+    >>> mlx_dir_for(type("M", (), {"weights_digest": "sha256:" + "0" * 64})()) is None
     True
     """
     try:

@@ -462,7 +462,7 @@ def test_sigkill_mid_conversion_leaves_nothing_registered_and_the_next_run_conve
             return real(src, out, progress=progress, **{{k: v for k, v in kw.items() if k != "progress"}})
         mc.convert_gguf = slow
         from localllm.mlxmodels import convert_installed
-        convert_installed(SimpleNamespace(name="m", digest={digest!r}, path=Path({str(default_model_path)!r})))
+        convert_installed(SimpleNamespace(name="m", weights_digest={digest!r}, path=Path({str(default_model_path)!r})))
     """)
     p = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          cwd=Path(__file__).parents[2])
