@@ -51,14 +51,13 @@ class Variant:
     """One loaded model in its own process; ``run`` answers ``streams`` requests at once."""
 
     def __init__(self, path: str, mode: str, threads: int, tokens: int, slots: int):
-        from backends.base import DraftSpec, LoadSpec
+        from backends.base import DraftSpec, LoadSpec, Tuning
         from backends.llamacpp import LlamaCppSource
         from backends.loop import LoadedModel
 
         draft = None if mode == "plain" else DraftSpec("mtp", auto=False)
-        extra = {"draft_always": True} if mode == "forced" else {}
         self.model = LoadedModel(LlamaCppSource, LoadSpec(path, n_ctx=1024, slots=slots, n_threads=threads,
-                                                          draft=draft, extra=extra))
+                                                          draft=draft, tuning=Tuning(draft_always=mode == "forced")))
         self.tokens = tokens
         self.run(1, warm=True)
 
