@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from backends._speculative import SpecController
@@ -191,6 +191,38 @@ def vocab_problem(target: TokenSource, draft: TokenSource) -> str | None:
             return (f"The draft model tokenizes differently from the model (token {i} differs); "
                     "a draft must share the tokenizer.")
     return None
+
+
+def open_with_draft(source_class: type[TokenSource],
+                    spec: LoadSpec) -> tuple[TokenSource, LoadSpec, Speculation | None]:
+    """``source_class(spec)`` with the draft ``spec.draft`` asks for: (the source, the spec it was made from, the
+    speculation; None: plain decoding). A default draft (``auto``) that cannot run leaves plain decoding and its
+    reason in ``info.draft_off`` (an MTP load that fails is made again without its MTP layers); a draft asked for
+    raises in one sentence, the source closed."""
+    try:
+        src = source_class(spec)
+    except BackendError as e:
+        if spec.draft is None or spec.draft.kind != "mtp":
+            raise
+        if not spec.draft.auto:  # a GGUF that names MTP layers without carrying them, or a build without them
+            raise UnsupportedError(f"The model could not be loaded with its MTP layers ({e}); use --draft none.") \
+                from None
+        spec = replace(spec, draft=None)
+        src = source_class(spec)
+        src.info.draft_off = f"its MTP layers could not be loaded: {e}"
+    if spec.draft is None:
+        return src, spec, None
+    try:
+        return src, spec, Speculation(*setup_draft(src, spec.draft, source_class, spec))
+    except UnsupportedError as e:
+        if spec.draft.auto:
+            src.info.draft_off = str(e)  # a default draft that cannot run: plain decoding, and why
+            return src, spec, None
+        src.close()
+        raise
+    except BaseException:
+        src.close()
+        raise
 
 
 def setup_draft(src: TokenSource, d: DraftSpec, source_class: type[TokenSource],

@@ -130,12 +130,11 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = spec.n_gpu_layers
         mp.load_mtp = spec.draft is not None and spec.draft.kind == "mtp"  # the MTP block (backends.mtp drafts)
-        self._devices_arr: Any = None  # kept alive: llama.cpp reads them during the load
-        self._split_arr: Any = None
-        if spec.devices and spec.n_gpu_layers != 0:
-            self._place_on(mp, list(spec.devices), list(spec.tensor_split))
-        from backends.tensor_overrides import experts_on_cpu
+        from backends.tensor_overrides import experts_on_cpu, place_on_devices
 
+        # kept alive: llama.cpp reads the device list and the split during the load
+        self._placement = (place_on_devices(mp, list(spec.devices), list(spec.tensor_split))
+                           if spec.devices and spec.n_gpu_layers != 0 else [])
         # a mixture of experts: the first layers' experts in RAM (the array is read at load; kept with the model)
         self._overrides = experts_on_cpu(mp, spec.n_cpu_moe) if spec.n_gpu_layers != 0 else None
         capture.lines = []
@@ -286,25 +285,6 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
         scales = (ctypes.c_float * n)(*[s for _, s in self._loras])
         if llama_cpp.llama_set_adapters_lora(ctx, adapters, n, scales) != 0:
             raise self._load_error("llama.cpp could not apply the LoRA adapters to the context")
-
-    def _place_on(self, mp: Any, names: list[str], split: list[float]) -> None:
-        """Load onto exactly these llama.cpp devices (in this order), split by ``split`` (their shares)."""
-        from backends import ggml_devices
-
-        handles = []
-        for n in names:
-            h = ggml_devices.device_handle(n)
-            if h is None:
-                known = ", ".join(d.name for d in ggml_devices.list_devices())
-                raise ModelLoadError(f"No llama.cpp device {n!r} (devices: {known}).")
-            handles.append(h)
-        arr = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
-        self._devices_arr = arr
-        mp.devices = ctypes.cast(arr, ctypes.c_void_p)
-        if split and len(split) == len(handles) and sum(split) > 0:
-            fl = (ctypes.c_float * 128)(*split)  # llama_max_devices() floats are read
-            self._split_arr = fl
-            mp.tensor_split = ctypes.cast(fl, ctypes.POINTER(ctypes.c_float))
 
     def _load_error(self, msg: str) -> Exception:
         path, kv = self._path, self.spec.kv_cache_type

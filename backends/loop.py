@@ -10,8 +10,8 @@ events. Each step of the loop:
    it — the sequence whose cached tokens share the longest prefix with the prompt; a prefix held by
    another sequence (a shared system prompt) is copied (``seq_cp``) instead of evaluated again; on memory that
    cannot drop its tail (a hybrid's recurrent state, a sliding window) a prefix comes back from a checkpoint;
-2. gathers one token from every decoding sequence (plus drafted tokens when speculative decoding is on
-   and only one sequence decodes), then chunks of pending prompts under the step's token budget
+2. gathers one token from every decoding sequence (plus drafted tokens where speculative decoding drafts),
+   then chunks of pending prompts under the step's token budget
    (chunked prefill: a long prompt never stalls the streams in flight); a chunk ends where the pool wants a
    checkpoint of the sequence (a message's start, an image's, every N tokens, the prompt's end), taken after it;
 3. runs one ``evaluate`` for all of them; when the pool is full it frees the least recently used idle
@@ -28,11 +28,9 @@ events. Each step of the loop:
 Each request is a :class:`~backends.slot.Slot` in an explicit state that only its transitions change
 (:mod:`backends.slot`); what a load can do beyond the core contract is read once from its capabilities.
 
-Speculative decoding is a step policy: while exactly one sequence decodes (and no grammar constrains
-it), a draft (:mod:`backends.drafting`: a second model with the same vocabulary, or prompt lookup)
-proposes tokens that are verified in the same evaluation; with several sequences decoding, drafting
-pauses (the batch already fills the machine). An adaptive controller switches drafting off where it
-does not pay.
+Speculative decoding is a step policy (:class:`~backends.drafting.Speculation`): a draft proposes tokens that
+are verified in the same evaluation, while one sequence decodes, or several at once where the drafter serves
+them all (MTP); adaptive controllers switch drafting off where it does not pay.
 
 Determinism: a seeded request repeated gives the same text (a fully cached prompt samples from the saved
 logits of its last token instead of evaluating it again). Batched with others, F32 targets give the solo
@@ -52,13 +50,12 @@ import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import replace
 from typing import Any, TypeVar
 
 from backends import pooling
 from backends._speculative import SpecController
 from backends.channel import Channel
-from backends.drafting import Speculation, setup_draft
+from backends.drafting import Speculation, open_with_draft
 from backends.errors import BackendError, PoolFullError, UnsupportedError
 from backends.events import Event
 from backends.kvpool import KVPool
@@ -382,31 +379,14 @@ class LoadedModel:
             self._shutdown()
 
     def _load(self) -> None:
-        spec = self.spec
         self._source_class.on_thread()
         if self._before_load is not None:  # e.g. a first-use conversion, on the thread that will run the model
             self._before_load()
-        try:
-            src = self._source_class(spec)
-        except BackendError as e:
-            if spec.draft is None or spec.draft.kind != "mtp":
-                raise
-            if not spec.draft.auto:  # a GGUF that names MTP layers without carrying them, or a build without them
-                raise UnsupportedError(f"The model could not be loaded with its MTP layers ({e}); use --draft none.") \
-                    from None
-            spec = self.spec = replace(spec, draft=None)
-            src = self._source_class(spec)
-            src.info.draft_off = f"its MTP layers could not be loaded: {e}"
+        src, spec, self._spec = open_with_draft(self._source_class, self.spec)  # spec: without a draft that failed
+        self.spec = spec
         self._source = src
         src.on_fatal = self.abandon
         try:
-            if spec.draft is not None:
-                try:
-                    self._spec = Speculation(*setup_draft(src, spec.draft, self._source_class, spec))
-                except UnsupportedError as e:
-                    if not spec.draft.auto:
-                        raise
-                    src.info.draft_off = str(e)  # a default draft that cannot run: plain decoding, and why
             self._caps = caps = src.capabilities
             self._positions = positions_of(caps.media)
             pc, state_key = self._pcache_spec, caps.states.state_key() if caps.states is not None else None

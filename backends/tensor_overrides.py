@@ -1,4 +1,5 @@
-"""Which weights stay in host memory though their layer is offloaded: llama.cpp's tensor buffer-type overrides.
+"""Where a load's weights go: onto which llama.cpp devices (:func:`place_on_devices`), and which stay in host
+memory though their layer is offloaded (llama.cpp's tensor buffer-type overrides).
 
 A mixture of experts on a device too small for it runs best with attention and the shared tensors on the device
 and the expert tensors in RAM (llama.cpp's ``--cpu-moe`` / ``--n-cpu-moe N``). The binding declares
@@ -67,3 +68,27 @@ def experts_on_cpu(model_params: Any, n_cpu_moe: int) -> CPUOverrides | None:
     ov = CPUOverrides(expert_patterns(n_cpu_moe))
     ov.apply(model_params)
     return ov
+
+
+def place_on_devices(model_params: Any, names: list[str], split: list[float]) -> list[Any]:
+    """Load onto exactly these llama.cpp devices (in this order), split by ``split`` (their shares; ignored unless
+    one per device). Returns the ctypes arrays llama.cpp reads during the load: hold them until it is done.
+    Raises :class:`~backends.errors.ModelLoadError` naming the devices there are when one is unknown."""
+    from backends import ggml_devices
+    from backends.errors import ModelLoadError
+
+    handles = []
+    for n in names:
+        h = ggml_devices.device_handle(n)
+        if h is None:
+            known = ", ".join(d.name for d in ggml_devices.list_devices())
+            raise ModelLoadError(f"No llama.cpp device {n!r} (devices: {known}).")
+        handles.append(h)
+    arr = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
+    model_params.devices = ctypes.cast(arr, ctypes.c_void_p)
+    keep: list[Any] = [arr]
+    if split and len(split) == len(handles) and sum(split) > 0:
+        fl = (ctypes.c_float * 128)(*split)  # llama_max_devices() floats are read
+        model_params.tensor_split = ctypes.cast(fl, ctypes.POINTER(ctypes.c_float))
+        keep.append(fl)
+    return keep
