@@ -63,6 +63,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rpc_workers(n: int) -> tuple[list[subprocess.Popen[bytes]], str]:
+    """``n`` ``localllm worker`` processes (one thread each) on free loopback ports, each answering before this
+    returns (or after 30 s): (the processes, their ``--rpc`` list). Kill them when done."""
+    from backends.ggml_devices import hello
+
+    ports = [free_port() for _ in range(n)]
+    procs = [subprocess.Popen([sys.executable, "-m", "localllm", "worker", "--port", str(p), "--threads", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT) for p in ports]
+    for p in ports:
+        for _ in range(300):
+            try:
+                hello(f"127.0.0.1:{p}", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+    return procs, ",".join(f"127.0.0.1:{p}" for p in ports)
+
+
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], probe: str, timeout: float = 180) -> None:
     import httpx
 

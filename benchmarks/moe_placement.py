@@ -22,12 +22,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_tools  # noqa: E402
 from _common import ROOT, load_average, median  # noqa: E402
+from _serve import rpc_workers  # noqa: E402
 
 # one side: load as asked, one warm-up answer, then a pp-token prompt and tg tokens greedy; prints the rates
 _OURS = textwrap.dedent("""
@@ -104,25 +104,6 @@ def _side(script: str, **env: str) -> dict:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def _worker() -> tuple[subprocess.Popen[bytes], str]:
-    import socket
-
-    from backends.ggml_devices import hello
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    proc = subprocess.Popen([sys.executable, "-m", "localllm", "worker", "--port", str(port), "--threads", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    for _ in range(300):
-        try:
-            hello(f"127.0.0.1:{port}", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.1)
-    return proc, f"127.0.0.1:{port}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
@@ -143,7 +124,7 @@ def main() -> None:
                      dims={"FF": 1024, "experts": 8, "layers": args.layers})
     print(f"model {model} ({model.stat().st_size / 2**20:.0f} MiB, {args.layers} layers of 8 experts, 2 used), "
           f"cap {args.cap}, pp {args.pp}, tg {args.tg}, threads {args.threads}, load {load_average()}")
-    worker, rpc = _worker()
+    workers, rpc = rpc_workers(1)
     env = {"MODEL": str(model), "RPC": rpc, "LOCALLLM_DEVICE_MEMORY": f"RPC0={args.cap}", "PP": str(args.pp),
            "TG": str(args.tg), "THREADS": str(args.threads)}
     rows: dict[str, list[dict]] = {}
@@ -156,7 +137,7 @@ def main() -> None:
                 rows.setdefault(f"raw {mode}", []).append(raw | {k: ours[k] for k in ("ngl", "n_cpu_moe")})
             rows.setdefault("ours cpu", []).append(_side(_OURS, MODE="cpu", **{**env, "RPC": ""}))
     finally:
-        worker.kill()
+        workers[0].kill()
     print(f"{'side':14} {'placement':34} {'pp tok/s':>9} {'tg tok/s':>9}  (ours: prompt of "
           f"{rows['ours moe'][0]['pp']} tokens, {rows['ours moe'][0]['tg']} generated)")
     for label, runs in rows.items():

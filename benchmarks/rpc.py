@@ -14,38 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_tools  # noqa: E402
 from _common import ROOT, default_threads, load_average  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _workers(n: int) -> tuple[list[subprocess.Popen[bytes]], str]:
-    from backends.ggml_devices import hello
-
-    ports = [_port() for _ in range(n)]
-    procs = [subprocess.Popen([sys.executable, "-m", "localllm", "worker", "--port", str(p), "--threads", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT) for p in ports]
-    for p in ports:
-        for _ in range(300):
-            try:
-                hello(f"127.0.0.1:{p}", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-    return procs, ",".join(f"127.0.0.1:{p}" for p in ports)
+from _serve import rpc_workers  # noqa: E402
 
 
 def _localllm_bench(model: str, pp: int, tg: int, reps: int, rpc: str | None) -> dict:
@@ -87,7 +64,7 @@ def main() -> None:
     path = ensure_model(LocalModels(Store()), args.model).path
     threads = default_threads()
     print(f"model {args.model} ({path}), local threads {threads}, load {load_average()}")
-    procs, rpc = _workers(2)
+    procs, rpc = rpc_workers(2)
     try:
         rows = []
         for label, extra, our_rpc in (("2 RPC workers (loopback)", ["-ngl", "99", "--rpc", rpc], rpc),
