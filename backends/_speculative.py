@@ -141,6 +141,33 @@ class SpecController:
             return None
         return self.learn_catchup if self._learning else self.catchup_limit
 
+    def idle_tokens(self) -> float:
+        """Tokens (per stream) of plain decoding before the next probe may start: 0 while drafting, or when a
+        probe could start now. Both of its conditions count: the gap, and the credit covering the last probe's
+        cost (the credit grows by ``budget`` x a plain step per token, up to its cap; a cost above the cap
+        never lets a probe start)."""
+        p = self.p
+        if self.mode == "spec" or p is None or self.margin <= 0:
+            return 0.0
+        wait = max(self.gap - self._since, 0.0)
+        short = self._probe_cost - self.credit
+        if short > 0:
+            if self._probe_cost > self.budget * self.cap_tokens * p:
+                return float("inf")
+            wait = max(wait, short / (self.budget * p))
+        return wait
+
+    def rest(self, tokens: float, ns: int) -> None:
+        """Plain steps that emitted ``tokens`` (per stream) in ``ns`` while drafting is paused and no probe is near
+        (:meth:`idle_tokens`): counted towards the next probe, without sampling ``p`` (a probe's plain steps are
+        sampled in the last tokens before it). The cheap path of :meth:`record` for a paused drafter."""
+        p = self.p
+        self.decode_ns += ns
+        self.tokens += tokens
+        self._since += tokens
+        if p is not None:
+            self.credit = min(self.credit + self.budget * tokens * p, self.budget * self.cap_tokens * p)
+
     def sibling(self) -> SpecController:
         """A controller with the same settings and nothing learnt (another regime: several streams drafting)."""
         return SpecController(self.n_max, probe=self.probe, probe_tokens=self.probe_tokens, margin=self.margin,

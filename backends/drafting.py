@@ -47,6 +47,12 @@ class Drafter(Protocol):
         tokens now (a drafter that reads the target's hidden states takes them here)."""
         ...
 
+    def watch(self, on: bool) -> None:
+        """Whether :meth:`observe` will be called from the next evaluation on; while it is not (drafting paused,
+        no probe near), a drafter that reads hidden states stops the target from producing them. What it missed
+        meanwhile is a gap it drafts across."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -64,6 +70,9 @@ class _Stateless:
         return [self.propose(h, k, max_catchup, seq) for seq, h, k in asks]
 
     def observe(self, feeds: Sequence[Feed], held: Sequence[list[int]]) -> None:
+        pass
+
+    def watch(self, on: bool) -> None:
         pass
 
 
@@ -281,6 +290,11 @@ class Speculation:
     drafter: Drafter
     controller: SpecController
     wide: dict[int, SpecController] = field(default_factory=dict)  # by how many sequences draft in the step
+    lead: int = 32  # tokens before a probe from which the drafter observes the target again (its catch-up)
+    watching: bool = True  # the drafter observes the target's evaluations (see :meth:`watch`)
+    # resting: (the paused controller, decoding, active, tokens left): steps skip the policy and the controller's
+    # timing until that many tokens have passed with the same streams (:meth:`step`, :meth:`record`)
+    _rest: tuple[SpecController, int, int, float] | None = None
 
     def policy(self, decoding: list[Slot], active: int) -> tuple[SpecController | None, list[Slot]]:
         """The controller that judges this step (None: none does) and the slots that may draft in it, of
@@ -322,3 +336,47 @@ class Speculation:
             return {}
         got = self.drafter.propose_many(asks, max_catchup=ctl.max_catchup())
         return {id(r): [int(t) for t in g[:k]] for r, (_, _, k), g in zip(owners, asks, got, strict=True)}
+
+    def step(self, decoding: list[Slot], active: int, n_ctx: int) -> tuple[SpecController | None, dict[int, list[int]]]:
+        """Before a step: the controller that judges it (:meth:`policy`) and the drafts to verify (:meth:`propose`,
+        by ``id`` of the slot); the drafter watches or not (:meth:`watch`). While that controller rests (paused, no
+        probe within :attr:`lead` tokens) and the streams are the same, only the tokens are counted."""
+        rest = self._rest
+        if rest is not None and rest[1] == len(decoding) and rest[2] == active:
+            return rest[0], {}
+        self._rest = None
+        ctl, slots = self.policy(decoding, active)
+        proposed = self.propose(ctl, slots, n_ctx) if slots else {}
+        self.watch(ctl)
+        if ctl is not None and not ctl.drafting and decoding:
+            idle = ctl.idle_tokens() - self.lead
+            if idle >= 1:
+                self._rest = (ctl, len(decoding), active, idle)
+        return ctl, proposed
+
+    def record(self, ctl: SpecController, *, proposed: int, accepted: int, emitted: int, ns: int, overhead_ns: int,
+               streams: int, rejected: int) -> None:
+        """After a decode step judged by ``ctl``: :meth:`SpecController.record`, or only the tokens while resting."""
+        rest = self._rest
+        if rest is not None and rest[0] is ctl and not proposed:
+            ctl.rest(emitted / streams, ns)
+            left = rest[3] - emitted / streams
+            self._rest = (ctl, rest[1], rest[2], left) if left >= 1 else None
+            return
+        ctl.record(proposed=proposed, accepted=accepted, emitted=emitted, ns=ns, overhead_ns=overhead_ns,
+                   streams=streams, rejected=rejected)
+
+    def watch(self, ctl: SpecController | None) -> None:
+        """Before a step's evaluation, judged by ``ctl`` (None: no controller judges it, e.g. a prompt in flight;
+        the load's controller stands for it): the drafter observes the evaluations while that controller drafts
+        or is within :attr:`lead` tokens of a probe, and not otherwise, so that a paused drafter costs nothing
+        (an MTP drafter's hidden rows are not even produced)."""
+        want = (ctl or self.controller).idle_tokens() <= self.lead
+        if want != self.watching:
+            self.drafter.watch(want)
+            self.watching = want
+
+    def observe(self, feeds: Sequence[Feed], held: Sequence[list[int]]) -> None:
+        """After the evaluation of ``feeds``: :meth:`Drafter.observe` while watching."""
+        if self.watching:
+            self.drafter.observe(feeds, held)

@@ -272,6 +272,11 @@ class LoadedModel:
         return self._spec.controller if self._spec is not None else None
 
     @property
+    def speculation(self) -> Speculation | None:
+        """The drafter and its controllers (None without a draft); used on the decode thread."""
+        return self._spec
+
+    @property
     def wide_controllers(self) -> dict[int, SpecController]:
         """The controllers of steps where several sequences draft at once, by how many sequences (a copy)."""
         return dict(self._spec.wide) if self._spec is not None else {}
@@ -502,13 +507,14 @@ class LoadedModel:
         budget = src.n_batch
         t_step = time.perf_counter_ns()  # the step's cost includes drafting (a draft model's catch-up too)
         catchup = 0
+        proposed: dict[int, list[int]] = {}
         feeds: list[Feed] = []
         owners: list[tuple[Slot, SlotState, list[int]]] = []  # (request, DECODE or PREFILL, drafts)
         decoding = [r for r in self._active if r.state is _DECODE]
-        ctl, drafting = self._spec.policy(decoding, len(self._active)) if self._spec is not None else (None, [])
-        proposed = self._spec.propose(ctl, drafting, src.n_ctx) if self._spec is not None and drafting else {}
-        if proposed and self._spec is not None:
-            catchup = self._spec.drafter.catchup_ns
+        ctl: SpecController | None = None
+        if self._spec is not None:
+            ctl, proposed = self._spec.step(decoding, len(self._active), src.n_ctx)
+            catchup = self._spec.drafter.catchup_ns if proposed else 0
         for r in decoding:
             assert r.seq is not None and r.last is not None
             drafts = proposed.get(id(r), [])
@@ -578,7 +584,7 @@ class LoadedModel:
                 if r.points and len(r.seq.tokens) in r.points:
                     self.pool.checkpoint(r.seq)
         if self._spec is not None:  # a drafter that reads the target's hidden states (MTP) takes them now
-            self._spec.drafter.observe(feeds, [r.seq.tokens if r.seq is not None else [] for r, _, _ in owners])
+            self._spec.observe(feeds, [r.seq.tokens if r.seq is not None else [] for r, _, _ in owners])
         judged: list[tuple[int, int, int]] = []  # (proposed, accepted, emitted) of the decoding sequences
         for f, (r, kind, drafts), out_rows in zip(feeds, owners, rows, strict=True):
             if r not in self._active or not out_rows:
@@ -590,10 +596,10 @@ class LoadedModel:
             except Exception as e:  # noqa: BLE001 - one sequence failing ends only its stream
                 log.warning("a request on %s failed: %s", self.name, e, exc_info=log.isEnabledFor(logging.DEBUG))
                 self._end(r, "error", error=e)
-        if ctl is not None and judged and all(kind is _DECODE for _, kind, _ in owners):
-            ctl.record(proposed=sum(j[0] for j in judged), accepted=sum(j[1] for j in judged),
-                       emitted=sum(j[2] for j in judged), ns=step_ns, overhead_ns=catchup, streams=len(judged),
-                       rejected=sum(1 for j in judged if j[1] < j[0]))
+        if self._spec is not None and ctl is not None and judged and all(kind is _DECODE for _, kind, _ in owners):
+            self._spec.record(ctl, proposed=sum(j[0] for j in judged), accepted=sum(j[1] for j in judged),
+                              emitted=sum(j[2] for j in judged), ns=step_ns, overhead_ns=catchup,
+                              streams=len(judged), rejected=sum(1 for j in judged if j[1] < j[0]))
 
     def _evaluate(self, feeds: list[Feed], owners: list[tuple[Slot, SlotState, list[int]]]) -> list[list[int]] | None:
         """Evaluate, freeing idle sequences (LRU) or deferring prompt chunks while the pool is full."""

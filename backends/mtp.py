@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -90,27 +90,42 @@ def nextn_api() -> _NextnApi:
     return _api
 
 
-@dataclass
 class _SeqState:
-    """What the drafter knows of one target sequence."""
+    """What the drafter knows of one target sequence: the tokens its rows were taken for, the target's hidden rows
+    of the last positions (a ring of ``cap`` rows: positions ``lo`` to ``hi - 1`` are known), and the tokens under
+    the MTP context's cells. Keeping a row is a copy into the ring, whatever the sequence's length."""
 
-    held: list[int] = field(default_factory=list)  # the target's tokens when its rows were taken
-    rows: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (first position, rows): hidden states
-    cells: list[int] = field(default_factory=list)  # tokens under the MTP context's cells (positions < len)
+    def __init__(self, cap: int, n_embd: int):
+        self.held: list[int] = []  # the target's tokens when its rows were taken
+        self.cells: list[int] = []  # tokens under the MTP context's cells (positions < len)
+        self._ring = np.zeros((cap, n_embd), dtype=np.float32)
+        self.lo = self.hi = 0
 
     def row(self, pos: int) -> np.ndarray | None:
-        for p0, block in reversed(self.rows):
-            if p0 <= pos < p0 + len(block):
-                return block[pos - p0]
+        if self.lo <= pos < self.hi:
+            return self._ring[pos % len(self._ring)]
         return None
 
     def cut_rows(self, n: int) -> None:
         """Forget the rows at positions ``n`` and after."""
-        kept = []
-        for p0, block in self.rows:
-            if p0 < n:
-                kept.append((p0, block[: n - p0]))
-        self.rows = kept
+        self.hi = max(min(self.hi, n), 0)
+        self.lo = min(self.lo, self.hi)
+
+    def put(self, pos: int, rows: np.ndarray) -> None:
+        """Keep ``rows`` as the rows of positions ``pos``... (after :meth:`cut_rows` at ``pos``); older rows beyond
+        the ring's size are dropped, and so are all the older ones when there is a gap before ``pos``."""
+        cap = len(self._ring)
+        if pos != self.hi:
+            self.lo = pos
+        end = pos + len(rows)
+        if len(rows) > cap:
+            rows, pos = rows[-cap:], end - cap
+        at = pos % cap
+        first = min(len(rows), cap - at)
+        self._ring[at: at + first] = rows[:first]
+        self._ring[: len(rows) - first] = rows[first:]
+        self.hi = end
+        self.lo = max(self.lo, end - cap)
 
 
 class MtpDrafter:
@@ -161,6 +176,11 @@ class MtpDrafter:
 
     # ------------------------------------------------------------------ the target's side
 
+    def watch(self, on: bool) -> None:
+        """The target produces its hidden rows only while they are observed (see :meth:`Drafter.watch`)."""
+        if self._ctx is not None:
+            self._api.set_embeddings_nextn(self._tgt, on, False)
+
     def observe(self, feeds: Sequence[Feed], held: Sequence[list[int]]) -> None:
         """After the target evaluated ``feeds`` (in this order, one batch; ``held[i]``: feed i's sequence's tokens
         now): keep each text feed's hidden rows. A step with image positions keeps nothing (its rows are split
@@ -181,17 +201,16 @@ class MtpDrafter:
             k = len(f.tokens)
             st = self._sync(f.seq, toks)
             st.cut_rows(f.pos)
-            st.rows.append((f.pos, rows[at: at + k].copy()))
+            st.put(f.pos, rows[at: at + k])
             st.held = list(toks)
             at += k
-            first = f.pos + k - self.keep_rows
-            if st.rows and st.rows[0][0] < first:
-                st.rows = [(max(p0, first), b[max(0, first - p0):]) for p0, b in st.rows if p0 + len(b) > first]
 
     def _sync(self, seq: int, content: list[int]) -> _SeqState:
         """The state of ``seq`` made consistent with ``content`` (what the target holds before new tokens): rows and
         MTP cells computed for other tokens are dropped."""
-        st = self._seqs.setdefault(seq, _SeqState())
+        st = self._seqs.get(seq)
+        if st is None:
+            st = self._seqs[seq] = _SeqState(self.keep_rows, self._n_embd)
         if not (len(st.held) <= len(content) and st.held == content[: len(st.held)]):
             c = common_prefix(st.held, content)
             st.cut_rows(c)

@@ -134,3 +134,39 @@ def test_run_verbose_and_probe_say_mtp_drafting_is_on_or_off(made, home):
     assert r.returncode == 0 and "drafting:" not in r.stderr
     r = cli("probe", "-m", path)
     assert r.returncode == 0 and "the GGUF has 1 multi-token-prediction (MTP) layer: it drafts from them" in r.stdout
+
+
+def test_a_paused_mtp_drafter_rests_and_drafts_across_the_gap(made):
+    """While drafting is paused, the MTP drafter observes nothing (the target stops producing its hidden rows)
+    until ``lead`` tokens before the next probe; that probe drafts across the gap (its drafts accepted: the MTP
+    cache is consistent), and the answer is the plain one."""
+    from backends._speculative import SpecController
+
+    n = 400
+    with load(made["echo"], draft=False) as m:
+        plain, _ = greedy(m, PROMPTS[0], n)
+    with load(made["echo"], draft=True, always=False) as m:
+        spec = m.speculation
+        assert spec is not None
+        # never pays (a 100x speed-up asked for), short gaps, a generous budget: probes at known intervals
+        ctl = spec.controller = SpecController(4, margin=0.01, first_gap=16, budget=1.0)
+        seen: list[float] = []  # tokens decoded when the drafter observed an evaluation
+        after: list[float] = []  # drafts accepted in each drafting step after the first pause
+        observe, record = spec.drafter.observe, ctl.record
+
+        def counting_observe(feeds, held):
+            seen.append(ctl.tokens)
+            observe(feeds, held)
+
+        def counting_record(**kw):
+            if ctl.first_off is not None and kw["proposed"]:
+                after.append(kw["accepted"])
+            record(**kw)
+
+        spec.drafter.observe = counting_observe  # type: ignore[method-assign]
+        ctl.record = counting_record  # type: ignore[method-assign]
+        text, _ = greedy(m, PROMPTS[0], n)
+    assert text == plain
+    assert ctl.probes >= 3 and ctl.first_off is not None, ctl.state()
+    assert len(seen) < n / 2, f"the drafter observed {len(seen)} of ~{n} steps while drafting was paused"
+    assert len(after) >= 3 and sum(after) > len(after), f"probes after a pause drafted poorly: {after}"

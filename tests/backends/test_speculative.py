@@ -149,6 +149,28 @@ def test_margin_zero_always_drafts():
         m.step(ctl, 100)
 
 
+def test_idle_tokens_count_down_to_the_next_probe():
+    """While drafting is paused, ``idle_tokens`` says how many plain tokens pass before a probe may start (a
+    drafter that reads hidden states stops reading them until shortly before): never 0 while ``n_draft`` stays
+    0 for longer than that, and a probe starts when it reaches 0."""
+    ctl = SpecController(8)
+    m = Machine(**F32_Q4, accept=0.2)
+    assert ctl.idle_tokens() == 0  # learning: drafting
+    waits: list[float] = []
+    for _ in range(4000):
+        idle = ctl.idle_tokens()
+        k = ctl.n_draft()
+        if not ctl.drafting:
+            assert idle > 0 and k == 0
+        if k and waits and waits[-1] > 0:  # a probe started: the count had run down to 0
+            assert idle == 0, (idle, waits[-5:])
+        waits.append(idle)
+        m.step(ctl, 100)
+    assert ctl.probes >= 3 and ctl.lost_probes >= 3
+    paused = [w for w in waits if w > 0]
+    assert len(paused) > 3000 and max(paused) > 500  # the gaps grow, so the drafter rests longer and longer
+
+
 def test_catchup_is_bounded_only_while_probing():
     ctl = SpecController(8, catchup_limit=48, learn_catchup=300)
     assert ctl.max_catchup() == 300  # the first probe, the one that learns: the prompt matters
