@@ -50,6 +50,10 @@ class SpecController:
       the first probe: the one that learns, once per loaded model, twice as long, with up to
       ``learn_catchup`` tokens of the prompt caught up (a draft that copies from the prompt needs to have
       seen it; that first catch-up is the price of loading a draft at all and is not charged).
+    * **Resting.** While drafting is paused, :meth:`idle_tokens` says how many plain tokens pass before the next
+      probe may start; the caller may report those steps with the cheap :meth:`rest` (tokens only, no timing)
+      and let a drafter that reads the target's hidden states stop reading them until shortly before the probe
+      (:class:`~backends.drafting.Speculation`), so that a paused draft costs nothing beyond its probes.
     * ``margin`` ≤ 0 drafts ``n_max`` tokens always (for tests of the output, whatever the timings say).
 
     The state lives as long as the loaded model, so what one request learnt the next one uses.
