@@ -344,7 +344,20 @@ def mtp_drafter(src: object) -> MtpDrafter:
         raise UnsupportedError(
             f"This {src.info.architecture} model has no multi-token-prediction (MTP) layers to draft from; "
             "use --draft none.")
-    return MtpDrafter(src.model_handle, src.context_handle, n_threads=src.n_threads)
+    from backends import ggml_devices
+    from backends.llamacpp_log import allocations, capture
+
+    capture.lines = []  # the MTP context's buffers (its KV cache, compute and output buffers), as the load's
+    try:
+        drafter = MtpDrafter(src.model_handle, src.context_handle, n_threads=src.n_threads)
+        extra = allocations(capture.lines or [], ggml_devices.added_workers())
+    finally:
+        capture.lines = None
+    alloc = src.info.allocations  # the load's allocations count the MTP context's too
+    for dev, kinds in extra.items():
+        for kind, n in kinds.items():
+            alloc.setdefault(dev, {})[kind] = alloc.get(dev, {}).get(kind, 0) + n
+    return drafter
 
 
 __all__ = ["MtpDrafter", "mtp_drafter", "nextn_api"]

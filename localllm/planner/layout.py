@@ -141,9 +141,10 @@ def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash
 class _Planner:
     def __init__(self, info: GGUFInfo, hw: HardwareInfo, kv: str, num_gpu: int | None, draft: GGUFInfo | None,
                  mlx_bytes: int | None = None, caps: dict[str, int] | None = None, swa_full: bool = False,
-                 cpu_moe: bool = False, num_cpu_moe: int | None = None):
+                 cpu_moe: bool = False, num_cpu_moe: int | None = None, mtp_draft: int = 0):
         self.info, self.hw, self.kv, self.num_gpu, self.draft = info, hw, kv, num_gpu, draft
         self.swa_full = swa_full
+        self.mtp_draft = mtp_draft  # tokens a step drafted from the model's MTP layers on llama.cpp (0: none)
         # the experts kept in RAM as asked: all layers' (cpu_moe), the first N layers' (num_cpu_moe), else decided
         self.moe_asked: int | None = (info.n_layers if cpu_moe else min(max(num_cpu_moe, 0), info.n_layers)
                                       if num_cpu_moe is not None else None)
@@ -190,7 +191,7 @@ class _Planner:
 
         def est(ngl: int, n_moe: int = 0) -> MemoryEstimate:
             return estimate(info, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus, slots=slots,
-                            swa_full=self.swa_full, n_cpu_moe=n_moe)
+                            swa_full=self.swa_full, n_cpu_moe=n_moe, mtp_draft=self.mtp_draft)
 
         def draft_est(ngl: int) -> MemoryEstimate:
             assert self.draft is not None
