@@ -160,19 +160,23 @@ class MtpDrafter:
         self._ctx = llama_cpp.llama_init_from_model(model, cp)
         if not self._ctx:
             self._ctx = None
-            raise UnsupportedError("llama.cpp could not create the MTP context for this model.")
+            raise UnsupportedError("llama.cpp could not create the MTP context for this model; use --draft none.")
         self._n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_ext_init(self._ctx)
         self._pos = (ctypes.c_int32 * 4)()
         self._zeros = np.zeros(self._n_embd, dtype=np.float32)
         self._seqs: dict[int, _SeqState] = {}
-        self._api.set_embeddings_nextn(target_ctx, True, False)  # every token's row: the MTP cache needs them all
-        self._api.set_embeddings_nextn(self._ctx, True, True)  # only the drafted rows
-        try:  # the first evaluation allocates the compute buffers: at load, not in the first step
-            self._process([(0, 0, 0, self._zeros)], outputs=1)
-        finally:
-            llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        try:
+            self._api.set_embeddings_nextn(target_ctx, True, False)  # every token's row: the MTP cache needs them
+            self._api.set_embeddings_nextn(self._ctx, True, True)  # only the drafted rows
+            try:  # the first evaluation allocates the compute buffers: at load, not in the first step
+                self._process([(0, 0, 0, self._zeros)], outputs=1)
+            finally:
+                llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        except BaseException:  # a drafter that does not start leaves nothing behind: the target plain again
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ the target's side
 
