@@ -5,6 +5,9 @@ hidden rows and the MTP context's compute and output buffers. Checked against wh
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,9 @@ from localllm.hardware import MiB
 from localllm.planner import estimate, plan
 from localllm.planner.estimation import mtp_bytes
 from tests.backends.test_mtp_draft import made_mtp
+from tests.test_moe_placement import _GEN as _MOE_GEN
 from tests.test_planner import machine
+from tests.test_rpc import _env, _free_port, _start_worker, needs_rpc
 
 N_CTX, SLOTS, K = 1024, 2, 4
 
@@ -93,3 +98,33 @@ def test_probe_and_run_plan_mtp_drafting_and_draft_none_plans_without(home, mtp_
 
     assert mib(_run_plan(drafting.stderr)) > mib(_run_plan(plain.stderr)) + 90  # its compute buffer: ~97 MiB
     assert mib(_probe_plan(r.stdout, name)) > mib(_run_plan(plain.stderr))
+
+
+_GEN = _MOE_GEN.replace("LoadOptions(num_ctx=256, num_parallel=1)",
+                        "LoadOptions(num_ctx=256, num_parallel=1, draft=os.environ['DRAFT_UNDER_TEST'])")
+
+
+def _on_worker(home: Path, model: Path, rpc: str, draft: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", _GEN], capture_output=True, text=True, timeout=300,
+                       env=_env(home, MODEL_UNDER_TEST=str(model), RPC_UNDER_TEST=rpc, DRAFT_UNDER_TEST=draft))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@needs_rpc
+def test_on_an_rpc_worker_the_mtp_context_is_planned_where_llama_cpp_allocates_it(tmp_path, mtp_path):
+    """Every layer on one RPC worker: what MTP drafting adds there (the MTP context's cache and compute buffer, the
+    rollback states) is within 10 % of what the plan adds to that device, kind by kind."""
+    worker = _start_worker(tmp_path, port := _free_port())
+    try:
+        rpc = f"127.0.0.1:{port}"
+        on, off = _on_worker(tmp_path, mtp_path, rpc, "auto"), _on_worker(tmp_path, mtp_path, rpc, "none")
+    finally:
+        worker.kill()
+        worker.wait(10)
+    assert on["ngl"] == off["ngl"] > 0
+    [p_on], [p_off] = on["plan"], off["plan"]
+    assert p_on["name"] == "RPC0" and "RPC0" in on["alloc"]
+    for kind, planned in (("kv", "kv"), ("compute", "compute")):
+        allocated = on["alloc"]["RPC0"].get(kind, 0) - off["alloc"]["RPC0"].get(kind, 0)
+        assert allocated == pytest.approx(p_on[planned] - p_off[planned], rel=0.1), (kind, on, off)
