@@ -69,7 +69,7 @@ def test_the_plan_counts_what_mtp_drafting_allocates(mtp_path):
     added = drafting.memory.total - none.memory.total
     assert added == drafting.memory.mtp == sum(m.values())
     assert added - m["rows"] == pytest.approx(kv + compute, rel=0.1)
-    assert m["rows"] == 512 * info.n_embd * 4 * SLOTS
+    assert m["rows"] == 512 * info.n_embd * 4 * 2 * SLOTS  # a ring a sequence id (two a slot)
     line = next(r for r in drafting.reasons if r.startswith("MTP drafting"))
     assert f"+{added / MiB:.0f} MiB" in line and "rollback states" in line and "--draft none" in line, line
     assert not any("MTP drafting" in r for r in none.reasons)

@@ -196,7 +196,8 @@ def mtp_bytes(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, num_
       (llama.cpp filters the trunk's layers out of an MTP context, src/llama-model.cpp ``create_memory``);
     * ``rollback``: on recurrent/hybrid memory the target keeps ``1 + n_rs_seq`` states of each sequence id
       (``n_rs_seq = num_draft + 1``, src/llama-memory-recurrent.cpp): ``n_rs_seq`` more than a plain load;
-    * ``rows``: the drafter's ring of the target's hidden rows, ``keep_rows`` × n_embd floats a slot;
+    * ``rows``: the drafter's rings of the target's hidden rows, ``keep_rows`` × n_embd floats a sequence id it has
+      drafted for (at most two a slot: a request may take any of the pool's);
     * ``compute``: the MTP context's compute buffer (its block and the output head over a batch: as large as
       the target's) and its output buffer (a row of logits per sequence id).
 
@@ -206,14 +207,14 @@ def mtp_bytes(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, num_
     ...     file_type="Q4_K_M", parameters=0, chat_template=None, license=None, mtp_layers=1, recurrent_layers=48,
     ...     recurrent_bytes=48 * 2_162_688)
     >>> {k: v // MiB for k, v in mtp_bytes(q, 8192, "f16", 1, 4).items()}
-    {'cache': 32, 'rollback': 990, 'rows': 10, 'compute': 496}
+    {'cache': 32, 'rollback': 990, 'rows': 20, 'compute': 496}
     """
     from backends.mtp import MtpDrafter
 
     ids = 2 * max(slots, 1)  # localllm gives llama.cpp two sequence ids a slot
     cache = int(info.mtp_layers * info.kv_bytes_per_layer_token(kv_cache_type) * n_cells)
     rollback = info.recurrent_bytes * ids * (max(1, num_draft) + 1) if info.recurrent_layers else 0
-    rows = MtpDrafter.keep_rows * info.n_embd * 4 * max(slots, 1)
+    rows = MtpDrafter.keep_rows * info.n_embd * 4 * ids
     compute = _graph(info, n_cells, flash_attn, partial=False) + 4 * info.vocab_size * ids
     return {"cache": cache, "rollback": rollback, "rows": rows, "compute": compute}
 
