@@ -223,11 +223,15 @@ def open_with_draft(source_class: type[TokenSource],
         return src, spec, None
     try:
         return src, spec, Speculation(*setup_draft(src, spec.draft, source_class, spec))
-    except UnsupportedError as e:
-        if spec.draft.auto:
-            src.info.draft_off = str(e)  # a default draft that cannot run: plain decoding, and why
-            return src, spec, None
+    except Exception as e:  # noqa: BLE001 - whatever stops a default draft leaves plain decoding
+        mtp = spec.draft.kind == "mtp"
+        if spec.draft.auto:  # a default draft that cannot run: plain decoding, and why (the spec: what runs)
+            src.info.draft_off = str(e) if isinstance(e, BackendError) else \
+                f"the {'MTP drafter' if mtp else 'draft'} could not start: {e}"
+            return src, replace(spec, draft=None), None
         src.close()
+        if mtp and not isinstance(e, BackendError):  # an MTP drafter asked for: one sentence, not a traceback
+            raise UnsupportedError(f"The MTP drafter could not start ({e}); use --draft none.") from None
         raise
     except BaseException:
         src.close()

@@ -160,19 +160,23 @@ class MtpDrafter:
         self._ctx = llama_cpp.llama_init_from_model(model, cp)
         if not self._ctx:
             self._ctx = None
-            raise UnsupportedError("llama.cpp could not create the MTP context for this model.")
+            raise UnsupportedError("llama.cpp could not create the MTP context for this model; use --draft none.")
         self._n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_ext_init(self._ctx)
         self._pos = (ctypes.c_int32 * 4)()
         self._zeros = np.zeros(self._n_embd, dtype=np.float32)
         self._seqs: dict[int, _SeqState] = {}
-        self._api.set_embeddings_nextn(target_ctx, True, False)  # every token's row: the MTP cache needs them all
-        self._api.set_embeddings_nextn(self._ctx, True, True)  # only the drafted rows
-        try:  # the first evaluation allocates the compute buffers: at load, not in the first step
-            self._process([(0, 0, 0, self._zeros)], outputs=1)
-        finally:
-            llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        try:
+            self._api.set_embeddings_nextn(target_ctx, True, False)  # every token's row: the MTP cache needs them
+            self._api.set_embeddings_nextn(self._ctx, True, True)  # only the drafted rows
+            try:  # the first evaluation allocates the compute buffers: at load, not in the first step
+                self._process([(0, 0, 0, self._zeros)], outputs=1)
+            finally:
+                llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        except BaseException:  # a drafter that does not start leaves nothing behind: the target plain again
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ the target's side
 
@@ -344,7 +348,20 @@ def mtp_drafter(src: object) -> MtpDrafter:
         raise UnsupportedError(
             f"This {src.info.architecture} model has no multi-token-prediction (MTP) layers to draft from; "
             "use --draft none.")
-    return MtpDrafter(src.model_handle, src.context_handle, n_threads=src.n_threads)
+    from backends import ggml_devices
+    from backends.llamacpp_log import allocations, capture
+
+    capture.lines = []  # the MTP context's buffers (its KV cache, compute and output buffers), as the load's
+    try:
+        drafter = MtpDrafter(src.model_handle, src.context_handle, n_threads=src.n_threads)
+        extra = allocations(capture.lines or [], ggml_devices.added_workers())
+    finally:
+        capture.lines = None
+    alloc = src.info.allocations  # the load's allocations count the MTP context's too
+    for dev, kinds in extra.items():
+        for kind, n in kinds.items():
+            alloc.setdefault(dev, {})[kind] = alloc.get(dev, {}).get(kind, 0) + n
+    return drafter
 
 
 __all__ = ["MtpDrafter", "mtp_drafter", "nextn_api"]

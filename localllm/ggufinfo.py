@@ -65,7 +65,9 @@ class GGUFInfo:
     # last ones of ``block_count``); 0 = none. A Gemma 4 drafter head is its own file (architecture MTP_HEAD_ARCH).
     mtp_layers: int = 0
     swa_layers: int = 0  # layers with a sliding window (``sliding_window`` tokens)
-    recurrent_layers: int = 0  # layers with a recurrent state instead of a KV cache (hybrid, recurrent models)
+    # layers of the trunk (not the MTP layers, which the target's context never holds) with a recurrent state instead
+    # of a KV cache (hybrid, recurrent models)
+    recurrent_layers: int = 0
     recurrent_bytes: int = 0  # that state, all recurrent layers, per sequence (F32, as llama.cpp keeps it)
     # a mixture of experts: experts per layer (``{arch}.expert_count``) and used per token; 0 = a dense model. The
     # expert tensors' bytes per layer are ``expert_bytes`` (``extra["tensor_bytes"]["experts"]``).
@@ -102,11 +104,20 @@ class GGUFInfo:
             return f"{p / 1e9:.1f}B"
         return f"{p / 1e6:.0f}M"
 
+    @property
+    def attention_layers(self) -> int:
+        """Layers whose KV cache the target's context holds: the trunk's (``block_count`` less the MTP layers, which
+        only an MTP context holds: llama.cpp filters them out of the target's memory) less its recurrent ones."""
+        return max(self.n_layers - self.mtp_layers - self.recurrent_layers, 0)
+
     def kv_bytes_per_token(self, kv_type: str = "f16") -> float:
         """Bytes of K+V cache per context token for all attention layers (a windowed one counted whole)."""
+        return self.attention_layers * self.kv_bytes_per_layer_token(kv_type)
+
+    def kv_bytes_per_layer_token(self, kv_type: str = "f16") -> float:
+        """Bytes of K+V cache per context token of one attention layer (an MTP layer's too)."""
         per_elem = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}[kv_type]
-        elems = (self.n_layers - self.recurrent_layers) * self.n_head_kv * (self.head_dim_k + self.head_dim_v)
-        return elems * per_elem
+        return self.n_head_kv * (self.head_dim_k + self.head_dim_v) * per_elem
 
     def memory_bytes(self, n_cells: int, kv_type: str = "f16", *, slots: int = 1, swa_full: bool = False,
                      n_ubatch: int = 512) -> int:
@@ -122,11 +133,11 @@ class GGUFInfo:
         >>> g.memory_bytes(32768) // (1 << 20), g.memory_bytes(32768, swa_full=True) // (1 << 20)
         (39, 192)
         """
-        per_layer = self.kv_bytes_per_token(kv_type) / max(self.n_layers - self.recurrent_layers, 1)
+        per_layer = self.kv_bytes_per_layer_token(kv_type)
         ids = 2 * max(slots, 1)
-        swa = 0 if swa_full or not self.sliding_window else min(self.swa_layers, self.n_layers)
+        swa = 0 if swa_full or not self.sliding_window else min(self.swa_layers, self.attention_layers)
         window = min(n_cells, -(-((self.sliding_window or 0) * ids + n_ubatch) // 256) * 256) if swa else 0
-        attn = self.n_layers - self.recurrent_layers - swa
+        attn = self.attention_layers - swa
         return int(per_layer * (attn * n_cells + swa * window) + self.recurrent_bytes * ids)
 
     def as_dict(self) -> dict[str, Any]:
@@ -206,7 +217,10 @@ def info_of(data: dict[str, Any], path: str | os.PathLike[str] | None = None, di
     ``swa_layers``) gets it from the file's header (``path``), so the planner counts windows and states."""
     info = GGUFInfo(**data)
     old = ("swa_layers" not in data and (info.sliding_window or info.is_recurrent or info.is_hybrid)
-           or "n_experts" not in data)  # read before the expert tensors were counted
+           or "n_experts" not in data  # read before the expert tensors were counted
+           # an MTP build with recurrent layers: read before they were counted without the MTP layers (cheap: the
+           # header is read once by content)
+           or bool(info.mtp_layers and (info.is_recurrent or info.is_hybrid)))
     if old and (path or info.path):
         try:
             fresh = read_gguf(path or info.path, digest=digest)
@@ -223,8 +237,9 @@ def _cache_file(digest: str) -> Path:
     from localllm.config import paths
 
     # the version names what an entry holds (v3: the memory layout, MTP layers, pooling; v4: expert tensor bytes by
-    # layer and by class, the experts' width): an older one is read again
-    return paths().cache / "gguf-info" / f"{digest.removeprefix('sha256:')}.v4.json"
+    # layer and by class, the experts' width; v5: recurrent layers of the trunk only, not its MTP layers): an older
+    # one is read again
+    return paths().cache / "gguf-info" / f"{digest.removeprefix('sha256:')}.v5.json"
 
 
 def _other_parts(first: Path, count: Any) -> list[tuple[Any, Path]]:
@@ -321,8 +336,9 @@ def _read_gguf(p: Path) -> GGUFInfo:
         vocab = len(tokens) if tokens is not None else 0
     ftype = f.get("general.file_type")
     sw = a("attention.sliding_window")
-    swa_layers, recurrent_layers, recurrent_bytes = _memory_layout(arch, a, int(a("block_count", 0) or 0),
-                                                                   int(n_embd), sw)
+    mtp_layers = int(a("nextn_predict_layers", 0) or 0) or len(nextn_layers)
+    n_trunk = max(int(a("block_count", 0) or 0) - mtp_layers, 0)
+    swa_layers, recurrent_layers, recurrent_bytes = _memory_layout(arch, a, n_trunk, int(n_embd), sw)
     return GGUFInfo(
         path=str(p),
         file_size=size,
@@ -347,7 +363,7 @@ def _read_gguf(p: Path) -> GGUFInfo:
         pooling=_pooling(a("pooling_type")),
         extra={"tensor_bytes": {**split, "layers": [split["layers"][i] for i in sorted(split["layers"])],
                                 "experts": [split["experts"].get(i, 0) for i in sorted(split["layers"])]}},
-        mtp_layers=int(a("nextn_predict_layers", 0) or 0) or len(nextn_layers),
+        mtp_layers=mtp_layers,
         swa_layers=swa_layers,
         recurrent_layers=recurrent_layers,
         recurrent_bytes=recurrent_bytes,
@@ -378,8 +394,9 @@ SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma4": 6, "cohere2": 4
 
 
 def _memory_layout(arch: str, a: Any, n_layers: int, n_embd: int, sw: Any) -> tuple[int, int, int]:
-    """(windowed layers, recurrent layers, recurrent state bytes per sequence) from the metadata, as llama.cpp's
-    hparams work them out (``set_swa_pattern``, ``n_embd_r``/``n_embd_s``); (0, 0, 0) for a plain transformer."""
+    """(windowed layers, recurrent layers, recurrent state bytes per sequence) of the ``n_layers`` trunk layers (the
+    MTP layers after them are held by an MTP context only) from the metadata, as llama.cpp's hparams work them out
+    (``set_swa_pattern``, ``n_embd_r``/``n_embd_s``); (0, 0, 0) for a plain transformer."""
     swa = 0
     if isinstance(sw, int | float) and sw > 0:
         pat = a("attention.sliding_window_pattern")

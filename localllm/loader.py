@@ -260,6 +260,8 @@ class Loader:
             swa_full=config.swa_full(),
             cpu_moe=options.cpu_moe or config.cpu_moe(),
             num_cpu_moe=options.num_cpu_moe,
+            # drafting from the GGUF's own MTP layers (as draft_spec asks for where llama.cpp runs it) costs memory
+            mtp_draft=options.num_draft if (options.draft or "auto").strip() in ("auto", "mtp") else 0,
         )
 
     @staticmethod

@@ -31,12 +31,13 @@ if TYPE_CHECKING:
 
 
 def plan_for_model(name: str, hw: HardwareInfo, *, num_ctx: int | None, kv_cache_type: str, backend: str,
-                   num_gpu: int | None, store: Store | None = None,
-                   ) -> tuple[InstalledModel | None, Plan | None, str | None]:
+                   num_gpu: int | None, store: Store | None = None, cpu_moe: bool = False,
+                   num_cpu_moe: int | None = None) -> tuple[InstalledModel | None, Plan | None, str | None]:
     """(installed model or None, plan or None, why there is no plan), prepared as the engine prepares a load
     (:meth:`localllm.loader.Loader.prepare`): the same plan ``run``, ``serve`` and the REPL load — a created
     model's ``num_ctx``, the projector's memory, ``LOCALLLM_NUM_PARALLEL``, ``LOCALLLM_BACKEND``, llama.cpp's
-    devices (RPC workers), MLX weights or their conversion. A model that is not installed yields no plan (the
+    devices (RPC workers), MLX weights or their conversion, a mixture of experts' ``cpu_moe`` / ``num_cpu_moe``
+    (``run --cpu-moe`` / ``--num-cpu-moe N``; ``LOCALLLM_CPU_MOE``). A model that is not installed yields no plan (the
     planner needs its GGUF metadata); an impossible request yields PlanError's sentence."""
     from localllm.errors import LocalLLMError, ModelNotFoundError
     from localllm.loader import Loader, LoadOptions
@@ -46,7 +47,7 @@ def plan_for_model(name: str, hw: HardwareInfo, *, num_ctx: int | None, kv_cache
     loader = Loader(store, hardware=hw)
     try:
         prepared = loader.prepare(name, LoadOptions(num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend,
-                                                    num_gpu=num_gpu))
+                                                    num_gpu=num_gpu, cpu_moe=cpu_moe, num_cpu_moe=num_cpu_moe))
         return prepared.model, prepared.plan, None
     except ModelNotFoundError as e:
         return None, None, f"{e} (The plan needs its GGUF metadata.)"
@@ -154,10 +155,15 @@ def render(hw: HardwareInfo, name: str, model: InstalledModel | None, p: Plan | 
 @click.option("--rpc", default=None, metavar="HOST:PORT,...",
               help="Add llama.cpp RPC workers (`localllm worker`) first: they are listed and planned for "
                    "(default: LOCALLLM_RPC).")
+@click.option("--cpu-moe", is_flag=True, default=False,
+              help="A mixture of experts: plan every expert tensor in RAM, as `run --cpu-moe` loads it "
+                   "(default: LOCALLLM_CPU_MOE, else as few as the device needs).")
+@click.option("--num-cpu-moe", type=click.IntRange(min=0), default=None, metavar="N",
+              help="A mixture of experts: plan the experts of the first N layers in RAM (llama.cpp's --n-cpu-moe).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print HardwareInfo as JSON (devices and rpc included), with the model and the plan.")
 def command(name: str, num_ctx: int | None, kv_cache_type: str | None, backend: str, num_gpu: int | None,
-            rpc: str | None, as_json: bool) -> None:
+            rpc: str | None, cpu_moe: bool, num_cpu_moe: int | None, as_json: bool) -> None:
     """Show this machine's hardware, llama.cpp's devices and the backend localllm picks.
 
     "Devices" lists every device the installed llama.cpp build sees (CPU, CUDA, ROCm, Vulkan, Metal, RPC
@@ -169,6 +175,7 @@ def command(name: str, num_ctx: int | None, kv_cache_type: str | None, backend: 
       localllm probe --model llama3.1:8b --ctx 32768 --kv-cache-type q8_0
       localllm probe --json
       localllm probe --rpc 127.0.0.1:50052,gpu-box:50052
+      localllm probe --model gpt-oss:20b --cpu-moe
     """
     import os
     import sys
@@ -183,7 +190,8 @@ def command(name: str, num_ctx: int | None, kv_cache_type: str | None, backend: 
 
     hw = probe()
     kv = kv_cache_type or config.kv_cache_type()
-    model, p, why = plan_for_model(name, hw, num_ctx=num_ctx, kv_cache_type=kv, backend=backend, num_gpu=num_gpu)
+    model, p, why = plan_for_model(name, hw, num_ctx=num_ctx, kv_cache_type=kv, backend=backend, num_gpu=num_gpu,
+                                   cpu_moe=cpu_moe, num_cpu_moe=num_cpu_moe)
     if as_json:
         out = hw.as_dict()
         out["model"] = name

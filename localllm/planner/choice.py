@@ -25,6 +25,7 @@ from localllm.planner.estimation import (
     MiB,
     _gb,
     memory_layout_reason,
+    mtp_reason,
 )
 from localllm.planner.layout import DevicePlan, _Layout, _Planner
 
@@ -105,7 +106,8 @@ class PlanRequest:
     memory (``--tensor-split 3,1``; one number per device, in that order). ``swa_full``: cache windowed layers
     whole. ``cpu_moe``: keep every expert tensor of a mixture of experts in RAM; ``num_cpu_moe``: those of the
     first N layers (llama.cpp's ``--cpu-moe`` / ``--n-cpu-moe N``); neither: the planner keeps as few in RAM as
-    the device needs.
+    the device needs. ``mtp_draft``: the load drafts that many tokens a step from the model's own MTP layers where
+    llama.cpp runs it (its MTP context, rollback states and hidden rows are counted; 0: it does not draft so).
     """
 
     num_ctx: int | None = None
@@ -124,6 +126,7 @@ class PlanRequest:
     swa_full: bool = False
     cpu_moe: bool = False
     num_cpu_moe: int | None = None
+    mtp_draft: int = 0
 
 
 def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *, num_ctx: int | None = None,
@@ -131,7 +134,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
          draft: GGUFInfo | None = None, mlx: MLXWeights | None = None, num_parallel: int | None = None,
          projector_bytes: int = 0, projector_kind: str = "vision", device_memory: dict[str, int] | None = None,
          devices: list[str] | None = None, tensor_split: list[float] | None = None, swa_full: bool = False,
-         cpu_moe: bool = False, num_cpu_moe: int | None = None) -> Plan:
+         cpu_moe: bool = False, num_cpu_moe: int | None = None, mtp_draft: int = 0) -> Plan:
     """Decide how to load ``info`` on ``hw``: ``plan(info, hw, PlanRequest(num_ctx=8192))``, or the same fields
     as keywords (``plan(info, hw, num_ctx=8192)``; :class:`PlanRequest` says what each means). Raises
     :class:`PlanError` for what cannot be done as asked; a model that is simply too big gets
@@ -145,7 +148,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
                         mlx_model=mlx_model, draft=draft, mlx=mlx, num_parallel=num_parallel,
                         projector_bytes=projector_bytes, projector_kind=projector_kind, device_memory=device_memory,
                         devices=devices, tensor_split=tensor_split, swa_full=swa_full, cpu_moe=cpu_moe,
-                        num_cpu_moe=num_cpu_moe)
+                        num_cpu_moe=num_cpu_moe, mtp_draft=mtp_draft)
     if request is not None and asked != PlanRequest():
         raise TypeError("plan() takes a PlanRequest or keywords, not both")
     req = request if request is not None else asked
@@ -307,8 +310,9 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
     advice: list[str] = []
     if req.devices:  # --device: only these of llama.cpp's devices take layers
         hw = replace(hw, devices=[d for d in hw.devices if not d.offloads or d.name in req.devices])
+    mtp = _mtp_draft(info, req)
     pl = _Planner(info, hw, c.kv, num_gpu, req.draft, c.mw.weights_bytes, req.device_memory, swa_full=req.swa_full,
-                  cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe)
+                  cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe, mtp_draft=mtp)
     pl.shares = req.tensor_split
     device = _device(chosen, hw, reasons, advice, name, c.mw, c.passed, c.status, asked=backend != "auto")
     device = _registry_device(chosen, hw, device, reasons)
@@ -356,7 +360,7 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
                        + (", which can keep part of the model on the CPU" if fallback.memory == "layers" else ""))
         chosen, kv_reason = fallback, None
         pl = _Planner(info, hw, (req.kv_cache_type or "f16").lower(), num_gpu, req.draft, caps=req.device_memory,
-                      swa_full=req.swa_full, cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe)
+                      swa_full=req.swa_full, cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe, mtp_draft=mtp)
         device = _device(chosen, hw, reasons, advice, name, c.mw, [], c.status, asked=False)
         device = _registry_device(chosen, hw, device, reasons)
         fa, fa_reason = (False, None) if chosen.memory == "unified" else pl.flash_attn(device)
@@ -378,6 +382,12 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
     threads = max(hw.physical_cores or hw.logical_cores or 1, 1)
     return _Fit(chosen, device, pl, fa, fa_reason, kv_reason, n_ctx, slots, lay, candidates, reasons, advice,
                 threads)
+
+
+def _mtp_draft(info: GGUFInfo, req: PlanRequest) -> int:
+    """Tokens a step the load drafts from ``info``'s MTP layers (counted in the llama.cpp layout only: no other
+    backend drafts from them); 0 when it does not."""
+    return max(req.mtp_draft, 0) if info.mtp_layers else 0
 
 
 # ---------------------------------------------------------------------------------- 4. verdict and reasons
@@ -444,6 +454,8 @@ def _explain(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, fit: _Fit, verd
     reasons.append(f"memory {mem.describe(n_ctx * slots, pl.kv)}")
     if chosen.memory == "layers" and (info.swa_layers or info.recurrent_layers):
         reasons.append(memory_layout_reason(info, n_ctx * slots, pl.kv, slots, req.swa_full))
+    if mem.mtp and chosen.memory == "layers":
+        reasons.append(mtp_reason(info, n_ctx * slots, pl.kv, slots, pl.mtp_draft, fit.fa))
     if req.num_parallel:
         reasons.append(f"{slots} parallel slot{'s' if slots > 1 else ''}: asked for with num_parallel")
     elif slots == DEFAULT_PARALLEL:

@@ -51,6 +51,7 @@ class MemoryEstimate:
     gpu: int  # on the GPU (VRAM; on Apple Silicon the Metal working set)
     cpu: int  # in system RAM
     draft: int = 0  # of the above, what the draft model takes (weights + its KV cache)
+    mtp: int = 0  # of the above, what drafting from the model's own MTP layers adds (:func:`mtp_bytes`)
 
     def __add__(self, other: MemoryEstimate) -> MemoryEstimate:
         return MemoryEstimate(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values(), strict=True)))
@@ -62,7 +63,8 @@ class MemoryEstimate:
         """``"5.9 GiB: weights 4.6 GiB + KV cache 512 MiB (4,096 tokens, f16) + compute 266 MiB + ..."``"""
         text = (f"{_gb(self.total)}: weights {_gb(self.weights)} + KV cache {_gb(self.kv_cache)} "
                 f"({n_ctx:,} tokens, {kv_type}) + compute {_gb(self.compute)} + overhead {_gb(self.overhead)}")
-        return text + (f" (draft model {_gb(self.draft)} included)" if self.draft else "")
+        text += f" (draft model {_gb(self.draft)} included)" if self.draft else ""
+        return text + (f" (MTP drafting {_gb(self.mtp)} included)" if self.mtp else "")
 
 
 
@@ -131,12 +133,13 @@ def _default_flash_attn(kv_cache_type: str) -> bool:
 
 def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layers: int = 0, *,
              flash_attn: bool | None = None, device: str = "cuda", n_gpus: int = 1, slots: int = 1,
-             swa_full: bool = False, n_cpu_moe: int = 0) -> MemoryEstimate:
+             swa_full: bool = False, n_cpu_moe: int = 0, mtp_draft: int = 0) -> MemoryEstimate:
     """Memory to load ``info`` with ``n_ctx`` tokens of context (all ``slots`` slots) and ``n_gpu_layers``
     offloaded (llama.cpp's meaning; negative = all), the expert tensors of the first ``n_cpu_moe`` layers kept in
     RAM (llama.cpp's ``--n-cpu-moe``). ``flash_attn=None``: on when the V cache is quantized. The
     KV cache is what llama.cpp allocates (:meth:`GGUFInfo.memory_bytes`): sliding-window layers at their window
-    (unless ``swa_full``), recurrent layers one state per sequence.
+    (unless ``swa_full``), recurrent layers one state per sequence. ``mtp_draft``: tokens drafted a step from the
+    model's own MTP layers (0: none), whose context, rollback states and rows count too (:func:`mtp_bytes`).
 
     >>> from localllm.ggufinfo import GGUFInfo
     >>> llama8b = GGUFInfo(path="", file_size=4_920_739_232, architecture="llama", name="8B",
@@ -170,10 +173,65 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
         cpu_c = max(cpu_c, moe_cpu_compute(info, n_ctx))
     gpu_o = (CUDA_OVERHEAD * max(n_gpus, 1) if device == "cuda" else 0) if ngl else 0
     host = HOST_OVERHEAD + checkpoint_bytes(info, n_ctx, kv_cache_type, slots)  # checkpoints live in host memory
+    m = mtp_bytes(info, n_ctx, kv_cache_type, slots, mtp_draft, flash_attn) if mtp_draft and info.mtp_layers else {}
+    if m:  # the MTP context's cache and compute buffer with the MTP layers (the last: offloaded first)
+        on_gpu = layers_gpu > 0
+        rollback_gpu = m["rollback"] * layers_gpu // n_layers  # with the recurrent layers, as their states
+        kv += m["cache"] + m["rollback"]
+        kv_gpu += (m["cache"] if on_gpu else 0) + rollback_gpu
+        gpu_c, cpu_c = (gpu_c + m["compute"], cpu_c) if on_gpu else (gpu_c, cpu_c + m["compute"])
+        host += m["rows"]
     gpu = gpu_w + kv_gpu + gpu_c + gpu_o
     cpu = cpu_w + (kv - kv_gpu) + cpu_c + host
     return MemoryEstimate(weights=gpu_w + cpu_w, kv_cache=kv, compute=gpu_c + cpu_c, overhead=gpu_o + host,
-                          total=gpu + cpu, gpu=gpu, cpu=cpu)
+                          total=gpu + cpu, gpu=gpu, cpu=cpu, mtp=sum(m.values()))
+
+
+def mtp_bytes(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, num_draft: int,
+              flash_attn: bool = True) -> dict[str, int]:
+    """What drafting ``num_draft`` tokens a step from ``info``'s own MTP layers adds to a llama.cpp load of
+    ``n_cells`` context cells (all slots), as :class:`backends.mtp.MtpDrafter` and llama.cpp allocate it:
+
+    * ``cache``: the MTP context's KV cache, as long as the target's (``kv_unified``), of the MTP layers only
+      (llama.cpp filters the trunk's layers out of an MTP context, src/llama-model.cpp ``create_memory``);
+    * ``rollback``: on recurrent/hybrid memory the target keeps ``1 + n_rs_seq`` states of each sequence id
+      (``n_rs_seq = num_draft + 1``, src/llama-memory-recurrent.cpp): ``n_rs_seq`` more than a plain load;
+    * ``rows``: the drafter's rings of the target's hidden rows, ``keep_rows`` × n_embd floats a sequence id it has
+      drafted for (at most two a slot: a request may take any of the pool's);
+    * ``compute``: the MTP context's compute buffer (its block and the output head over a batch: as large as
+      the target's) and its output buffer (a row of logits per sequence id).
+
+    >>> from localllm.ggufinfo import GGUFInfo
+    >>> q = GGUFInfo(path="", file_size=0, architecture="qwen35", name=None, n_layers=65, n_embd=5120, n_head=24,
+    ...     n_head_kv=4, head_dim_k=256, head_dim_v=256, context_length=262144, vocab_size=248320,
+    ...     file_type="Q4_K_M", parameters=0, chat_template=None, license=None, mtp_layers=1, recurrent_layers=48,
+    ...     recurrent_bytes=48 * 2_162_688)
+    >>> {k: v // MiB for k, v in mtp_bytes(q, 8192, "f16", 1, 4).items()}
+    {'cache': 32, 'rollback': 990, 'rows': 20, 'compute': 496}
+    """
+    from backends.mtp import MtpDrafter
+
+    ids = 2 * max(slots, 1)  # localllm gives llama.cpp two sequence ids a slot
+    cache = int(info.mtp_layers * info.kv_bytes_per_layer_token(kv_cache_type) * n_cells)
+    rollback = info.recurrent_bytes * ids * (max(1, num_draft) + 1) if info.recurrent_layers else 0
+    rows = MtpDrafter.keep_rows * info.n_embd * 4 * ids
+    compute = _graph(info, n_cells, flash_attn, partial=False) + 4 * info.vocab_size * ids
+    return {"cache": cache, "rollback": rollback, "rows": rows, "compute": compute}
+
+
+def mtp_reason(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, num_draft: int,
+               flash_attn: bool = True) -> str:
+    """The plan's line on MTP drafting (``probe``, ``run --verbose``): what it adds, and how to plan without it."""
+    m = mtp_bytes(info, n_cells, kv_cache_type, slots, num_draft, flash_attn)
+
+    def gb(n: int) -> str:
+        return f"{n / MiB:.1f} MiB" if n < 10 * MiB else _gb(n)
+
+    parts = [f"its cache {gb(m['cache'])}"] + ([f"rollback states {gb(m['rollback'])}"] if m["rollback"] else [])
+    parts += [f"hidden rows {gb(m['rows'])}", f"its compute buffer {gb(m['compute'])}"]
+    return (f"MTP drafting ({num_draft} tokens a step from the model's {info.mtp_layers} MTP "
+            f"layer{'s' if info.mtp_layers != 1 else ''}): +{gb(sum(m.values()))} ({', '.join(parts)}); "
+            "--draft none: without it")
 
 
 def moe_cpu_compute(info: GGUFInfo, n_ctx: int) -> int:
@@ -193,7 +251,7 @@ def checkpoint_bytes(info: GGUFInfo, n_ctx: int, kv_cache_type: str, slots: int)
     swa = info.swa_layers if info.sliding_window else 0
     if not (swa or info.recurrent_layers):
         return 0
-    per_layer = info.kv_bytes_per_token(kv_cache_type) / max(info.n_layers - info.recurrent_layers, 1)
+    per_layer = info.kv_bytes_per_layer_token(kv_cache_type)
     window = min(n_ctx // max(slots, 1), (info.sliding_window or 0) + N_UBATCH)
     one = info.recurrent_bytes // 2 + int(swa * window * per_layer)  # (recurrent_bytes: two sequence ids a slot)
     return max(slots, 1) * min(pol.bytes_per_slot, pol.per_seq * one)

@@ -26,6 +26,7 @@ from localllm.planner.estimation import (
     _mlx_estimate,
     _weights,
     estimate,
+    mtp_bytes,
 )
 
 
@@ -91,11 +92,13 @@ def _targets(hw: HardwareInfo, device: str, caps: dict[str, int]) -> list[Device
 
 def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash_attn: bool,
                  targets: list[DevicePlan], shares: list[float] | None = None, *, slots: int = 1,
-                 swa_full: bool = False, n_cpu_moe: int = 0) -> list[DevicePlan]:
+                 swa_full: bool = False, n_cpu_moe: int = 0, mtp_draft: int = 0) -> list[DevicePlan]:
     """Place ``ngl`` offloaded layers on ``targets`` as llama.cpp does (``llama_model::load_tensors``: split
     points from the devices' shares, the last layers offloaded first, the output layer last) and estimate
     each device's weights, KV cache and compute buffer; the experts of the first ``n_cpu_moe`` layers stay in RAM
-    (their layer's device does not hold them)."""
+    (their layer's device does not hold them). ``mtp_draft``: drafting from the MTP layers (:func:`mtp_bytes`): the
+    MTP context's cache goes with the last layer (the MTP layers are the last), its compute buffer with the output
+    layer, the rollback states with the layers, as the KV cache."""
     from bisect import bisect_right
 
     n = len(targets)
@@ -113,17 +116,19 @@ def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash
     w = _weights(info)
     start = max(L + 1 - ngl, 0)
     act = max(min(ngl, L + 1), 1)
-    kv_layer = info.memory_bytes(n_ctx, kv_cache_type, slots=slots, swa_full=swa_full) / L
+    m = mtp_bytes(info, n_ctx, kv_cache_type, slots, mtp_draft, flash_attn) if mtp_draft and info.mtp_layers else {}
+    kv_layer = (info.memory_bytes(n_ctx, kv_cache_type, slots=slots, swa_full=swa_full) + m.get("rollback", 0)) / L
     out = [replace(t, layers=0, output=False, weights=0, kv_cache=0, compute=0) for t in targets]
     for il in range(start, L + 1):
         j = min(bisect_right(cum, (il - start) / act), n - 1)
         if il < L:
             out[j].layers += 1
             out[j].weights += (w.layers[il] - w.moved(il, il + 1, n_cpu_moe)) if il < len(w.layers) else 0
-            out[j].kv_cache += int(kv_layer)
+            out[j].kv_cache += int(kv_layer) + (m.get("cache", 0) if il == L - 1 else 0)
         else:
             out[j].output = True
             out[j].weights += w.output
+            out[j].compute += m.get("compute", 0)  # the MTP context's: with the output head it ends in
     b = min(n_ctx, N_UBATCH)
     e, h, v = info.n_embd, max(info.n_head, 1), info.vocab_size
     # a device's compute buffer, per row of the batch: the layer's activations (~15 × n_embd floats), or on the
@@ -134,16 +139,17 @@ def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash
     for d in out:
         if d.layers or d.output:
             # the buffer is the largest node's, not a sum: the logits outweigh a layer where the output is
-            d.compute = 4 * b * (attn + (e + v if d.output else 15 * e))
+            d.compute += 4 * b * (attn + (e + v if d.output else 15 * e))
     return out
 
 
 class _Planner:
     def __init__(self, info: GGUFInfo, hw: HardwareInfo, kv: str, num_gpu: int | None, draft: GGUFInfo | None,
                  mlx_bytes: int | None = None, caps: dict[str, int] | None = None, swa_full: bool = False,
-                 cpu_moe: bool = False, num_cpu_moe: int | None = None):
+                 cpu_moe: bool = False, num_cpu_moe: int | None = None, mtp_draft: int = 0):
         self.info, self.hw, self.kv, self.num_gpu, self.draft = info, hw, kv, num_gpu, draft
         self.swa_full = swa_full
+        self.mtp_draft = mtp_draft  # tokens a step drafted from the model's MTP layers on llama.cpp (0: none)
         # the experts kept in RAM as asked: all layers' (cpu_moe), the first N layers' (num_cpu_moe), else decided
         self.moe_asked: int | None = (info.n_layers if cpu_moe else min(max(num_cpu_moe, 0), info.n_layers)
                                       if num_cpu_moe is not None else None)
@@ -190,7 +196,7 @@ class _Planner:
 
         def est(ngl: int, n_moe: int = 0) -> MemoryEstimate:
             return estimate(info, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus, slots=slots,
-                            swa_full=self.swa_full, n_cpu_moe=n_moe)
+                            swa_full=self.swa_full, n_cpu_moe=n_moe, mtp_draft=self.mtp_draft)
 
         def draft_est(ngl: int) -> MemoryEstimate:
             assert self.draft is not None
@@ -261,7 +267,7 @@ class _Planner:
 
         def placed(ngl: int, n_moe: int) -> list[DevicePlan]:
             return split_layers(self.info, ngl, n_ctx, self.kv, fa, targets, self.shares, slots=slots,
-                                swa_full=self.swa_full, n_cpu_moe=n_moe)
+                                swa_full=self.swa_full, n_cpu_moe=n_moe, mtp_draft=self.mtp_draft)
 
         ngl, n_moe = self._place(device, lambda ngl_, n_: all(d.total <= d.usable_bytes for d in placed(ngl_, n_)))
         devs = placed(ngl, n_moe) if ngl else []

@@ -1,0 +1,130 @@
+"""The plan counts what drafting from a model's own MTP layers allocates (issue 36): the MTP context's KV cache (the
+MTP layers only), the target's rollback states of its recurrent layers (``1 + n_rs_seq`` copies), the drafter's
+hidden rows and the MTP context's compute and output buffers. Checked against what llama.cpp says it allocated
+(``ModelInfo.allocations``, the MTP context's buffers included) on the made Qwen3.5 hybrid with an MTP block."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backends.base import DraftSpec, LoadSpec
+from backends.llamacpp import LlamaCppSource
+from backends.loop import LoadedModel
+from localllm.ggufinfo import read_gguf
+from localllm.hardware import MiB
+from localllm.planner import estimate, plan
+from localllm.planner.estimation import mtp_bytes
+from tests.backends.test_mtp_draft import made_mtp
+from tests.test_moe_placement import _GEN as _MOE_GEN
+from tests.test_planner import machine
+from tests.test_rpc import _env, _free_port, _start_worker, needs_rpc
+
+N_CTX, SLOTS, K = 1024, 2, 4
+
+
+@pytest.fixture(scope="module")
+def mtp_path(default_model_path, test_cache) -> Path:
+    return made_mtp(Path(default_model_path), test_cache, "random")
+
+
+def _allocated(path: Path, draft: bool) -> tuple[dict[str, int], str | None]:
+    """llama.cpp's buffers by kind (all devices) of a load with or without MTP drafting, and its drafter."""
+    spec = LoadSpec(str(path), n_ctx=N_CTX, slots=SLOTS, n_threads=1,
+                    draft=DraftSpec("mtp", num_draft=K) if draft else None)
+    with LoadedModel(LlamaCppSource, spec, name=path.stem) as m:
+        out: dict[str, int] = {}
+        for kinds in m.info.allocations.values():
+            for kind, n in kinds.items():
+                out[kind] = out.get(kind, 0) + n
+        return out, m.info.draft
+
+
+def test_the_trunk_counts_without_its_mtp_layers(mtp_path):
+    # llama.cpp's target context holds the trunk's memory only: 1 attention layer, 3 recurrent (layer 4 is MTP)
+    info = read_gguf(mtp_path)
+    assert (info.n_layers, info.mtp_layers, info.recurrent_layers, info.attention_layers) == (5, 1, 3, 1)
+
+
+def test_the_plan_counts_what_mtp_drafting_allocates(mtp_path):
+    info = read_gguf(mtp_path)
+    with_mtp, drafter = _allocated(mtp_path, True)
+    assert drafter == "mtp"
+    plain, _ = _allocated(mtp_path, False)
+    m = mtp_bytes(info, N_CTX * SLOTS, "f16", SLOTS, K)
+    # the MTP context's KV cache (its one layer, every cell) and the rollback states of the 3 recurrent layers
+    kv = with_mtp["kv"] - plain["kv"]
+    assert kv == pytest.approx(m["cache"] + m["rollback"], rel=0.1), (kv, m)
+    # its compute and output buffers: as large as the target's (the logits of a batch)
+    compute = with_mtp["compute"] - plain["compute"]
+    assert compute == pytest.approx(m["compute"], rel=0.1), (compute, m)
+    # the plan's difference: those and the drafter's hidden rows (Python memory, not llama.cpp's)
+    hw = machine(ram_gib=16)
+    drafting = plan(info, hw, num_ctx=N_CTX, num_parallel=SLOTS, mtp_draft=K)
+    none = plan(info, hw, num_ctx=N_CTX, num_parallel=SLOTS)
+    added = drafting.memory.total - none.memory.total
+    assert added == drafting.memory.mtp == sum(m.values())
+    assert added - m["rows"] == pytest.approx(kv + compute, rel=0.1)
+    assert m["rows"] == 512 * info.n_embd * 4 * 2 * SLOTS  # a ring a sequence id (two a slot)
+    line = next(r for r in drafting.reasons if r.startswith("MTP drafting"))
+    assert f"+{added / MiB:.0f} MiB" in line and "rollback states" in line and "--draft none" in line, line
+    assert not any("MTP drafting" in r for r in none.reasons)
+    # estimate() itself: nothing without MTP layers to draft from
+    assert estimate(read_gguf(mtp_path), N_CTX, mtp_draft=0).mtp == 0
+
+
+def test_probe_and_run_plan_mtp_drafting_and_draft_none_plans_without(home, mtp_path):
+    from tests.test_mtp_facts import cli
+    from tests.test_prepare import _probe_plan, _run_plan
+
+    name = str(mtp_path)
+    r = cli("probe", "--model", name)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert any(line.strip().startswith("- MTP drafting (4 tokens a step from the model's 1 MTP layer): +")
+               and "rollback states" in line for line in lines), r.stdout
+    fast = ["Hi", "--temperature", "0", "--num-predict", "1", "--verbose"]
+    drafting = cli("run", name, *fast)
+    plain = cli("run", name, *fast, "--draft", "none")
+    assert drafting.returncode == 0 and plain.returncode == 0, drafting.stderr + plain.stderr
+    assert "drafting:             MTP layers: on" in drafting.stderr
+
+    def mib(line: str) -> int:
+        return int(line.split(" MiB")[0].rsplit(" ", 1)[-1])
+
+    assert mib(_run_plan(drafting.stderr)) > mib(_run_plan(plain.stderr)) + 90  # its compute buffer: ~97 MiB
+    assert mib(_probe_plan(r.stdout, name)) > mib(_run_plan(plain.stderr))
+
+
+_GEN = _MOE_GEN.replace("LoadOptions(num_ctx=256, num_parallel=1)",
+                        "LoadOptions(num_ctx=256, num_parallel=1, draft=os.environ['DRAFT_UNDER_TEST'])")
+
+
+def _on_worker(home: Path, model: Path, rpc: str, draft: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", _GEN], capture_output=True, text=True, timeout=300,
+                       env=_env(home, MODEL_UNDER_TEST=str(model), RPC_UNDER_TEST=rpc, DRAFT_UNDER_TEST=draft))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@needs_rpc
+def test_on_an_rpc_worker_the_mtp_context_is_planned_where_llama_cpp_allocates_it(tmp_path, mtp_path):
+    """Every layer on one RPC worker: what MTP drafting adds there (the MTP context's cache and compute buffer, the
+    rollback states) is within 10 % of what the plan adds to that device, kind by kind."""
+    worker = _start_worker(tmp_path, port := _free_port())
+    try:
+        rpc = f"127.0.0.1:{port}"
+        on, off = _on_worker(tmp_path, mtp_path, rpc, "auto"), _on_worker(tmp_path, mtp_path, rpc, "none")
+    finally:
+        worker.kill()
+        worker.wait(10)
+    assert on["ngl"] == off["ngl"] > 0
+    [p_on], [p_off] = on["plan"], off["plan"]
+    assert p_on["name"] == "RPC0" and "RPC0" in on["alloc"]
+    for kind, planned in (("kv", "kv"), ("compute", "compute")):
+        allocated = on["alloc"]["RPC0"].get(kind, 0) - off["alloc"]["RPC0"].get(kind, 0)
+        assert allocated == pytest.approx(p_on[planned] - p_off[planned], rel=0.1), (kind, on, off)
