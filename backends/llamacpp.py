@@ -179,7 +179,7 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
             recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(
                 self._model))
             if recurrent and spec.draft is not None:
-                cp.n_rs_seq = max(1, spec.draft.num_draft) + 1
+                cp.n_rs_seq = max(1, spec.draft.num_draft)  # a step rolls back at most its drafts (llama.cpp: n_max)
             self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
             if not self._ctx:
                 self._ctx = None

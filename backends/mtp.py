@@ -128,6 +128,16 @@ class _SeqState:
         self.lo = max(self.lo, end - cap)
 
 
+def mtp_batch(target_batch: int, n_seq_ids: int) -> int:
+    """The MTP context's batch: :attr:`MtpDrafter.batch` tokens, at least one per sequence id (a step's first
+    drafts are one evaluation), at most the target's.
+
+    >>> mtp_batch(512, 4), mtp_batch(512, 128), mtp_batch(32, 4)
+    (64, 128, 32)
+    """
+    return min(target_batch, max(MtpDrafter.batch, n_seq_ids))
+
+
 class MtpDrafter:
     """Drafts from the target's own MTP block (see the module's docstring). Made by
     :func:`backends.drafting.setup_draft` for ``DraftSpec(kind="mtp")`` on a :class:`~backends.llamacpp.LlamaCppSource`
@@ -135,6 +145,7 @@ class MtpDrafter:
 
     name = "mtp"
     multi_seq = True
+    batch = 64  # the MTP context's batch (see mtp_batch)
     keep_rows = 512  # hidden rows kept per sequence (the most a probe catches up on; n_embd floats each)
 
     def __init__(self, model: Any, target_ctx: Any, *, n_threads: int):
@@ -152,8 +163,10 @@ class MtpDrafter:
         cp = llama_cpp.llama_context_default_params()
         cp.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
         cp.n_ctx = int(llama_cpp.llama_n_ctx(target_ctx))
-        cp.n_batch = cp.n_ubatch = int(llama_cpp.llama_n_batch(target_ctx))
         cp.n_seq_max = int(llama_cpp.llama_n_seq_max(target_ctx))
+        # a step drafts for at most one sequence id each, and catches up on a few tokens each: a small batch
+        # keeps the compute buffer (the logits of a whole batch) small; a longer catch-up goes in chunks
+        cp.n_batch = cp.n_ubatch = mtp_batch(int(llama_cpp.llama_n_batch(target_ctx)), int(cp.n_seq_max))
         cp.kv_unified = True
         cp.n_threads = cp.n_threads_batch = n_threads
         cp.no_perf = True
@@ -364,4 +377,4 @@ def mtp_drafter(src: object) -> MtpDrafter:
     return drafter
 
 
-__all__ = ["MtpDrafter", "mtp_drafter", "nextn_api"]
+__all__ = ["MtpDrafter", "mtp_batch", "mtp_drafter", "nextn_api"]

@@ -59,7 +59,7 @@ def test_the_plan_counts_what_mtp_drafting_allocates(mtp_path):
     # the MTP context's KV cache (its one layer, every cell) and the rollback states of the 3 recurrent layers
     kv = with_mtp["kv"] - plain["kv"]
     assert kv == pytest.approx(m["cache"] + m["rollback"], rel=0.1), (kv, m)
-    # its compute and output buffers: as large as the target's (the logits of a batch)
+    # its compute and output buffers: the logits of its small batch (backends.mtp.mtp_batch) and a row an id
     compute = with_mtp["compute"] - plain["compute"]
     assert compute == pytest.approx(m["compute"], rel=0.1), (compute, m)
     # the plan's difference: those and the drafter's hidden rows (Python memory, not llama.cpp's)
@@ -96,7 +96,7 @@ def test_probe_and_run_plan_mtp_drafting_and_draft_none_plans_without(home, mtp_
     def mib(line: str) -> int:
         return int(line.split(" MiB")[0].rsplit(" ", 1)[-1])
 
-    assert mib(_run_plan(drafting.stderr)) > mib(_run_plan(plain.stderr)) + 90  # its compute buffer: ~97 MiB
+    assert mib(_run_plan(drafting.stderr)) > mib(_run_plan(plain.stderr)) + 10  # its compute buffer: ~12 MiB
     assert mib(_probe_plan(r.stdout, name)) > mib(_run_plan(plain.stderr))
 
 

@@ -114,9 +114,10 @@ def _weights(info: GGUFInfo) -> _Weights:
 # ------------------------------------------------------------------------------------------ compute
 
 
-def _graph(info: GGUFInfo, n_ctx: int, flash_attn: bool, partial: bool) -> int:
-    """Compute buffer, after Ollama's ``GraphSize`` (fs/ggml/ggml.go, the llama branch)."""
-    b = min(n_ctx, N_UBATCH)
+def _graph(info: GGUFInfo, n_ctx: int, flash_attn: bool, partial: bool, batch: int = N_UBATCH) -> int:
+    """Compute buffer, after Ollama's ``GraphSize`` (fs/ggml/ggml.go, the llama branch), for a physical batch of
+    ``batch`` tokens."""
+    b = min(n_ctx, batch)
     e, v, h = info.n_embd, info.vocab_size, max(info.n_head, 1)
     hd, hkv = max(info.head_dim_k, 1), max(info.n_head_kv, 1)
     if not partial:
@@ -195,11 +196,12 @@ def mtp_bytes(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, num_
     * ``cache``: the MTP context's KV cache, as long as the target's (``kv_unified``), of the MTP layers only
       (llama.cpp filters the trunk's layers out of an MTP context, src/llama-model.cpp ``create_memory``);
     * ``rollback``: on recurrent/hybrid memory the target keeps ``1 + n_rs_seq`` states of each sequence id
-      (``n_rs_seq = num_draft + 1``, src/llama-memory-recurrent.cpp): ``n_rs_seq`` more than a plain load;
+      (``n_rs_seq = num_draft``, the most a step rolls back; src/llama-memory-recurrent.cpp): ``n_rs_seq`` more
+      than a plain load;
     * ``rows``: the drafter's rings of the target's hidden rows, ``keep_rows`` × n_embd floats a sequence id it has
       drafted for (at most two a slot: a request may take any of the pool's);
-    * ``compute``: the MTP context's compute buffer (its block and the output head over a batch: as large as
-      the target's) and its output buffer (a row of logits per sequence id).
+    * ``compute``: the MTP context's compute buffer (its block and the output head over its batch, which is
+      small: :func:`backends.mtp.mtp_batch`) and its output buffer (a row of logits per sequence id).
 
     >>> from localllm.ggufinfo import GGUFInfo
     >>> q = GGUFInfo(path="", file_size=0, architecture="qwen35", name=None, n_layers=65, n_embd=5120, n_head=24,
@@ -207,15 +209,16 @@ def mtp_bytes(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, num_
     ...     file_type="Q4_K_M", parameters=0, chat_template=None, license=None, mtp_layers=1, recurrent_layers=48,
     ...     recurrent_bytes=48 * 2_162_688)
     >>> {k: v // MiB for k, v in mtp_bytes(q, 8192, "f16", 1, 4).items()}
-    {'cache': 32, 'rollback': 990, 'rows': 20, 'compute': 496}
+    {'cache': 32, 'rollback': 792, 'rows': 20, 'compute': 63}
     """
-    from backends.mtp import MtpDrafter
+    from backends.mtp import MtpDrafter, mtp_batch
 
     ids = 2 * max(slots, 1)  # localllm gives llama.cpp two sequence ids a slot
     cache = int(info.mtp_layers * info.kv_bytes_per_layer_token(kv_cache_type) * n_cells)
-    rollback = info.recurrent_bytes * ids * (max(1, num_draft) + 1) if info.recurrent_layers else 0
+    rollback = info.recurrent_bytes * ids * max(1, num_draft) if info.recurrent_layers else 0
     rows = MtpDrafter.keep_rows * info.n_embd * 4 * ids
-    compute = _graph(info, n_cells, flash_attn, partial=False) + 4 * info.vocab_size * ids
+    compute = _graph(info, n_cells, flash_attn, partial=False, batch=mtp_batch(N_UBATCH, ids))
+    compute += 4 * info.vocab_size * ids
     return {"cache": cache, "rollback": rollback, "rows": rows, "compute": compute}
 
 
