@@ -415,7 +415,7 @@ def experts_reason(info: GGUFInfo, req: PlanRequest, ngl: int, n_cpu_moe: int, b
     in_ram = max(min(n_cpu_moe, L) - start, 0)  # offloaded layers whose experts stay in RAM
     if ngl < L + 1 and in_ram:  # -ngl N with --n-cpu-moe: fewer layers offloaded, their experts in RAM
         where = (f"{off} of {L} layers and the output layer offloaded"
-                 + (", their experts in RAM" if in_ram == off else f", the experts of the first {in_ram} of them in RAM")
+                 + (", their experts in RAM" if in_ram == off else f", the experts of the first {in_ram} in RAM")
                  + f" ({_gb(sum(eb[start:start + in_ram]))} of {_gb(sum(eb[start:]))})")
     else:
         where = (f"experts of the first {n_cpu_moe} of {L} layers in RAM ({_gb(ram)} of {_gb(sum(eb))})"
