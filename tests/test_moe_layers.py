@@ -77,11 +77,23 @@ def test_three_regimes_whole_experts_in_ram_and_fewer_layers_with_their_experts_
                                                          "their experts in RAM"))
     assert "even with every expert in RAM" in line and f"-ngl {small.n_gpu_layers} --n-cpu-moe {L}" in line
     # as many layers as fit: the plan within the budget, one layer more over it
-    kw = dict(flash_attn=True, device="cuda", n_cpu_moe=L)
-    assert small.memory.gpu <= budget < estimate(info, 4096, n_gpu_layers=small.n_gpu_layers + 1, **kw).gpu
+    assert small.memory.gpu <= budget < estimate(info, 4096, n_gpu_layers=small.n_gpu_layers + 1, flash_attn=True,
+                                                 device="cuda", n_cpu_moe=L).gpu
     # the whole-layer split it replaces: with the experts on the device barely a layer fits
     assert estimate(info, 4096, n_gpu_layers=2, flash_attn=True, device="cuda").gpu > budget
     assert small.n_gpu_layers >= 8
+    # small experts beside large attention: the layers that fit leave room for some of their experts again
+    lean = replace(info, extra={"tensor_bytes": {**info.extra["tensor_bytes"], "experts": [300 * MiB] * L}})
+    hw12 = machine(ram_gib=128, cores=16, gpus=[_gpu(12)], offload="CUDA")
+    back = plan(lean, hw12, num_ctx=4096, num_parallel=1)
+    ngl, n = back.n_gpu_layers, back.n_cpu_moe
+    assert 0 < ngl < L + 1 and L - ngl < n < L, back.reasons
+    budget = 12 * GiB - GPU_MARGIN
+    kw = dict(flash_attn=True, device="cuda")
+    assert back.memory.gpu <= budget < estimate(lean, 4096, n_gpu_layers=ngl, n_cpu_moe=n - 1, **kw).gpu
+    assert estimate(lean, 4096, n_gpu_layers=ngl + 1, n_cpu_moe=L, **kw).gpu > budget
+    assert any(r.startswith(f"{ngl - 1} of {L} layers and the output layer offloaded, the experts of the first ")
+               for r in back.reasons), back.reasons
     # num_gpu forces whole layers (experts with them) unless cpu_moe keeps them in RAM: llama.cpp's -ngl N --cpu-moe
     forced = plan(info, machine(ram_gib=128, cores=16, gpus=[_gpu(2.5)], offload="CUDA"), num_ctx=4096,
                   num_parallel=1, num_gpu=8, cpu_moe=True)
