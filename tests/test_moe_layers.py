@@ -19,7 +19,7 @@ from localllm.hardware import GPU, GiB, MiB
 from localllm.planner import GPU_MARGIN, estimate, plan
 from tests.test_moe_placement import _generate, _rpc_machine
 from tests.test_planner import machine
-from tests.test_rpc import _env, _free_port, _start_worker, needs_rpc
+from tests.test_rpc import _env, _free_port, _serve, _start_worker, needs_rpc
 
 # 4 layers of 8 experts (12 MiB of experts a layer) with wide attention (32 heads of 128: 5 MiB a layer), so that a
 # device a little larger than the output layer and its logits takes some layers without their experts
@@ -123,6 +123,8 @@ def test_on_a_capped_rpc_worker_the_layers_go_without_their_experts_as_planned(t
     """Capped so that only two layers and the output fit even with every expert in RAM: llama.cpp allocates on the
     worker within 10 % of the plan, the planned layers' experts stay in host memory, the answer is the CPU's; the
     CLI's --gpu-layers with --cpu-moe loads the same way (llama.cpp's -ngl N --cpu-moe)."""
+    import httpx
+
     info = read_gguf(wide_moe)
     L = info.n_layers
     every = plan(info, _rpc_machine(), num_ctx=256, num_parallel=1, cpu_moe=True).devices[0]
@@ -138,6 +140,28 @@ def test_on_a_capped_rpc_worker_the_layers_go_without_their_experts_as_planned(t
         assert r.returncode == 0, r.stderr[-2000:]
         assert (f"experts in RAM:       1 of {L} layers and the output layer offloaded, their experts in RAM; the "
                 "other layers on the CPU") in r.stderr, r.stderr
+        # a server's ps says it too (/api/ps carries n_gpu_layers and n_layers beside n_cpu_moe)
+        (tmp_path / "Modelfile").write_text(f"FROM {wide_moe}\n")
+        c = subprocess.run([sys.executable, "-m", "localllm", "create", "wide-moe", "-f", str(tmp_path / "Modelfile")],
+                           env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+        assert c.returncode == 0, c.stderr
+        srv, url, env = _serve(tmp_path, f"127.0.0.1:{port}")
+        try:
+            g = httpx.post(f"{url}/api/generate", json={"model": "wide-moe", "prompt": "Hi", "stream": False,
+                                                         "options": {"num_predict": 2, "num_ctx": 256,
+                                                                     "num_parallel": 1, "cpu_moe": True,
+                                                                     "num_gpu": 3}}, timeout=300)
+            assert g.status_code == 200, g.text
+            ps = httpx.get(f"{url}/api/ps", timeout=10).json()["models"][0]
+            assert (ps["n_gpu_layers"], ps["n_cpu_moe"], ps["n_layers"]) == (3, L, L), ps
+            r = subprocess.run([sys.executable, "-m", "localllm", "ps"], env=env, capture_output=True, text=True,
+                               timeout=60)
+            assert r.returncode == 0, r.stderr
+            assert (f": 2 of {L} layers and the output layer offloaded, their experts in RAM; the other layers on the "
+                    "CPU") in r.stdout, r.stdout
+        finally:
+            srv.terminate()
+            srv.wait(30)
     finally:
         worker.kill()
         worker.wait(10)
