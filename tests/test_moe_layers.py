@@ -140,6 +140,14 @@ def test_on_a_capped_rpc_worker_the_layers_go_without_their_experts_as_planned(t
         assert r.returncode == 0, r.stderr[-2000:]
         assert (f"experts in RAM:       1 of {L} layers and the output layer offloaded, their experts in RAM; the "
                 "other layers on the CPU") in r.stderr, r.stderr
+        # probe plans the same and says so
+        r = subprocess.run([sys.executable, "-m", "localllm", "probe", "--model", str(wide_moe), "--rpc",
+                            f"127.0.0.1:{port}", "--ctx", "256"], env=_env(tmp_path, LOCALLLM_DEVICE_MEMORY=cap,
+                                                                          LOCALLLM_NUM_PARALLEL="1"),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert f"partial offload 3/{L} layers, experts in RAM" in r.stdout, r.stdout
+        assert f"- 2 of {L} layers and the output layer offloaded, their experts in RAM" in r.stdout, r.stdout
         # a server's ps says it too (/api/ps carries n_gpu_layers and n_layers beside n_cpu_moe)
         (tmp_path / "Modelfile").write_text(f"FROM {wide_moe}\n")
         c = subprocess.run([sys.executable, "-m", "localllm", "create", "wide-moe", "-f", str(tmp_path / "Modelfile")],
