@@ -244,6 +244,27 @@ class Loaded:
         return self.digest.removeprefix("sha256:")[:12]
 
     @property
+    def experts_placement(self) -> str:
+        """A mixture of experts' experts kept in RAM, in words ("" when none are): the first N layers' (every layer
+        offloaded), or fewer layers offloaded with their experts in RAM (llama.cpp's ``-ngl N --n-cpu-moe N``).
+
+        >>> Loaded(name="m", n_cpu_moe=2, n_layers=4, n_gpu_layers=5).experts_placement
+        'the first 2 layer(s) of 4'
+        >>> Loaded(name="m", n_cpu_moe=4, n_layers=4, n_gpu_layers=3).experts_placement
+        '2 of 4 layers and the output layer offloaded, their experts in RAM; the other layers on the CPU'
+        """
+        n, L, ngl = self.n_cpu_moe, self.n_layers, self.n_gpu_layers
+        if not n:
+            return ""
+        if L and 0 < ngl <= L:  # the last ngl - 1 layers and the output layer offloaded (llama.cpp)
+            off = ngl - 1
+            k = min(n, L) - (L - off)  # offloaded layers whose experts stay in RAM
+            return (f"{off} of {L} layers and the output layer offloaded, "
+                    + ("their experts in RAM" if k >= off else f"the experts of the first {k} in RAM")
+                    + "; the other layers on the CPU")
+        return f"the first {n} layer(s)" + (f" of {L}" if L else "")
+
+    @property
     def processor(self) -> str:
         return processor(self.size, self.size_vram)
 

@@ -148,7 +148,8 @@ def running_from_ps(d: JSON) -> Loaded:
                    batched=bool(d.get("batched", True)), drafting=str(d.get("drafting") or ""),
                    prompt_cache_entries=_int((d.get("prompt_cache") or {}).get("entries")),
                    prompt_cache_bytes=_int((d.get("prompt_cache") or {}).get("bytes")),
-                   n_cpu_moe=_int(d.get("n_cpu_moe")),
+                   n_cpu_moe=_int(d.get("n_cpu_moe")), n_gpu_layers=_int(d.get("n_gpu_layers")),
+                   n_layers=_int(d.get("n_layers")),
                    devices=[DeviceUse(str(x.get("name") or ""), _int(x.get("size")), _int(x.get("estimate")),
                                       str(x.get("description") or "")) for x in d.get("devices") or []
                             if isinstance(x, dict)])

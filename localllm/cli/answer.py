@@ -139,7 +139,7 @@ def placement_lines(runner: Runner, name: str) -> list[str]:
         models = runner.ps()
     except Exception:  # a server that cannot say: the stats stand alone
         return []
-    return [f"experts in RAM:       the first {m.n_cpu_moe} layer(s)" + (f" of {m.n_layers}" if m.n_layers else "")
+    return [f"experts in RAM:       {m.experts_placement}"
             for m in models if m.n_cpu_moe and (m.name == name or len(models) == 1)]
 
 

@@ -70,5 +70,7 @@ def command(host: str | None, as_json: bool) -> None:
                 f"{d.name}" + (f" ({d.description})" if d.description else "") + f" {human_size(d.size)}"
                 + (f" (estimated {human_size(d.estimate)})" if d.estimate else "") for d in m.devices))
         if m.n_cpu_moe:  # a mixture of experts placed across the device and RAM
-            click.echo(f"{m.name}: experts of the first {m.n_cpu_moe} layers in RAM, the rest of the model on the "
+            where = m.experts_placement
+            click.echo(f"{m.name}: {where}" if "offloaded" in where else
+                       f"{m.name}: experts of the first {m.n_cpu_moe} layers in RAM, the rest of the model on the "
                        "device")

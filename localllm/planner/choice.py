@@ -393,6 +393,16 @@ def _mtp_draft(info: GGUFInfo, req: PlanRequest) -> int:
 # ---------------------------------------------------------------------------------- 4. verdict and reasons
 
 
+def offloaded_layers(n_layers: int, ngl: int) -> int:
+    """Repeating layers llama.cpp offloads with ``n_gpu_layers`` = ``ngl`` (the output layer counts first: ``ngl``
+    of ``n_layers`` or fewer puts the last ``ngl - 1`` layers and the output layer on the device).
+
+    >>> offloaded_layers(4, 5), offloaded_layers(4, 3), offloaded_layers(4, 1), offloaded_layers(4, 0)
+    (4, 2, 0, 0)
+    """
+    return max(min(ngl, n_layers + 1) - 1, 0)
+
+
 def experts_reason(info: GGUFInfo, req: PlanRequest, ngl: int, n_cpu_moe: int, budget_desc: str) -> str:
     """One line on where a mixture of experts' expert tensors are (``probe``, ``run --verbose``)."""
     L, eb = info.n_layers, info.expert_bytes
@@ -400,8 +410,16 @@ def experts_reason(info: GGUFInfo, req: PlanRequest, ngl: int, n_cpu_moe: int, b
     of = f"{info.n_experts} experts a layer, {info.n_experts_used} used per token" if info.n_experts else "experts"
     if ngl <= 0:
         return f"experts ({of}) on the CPU with their layers"
-    where = (f"experts of the first {n_cpu_moe} of {L} layers in RAM ({_gb(ram)} of {_gb(sum(eb))})"
-             if n_cpu_moe < L else f"experts of all {L} layers in RAM ({_gb(ram)})")
+    off = offloaded_layers(L, ngl)
+    start = L - off  # the first offloaded layer
+    in_ram = max(min(n_cpu_moe, L) - start, 0)  # offloaded layers whose experts stay in RAM
+    if ngl < L + 1 and in_ram:  # -ngl N with --n-cpu-moe: fewer layers offloaded, their experts in RAM
+        where = (f"{off} of {L} layers and the output layer offloaded"
+                 + (", their experts in RAM" if in_ram == off else f", the experts of the first {in_ram} in RAM")
+                 + f" ({_gb(sum(eb[start:start + in_ram]))} of {_gb(sum(eb[start:]))})")
+    else:
+        where = (f"experts of the first {n_cpu_moe} of {L} layers in RAM ({_gb(ram)} of {_gb(sum(eb))})"
+                 if n_cpu_moe < L else f"experts of all {L} layers in RAM ({_gb(ram)})")
     if req.cpu_moe:
         return f"{where}: asked for with cpu_moe ({of})"
     if req.num_cpu_moe is not None:
@@ -412,8 +430,12 @@ def experts_reason(info: GGUFInfo, req: PlanRequest, ngl: int, n_cpu_moe: int, b
     if not n_cpu_moe:
         return (f"experts ({of}) on the device with their layers: {_gb(sum(eb))} in all"
                 if ngl >= L + 1 else
-                f"experts ({of}) with their layers: even with every expert in RAM the device cannot hold every "
-                f"layer's attention and shared tensors, so whole layers are split")
+                f"experts ({of}) with their layers: even with their experts in RAM no more layers fit on the device "
+                f"({budget_desc}), so whole layers are split")
+    if ngl < L + 1:
+        return (f"{where}: even with every expert in RAM the device ({budget_desc}) cannot hold every layer's "
+                f"attention, router and shared tensors, so only the last layers go there, without their experts, "
+                f"and the CPU runs the rest (llama.cpp's -ngl {ngl} --n-cpu-moe {n_cpu_moe}; {of})")
     return (f"{where}: every layer's attention, router and shared tensors fit on the device ({budget_desc}) but "
             f"not every expert; the rest stay on the CPU, which runs them for each token ({of})")
 
@@ -429,7 +451,8 @@ def _verdict(info: GGUFInfo, fit: _Fit) -> tuple[str, str]:
     if lay.ngl >= L + 1:
         return "gpu", "fits on GPU"
     if lay.ngl > 0:
-        return "partial", f"partial offload {min(lay.ngl, L)}/{L} layers"
+        return "partial", f"partial offload {min(lay.ngl, L)}/{L} layers" + (
+            ", experts in RAM" if lay.n_cpu_moe > L - offloaded_layers(L, lay.ngl) else "")
     return "cpu", "CPU"
 
 

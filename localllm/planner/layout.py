@@ -236,8 +236,11 @@ class _Planner:
         """(layers offloaded, llama.cpp's meaning; the first N layers whose experts stay in RAM). ``fits(ngl, n)``:
         that placement fits the device(s). Every layer when it fits; else, for a mixture of experts, every layer
         with the experts of as few first layers as fit kept in RAM (llama.cpp's ``--n-cpu-moe N``: attention,
-        router and shared tensors stay on the device, where they are used for every token); else as many whole
-        layers as fit. ``num_gpu`` forces whole layers; ``cpu_moe``/``num_cpu_moe`` force the experts."""
+        router and shared tensors stay on the device, where they are used for every token); else, when even every
+        expert in RAM leaves too little room, as many whole layers as fit *with their experts in RAM* (llama.cpp's
+        ``-ngl N --cpu-moe``), the rest on the CPU, then the experts of the last offloaded layers back on the
+        device while they fit; else (a dense model) as many whole layers as fit. ``num_gpu`` forces whole layers;
+        ``cpu_moe``/``num_cpu_moe`` force the experts."""
         full, L = self.L + 1, self.L
         moe = bool(self.info.expert_bytes) and device != "cpu"
         n_moe = (self.moe_asked or 0) if moe else 0
@@ -248,17 +251,32 @@ class _Planner:
             return ngl, n_moe if ngl else 0
         if fits(full, n_moe):
             return full, n_moe
-        if moe and self.moe_asked is None and fits(full, L):
-            lo, hi = 0, L  # fits(full, hi); not fits(full, lo): device memory falls with every layer's experts
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if fits(full, mid) else (mid, hi)
-            return full, hi
+        auto_moe = moe and self.moe_asked is None
+        if auto_moe and fits(full, L):
+            return full, self._fewest_in_ram(full, fits)
+        if auto_moe:
+            n_moe = L  # the offloaded layers' experts in RAM while fewer layers are offloaded
         lo, hi = 0, full  # whole layers: fits(lo) (0 layers take no device memory), not fits(hi)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid, n_moe) else (lo, mid)
-        return lo, n_moe if lo else 0
+        if not lo:
+            return 0, 0
+        if auto_moe:
+            n_moe = self._fewest_in_ram(lo, fits)
+            # the experts of layers that are not offloaded are on the CPU anyway: none of an offloaded one in RAM
+            n_moe = 0 if n_moe <= max(L + 1 - lo, 0) else n_moe
+        return lo, n_moe
+
+    def _fewest_in_ram(self, ngl: int, fits: Callable[[int, int], bool]) -> int:
+        """The fewest first layers whose experts stay in RAM with ``ngl`` layers offloaded; ``fits(ngl, L)``."""
+        lo, hi = 0, self.L  # fits(ngl, hi); device memory falls with every layer's experts
+        if fits(ngl, lo):
+            return 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(ngl, mid) else (mid, hi)
+        return hi
 
     def _devices_layout(self, targets: list[DevicePlan], device: str, n_ctx: int, fa: bool,
                         est: Callable[[int, int], MemoryEstimate], slots: int = 1) -> _Layout:

@@ -408,6 +408,8 @@ async def ps(request: Request) -> dict[str, Any]:
             "devices": [asdict(d) for d in device_use(m)],
             # a mixture of experts: the first N layers' experts kept in RAM (0: none)
             "n_cpu_moe": int(m.plan.n_cpu_moe),
+            # with the layers offloaded (llama.cpp's n_gpu_layers) of all: fewer layers, their experts in RAM
+            "n_gpu_layers": int(m.info.n_gpu_layers), "n_layers": int(m.info.n_layers),
             # speculative decoding now: the draft, on or paused, or why it is off ("" without one)
             "drafting": drafting_text(m.info.draft, m.metrics.drafting, m.info.draft_off or None),
             # beyond Ollama's fields (its clients ignore them): the decode loop's slots and KV pool
