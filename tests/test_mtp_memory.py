@@ -1,7 +1,8 @@
 """The plan counts what drafting from a model's own MTP layers allocates (issue 36): the MTP context's KV cache (the
 MTP layers only), the target's rollback states of its recurrent layers (``1 + n_rs_seq`` copies, as for any draft),
-the drafter's hidden rows and the MTP context's compute and output buffers. Checked against what llama.cpp says it allocated
-(``ModelInfo.allocations``, the MTP context's buffers included) on the made Qwen3.5 hybrid with an MTP block."""
+the drafter's hidden rows and the MTP context's compute and output buffers. Checked against what llama.cpp says it
+allocated (``ModelInfo.allocations``, the MTP context's buffers included) on the made Qwen3.5 hybrid with an MTP
+block."""
 
 from __future__ import annotations
 
