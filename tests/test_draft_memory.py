@@ -6,6 +6,9 @@ rollback states llama.cpp keeps for it (``n_rs_seq = num_draft``). Planned vs wh
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +18,10 @@ from localllm.hardware import MiB
 from localllm.loader import Loader, LoadOptions, plan_line
 from localllm.planner import Plan, plan
 from localllm.store import Store
+from tests.test_moe_placement import _GEN as _MOE_GEN
 from tests.test_mtp_facts import cli
 from tests.test_planner import RTX_4090, machine
+from tests.test_rpc import _env, _free_port, _start_worker, needs_rpc
 
 N_CTX, SLOTS, K = 1024, 2, 4
 
@@ -118,3 +123,40 @@ def test_draft_none_and_no_pairing_plan_no_draft(home, default_model_path):
     for draft in ("auto", "none"):
         p = loader.prepare(str(Path(default_model_path)), LoadOptions(draft=draft)).plan
         assert p.memory.draft == 0 and p.memory.rollback == 0 and not any("draft" in r for r in p.reasons)
+
+
+_GEN = _MOE_GEN.replace(
+    "LoadOptions(num_ctx=256, num_parallel=1)",
+    "LoadOptions(num_ctx=256, num_parallel=1, draft=os.environ['DRAFT_UNDER_TEST'])").replace(
+    '"n_cpu_moe": plan.n_cpu_moe,', '"n_cpu_moe": plan.n_cpu_moe, "draft": plan.memory.draft, '
+    '"draft_ngl": plan.draft_n_gpu_layers, "drafter": lm.info.draft,')
+
+
+def _on_worker(home: Path, model: Path, rpc: str, draft: str, cap: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", _GEN], capture_output=True, text=True, timeout=300,
+                       env=_env(home, MODEL_UNDER_TEST=str(model), RPC_UNDER_TEST=rpc, DRAFT_UNDER_TEST=draft,
+                                LOCALLLM_DEVICE_MEMORY=cap))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@needs_rpc
+def test_on_a_capped_rpc_worker_the_draft_model_stays_where_planned(tmp_path, default_model_path):
+    """The target split over a capped RPC worker and the CPU keeps its planned split with a draft model, and the
+    draft model (whose load takes no devices: backends.drafting.setup_draft) is planned and allocated on the CPU:
+    nothing more on the worker, the CPU's buffers grow by the planned draft within 10 %."""
+    worker = _start_worker(tmp_path, port := _free_port())
+    try:
+        rpc, cap = f"127.0.0.1:{port}", "RPC0=120MiB"
+        on = _on_worker(tmp_path, default_model_path, rpc, str(default_model_path), cap)
+        off = _on_worker(tmp_path, default_model_path, rpc, "none", cap)
+    finally:
+        worker.kill()
+        worker.wait(10)
+    assert on["drafter"] == str(default_model_path) and on["text"] == off["text"]
+    n_layers = read_gguf(default_model_path).n_layers
+    assert 0 < on["ngl"] == off["ngl"] < n_layers + 1, on["reasons"]  # a partial offload, the same with the draft
+    assert on["plan"] == off["plan"] and on["draft_ngl"] == 0 and on["draft"] > 0
+    assert on["alloc"]["RPC0"] == off["alloc"]["RPC0"]  # the worker holds the target's layers only
+    added = sum(on["alloc"]["CPU"].values()) - sum(off["alloc"]["CPU"].values())
+    assert added == pytest.approx(on["draft"], rel=0.1), (on["alloc"], off["alloc"])

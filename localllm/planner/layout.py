@@ -220,8 +220,17 @@ class _Planner:
         full = self.L + 1
         draft_ngl = 0
         targets = _targets(hw, device, self.caps)
-        if targets and device != "cpu" and self.draft is None:
-            return self._devices_layout(targets, device, n_ctx, fa, est, slots)
+        if targets and device != "cpu":
+            lay = self._devices_layout(targets, device, n_ctx, fa, est, slots)
+            if self.draft is None or not lay.fits:
+                return lay
+            # a draft model's load takes no devices (backends.drafting.setup_draft): it stays on the CPU here, so
+            # the layers split over the devices as planned keep their estimates
+            lay.mem = lay.mem + draft_est(0)
+            if lay.mem.cpu > _ram_limit(hw):
+                lay.fits, lay.why = False, (f"needs {_gb(lay.mem.cpu)} of RAM for the CPU part and the draft model, "
+                                            f"more than the {_gb(_ram_limit(hw))} this machine can give it")
+            return lay
         ngl, n_moe = self._place(device, lambda ngl_, n_: est(ngl_, n_).gpu <= budget)
         mem = est(ngl, n_moe)
         if self.draft is not None:
