@@ -222,7 +222,17 @@ class Loader:
             raise LocalLLMError(f"num_ctx must be at least {MIN_CTX} tokens, got {options.num_ctx}.")
         model = model if model is not None else self.store.get(name)
         options = self.model_options(model, options)
-        return Prepared(model, options, self._plan(model, options))
+        p = self._plan(model, options)
+        if p.memory.draft and (options.draft or "auto").strip() == "auto":
+            # the catalog's pairing was not asked for: it never costs the model its fit, context or GPU layers
+            alone = self._plan(model, replace(options, draft="none"))
+            if alone.fits and (not p.fits or (p.n_ctx, p.n_gpu_layers) < (alone.n_ctx, alone.n_gpu_layers)):
+                cost = ("fits this machine only without it" if not p.fits else
+                        f"would have {'a smaller context' if p.n_ctx < alone.n_ctx else 'fewer GPU layers'} with it")
+                alone.reasons.append(f"draft model {model.catalog.draft if model.catalog else ''} not used: "
+                                     f"{model.name} {cost} (--draft NAME: with it)")
+                return Prepared(model, replace(options, draft="none"), alone)
+        return Prepared(model, options, p)
 
     def replan(self, prepared: Prepared, **changes: Any) -> Prepared:
         """``prepared`` planned again with ``changes`` to its options (``num_gpu=``, ``num_ctx=``), the store not

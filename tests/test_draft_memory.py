@@ -160,3 +160,28 @@ def test_on_a_capped_rpc_worker_the_draft_model_stays_where_planned(tmp_path, de
     assert on["alloc"]["RPC0"] == off["alloc"]["RPC0"]  # the worker holds the target's layers only
     added = sum(on["alloc"]["CPU"].values()) - sum(off["alloc"]["CPU"].values())
     assert added == pytest.approx(on["draft"], rel=0.1), (on["alloc"], off["alloc"])
+
+
+def test_a_catalog_pairing_never_costs_the_model_its_fit_or_context(home, default_model_path):
+    """The catalog's draft (auto) is planned beside the model; where the model fits only without it, it loads and
+    decodes plainly, and the plan says why. A draft asked for by name is not second-guessed."""
+    from dataclasses import replace
+
+    from localllm.catalog import Catalog
+
+    name = str(default_model_path)
+    store = Store()
+    entry = replace(Catalog.load().get("smollm2:1.7b"), draft=name)  # a pairing with the file itself
+    paired = replace(store.get(name), catalog=entry)
+    opts = LoadOptions(num_ctx=N_CTX, num_parallel=SLOTS)
+    roomy = Loader(store, hardware=machine(ram_gib=16)).prepare(name, opts, model=paired)
+    assert roomy.plan.memory.draft > 0 and roomy.options.draft == "auto"
+    tight = Loader(store, hardware=machine(ram_gib=1.4)).prepare(name, opts, model=paired)
+    assert tight.plan.fits and tight.plan.memory.draft == 0 and tight.options.draft == "none"
+    assert any(r.startswith("draft model ") and "not used" in r for r in tight.plan.reasons), tight.plan.reasons
+    asked = Loader(store, hardware=machine(ram_gib=1.4)).prepare(name, replace(opts, draft=name))
+    assert not asked.plan.fits and asked.plan.memory.draft > 0
+    # nor does it shrink a context the planner chooses: the model keeps its default context and drops the draft
+    default = Loader(store, hardware=machine(ram_gib=1.6)).prepare(name, LoadOptions(num_parallel=1), model=paired)
+    assert default.plan.n_ctx == 4096 and default.plan.memory.draft == 0, default.plan.reasons
+    assert any("a smaller context with it" in r for r in default.plan.reasons), default.plan.reasons
