@@ -104,6 +104,7 @@ def plan_line(p: Plan) -> str:
     ``"llama.cpp on CPU, CPU, 4,096-token context, 4 slots, 412 MiB; 0/31 layers offloaded"``
     ``"...; 0/31 layers offloaded; draft model +212 MiB on the CPU"``
     """
+    from localllm.hardware import MiB
     from localllm.planner.estimation import _gb
 
     line = f"{p.summary}; {p.n_gpu_layers}/{p.n_layers + 1} layers offloaded"
@@ -111,7 +112,7 @@ def plan_line(p: Plan) -> str:
         where = f"{p.draft_n_gpu_layers} layers offloaded" if p.draft_n_gpu_layers else "on the CPU"
         line += f"; draft model +{_gb(p.memory.draft)} {where}"
     if p.memory.rollback:
-        line += f"; draft rollback states +{p.memory.rollback / (1 << 20):.1f} MiB"
+        line += f"; draft rollback states +{p.memory.rollback / MiB:.1f} MiB"
     return line
 
 

@@ -50,7 +50,7 @@ class MemoryEstimate:
     total: int
     gpu: int  # on the GPU (VRAM; on Apple Silicon the Metal working set)
     cpu: int  # in system RAM
-    draft: int = 0  # of the above, what the draft model takes (weights + its KV cache)
+    draft: int = 0  # of the above, what the draft model takes (its weights, KV cache and compute buffer)
     mtp: int = 0  # of the above, what drafting from the model's own MTP layers adds (:func:`mtp_bytes`)
     rollback: int = 0  # of the above, the rollback states any draft needs on recurrent memory (:func:`rollback_bytes`)
 
