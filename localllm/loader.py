@@ -298,8 +298,8 @@ class Loader:
         if choice in ("none", "ngram", "mtp"):
             return ("" if choice == "none" else choice), None
         if choice == "auto":
-            if int(model.info.get("mtp_layers") or 0):
-                return "mtp", None
+            if int(model.info.get("mtp_layers") or 0) and options.backend in ("auto", "llamacpp"):
+                return "mtp", None  # (on another backend, draft_spec takes the pairing instead)
             draft_name = model.catalog.draft if model.catalog is not None else None
             if not draft_name:
                 return "", None
