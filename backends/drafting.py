@@ -276,6 +276,10 @@ def setup_draft(src: TokenSource, d: DraftSpec, source_class: type[TokenSource],
         drafter = ModelDrafter(dsrc, p_min=spec.tuning.draft_p_min)
         src.info.draft = d.path
         src.info.size_bytes += dsrc.info.size_bytes
+        alloc = src.info.allocations  # the load's allocations count the draft model's too (as MTP's context's)
+        for dev, kinds in dsrc.info.allocations.items():
+            for kind, n in kinds.items():
+                alloc.setdefault(dev, {})[kind] = alloc.get(dev, {}).get(kind, 0) + n
     else:
         raise UnsupportedError(f"Unknown draft kind {d.kind!r}; use a model, ngram or mtp.")
     # draft_always: draft every step whatever the timings say (tests of exactness)

@@ -99,11 +99,21 @@ class Prepared:
 
 def plan_line(p: Plan) -> str:
     """The plan in one line, as ``probe`` and ``run --verbose`` print it: the planner's summary and the layers
-    offloaded.
+    offloaded, and what a draft adds (a draft model, where its layers go; the rollback states of recurrent memory).
 
     ``"llama.cpp on CPU, CPU, 4,096-token context, 4 slots, 412 MiB; 0/31 layers offloaded"``
+    ``"...; 0/31 layers offloaded; draft model +212 MiB on the CPU"``
     """
-    return f"{p.summary}; {p.n_gpu_layers}/{p.n_layers + 1} layers offloaded"
+    from localllm.hardware import MiB
+    from localllm.planner.estimation import _gb
+
+    line = f"{p.summary}; {p.n_gpu_layers}/{p.n_layers + 1} layers offloaded"
+    if p.memory.draft:
+        where = f"{p.draft_n_gpu_layers} layers offloaded" if p.draft_n_gpu_layers else "on the CPU"
+        line += f"; draft model +{_gb(p.memory.draft)} {where}"
+    if p.memory.rollback:
+        line += f"; draft rollback states +{p.memory.rollback / MiB:.1f} MiB"
+    return line
 
 
 def _env_parallel() -> int | None:
@@ -213,7 +223,17 @@ class Loader:
             raise LocalLLMError(f"num_ctx must be at least {MIN_CTX} tokens, got {options.num_ctx}.")
         model = model if model is not None else self.store.get(name)
         options = self.model_options(model, options)
-        return Prepared(model, options, self._plan(model, options))
+        p = self._plan(model, options)
+        if p.memory.draft and (options.draft or "auto").strip() == "auto":
+            # the catalog's pairing was not asked for: it never costs the model its fit, context or GPU layers
+            alone = self._plan(model, replace(options, draft="none"))
+            if alone.fits and (not p.fits or (p.n_ctx, p.n_gpu_layers) < (alone.n_ctx, alone.n_gpu_layers)):
+                cost = ("fits this machine only without it" if not p.fits else
+                        f"would have {'a smaller context' if p.n_ctx < alone.n_ctx else 'fewer GPU layers'} with it")
+                alone.reasons.append(f"draft model {model.catalog.draft if model.catalog else ''} not used: "
+                                     f"{model.name} {cost} (--draft NAME: with it)")
+                return Prepared(model, replace(options, draft="none"), alone)
+        return Prepared(model, options, p)
 
     def replan(self, prepared: Prepared, **changes: Any) -> Prepared:
         """``prepared`` planned again with ``changes`` to its options (``num_gpu=``, ``num_ctx=``), the store not
@@ -232,6 +252,8 @@ class Loader:
         from localllm.planner import plan
 
         info = info_of(model.info, model.path, model.weights_digest)
+        kind, draft = self.draft_of(model, options)
+        draft_info = info_of(draft.info, draft.path, draft.weights_digest) if draft is not None else None
         kv = options.kv_cache_type or config.kv_cache_type()
         if options.devices:
             known = [d.name for d in self.hardware.devices]
@@ -261,8 +283,34 @@ class Loader:
             cpu_moe=options.cpu_moe or config.cpu_moe(),
             num_cpu_moe=options.num_cpu_moe,
             # drafting from the GGUF's own MTP layers (as draft_spec asks for where llama.cpp runs it) costs memory
-            mtp_draft=options.num_draft if (options.draft or "auto").strip() in ("auto", "mtp") else 0,
+            mtp_draft=options.num_draft if kind == "mtp" else 0,
+            # any draft: its tokens a step are the rollback states recurrent memory keeps (llama.cpp's n_rs_seq)
+            num_draft=options.num_draft if kind else 0,
+            draft_kind=kind,
+            draft=draft_info,  # a draft model, planned beside the target (Plan.draft_n_gpu_layers)
         )
+
+    def draft_of(self, model: InstalledModel, options: LoadOptions) -> tuple[str, InstalledModel | None]:
+        """(the kind of draft the load drafts with, "" for none; the draft model where it is one), as
+        :meth:`draft_spec` picks it, for the plan: ``auto`` is the GGUF's MTP layers where it has them, else the
+        catalog's pairing where it is installed. A draft named but not installed raises :class:`LocalLLMError`."""
+        choice = (options.draft or "auto").strip()
+        if choice in ("none", "ngram", "mtp"):
+            return ("" if choice == "none" else choice), None
+        if choice == "auto":
+            if int(model.info.get("mtp_layers") or 0) and options.backend in ("auto", "llamacpp"):
+                return "mtp", None  # (on another backend, draft_spec takes the pairing instead)
+            draft_name = model.catalog.draft if model.catalog is not None else None
+            if not draft_name:
+                return "", None
+            try:
+                return "model", self.store.get(draft_name)
+            except ModelNotFoundError:
+                return "", None  # the suggested draft is not installed: plain decoding
+        try:
+            return "model", self.store.get(choice)
+        except ModelNotFoundError as e:
+            raise LocalLLMError(f"Draft model {choice} is not installed: {str(e).rstrip('.')}.") from None
 
     @staticmethod
     def model_options(model: InstalledModel, options: LoadOptions) -> LoadOptions:
@@ -348,7 +396,7 @@ class Loader:
             n_threads=options.num_thread or p.n_threads,
             kv_cache_type=p.kv_cache_type,  # type: ignore[arg-type]
             flash_attn=None if p.kv_cache_type == "f16" else True,  # llama.cpp decides (auto)
-            draft=self.draft_spec(model, options, p.backend),
+            draft=self.draft_spec(model, options, p.backend, p.draft_n_gpu_layers),
             embedding=options.embedding,
             # the vision projector, for a backend that runs one (MLX does not: images are refused there)
             mmproj=str(model.projector.path) if model.projector is not None and descriptor.get(p.backend).vision
@@ -376,9 +424,11 @@ class Loader:
         return PromptCacheSpec(str(root / digest.removeprefix("sha256:")), f"{digest} {backend}",
                                max_bytes=size, budget_root=str(root))
 
-    def draft_spec(self, model: InstalledModel, options: LoadOptions, backend: str) -> DraftSpec | None:
+    def draft_spec(self, model: InstalledModel, options: LoadOptions, backend: str,
+                   n_gpu_layers: int = 0) -> DraftSpec | None:
         """The draft ``options.draft`` names (``auto``: the catalog's pairing where it is installed for this
-        backend), or None for plain decoding."""
+        backend), or None for plain decoding; a draft model with ``n_gpu_layers`` offloaded (the plan's
+        ``draft_n_gpu_layers``)."""
         choice = (options.draft or "auto").strip()
         if choice == "none":
             return None
@@ -406,7 +456,7 @@ class Loader:
             return None  # the suggested draft has no build for this backend: plain decoding
         if path is None:
             raise LocalLLMError(f"Draft model {draft.name} has no {backend} weights installed.")
-        return DraftSpec(kind="model", path=str(path), num_draft=options.num_draft)
+        return DraftSpec(kind="model", path=str(path), num_draft=options.num_draft, n_gpu_layers=n_gpu_layers)
 
     def _convert(self, model: InstalledModel, cancel: threading.Event | None, p: Plan) -> None:
         """Build the weights ``p.backend`` loads from the model's GGUF (first use of ``--backend mlx``: its format's

@@ -1,7 +1,8 @@
 """The plan counts what drafting from a model's own MTP layers allocates (issue 36): the MTP context's KV cache (the
-MTP layers only), the target's rollback states of its recurrent layers (``1 + n_rs_seq`` copies), the drafter's
-hidden rows and the MTP context's compute and output buffers. Checked against what llama.cpp says it allocated
-(``ModelInfo.allocations``, the MTP context's buffers included) on the made Qwen3.5 hybrid with an MTP block."""
+MTP layers only), the target's rollback states of its recurrent layers (``1 + n_rs_seq`` copies, as for any draft),
+the drafter's hidden rows and the MTP context's compute and output buffers. Checked against what llama.cpp says it
+allocated (``ModelInfo.allocations``, the MTP context's buffers included) on the made Qwen3.5 hybrid with an MTP
+block."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from backends.loop import LoadedModel
 from localllm.ggufinfo import read_gguf
 from localllm.hardware import MiB
 from localllm.planner import estimate, plan
-from localllm.planner.estimation import mtp_bytes
+from localllm.planner.estimation import mtp_bytes, rollback_bytes
 from tests.backends.test_mtp_draft import made_mtp
 from tests.test_moe_placement import _GEN as _MOE_GEN
 from tests.test_planner import machine
@@ -56,9 +57,10 @@ def test_the_plan_counts_what_mtp_drafting_allocates(mtp_path):
     assert drafter == "mtp"
     plain, _ = _allocated(mtp_path, False)
     m = mtp_bytes(info, N_CTX * SLOTS, "f16", SLOTS, K)
+    rollback = rollback_bytes(info, SLOTS, K)  # every draft's on recurrent memory (test_draft_memory: ngram's)
     # the MTP context's KV cache (its one layer, every cell) and the rollback states of the 3 recurrent layers
     kv = with_mtp["kv"] - plain["kv"]
-    assert kv == pytest.approx(m["cache"] + m["rollback"], rel=0.1), (kv, m)
+    assert kv == pytest.approx(m["cache"] + rollback, rel=0.1), (kv, m)
     # its compute and output buffers: the logits of its small batch (backends.mtp.mtp_batch) and a row an id
     compute = with_mtp["compute"] - plain["compute"]
     assert compute == pytest.approx(m["compute"], rel=0.1), (compute, m)
@@ -67,12 +69,14 @@ def test_the_plan_counts_what_mtp_drafting_allocates(mtp_path):
     drafting = plan(info, hw, num_ctx=N_CTX, num_parallel=SLOTS, mtp_draft=K)
     none = plan(info, hw, num_ctx=N_CTX, num_parallel=SLOTS)
     added = drafting.memory.total - none.memory.total
-    assert added == drafting.memory.mtp == sum(m.values())
+    assert added == drafting.memory.mtp + drafting.memory.rollback == sum(m.values()) + rollback
     assert added - m["rows"] == pytest.approx(kv + compute, rel=0.1)
     assert m["rows"] == 512 * info.n_embd * 4 * 2 * SLOTS  # a ring a sequence id (two a slot)
     line = next(r for r in drafting.reasons if r.startswith("MTP drafting"))
-    assert f"+{added / MiB:.0f} MiB" in line and "rollback states" in line and "--draft none" in line, line
-    assert not any("MTP drafting" in r for r in none.reasons)
+    assert f"+{drafting.memory.mtp / MiB:.0f} MiB" in line and "--draft none" in line, line
+    line = next(r for r in drafting.reasons if r.startswith("draft rollback states"))
+    assert f"+{rollback / MiB:.1f} MiB for MTP drafting" in line, line
+    assert not any("MTP drafting" in r or "rollback" in r for r in none.reasons)
     # estimate() itself: nothing without MTP layers to draft from
     assert estimate(read_gguf(mtp_path), N_CTX, mtp_draft=0).mtp == 0
 
@@ -86,7 +90,8 @@ def test_probe_and_run_plan_mtp_drafting_and_draft_none_plans_without(home, mtp_
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert any(line.strip().startswith("- MTP drafting (4 tokens a step from the model's 1 MTP layer): +")
-               and "rollback states" in line for line in lines), r.stdout
+               for line in lines), r.stdout
+    assert any(line.strip().startswith("- draft rollback states: +") for line in lines), r.stdout
     fast = ["Hi", "--temperature", "0", "--num-predict", "1", "--verbose"]
     drafting = cli("run", name, *fast)
     plain = cli("run", name, *fast, "--draft", "none")

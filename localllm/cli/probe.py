@@ -32,13 +32,15 @@ if TYPE_CHECKING:
 
 def plan_for_model(name: str, hw: HardwareInfo, *, num_ctx: int | None, kv_cache_type: str, backend: str,
                    num_gpu: int | None, store: Store | None = None, cpu_moe: bool = False,
-                   num_cpu_moe: int | None = None) -> tuple[InstalledModel | None, Plan | None, str | None]:
+                   num_cpu_moe: int | None = None, draft: str = "auto",
+                   num_draft: int = 4) -> tuple[InstalledModel | None, Plan | None, str | None]:
     """(installed model or None, plan or None, why there is no plan), prepared as the engine prepares a load
     (:meth:`localllm.loader.Loader.prepare`): the same plan ``run``, ``serve`` and the REPL load — a created
     model's ``num_ctx``, the projector's memory, ``LOCALLLM_NUM_PARALLEL``, ``LOCALLLM_BACKEND``, llama.cpp's
     devices (RPC workers), MLX weights or their conversion, a mixture of experts' ``cpu_moe`` / ``num_cpu_moe``
-    (``run --cpu-moe`` / ``--num-cpu-moe N``; ``LOCALLLM_CPU_MOE``). A model that is not installed yields no plan (the
-    planner needs its GGUF metadata); an impossible request yields PlanError's sentence."""
+    (``run --cpu-moe`` / ``--num-cpu-moe N``; ``LOCALLLM_CPU_MOE``), the draft (``--draft``: a draft model's memory
+    and layers, the rollback states any draft needs on recurrent memory). A model that is not installed yields no plan
+    (the planner needs its GGUF metadata); an impossible request yields PlanError's sentence."""
     from localllm.errors import LocalLLMError, ModelNotFoundError
     from localllm.loader import Loader, LoadOptions
     from localllm.store import Store as _Store
@@ -47,7 +49,8 @@ def plan_for_model(name: str, hw: HardwareInfo, *, num_ctx: int | None, kv_cache
     loader = Loader(store, hardware=hw)
     try:
         prepared = loader.prepare(name, LoadOptions(num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend,
-                                                    num_gpu=num_gpu, cpu_moe=cpu_moe, num_cpu_moe=num_cpu_moe))
+                                                    num_gpu=num_gpu, cpu_moe=cpu_moe, num_cpu_moe=num_cpu_moe,
+                                                    draft=draft, num_draft=num_draft))
         return prepared.model, prepared.plan, None
     except ModelNotFoundError as e:
         return None, None, f"{e} (The plan needs its GGUF metadata.)"
@@ -94,7 +97,8 @@ def _device_rows(hw: HardwareInfo) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def render(hw: HardwareInfo, name: str, model: InstalledModel | None, p: Plan | None, why: str | None) -> None:
+def render(hw: HardwareInfo, name: str, model: InstalledModel | None, p: Plan | None, why: str | None,
+           draft: str = "auto") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -131,7 +135,7 @@ def render(hw: HardwareInfo, name: str, model: InstalledModel | None, p: Plan | 
         console.print(f"  - {r}", markup=False)
     from localllm.loader import mtp_note
 
-    note = mtp_note(model.info, p.backend) if model is not None else None
+    note = mtp_note(model.info, p.backend, draft) if model is not None else None
     if note:
         console.print(f"  - {note}", markup=False)
     if p.max_ctx:
@@ -160,10 +164,16 @@ def render(hw: HardwareInfo, name: str, model: InstalledModel | None, p: Plan | 
                    "(default: LOCALLLM_CPU_MOE, else as few as the device needs).")
 @click.option("--num-cpu-moe", type=click.IntRange(min=0), default=None, metavar="N",
               help="A mixture of experts: plan the experts of the first N layers in RAM (llama.cpp's --n-cpu-moe).")
+@click.option("--draft", default="auto", show_default=True, metavar="NAME|PATH|ngram|mtp|none",
+              help="Plan with this draft, as `run --draft` loads it: a draft model's memory and layers, the rollback "
+                   "states any draft needs on recurrent/hybrid memory.")
+@click.option("--num-draft", type=click.IntRange(min=1, max=64), default=4, show_default=True,
+              help="Most tokens the draft proposes per step.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print HardwareInfo as JSON (devices and rpc included), with the model and the plan.")
 def command(name: str, num_ctx: int | None, kv_cache_type: str | None, backend: str, num_gpu: int | None,
-            rpc: str | None, cpu_moe: bool, num_cpu_moe: int | None, as_json: bool) -> None:
+            rpc: str | None, cpu_moe: bool, num_cpu_moe: int | None, draft: str, num_draft: int,
+            as_json: bool) -> None:
     """Show this machine's hardware, llama.cpp's devices and the backend localllm picks.
 
     "Devices" lists every device the installed llama.cpp build sees (CPU, CUDA, ROCm, Vulkan, Metal, RPC
@@ -176,6 +186,7 @@ def command(name: str, num_ctx: int | None, kv_cache_type: str | None, backend: 
       localllm probe --json
       localllm probe --rpc 127.0.0.1:50052,gpu-box:50052
       localllm probe --model gpt-oss:20b --cpu-moe
+      localllm probe --model qwen2.5:7b --draft qwen2.5:0.5b
     """
     import os
     import sys
@@ -191,7 +202,7 @@ def command(name: str, num_ctx: int | None, kv_cache_type: str | None, backend: 
     hw = probe()
     kv = kv_cache_type or config.kv_cache_type()
     model, p, why = plan_for_model(name, hw, num_ctx=num_ctx, kv_cache_type=kv, backend=backend, num_gpu=num_gpu,
-                                   cpu_moe=cpu_moe, num_cpu_moe=num_cpu_moe)
+                                   cpu_moe=cpu_moe, num_cpu_moe=num_cpu_moe, draft=draft, num_draft=num_draft)
     if as_json:
         out = hw.as_dict()
         out["model"] = name
@@ -200,9 +211,9 @@ def command(name: str, num_ctx: int | None, kv_cache_type: str | None, backend: 
         out["mtp_layers"] = int(model.info.get("mtp_layers") or 0) if model is not None else None
         from localllm.loader import mtp_note
 
-        out["mtp_drafting"] = mtp_note(model.info, p.backend) if model is not None and p is not None else None
+        out["mtp_drafting"] = mtp_note(model.info, p.backend, draft) if model is not None and p is not None else None
         click.echo(json.dumps(out, indent=2))
     else:
-        render(hw, name, model, p, why)
+        render(hw, name, model, p, why, draft)
     if model is not None and p is None:  # the planner refused what was asked (PlanError)
         raise SystemExit(1)

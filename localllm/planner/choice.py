@@ -26,6 +26,7 @@ from localllm.planner.estimation import (
     _gb,
     memory_layout_reason,
     mtp_reason,
+    rollback_reason,
 )
 from localllm.planner.layout import DevicePlan, _Layout, _Planner
 
@@ -107,7 +108,10 @@ class PlanRequest:
     whole. ``cpu_moe``: keep every expert tensor of a mixture of experts in RAM; ``num_cpu_moe``: those of the
     first N layers (llama.cpp's ``--cpu-moe`` / ``--n-cpu-moe N``); neither: the planner keeps as few in RAM as
     the device needs. ``mtp_draft``: the load drafts that many tokens a step from the model's own MTP layers where
-    llama.cpp runs it (its MTP context, rollback states and hidden rows are counted; 0: it does not draft so).
+    llama.cpp runs it (its MTP context and hidden rows are counted; 0: it does not draft so). ``num_draft``: the
+    tokens a step any draft proposes (a draft model, n-gram, MTP; 0: no drafting, or ``mtp_draft`` where the model
+    drafts from its MTP layers), ``draft_kind`` which ("model", "ngram", "mtp"): on recurrent/hybrid memory llama.cpp
+    keeps that many rollback states of each sequence (:func:`~localllm.planner.estimation.rollback_bytes`).
     """
 
     num_ctx: int | None = None
@@ -127,6 +131,8 @@ class PlanRequest:
     cpu_moe: bool = False
     num_cpu_moe: int | None = None
     mtp_draft: int = 0
+    num_draft: int = 0
+    draft_kind: str = ""
 
 
 def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *, num_ctx: int | None = None,
@@ -134,7 +140,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
          draft: GGUFInfo | None = None, mlx: MLXWeights | None = None, num_parallel: int | None = None,
          projector_bytes: int = 0, projector_kind: str = "vision", device_memory: dict[str, int] | None = None,
          devices: list[str] | None = None, tensor_split: list[float] | None = None, swa_full: bool = False,
-         cpu_moe: bool = False, num_cpu_moe: int | None = None, mtp_draft: int = 0) -> Plan:
+         cpu_moe: bool = False, num_cpu_moe: int | None = None, mtp_draft: int = 0, num_draft: int = 0,
+         draft_kind: str = "") -> Plan:
     """Decide how to load ``info`` on ``hw``: ``plan(info, hw, PlanRequest(num_ctx=8192))``, or the same fields
     as keywords (``plan(info, hw, num_ctx=8192)``; :class:`PlanRequest` says what each means). Raises
     :class:`PlanError` for what cannot be done as asked; a model that is simply too big gets
@@ -148,7 +155,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
                         mlx_model=mlx_model, draft=draft, mlx=mlx, num_parallel=num_parallel,
                         projector_bytes=projector_bytes, projector_kind=projector_kind, device_memory=device_memory,
                         devices=devices, tensor_split=tensor_split, swa_full=swa_full, cpu_moe=cpu_moe,
-                        num_cpu_moe=num_cpu_moe, mtp_draft=mtp_draft)
+                        num_cpu_moe=num_cpu_moe, mtp_draft=mtp_draft, num_draft=num_draft, draft_kind=draft_kind)
     if request is not None and asked != PlanRequest():
         raise TypeError("plan() takes a PlanRequest or keywords, not both")
     req = request if request is not None else asked
@@ -312,7 +319,7 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
         hw = replace(hw, devices=[d for d in hw.devices if not d.offloads or d.name in req.devices])
     mtp = _mtp_draft(info, req)
     pl = _Planner(info, hw, c.kv, num_gpu, req.draft, c.mw.weights_bytes, req.device_memory, swa_full=req.swa_full,
-                  cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe, mtp_draft=mtp)
+                  cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe, mtp_draft=mtp, num_draft=_num_draft(info, req))
     pl.shares = req.tensor_split
     device = _device(chosen, hw, reasons, advice, name, c.mw, c.passed, c.status, asked=backend != "auto")
     device = _registry_device(chosen, hw, device, reasons)
@@ -360,7 +367,8 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
                        + (", which can keep part of the model on the CPU" if fallback.memory == "layers" else ""))
         chosen, kv_reason = fallback, None
         pl = _Planner(info, hw, (req.kv_cache_type or "f16").lower(), num_gpu, req.draft, caps=req.device_memory,
-                      swa_full=req.swa_full, cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe, mtp_draft=mtp)
+                      swa_full=req.swa_full, cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe, mtp_draft=mtp,
+                      num_draft=_num_draft(info, req))
         device = _device(chosen, hw, reasons, advice, name, c.mw, [], c.status, asked=False)
         device = _registry_device(chosen, hw, device, reasons)
         fa, fa_reason = (False, None) if chosen.memory == "unified" else pl.flash_attn(device)
@@ -388,6 +396,12 @@ def _mtp_draft(info: GGUFInfo, req: PlanRequest) -> int:
     """Tokens a step the load drafts from ``info``'s MTP layers (counted in the llama.cpp layout only: no other
     backend drafts from them); 0 when it does not."""
     return max(req.mtp_draft, 0) if info.mtp_layers else 0
+
+
+def _num_draft(info: GGUFInfo, req: PlanRequest) -> int:
+    """Tokens a step the load drafts, whatever drafts them (``num_draft``, else MTP's): the rollback states of
+    recurrent memory (counted in the llama.cpp layout only)."""
+    return max(req.num_draft, 0) or _mtp_draft(info, req)
 
 
 # ---------------------------------------------------------------------------------- 4. verdict and reasons
@@ -479,6 +493,9 @@ def _explain(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, fit: _Fit, verd
         reasons.append(memory_layout_reason(info, n_ctx * slots, pl.kv, slots, req.swa_full))
     if mem.mtp and chosen.memory == "layers":
         reasons.append(mtp_reason(info, n_ctx * slots, pl.kv, slots, pl.mtp_draft, fit.fa))
+    if mem.rollback and chosen.memory == "layers":
+        kind = req.draft_kind or ("model" if req.draft is not None else "mtp" if pl.mtp_draft else "")
+        reasons.append(rollback_reason(info, slots, pl.num_draft, kind))
     if req.num_parallel:
         reasons.append(f"{slots} parallel slot{'s' if slots > 1 else ''}: asked for with num_parallel")
     elif slots == DEFAULT_PARALLEL:
@@ -545,9 +562,9 @@ def _explain(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, fit: _Fit, verd
                    "up generation)")
     draft = req.draft
     if draft is not None:
-        where = "on the GPU" if lay.draft_ngl else "on the CPU"
-        reasons.append(f"draft model {draft.name or os.path.basename(draft.path)} {where}: "
-                       f"{_gb(mem.draft)} for its weights and KV cache")
+        where = (f"{lay.draft_ngl}/{draft.n_layers + 1} layers on the GPU" if lay.draft_ngl else "on the CPU")
+        reasons.append(f"draft model {draft.name or os.path.basename(draft.path)}: +{_gb(mem.draft)} {where} (its "
+                       f"weights, a {n_ctx:,}-token KV cache and its compute buffer); --draft none: without it")
     if info.is_recurrent or info.is_hybrid:
         reasons.append(f"{info.architecture} is a recurrent/hybrid architecture: the KV estimate is approximate")
     return mem

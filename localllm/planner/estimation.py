@@ -50,8 +50,9 @@ class MemoryEstimate:
     total: int
     gpu: int  # on the GPU (VRAM; on Apple Silicon the Metal working set)
     cpu: int  # in system RAM
-    draft: int = 0  # of the above, what the draft model takes (weights + its KV cache)
+    draft: int = 0  # of the above, what the draft model takes (its weights, KV cache and compute buffer)
     mtp: int = 0  # of the above, what drafting from the model's own MTP layers adds (:func:`mtp_bytes`)
+    rollback: int = 0  # of the above, the rollback states any draft needs on recurrent memory (:func:`rollback_bytes`)
 
     def __add__(self, other: MemoryEstimate) -> MemoryEstimate:
         return MemoryEstimate(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values(), strict=True)))
@@ -64,7 +65,8 @@ class MemoryEstimate:
         text = (f"{_gb(self.total)}: weights {_gb(self.weights)} + KV cache {_gb(self.kv_cache)} "
                 f"({n_ctx:,} tokens, {kv_type}) + compute {_gb(self.compute)} + overhead {_gb(self.overhead)}")
         text += f" (draft model {_gb(self.draft)} included)" if self.draft else ""
-        return text + (f" (MTP drafting {_gb(self.mtp)} included)" if self.mtp else "")
+        text += f" (MTP drafting {_gb(self.mtp)} included)" if self.mtp else ""
+        return text + (f" (draft rollback states {_gb(self.rollback)} included)" if self.rollback else "")
 
 
 
@@ -134,13 +136,15 @@ def _default_flash_attn(kv_cache_type: str) -> bool:
 
 def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layers: int = 0, *,
              flash_attn: bool | None = None, device: str = "cuda", n_gpus: int = 1, slots: int = 1,
-             swa_full: bool = False, n_cpu_moe: int = 0, mtp_draft: int = 0) -> MemoryEstimate:
+             swa_full: bool = False, n_cpu_moe: int = 0, mtp_draft: int = 0, num_draft: int = 0) -> MemoryEstimate:
     """Memory to load ``info`` with ``n_ctx`` tokens of context (all ``slots`` slots) and ``n_gpu_layers``
     offloaded (llama.cpp's meaning; negative = all), the expert tensors of the first ``n_cpu_moe`` layers kept in
     RAM (llama.cpp's ``--n-cpu-moe``). ``flash_attn=None``: on when the V cache is quantized. The
     KV cache is what llama.cpp allocates (:meth:`GGUFInfo.memory_bytes`): sliding-window layers at their window
     (unless ``swa_full``), recurrent layers one state per sequence. ``mtp_draft``: tokens drafted a step from the
-    model's own MTP layers (0: none), whose context, rollback states and rows count too (:func:`mtp_bytes`).
+    model's own MTP layers (0: none), whose context and rows count too (:func:`mtp_bytes`). ``num_draft``: tokens
+    any draft (a draft model, n-gram, MTP) proposes a step (0: no drafting; ``mtp_draft`` where it is 0): on
+    recurrent/hybrid memory llama.cpp keeps that many rollback states of each sequence (:func:`rollback_bytes`).
 
     >>> from localllm.ggufinfo import GGUFInfo
     >>> llama8b = GGUFInfo(path="", file_size=4_920_739_232, architecture="llama", name="8B",
@@ -175,17 +179,49 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
     gpu_o = (CUDA_OVERHEAD * max(n_gpus, 1) if device == "cuda" else 0) if ngl else 0
     host = HOST_OVERHEAD + checkpoint_bytes(info, n_ctx, kv_cache_type, slots)  # checkpoints live in host memory
     m = mtp_bytes(info, n_ctx, kv_cache_type, slots, mtp_draft, flash_attn) if mtp_draft and info.mtp_layers else {}
+    rollback = rollback_bytes(info, slots, num_draft or (mtp_draft if info.mtp_layers else 0))
+    kv += rollback
+    kv_gpu += rollback * layers_gpu // n_layers  # with the recurrent layers, as their states
     if m:  # the MTP context's cache and compute buffer with the MTP layers (the last: offloaded first)
         on_gpu = layers_gpu > 0
-        rollback_gpu = m["rollback"] * layers_gpu // n_layers  # with the recurrent layers, as their states
-        kv += m["cache"] + m["rollback"]
-        kv_gpu += (m["cache"] if on_gpu else 0) + rollback_gpu
+        kv += m["cache"]
+        kv_gpu += m["cache"] if on_gpu else 0
         gpu_c, cpu_c = (gpu_c + m["compute"], cpu_c) if on_gpu else (gpu_c, cpu_c + m["compute"])
         host += m["rows"]
     gpu = gpu_w + kv_gpu + gpu_c + gpu_o
     cpu = cpu_w + (kv - kv_gpu) + cpu_c + host
     return MemoryEstimate(weights=gpu_w + cpu_w, kv_cache=kv, compute=gpu_c + cpu_c, overhead=gpu_o + host,
-                          total=gpu + cpu, gpu=gpu, cpu=cpu, mtp=sum(m.values()))
+                          total=gpu + cpu, gpu=gpu, cpu=cpu, mtp=sum(m.values()), rollback=rollback)
+
+
+def rollback_bytes(info: GGUFInfo, slots: int, num_draft: int) -> int:
+    """The rollback states a draft of ``num_draft`` tokens a step needs on ``info``'s recurrent/hybrid memory (any
+    draft: a draft model, n-gram, MTP; :mod:`backends.llamacpp` sets ``n_rs_seq = num_draft``, the most a step rolls
+    back): llama.cpp keeps ``1 + n_rs_seq`` states of each sequence id (src/llama-memory-recurrent.cpp), ``n_rs_seq``
+    more than a plain load, two sequence ids a slot; 0 without recurrent layers or without a draft.
+
+    >>> from localllm.ggufinfo import GGUFInfo
+    >>> q = GGUFInfo(path="", file_size=0, architecture="qwen35", name=None, n_layers=65, n_embd=5120, n_head=24,
+    ...     n_head_kv=4, head_dim_k=256, head_dim_v=256, context_length=262144, vocab_size=248320,
+    ...     file_type="Q4_K_M", parameters=0, chat_template=None, license=None, mtp_layers=1, recurrent_layers=48,
+    ...     recurrent_bytes=48 * 2_162_688)
+    >>> rollback_bytes(q, 1, 4) // MiB, rollback_bytes(q, 1, 0)
+    (792, 0)
+    """
+    if not (info.recurrent_layers and num_draft > 0):
+        return 0
+    return info.recurrent_bytes * 2 * max(slots, 1) * num_draft
+
+
+def rollback_reason(info: GGUFInfo, slots: int, num_draft: int, kind: str = "") -> str:
+    """The plan's line on the rollback states a draft needs on recurrent/hybrid memory (``probe``,
+    ``run --verbose``)."""
+    n = rollback_bytes(info, slots, num_draft)
+    what = {"model": "a draft model", "ngram": "n-gram drafting", "mtp": "MTP drafting"}.get(kind, "drafting")
+    ids = 2 * max(slots, 1)
+    return (f"draft rollback states: +{n / MiB:.1f} MiB for {what} on recurrent memory ({num_draft} more states of "
+            f"each of its {ids} sequence ids, {info.recurrent_bytes / MiB:.1f} MiB each: llama.cpp's n_rs_seq, the "
+            "most a step rolls back); --draft none: without them")
 
 
 def mtp_bytes(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, num_draft: int,
@@ -195,9 +231,6 @@ def mtp_bytes(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, num_
 
     * ``cache``: the MTP context's KV cache, as long as the target's (``kv_unified``), of the MTP layers only
       (llama.cpp filters the trunk's layers out of an MTP context, src/llama-model.cpp ``create_memory``);
-    * ``rollback``: on recurrent/hybrid memory the target keeps ``1 + n_rs_seq`` states of each sequence id
-      (``n_rs_seq = num_draft``, the most a step rolls back; src/llama-memory-recurrent.cpp): ``n_rs_seq`` more
-      than a plain load;
     * ``rows``: the drafter's rings of the target's hidden rows, ``keep_rows`` × n_embd floats a sequence id it has
       drafted for (at most two a slot: a request may take any of the pool's);
     * ``compute``: the MTP context's compute buffer (its block and the output head over its batch, which is
@@ -209,17 +242,18 @@ def mtp_bytes(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, num_
     ...     file_type="Q4_K_M", parameters=0, chat_template=None, license=None, mtp_layers=1, recurrent_layers=48,
     ...     recurrent_bytes=48 * 2_162_688)
     >>> {k: v // MiB for k, v in mtp_bytes(q, 8192, "f16", 1, 4).items()}
-    {'cache': 32, 'rollback': 792, 'rows': 20, 'compute': 63}
+    {'cache': 32, 'rows': 20, 'compute': 63}
+
+    The target's rollback states on recurrent/hybrid memory are every draft's, not MTP's: :func:`rollback_bytes`.
     """
     from backends.mtp import MtpDrafter, mtp_batch
 
     ids = 2 * max(slots, 1)  # localllm gives llama.cpp two sequence ids a slot
     cache = int(info.mtp_layers * info.kv_bytes_per_layer_token(kv_cache_type) * n_cells)
-    rollback = info.recurrent_bytes * ids * max(1, num_draft) if info.recurrent_layers else 0
     rows = MtpDrafter.keep_rows * info.n_embd * 4 * ids
     compute = _graph(info, n_cells, flash_attn, partial=False, batch=mtp_batch(N_UBATCH, ids))
     compute += 4 * info.vocab_size * ids
-    return {"cache": cache, "rollback": rollback, "rows": rows, "compute": compute}
+    return {"cache": cache, "rows": rows, "compute": compute}
 
 
 def mtp_reason(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, num_draft: int,
@@ -230,8 +264,7 @@ def mtp_reason(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, num
     def gb(n: int) -> str:
         return f"{n / MiB:.1f} MiB" if n < 10 * MiB else _gb(n)
 
-    parts = [f"its cache {gb(m['cache'])}"] + ([f"rollback states {gb(m['rollback'])}"] if m["rollback"] else [])
-    parts += [f"hidden rows {gb(m['rows'])}", f"its compute buffer {gb(m['compute'])}"]
+    parts = [f"its cache {gb(m['cache'])}", f"hidden rows {gb(m['rows'])}", f"its compute buffer {gb(m['compute'])}"]
     return (f"MTP drafting ({num_draft} tokens a step from the model's {info.mtp_layers} MTP "
             f"layer{'s' if info.mtp_layers != 1 else ''}): +{gb(sum(m.values()))} ({', '.join(parts)}); "
             "--draft none: without it")

@@ -27,6 +27,7 @@ from localllm.planner.estimation import (
     _weights,
     estimate,
     mtp_bytes,
+    rollback_bytes,
 )
 
 
@@ -92,13 +93,15 @@ def _targets(hw: HardwareInfo, device: str, caps: dict[str, int]) -> list[Device
 
 def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash_attn: bool,
                  targets: list[DevicePlan], shares: list[float] | None = None, *, slots: int = 1,
-                 swa_full: bool = False, n_cpu_moe: int = 0, mtp_draft: int = 0) -> list[DevicePlan]:
+                 swa_full: bool = False, n_cpu_moe: int = 0, mtp_draft: int = 0,
+                 num_draft: int = 0) -> list[DevicePlan]:
     """Place ``ngl`` offloaded layers on ``targets`` as llama.cpp does (``llama_model::load_tensors``: split
     points from the devices' shares, the last layers offloaded first, the output layer last) and estimate
     each device's weights, KV cache and compute buffer; the experts of the first ``n_cpu_moe`` layers stay in RAM
     (their layer's device does not hold them). ``mtp_draft``: drafting from the MTP layers (:func:`mtp_bytes`): the
     MTP context's cache goes with the last layer (the MTP layers are the last), its compute buffer with the output
-    layer, the rollback states with the layers, as the KV cache."""
+    layer. ``num_draft``: any draft's tokens a step (``mtp_draft`` where 0): the rollback states of recurrent memory
+    (:func:`rollback_bytes`) go with the layers, as the KV cache."""
     from bisect import bisect_right
 
     n = len(targets)
@@ -117,7 +120,8 @@ def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash
     start = max(L + 1 - ngl, 0)
     act = max(min(ngl, L + 1), 1)
     m = mtp_bytes(info, n_ctx, kv_cache_type, slots, mtp_draft, flash_attn) if mtp_draft and info.mtp_layers else {}
-    kv_layer = (info.memory_bytes(n_ctx, kv_cache_type, slots=slots, swa_full=swa_full) + m.get("rollback", 0)) / L
+    rollback = rollback_bytes(info, slots, num_draft or (mtp_draft if info.mtp_layers else 0))
+    kv_layer = (info.memory_bytes(n_ctx, kv_cache_type, slots=slots, swa_full=swa_full) + rollback) / L
     out = [replace(t, layers=0, output=False, weights=0, kv_cache=0, compute=0) for t in targets]
     for il in range(start, L + 1):
         j = min(bisect_right(cum, (il - start) / act), n - 1)
@@ -146,10 +150,11 @@ def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash
 class _Planner:
     def __init__(self, info: GGUFInfo, hw: HardwareInfo, kv: str, num_gpu: int | None, draft: GGUFInfo | None,
                  mlx_bytes: int | None = None, caps: dict[str, int] | None = None, swa_full: bool = False,
-                 cpu_moe: bool = False, num_cpu_moe: int | None = None, mtp_draft: int = 0):
+                 cpu_moe: bool = False, num_cpu_moe: int | None = None, mtp_draft: int = 0, num_draft: int = 0):
         self.info, self.hw, self.kv, self.num_gpu, self.draft = info, hw, kv, num_gpu, draft
         self.swa_full = swa_full
         self.mtp_draft = mtp_draft  # tokens a step drafted from the model's MTP layers on llama.cpp (0: none)
+        self.num_draft = num_draft  # tokens a step any draft proposes (0: none): rollback states on recurrent memory
         # the experts kept in RAM as asked: all layers' (cpu_moe), the first N layers' (num_cpu_moe), else decided
         self.moe_asked: int | None = (info.n_layers if cpu_moe else min(max(num_cpu_moe, 0), info.n_layers)
                                       if num_cpu_moe is not None else None)
@@ -196,12 +201,13 @@ class _Planner:
 
         def est(ngl: int, n_moe: int = 0) -> MemoryEstimate:
             return estimate(info, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus, slots=slots,
-                            swa_full=self.swa_full, n_cpu_moe=n_moe, mtp_draft=self.mtp_draft)
+                            swa_full=self.swa_full, n_cpu_moe=n_moe, mtp_draft=self.mtp_draft,
+                            num_draft=self.num_draft)
 
         def draft_est(ngl: int) -> MemoryEstimate:
-            assert self.draft is not None
-            m = estimate(self.draft, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus, slots=slots,
-                         swa_full=self.swa_full)
+            assert self.draft is not None  # one slot of context, two sequence ids (backends.drafting.setup_draft)
+            m = estimate(self.draft, n_ctx // max(slots, 1), self.kv, ngl, flash_attn=fa, device=device,
+                         n_gpus=n_gpus, slots=1, swa_full=self.swa_full)
             m.overhead -= HOST_OVERHEAD  # one process
             m.cpu -= HOST_OVERHEAD
             m.total -= HOST_OVERHEAD
@@ -214,8 +220,17 @@ class _Planner:
         full = self.L + 1
         draft_ngl = 0
         targets = _targets(hw, device, self.caps)
-        if targets and device != "cpu" and self.draft is None:
-            return self._devices_layout(targets, device, n_ctx, fa, est, slots)
+        if targets and device != "cpu":
+            lay = self._devices_layout(targets, device, n_ctx, fa, est, slots)
+            if self.draft is None or not lay.fits:
+                return lay
+            # a draft model's load takes no devices (backends.drafting.setup_draft): it stays on the CPU here, so
+            # the layers split over the devices as planned keep their estimates
+            lay.mem = lay.mem + draft_est(0)
+            if lay.mem.cpu > _ram_limit(hw):
+                lay.fits, lay.why = False, (f"needs {_gb(lay.mem.cpu)} of RAM for the CPU part and the draft model, "
+                                            f"more than the {_gb(_ram_limit(hw))} this machine can give it")
+            return lay
         ngl, n_moe = self._place(device, lambda ngl_, n_: est(ngl_, n_).gpu <= budget)
         mem = est(ngl, n_moe)
         if self.draft is not None:
@@ -285,7 +300,8 @@ class _Planner:
 
         def placed(ngl: int, n_moe: int) -> list[DevicePlan]:
             return split_layers(self.info, ngl, n_ctx, self.kv, fa, targets, self.shares, slots=slots,
-                                swa_full=self.swa_full, n_cpu_moe=n_moe, mtp_draft=self.mtp_draft)
+                                swa_full=self.swa_full, n_cpu_moe=n_moe, mtp_draft=self.mtp_draft,
+                                num_draft=self.num_draft)
 
         ngl, n_moe = self._place(device, lambda ngl_, n_: all(d.total <= d.usable_bytes for d in placed(ngl_, n_)))
         devs = placed(ngl, n_moe) if ngl else []

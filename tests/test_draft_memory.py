@@ -1,0 +1,187 @@
+"""Every draft in the plan (issues 34 and 36): a draft model (``--draft NAME|PATH``, the catalog's pairing) is
+planned beside the target as the loader loads it (its weights, one slot of KV cache, its compute buffer, its layers
+where the plan puts them), and any draft on recurrent/hybrid memory (a draft model, n-gram, MTP) costs the
+rollback states llama.cpp keeps for it (``n_rs_seq = num_draft``). Planned vs what llama.cpp says it allocated
+(``ModelInfo.allocations``, the draft model's buffers included) on the CPU; the default model drafts for itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from localllm.ggufinfo import read_gguf
+from localllm.hardware import MiB
+from localllm.loader import Loader, LoadOptions, plan_line
+from localllm.planner import Plan, plan
+from localllm.store import Store
+from tests.test_moe_placement import _GEN as _MOE_GEN
+from tests.test_mtp_facts import cli
+from tests.test_planner import RTX_4090, machine
+from tests.test_rpc import _env, _free_port, _start_worker, needs_rpc
+
+N_CTX, SLOTS, K = 1024, 2, 4
+
+
+def _load(name: str, draft: str) -> tuple[Plan, dict[str, int], str | None]:
+    """(the plan, llama.cpp's buffers by kind over all devices, the drafter) of a load of ``name`` on the CPU with
+    ``draft``, as the engine loads it (Loader.prepare, Loader.load)."""
+    loader = Loader(Store(), hardware=machine(ram_gib=16))  # a CPU-only machine wherever the test runs
+    prepared = loader.prepare(name, LoadOptions(num_ctx=N_CTX, num_parallel=SLOTS, num_draft=K, draft=draft))
+    loaded, _ = loader.load(prepared, None)
+    with loaded as m:
+        out: dict[str, int] = {}
+        for kinds in m.info.allocations.values():
+            for kind, n in kinds.items():
+                out[kind] = out.get(kind, 0) + n
+        return prepared.plan, out, m.info.draft
+
+
+def test_a_draft_model_is_planned_as_llama_cpp_allocates_it(home, default_model_path):
+    name = str(default_model_path)
+    p, drafted, drafter = _load(name, name)
+    plain, alone, _ = _load(name, "none")
+    assert drafter == name and p.draft_n_gpu_layers == 0
+    allocated = sum(drafted.values()) - sum(alone.values())  # its weights, KV cache (one slot), compute buffer
+    assert p.memory.draft > 0 and p.memory.total - plain.memory.total == p.memory.draft
+    assert p.memory.draft == pytest.approx(allocated, rel=0.1), (p.memory, drafted, alone)
+    assert drafted["kv"] - alone["kv"] == pytest.approx(alone["kv"] / SLOTS, rel=0.1)  # one slot's context
+    line = next(r for r in p.reasons if r.startswith("draft model "))
+    assert f"+{p.memory.draft / MiB:.0f} MiB on the CPU" in line and "--draft none" in line, line
+    assert "draft model +" in plan_line(p) and "draft" not in plan_line(plain)
+
+
+def test_a_gpu_plan_loads_the_draft_model_where_it_puts_it(home, default_model_path):
+    """On a GPU that holds both the draft's layers are offloaded as planned: the load's DraftSpec says so."""
+    name = str(default_model_path)
+    loader = Loader(Store(), hardware=machine(ram_gib=64, gpus=[RTX_4090], offload="CUDA"))
+    prepared = loader.prepare(name, LoadOptions(draft=name))
+    p = prepared.plan
+    assert p.draft_n_gpu_layers == read_gguf(default_model_path).n_layers + 1 and p.memory.draft > 0
+    spec = loader.spec(prepared.model, prepared.options, p)
+    assert spec.draft is not None and spec.draft.kind == "model"
+    assert spec.draft.n_gpu_layers == p.draft_n_gpu_layers
+    assert "layers on the GPU" in next(r for r in p.reasons if r.startswith("draft model "))
+
+
+def test_ngram_drafting_on_a_hybrid_plans_its_rollback_states(home, hybrid_model):
+    """llama.cpp keeps num_draft more states of each sequence's recurrent layers for any draft on a hybrid (here
+    prompt lookup, no second model): the plan counts them, within 10 % of what it allocates."""
+    name = str(hybrid_model)
+    p, drafted, drafter = _load(name, "ngram")
+    plain, alone, _ = _load(name, "none")
+    assert drafter == "ngram"
+    info = read_gguf(hybrid_model)
+    planned = p.memory.kv_cache - plain.memory.kv_cache
+    assert planned == info.recurrent_bytes * 2 * SLOTS * K > 0  # two sequence ids a slot, K states each
+    assert planned == pytest.approx(drafted["kv"] - alone["kv"], rel=0.1), (drafted, alone)
+    assert p.memory.total - plain.memory.total == planned
+    line = next(r for r in p.reasons if r.startswith("draft rollback states"))
+    assert f"+{planned / MiB:.1f} MiB for n-gram drafting" in line and "--draft none" in line, line
+    assert not any("rollback" in r for r in plain.reasons)
+
+
+def test_every_draft_kind_counts_the_rollback_states_once(hybrid_model, default_model_path):
+    """A draft model, n-gram and MTP drafting cost a hybrid the same rollback states, counted once (MTP's with
+    them); a plain transformer has none to keep."""
+    info, hw = read_gguf(hybrid_model), machine(ram_gib=16)
+    base = plan(info, hw, num_ctx=N_CTX, num_parallel=SLOTS)
+    kinds = {kind: plan(info, hw, num_ctx=N_CTX, num_parallel=SLOTS, num_draft=K, draft_kind=kind)
+             for kind in ("ngram", "model", "mtp")}
+    for kind, p in kinds.items():
+        assert p.memory.rollback == p.memory.total - base.memory.total == info.recurrent_bytes * 2 * SLOTS * K, kind
+    twice = plan(info, hw, num_ctx=N_CTX, num_parallel=SLOTS, num_draft=K, mtp_draft=K)  # no MTP layers: no MTP
+    assert twice.memory.rollback == kinds["ngram"].memory.rollback and twice.memory.mtp == 0
+    dense = read_gguf(default_model_path)
+    assert plan(dense, hw, num_ctx=N_CTX, num_draft=K, draft_kind="ngram").memory.rollback == 0
+
+
+def test_probe_plans_the_draft_as_run_loads_it(home, default_model_path, hybrid_model):
+    name = str(default_model_path)
+    r = cli("probe", "--model", name, "--draft", name)
+    assert r.returncode == 0, r.stderr
+    assert any(line.strip().startswith("- draft model ") and "on the CPU" in line for line in r.stdout.splitlines())
+    probed = next(line.strip() for line in r.stdout.splitlines() if "layers offloaded; draft model +" in line)
+    ran = cli("run", name, "Hi", "--temperature", "0", "--num-predict", "1", "--verbose", "--draft", name)
+    assert ran.returncode == 0, ran.stderr
+    assert "draft model +" in next(line for line in ran.stderr.splitlines() if line.startswith("plan:"))
+    assert probed.split("; ", 1)[1] in ran.stderr  # the same layers and draft as probe planned
+    r = cli("probe", "--model", str(hybrid_model), "--draft", "ngram")
+    assert r.returncode == 0, r.stderr
+    assert any(line.strip().startswith("- draft rollback states: +") for line in r.stdout.splitlines()), r.stdout
+    missing = cli("probe", "--model", name, "--draft", "no-such-draft:1b")
+    assert missing.returncode == 1
+    assert "Draft model no-such-draft:1b is not installed" in missing.stdout + missing.stderr
+
+
+def test_draft_none_and_no_pairing_plan_no_draft(home, default_model_path):
+    """The default model has no catalog pairing as a path and no MTP layers: auto plans no draft at all."""
+    loader = Loader(Store(), hardware=machine(ram_gib=16))
+    for draft in ("auto", "none"):
+        p = loader.prepare(str(Path(default_model_path)), LoadOptions(draft=draft)).plan
+        assert p.memory.draft == 0 and p.memory.rollback == 0 and not any("draft" in r for r in p.reasons)
+
+
+_GEN = _MOE_GEN.replace(
+    "LoadOptions(num_ctx=256, num_parallel=1)",
+    "LoadOptions(num_ctx=256, num_parallel=1, draft=os.environ['DRAFT_UNDER_TEST'])").replace(
+    '"n_cpu_moe": plan.n_cpu_moe,', '"n_cpu_moe": plan.n_cpu_moe, "draft": plan.memory.draft, '
+    '"draft_ngl": plan.draft_n_gpu_layers, "drafter": lm.info.draft,')
+
+
+def _on_worker(home: Path, model: Path, rpc: str, draft: str, cap: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", _GEN], capture_output=True, text=True, timeout=300,
+                       env=_env(home, MODEL_UNDER_TEST=str(model), RPC_UNDER_TEST=rpc, DRAFT_UNDER_TEST=draft,
+                                LOCALLLM_DEVICE_MEMORY=cap))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@needs_rpc
+def test_on_a_capped_rpc_worker_the_draft_model_stays_where_planned(tmp_path, default_model_path):
+    """The target split over a capped RPC worker and the CPU keeps its planned split with a draft model, and the
+    draft model (whose load takes no devices: backends.drafting.setup_draft) is planned and allocated on the CPU:
+    nothing more on the worker, the CPU's buffers grow by the planned draft within 10 %."""
+    worker = _start_worker(tmp_path, port := _free_port())
+    try:
+        rpc, cap = f"127.0.0.1:{port}", "RPC0=120MiB"
+        on = _on_worker(tmp_path, default_model_path, rpc, str(default_model_path), cap)
+        off = _on_worker(tmp_path, default_model_path, rpc, "none", cap)
+    finally:
+        worker.kill()
+        worker.wait(10)
+    assert on["drafter"] == str(default_model_path) and on["text"] == off["text"]
+    n_layers = read_gguf(default_model_path).n_layers
+    assert 0 < on["ngl"] == off["ngl"] < n_layers + 1, on["reasons"]  # a partial offload, the same with the draft
+    assert on["plan"] == off["plan"] and on["draft_ngl"] == 0 and on["draft"] > 0
+    assert on["alloc"]["RPC0"] == off["alloc"]["RPC0"]  # the worker holds the target's layers only
+    added = sum(on["alloc"]["CPU"].values()) - sum(off["alloc"]["CPU"].values())
+    assert added == pytest.approx(on["draft"], rel=0.1), (on["alloc"], off["alloc"])
+
+
+def test_a_catalog_pairing_never_costs_the_model_its_fit_or_context(home, default_model_path):
+    """The catalog's draft (auto) is planned beside the model; where the model fits only without it, it loads and
+    decodes plainly, and the plan says why. A draft asked for by name is not second-guessed."""
+    from dataclasses import replace
+
+    from localllm.catalog import Catalog
+
+    name = str(default_model_path)
+    store = Store()
+    entry = replace(Catalog.load().get("smollm2:1.7b"), draft=name)  # a pairing with the file itself
+    paired = replace(store.get(name), catalog=entry)
+    opts = LoadOptions(num_ctx=N_CTX, num_parallel=SLOTS)
+    roomy = Loader(store, hardware=machine(ram_gib=16)).prepare(name, opts, model=paired)
+    assert roomy.plan.memory.draft > 0 and roomy.options.draft == "auto"
+    tight = Loader(store, hardware=machine(ram_gib=1.4)).prepare(name, opts, model=paired)
+    assert tight.plan.fits and tight.plan.memory.draft == 0 and tight.options.draft == "none"
+    assert any(r.startswith("draft model ") and "not used" in r for r in tight.plan.reasons), tight.plan.reasons
+    asked = Loader(store, hardware=machine(ram_gib=1.4)).prepare(name, replace(opts, draft=name))
+    assert not asked.plan.fits and asked.plan.memory.draft > 0
+    # nor does it shrink a context the planner chooses: the model keeps its default context and drops the draft
+    default = Loader(store, hardware=machine(ram_gib=1.6)).prepare(name, LoadOptions(num_parallel=1), model=paired)
+    assert default.plan.n_ctx == 4096 and default.plan.memory.draft == 0, default.plan.reasons
+    assert any("a smaller context with it" in r for r in default.plan.reasons), default.plan.reasons
