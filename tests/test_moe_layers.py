@@ -71,7 +71,7 @@ def test_three_regimes_whole_experts_in_ram_and_fewer_layers_with_their_experts_
     small = on(2.5)
     budget = int(2.5 * GiB) - GPU_MARGIN
     assert 0 < small.n_gpu_layers < L + 1 and small.n_cpu_moe == L, small.reasons
-    assert small.verdict_text == f"partial offload {small.n_gpu_layers}/{L} layers, experts in RAM"
+    assert small.verdict_text == f"partial offload {small.n_gpu_layers}/{L + 1} layers, experts in RAM"
     off = small.n_gpu_layers - 1
     line = next(r for r in small.reasons if r.startswith(f"{off} of {L} layers and the output layer offloaded, "
                                                          "their experts in RAM"))
@@ -84,11 +84,11 @@ def test_three_regimes_whole_experts_in_ram_and_fewer_layers_with_their_experts_
     assert small.n_gpu_layers >= 8
     # small experts beside large attention: the layers that fit leave room for some of their experts again
     lean = replace(info, extra={"tensor_bytes": {**info.extra["tensor_bytes"], "experts": [300 * MiB] * L}})
-    hw12 = machine(ram_gib=128, cores=16, gpus=[_gpu(12)], offload="CUDA")
-    back = plan(lean, hw12, num_ctx=4096, num_parallel=1)
-    ngl, n = back.n_gpu_layers, back.n_cpu_moe
-    assert 0 < ngl < L + 1 and L - ngl < n < L, back.reasons
-    budget = 12 * GiB - GPU_MARGIN
+    hw13 = machine(ram_gib=128, cores=16, gpus=[_gpu(13)], offload="CUDA")
+    back = plan(lean, hw13, num_ctx=4096, num_parallel=1)
+    ngl, n = back.n_gpu_layers, back.n_cpu_moe  # -ngl N: the output layer and the last N - 1 layers
+    assert 0 < ngl < L + 1 and L + 1 - ngl < n < L, back.reasons
+    budget = 13 * GiB - GPU_MARGIN
     kw = dict(flash_attn=True, device="cuda")
     assert back.memory.gpu <= budget < estimate(lean, 4096, n_gpu_layers=ngl, n_cpu_moe=n - 1, **kw).gpu
     assert estimate(lean, 4096, n_gpu_layers=ngl + 1, n_cpu_moe=L, **kw).gpu > budget
@@ -146,7 +146,7 @@ def test_on_a_capped_rpc_worker_the_layers_go_without_their_experts_as_planned(t
                                                                           LOCALLLM_NUM_PARALLEL="1"),
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
-        assert f"partial offload 3/{L} layers, experts in RAM" in r.stdout, r.stdout
+        assert f"partial offload 3/{L + 1} layers, experts in RAM" in r.stdout, r.stdout
         assert f"- 2 of {L} layers and the output layer offloaded, their experts in RAM" in r.stdout, r.stdout
         # a server's ps says it too (/api/ps carries n_gpu_layers and n_layers beside n_cpu_moe)
         (tmp_path / "Modelfile").write_text(f"FROM {wide_moe}\n")

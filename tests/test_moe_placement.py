@@ -80,7 +80,7 @@ def test_num_gpu_still_splits_whole_layers_and_cpu_moe_keeps_every_expert_in_ram
     L, eb = info.n_layers, info.expert_bytes
     need = _plan(info).devices[0].total
     forced = _plan(info, (need - eb[0] * 3 // 2) // MiB, num_gpu=3)
-    assert forced.n_gpu_layers == 3 and forced.n_cpu_moe == 0 and forced.verdict_text == "partial offload 3/4 layers"
+    assert forced.n_gpu_layers == 3 and forced.n_cpu_moe == 0 and forced.verdict_text == "partial offload 3/5 layers"
     assert any("num_gpu places whole layers" in r for r in forced.reasons)
     every = _plan(info, cpu_moe=True)
     assert every.n_cpu_moe == L and every.n_gpu_layers == L + 1

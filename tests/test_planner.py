@@ -118,12 +118,12 @@ def test_8b_on_an_8gb_card_with_32k_context_is_partial(desktop_8gb):
     p = plan(LLAMA31_8B, desktop_8gb, num_ctx=32768)
     assert p.verdict == "partial" and p.n_ctx == 32768
     assert 0 < p.n_gpu_layers < 32
-    assert p.verdict_text == f"partial offload {p.n_gpu_layers}/32 layers"
+    assert p.verdict_text == f"partial offload {p.n_gpu_layers}/33 layers"  # llama.cpp counts the output layer
     budget = RTX_4060.free_bytes - GPU_MARGIN
     # as many layers as fit, and not one more
     assert p.memory.gpu <= budget
     assert estimate(LLAMA31_8B, 32768, "f16", p.n_gpu_layers + 1, flash_attn=p.flash_attn).gpu > budget
-    assert "the rest run on the CPU" in line(p, "layers on the GPU")
+    assert "the rest run on the CPU" in line(p, "layers and the output layer (-ngl")
 
 
 def test_8b_on_an_8gb_card_at_the_default_context_fits(desktop_8gb):
@@ -139,8 +139,8 @@ def test_70b_on_a_24gb_card_is_partial_and_fits_in_ram(desktop_4090):
 
 def test_num_gpu_is_honoured(desktop_4090):
     p = plan(LLAMA31_8B, desktop_4090, num_gpu=10)
-    assert (p.verdict, p.n_gpu_layers, p.verdict_text) == ("partial", 10, "partial offload 10/32 layers")
-    assert "num_gpu 10" in line(p, "layers on the GPU")
+    assert (p.verdict, p.n_gpu_layers, p.verdict_text) == ("partial", 10, "partial offload 10/33 layers")
+    assert "num_gpu 10" in line(p, "9 of 32 layers and the output layer (-ngl 10) on the GPU")
     p0 = plan(LLAMA31_8B, desktop_4090, num_gpu=0)
     assert (p0.device, p0.verdict, p0.n_gpu_layers, p0.memory.gpu) == ("cpu", "cpu", 0, 0)
 
@@ -462,11 +462,11 @@ def test_estimate_is_consistent():
     for ngl in (0, 1, 16, 32, 33, -1):
         m = estimate(LLAMA31_8B, 4096, "f16", ngl)
         assert m.total == m.weights + m.kv_cache + m.compute + m.overhead == m.gpu + m.cpu
-    gpu = [estimate(LLAMA31_8B, 4096, "f16", k).gpu for k in range(34)]
-    assert gpu[:33] == sorted(gpu[:33]) and gpu[0] == 0  # every repeating layer adds VRAM
-    # partial offload pays for copying the output weights over for the logits (Ollama's
-    # partialOffload graph), so putting the output layer on the GPU too can need less
-    assert gpu[32] - gpu[31] > gpu[33] - gpu[32]
+    gpu = [estimate(LLAMA31_8B, 4096, "f16", k).gpu for k in range(35)]
+    assert gpu == sorted(gpu) and gpu[0] == 0 and gpu[33] == gpu[34]  # 33: every layer and the output
+    # llama.cpp's -ngl N offloads the output layer first (N = 1), then the last N - 1 repeating layers, one each
+    layer = gpu[3] - gpu[2]
+    assert gpu[1] - gpu[0] > layer > 0 and all(gpu[k + 1] - gpu[k] == layer for k in range(2, 33))
     assert estimate(LLAMA31_8B, 4096, "f16", 1).overhead == CUDA_OVERHEAD + HOST_OVERHEAD
     assert estimate(LLAMA31_8B, 4096, "f16", -1) == estimate(LLAMA31_8B, 4096, "f16", 33)
 
@@ -500,8 +500,8 @@ def test_default_model_tied_embeddings_are_duplicated_on_the_gpu(smollm2):
     # SmolLM2 has no output.weight: llama.cpp copies token_embd to the GPU as the output layer
     tb = smollm2.extra["tensor_bytes"]
     assert tb["output"] is None
-    full, layers_only = estimate(smollm2, 4096, "f16", 31), estimate(smollm2, 4096, "f16", 30)
-    assert full.weights - layers_only.weights == tb["token_embd"] + tb["other"]
+    output_only, cpu = estimate(smollm2, 4096, "f16", 1), estimate(smollm2, 4096, "f16", 0)  # -ngl 1: the output
+    assert output_only.weights - cpu.weights == tb["token_embd"] + tb["other"]
 
 
 def test_default_model_on_this_machine(smollm2):

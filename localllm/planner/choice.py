@@ -407,6 +407,18 @@ def _num_draft(info: GGUFInfo, req: PlanRequest) -> int:
 # ---------------------------------------------------------------------------------- 4. verdict and reasons
 
 
+def _on_gpu(n_layers: int, ngl: int) -> str:
+    """What llama.cpp's ``-ngl ngl`` puts on the device, in words.
+
+    >>> _on_gpu(32, 10), _on_gpu(32, 1), _on_gpu(32, 0)
+    ('9 of 32 layers and the output layer (-ngl 10)', 'the output layer (-ngl 1)', '0 of 32 layers (-ngl 0)')
+    """
+    off = offloaded_layers(n_layers, ngl)
+    if ngl <= 0:
+        return f"0 of {n_layers} layers (-ngl 0)"
+    return (f"{off} of {n_layers} layers and the output layer" if off else "the output layer") + f" (-ngl {ngl})"
+
+
 def offloaded_layers(n_layers: int, ngl: int) -> int:
     """Repeating layers llama.cpp offloads with ``n_gpu_layers`` = ``ngl`` (the output layer counts first: ``ngl``
     of ``n_layers`` or fewer puts the last ``ngl - 1`` layers and the output layer on the device).
@@ -465,7 +477,7 @@ def _verdict(info: GGUFInfo, fit: _Fit) -> tuple[str, str]:
     if lay.ngl >= L + 1:
         return "gpu", "fits on GPU"
     if lay.ngl > 0:
-        return "partial", f"partial offload {min(lay.ngl, L)}/{L} layers" + (
+        return "partial", f"partial offload {lay.ngl}/{L + 1} layers" + (
             ", experts in RAM" if lay.n_cpu_moe > L - offloaded_layers(L, lay.ngl) else "")
     return "cpu", "CPU"
 
@@ -514,14 +526,14 @@ def _explain(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, fit: _Fit, verd
     elif chosen.memory == "layers" and device != "cpu":
         if num_gpu is not None and num_gpu >= 0:
             over = mem.gpu > budget
-            reasons.append(f"{min(lay.ngl, L)} of {L} layers on the GPU: asked for with num_gpu {num_gpu}"
+            reasons.append(f"{_on_gpu(L, lay.ngl)} on the GPU: asked for with num_gpu {num_gpu}"
                            + (f"; the estimate ({_gb(mem.gpu)}) exceeds {budget_desc}, loading may fail"
                               if over else ""))
         elif lay.ngl >= L + 1:
             reasons.append(f"all {L} layers and the output layer on the GPU: {_gb(mem.gpu)} of {budget_desc}"
                            + (", the experts of some in RAM (below)" if lay.n_cpu_moe else ""))
         elif verdict == "partial":
-            reasons.append(f"{lay.ngl} of {L} layers on the GPU: as many as fit in {budget_desc} "
+            reasons.append(f"{_on_gpu(L, lay.ngl)} on the GPU: as many as fit in {budget_desc} "
                            f"(keeping {GPU_MARGIN // MiB} MiB spare); the rest run on the CPU, slower")
         else:
             reasons.append(f"no layer fits on the GPU ({budget_desc}): CPU only")

@@ -116,18 +116,13 @@ def _weights(info: GGUFInfo) -> _Weights:
 # ------------------------------------------------------------------------------------------ compute
 
 
-def _graph(info: GGUFInfo, n_ctx: int, flash_attn: bool, partial: bool, batch: int = N_UBATCH) -> int:
-    """Compute buffer, after Ollama's ``GraphSize`` (fs/ggml/ggml.go, the llama branch), for a physical batch of
-    ``batch`` tokens."""
+def _graph(info: GGUFInfo, n_ctx: int, flash_attn: bool, batch: int = N_UBATCH) -> int:
+    """Compute buffer, after Ollama's ``GraphSize`` (fs/ggml/ggml.go, the llama branch, full offload: llama.cpp
+    always offloads the output layer first), for a physical batch of ``batch`` tokens."""
     b = min(n_ctx, batch)
     e, v, h = info.n_embd, info.vocab_size, max(info.n_head, 1)
-    hd, hkv = max(info.head_dim_k, 1), max(info.n_head_kv, 1)
-    if not partial:
-        attn = 4 * b * (1 + 4 * e + (0 if flash_attn else n_ctx * (1 + h)))
-        return int(max(attn, 4 * b * (e + v)))
-    attn = 4 * b * (1 + e + max(n_ctx, e)) + e * e * 9 // 16 + 4 * n_ctx * ((0 if flash_attn else b * h) + hd * hkv)
-    out = 4 * b * (e + v) + e * v * 105 // 128
-    return int(4 * b * e + max(attn, out))
+    attn = 4 * b * (1 + 4 * e + (0 if flash_attn else n_ctx * (1 + h)))
+    return int(max(attn, 4 * b * (e + v)))
 
 
 def _default_flash_attn(kv_cache_type: str) -> bool:
@@ -159,7 +154,8 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
         flash_attn = _default_flash_attn(kv_cache_type)
     n_layers = max(info.n_layers, 1)
     ngl = n_layers + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layers + 1)
-    layers_gpu, output_gpu = min(ngl, n_layers), ngl > n_layers
+    # llama.cpp's -ngl N: the output layer and the last N - 1 layers (src/llama-model.cpp: i_gpu_start)
+    layers_gpu, output_gpu = max(ngl - 1, 0), ngl > 0
     w = _weights(info)
     split = len(w.layers) - layers_gpu  # llama.cpp offloads the last layers first
     moved = w.moved(split, len(w.layers), n_cpu_moe)  # offloaded layers' experts that stay in RAM
@@ -167,13 +163,13 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
     cpu_w = sum(w.layers[:split]) + w.embd + (0 if (output_gpu or w.tied) else w.output) + moved
     kv = info.memory_bytes(n_ctx, kv_cache_type, slots=slots, swa_full=swa_full)
     kv_gpu = kv * layers_gpu // n_layers
+    graph = _graph(info, n_ctx, flash_attn)
     if ngl == 0:
-        gpu_c, cpu_c = 0, _graph(info, n_ctx, flash_attn, partial=False)
-    elif output_gpu or device == "metal":  # Ollama: on Metal partial offload costs what full does
-        gpu_c, cpu_c = _graph(info, n_ctx, flash_attn, partial=False), 4 * min(n_ctx, N_UBATCH) * info.n_embd
-    else:
-        gpu_c = _graph(info, n_ctx, flash_attn, partial=True)
-        cpu_c = 4 * min(n_ctx, N_UBATCH) * (info.n_embd + info.vocab_size)
+        gpu_c, cpu_c = 0, graph
+    elif layers_gpu >= n_layers or device == "metal":  # Ollama: on Metal partial offload costs what full does
+        gpu_c, cpu_c = graph, 4 * min(n_ctx, N_UBATCH) * info.n_embd
+    else:  # the CPU runs the first layers: its buffer as large as a layer's (counted as the whole graph's)
+        gpu_c, cpu_c = graph, graph
     if moved:  # the CPU runs those experts: its buffer holds their activations (gate, up, down of the used ones)
         cpu_c = max(cpu_c, moe_cpu_compute(info, n_ctx))
     gpu_o = (CUDA_OVERHEAD * max(n_gpus, 1) if device == "cuda" else 0) if ngl else 0
@@ -251,7 +247,7 @@ def mtp_bytes(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, num_
     ids = 2 * max(slots, 1)  # localllm gives llama.cpp two sequence ids a slot
     cache = int(info.mtp_layers * info.kv_bytes_per_layer_token(kv_cache_type) * n_cells)
     rows = MtpDrafter.keep_rows * info.n_embd * 4 * ids
-    compute = _graph(info, n_cells, flash_attn, partial=False, batch=mtp_batch(N_UBATCH, ids))
+    compute = _graph(info, n_cells, flash_attn, batch=mtp_batch(N_UBATCH, ids))
     compute += 4 * info.vocab_size * ids
     return {"cache": cache, "rows": rows, "compute": compute}
 
@@ -325,7 +321,7 @@ def _mlx_estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str, on_gpu: bool,
     directory, or a conversion's requantized estimate); without it, the GGUF's size stands in."""
     weights = int(weights_bytes) if weights_bytes else int(info.file_size)
     kv = int(info.kv_bytes_per_token(kv_cache_type) * n_ctx)
-    compute = _graph(info, n_ctx, True, partial=False)  # fused scaled-dot-product attention
+    compute = _graph(info, n_ctx, True)  # fused scaled-dot-product attention
     total = weights + kv + compute + HOST_OVERHEAD
     return MemoryEstimate(weights=weights, kv_cache=kv, compute=compute, overhead=HOST_OVERHEAD, total=total,
                           gpu=total - HOST_OVERHEAD if on_gpu else 0,
