@@ -358,10 +358,12 @@ class Loader:
     def load_fitting(self, prepared: Prepared, cancel: threading.Event | None,
                      say: Callable[[str], None] | None = None) -> tuple[LoadedModel, int, Prepared]:
         """:meth:`load`, and where the devices run out of memory at load (the estimate was short, another
-        process took memory), fall back with one line each: half the GPU layers, then the CPU (planned again
+        process took memory), fall back with one line each: a mixture of experts first keeps every expert in RAM
+        (``cpu_moe``: its attention stays offloaded), then half the GPU layers, then the CPU (each planned again
         with :meth:`replan`). Returns what loaded. A load asked for with ``num_gpu`` is not second-guessed."""
         from backends.base import ModelLoadError
 
+        changes: dict[str, Any] = {}  # what the fallbacks changed, kept by the next one
         tried_half = False
         while True:
             p = prepared.plan
@@ -372,12 +374,19 @@ class Loader:
                 if p.n_gpu_layers <= 0 or prepared.options.num_gpu is not None or p.backend != "llamacpp" \
                         or "memory" not in str(e).lower():
                     raise
-                fewer = p.n_gpu_layers // 2 if p.n_gpu_layers > 1 and not tried_half else 0
-                tried_half = True
-                line = (f"{prepared.name}: out of device memory at load with {p.n_gpu_layers} layers offloaded; "
-                        + (f"loading with {fewer}" if fewer else "loading on the CPU only"))
+                was = f"{prepared.name}: out of device memory at load with {_offload(p)}; "
+                first = not (changes or tried_half or prepared.options.cpu_moe)
+                experts = self.replan(prepared, cpu_moe=True) if first else None
+                if experts is not None and experts.plan.n_gpu_layers > 0 and \
+                        (experts.plan.n_gpu_layers, experts.plan.n_cpu_moe) != (p.n_gpu_layers, p.n_cpu_moe):
+                    changes["cpu_moe"] = True  # a mixture of experts: its experts leave the device first
+                    prepared, line = experts, was + f"loading with {_offload(experts.plan)}"
+                else:
+                    fewer = p.n_gpu_layers // 2 if p.n_gpu_layers > 1 and not tried_half else 0
+                    tried_half = True
+                    prepared = self.replan(prepared, num_gpu=fewer, **changes)
+                    line = was + (f"loading with {_offload(prepared.plan)}" if fewer else "loading on the CPU only")
                 (say or log.warning)(line)
-                prepared = self.replan(prepared, num_gpu=fewer)
                 prepared.plan.reasons.append(line)
 
     def spec(self, model: InstalledModel, options: LoadOptions, p: Plan) -> LoadSpec:
@@ -491,3 +500,12 @@ class Loader:
         model.weights[fmt.name] = weights
         if notify is not None:
             notify(ConversionProgress(model.name, "done", seconds=time.monotonic() - t0))
+
+
+def _offload(p: Plan) -> str:
+    """``"31 layers offloaded"``, or ``"5 layers offloaded, every expert in RAM"`` / ``"..., the experts of the
+    first 2 layers in RAM"`` for a mixture of experts whose experts stay in RAM (an OOM fallback's line)."""
+    text = f"{p.n_gpu_layers} layers offloaded"
+    if p.n_cpu_moe >= p.n_layers:
+        return text + ", every expert in RAM"
+    return text + (f", the experts of the first {p.n_cpu_moe} layers in RAM" if p.n_cpu_moe else "")

@@ -18,10 +18,12 @@ from localllm.ggufinfo import read_gguf
 from localllm.hardware import GiB, LlamaDevice, MiB
 from localllm.planner import estimate, plan
 from tests.test_planner import machine
-from tests.test_rpc import _env, _free_port, _start_worker, needs_rpc
+from tests.test_rpc import _env, _free_port, _start_worker, _worker_capped, needs_rpc
 
 # 4 layers of 8 experts (12 MiB of experts a layer, 1 MiB of attention and router): experts are most of a layer
 BIG = {"FF": 1024, "experts": 8}
+# what a capped worker may map beyond its start: the model with every expert in RAM fits, with them it does not
+MOE_ROOM = 72 * MiB  # measured: every expert in RAM loads from ~50 MiB, all on the device from ~95
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +210,32 @@ def test_over_two_devices_the_experts_of_the_first_layers_go_until_each_device_f
     # RPC0 short instead: the experts of its first layer suffice
     p = plan(info, hw, num_ctx=256, num_parallel=1, device_memory={"RPC0": a.total - eb[0] // 2}, tensor_split=[1, 1])
     assert p.n_cpu_moe == 1 and p.devices[1].weights == b.weights
+
+
+@needs_rpc
+def test_out_of_device_memory_at_load_a_moe_keeps_its_experts_in_ram_before_it_gives_up_layers(tmp_path, big_moe):
+    """The device takes less than the plan counted on (another process filled it): a mixture of experts loads
+    again with every expert in RAM and every layer's attention still offloaded, not with half its layers, says so
+    in one line, and answers as the CPU does."""
+    info = read_gguf(big_moe)
+    L = info.n_layers
+    args = [sys.executable, "-m", "localllm", "run", str(big_moe), "--temperature", "0", "--seed", "1",
+            "--num-predict", "16", "--num-ctx", "256", "The capital of France is"]
+    env = _env(tmp_path, LOCALLLM_NUM_PARALLEL="1")
+    cpu = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert cpu.returncode == 0 and cpu.stdout.strip(), cpu.stderr[-2000:]
+    # room for every layer's attention, the output layer and the compute buffer, not for the 48 MiB of experts
+    worker, port = _worker_capped(tmp_path, MOE_ROOM)
+    try:
+        r = subprocess.run([*args, "--rpc", f"127.0.0.1:{port}", "--verbose"], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert worker.poll() is None  # the worker lives on
+    finally:
+        worker.kill()
+        worker.wait(10)
+    assert r.stdout.strip() == cpu.stdout.strip()
+    lines = [ln for ln in r.stderr.splitlines() if "out of device memory" in ln]
+    assert lines == [f"{big_moe}: out of device memory at load with {L + 1} layers offloaded; loading with "
+                     f"{L + 1} layers offloaded, every expert in RAM"], r.stderr[-3000:]
+    assert f"experts in RAM:       the first {L} layer(s) of {L}" in r.stderr, r.stderr[-3000:]

@@ -80,6 +80,18 @@ def _start_worker(home: Path, port: int) -> subprocess.Popen[str]:
     raise AssertionError("worker did not answer within 60 s")
 
 
+def _worker_capped(home: Path, room: int) -> tuple[subprocess.Popen[str], int]:
+    """An RPC worker that may map ``room`` bytes more than it holds now (its address space capped), while it
+    still reports its RAM free: llama.cpp's allocations past that fail on it, as on a GPU another process filled."""
+    import resource
+
+    worker = _start_worker(home, port := _free_port())
+    vm = next(int(line.split()[1]) for line in Path(f"/proc/{worker.pid}/status").read_text().splitlines()
+              if line.startswith("VmSize:")) * 1024
+    resource.prlimit(worker.pid, resource.RLIMIT_AS, (vm + room, vm + room))
+    return worker, port
+
+
 @pytest.fixture
 def workers(rpc_home) -> Iterator[str]:
     """Two workers on loopback; yields "127.0.0.1:P1,127.0.0.1:P2"."""
@@ -333,16 +345,10 @@ def test_a_worker_killed_mid_answer_fails_that_request_and_the_server_stays_up(r
 
 @needs_rpc
 def test_a_worker_out_of_memory_at_load_falls_back_to_fewer_layers_then_the_cpu(rpc_home, cpu_answer):
-    import resource
-
-    port = _free_port()
-    worker = _start_worker(rpc_home, port)
+    # the worker may map 40 MiB more than it holds now: less than the output layer's compute buffer
+    # (~97 MiB), so every offload fails on it, while it reports 24 GiB free
+    worker, port = _worker_capped(rpc_home, 40 << 20)
     try:
-        # the worker may map 40 MiB more than it holds now: less than the output layer's compute buffer
-        # (~97 MiB), so every offload fails on it, while it reports 24 GiB free
-        vm = next(int(line.split()[1]) for line in Path(f"/proc/{worker.pid}/status").read_text().splitlines()
-                  if line.startswith("VmSize:")) * 1024
-        resource.prlimit(worker.pid, resource.RLIMIT_AS, (vm + (40 << 20), vm + (40 << 20)))
         r = subprocess.run([sys.executable, "-m", "localllm", "run", DEFAULT_MODEL, "--rpc", f"127.0.0.1:{port}",
                             "--temperature", "0", "--seed", "1", "--num-predict", "32", "--num-ctx", "512", PROMPT],
                            env=_env(rpc_home, LOCALLLM_NUM_PARALLEL="1"), capture_output=True, text=True,
@@ -350,7 +356,8 @@ def test_a_worker_out_of_memory_at_load_falls_back_to_fewer_layers_then_the_cpu(
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == cpu_answer["text"].strip()
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-        assert lines == [f"{DEFAULT_MODEL}: out of device memory at load with 31 layers offloaded; loading with 15",
+        assert lines == [f"{DEFAULT_MODEL}: out of device memory at load with 31 layers offloaded; loading with 15 "
+                         "layers offloaded",
                          f"{DEFAULT_MODEL}: out of device memory at load with 15 layers offloaded; loading on the "
                          "CPU only"], r.stderr
         assert worker.poll() is None  # the worker lives on
