@@ -8,10 +8,12 @@ placement (devices, layers, tensor overrides: llama.cpp's own figure for that pl
 
 The model is made (random F32 weights, the default model's tokenizer: ``tests/support_memory.make_moe``, a
 gpt-oss of 8 experts a layer, 2 used). The worker runs with 1 thread, the local side with ``--threads``.
-``llama-bench`` here is built without RPC (no ``--rpc``), so its side of the comparison is the raw loop over the
-binding (whose libraries have RPC); llama-bench itself is run on the made model on the CPU (``-ngl 0``: where
-``--n-cpu-moe`` makes no difference) and on the default model (tg128, ``-t 2``) as the machine's yardstick.
-Absolute figures on loopback mean little (every op crosses a socket); the ratios are the point.
+Where ``llama-bench`` is built with RPC (``benchmarks/llama_tools.py`` under ``CMAKE_ARGS=-DGGML_RPC=on``, as
+``.ci/run`` builds it), each round also runs it against the same worker with the same placement
+(``--rpc ... -ngl N -ncmoe M``): llama.cpp's own ceiling for each side; without RPC it is skipped and the raw
+loop is the comparison. llama-bench also runs on the made model on the CPU (``-ngl 0``) and on the default model
+(tg128) as the machine's yardstick. Absolute figures on loopback mean little (every op crosses a socket); the
+ratios are the point.
 """
 
 from __future__ import annotations
@@ -81,11 +83,13 @@ _RAW = textwrap.dedent("""
         ids = (llama_cpp.llama_token * n_prompt)(*[100 + (i * 37) % 4000 for i in range(n_prompt)])
         t0 = time.perf_counter()
         assert llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(ids, n_prompt)) == 0
+        llama_cpp.llama_synchronize(ctx)  # llama_decode returns before the graph has run
         t1 = time.perf_counter()
         for _ in range(n_gen):
             row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
             tok = (llama_cpp.llama_token * 1)(int(row.argmax()))
             assert llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tok, 1)) == 0
+        llama_cpp.llama_synchronize(ctx)
         t2 = time.perf_counter()
         return n_prompt / (t1 - t0), n_gen / (t2 - t1)
     run(8, 4)
@@ -102,6 +106,14 @@ def _side(script: str, **env: str) -> dict:
     if out.returncode != 0:
         raise SystemExit(f"a side failed: {out.stderr[-2000:]}")
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _bench_side(model: Path, rpc: str, ours: dict, args: argparse.Namespace) -> dict:
+    """llama-bench on the worker with our side's placement (``-ngl N -ncmoe M``): pp and tg tokens/s."""
+    got = llama_tools.llama_bench(model, threads=args.threads, n_prompt=args.pp, n_gen=args.tg, reps=2,
+                                  extra=["--rpc", rpc, "-ngl", str(ours["ngl"]), "-ncmoe", str(ours["n_cpu_moe"])])
+    rate = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in got}
+    return {"pp_tps": rate["pp"], "tg_tps": rate["tg"], "ngl": ours["ngl"], "n_cpu_moe": ours["n_cpu_moe"]}
 
 
 def main() -> None:
@@ -124,6 +136,10 @@ def main() -> None:
                      dims={"FF": 1024, "experts": 8, "layers": args.layers})
     print(f"model {model} ({model.stat().st_size / 2**20:.0f} MiB, {args.layers} layers of 8 experts, 2 used), "
           f"cap {args.cap}, pp {args.pp}, tg {args.tg}, threads {args.threads}, load {load_average()}")
+    bench_rpc = "--rpc" in subprocess.run([str(llama_tools.tool("llama-bench")), "--help"], capture_output=True,
+                                          text=True).stdout
+    if not bench_rpc:
+        print("llama-bench has no RPC here (build it with CMAKE_ARGS=-DGGML_RPC=on): its side is skipped")
     workers, rpc = rpc_workers(1)
     env = {"MODEL": str(model), "RPC": rpc, "LOCALLLM_DEVICE_MEMORY": f"RPC0={args.cap}", "PP": str(args.pp),
            "TG": str(args.tg), "THREADS": str(args.threads)}
@@ -135,6 +151,8 @@ def main() -> None:
                 rows.setdefault(f"ours {mode}", []).append(ours)
                 raw = _side(_RAW, NGL=str(ours["ngl"]), NCMOE=str(ours["n_cpu_moe"]), **env)
                 rows.setdefault(f"raw {mode}", []).append(raw | {k: ours[k] for k in ("ngl", "n_cpu_moe")})
+                if bench_rpc:
+                    rows.setdefault(f"llama-bench {mode}", []).append(_bench_side(model, rpc, ours, args))
             rows.setdefault("ours cpu", []).append(_side(_OURS, MODE="cpu", **{**env, "RPC": ""}))
     finally:
         workers[0].kill()
@@ -153,6 +171,12 @@ def main() -> None:
           f"raw: pp {rmoe[0] / rlay[0]:.2f}x, tg {rmoe[1] / rlay[1]:.2f}x")
     print(f"ours / raw: moe tg {med['ours moe'][1] / med['raw moe'][1]:.2f}, layers tg "
           f"{med['ours layers'][1] / med['raw layers'][1]:.2f}")
+    if bench_rpc:
+        bmoe, blay = med["llama-bench moe"], med["llama-bench layers"]
+        print(f"llama-bench: MoE placement vs whole-layer split pp {bmoe[0] / blay[0]:.2f}x, "
+              f"tg {bmoe[1] / blay[1]:.2f}x;"
+              f" ours / llama-bench: moe pp {moe[0] / bmoe[0]:.2f} tg {moe[1] / bmoe[1]:.2f}, layers pp "
+              f"{lay[0] / blay[0]:.2f} tg {lay[1] / blay[1]:.2f}")
     for name, path, extra in (("llama-bench made MoE, CPU", model, ["-ngl", "0"]),
                               ("llama-bench smollm2 Q4_1", Path(default), [])):
         ref = llama_tools.llama_bench(path, threads=args.threads, n_prompt=args.pp, n_gen=128 if "smollm2" in name
