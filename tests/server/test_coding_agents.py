@@ -154,9 +154,10 @@ WORD = "lorem "  # two tokens of the default model's vocabulary
 
 
 def _ps(url: str) -> int:
+    """The loaded context of the agent model (other models of this module's tests may be loaded beside it)."""
     import httpx
 
-    (m,) = httpx.get(url + "/api/ps").json()["models"]
+    (m,) = [m for m in httpx.get(url + "/api/ps").json()["models"] if m["name"] == AGENT_MODEL]
     return int(m["context_length"])
 
 

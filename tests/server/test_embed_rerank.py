@@ -58,7 +58,8 @@ def test_capabilities_come_from_the_gguf(url):
 
 
 @pytest.mark.parametrize("model", [EMBEDDER, RERANKER])
-def test_chat_and_generate_to_an_embedding_model_are_a_400_that_says_so(url, model):
+def test_chat_and_generate_to_an_embedding_model_are_a_400_that_says_so(esrv, url, model):
+    esrv.engine.unload(model)  # another test of this module may have loaded it: these requests must not
     c = ollama.Client(host=url)
     with pytest.raises(ollama.ResponseError) as e:
         c.chat(model, messages=[{"role": "user", "content": "hi"}])
