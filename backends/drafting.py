@@ -261,7 +261,7 @@ def setup_draft(src: TokenSource, d: DraftSpec, source_class: type[TokenSource],
             raise UnsupportedError("A draft model needs a path to its file.")
         dspec = LoadSpec(model_path=d.path, n_ctx=src.n_ctx, slots=1, n_gpu_layers=d.n_gpu_layers,
                          n_threads=spec.n_threads, n_batch=spec.n_batch, verbose=spec.verbose,
-                         use_mmap=spec.use_mmap)
+                         use_mmap=spec.use_mmap, devices=list(d.devices))
         try:
             dsrc = source_class(dspec)
         except BackendError as e:

@@ -21,6 +21,7 @@ class DraftSpec:
     path: str | None = None  # model file / directory for kind="model"
     num_draft: int = 4  # upper bound on tokens proposed per step (the controller adapts below it)
     n_gpu_layers: int = 0
+    devices: list[str] = field(default_factory=list)  # a draft model's llama.cpp device, as planned (empty: default)
     auto: bool = False  # chosen by default, not asked for: when it cannot run, decode plainly (the reason in info)
 
 

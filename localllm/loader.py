@@ -109,7 +109,8 @@ def plan_line(p: Plan) -> str:
 
     line = f"{p.summary}; {p.n_gpu_layers}/{p.n_layers + 1} layers offloaded"
     if p.memory.draft:
-        where = f"{p.draft_n_gpu_layers} layers offloaded" if p.draft_n_gpu_layers else "on the CPU"
+        where = (f"on {p.draft_device}" if p.draft_device else
+                 f"{p.draft_n_gpu_layers} layers offloaded" if p.draft_n_gpu_layers else "on the CPU")
         line += f"; draft model +{_gb(p.memory.draft)} {where}"
     if p.memory.rollback:
         line += f"; draft rollback states +{p.memory.rollback / MiB:.1f} MiB"
@@ -405,7 +406,7 @@ class Loader:
             n_threads=options.num_thread or p.n_threads,
             kv_cache_type=p.kv_cache_type,  # type: ignore[arg-type]
             flash_attn=None if p.kv_cache_type == "f16" else True,  # llama.cpp decides (auto)
-            draft=self.draft_spec(model, options, p.backend, p.draft_n_gpu_layers),
+            draft=self.draft_spec(model, options, p.backend, p.draft_n_gpu_layers, p.draft_device),
             embedding=options.embedding,
             # the vision projector, for a backend that runs one (MLX does not: images are refused there)
             mmproj=str(model.projector.path) if model.projector is not None and descriptor.get(p.backend).vision
@@ -434,10 +435,10 @@ class Loader:
                                max_bytes=size, budget_root=str(root))
 
     def draft_spec(self, model: InstalledModel, options: LoadOptions, backend: str,
-                   n_gpu_layers: int = 0) -> DraftSpec | None:
+                   n_gpu_layers: int = 0, device: str | None = None) -> DraftSpec | None:
         """The draft ``options.draft`` names (``auto``: the catalog's pairing where it is installed for this
         backend), or None for plain decoding; a draft model with ``n_gpu_layers`` offloaded (the plan's
-        ``draft_n_gpu_layers``)."""
+        ``draft_n_gpu_layers``), on the llama.cpp ``device`` the plan puts it on (``draft_device``)."""
         choice = (options.draft or "auto").strip()
         if choice == "none":
             return None
@@ -465,7 +466,8 @@ class Loader:
             return None  # the suggested draft has no build for this backend: plain decoding
         if path is None:
             raise LocalLLMError(f"Draft model {draft.name} has no {backend} weights installed.")
-        return DraftSpec(kind="model", path=str(path), num_draft=options.num_draft, n_gpu_layers=n_gpu_layers)
+        return DraftSpec(kind="model", path=str(path), num_draft=options.num_draft, n_gpu_layers=n_gpu_layers,
+                         devices=[device] if device and n_gpu_layers else [])
 
     def _convert(self, model: InstalledModel, cancel: threading.Event | None, p: Plan) -> None:
         """Build the weights ``p.backend`` loads from the model's GGUF (first use of ``--backend mlx``: its format's

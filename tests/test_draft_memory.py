@@ -129,7 +129,8 @@ _GEN = _MOE_GEN.replace(
     "LoadOptions(num_ctx=256, num_parallel=1)",
     "LoadOptions(num_ctx=256, num_parallel=1, draft=os.environ['DRAFT_UNDER_TEST'])").replace(
     '"n_cpu_moe": plan.n_cpu_moe,', '"n_cpu_moe": plan.n_cpu_moe, "draft": plan.memory.draft, '
-    '"draft_ngl": plan.draft_n_gpu_layers, "drafter": lm.info.draft,')
+    '"draft_ngl": plan.draft_n_gpu_layers, "drafter": lm.info.draft,').replace(
+    '"compute": d.compute,', '"compute": d.compute, "draft": d.draft,')
 
 
 def _on_worker(home: Path, model: Path, rpc: str, draft: str, cap: str) -> dict:
@@ -143,7 +144,7 @@ def _on_worker(home: Path, model: Path, rpc: str, draft: str, cap: str) -> dict:
 @needs_rpc
 def test_on_a_capped_rpc_worker_the_draft_model_stays_where_planned(tmp_path, default_model_path):
     """The target split over a capped RPC worker and the CPU keeps its planned split with a draft model, and the
-    draft model (whose load takes no devices: backends.drafting.setup_draft) is planned and allocated on the CPU:
+    draft model (a partial offload leaves the devices no room for it) is planned and allocated on the CPU:
     nothing more on the worker, the CPU's buffers grow by the planned draft within 10 %."""
     worker = _start_worker(tmp_path, port := _free_port())
     try:
@@ -161,6 +162,56 @@ def test_on_a_capped_rpc_worker_the_draft_model_stays_where_planned(tmp_path, de
     added = sum(on["alloc"]["CPU"].values()) - sum(off["alloc"]["CPU"].values())
     assert added == pytest.approx(on["draft"], rel=0.1), (on["alloc"], off["alloc"])
 
+
+
+@needs_rpc
+def test_a_draft_model_goes_to_the_worker_that_holds_the_whole_target(tmp_path, default_model_path):
+    """The whole target on an RPC worker with room to spare: the draft model goes there too, whole (its load on
+    that device), and the worker's buffers grow by the planned draft within 10 %; the same greedy text."""
+    worker = _start_worker(tmp_path, port := _free_port())
+    try:
+        rpc, cap = f"127.0.0.1:{port}", "RPC0=2GiB"
+        on = _on_worker(tmp_path, default_model_path, rpc, str(default_model_path), cap)
+        off = _on_worker(tmp_path, default_model_path, rpc, "none", cap)
+    finally:
+        worker.kill()
+        worker.wait(10)
+    n_layers = read_gguf(default_model_path).n_layers
+    assert on["ngl"] == off["ngl"] == n_layers + 1 and on["draft_ngl"] == n_layers + 1, on["reasons"]
+    assert on["drafter"] == str(default_model_path) and on["text"] == off["text"]
+    [d] = on["plan"]
+    assert d["total"] <= d["usable"]
+    on_worker = sum(on["alloc"]["RPC0"].values()) - sum(off["alloc"]["RPC0"].values())
+    assert on_worker == pytest.approx(d["draft"], rel=0.1), (on["alloc"], off["alloc"], d)
+    assert d["total"] == pytest.approx(sum(on["alloc"]["RPC0"].values()), rel=0.1)
+    line = next(r for r in on["reasons"] if r.startswith("draft model "))
+    assert f"on RPC0, all {n_layers + 1} layers" in line, line
+
+
+def test_over_two_devices_the_draft_model_goes_to_the_one_with_more_room(default_model_path):
+    """Two devices hold the whole target: the draft model goes whole to the one with the most room left, and
+    where neither has room for it, to the CPU, the target's split unchanged either way."""
+    from dataclasses import replace
+
+    from localllm.hardware import GiB, LlamaDevice
+
+    info = read_gguf(default_model_path)
+    hw = replace(machine(ram_gib=16), rpc=True, devices=[
+        LlamaDevice(0, "CPU", "cpu", "cpu", 8 * GiB, 8 * GiB, "CPU"),
+        *(LlamaDevice(i + 1, f"RPC{i}", f"127.0.0.1:{50052 + i}", "gpu", 20 * GiB, 20 * GiB, "RPC", offloads=True,
+                      remote=True, endpoint=f"127.0.0.1:{50052 + i}") for i in range(2))])
+    alone = plan(info, hw, num_ctx=N_CTX, num_parallel=1, tensor_split=[1, 1], device_memory={"RPC1": GiB})
+    p = plan(info, hw, num_ctx=N_CTX, num_parallel=1, tensor_split=[1, 1], device_memory={"RPC1": GiB}, draft=info)
+    assert p.draft_device == "RPC0" and p.draft_n_gpu_layers == info.n_layers + 1  # RPC0 has 20 GiB, RPC1 1 GiB
+    a, b = p.devices
+    assert (a.layers, b.layers) == (alone.devices[0].layers, alone.devices[1].layers) and b.draft == 0
+    assert a.draft == p.memory.draft - (p.memory.cpu - alone.memory.cpu) > 0
+    assert p.memory.gpu == sum(d.total for d in p.devices)
+    # no room for it beside the target on either device: on the CPU
+    caps = {"RPC0": alone.devices[0].total + a.draft // 2, "RPC1": alone.devices[1].total + a.draft // 2}
+    q = plan(info, hw, num_ctx=N_CTX, num_parallel=1, tensor_split=[1, 1], device_memory=caps, draft=info)
+    assert q.draft_device is None and q.draft_n_gpu_layers == 0 and all(d.draft == 0 for d in q.devices)
+    assert q.n_gpu_layers == info.n_layers + 1 and q.memory.cpu - alone.memory.cpu == q.memory.draft
 
 def test_a_catalog_pairing_never_costs_the_model_its_fit_or_context(home, default_model_path):
     """The catalog's draft (auto) is planned beside the model; where the model fits only without it, it loads and

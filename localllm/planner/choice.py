@@ -47,6 +47,7 @@ class Plan:
     reasons: list[str] = field(default_factory=list)  # one line per decision
     advice: str | None = None  # how to get a better setup (e.g. a CUDA build of llama.cpp)
     draft_n_gpu_layers: int = 0
+    draft_device: str | None = None  # several llama.cpp devices: the one a draft model's layers go to
     max_ctx: int | None = None  # the largest context that would fit the same way (None: not computed)
     mlx_convert: bool = False  # backend MLX from the GGUF: convert it (once, offline) before loading
     slots: int = 1  # parallel slots: sequences decoding together over one KV pool of n_ctx × slots cells
@@ -176,7 +177,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
     return Plan(backend=fit.chosen.name, device=fit.device, n_gpu_layers=lay.ngl, n_layers=L,  # type: ignore[arg-type]
                 n_ctx=fit.n_ctx, kv_cache_type=pl.kv, flash_attn=fit.fa, n_threads=fit.threads,
                 verdict=verdict, verdict_text=verdict_text, memory=mem, reasons=fit.reasons,  # type: ignore[arg-type]
-                advice="\n".join(fit.advice) or None, draft_n_gpu_layers=lay.draft_ngl, max_ctx=max_ctx,
+                advice="\n".join(fit.advice) or None, draft_n_gpu_layers=lay.draft_ngl, draft_device=lay.draft_device,
+                max_ctx=max_ctx,
                 slots=fit.slots, devices=lay.devices, shares=ts if ts and len(ts) == len(lay.devices) else None,
                 mlx_convert=fit.chosen.converts_from is not None and not choice.mw.installed,
                 n_cpu_moe=lay.n_cpu_moe if fit.chosen.memory == "layers" else 0)
@@ -574,7 +576,8 @@ def _explain(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, fit: _Fit, verd
                    "up generation)")
     draft = req.draft
     if draft is not None:
-        where = (f"{lay.draft_ngl}/{draft.n_layers + 1} layers on the GPU" if lay.draft_ngl else "on the CPU")
+        where = (f"on {lay.draft_device}, all {lay.draft_ngl} layers" if lay.draft_device else
+                 f"{lay.draft_ngl}/{draft.n_layers + 1} layers on the GPU" if lay.draft_ngl else "on the CPU")
         reasons.append(f"draft model {draft.name or os.path.basename(draft.path)}: +{_gb(mem.draft)} {where} (its "
                        f"weights, a {n_ctx:,}-token KV cache and its compute buffer); --draft none: without it")
     if info.is_recurrent or info.is_hybrid:

@@ -43,10 +43,11 @@ class DevicePlan:
     weights: int = 0
     kv_cache: int = 0
     compute: int = 0
+    draft: int = 0  # a draft model placed here whole (its weights, KV cache and compute buffer)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.compute
+        return self.weights + self.kv_cache + self.compute + self.draft
 
 
 
@@ -67,6 +68,7 @@ class _Layout:
     why: str  # the limiting resource when it does not fit, with numbers
     devices: list[DevicePlan] = field(default_factory=list)
     n_cpu_moe: int = 0  # the first N layers' expert tensors stay in RAM (llama.cpp's --n-cpu-moe)
+    draft_device: str | None = None  # the llama.cpp device a draft model goes to whole (several devices)
 
 
 def _targets(hw: HardwareInfo, device: str, caps: dict[str, int]) -> list[DevicePlan]:
@@ -224,9 +226,17 @@ class _Planner:
             lay = self._devices_layout(targets, device, n_ctx, fa, est, slots)
             if self.draft is None or not lay.fits:
                 return lay
-            # a draft model's load takes no devices (backends.drafting.setup_draft): it stays on the CPU here, so
-            # the layers split over the devices as planned keep their estimates
-            lay.mem = lay.mem + draft_est(0)
+            # a draft model goes whole to the device with the most room left by the target's split where every
+            # layer of the target is offloaded and it fits there (the target's split does not move), else the CPU
+            dfull = self.draft.n_layers + 1
+            dgpu = draft_est(dfull)
+            dest = max(lay.devices, key=lambda d: d.usable_bytes - d.total, default=None)
+            if lay.ngl == full and dest is not None and dest.total + dgpu.gpu <= dest.usable_bytes:
+                dest.draft = dgpu.gpu
+                lay.draft_ngl, lay.draft_device = dfull, dest.name
+                lay.mem = lay.mem + dgpu
+            else:
+                lay.mem = lay.mem + draft_est(0)
             if lay.mem.cpu > _ram_limit(hw):
                 lay.fits, lay.why = False, (f"needs {_gb(lay.mem.cpu)} of RAM for the CPU part and the draft model, "
                                             f"more than the {_gb(_ram_limit(hw))} this machine can give it")
