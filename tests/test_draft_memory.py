@@ -141,19 +141,23 @@ def _on_worker(home: Path, model: Path, rpc: str, draft: str, cap: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _with_and_without_draft(home: Path, model: Path, cap: str) -> tuple[dict, dict]:
+    """``model`` on a fresh RPC worker capped by ``cap`` (LOCALLLM_DEVICE_MEMORY), drafting for itself and not."""
+    worker = _start_worker(home, port := _free_port())
+    try:
+        return (_on_worker(home, model, f"127.0.0.1:{port}", str(model), cap),
+                _on_worker(home, model, f"127.0.0.1:{port}", "none", cap))
+    finally:
+        worker.kill()
+        worker.wait(10)
+
+
 @needs_rpc
 def test_on_a_capped_rpc_worker_the_draft_model_stays_where_planned(tmp_path, default_model_path):
     """The target split over a capped RPC worker and the CPU keeps its planned split with a draft model, and the
     draft model (a partial offload leaves the devices no room for it) is planned and allocated on the CPU:
     nothing more on the worker, the CPU's buffers grow by the planned draft within 10 %."""
-    worker = _start_worker(tmp_path, port := _free_port())
-    try:
-        rpc, cap = f"127.0.0.1:{port}", "RPC0=120MiB"
-        on = _on_worker(tmp_path, default_model_path, rpc, str(default_model_path), cap)
-        off = _on_worker(tmp_path, default_model_path, rpc, "none", cap)
-    finally:
-        worker.kill()
-        worker.wait(10)
+    on, off = _with_and_without_draft(tmp_path, default_model_path, "RPC0=120MiB")
     assert on["drafter"] == str(default_model_path) and on["text"] == off["text"]
     n_layers = read_gguf(default_model_path).n_layers
     assert 0 < on["ngl"] == off["ngl"] < n_layers + 1, on["reasons"]  # a partial offload, the same with the draft
@@ -163,19 +167,11 @@ def test_on_a_capped_rpc_worker_the_draft_model_stays_where_planned(tmp_path, de
     assert added == pytest.approx(on["draft"], rel=0.1), (on["alloc"], off["alloc"])
 
 
-
 @needs_rpc
 def test_a_draft_model_goes_to_the_worker_that_holds_the_whole_target(tmp_path, default_model_path):
     """The whole target on an RPC worker with room to spare: the draft model goes there too, whole (its load on
     that device), and the worker's buffers grow by the planned draft within 10 %; the same greedy text."""
-    worker = _start_worker(tmp_path, port := _free_port())
-    try:
-        rpc, cap = f"127.0.0.1:{port}", "RPC0=2GiB"
-        on = _on_worker(tmp_path, default_model_path, rpc, str(default_model_path), cap)
-        off = _on_worker(tmp_path, default_model_path, rpc, "none", cap)
-    finally:
-        worker.kill()
-        worker.wait(10)
+    on, off = _with_and_without_draft(tmp_path, default_model_path, "RPC0=2GiB")
     n_layers = read_gguf(default_model_path).n_layers
     assert on["ngl"] == off["ngl"] == n_layers + 1 and on["draft_ngl"] == n_layers + 1, on["reasons"]
     assert on["drafter"] == str(default_model_path) and on["text"] == off["text"]
