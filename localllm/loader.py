@@ -364,7 +364,7 @@ class Loader:
         with :meth:`replan`). Returns what loaded. A load asked for with ``num_gpu`` is not second-guessed."""
         from backends.base import ModelLoadError
 
-        changes: dict[str, Any] = {}  # what the fallbacks changed, kept by the next one
+        experts_out = False  # a mixture of experts' experts left the device (cpu_moe): the later fallbacks keep that
         tried_half = False
         while True:
             p = prepared.plan
@@ -376,16 +376,16 @@ class Loader:
                         or "memory" not in str(e).lower():
                     raise
                 was = f"{prepared.name}: out of device memory at load with {_offload(p)}; "
-                first = not (changes or tried_half or prepared.options.cpu_moe)
+                first = not (experts_out or tried_half or prepared.options.cpu_moe)
                 experts = self.replan(prepared, cpu_moe=True) if first else None
                 if experts is not None and experts.plan.n_gpu_layers > 0 and \
                         (experts.plan.n_gpu_layers, experts.plan.n_cpu_moe) != (p.n_gpu_layers, p.n_cpu_moe):
-                    changes["cpu_moe"] = True  # a mixture of experts: its experts leave the device first
+                    experts_out = True  # a mixture of experts: its experts leave the device first
                     prepared, line = experts, was + f"loading with {_offload(experts.plan)}"
                 else:
                     fewer = p.n_gpu_layers // 2 if p.n_gpu_layers > 1 and not tried_half else 0
                     tried_half = True
-                    prepared = self.replan(prepared, num_gpu=fewer, **changes)
+                    prepared = self.replan(prepared, num_gpu=fewer, cpu_moe=experts_out or prepared.options.cpu_moe)
                     line = was + (f"loading with {_offload(prepared.plan)}" if fewer else "loading on the CPU only")
                 (say or log.warning)(line)
                 prepared.plan.reasons.append(line)
@@ -467,7 +467,7 @@ class Loader:
         if path is None:
             raise LocalLLMError(f"Draft model {draft.name} has no {backend} weights installed.")
         return DraftSpec(kind="model", path=str(path), num_draft=options.num_draft, n_gpu_layers=n_gpu_layers,
-                         devices=[device] if device and n_gpu_layers else [])
+                         devices=[device] if device else [])
 
     def _convert(self, model: InstalledModel, cancel: threading.Event | None, p: Plan) -> None:
         """Build the weights ``p.backend`` loads from the model's GGUF (first use of ``--backend mlx``: its format's
