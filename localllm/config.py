@@ -155,6 +155,31 @@ def parse_size(text: str) -> int:
 
 
 DEFAULT_PROMPT_CACHE = 2 << 30
+DEFAULT_MAX_UPLOAD = 512 << 30
+DEFAULT_UPLOAD_TIMEOUT = 60.0
+
+
+def max_upload() -> int:
+    """``LOCALLLM_MAX_UPLOAD``: the largest model file ``POST /api/blobs`` takes, in bytes (default 512 GiB)."""
+    value = env_str("LOCALLLM_MAX_UPLOAD", "")
+    if not value:
+        return DEFAULT_MAX_UPLOAD
+    try:
+        return parse_size(value)
+    except ValueError:
+        raise SystemExit(f"LOCALLLM_MAX_UPLOAD must be a size like 64GiB or 500MB, got {value!r}.") from None
+
+
+def upload_timeout() -> float:
+    """``LOCALLLM_UPLOAD_TIMEOUT``: seconds an upload's body may send nothing before the server drops it (60)."""
+    value = env_str("LOCALLLM_UPLOAD_TIMEOUT", "")
+    try:
+        seconds = float(value) if value else DEFAULT_UPLOAD_TIMEOUT
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise SystemExit(f"LOCALLLM_UPLOAD_TIMEOUT must be a number of seconds above 0, got {value!r}.")
+    return seconds
 
 
 def prompt_cache_size() -> int:

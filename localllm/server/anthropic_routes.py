@@ -388,5 +388,5 @@ async def count_tokens(body: AnthropicCountBody, request: Request) -> dict[str, 
     if pics:  # image blocks count as the positions the model's projector makes of them
         g.check_capabilities(g.Call(body.model, GenerateRequest(messages=messages), images=True), model)
         check_request(messages)
-    tokens = await run_sync(engine_of(request).tokenize, name, text, pics) if text or pics else []
+    tokens = await run_sync(engine_of(request).tokenize, name, text, pics, pool="work") if text or pics else []
     return {"input_tokens": len(tokens)}

@@ -59,10 +59,12 @@ def validation_message(exc: RequestValidationError) -> str:
 
 def create_app(engine: ServerEngine | None = None, *, bound_host: str | None = None, api_key: str | None = None,
                origins: str | None = None, max_body: int | None = None, check_host: bool = True,
-               context_length: int | None = None) -> FastAPI:
+               context_length: int | None = None, max_upload: int | None = None,
+               upload_timeout: float | None = None) -> FastAPI:
     """The app. Settings default to the environment: ``LOCALLLM_HOST`` (the bound host the Host check
     allows), ``LOCALLLM_API_KEY``, ``LOCALLLM_ORIGINS``, ``LOCALLLM_MAX_BODY``, ``LOCALLLM_CONTEXT_LENGTH``
-    (the context of requests that do not set ``num_ctx``; 0 = the planner's)."""
+    (the context of requests that do not set ``num_ctx``; 0 = the planner's), ``LOCALLLM_MAX_UPLOAD`` (the
+    largest blob ``POST /api/blobs`` takes) and ``LOCALLLM_UPLOAD_TIMEOUT`` (seconds an upload's body may stall)."""
     from localllm import config
     from localllm.server.responses_routes import ResponseStore
 
@@ -74,10 +76,14 @@ def create_app(engine: ServerEngine | None = None, *, bound_host: str | None = N
     api_key = api_key if api_key is not None else (os.environ.get("LOCALLLM_API_KEY") or None)
     origins = origins if origins is not None else os.environ.get("LOCALLLM_ORIGINS", "")
     max_body = max_body if max_body is not None else config.env_int("LOCALLLM_MAX_BODY", DEFAULT_MAX_BODY)
+    max_upload = max_upload if max_upload is not None else config.max_upload()
+    upload_timeout = upload_timeout if upload_timeout is not None else config.upload_timeout()
 
     app = FastAPI(title="localllm", version="0.1.0", docs_url=None, redoc_url=None,
                   description="Ollama-, OpenAI- and Anthropic-compatible API of localllm.")
     app.state.engine = engine
+    app.state.max_upload = max_upload  # POST /api/blobs: the largest model file the store takes
+    app.state.upload_timeout = upload_timeout  # and how long its body may stall
     app.state.responses = ResponseStore()  # /v1/responses' previous_response_id, for the server's life
     app.state.context_length = context_length if context_length is not None else (
         config.env_int("LOCALLLM_CONTEXT_LENGTH", 0) or None)  # num_ctx for requests that set none
@@ -142,5 +148,5 @@ def create_app(engine: ServerEngine | None = None, *, bound_host: str | None = N
                        "x-stainless-poll-helper", "x-stainless-custom-poll-interval", "x-stainless-timeout"],
     )
     app.add_middleware(SecurityMiddleware, bound_host=bound_host, api_key=api_key, max_body=max_body,
-                       check_host=check_host)
+                       check_host=check_host, origins=origins)
     return app

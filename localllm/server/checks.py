@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from localllm.errors import InvalidNameError
+from localllm.names import _looks_like_path as looks_like_path
 from localllm.names import parse_name
 from localllm.server.errors import bad_request, scrub
 
@@ -24,11 +25,46 @@ def check_name(value: Any, field: str = "model") -> str:
         raise bad_request(str(e)) from None
 
 
-def check_digest(value: str) -> str:
-    """``sha256:<64 hex>`` (or ``sha256-``); anything else is refused before it can reach a path."""
+def check_digest(value: str, field: str | None = None) -> str:
+    """``sha256:<64 hex>`` (or ``sha256-``); anything else is refused before it can reach a path (a file path with
+    :data:`NOT_A_PATH`'s sentence, whether or not the file exists)."""
     if not isinstance(value, str) or not DIGEST_RE.match(value):
+        if field is not None and isinstance(value, str) and looks_like_path(value.strip()):
+            raise bad_request(NOT_A_PATH.format(field=field), param=field)
         raise bad_request(f"invalid digest format: expected sha256:<64 hex digits>, got {scrub(str(value))[:80]!r}")
     return "sha256:" + value[7:].lower()
+
+
+# one sentence for any file path in a create request: the same whether the file exists, is a GGUF or is neither,
+# so that a caller learns nothing about the server's files
+NOT_A_PATH = ("{field} must name a model or an uploaded blob (sha256:<64 hex digits>), never a file path: a request "
+              "cannot name a file on the server (upload it to /api/blobs first)")
+
+
+def check_ref(value: Any, field: str, *, words: tuple[str, ...] = ()) -> str:
+    """What ``/api/create`` builds on or drafts with (``from``, ``draft``): a model name, a blob digest (``from``
+    only, with no ``words``) or one of ``words`` (``draft``: ``none``, ``ngram``, ...); never a file path, which is
+    refused with :data:`NOT_A_PATH`, whatever the path.
+
+    >>> check_ref("ngram", "draft", words=("ngram", "none"))
+    'ngram'
+    >>> check_ref("/etc/hostname", "draft") # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    localllm.server.errors.APIError: draft must name a model or an uploaded blob (sha256:<64 hex digits>), never ...
+    """
+    if isinstance(value, str) and value.strip() in words:
+        return value.strip()
+    if isinstance(value, str) and not words and DIGEST_RE.match(value.strip()):
+        return check_digest(value.strip())
+    if value is None or value == "":
+        raise bad_request(f"{field} is required")
+    try:
+        return parse_name(value, allow_path=False).name  # never opens a file
+    except InvalidNameError as e:
+        if isinstance(value, str) and looks_like_path(value.strip()):
+            raise bad_request(NOT_A_PATH.format(field=field), param=field) from None
+        raise bad_request(str(e)) from None
 
 
 def check_format(value: Any, field: str = "format") -> str | dict[str, Any] | None:

@@ -184,7 +184,7 @@ async def begin(http: Request, call: Call) -> Run:
 
         check_request(call.request.messages, call.request.images)
         if call.request.messages is not None:
-            await run_sync(resolve, call.request.messages)
+            await run_sync(resolve, call.request.messages, pool="work")
     options = context_of(http, call.options, model)
     agen = engine_of(http).agenerate(name, call.request, options, keep_alive=call.keep_alive, installed=model)
     first = await first_event(agen, http)  # a failure before any output raises here: a real status
@@ -289,10 +289,10 @@ async def load_or_unload(http: Request, model: str, keep_alive: float | None, op
     engine = engine_of(http)
     name, found = await installed(http, model)  # 404 for an unknown model
     if keep_alive == 0:
-        await run_sync(engine.unload, name)
-        await run_sync(engine.unload, found.name)  # loaded under its canonical name
+        await run_sync(engine.unload, name, pool="load")
+        await run_sync(engine.unload, found.name, pool="load")  # loaded under its canonical name
         return "unload"
-    await run_sync(engine.load, name, context_of(http, options, found), keep_alive=keep_alive)
+    await run_sync(engine.load, name, context_of(http, options, found), keep_alive=keep_alive, pool="load")
     return "load"
 
 
@@ -329,10 +329,10 @@ async def embed_texts(http: Request, model: str, texts: list[str], options: dict
     before = loaded(engine, found.name)
     pooled = Pooled()
     if not texts:
-        await run_sync(engine.load, name, load_options, keep_alive=keep_alive)
+        await run_sync(engine.load, name, load_options, keep_alive=keep_alive, pool="load")
     else:
         pooled = await run_sync(engine.embed_many, name, texts, load_options, keep_alive=keep_alive,
-                                truncate=truncate)
+                                truncate=truncate, pool="work")
     after = loaded(engine, found.name)
     load_ns = after.load_duration_ns if after is not None and after is not before else 0
     return pooled, load_ns, found

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
@@ -20,7 +20,7 @@ from localllm.errors import InvalidModelFileError, LocalLLMError
 from localllm.local import device_use, modelfile_of
 from localllm.modelfile import ROLES, Modelfile, ModelfileError, check_parameters, check_template
 from localllm.server import generation as g
-from localllm.server.checks import check_digest, check_format, check_name, check_tools
+from localllm.server.checks import check_digest, check_format, check_name, check_ref, check_tools
 from localllm.server.errors import bad_request, status_of
 from localllm.server.framing import NDJSON, logprob_item, ndjson, normalize_calls, now_rfc3339, rfc3339
 from localllm.server.images import from_base64
@@ -500,8 +500,8 @@ async def delete(body: ModelBody, request: Request) -> Response:
     name = check_name(body.model or body.name)
     store = _store(request)
     model = await run_sync(store.get, name)  # 404 first
-    await run_sync(engine_of(request).unload, name)
-    await run_sync(engine_of(request).unload, model.name)
+    await run_sync(engine_of(request).unload, name, pool="load")
+    await run_sync(engine_of(request).unload, model.name, pool="load")
     await run_sync(store.remove, name)
     return Response(status_code=200)
 
@@ -522,30 +522,67 @@ async def blob_exists(digest: str, request: Request) -> Response:
     return Response(status_code=200 if exists else 404)
 
 
+UPLOAD_FLUSH = 1 << 20  # bytes of a blob's body gathered on the loop before one write on the upload pool
+
+
 @router.post("/api/blobs/{digest:path}")
 async def blob_upload(digest: str, request: Request) -> Response:
     """An upload for ``/api/create``'s ``files``: 201 when stored, 200 when the blob was there, 400 (Ollama's
     ``digest mismatch``) when the body's sha256 is another; the file goes under the models directory only, named
-    by the checked digest."""
+    by the checked digest. Bounded: 413 past ``LOCALLLM_MAX_UPLOAD`` (by ``Content-Length`` at once, else as the
+    body arrives), 408 when the body stalls for ``LOCALLLM_UPLOAD_TIMEOUT`` seconds, 507 when the disk cannot take
+    it; what a refused, cut or stalled upload wrote is removed. The body is read on the event loop (a slow client
+    holds no thread) and written a MiB at a time on the upload pool."""
+    from starlette.requests import ClientDisconnect
+
+    from localllm.download import DiskFull
+    from localllm.server.errors import APIError
+    from localllm.store.create import UploadTooLarge, upload_too_large
+
     d = check_digest(digest)
     store = _store(request)
-    loop = asyncio.get_running_loop()
-    body = request.stream().__aiter__()
-
-    async def next_chunk() -> bytes:
-        return await body.__anext__()
-
-    def chunks() -> Iterator[bytes]:  # the body, read on the loop, for the store's thread
+    limit: int = request.app.state.max_upload
+    timeout: float = request.app.state.upload_timeout
+    length = request.headers.get("content-length")
+    size = int(length) if length and length.isdigit() else None
+    try:
+        upload = await run_sync(store.begin_upload, d, size=size, limit=limit, pool="upload")
+    except UploadTooLarge as e:
+        raise APIError(413, str(e)) from None
+    except DiskFull as e:
+        raise APIError(507, str(e)) from None
+    try:
+        body = request.stream().__aiter__()
+        pending: list[bytes] = []
+        held = received = 0
         while True:
             try:
-                yield asyncio.run_coroutine_threadsafe(next_chunk(), loop).result()
+                chunk = await asyncio.wait_for(body.__anext__(), timeout)
             except StopAsyncIteration:
-                return
-
-    try:
-        written = await run_sync(store.write_blob, d, chunks())
+                break
+            except TimeoutError:
+                raise APIError(408, f"the upload stalled: no data for {timeout:g} s; nothing was kept") from None
+            received += len(chunk)
+            if received > limit:  # a chunked body (no Content-Length) past the limit: refused as it arrives
+                raise UploadTooLarge(upload_too_large(limit))
+            pending.append(chunk)
+            held += len(chunk)
+            if held >= UPLOAD_FLUSH:
+                await run_sync(upload.write, b"".join(pending), pool="upload")
+                pending, held = [], 0
+        if pending:
+            await run_sync(upload.write, b"".join(pending), pool="upload")
+        written = await run_sync(upload.finish, pool="upload")
+    except UploadTooLarge as e:
+        raise APIError(413, str(e)) from None
+    except DiskFull as e:
+        raise APIError(507, str(e)) from None
+    except ClientDisconnect:
+        raise g.ClientGone() from None
     except LocalLLMError as e:
         raise bad_request(str(e)) from None
+    finally:
+        await run_sync(upload.close, pool="upload")
     return Response(status_code=201 if written else 200)
 
 
@@ -556,17 +593,23 @@ async def push(request: Request) -> Response:
                                   "this machine; `localllm cp` names a copy)"}, status_code=400)
 
 
+DRAFT_WORDS = ("auto", "none", "ngram", "mtp")  # a DRAFT that is not a model (as `run --draft` takes it)
+
+
 def create_modelfile(body: CreateBody) -> Modelfile:
     """``/api/create``'s JSON → the :class:`Modelfile` the store takes (a 400 with one sentence when it cannot)."""
     files = body.files or {}
-    ggufs = [(n, check_digest(dg)) for n, dg in files.items()]
+    ggufs = [(n, check_digest(dg, "files")) for n, dg in files.items()]
     if len(ggufs) > 1:
         raise bad_request("files takes one model file (a GGUF); safetensors directories are not supported")
-    adapters = [check_digest(dg) for dg in (body.adapters or {}).values()]  # LoRA GGUFs uploaded as blobs
+    adapters = [check_digest(dg, "adapters") for dg in (body.adapters or {}).values()]  # LoRAs uploaded as blobs
+    # names and digests only: a request never names a file on the server (the CLI's `create -f` reads the user's
+    # own files and uploads them to /api/blobs first)
+    draft = check_ref(body.draft, "draft", words=DRAFT_WORDS) if body.draft else None
     if ggufs:
         source = ggufs[0][1]
     elif body.from_:
-        source = check_name(body.from_, "from")
+        source = check_ref(body.from_, "from")
     else:
         raise bad_request("neither 'from' or 'files' was specified")
     try:
@@ -582,7 +625,7 @@ def create_modelfile(body: CreateBody) -> Modelfile:
         raise bad_request(str(e)) from None
     lic = [body.license] if isinstance(body.license, str) else list(body.license or [])
     return Modelfile(from_=source, parameters=params, system=body.system, template=template,
-                     messages=messages, license=lic, adapters=adapters, draft=body.draft)
+                     messages=messages, license=lic, adapters=adapters, draft=draft)
 
 
 @router.post("/api/create")
@@ -610,7 +653,7 @@ async def create(body: CreateBody, request: Request) -> Response:
             put(("error", e))
 
     threading.Thread(target=work, name=f"localllm-create-{name}", daemon=True).start()
-    await run_sync(engine_of(request).unload, name)  # a model loaded under this name reloads as newly made
+    await run_sync(engine_of(request).unload, name, pool="load")  # a model loaded under this name reloads as newly made
 
     if not body.stream:
         while True:

@@ -3,14 +3,20 @@ the translators and ``/metrics`` are typed against (:class:`localllm.engine.Engi
 hand in another), the store behind it, and :func:`run_sync` for the blocking calls.
 
 It is not :class:`localllm.api.Runner`: the faces' runner answers with ``api.Loaded`` summaries, while the server
-reads what a loaded model is doing now (its decode loop's slots, its load time) for ``/api/ps`` and ``/metrics``."""
+reads what a loaded model is doing now (its decode loop's slots, its load time) for ``/api/ps`` and ``/metrics``.
+
+Blocking work runs on bounded thread pools of its own kind (:data:`POOLS`), never on the event loop's one small
+default pool: so slow loads, long reranks or many uploads wait for their own kind and ``/api/tags`` still answers."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import threading
 from collections.abc import AsyncGenerator, Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from fastapi import Request
 
@@ -73,6 +79,25 @@ def engine_of(http: Request) -> ServerEngine:
     return http.app.state.engine  # type: ignore[no-any-return]
 
 
-async def run_sync(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run blocking work (store, loads) off the event loop."""
-    return await asyncio.to_thread(fn, *args, **kwargs)
+Pool = Literal["store", "upload", "load", "work"]
+# threads per kind of blocking work: store reads and writes (list, get, copy, rm: short), blob upload writes (a
+# chunk at a time: the body itself is read on the loop), loads and unloads (which may wait for memory or for a
+# model's requests to end), and model work (embeddings, rerank, tokenize, image fetches)
+POOLS: dict[str, int] = {"store": 4, "upload": 4, "load": 8, "work": 8}
+_executors: dict[str, ThreadPoolExecutor] = {}
+_executors_lock = threading.Lock()
+
+
+def executor(pool: Pool) -> ThreadPoolExecutor:
+    """The process's pool for ``pool`` (made on first use)."""
+    with _executors_lock:
+        ex = _executors.get(pool)
+        if ex is None:
+            ex = _executors[pool] = ThreadPoolExecutor(POOLS[pool], thread_name_prefix=f"localllm-{pool}")
+        return ex
+
+
+async def run_sync(fn: Callable[..., T], *args: Any, pool: Pool = "store", **kwargs: Any) -> T:
+    """Run blocking work off the event loop, on the bounded pool of its kind."""
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(executor(pool), call)

@@ -86,7 +86,7 @@ async def rerank(body: RerankBody, request: Request) -> Response:
     _, options = options_of(body.options)
     options = g.cap_ctx(options, found)
     pooled = await run_sync(engine_of(request).rerank, name, body.query, texts, options,
-                            keep_alive=keep_alive_of(body.keep_alive), truncate=body.truncate)
+                            keep_alive=keep_alive_of(body.keep_alive), truncate=body.truncate, pool="work")
     return JSONResponse(results_of(body, texts, pooled))
 
 

@@ -6,13 +6,21 @@ In order, for every HTTP request:
    literal that is loopback, private, unspecified or the bound address; ``localhost`` / ``*.localhost``;
    this machine's hostname; or the bound host. Anything else is a 403 with an empty body. A page on
    ``evil.example`` that rebinds its name to 127.0.0.1 sends ``Host: evil.example`` and is refused.
-2. **CORS** (Starlette's ``CORSMiddleware``, added by the app): loopback origins plus
-   ``LOCALLLM_ORIGINS`` (comma separated; ``*`` wildcards allowed, ``*`` alone allows all).
+2. **Cross-site requests** (a web page on another site): a request whose ``Origin`` is not allowed, or a POST /
+   DELETE / PUT marked ``Sec-Fetch-Site: cross-site`` without an allowed ``Origin``, is a 403 in the API's own error
+   shape, before it runs: CORS alone only hides the answer from the page, the request would still copy, delete,
+   pull or generate. Allowed: the page's own origin (the ``Host`` it was served from, as the web UI at ``/ui/``),
+   Ollama's defaults (``http(s)://`` localhost, 127.0.0.1, [::1], 0.0.0.0 on any port; ``app://``, ``file://``,
+   ``tauri://``, ``vscode-webview://``, ``vscode-file://``) and ``LOCALLLM_ORIGINS`` (comma separated; ``*``
+   wildcards allowed, ``*`` alone allows all). Clients that are not browsers send no ``Origin`` and are unchanged.
+   **CORS** (Starlette's ``CORSMiddleware``, added by the app) answers the allowed origins' preflights.
 3. **Bearer token**: with ``LOCALLLM_API_KEY`` set, every endpoint but ``/`` needs
    ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's SDKs and Claude Code send that),
    compared in constant time; CORS preflights pass.
-4. **JSON bodies**: every POST/DELETE body is read as JSON whatever its ``Content-Type`` (as Ollama;
-   ``curl -d`` sends a form type).
+4. **JSON bodies**: a POST/DELETE body from a client that is not a browser (no ``Origin``) is read as JSON
+   whatever its ``Content-Type`` (as Ollama; ``curl -d`` sends a form type). A page's request (it has an
+   ``Origin``) must say ``application/json`` (or ``multipart/form-data`` for a transcription): a 415 otherwise, so
+   that a "simple" cross-site request (``text/plain``, a form), which needs no CORS preflight, never runs.
 5. **Body limit**: ``LOCALLLM_MAX_BODY`` bytes (default 32 MiB), by ``Content-Length`` and while
    reading a chunked body: 413. Not for ``POST /api/blobs/:digest`` (a model file, streamed to disk and
    sha256-checked by its route).
@@ -33,7 +41,8 @@ Message = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
 
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
-LOOPBACK_ORIGIN_RE = r"(https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?)"
+LOOPBACK_ORIGIN_RE = (r"(https?://(localhost|127\.0\.0\.1|\[::1\]|0\.0\.0\.0)(:\d+)?)"
+                      r"|((app|file|tauri|vscode-webview|vscode-file)://.*)")
 
 
 def split_host(host_header: str) -> str:
@@ -74,7 +83,15 @@ def host_allowed(host_header: str, bound_host: str) -> bool:
 
 
 def origin_regex(extra: str | None) -> str:
-    """One regex for the allowed origins: loopback plus ``LOCALLLM_ORIGINS`` (globs with ``*``)."""
+    """One regex for the allowed origins: Ollama's defaults plus ``LOCALLLM_ORIGINS`` (globs with ``*``).
+
+    >>> import re
+    >>> allowed = re.compile(origin_regex("https://app.example,https://*.corp.example"))
+    >>> [bool(allowed.fullmatch(o)) for o in ("http://localhost:3000", "http://0.0.0.0:8080", "tauri://localhost",
+    ...                                        "https://app.example", "https://a.corp.example", "null",
+    ...                                        "https://evil.example", "http://localhost.evil.example")]
+    [True, True, True, True, True, False, False, False]
+    """
     parts = [LOOPBACK_ORIGIN_RE]
     for item in (extra or "").split(","):
         item = item.strip().rstrip("/")
@@ -86,16 +103,40 @@ def origin_regex(extra: str | None) -> str:
     return "^(" + "|".join(parts) + ")$"
 
 
+def same_origin(origin: str, host_header: str) -> bool:
+    """Is ``origin`` the page's own server, the one the request's ``Host`` names (a page this server served)?
+
+    >>> same_origin("http://127.0.0.1:11434", "127.0.0.1:11434"), same_origin("http://evil.example", "127.0.0.1")
+    (True, False)
+    """
+    for scheme in ("http://", "https://"):
+        if origin.lower().startswith(scheme):
+            return bool(host_header) and origin[len(scheme):].lower() == host_header.strip().lower()
+    return False
+
+
 class SecurityMiddleware:
-    """Host check, bearer token and body limit (see the module docstring)."""
+    """Host check, cross-site refusal, bearer token and body limit (see the module docstring)."""
 
     def __init__(self, app: ASGIApp, *, bound_host: str, api_key: str | None, max_body: int,
-                 check_host: bool = True):
+                 check_host: bool = True, origins: str | None = None):
         self.app = app
         self.bound_host = bound_host
         self.api_key = api_key or None
         self.max_body = max_body
         self.check_host = check_host
+        self.allowed_origin = re.compile(origin_regex(origins))
+
+    def cross_site(self, headers: dict[str, str], method: str) -> bool:
+        """Does this request come from a web page whose origin is not allowed?"""
+        origin = headers.get("origin")
+        if origin is not None:
+            host = headers.get("host", "")  # same origin only for a Host that names this machine (no rebinding)
+            own = same_origin(origin, host) and host_allowed(host, self.bound_host)
+            return not (own or self.allowed_origin.fullmatch(origin))
+        # no Origin: a client that is not a browser, or a browser's navigation (a GET); a state-changing request a
+        # browser marks as another site's without an Origin is refused all the same
+        return method not in ("GET", "HEAD", "OPTIONS") and headers.get("sec-fetch-site", "") == "cross-site"
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -107,6 +148,10 @@ class SecurityMiddleware:
             await _send(send, 403, b"", "text/plain")
             return
         method = scope.get("method", "GET")
+        if self.cross_site(headers, method):
+            await _send_error(send, scope, 403, "this request comes from a web page whose origin is not allowed "
+                              "here (add it to LOCALLLM_ORIGINS to allow it)")
+            return
         preflight = method == "OPTIONS" and "access-control-request-method" in headers
         if self.api_key and path != "/" and not preflight:
             auth = headers.get("authorization", "")
@@ -132,8 +177,14 @@ class SecurityMiddleware:
             if too_big:
                 await _send_error(send, scope, 413, f"request body too large (limit {self.max_body} bytes)")
                 return
-        ctype = headers.get("content-type", "")
-        if method in ("POST", "DELETE", "PUT") and "json" not in ctype and not ctype.startswith("multipart/"):
+        ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()  # the media type
+        json_type = ctype == "application/json" or ctype.endswith("+json")
+        if method in ("POST", "DELETE", "PUT") and not json_type and not ctype.startswith("multipart/"):
+            if "origin" in headers and ctype:
+                # a page's request: only JSON (a "simple" text/plain or form request needs no preflight)
+                await _send_error(send, scope, 415, "a request from a web page must send its body as JSON "
+                                  "(Content-Type: application/json)")
+                return
             # Ollama reads every body as JSON whatever the Content-Type (``curl -d`` sends a form type); a
             # multipart upload (``/v1/audio/transcriptions``) keeps its own
             scope = dict(scope)

@@ -213,36 +213,35 @@ class Creating(Pulling):
                   f"{time.monotonic() - t0:.1f} s")
         return out
 
-    def write_blob(self, digest: str, chunks: Iterator[bytes]) -> bool:
+    def write_blob(self, digest: str, chunks: Iterator[bytes], *, limit: int | None = None,
+                   size: int | None = None) -> bool:
         """Store an upload (``POST /api/blobs/:digest``) under its digest: written beside the blobs, its sha256
         checked, then renamed into ``blobs/`` (so a cut upload or a wrong one leaves nothing). The digest is
         the caller's checked ``sha256:<64 hex>``: the file name is made from it, never from the client's text.
         True when it was written, False when the blob was there already; a mismatch raises
-        :class:`LocalLLMError` with Ollama's words."""
+        :class:`LocalLLMError` with Ollama's words. ``limit`` and ``size``: as :meth:`begin_upload`."""
+        upload = self.begin_upload(digest, size=size, limit=limit)
+        try:
+            for chunk in chunks:
+                upload.write(chunk)
+            return upload.finish()
+        finally:
+            upload.close()
+
+    def begin_upload(self, digest: str, *, size: int | None = None, limit: int | None = None) -> BlobUpload:
+        """An upload of the blob ``digest`` in progress (see :class:`BlobUpload`): ``size`` is the length the
+        client announced (checked against ``limit`` and the free disk space first), ``limit`` the most bytes it
+        may have (:class:`UploadTooLarge` beyond). Partial uploads a dead process left behind are removed."""
         hexdigest = digest.removeprefix("sha256:").lower()
         if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
             raise LocalLLMError(f"invalid digest {digest[:80]!r}")
-        target = self.blob_path(hexdigest)
+        if limit is not None and size is not None and size > limit:
+            raise UploadTooLarge(upload_too_large(limit))
         self.paths.downloads.mkdir(parents=True, exist_ok=True)
-        tmp = self.paths.downloads / f"upload-{hexdigest}.{os.getpid()}.{threading.get_ident()}.partial"
-        h = hashlib.sha256()
-        try:
-            try:
-                with open(tmp, "wb") as fh:
-                    for chunk in chunks:
-                        h.update(chunk)
-                        fh.write(chunk)
-            except OSError as e:  # a full disk: nothing is kept
-                raise LocalLLMError(f"Could not store the upload of {digest[:19]}: {e.strerror or e}.") from None
-            got = h.hexdigest()
-            if got != hexdigest:
-                raise LocalLLMError(f"digest mismatch, expected \"sha256:{hexdigest}\", got \"sha256:{got}\"")
-            if target.is_file():
-                return False
-            self._install_blob(tmp, hexdigest)
-            return True
-        finally:
-            tmp.unlink(missing_ok=True)
+        remove_dead_partials(self.paths.downloads, "upload-")
+        if size:
+            check_upload_space(self.paths.downloads, self.paths.blobs, size)
+        return BlobUpload(self, hexdigest, limit)
 
     def _blob_data(self, hexdigest: str, source: str) -> dict[str, Any]:
         """A new manifest's fields for the GGUF blob ``hexdigest`` (validated: a file that is not a usable GGUF
@@ -285,3 +284,108 @@ class Creating(Pulling):
             rep.made.append(hexdigest)
         finally:
             tmp.unlink(missing_ok=True)
+
+
+UPLOAD_RESERVE = 256 << 20  # an upload never takes the last 256 MiB of a disk
+
+
+class UploadTooLarge(LocalLLMError):
+    """An upload over the store's limit (``LOCALLLM_MAX_UPLOAD``); what it wrote was removed."""
+
+
+def upload_too_large(limit: int) -> str:
+    from localllm.download import fmt_bytes
+
+    return (f"the upload is larger than this server takes ({fmt_bytes(limit)}, LOCALLLM_MAX_UPLOAD); nothing was "
+            f"kept")
+
+
+def _disk_full(free: int) -> str:
+    from localllm.download import fmt_bytes
+
+    return f"not enough disk space for the upload ({fmt_bytes(free)} free); nothing was kept"
+
+
+def check_upload_space(downloads: Path, blobs: Path, size: int) -> None:
+    """Raise :class:`~localllm.download.DiskFull` unless ``size`` bytes fit beside the downloads (and in the
+    blobs, where they are another file system) with :data:`UPLOAD_RESERVE` to spare."""
+    from localllm.download import DiskFull
+
+    dirs = [downloads]
+    blobs.mkdir(parents=True, exist_ok=True)
+    if blobs.stat().st_dev != downloads.stat().st_dev:
+        dirs.append(blobs)
+    for d in dirs:
+        free = shutil.disk_usage(d).free
+        if size + UPLOAD_RESERVE > free:
+            raise DiskFull(_disk_full(free))
+
+
+def remove_dead_partials(directory: Path, prefix: str) -> None:
+    """Remove ``<prefix>*.<pid>.*.partial`` files whose process is gone (a killed server's uploads)."""
+    for old in directory.glob(f"{prefix}*.partial"):
+        parts = old.name.split(".")
+        try:
+            pid = int(parts[1])
+            if pid == os.getpid():
+                continue
+            os.kill(pid, 0)
+        except (ValueError, IndexError, ProcessLookupError):
+            old.unlink(missing_ok=True)
+        except PermissionError:
+            pass
+
+
+class BlobUpload:
+    """One upload to ``/api/blobs``: :meth:`write` each chunk as it arrives (blocking: off the event loop), then
+    :meth:`finish` (sha256 checked, renamed into ``blobs/``); :meth:`close` always, which removes what an upload
+    that did not finish (cut, stalled, too large, wrong digest) wrote. The partial file's name carries the pid,
+    so a killed server's partials are removed by the next upload."""
+
+    _ids = iter(range(1, 1 << 62))
+
+    def __init__(self, store: Creating, hexdigest: str, limit: int | None):
+        self.store = store
+        self.hexdigest = hexdigest
+        self.limit = limit
+        self.size = 0
+        self.done = False
+        self._hash = hashlib.sha256()
+        self.tmp = store.paths.downloads / f"upload-{hexdigest}.{os.getpid()}.{next(self._ids)}.partial"
+        self._fh: Any = open(self.tmp, "wb")  # noqa: SIM115 - closed by close()
+
+    def write(self, chunk: bytes) -> None:
+        """Hash and write ``chunk``: :class:`UploadTooLarge` past the limit, DiskFull when the disk fills."""
+        from localllm.download import DiskFull
+
+        self.size += len(chunk)
+        if self.limit is not None and self.size > self.limit:
+            raise UploadTooLarge(upload_too_large(self.limit))
+        self._hash.update(chunk)
+        free = shutil.disk_usage(self.tmp.parent).free
+        if free < len(chunk) + UPLOAD_RESERVE:
+            raise DiskFull(_disk_full(free))
+        try:
+            self._fh.write(chunk)
+        except OSError as e:  # a full disk: nothing is kept
+            raise DiskFull(f"could not store the upload: {e.strerror or e}; nothing was kept") from None
+
+    def finish(self) -> bool:
+        """The upload is whole: True when it was stored, False when the blob was there already; a body whose
+        sha256 is another digest raises :class:`LocalLLMError` in Ollama's words."""
+        self._fh.close()
+        got = self._hash.hexdigest()
+        if got != self.hexdigest:
+            raise LocalLLMError(f"digest mismatch, expected \"sha256:{self.hexdigest}\", got \"sha256:{got}\"")
+        self.done = True
+        if self.store.blob_path(self.hexdigest).is_file():
+            return False
+        self.store._install_blob(self.tmp, self.hexdigest)
+        return True
+
+    def close(self) -> None:
+        """Close the file and remove the partial (nothing once :meth:`finish` installed it)."""
+        try:
+            self._fh.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
