@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -116,6 +117,7 @@ def main() -> None:
             proc.kill()
             proc.wait(5)
         log.close()
+        shutil.rmtree(home, ignore_errors=True)
 
 
 if __name__ == "__main__":
