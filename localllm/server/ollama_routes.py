@@ -582,7 +582,7 @@ async def blob_upload(digest: str, request: Request) -> Response:
     except LocalLLMError as e:
         raise bad_request(str(e)) from None
     finally:
-        await run_sync(upload.close, pool="upload")
+        upload.close()  # a close and an unlink, on the loop: done even when the request is cancelled
     return Response(status_code=201 if written else 200)
 
 

@@ -247,6 +247,25 @@ def test_an_oversized_upload_is_refused_and_leaves_nothing(srv):
     assert r.status_code == 201, r.text
 
 
+def test_an_upload_the_disk_cannot_take_is_refused_and_leaves_nothing(srv, monkeypatch):
+    """The free space is checked before a byte is written (by Content-Length) and as a chunked body is written:
+    a 507, nothing left (the disk here is made "full" by asking the upload to leave more than it has free)."""
+    import shutil
+
+    import localllm.store.create as create
+
+    store = srv.engine.store
+    monkeypatch.setattr(create, "UPLOAD_RESERVE", shutil.disk_usage(store.paths.models).free + (1 << 40))
+    data = b"GGUF" * 1000
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    r = httpx.post(f"{srv.url}/api/blobs/{digest}", content=data)
+    assert r.status_code == 507 and "not enough disk space" in r.json()["error"], r.text
+    r = httpx.post(f"{srv.url}/api/blobs/{digest}", content=iter([data]))  # chunked: no Content-Length
+    assert r.status_code == 507 and "not enough disk space" in r.json()["error"], r.text
+    assert not store.blob_path(digest).exists()
+    assert wait_until(lambda: not partials(srv)), partials(srv)
+
+
 def test_an_upload_cut_off_or_left_by_a_killed_server_leaves_nothing(srv):
     downloads = srv.engine.store.paths.downloads
     downloads.mkdir(parents=True, exist_ok=True)
