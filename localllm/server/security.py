@@ -8,9 +8,9 @@ In order, for every HTTP request:
    ``evil.example`` that rebinds its name to 127.0.0.1 sends ``Host: evil.example`` and is refused.
 2. **CORS** (Starlette's ``CORSMiddleware``, added by the app): loopback origins plus
    ``LOCALLLM_ORIGINS`` (comma separated; ``*`` wildcards allowed, ``*`` alone allows all).
-3. **Bearer token**: with ``LOCALLLM_API_KEY`` set, every endpoint but ``/`` needs
-   ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's SDKs and Claude Code send that),
-   compared in constant time; CORS preflights pass.
+3. **Bearer token**: with ``LOCALLLM_API_KEY`` set, every endpoint but ``/`` and the web page's files (``/ui/``)
+   needs ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's SDKs and Claude Code send
+   that), compared in constant time; CORS preflights pass.
 4. **JSON bodies**: every POST/DELETE body is read as JSON whatever its ``Content-Type`` (as Ollama;
    ``curl -d`` sends a form type).
 5. **Body limit**: ``LOCALLLM_MAX_BODY`` bytes (default 32 MiB), by ``Content-Length`` and while
@@ -108,7 +108,7 @@ class SecurityMiddleware:
             return
         method = scope.get("method", "GET")
         preflight = method == "OPTIONS" and "access-control-request-method" in headers
-        if self.api_key and path != "/" and not preflight:
+        if self.api_key and path != "/" and not preflight and not _page_file(path):
             auth = headers.get("authorization", "")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             key = headers.get("x-api-key", "").strip()
@@ -167,6 +167,11 @@ class SecurityMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def _page_file(path: str) -> bool:
+    """The web page's own files (``/ui/...``): no data in them, so no token (the page asks for it)."""
+    return path == "/ui" or path.startswith("/ui/")
 
 
 async def _send(send: Any, status: int, body: bytes, content_type: str) -> None:
