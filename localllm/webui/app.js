@@ -191,6 +191,7 @@ async function ensureChat(firstPrompt) {
   const title = firstPrompt.split("\n")[0].slice(0, 60) || "New chat";
   const c = await api("/api/chats", { method: "POST", body: { title, model: $("#model").value, system: $("#system").value, params: readParams() } });
   state.chat = { ...c, messages: new Map() };
+  showSettings();
   loadChats();
   return state.chat;
 }
@@ -245,8 +246,8 @@ function messageView(m) {
   else content.innerHTML = render(m.content);
   box.append(content);
   for (const img of m.images || []) {
-    if (img.format && ["WAV", "MP3", "FLAC"].includes(img.format)) box.append(el("span", { className: "chip", textContent: `🔊 ${img.name}` }));
-    else box.append(el("span", { className: "chip", textContent: `🖼 ${img.name}` }));
+    if (img.format && ["WAV", "MP3", "FLAC"].includes(img.format)) box.append(el("span", { className: "chip", textContent: `audio: ${img.name}` }));
+    else box.append(el("span", { className: "chip", textContent: `image: ${img.name}` }));
   }
   if (m.role === "assistant") box.append(el("div", { className: "figures", textContent: figures(m.stats) }));
   if (m.id != null) {
@@ -481,8 +482,7 @@ function renderAttachments() {
   $("#attachments").replaceChildren(...state.attachments.map((a, i) => {
     const x = el("button", { textContent: "×", title: `Remove ${a.name}` });
     x.onclick = () => { state.attachments.splice(i, 1); renderAttachments(); };
-    const icon = a.kind === "image" ? "🖼" : a.kind === "audio" ? "🔊" : "📄";
-    return el("span", { className: "chip" }, `${icon} ${a.name}`, x);
+    return el("span", { className: "chip" }, `${a.kind}: ${a.name}`, x);
   }));
 }
 
