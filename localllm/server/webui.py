@@ -32,9 +32,9 @@ from dataclasses import asdict
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from localllm.server.errors import APIError
 from localllm.server.protocol import engine_of, run_sync
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from localllm.chats import ChatStore, Conversation, Message
 
 router = APIRouter()
+ID_MAX = 2**63 - 1  # SQLite's largest row id
 
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
        "media-src 'self' data: blob:; connect-src 'self'; font-src 'self'; manifest-src 'self'; "
@@ -146,7 +147,7 @@ class ConversationBody(BaseModel):
     model: str | None = None
     system: str | None = None
     params: dict[str, Any] | None = None
-    head: int | None = None
+    head: int | None = Field(None, ge=1, le=ID_MAX)
 
 
 class ImageBody(BaseModel):
@@ -160,7 +161,7 @@ class MessageBody(BaseModel):
     content: str = ""
     thinking: str | None = None
     stats: dict[str, Any] | None = None
-    parent: int | None = -1  # -1: after the head; null: a first message (a new branch from the start)
+    parent: int | None = Field(-1, ge=-1, le=ID_MAX)  # -1: after the head; null: a first message (a new branch)
     images: list[ImageBody] | None = None
 
 
@@ -219,14 +220,14 @@ async def chat_image(sha: str, request: Request) -> Response:
 
 
 @router.get("/api/chats/{cid}")
-async def get_chat(cid: int, request: Request) -> dict[str, Any]:
+async def get_chat(request: Request, cid: int = Path(ge=1, le=ID_MAX)) -> dict[str, Any]:
     store = chats_of(request)
     conv = await run_sync(_conversation, store, cid)
     return {**conv_json(conv), "messages": [msg_json(m) for m in await run_sync(store.all_messages, cid)]}
 
 
 @router.post("/api/chats/{cid}")
-async def update_chat(cid: int, body: ConversationBody, request: Request) -> dict[str, Any]:
+async def update_chat(body: ConversationBody, request: Request, cid: int = Path(ge=1, le=ID_MAX)) -> dict[str, Any]:
     _check_origin(request)
     from localllm.errors import LocalLLMError
 
@@ -247,7 +248,7 @@ async def update_chat(cid: int, body: ConversationBody, request: Request) -> dic
 
 
 @router.delete("/api/chats/{cid}")
-async def delete_chat(cid: int, request: Request) -> Response:
+async def delete_chat(request: Request, cid: int = Path(ge=1, le=ID_MAX)) -> Response:
     _check_origin(request)
     store = chats_of(request)
     await run_sync(_conversation, store, cid)
@@ -256,7 +257,7 @@ async def delete_chat(cid: int, request: Request) -> Response:
 
 
 @router.post("/api/chats/{cid}/messages")
-async def add_message(cid: int, body: MessageBody, request: Request) -> dict[str, Any]:
+async def add_message(body: MessageBody, request: Request, cid: int = Path(ge=1, le=ID_MAX)) -> dict[str, Any]:
     _check_origin(request)
     if body.role not in ("system", "user", "assistant"):
         raise APIError(400, f"role must be system, user or assistant, not {body.role[:40]!r}")
@@ -278,7 +279,8 @@ async def add_message(cid: int, body: MessageBody, request: Request) -> dict[str
 
 
 @router.delete("/api/chats/{cid}/messages/{mid}")
-async def delete_message(cid: int, mid: int, request: Request) -> Response:
+async def delete_message(request: Request, cid: int = Path(ge=1, le=ID_MAX),
+                         mid: int = Path(ge=1, le=ID_MAX)) -> Response:
     _check_origin(request)
     store = chats_of(request)
     if not any(m.id == mid for m in await run_sync(store.all_messages, cid)):
@@ -288,7 +290,7 @@ async def delete_message(cid: int, mid: int, request: Request) -> Response:
 
 
 @router.get("/api/chats/{cid}/export")
-async def export_chat(cid: int, request: Request, format: str = Query("json")) -> Response:
+async def export_chat(request: Request, cid: int = Path(ge=1, le=ID_MAX), format: str = Query("json")) -> Response:
     store = chats_of(request)
     conv = await run_sync(_conversation, store, cid)
     safe = re.sub(r"[^A-Za-z0-9._-]+", "-", conv.title).strip("-")[:60] or f"chat-{cid}"

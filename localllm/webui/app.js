@@ -537,7 +537,7 @@ async function loadManager() {
     ...ps.models.map((m) => row([m.name, human(m.size), m.context_length,
       m.slots != null ? `${m.slots_busy}/${m.slots} busy` : "", m.drafting || "-", new Date(m.expires_at).toLocaleTimeString(),
       button("Unload", async () => { await api("/api/generate", { method: "POST", body: { model: m.name, keep_alive: 0 } }); loadManager(); })])));
-  if (!ps.models.length) $("#loaded").append(row(["Nothing loaded."]));
+  if (!ps.models.length) { const r = row(["Nothing loaded."]); r.firstChild.colSpan = 7; $("#loaded").append(r); }
   const infos = await Promise.all(tags.models.map((m) => capabilities(m.name)));
   $("#installed").replaceChildren(row(["Name", "Size", "Format", "Quant", "Capabilities", "Kind", ""], "th"),
     ...tags.models.map((m, i) => {

@@ -339,8 +339,9 @@ def test_narrow_and_dark(page, served):
     page.screenshot(path=str(SHOTS / "narrow-dark.png"))
     page.click("#theme")
     assert bg != page.evaluate("getComputedStyle(document.body).backgroundColor")  # the toggle switches
-    wide = page.evaluate("""() => [...document.querySelectorAll('body *')].filter(e => e.getBoundingClientRect().right > 391
-        && e.offsetParent !== null).map(e => e.id || e.className || e.tagName)""")
+    wide = page.evaluate("""() => [...document.querySelectorAll('body *')]
+        .filter(e => e.getBoundingClientRect().right > 391 && e.offsetParent !== null)
+        .map(e => e.id || e.className || e.tagName)""")
     assert page.evaluate("document.documentElement.scrollWidth <= 390"), wide  # nothing wider than the phone
     assert page.is_visible("#prompt") and page.is_visible("#send") and not page.is_visible("#sidebar")
     page.click("#menu")
