@@ -9,6 +9,7 @@ const el = (tag, props = {}, ...kids) => {
   return e;
 };
 const TOKEN_KEY = "localllm-token";
+const PAINT_EVERY_MS = 100;  // while an answer streams
 
 // ------------------------------------------------------------------------------------------------ API
 
@@ -421,9 +422,10 @@ async function answer(parentId) {
   $("#send").hidden = true;
   $("#stop").hidden = false;
   const t0 = performance.now();
-  let ttft = null, done = null, cancelled = false, pending = false;
+  let ttft = null, done = null, cancelled = false, pending = false, lastPaint = 0;
   const paint = () => {
     pending = false;
+    lastPaint = performance.now();
     contentEl.innerHTML = render(live.content);
     thinkText.data = live.thinking;
     const box = $("#messages");
@@ -442,7 +444,11 @@ async function answer(parentId) {
         live.content += line.message.content || "";
       }
       if (line.done) done = line;
-      if (!pending) { pending = true; requestAnimationFrame(paint); }
+      if (!pending) {  // the first token at once, then at most ~10 repaints a second (decoding keeps the CPU)
+        pending = true;
+        const wait = lastPaint ? Math.max(0, PAINT_EVERY_MS - (performance.now() - lastPaint)) : 0;
+        setTimeout(() => requestAnimationFrame(paint), wait);
+      }
     }
   } catch (e) {
     if (e.name === "AbortError") cancelled = true;
