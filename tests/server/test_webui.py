@@ -169,7 +169,7 @@ def test_a_prompt_gets_a_streamed_answer_saved_in_the_terminal_apps_store(page, 
     page.evaluate("""() => { window.paints = 0; new MutationObserver(() => {
         if (document.querySelector('.msg.live')) window.paints++; })
         .observe(document.querySelector('#messages'), {childList: true, subtree: true, characterData: true}); }""")
-    _ask(page, "Write three sentences about the sea.")
+    _ask(page, "Write a Python function that adds two numbers.")
     page.wait_for_selector(".msg.live")
     _wait_answer(page)
     answer = page.inner_text(".msg.assistant .content")
@@ -178,17 +178,21 @@ def test_a_prompt_gets_a_streamed_answer_saved_in_the_terminal_apps_store(page, 
     figures = page.inner_text(".msg.assistant .figures")
     assert "tok/s" in figures and "first token" in figures and "cached" in figures
     assert page.errors == []
+    page.click("#settings summary")  # folded again for the picture
     page.screenshot(path=str(SHOTS / "chat.png"))
     # the same conversation, read by the terminal app's store
     with _chats_db(served) as store:
-        conv = next(c for c in store.conversations() if c.title.startswith("Write three sentences"))
+        conv = next(c for c in store.conversations() if c.title.startswith("Write a Python function"))
         msgs = store.messages(conv.id)
         assert [m.role for m in msgs] == ["user", "assistant"]
-        assert msgs[1].content.strip()[:20] in answer and msgs[1].stats["eval_count"] > 0
+        assert "def add" in msgs[1].content and msgs[1].stats["eval_count"] > 0
         assert conv.params.get("temperature") == 0
+    assert "def add" in page.inner_text(".msg.assistant .code pre")  # its code block, rendered
 
 
 def test_stop_cancels_the_generation_and_frees_the_slot(page, served):
+    page.click("#settings summary")
+    page.fill("#temperature", "0")  # the same long answer every time
     _ask(page, "Count from 1 to 500, one number per line.")
     page.wait_for_function("() => (document.querySelector('.msg.live .content')?.textContent || '').length > 20",
                            timeout=60_000)
@@ -236,6 +240,43 @@ def test_a_text_only_model_refuses_an_image_before_sending(page, tmp_path):
     assert page.inner_text("#attachments") == ""
 
 
+def test_an_image_on_a_model_with_a_projector_is_counted_in_the_prompt(browser, tmp_path, installed_default_model,
+                                                                      test_projector):
+    from localllm.store import Store
+    from tests.support import private_paths
+    from tests.support_vision import IMAGE_TOKENS, png
+
+    home = tmp_path / "home"
+    install_copy(home / "data" / "models", TEST_HOME / "data" / "models")
+    Store(paths=private_paths(home)).set_projector(MODEL, test_projector)
+    srv = Served(home)
+    try:
+        ctx = browser.new_context()
+        pg = ctx.new_page()
+        pg.goto(srv.url + "/ui/")
+        pg.wait_for_selector("body[data-ready]")
+        img = tmp_path / "picture.png"
+        img.write_bytes(png(64, 64))
+        pg.set_input_files("#file", str(img))
+        pg.wait_for_selector("#attachments .chip")
+        _ask(pg, "What is in this picture?")
+        _wait_answer(pg)
+        assert "image: picture.png" in pg.inner_text(".msg.user")
+        text_only = httpx.post(srv.url + "/api/chat", json={
+            "model": MODEL, "stream": False, "options": {"num_predict": 1},
+            "messages": [{"role": "user", "content": "What is in this picture?"}]}).json()["prompt_eval_count"]
+        with _chats_db(srv) as store:
+            conv = store.conversations()[0]
+            user, answer = store.messages(conv.id)
+            assert [i.name for i in user.images] == ["picture.png"] and user.images[0].width == 64
+            # the image's 16 positions (and its markers) beside the same prompt without it
+            assert answer.stats["prompt_eval_count"] >= text_only + IMAGE_TOKENS
+        pg.screenshot(path=str(SHOTS / "image.png"))
+        ctx.close()
+    finally:
+        srv.stop()
+
+
 def test_search_rename_export_delete_a_conversation(page, served):
     _ask(page, "Name a colour.")
     _wait_answer(page)
@@ -267,6 +308,10 @@ def test_models_delete_then_pull_with_progress(page, served):
     page.wait_for_function("() => (p => p.value > 0 && p.value < p.max)(document.querySelector('#pull-progress'))",
                            timeout=60_000)
     page.screenshot(path=str(SHOTS / "pull.png"))
+    page.click("#pull-cancel")  # the download stops; pulling again resumes it
+    page.wait_for_function("() => document.querySelector('#pull-text').textContent.startsWith('cancelled')")
+    assert MODEL not in [m["name"] for m in httpx.get(served.url + "/api/tags").json()["models"]]
+    page.click("#pull")
     page.wait_for_selector(f"#installed tr[data-model='{MODEL}']", timeout=120_000)
     assert "installed" in page.inner_text("#notice")
     assert MODEL in [m["name"] for m in httpx.get(served.url + "/api/tags").json()["models"]]
