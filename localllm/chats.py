@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from localllm.errors import LocalLLMError
 
@@ -86,8 +86,20 @@ def _v5(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE message ADD COLUMN images TEXT")
 
 
+def _v6(db: sqlite3.Connection) -> None:
+    """Branches: every message names the one it follows (``parent_id``; NULL for a conversation's first) and a
+    conversation the last message of the branch it shows (``head_id``). An earlier message edited, or an answer
+    regenerated, starts a sibling; the old branch stays. Older rows become one branch, in their order."""
+    db.execute("ALTER TABLE message ADD COLUMN parent_id INTEGER")
+    db.execute("ALTER TABLE conversation ADD COLUMN head_id INTEGER")
+    db.execute("UPDATE message SET parent_id = (SELECT MAX(m.id) FROM message m WHERE "
+               "m.conversation_id = message.conversation_id AND m.id < message.id)")
+    db.execute("UPDATE conversation SET head_id = (SELECT MAX(m.id) FROM message m WHERE m.conversation_id = "
+               "conversation.id)")
+
+
 # Index i upgrades a database from user_version i to i + 1. Append only; never edit a released step.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3, _v4, _v5]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -100,6 +112,7 @@ class Conversation:
     params: dict[str, Any] = field(default_factory=dict)
     created_at: float = 0.0
     updated_at: float = 0.0
+    head_id: int | None = None  # the last message of the branch shown (None: no message yet)
 
 
 @dataclass
@@ -137,6 +150,7 @@ class Message:
     thinking: str | None = None  # a thinking model's reasoning, apart from its answer
     tool_calls: list[dict[str, Any]] | None = None  # MCP calls made for this answer (localllm.mcp.loop.ToolCall)
     images: list[ImageRef] = field(default_factory=list)  # attached to a user turn
+    parent_id: int | None = None  # the message it follows (None: the first of its conversation)
 
 
 class ChatStore:
@@ -195,6 +209,7 @@ class ChatStore:
         return Conversation(
             id=row["id"], title=row["title"], model=row["model"], system=row["system"],
             params=json.loads(row["params"] or "{}"), created_at=row["created_at"], updated_at=row["updated_at"],
+            head_id=row["head_id"],
         )
 
     def create(self, title: str = DEFAULT_TITLE, model: str | None = None, system: str = "",
@@ -214,10 +229,19 @@ class ChatStore:
             raise LocalLLMError(f"There is no conversation {conversation_id}.")
         return self._conv(row)
 
-    def conversations(self) -> list[Conversation]:
-        """Every conversation, most recently used first."""
+    def conversations(self, query: str = "") -> list[Conversation]:
+        """Every conversation, most recently used first; with ``query``, those whose title or a message (of any
+        branch) holds it, ignoring case."""
+        where = ""
+        args: tuple[str, ...] = ()
+        if query.strip():
+            like = "%" + query.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            where = ("WHERE title LIKE ? ESCAPE '\\' OR id IN (SELECT conversation_id FROM message "
+                     "WHERE content LIKE ? ESCAPE '\\') ")
+            args = (like, like)
         with self._lock:
-            rows = self._db.execute("SELECT * FROM conversation ORDER BY updated_at DESC, id DESC").fetchall()
+            rows = self._db.execute(f"SELECT * FROM conversation {where}ORDER BY updated_at DESC, id DESC",
+                                    args).fetchall()
         return [self._conv(r) for r in rows]
 
     def rename(self, conversation_id: int, title: str) -> None:
@@ -256,7 +280,8 @@ class ChatStore:
                        content=row["content"], created_at=row["created_at"],
                        stats=json.loads(stats) if stats else None, thinking=row["thinking"],
                        tool_calls=json.loads(calls) if calls else None,
-                       images=[ImageRef(**i) for i in json.loads(images)] if images else [])
+                       images=[ImageRef(**i) for i in json.loads(images)] if images else [],
+                       parent_id=row["parent_id"])
 
     def save_image(self, data: bytes, name: str) -> ImageRef:
         """Keep an image's (or an audio clip's) bytes by content hash (once) and return its record."""
@@ -290,35 +315,82 @@ class ChatStore:
     def add_message(self, conversation_id: int, role: str, content: str,
                     stats: dict[str, Any] | None = None, thinking: str | None = None,
                     images: list[ImageRef] | None = None,
-                    tool_calls: list[dict[str, Any]] | None = None) -> Message:
+                    tool_calls: list[dict[str, Any]] | None = None,
+                    parent_id: int | None | Literal["head"] = "head") -> Message:
         """Append a message and commit it (the conversation moves to the top of the list). ``thinking``: the
         reasoning that came before an answer; ``images``: those attached to it (:meth:`save_image`);
-        ``tool_calls``: the tool calls made on the way to it."""
+        ``tool_calls``: the tool calls made on the way to it. ``parent_id``: the message it follows, by default
+        the end of the branch shown; another one (None: the first message) starts a new branch there. Either
+        way the new message becomes the branch shown."""
         from dataclasses import asdict
 
         now = time.time()
         pics = json.dumps([asdict(i) for i in images]) if images else None
         with self._lock:
+            if parent_id == "head":
+                parent_id = self.get(conversation_id).head_id
+            elif parent_id is not None:
+                row = self._db.execute("SELECT conversation_id FROM message WHERE id = ?", (parent_id,)).fetchone()
+                if row is None or row[0] != conversation_id:
+                    raise LocalLLMError(f"There is no message {parent_id} in conversation {conversation_id}.")
             cur = self._db.execute(
                 "INSERT INTO message (conversation_id, role, content, created_at, stats, thinking, images, "
-                "tool_calls) VALUES (?,?,?,?,?,?,?,?)",
+                "tool_calls, parent_id) VALUES (?,?,?,?,?,?,?,?,?)",
                 (conversation_id, role, content, now, json.dumps(stats) if stats else None, thinking or None, pics,
-                 json.dumps(tool_calls) if tool_calls else None),
+                 json.dumps(tool_calls) if tool_calls else None, parent_id),
             )
-            self._db.execute("UPDATE conversation SET updated_at = ? WHERE id = ?", (now, conversation_id))
+            self._db.execute("UPDATE conversation SET updated_at = ?, head_id = ? WHERE id = ?",
+                             (now, cur.lastrowid, conversation_id))
             row = self._db.execute("SELECT * FROM message WHERE id = ?", (cur.lastrowid,)).fetchone()
         return self._msg(row)
 
     def messages(self, conversation_id: int) -> list[Message]:
+        """The branch shown: from the first message to the conversation's head, in order."""
+        with self._lock:
+            rows = self._db.execute(
+                "WITH RECURSIVE path(id) AS (SELECT head_id FROM conversation WHERE id = ? AND head_id IS NOT NULL "
+                "UNION ALL SELECT m.parent_id FROM message m JOIN path ON m.id = path.id "
+                "WHERE m.parent_id IS NOT NULL) "
+                "SELECT message.* FROM message JOIN path ON message.id = path.id ORDER BY message.id",
+                (conversation_id,),
+            ).fetchall()
+        return [self._msg(r) for r in rows]
+
+    def all_messages(self, conversation_id: int) -> list[Message]:
+        """Every message of every branch, oldest first (``parent_id`` links them)."""
         with self._lock:
             rows = self._db.execute(
                 "SELECT * FROM message WHERE conversation_id = ? ORDER BY id", (conversation_id,)
             ).fetchall()
         return [self._msg(r) for r in rows]
 
-    def delete_message(self, message_id: int) -> None:
+    def set_head(self, conversation_id: int, message_id: int) -> Conversation:
+        """Show the branch that ends at ``message_id`` (one of this conversation's messages)."""
         with self._lock:
-            self._db.execute("DELETE FROM message WHERE id = ?", (message_id,))
+            row = self._db.execute("SELECT conversation_id FROM message WHERE id = ?", (message_id,)).fetchone()
+            if row is None or row[0] != conversation_id:
+                raise LocalLLMError(f"There is no message {message_id} in conversation {conversation_id}.")
+            self._db.execute("UPDATE conversation SET head_id = ? WHERE id = ?", (message_id, conversation_id))
+        return self.get(conversation_id)
+
+    def delete_message(self, message_id: int) -> None:
+        """Remove one message; those that followed it follow its parent, and a head on it moves to its parent."""
+        with self._lock:
+            row = self._db.execute("SELECT conversation_id, parent_id FROM message WHERE id = ?",
+                                   (message_id,)).fetchone()
+            if row is None:
+                return
+            conv, parent = row
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("UPDATE message SET parent_id = ? WHERE parent_id = ?", (parent, message_id))
+                self._db.execute("UPDATE conversation SET head_id = ? WHERE id = ? AND head_id = ?",
+                                 (parent, conv, message_id))
+                self._db.execute("DELETE FROM message WHERE id = ?", (message_id,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def prompt_history(self, limit: int = 200) -> list[str]:
         """The user's earlier prompts across conversations, oldest first, without repeats."""

@@ -4,6 +4,7 @@
     $ LOCALLLM_HOST=127.0.0.1:8080 localllm serve
     $ localllm serve --host 0.0.0.0:11434  # beyond this machine: a loud warning (set LOCALLLM_API_KEY)
     $ localllm serve --rpc 127.0.0.1:50052,gpu-box:50052   # llama.cpp RPC workers as devices
+    $ localllm serve --open                 # and open the web page (http://127.0.0.1:11434/ui/) in a browser
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ Environment:
 @click.option("--cpu-moe", is_flag=True, default=False,
               help="Mixtures of experts keep every expert tensor in RAM (default: LOCALLLM_CPU_MOE, else as few as "
                    "the device needs).")
+@click.option("--open", "open_page", is_flag=True, help="Open the web page (/ui/) in the default browser.")
 @click.option("--debug", is_flag=True, help="Log every request.")
 def command(address: str | None, keep_alive: str | None, backend: str | None, rpc: str | None, cpu_moe: bool,
-            debug: bool) -> None:
+            open_page: bool, debug: bool) -> None:
     """Serve the Ollama and OpenAI APIs (streaming, several models, keep-alive)."""
     from localllm import config
     from localllm.cli.display import ConversionDisplay
@@ -65,4 +67,4 @@ def command(address: str | None, keep_alive: str | None, backend: str | None, rp
     # serve() binds before the engine does any work: a busy port is one sentence at once. A first-use MLX
     # conversion is a line in the log (no bar: the request log shares stderr).
     serve(address, engine=lambda: Engine(keep_alive=ka, backend=backend, on_convert=ConversionDisplay(bar=False)),
-          log_level="debug" if debug else "info")
+          log_level="debug" if debug else "info", open_page=open_page)

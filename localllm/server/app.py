@@ -88,6 +88,10 @@ def create_app(engine: ServerEngine | None = None, *, bound_host: str | None = N
     app.state.context_length = context_length if context_length is not None else (
         config.env_int("LOCALLLM_CONTEXT_LENGTH", 0) or None)  # num_ctx for requests that set none
     apis.install(app)
+    from localllm.server import webui
+
+    app.include_router(webui.router)  # the page (/ui/) and its routes beyond Ollama's (/api/chats, /api/catalog)
+    app.state.origin_regex = origin_regex(origins)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

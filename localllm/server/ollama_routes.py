@@ -162,8 +162,10 @@ def chat_line(model: str, event: TextChunk | ToolCalls | Done, top: bool = False
     if isinstance(event, ToolCalls):
         return {**base, "message": {"role": "assistant", "content": "",
                                     "tool_calls": normalize_calls(event.calls)}, "done": False}
+    # beyond Ollama's fields (its clients ignore them): the prompt tokens reused from the KV cache
     return {**base, "message": {"role": "assistant", "content": ""}, "done": True,
-            "done_reason": done_reason(event), **metrics(event.stats)}
+            "done_reason": done_reason(event), **metrics(event.stats),
+            "prompt_cached_count": int(event.stats.prompt_cached_tokens)}
 
 
 def generate_line(model: str, event: TextChunk | ToolCalls | Done, top: bool = False) -> dict[str, Any]:
@@ -232,8 +234,15 @@ class LineEncoder:
 
 
 @router.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse, include_in_schema=False)
-async def root() -> str:
-    return "Ollama is running"
+async def root(request: Request) -> Response:
+    """``Ollama is running`` to every client that checks it; a browser (``Accept: text/html``) goes to the page."""
+    from localllm.server.webui import wants_page
+
+    if wants_page(request):
+        from fastapi.responses import RedirectResponse
+
+        return RedirectResponse("/ui/", status_code=302)
+    return PlainTextResponse("Ollama is running")
 
 
 @router.get("/api/version")

@@ -183,10 +183,24 @@ def _server_class() -> type:
     return Server
 
 
+def page_url(host: str, port: int) -> str:
+    """The web page's address for a browser on this machine (an unspecified bind address is reached on loopback).
+
+    >>> page_url("0.0.0.0", 11434), page_url("::1", 8080), page_url("localhost", 80)
+    ('http://127.0.0.1:11434/ui/', 'http://[::1]:8080/ui/', 'http://localhost:80/ui/')
+    """
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}/ui/" if ":" in host else f"http://{host}:{port}/ui/"
+
+
 def serve(address: str | None = None, *, engine: ServerEngine | Callable[[], ServerEngine] | None = None,
-          log_level: str = "info") -> None:
+          log_level: str = "info", open_page: bool = False) -> None:
     """Run the server in the foreground until Ctrl+C or SIGTERM; then finish the requests in flight (3 s
-    at most), close the engine (its models and threads) and return."""
+    at most), close the engine (its models and threads) and return. ``open_page``: open the web page in the
+    default browser once the address is bound."""
     import os
 
     from localllm import config
@@ -203,6 +217,12 @@ def serve(address: str | None = None, *, engine: ServerEngine | Callable[[], Ser
     shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     print(f"localllm serving the Ollama API on http://{shown} and the OpenAI API on http://{shown}/v1",
           file=sys.stderr, flush=True)
+    page = page_url(host, port)
+    print(f"Web UI: {page}", file=sys.stderr, flush=True)
+    if open_page:  # the socket listens already: the browser's first request waits in its backlog
+        import webbrowser
+
+        threading.Thread(target=webbrowser.open, args=(page,), name="localllm-open", daemon=True).start()
     server = _server_class()(_config(app, log_level), on_shutdown=app.state.engine.cancel_all)
     quiet = _CancelledAtShutdown(server)
     logging.getLogger("uvicorn.error").addFilter(quiet)

@@ -14,9 +14,9 @@ In order, for every HTTP request:
    ``tauri://``, ``vscode-webview://``, ``vscode-file://``) and ``LOCALLLM_ORIGINS`` (comma separated; ``*``
    wildcards allowed, ``*`` alone allows all). Clients that are not browsers send no ``Origin`` and are unchanged.
    **CORS** (Starlette's ``CORSMiddleware``, added by the app) answers the allowed origins' preflights.
-3. **Bearer token**: with ``LOCALLLM_API_KEY`` set, every endpoint but ``/`` needs
-   ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's SDKs and Claude Code send that),
-   compared in constant time; CORS preflights pass.
+3. **Bearer token**: with ``LOCALLLM_API_KEY`` set, every endpoint but ``/`` and the web page's files (``/ui/``)
+   needs ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's SDKs and Claude Code send
+   that), compared in constant time; CORS preflights pass.
 4. **JSON bodies**: a POST/DELETE body from a client that is not a browser (no ``Origin``) is read as JSON
    whatever its ``Content-Type`` (as Ollama; ``curl -d`` sends a form type). A page's request (it has an
    ``Origin``) must say ``application/json`` (or ``multipart/form-data`` for a transcription): a 415 otherwise, so
@@ -153,7 +153,7 @@ class SecurityMiddleware:
                               "here (add it to LOCALLLM_ORIGINS to allow it)")
             return
         preflight = method == "OPTIONS" and "access-control-request-method" in headers
-        if self.api_key and path != "/" and not preflight:
+        if self.api_key and path != "/" and not preflight and not _page_file(path):
             auth = headers.get("authorization", "")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             key = headers.get("x-api-key", "").strip()
@@ -218,6 +218,11 @@ class SecurityMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def _page_file(path: str) -> bool:
+    """The web page's own files (``/ui/...``): no data in them, so no token (the page asks for it)."""
+    return path == "/ui" or path.startswith("/ui/")
 
 
 async def _send(send: Any, status: int, body: bytes, content_type: str) -> None:

@@ -113,3 +113,36 @@ def test_v2_database_gains_the_thinking_column_and_keeps_its_chats(tmp_path):
     assert "## Assistant\n\nan answer" in md  # no empty block for an answer without reasoning
     assert "## Assistant\n\n<details><summary>Thinking</summary>\n\nTwo and two make four.\n\n</details>\n\nFour." in md
     store.close()
+
+
+def test_v5_database_becomes_one_branch_and_edits_branch_from_there(tmp_path):
+    """Issue 49: the web page's regenerate and edit keep the old branch; the terminal app sees the branch shown."""
+    path = tmp_path / "v5.sqlite3"
+    db = sqlite3.connect(path, isolation_level=None)
+    for step in chats_mod.MIGRATIONS[:5]:
+        step(db)
+    db.execute("PRAGMA user_version = 5")
+    for title in ("a", "b"):
+        db.execute("INSERT INTO conversation (title, created_at, updated_at) VALUES (?, 1, 1)", (title,))
+    for conv, role, content in ((1, "user", "Hi"), (2, "user", "Other"), (1, "assistant", "Hello"),
+                                (1, "user", "Bye")):
+        db.execute("INSERT INTO message (conversation_id, role, content, created_at) VALUES (?, ?, ?, 1)",
+                   (conv, role, content))
+    db.close()
+
+    store = ChatStore(path)
+    assert [m.content for m in store.messages(1)] == ["Hi", "Hello", "Bye"]  # the old order, one branch
+    hi, hello, _ = store.messages(1)
+    again = store.add_message(1, "assistant", "Hello again", parent_id=hi.id)  # a regenerated answer
+    assert [m.content for m in store.messages(1)] == ["Hi", "Hello again"]
+    assert len(store.all_messages(1)) == 4  # the first branch is kept
+    store.set_head(1, hello.id)
+    assert [m.content for m in store.messages(1)] == ["Hi", "Hello"]
+    store.delete_message(hello.id)  # the head moves to its parent
+    assert [m.content for m in store.messages(1)] == ["Hi"]
+    assert [m.content for m in store.messages(2)] == ["Other"]
+    with pytest.raises(LocalLLMError):
+        store.add_message(1, "user", "x", parent_id=store.messages(2)[0].id)  # not this conversation's
+    assert [c.title for c in store.conversations("hello AGAIN")] == ["a"]  # search: titles and messages
+    assert again.parent_id == hi.id
+    store.close()
