@@ -13,7 +13,7 @@ import numpy as np
 
 from backends.errors import BackendError, UnsupportedError
 from backends.llamacpp_log import forget_recent, native_reason
-from backends.specs import Sampling
+from backends.specs import Sampling, ToolCallFormat
 
 
 class RowSource(Protocol):
@@ -208,18 +208,42 @@ class ChainSampler:
             self._chain = None
 
 
+def lazy_tool_grammar(vocab: Any, tools: list[dict[str, Any]]) -> Any:
+    """llama.cpp's lazy grammar sampler for a call to one of ``tools`` (:mod:`backends.tool_grammar`): idle until
+    a trigger pattern matches the text, the grammar from there on. None (no constraint) when the tools give no
+    grammar or llama.cpp refuses it."""
+    import llama_cpp
+
+    from backends import tool_grammar
+
+    g = tool_grammar.build(tools, grammar_for)
+    if g is None:
+        return None
+    pats = (ctypes.c_char_p * len(g.triggers))(*[t.encode() for t in g.triggers])
+    forget_recent()
+    smpl = llama_cpp.llama_sampler_init_grammar_lazy_patterns(vocab, g.gbnf.encode(), b"root", pats,
+                                                              len(g.triggers), None, 0)
+    return smpl or None
+
+
 def make_sampler(src: RowSource, vocab: Any, n_vocab: int, n_ctx: int, sampling: Sampling,
-                 fmt: str | dict[str, Any] | None, load_grammar: str | None = None) -> ChainSampler:
+                 fmt: str | dict[str, Any] | ToolCallFormat | None, load_grammar: str | None = None) -> ChainSampler:
     """A fresh sampler chain for one request on ``src`` (the logit bias already checked against the vocabulary):
-    the bias, the grammar of ``fmt`` (else ``load_grammar``, a load-wide GBNF), greedy or top-k / top-p / min-p,
-    temperature and a seeded draw; penalties applied to the row by :class:`ChainSampler`."""
+    the bias, the grammar of ``fmt`` (else ``load_grammar``, a load-wide GBNF; a :class:`ToolCallFormat`: the
+    lazy tool-call grammar), greedy or top-k / top-p / min-p, temperature and a seeded draw; penalties applied to
+    the row by :class:`ChainSampler`."""
     import llama_cpp
 
     s = sampling
     grammar = None
+    lazy = fmt if isinstance(fmt, ToolCallFormat) else None
+    if lazy is not None:
+        fmt = None
     gbnf = load_grammar if fmt in (None, "", "text") else None  # a load-wide GBNF (tests)
     if fmt not in (None, "", "text"):
         gbnf = grammar_for(fmt)  # type: ignore[arg-type]
+    if lazy is not None and not gbnf:
+        grammar = lazy_tool_grammar(vocab, lazy.tools)
     if gbnf:
         forget_recent()
         grammar = llama_cpp.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
