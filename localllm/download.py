@@ -261,11 +261,17 @@ def _archive_entry_blocks(blocks: Iterator[bytes], offset: int, name: str, what:
         if not chunk:
             raise CorruptDownload(f"The pieces of {what} end inside its zip entry ({left:,} bytes short).")
         left -= len(chunk)
-        out = inflate.decompress(chunk) if inflate else chunk
+        try:
+            out = inflate.decompress(chunk) if inflate else chunk
+        except zlib.error as e:
+            raise CorruptDownload(f"The zip entry {name} of {what} does not inflate ({e}).") from None
         check = zlib.crc32(out, check)
         yield out
     if inflate is not None:
-        tail = inflate.flush()
+        try:
+            tail = inflate.flush()
+        except zlib.error as e:
+            raise CorruptDownload(f"The zip entry {name} of {what} does not inflate ({e}).") from None
         check = zlib.crc32(tail, check)
         yield tail
     if check != crc:
