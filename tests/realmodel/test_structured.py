@@ -17,14 +17,16 @@ def test_output_config_format_gives_json_of_the_schema(coder, coder_url):
     import jsonschema
 
     client = anthropic.Anthropic(base_url=coder_url, api_key="unused", max_retries=0)
-    free = client.messages.create(model=coder, max_tokens=60, temperature=0, messages=ASK)  # type: ignore[arg-type]
+    free = client.messages.create(model=coder, max_tokens=60, messages=ASK,  # type: ignore[arg-type]
+                                  extra_body={"temperature": 0})
     try:
         json.loads(free.content[0].text)
         raise AssertionError(f"the model answered JSON unasked: {free.content[0].text!r}")
     except ValueError:
         pass  # prose, as expected: the format below is what makes it JSON
-    r = client.messages.create(model=coder, max_tokens=120, temperature=0, messages=ASK,  # type: ignore[arg-type]
-                               extra_body={"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}})
+    r = client.messages.create(model=coder, max_tokens=120, messages=ASK,  # type: ignore[arg-type]
+                               extra_body={"temperature": 0,
+                                           "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}})
     assert r.stop_reason == "end_turn"
     answer = json.loads(r.content[0].text)
     jsonschema.validate(answer, SCHEMA)
