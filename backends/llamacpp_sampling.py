@@ -257,7 +257,7 @@ class ChainSampler:
                 self._lazy = None
 
 
-def lazy_tool_grammar(vocab: Any, tools: list[dict[str, Any]]) -> Any:
+def lazy_tool_grammar(vocab: Any, tools: list[dict[str, Any]], json_tags: bool = True) -> Any:
     """llama.cpp's lazy grammar sampler for a call to one of ``tools`` (:mod:`backends.tool_grammar`): idle until
     a trigger pattern matches the text, the grammar from there on. None (no constraint) when the tools give no
     grammar or llama.cpp refuses it."""
@@ -265,7 +265,7 @@ def lazy_tool_grammar(vocab: Any, tools: list[dict[str, Any]]) -> Any:
 
     from backends import tool_grammar
 
-    g = tool_grammar.build(tools, grammar_for)
+    g = tool_grammar.build(tools, grammar_for, json_tags=json_tags)
     if g is None:
         return None
     pats = (ctypes.c_char_p * len(g.triggers))(*[t.encode() for t in g.triggers])
@@ -291,7 +291,7 @@ def make_sampler(src: RowSource, vocab: Any, n_vocab: int, n_ctx: int, sampling:
     gbnf = load_grammar if fmt in (None, "", "text") else None  # a load-wide GBNF (tests)
     if fmt not in (None, "", "text"):
         gbnf = grammar_for(fmt)  # type: ignore[arg-type]
-    lazy_grammar = lazy_tool_grammar(vocab, lazy.tools) if lazy is not None and not gbnf else None
+    lazy_grammar = lazy_tool_grammar(vocab, lazy.tools, lazy.json_tags) if lazy is not None and not gbnf else None
     if gbnf:
         forget_recent()
         grammar = llama_cpp.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")

@@ -461,7 +461,8 @@ class LoadedModel:
                 asked = req.stream.request
                 fmt: Any = asked.format
                 if fmt in (None, "", "text") and asked.tools and asked.messages is not None:
-                    fmt = ToolCallFormat(list(asked.tools))  # a call, once begun, is constrained to the tools offered
+                    # a call, once begun, is constrained to the tools offered
+                    fmt = ToolCallFormat(list(asked.tools), json_tags="<function=" not in (src.chat_template or ""))
                 req.sampler = src.sampler(asked.sampling, fmt)
             except Exception as e:  # noqa: BLE001 - a template or tokenizer crash: one sentence
                 req.finish()

@@ -138,6 +138,9 @@ class ToolCallFormat:
     free; a source that cannot treats it as no format."""
 
     tools: list[dict[str, Any]]
+    # the template's <tool_call> holds JSON (Hermes, Qwen2.5); False for one whose calls inside it are XML
+    # (Qwen3.5, Qwen3-Coder: <function=NAME>): there the tag must not start the JSON grammar
+    json_tags: bool = True
 
 
 @dataclass

@@ -103,10 +103,11 @@ def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     return {"anyOf": [*calls, envelope], **defs}
 
 
-def build(tools: list[dict[str, Any]] | None, to_gbnf: Any) -> ToolGrammar | None:
+def build(tools: list[dict[str, Any]] | None, to_gbnf: Any, json_tags: bool = True) -> ToolGrammar | None:
     """The lazy tool-call grammar for ``tools``; ``to_gbnf(schema) -> str`` turns a JSON schema into GBNF whose
     start rule is ``root`` (:func:`backends.llamacpp_sampling.grammar_for`). None when no tool has a name or the
-    schemas cannot be turned into a grammar (generation is then left unconstrained, as before)."""
+    schemas cannot be turned into a grammar (generation is then left unconstrained, as before). ``json_tags``
+    False: the template's ``<tool_call>`` holds XML (Qwen3.5's ``<function=NAME>``), so that tag triggers nothing."""
     names = tool_names(tools)
     if not names or not all(_SAFE_NAME.fullmatch(n) for n in names):
         return None
@@ -133,7 +134,7 @@ def build(tools: list[dict[str, Any]] | None, to_gbnf: Any) -> ToolGrammar | Non
     type_head = (r'\{' + _SPACE_RE + r'"type"' + _SPACE_RE + ":" + _SPACE_RE + r'"function"'
                  + "(?:," + _SPACE_RE + '(?:"' + _prefixes("function") + ")?)?")
     triggers = (
-        r"(<tool_call>[ \t\n]{0,8}(?:" + head + ")?)$",
+        *([r"(<tool_call>[ \t\n]{0,8}(?:" + head + ")?)$"] if json_tags else []),
         r"(<tools>[ \t\n]{0,8}(?:" + head + ")?)$",
         r"^[ \t\n]*(" + head + ")$",
         r"```json[ \t\n]{0,8}(" + head + ")$",

@@ -74,3 +74,10 @@ def test_unsafe_tool_names_or_no_tools_give_no_grammar():
 def test_every_shape_the_grammar_allows_is_parsed(text, names):
     calls = parse_tool_calls(text)
     assert calls is not None and [c["name"] for c in calls] == names
+
+
+def test_a_template_with_xml_calls_in_its_tags_is_not_forced_into_json():
+    """Qwen3.5 / Qwen3-Coder write ``<tool_call>\\n<function=NAME>``: their tag must not start the JSON grammar."""
+    g = tool_grammar.build(TOOLS, grammar_for, json_tags=False)
+    assert g is not None and _fires(g, "<tool_call>\n<function=get_weather>") is None
+    assert _fires(g, "<tool_call>") is None and _fires(g, '{"name": "get_') == '{"name": "get_'
