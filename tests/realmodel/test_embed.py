@@ -37,3 +37,28 @@ def test_a_size_below_the_trained_ones_is_refused(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model=NOMIC_MODEL, input=QUERY, dimensions=32)
     assert "trained for embeddings of 64 to 768 dimensions, not 32" in str(e.value)
+
+
+def test_nomic_embeddings_equal_llama_servers(nomic_model, coder_url, tmp_path):
+    """The real encoder's vectors are llama-server's (``--embedding --pooling mean``, the same file and llama.cpp),
+    each input alone: exactly to float precision."""
+    import httpx
+    import numpy as np
+
+    from tests.support_embed import LlamaServer, llama_server_binary
+
+    binary = llama_server_binary()
+    if binary is None:
+        pytest.skip("llama-server is not built: python benchmarks/llama_tools.py --target llama-server")
+    texts = [QUERY, *DOCS]
+
+    def vectors(url: str, model: str) -> np.ndarray:
+        return np.array([httpx.post(url + "/v1/embeddings", json={"model": model, "input": t}, timeout=120)
+                         .json()["data"][0]["embedding"] for t in texts])
+
+    with LlamaServer(binary, nomic_model.path, "--embedding", "--pooling", "mean", "-c", "2048",
+                     log=tmp_path / "llama-server.log") as ref:
+        theirs = vectors(ref.url, "x")
+    mine = vectors(coder_url, NOMIC_MODEL)
+    assert theirs.shape == mine.shape == (3, 768)
+    assert np.abs(mine - theirs).max() < 1e-5, np.abs(mine - theirs).max()
