@@ -86,27 +86,41 @@ _GEMMA_QUOTE = '<|"|>'
 _LFM2_CALL = re.compile(r"<\|tool_call_start\|>\s*(.*?)\s*(?:<\|tool_call_end\|>|$)", re.S)
 # Ministral 3 / Mistral: [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"} (repeated for parallel calls)
 _MISTRAL_CALL = re.compile(r"\[TOOL_CALLS\]\s*([^\[\s{]+)\s*\[ARGS\]")
-_TOOL_PREFIXES = ("<tool_call>", "<|tool_call>", "<|tool_call_start|>", "[TOOL_CALLS]", "{", "[", "```")
+_TOOL_PREFIXES = ("<tool_call>", "<|tool_call>", "<|tool_call_start|>", "[TOOL_CALLS]", "<tools>", "{", "[", "```")
 
 
 _TOOL_MARKERS = ("<tool_call>", "<|tool_call>", "<|tool_call_start|>", "[TOOL_CALLS]")  # tagged forms only
 
 
+# where a call may begin after words (in tool mode): the tagged forms, a ```json fence, the <tools> tag a Qwen2.5
+# sibling copies from its template, and a JSON call object ({"name", a list of them, the OpenAI envelope)
+_MID_CALL = re.compile(r'<tool_call>|<\|tool_call>|<\|tool_call_start\|>|\[TOOL_CALLS\]|<tools>|```json'
+                       r'|\[?\{\s*"name"|\{\s*"type"\s*:\s*"function"')
+_MID_MARKERS = (*_TOOL_MARKERS, "<tools>", "```json", '{"name"', '[{"name"', '{"type":"function"')
+
+
+def _squeeze(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
 def tool_marker_at(text: str) -> int:
-    """Where in ``text`` a tagged tool call begins (a whole marker, or the start of one at the very end), or -1:
-    the words a model writes before its call are content, the call from there on is held.
+    """Where in ``text`` a tool call begins after words (a whole marker, or the start of one at the very end), or
+    -1: the words a model writes before its call are content, the call from there on is held.
 
     >>> tool_marker_at("I will check.<tool_call>"), tool_marker_at("ok.<|tool"), tool_marker_at("a < b")
     (13, 3, -1)
+    >>> tool_marker_at('Sure: ```json {"name": "f"'), tool_marker_at('Sure: { "na'), tool_marker_at("x = {a}")
+    (6, 6, -1)
     """
-    best = -1
-    for m in _TOOL_MARKERS:
-        i = text.find(m)
-        if i >= 0 and (best < 0 or i < best):
+    m = _MID_CALL.search(text)
+    best = m.start() if m else -1
+    for i in range(max(0, len(text) - 24), len(text)):  # a tail that may still grow into a marker
+        if best >= 0 and i >= best:
+            break
+        if text[i] in "<[{`" and (tail := _squeeze(text[i:])) and any(
+                mk.startswith(tail) and mk != tail for mk in _MID_MARKERS):
             best = i
-    tail = len(text) - _partial_tail(text, _TOOL_MARKERS)
-    if tail < len(text) and (best < 0 or tail < best):
-        best = tail
+            break
     return best
 
 
@@ -121,11 +135,19 @@ def _partial_tail(text: str, tags: tuple[str, ...]) -> int:
     return best
 
 
-def could_be_tool_call(text: str) -> bool:
-    """True while ``text`` (stripped) is, or could grow into, a tool call in a form we parse."""
+def could_be_tool_call(text: str, after_words: bool = False) -> bool:
+    """True while ``text`` (stripped) is, or could grow into, a tool call in a form we parse. ``after_words``: the
+    text began after words (:func:`tool_marker_at`), where only a marker counts, not any ``{`` or fence.
+
+    >>> could_be_tool_call("{ return 1; }"), could_be_tool_call("{ return 1; }", after_words=True)
+    (True, False)
+    """
     t = text.lstrip()
     if not t:
         return True
+    if after_words:
+        sq = _squeeze(t[:40])
+        return any(sq.startswith(mk) or mk.startswith(sq) for mk in _MID_MARKERS)
     return any(t.startswith(p) or p.startswith(t) for p in _TOOL_PREFIXES)
 
 
@@ -313,20 +335,47 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> li
         return _lfm2_calls(t)
     if "[TOOL_CALLS]" in t:
         return _mistral_calls(t)
-    if t.startswith("```"):
-        t = re.sub(r"^```[a-zA-Z]*\s*|\s*```$", "", t)
+    if t.startswith("<tools>"):  # the tools list's tag, which Qwen2.5 siblings copy around their call
+        t = re.sub(r"^<tools>\s*|\s*</tools>$", "", t)
     bodies = _TOOL_TAG.findall(t) if "<tool_call>" in t else [t]
     if bodies and all(b.startswith("<function=") for b in bodies):
         return _xml_calls(t, tools)
     calls: list[dict[str, Any]] = []
     for body in bodies:
+        objs = _json_values(body)
+        if objs is None:
+            return None
+        for obj in objs:
+            for item in obj if isinstance(obj, list) else [obj]:
+                call = _one_call(item)
+                if call is None:
+                    return None
+                calls.append(call)
+    return calls or None
+
+
+_BETWEEN = re.compile(r"(?:\s|,|```[a-zA-Z]*)*")  # what may stand between calls: space, commas, fences
+
+
+def _json_values(text: str) -> list[Any] | None:
+    """The JSON values of ``text`` one after another, each maybe in its own ```` ```json ```` fence and separated
+    by whitespace or commas; None when anything else is there.
+
+    >>> _json_values('```json\\n{"a": 1}\\n```\\n```json\\n[2]\\n```')
+    [{'a': 1}, [2]]
+    >>> _json_values('{"a": 1} and more') is None
+    True
+    """
+    dec = json.JSONDecoder()
+    out: list[Any] = []
+    i = 0
+    while True:
+        m = _BETWEEN.match(text, i)
+        i = m.end() if m else i
+        if i >= len(text):
+            return out or None
         try:
-            obj = json.loads(body)
+            value, i = dec.raw_decode(text, i)
         except ValueError:
             return None
-        for item in obj if isinstance(obj, list) else [obj]:
-            call = _one_call(item)
-            if call is None:
-                return None
-            calls.append(call)
-    return calls or None
+        out.append(value)

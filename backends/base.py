@@ -30,7 +30,16 @@ from backends.source import (
     SequenceStates,
     TokenSource,
 )
-from backends.specs import DraftSpec, GenerateRequest, LoadSpec, LoraAdapter, Sampling, ThinkValue, Tuning
+from backends.specs import (
+    DraftSpec,
+    GenerateRequest,
+    LoadSpec,
+    LoraAdapter,
+    Sampling,
+    ThinkValue,
+    ToolCallFormat,
+    Tuning,
+)
 from backends.stream import (
     answer_reserve,
     check_fits,
@@ -46,7 +55,8 @@ __all__ = [
     "Checkpoints", "ContextOverflowError", "Done", "DraftSpec", "Event", "Feed", "FinishReason", "GenerateRequest",
     "KVCacheType", "LoadSpec", "LoraAdapter", "MediaInput", "MediaWork", "ModelInfo", "ModelLoadError",
     "Pooling", "PoolFullError", "Sampler", "Sampling", "SequenceStates", "Stats", "TextChunk", "ThinkValue",
-    "TokenLogprob", "TokenSource", "ToolCalls", "Tuning", "UnsupportedError", "answer_reserve", "audio_format",
+    "TokenLogprob", "TokenSource", "ToolCallFormat", "ToolCalls", "Tuning", "UnsupportedError", "answer_reserve",
+    "audio_format",
     "check_fits", "check_logit_bias", "fit_messages", "is_audio", "is_image_token", "message_images",
     "message_text", "text_messages",
 ]

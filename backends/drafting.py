@@ -310,11 +310,12 @@ class Speculation:
 
         One sequence decoding alone: the load's controller. Several, all decoding (no prompt in flight) with a
         drafter that serves several sequences (MTP): the controller for that many streams. Drafting is off for a
-        request with a format (grammar) or media (image placeholders in its history: nothing can propose or
-        evaluate those as tokens)."""
+        request with a format (grammar), with tools (a call's lazy grammar may start at any token) or media (image
+        placeholders in its history: nothing can propose or evaluate those as tokens)."""
         if not decoding:
             return None, []
-        ok = [r for r in decoding if not r.stream.request.format and not r.stream.stats.image_tokens
+        ok = [r for r in decoding if not r.stream.request.format and not r.stream.request.tools
+              and not r.stream.stats.image_tokens
               and not r.stream.stats.audio_tokens]
         if active == 1 and len(decoding) == 1:
             return self.controller, ok

@@ -53,7 +53,7 @@ from backends.llamacpp_state import SequenceMemory
 from backends.llamacpp_vision import MediaInputs
 from backends.media import is_image_token
 from backends.source import FALLBACK_CHAT_TEMPLATE, Capabilities, Feed, ModelInfo, TokenSource
-from backends.specs import LoadSpec, LoraAdapter, Sampling
+from backends.specs import LoadSpec, LoraAdapter, Sampling, ToolCallFormat
 from backends.stream import check_logit_bias
 
 if TYPE_CHECKING:
@@ -623,8 +623,10 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
         evaluation)."""
         return np.frombuffer(memoryview(self._row_type.from_address(ctypes.addressof(ptr.contents))), dtype=np.single)
 
-    def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | None) -> ChainSampler:
+    def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | ToolCallFormat | None) -> ChainSampler:
         check_logit_bias(sampling.logit_bias, self._n_vocab)
+        if isinstance(fmt, ToolCallFormat) and not self.spec.tuning.tool_grammar:
+            fmt = None
         return make_sampler(self, self._vocab, self._n_vocab, self._n_ctx, sampling, fmt, self.spec.tuning.grammar)
 
     # ------------------------------------------------------------------ KV cells

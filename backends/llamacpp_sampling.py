@@ -13,7 +13,7 @@ import numpy as np
 
 from backends.errors import BackendError, UnsupportedError
 from backends.llamacpp_log import forget_recent, native_reason
-from backends.specs import Sampling
+from backends.specs import Sampling, ToolCallFormat
 
 
 class RowSource(Protocol):
@@ -112,9 +112,14 @@ class ChainSampler:
 
     def __init__(self, src: RowSource, chain: Any, penalties: Penalties | None = None, *,
                  prefilter: bool = False, top_k: int = 0, greedy: bool = False,
-                 bias: dict[int, float] | None = None):
+                 bias: dict[int, float] | None = None, lazy_grammar: Any = None):
         self._src = src
         self._chain = chain
+        # a lazy tool-call grammar, outside the chain: the token drawn without it is checked against it alone, and
+        # only a token it refuses makes the whole row go through it (llama.cpp's common sampler does the same: the
+        # grammar's pass over a 150k vocabulary costs more than the rest of a step)
+        self._lazy = lazy_grammar
+        self._one = np.zeros(1, dtype=src._candidates.dtype) if lazy_grammar is not None else None
         self._penalties = penalties
         self._prefilter = prefilter  # False: the chain has the bias and sees the whole row (a grammar)
         self._top_k = top_k
@@ -132,6 +137,8 @@ class ChainSampler:
         ptr = llama_cpp.llama_get_logits_ith(self._src._ctx, row)
         if not ptr:
             raise BackendError(f"No logits for batch row {row}.")
+        if self._lazy is not None:
+            return self._sample_lazy(self._src._row_view(ptr))  # this row is ours
         if not self._prefilter:
             if self._penalties is not None:
                 self._penalties.apply(self._src._row_view(ptr))  # this row is ours
@@ -147,6 +154,8 @@ class ChainSampler:
         import llama_cpp
 
         row = np.array(logits, dtype=np.single)
+        if self._lazy is not None:
+            return self._sample_lazy(row)
         if self._prefilter:
             tok = self._pick(row)
         else:
@@ -157,6 +166,43 @@ class ChainSampler:
         if self._penalties is not None:
             self._penalties.accept(tok)
         return tok
+
+    def _sample_lazy(self, row: Any) -> int:
+        """Draw as without the grammar; keep the token if the grammar takes it (always, before its trigger), else
+        draw again among the tokens it takes. Greedy gives the grammar-first token exactly."""
+        import llama_cpp
+
+        tok = self._pick(row)  # penalties and bias applied to ``row`` here, once
+        if not self._grammar_takes(tok):
+            buf = self._src._candidates
+            n = int(self._src._all_ids.shape[0])
+            buf["id"][:n] = self._src._all_ids
+            buf["logit"][:n] = row
+            buf["p"][:n] = 0.0
+            arr = llama_cpp.llama_token_data_array(
+                data=buf.ctypes.data_as(llama_cpp.llama_token_data_p), size=n, selected=-1, sorted=False)
+            llama_cpp.llama_sampler_apply(self._lazy, ctypes.byref(arr))
+            ok = np.flatnonzero(np.isfinite(buf["logit"][:n]))
+            if not ok.size:
+                raise BackendError("The tool-call grammar allows no token here.")
+            ids = buf["id"][ok].copy()
+            tok = self._apply(ids, buf["logit"][ok].copy())
+        llama_cpp.llama_sampler_accept(self._lazy, tok)
+        llama_cpp.llama_sampler_accept(self._chain, tok)
+        if self._penalties is not None:
+            self._penalties.accept(tok)
+        return tok
+
+    def _grammar_takes(self, tok: int) -> bool:
+        import llama_cpp
+
+        one = self._one
+        assert one is not None
+        one["id"][0], one["logit"][0], one["p"][0] = tok, 0.0, 0.0
+        arr = llama_cpp.llama_token_data_array(
+            data=one.ctypes.data_as(llama_cpp.llama_token_data_p), size=1, selected=-1, sorted=False)
+        llama_cpp.llama_sampler_apply(self._lazy, ctypes.byref(arr))
+        return bool(np.isfinite(one["logit"][0]))
 
     def _pick(self, row: Any) -> int:
         """The token the chain draws from ``row`` (penalties and bias applied here), handing it the fewest
@@ -206,20 +252,46 @@ class ChainSampler:
 
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
+            if self._lazy is not None:
+                llama_cpp.llama_sampler_free(self._lazy)
+                self._lazy = None
+
+
+def lazy_tool_grammar(vocab: Any, tools: list[dict[str, Any]], json_tags: bool = True) -> Any:
+    """llama.cpp's lazy grammar sampler for a call to one of ``tools`` (:mod:`backends.tool_grammar`): idle until
+    a trigger pattern matches the text, the grammar from there on. None (no constraint) when the tools give no
+    grammar or llama.cpp refuses it."""
+    import llama_cpp
+
+    from backends import tool_grammar
+
+    g = tool_grammar.build(tools, grammar_for, json_tags=json_tags)
+    if g is None:
+        return None
+    pats = (ctypes.c_char_p * len(g.triggers))(*[t.encode() for t in g.triggers])
+    forget_recent()
+    smpl = llama_cpp.llama_sampler_init_grammar_lazy_patterns(vocab, g.gbnf.encode(), b"root", pats,
+                                                              len(g.triggers), None, 0)
+    return smpl or None
 
 
 def make_sampler(src: RowSource, vocab: Any, n_vocab: int, n_ctx: int, sampling: Sampling,
-                 fmt: str | dict[str, Any] | None, load_grammar: str | None = None) -> ChainSampler:
+                 fmt: str | dict[str, Any] | ToolCallFormat | None, load_grammar: str | None = None) -> ChainSampler:
     """A fresh sampler chain for one request on ``src`` (the logit bias already checked against the vocabulary):
-    the bias, the grammar of ``fmt`` (else ``load_grammar``, a load-wide GBNF), greedy or top-k / top-p / min-p,
-    temperature and a seeded draw; penalties applied to the row by :class:`ChainSampler`."""
+    the bias, the grammar of ``fmt`` (else ``load_grammar``, a load-wide GBNF; a :class:`ToolCallFormat`: the
+    lazy tool-call grammar), greedy or top-k / top-p / min-p, temperature and a seeded draw; penalties applied to
+    the row by :class:`ChainSampler`."""
     import llama_cpp
 
     s = sampling
     grammar = None
+    lazy = fmt if isinstance(fmt, ToolCallFormat) else None
+    if lazy is not None:
+        fmt = None
     gbnf = load_grammar if fmt in (None, "", "text") else None  # a load-wide GBNF (tests)
     if fmt not in (None, "", "text"):
         gbnf = grammar_for(fmt)  # type: ignore[arg-type]
+    lazy_grammar = lazy_tool_grammar(vocab, lazy.tools, lazy.json_tags) if lazy is not None and not gbnf else None
     if gbnf:
         forget_recent()
         grammar = llama_cpp.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
@@ -255,7 +327,7 @@ def make_sampler(src: RowSource, vocab: Any, n_vocab: int, n_ctx: int, sampling:
             add(llama_cpp.llama_sampler_init_min_p(float(s.min_p), 1))
         add(llama_cpp.llama_sampler_init_temp(float(s.temperature)))
         add(llama_cpp.llama_sampler_init_dist(seed32(s.seed)))
-    return ChainSampler(src, chain, penalties, prefilter=prefilter, greedy=greedy,
+    return ChainSampler(src, chain, penalties, prefilter=prefilter, greedy=greedy, lazy_grammar=lazy_grammar,
                          top_k=int(s.top_k) if s.top_k and s.top_k > 0 else 0,
                          bias={int(t): float(b) for t, b in s.logit_bias.items()} if prefilter and s.logit_bias
                          else None)

@@ -65,7 +65,7 @@ from backends.pooling import Pooled
 from backends.prompt_cache import PromptCache, PromptCacheSpec
 from backends.slot import Slot, SlotState
 from backends.source import Capabilities, Feed, ModelInfo, TokenSource, positions_of
-from backends.specs import GenerateRequest, LoadSpec
+from backends.specs import GenerateRequest, LoadSpec, ToolCallFormat
 from backends.stream import RequestStream, message_images
 
 log = logging.getLogger("backends.loop")
@@ -458,7 +458,12 @@ class LoadedModel:
                 continue
             try:
                 prompt = req.stream.prepare(src)
-                req.sampler = src.sampler(req.stream.request.sampling, req.stream.request.format)
+                asked = req.stream.request
+                fmt: Any = asked.format
+                if fmt in (None, "", "text") and asked.tools and asked.messages is not None:
+                    # a call, once begun, is constrained to the tools offered
+                    fmt = ToolCallFormat(list(asked.tools), json_tags="<function=" not in (src.chat_template or ""))
+                req.sampler = src.sampler(asked.sampling, fmt)
             except Exception as e:  # noqa: BLE001 - a template or tokenizer crash: one sentence
                 req.finish()
                 req.channel.fail(e if isinstance(e, BackendError) else

@@ -40,6 +40,7 @@ from backends.base import (
     ModelLoadError,
     Sampling,
     TokenSource,
+    ToolCallFormat,
     UnsupportedError,
 )
 from backends.mlx_sampling import MLXSampler
@@ -457,7 +458,9 @@ class MLXSource(TokenSource):
 
         return np.array(self._rows[row].astype(self._mx.float32), dtype=np.float32)
 
-    def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | None) -> MLXSampler:
+    def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | ToolCallFormat | None) -> MLXSampler:
+        if isinstance(fmt, ToolCallFormat):  # no lazy grammar on MLX: a call is whatever the model writes
+            fmt = None
         if isinstance(fmt, dict):
             from backends.mlx_json import SchemaError, compile_schema
 

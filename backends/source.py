@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from backends.descriptor import get as descriptor_of
 from backends.media import MediaWork, is_image_token
-from backends.specs import LoadSpec, Sampling
+from backends.specs import LoadSpec, Sampling, ToolCallFormat
 
 FALLBACK_CHAT_TEMPLATE = (  # ChatML, for models without a chat template (base models: chat is of little use)
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -211,8 +211,10 @@ class TokenSource(abc.ABC):
         Raises :class:`PoolFullError` (memory unchanged) when the pool has no room for the batch."""
 
     @abc.abstractmethod
-    def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | None) -> Sampler:
-        """A fresh sampler for one request (seed, temperature/top-k/top-p/min-p, penalties, grammar)."""
+    def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | ToolCallFormat | None) -> Sampler:
+        """A fresh sampler for one request (seed, temperature/top-k/top-p/min-p, penalties, grammar). ``fmt`` a
+        :class:`~backends.specs.ToolCallFormat`: tools are offered and no format asked; a source that cannot
+        constrain a call from where it starts treats it as None."""
 
     @abc.abstractmethod
     def logits(self, row: int) -> Any:

@@ -44,6 +44,9 @@ class Tuning:
     draft_p_min: float = 0.0  # a draft model stops proposing below this probability
     draft_always: bool = False  # keep drafting even where the controller finds it does not pay
     grammar: str | None = None  # llama.cpp: a GBNF grammar for every request without a format (tests)
+    # llama.cpp: where tools are offered and no format asked, a call is constrained from its start (a lazy grammar
+    # built from the tools' schemas, :mod:`backends.tool_grammar`); off: calls are whatever the model writes
+    tool_grammar: bool = True
 
 
 @dataclass
@@ -126,6 +129,18 @@ class Sampling:
 
 _SAMPLING_CHOICES = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
                      "presence_penalty", "frequency_penalty", "seed", "max_tokens", "stop", "logit_bias")
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """The ``fmt`` a sampler gets for a chat that offers ``tools`` and asks no format: a source that can constrains a
+    tool call from where it starts (llama.cpp: a lazy grammar, :mod:`backends.tool_grammar`) and leaves other text
+    free; a source that cannot treats it as no format."""
+
+    tools: list[dict[str, Any]]
+    # the template's <tool_call> holds JSON (Hermes, Qwen2.5); False for one whose calls inside it are XML
+    # (Qwen3.5, Qwen3-Coder: <function=NAME>): there the tag must not start the JSON grammar
+    json_tags: bool = True
 
 
 @dataclass

@@ -45,6 +45,8 @@ class RequestStream:
         self._utf8 = Utf8Stream()
         self._tool_mode = bool(request.tools)
         self._tool_buf = ""  # text held while it may be a tool call
+        self._said = False  # content other than whitespace was sent (a call from now on follows words)
+        self._tool_after_words = False  # the held text began after words: only a call marker keeps it held
         self._split: _thinking.ThinkSplitter | None = None
         self._pending_lp: list[TokenLogprob] = []
         self._pending_tokens = 0  # tokens pushed since the last chunk
@@ -218,12 +220,16 @@ class RequestStream:
                     out.append(ToolCalls(calls))
                 continue
             emit = piece
-            if self._tool_mode and (self._tool_buf or emit) and could_be_tool_call(self._tool_buf + emit):
+            after_words = self._tool_after_words if self._tool_buf else self._said
+            if self._tool_mode and (self._tool_buf or emit) and could_be_tool_call(self._tool_buf + emit, after_words):
                 self._tool_buf, emit = self._tool_buf + emit, ""
+                self._tool_after_words = after_words
             elif self._tool_buf:
                 emit, self._tool_buf = self._tool_buf + emit, ""
             if self._tool_mode and not self._tool_buf and (k := tool_marker_at(emit)) > 0:
                 emit, self._tool_buf = emit[:k], emit[k:]  # words, then a call (or the start of one) in one piece
+                self._tool_after_words = True
+            self._said = self._said or bool(emit.strip())
             if emit:
                 out.append(self._chunk(emit))
         return out

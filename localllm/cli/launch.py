@@ -1,6 +1,6 @@
 """``localllm launch AGENT``: a coding agent on a local model, as ``ollama launch`` does.
 
-    $ localllm launch claude                      # Claude Code on the default model
+    $ localllm launch claude                      # Claude Code on the best installed model with tools
     $ localllm launch codex --model qwen3:8b      # Codex CLI
     $ localllm launch opencode --model qwen3:8b -- run "fix the tests"   # arguments after -- go to the agent
     $ localllm launch codex --config              # print the configuration instead (to set it up by hand)
@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import click
 
@@ -117,6 +118,87 @@ def _ensure_server(host: str | None) -> tuple[str, str]:
         client.close()
 
 
+# on a CPU (or a GPU that takes only part of it) the model suggested is the one nearest this size: big enough to call
+# tools sensibly, small enough to answer an agent's long prompts in reasonable time
+CPU_TARGET = 5 * 10**9
+
+
+def tool_models(models: Any) -> list[tuple[str, int]]:
+    """(name, size) of each installed model (a :class:`~localllm.api.Models`: the server's or the local store) whose
+    chat template takes tools (the server refuses tools to the others)."""
+    out = []
+    for m in models.list():
+        try:
+            caps = models.show(m.name).capabilities
+        except LocalLLMError:
+            continue
+        if "tools" in caps:
+            out.append((m.name, int(m.size or 0)))
+    return out
+
+
+def _rank(item: Any) -> tuple[int, float]:
+    on_gpu = item.fit.verdict == "gpu"
+    return (0 if on_gpu else 1, -item.size if on_gpu else abs(item.size - CPU_TARGET))
+
+
+def choose_model(installed: list[tuple[str, int]], catalog: list[Any], agent: str) -> str:
+    """The model ``launch`` runs when none is named: the largest installed model that can use tools and that the
+    catalog does not judge too big for this machine; else one sentence (a :class:`LocalLLMError`) naming the two
+    catalog models with tools that fit best (on a GPU: the largest; else those nearest 5 GB) and the commands to
+    get one. ``catalog`` holds :class:`~localllm.api.CatalogItem` with this machine's verdicts.
+
+    >>> from localllm.api import CatalogItem, Fit
+    >>> cat = [CatalogItem("qwen3:8b", 5_000_000_000, capabilities=["tools"], fit=Fit(verdict="cpu")),
+    ...        CatalogItem("big:70b", 40_000_000_000, capabilities=["tools"], fit=Fit(verdict="too_big")),
+    ...        CatalogItem("llama3.2:3b", 2_000_000_000, capabilities=["tools"], fit=Fit(verdict="cpu"))]
+    >>> choose_model([("qwen2.5-coder:0.5b", 491400064), ("big:70b", 4 * 10**10)], cat, "codex")
+    'qwen2.5-coder:0.5b'
+    >>> choose_model([], cat, "codex")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    localllm.errors.LocalLLMError: No installed model can use tools, which Codex CLI needs; two that fit this ...
+    """
+    from localllm.download import fmt_bytes
+
+    too_big = {c.name for c in catalog if c.fit.verdict == "too_big"}
+    fits = [(size, name) for name, size in installed if name not in too_big]
+    if fits:
+        return max(fits)[1]
+    label = AGENTS[agent].label if agent in AGENTS else agent
+    options = sorted((c for c in catalog if "tools" in c.capabilities and c.split_parts == 1
+                      and c.fit.verdict in ("gpu", "partial", "cpu")), key=_rank)[:2]
+    if not options:
+        raise LocalLLMError(f"No installed model can use tools, which {label} needs, and no model of the catalog "
+                            "with tools fits this machine; name one with --model.")
+    named = " and ".join(f"{c.name} ({fmt_bytes(c.size)})" for c in options)
+    first = options[0].name
+    some = "two that fit" if len(options) > 1 else "one that fits"
+    raise LocalLLMError(f"No installed model can use tools, which {label} needs; {some} this machine: {named}. "
+                        f"Get one with `localllm pull {first}`, then run `localllm launch {agent} --model {first}`.")
+
+
+def _pick(models: Any, agent: str) -> str:
+    """The model for ``agent`` on the installed ``models`` (the catalog's verdicts are this machine's)."""
+    from localllm.engine import Engine
+    from localllm.local import LocalAdvisor
+
+    return choose_model(tool_models(models), LocalAdvisor(Engine()).catalog(), agent)
+
+
+def _check_tools(models: Any, name: str, agent: str) -> None:
+    """A named model that is installed but cannot use tools: one sentence now, not a refusal inside the agent."""
+    from localllm.errors import ModelNotFoundError
+
+    try:
+        caps = models.show(name).capabilities
+    except ModelNotFoundError:
+        return  # pulled next; the catalog knows its capabilities only roughly
+    if "tools" not in caps:
+        raise LocalLLMError(f"{name} cannot use tools (its chat template has none), which {AGENTS[agent].label} "
+                            f"needs; run `localllm launch {agent}` without --model to pick one that can.")
+
+
 def _ensure_model(url: str, model: str) -> str:
     """The model installed on the server (pulled if missing): '' or what was done."""
     from localllm.client import Client
@@ -134,7 +216,8 @@ def _ensure_model(url: str, model: str) -> str:
 @click.command("launch", context_settings={"ignore_unknown_options": True})
 @click.argument("agent", type=click.Choice(list(AGENTS)))
 @click.argument("agent_args", nargs=-1, type=click.UNPROCESSED)
-@click.option("--model", "-m", default=None, metavar="MODEL", help="Model the agent uses (default: smollm2:135m).")
+@click.option("--model", "-m", default=None, metavar="MODEL",
+              help="Model the agent uses (default: the largest installed model that can use tools and fits).")
 @click.option("--host", default=None, metavar="URL",
               help="Server (default: LOCALLLM_HOST or 127.0.0.1:11434; started there if none answers).")
 @click.option("--config", "show_config", is_flag=True,
@@ -148,14 +231,18 @@ def command(agent: str, agent_args: tuple[str, ...], model: str | None, host: st
       localllm launch codex --model qwen3:8b
       localllm launch opencode --config
     """
-    from localllm import config
     from localllm.client import base_url
     from localllm.names import parse_name
 
     a = AGENTS[agent]
-    name = parse_name(model or config.DEFAULT_MODEL, allow_path=False).name
     api_key = os.environ.get("LOCALLLM_API_KEY") or None
+    name = parse_name(model, allow_path=False).name if model else None
     if show_config:
+        if name is None:  # the local store's choice (the server may not run yet)
+            from localllm.engine import Engine
+            from localllm.local import LocalModels
+
+            name = _pick(LocalModels(Engine().store), agent)
         s = setup(agent, base_url(host), name, api_key)
         for k, v in s.env.items():
             click.echo(f"export {k}={shlex.quote(v)}")
@@ -165,6 +252,13 @@ def command(agent: str, agent_args: tuple[str, ...], model: str | None, host: st
     if exe is None:
         raise LocalLLMError(f"{a.label} is not installed (no `{a.exe}` on PATH); install it with: {a.install}")
     url, server = _ensure_server(host)
+    from localllm.client import Client
+
+    with Client(url, api_key=api_key) as client:
+        if name is None:
+            name = _pick(client, agent)
+        else:
+            _check_tools(client, name, agent)
     pulled = _ensure_model(url, name)
     s = setup(agent, url, name, api_key)
     click.echo(f"localllm: server {url} {server}{f', {pulled}' if pulled else ''}; {a.label} on {name} "

@@ -53,12 +53,37 @@ def plan_for_model(name: str, hw: HardwareInfo, *, num_ctx: int | None, kv_cache
                                                     draft=draft, num_draft=num_draft))
         return prepared.model, prepared.plan, None
     except ModelNotFoundError as e:
-        return None, None, f"{e} (The plan needs its GGUF metadata.)"
+        return None, None, catalog_estimate(name, hw, store) or f"{e} (The plan needs its GGUF metadata.)"
     except LocalLLMError as e:
         try:
             return store.get(name), None, str(e)
         except LocalLLMError:
             return None, None, str(e)
+
+
+def catalog_estimate(name: str, hw: HardwareInfo, store: Store) -> str | None:
+    """For a catalog model not installed yet: the plan's first filter from the catalog's facts (download size,
+    trained context, experts), marked ``≈`` as ``list --catalog`` marks it; None for a name the catalog lacks."""
+    from localllm.download import fmt_bytes
+    from localllm.errors import LocalLLMError
+    from localllm.local import estimate_fit
+
+    try:
+        entry, quant = store.catalog.resolve(name)
+    except LocalLLMError:
+        return None
+    size = entry.approx_size if quant == entry.default_quant else None
+    size = size or next((m.size for m in entry.mirrors_for(quant)), 0)
+    fit = estimate_fit(size or 0, hw)
+    facts = [f"{fmt_bytes(size)} {quant}" if size else quant, fit.text or "≈ fit unknown"]
+    if entry.context_length:
+        facts.append(f"{entry.context_length:,}-token trained context")
+    if entry.moe is not None:
+        experts = (f", {entry.moe.experts_used} of {entry.moe.experts} experts a token"
+                   if entry.moe.experts and entry.moe.experts_used else "")
+        facts.append(f"mixture of experts {entry.moe.label()}{experts}")
+    return (f"Not installed; an estimate from the catalog (≈: weights + ~20% for the KV cache and buffers): "
+            f"{', '.join(facts)}. `localllm pull {entry.installed_name(quant)}` gives the exact plan.")
 
 
 def _hardware_rows(hw: HardwareInfo) -> list[tuple[str, str]]:

@@ -46,7 +46,16 @@ def command(name: str, quiet: bool, mlx: bool | None, mmproj: str | None, host: 
             model = models.pull(name, mlx=mlx, mmproj_file=repo_file) if quiet else pull_with_progress(
                 models, name, mlx=mlx, mmproj_file=repo_file)
         else:
-            model = models.pull(name, mlx=mlx) if quiet else pull_with_progress(models, name, mlx=mlx)
+            have = None
+            if mmproj:  # attaching a local projector to an installed model (a created one too): nothing to pull
+                from localllm.errors import ModelNotFoundError
+
+                try:
+                    have = models.show(name)
+                except ModelNotFoundError:
+                    have = None
+            model = have if have is not None else (
+                models.pull(name, mlx=mlx) if quiet else pull_with_progress(models, name, mlx=mlx))
         if mmproj and not repo_file:
             model = models.set_projector(model.name, mmproj)
     except KeyboardInterrupt:

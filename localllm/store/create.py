@@ -77,6 +77,16 @@ class Creating(Pulling):
                 self._gc_blob(a.split()[0])
         out = self._read_manifest(self._manifest_path(dref))
         assert out is not None
+        if parse_name(src, allow_path=True).kind == "path" and out.projector is None:
+            from localllm.store.records import projector_beside
+
+            proj = projector_beside(Path(src).expanduser())  # as `run ./model.gguf` takes it
+            if proj is not None:
+                rep.phase(f"adding projector {proj.name}")
+                try:
+                    out = self.set_projector(dref.name, proj)
+                except InvalidModelFileError as e:  # the model is fine: made without it, and said why
+                    rep.phase(f"projector not added: {e}")
         rep.phase("success")
         return self._with_formats(out)
 

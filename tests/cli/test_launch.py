@@ -40,11 +40,11 @@ def test_claude_config_is_environment_for_this_run():
 
 
 def test_codex_config_is_a_responses_provider_on_the_command_line():
-    r = launch("codex", "--config", "--host", URL, LOCALLLM_API_KEY="sekrit")
+    r = launch("codex", "--config", "--host", URL, "-m", "qwen3:8b", LOCALLLM_API_KEY="sekrit")
     assert r.returncode == 0, r.stderr
     env, cmd = _exports(r.stdout)
     assert env == {"LOCALLLM_API_KEY": "sekrit"}
-    assert cmd[:2] == ["codex", "-c"] and cmd[-2:] == ["-m", "smollm2:135m"]
+    assert cmd[:2] == ["codex", "-c"] and cmd[-2:] == ["-m", "qwen3:8b"]
     provider = cmd[4]
     assert provider.startswith("model_providers.localllm={") and f'base_url="{URL}/v1"' in provider
     assert 'wire_api="responses"' in provider and 'env_key="LOCALLLM_API_KEY"' in provider
@@ -75,7 +75,48 @@ def test_an_unknown_agent_is_refused():
     assert r.returncode == 2 and "'aider' is not one of 'claude', 'codex', 'opencode'" in r.stderr
 
 
-def test_launch_starts_a_server_when_none_answers(tmp_path, installed_default_model):
+def test_without_a_model_launch_takes_an_installed_one_that_can_use_tools(home, default_model_path):
+    """The default model cannot use tools (the server refuses them to it): with it alone installed, launch names two
+    catalog models with tools that fit this machine and how to get one (one sentence, exit 1); with a tools-capable
+    model installed beside it, that one is taken."""
+    from tests.server.derived import install_derived, tool_model
+    from tests.support import TEST_HOME, install_copy
+
+    install_copy(home / "data" / "models", TEST_HOME / "data" / "models")
+    r = launch("codex", "--config", "--host", URL)
+    assert r.returncode == 1 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    msg = r.stderr.strip()
+    assert msg.startswith("Error: No installed model can use tools, which Codex CLI needs; two that fit this machine: ")
+    first = msg.split("`localllm pull ")[1].split("`")[0]
+    assert msg.endswith(f"then run `localllm launch codex --model {first}`.") and "smollm2" not in msg
+    gguf, wheel = tool_model(default_model_path)
+    install_derived(gguf, "smollm2-tools:135m", home, **wheel)
+    r = launch("codex", "--config", "--host", URL)
+    assert r.returncode == 0, r.stderr
+    assert _exports(r.stdout)[1][-2:] == ["-m", "smollm2-tools:135m"]
+
+
+def test_a_named_model_without_tools_is_refused_before_the_agent_runs(tmp_path, installed_default_model):
+    fake = tmp_path / "codex"
+    fake.write_text('#!/bin/sh\necho ran\n')
+    fake.chmod(0o755)
+    import os
+
+    from tests.server.conftest import start
+
+    srv = start()
+    try:
+        r = launch("codex", "--host", srv.url, "-m", "smollm2:135m", PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    finally:
+        srv.stop()
+        srv.engine.close()
+    assert r.returncode == 1 and "ran" not in r.stdout
+    assert r.stderr.strip().splitlines()[-1] == ("Error: smollm2:135m cannot use tools (its chat template has none), "
+                                                 "which Codex CLI needs; run `localllm launch codex` without --model "
+                                                 "to pick one that can.")
+
+
+def test_launch_starts_a_server_when_none_answers(tmp_path, coder_model):
     """No server at --host: launch starts `localllm serve` there in the background, then runs the agent (a stand-in
     that prints its arguments and environment), and leaves the server running for the next launch."""
     import os
@@ -91,16 +132,17 @@ def test_launch_starts_a_server_when_none_answers(tmp_path, installed_default_mo
     fake.parent.mkdir()
     fake.write_text('#!/bin/sh\necho "args: $*"\n')
     fake.chmod(0o755)
-    r = launch("codex", "--host", f"127.0.0.1:{port}", "--", "exec", "hi",
+    r = launch("codex", "--host", f"127.0.0.1:{port}", "-m", coder_model.name, "--", "exec", "hi",
                PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     server = [c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.status == "LISTEN"]
     try:
         assert r.returncode == 0, r.stderr
         assert f"localllm: server http://127.0.0.1:{port} started (log: " in r.stderr
         assert r.stdout.startswith("args: -c model_provider=\"localllm\" -c model_providers.localllm={")
-        assert r.stdout.rstrip().endswith("-m smollm2:135m exec hi")
+        assert r.stdout.rstrip().endswith(f"-m {coder_model.name} exec hi")
         assert httpx.get(f"http://127.0.0.1:{port}/api/version").json()["localllm"]  # still serving
-        again = launch("codex", "--host", f"127.0.0.1:{port}", PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+        again = launch("codex", "--host", f"127.0.0.1:{port}", "-m", coder_model.name,
+                       PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
         assert f"localllm: server http://127.0.0.1:{port} found" in again.stderr
     finally:
         for pid in server:

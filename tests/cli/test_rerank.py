@@ -91,10 +91,10 @@ def test_rerank_through_a_server(installed_default_model, bert_embedder, bert_re
         srv.engine.close()
 
 
-@pytest.mark.parametrize("name", ["bge-reranker-v2-m3", "nomic-embed-text", "qwen3-embedding:0.6b"])
+@pytest.mark.parametrize("name", ["bge-reranker-v2-m3", "embeddinggemma", "qwen3-embedding:0.6b"])
 def test_pulling_a_catalog_embedding_or_rerank_model_fails_fast_without_the_hub(home, name):
-    """The catalog's embedding and reranking entries come from Hugging Face only: unreachable here, a pull says so
-    in one sentence within seconds (a refused endpoint, as the build machines' DNS failure is)."""
+    """The catalog's embedding and reranking entries without a PyPI mirror come from Hugging Face only: unreachable
+    here, a pull says so in one sentence within seconds (a refused endpoint, as the build machines' DNS failure is)."""
     import time
 
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
