@@ -213,6 +213,7 @@ async def first_event(agen: AsyncIterator[Event], http: Request | None = None) -
     except BaseException:
         if not task.done():
             task.cancel()
+            await asyncio.wait({task})  # the generator ends with the cancellation: aclose must not race it
         await aclose(agen)
         raise
 
