@@ -240,15 +240,19 @@ class LoadedModel:
         if self._caps.pooling is None:
             vectors = self.call(lambda s: s.embed(texts))
             return self._count(Pooled(vectors=vectors), len(texts))
-        return self._count(pooling.embed(self.call, texts, truncate=truncate, cancel=cancel, max_tokens=max_tokens),
-                           len(texts))
+        return self._count(pooling.embed(self.call, texts, truncate=truncate, cancel=cancel, max_tokens=max_tokens,
+                                         busy=self._decoding), len(texts))
 
     def rerank(self, query: str, documents: list[str], *, truncate: bool = True,
                cancel: threading.Event | None = None, max_tokens: int = 0) -> Pooled:
         """Relevance scores of ``documents`` to ``query`` from a rank head, in batches between decode steps
         (``cancel``, ``max_tokens``: as :meth:`embed_many`'s)."""
         return self._count(pooling.rerank(self.call, query, documents, truncate=truncate, cancel=cancel,
-                                          max_tokens=max_tokens), len(documents))
+                                          max_tokens=max_tokens, busy=self._decoding), len(documents))
+
+    def _decoding(self) -> bool:
+        """Whether requests decode (or wait to) on this model now: pooling batches keep short beside them."""
+        return bool(self._active or self._incoming)
 
     def _count(self, pooled: Pooled, inputs: int) -> Pooled:
         self._counters.pooled_inputs += inputs  # read as a snapshot by metrics(); a lost race costs one count

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -153,21 +154,40 @@ def _tokenized(call: Call, count: int, tokens_of: Callable[[TokenSource], Callab
     return out
 
 
-def _evaluate(call: Call, inputs: list[list[int]], cancel: threading.Event | None = None) -> tuple[list[Any], int]:
+FIRST_BATCH_TOKENS = 128  # a pooling batch beside chat streams, before the batches' speed is known
+BATCH_SECONDS = 0.1  # what one pooling batch may take beside chat streams of the same model (their pause)
+Busy = Callable[[], bool]  # whether the model has requests decoding now (LoadedModel's)
+
+
+def _evaluate(call: Call, inputs: list[list[int]], cancel: threading.Event | None = None,
+              busy: Busy | None = None) -> tuple[list[Any], int]:
     """Each input's pooled output, evaluated in batches (one job on the loop each, ``cancel`` checked between two);
-    (outputs, batches)."""
+    (outputs, batches). A batch takes what one evaluation takes (:meth:`~backends.source.Pooling.pool_limits`);
+    while the model has chat requests decoding (``busy()``), about :data:`BATCH_SECONDS` at the speed the batches
+    before it went (a whole input at least), so that those streams step between two batches without a long pause."""
     max_tokens, max_inputs = call(lambda s: pooler(s).pool_limits())
     out: list[Any] = [None] * len(inputs)
-    groups = batches([len(x) for x in inputs], max_tokens, max_inputs)
+    beside = min(max_tokens, FIRST_BATCH_TOKENS)  # a batch's tokens while chats decode
+
     def job(group: list[int]) -> Callable[[TokenSource], list[Any]]:
         return lambda s: pooler(s).pool([inputs[i] for i in group])
 
-    for group in groups:
+    i = n = 0
+    while i < len(inputs):
         _check(cancel)
+        budget = beside if busy is not None and busy() else max_tokens
+        group = batches([len(x) for x in inputs[i:i + max_inputs]], max(budget, len(inputs[i])), max_inputs)[0]
+        group = [i + k for k in group]
+        t0 = time.perf_counter()
         rows = call(job(group))
-        for i, row in zip(group, rows, strict=True):
-            out[i] = row
-    return out, len(groups)
+        took = time.perf_counter() - t0
+        tokens = sum(len(inputs[k]) for k in group)
+        beside = int(min(max_tokens, max(16, tokens * BATCH_SECONDS / max(took, 1e-4))))
+        for k, row in zip(group, rows, strict=True):
+            out[k] = row
+        i = group[-1] + 1
+        n += 1
+    return out, n
 
 
 def pooler(src: TokenSource) -> Pooling:
@@ -183,10 +203,11 @@ def _limit(src: TokenSource) -> int:
 
 
 def embed(call: Call, texts: list[str], *, truncate: bool = True, cancel: threading.Event | None = None,
-          max_tokens: int = 0) -> Pooled:
+          max_tokens: int = 0, busy: Busy | None = None) -> Pooled:
     """L2-normalised embeddings of ``texts``, evaluated in batches (see the module's docstring). ``cancel`` stops
     the work between two jobs (:class:`RequestCancelled`); ``max_tokens`` caps the tokens of all inputs together
-    (:class:`InputTooLargeError`; 0: no cap)."""
+    (:class:`InputTooLargeError`; 0: no cap); ``busy``: whether chat requests decode on the model now (the batches
+    are then short: :func:`_evaluate`)."""
 
     def tokens_of(s: TokenSource) -> Callable[[int], tuple[list[int], bool]]:
         if s.info.pooling == "rank":
@@ -198,16 +219,16 @@ def embed(call: Call, texts: list[str], *, truncate: bool = True, cancel: thread
 
     fitted = _tokenized(call, len(texts), tokens_of, cancel, max_tokens, "inputs")
     inputs = [t for t, _ in fitted]
-    rows, n = _evaluate(call, inputs, cancel)
+    rows, n = _evaluate(call, inputs, cancel, busy)
     return Pooled(vectors=[normalize(r) for r in rows], tokens=sum(map(len, inputs)),
                   truncated=[i for i, (_, cut) in enumerate(fitted) if cut], batches=n)
 
 
 def rerank(call: Call, query: str, documents: list[str], *, truncate: bool = True,
-           cancel: threading.Event | None = None, max_tokens: int = 0) -> Pooled:
+           cancel: threading.Event | None = None, max_tokens: int = 0, busy: Busy | None = None) -> Pooled:
     """The relevance score of each document to ``query`` (the rank head's raw output), in document order; the query
     is tokenized once (:meth:`~backends.source.Pooling.rerank_tokenizer`). ``cancel`` and ``max_tokens``: as
-    :func:`embed`'s (a pair's tokens count the query's)."""
+    :func:`embed`'s (a pair's tokens count the query's), and ``busy``."""
     pair: list[Callable[[str], list[int]]] = []
 
     def tokens_of(s: TokenSource) -> Callable[[int], tuple[list[int], bool]]:
@@ -221,7 +242,7 @@ def rerank(call: Call, query: str, documents: list[str], *, truncate: bool = Tru
 
     fitted = _tokenized(call, len(documents), tokens_of, cancel, max_tokens, "query-document pairs")
     inputs = [t for t, _ in fitted]
-    rows, n = _evaluate(call, inputs, cancel)
+    rows, n = _evaluate(call, inputs, cancel, busy)
     return Pooled(scores=[float(r[0]) for r in rows], tokens=sum(map(len, inputs)),
                   truncated=[i for i, (_, cut) in enumerate(fitted) if cut], batches=n)
 
