@@ -1,7 +1,7 @@
 """What a heavy client costs the others (issue 46): ``localllm serve`` in its own process.
 
     python benchmarks/hostile_load.py                      # made all-MiniLM-L6-sized reranker, 10,000 documents
-    python benchmarks/hostile_load.py --documents 2000 --size tiny --embed
+    python benchmarks/hostile_load.py --documents 2000 --size tiny --embed 1000
 
 * **idle CPU**: the server's CPU (psutil, its process and children) over ``--idle`` seconds with the default model
   loaded and idle (after a chat and an embedding, so llama.cpp's thread pools and the embedding context exist),
@@ -9,7 +9,7 @@
 * **chat beside a rerank**: the longest pause between two streamed tokens of a chat (``/api/chat``, 128 tokens,
   the default model) alone, then while a rerank of ``--documents`` documents runs (the caps raised to allow it:
   ``LOCALLLM_MAX_RERANK_DOCUMENTS``, ``LOCALLLM_MAX_POOLED_TOKENS=0``), and the rerank's own time.
-* ``--embed``: the same beside an embedding request of ``--documents`` inputs on the **chat model itself** (one
+* ``--embed N``: the same beside an embedding request of N inputs on the **chat model itself** (one
   decode loop: the embedding batches and the chat's steps take turns).
 
 Models: the default model (``smollm2:135m``, from the test home) and a made BERT reranker
@@ -63,8 +63,10 @@ def beside(url: str, path: str, body: dict, label: str) -> None:
     time.sleep(1.0)  # under way
     gaps, ttft = chat_gaps(url)
     th.join()
+    long = [(i, round(g, 2)) for i, g in enumerate(gaps) if g > 0.5]
     print(f"chat beside {label}: longest pause {max(gaps) * 1000:.0f} ms, median {statistics.median(gaps) * 1000:.1f} "
-          f"ms, TTFT {ttft * 1000:.0f} ms; the {label}: HTTP {done['status']}, {done['seconds']:.1f} s")
+          f"ms, TTFT {ttft * 1000:.0f} ms; the {label}: HTTP {done['status']}, {done['seconds']:.1f} s"
+          + (f"; pauses over 0.5 s (token, s): {long}" if long else ""))
 
 
 def main() -> None:
@@ -72,7 +74,8 @@ def main() -> None:
     ap.add_argument("--documents", type=int, default=10_000)
     ap.add_argument("--size", choices=["tiny", "minilm"], default="minilm")
     ap.add_argument("--idle", type=float, default=5.0)
-    ap.add_argument("--embed", action="store_true", help="also an embedding request on the chat model itself")
+    ap.add_argument("--embed", type=int, default=0, metavar="N",
+                    help="also an embedding request of N inputs on the chat model itself")
     args = ap.parse_args()
     _, reranker = models(args.size)
     chat_gguf = model_path("smollm2:135m")
@@ -86,7 +89,7 @@ def main() -> None:
     store.create(RERANK, Modelfile(from_=str(reranker)))
     n = args.documents
     env = {"LOCALLLM_MODELS": str(home / "data" / "models"), "LOCALLLM_MAX_RERANK_DOCUMENTS": str(n),
-           "LOCALLLM_MAX_EMBED_INPUTS": str(n), "LOCALLLM_MAX_POOLED_TOKENS": "0"}
+           "LOCALLLM_MAX_EMBED_INPUTS": str(max(n, args.embed)), "LOCALLLM_MAX_POOLED_TOKENS": "0"}
     print(f"load before: {load_avg()}")
     try:
         with Localllm(env=env, home=home) as srv:
@@ -111,8 +114,8 @@ def main() -> None:
             beside(url, "/v1/rerank", {"model": RERANK, "query": query, "documents": texts(n, 7)},
                    f"rerank of {n:,} documents")
             if args.embed:
-                beside(url, "/api/embed", {"model": CHAT, "input": texts(n, 8)},
-                       f"embedding of {n:,} inputs on the chat model")
+                beside(url, "/api/embed", {"model": CHAT, "input": texts(args.embed, 8)},
+                       f"embedding of {args.embed:,} inputs on the chat model")
     finally:
         shutil.rmtree(home, ignore_errors=True)
     print(f"load after: {load_avg()}")
