@@ -55,6 +55,8 @@ def grown(running: Resident, request: GenerateRequest, options: LoadOptions, e: 
         want *= 2
     want = min(want, trained)
     if want <= have or not holds(want):
+        if not holds(trained):  # the model's maximum, not the loaded context, is what the prompt is too long for
+            e.n_ctx = max(e.n_ctx, trained)
         log.info("%s: the prompt needs %d tokens, more than a %d-token context holds (trained for %d): not grown",
                  running.name, e.prompt_tokens, want, trained)
         return fallback
