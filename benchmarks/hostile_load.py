@@ -108,8 +108,8 @@ def main() -> None:
             print(f"idle CPU of the server with {CHAT} and {RERANK} loaded: {idle:.1f} % over {args.idle:.0f} s "
                   f"({proc.num_threads()} threads, {psutil.cpu_count()} CPUs)")
             gaps, ttft = chat_gaps(url)
-            print(f"chat alone: longest pause {max(gaps) * 1000:.0f} ms, median {statistics.median(gaps) * 1000:.1f} ms, "
-                  f"TTFT {ttft * 1000:.0f} ms")
+            print(f"chat alone: longest pause {max(gaps) * 1000:.0f} ms, "
+                  f"median {statistics.median(gaps) * 1000:.1f} ms, TTFT {ttft * 1000:.0f} ms")
             query = "what is the capital of france"
             beside(url, "/v1/rerank", {"model": RERANK, "query": query, "documents": texts(n, 7)},
                    f"rerank of {n:,} documents")
