@@ -15,7 +15,15 @@ Import from those; this module only re-exports them.
 from __future__ import annotations
 
 from backends.descriptor import KV_CACHE_TYPES, KVCacheType
-from backends.errors import BackendError, ContextOverflowError, ModelLoadError, PoolFullError, UnsupportedError
+from backends.errors import (
+    BackendError,
+    ContextOverflowError,
+    InputTooLargeError,
+    ModelLoadError,
+    PoolFullError,
+    RequestCancelled,
+    UnsupportedError,
+)
 from backends.events import Done, Event, FinishReason, Stats, TextChunk, TokenLogprob, ToolCalls
 from backends.media import AUDIO_MAGIC, IMAGE_MARKER, MediaWork, audio_format, is_audio, is_image_token
 from backends.source import (
@@ -53,6 +61,7 @@ from backends.stream import (
 __all__ = [
     "AUDIO_MAGIC", "FALLBACK_CHAT_TEMPLATE", "IMAGE_MARKER", "KV_CACHE_TYPES", "BackendError", "Capabilities",
     "Checkpoints", "ContextOverflowError", "Done", "DraftSpec", "Event", "Feed", "FinishReason", "GenerateRequest",
+    "InputTooLargeError", "RequestCancelled",
     "KVCacheType", "LoadSpec", "LoraAdapter", "MediaInput", "MediaWork", "ModelInfo", "ModelLoadError",
     "Pooling", "PoolFullError", "Sampler", "Sampling", "SequenceStates", "Stats", "TextChunk", "ThinkValue",
     "TokenLogprob", "TokenSource", "ToolCallFormat", "ToolCalls", "Tuning", "UnsupportedError", "answer_reserve",

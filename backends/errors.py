@@ -4,6 +4,8 @@
     ├── ModelLoadError        the file cannot be loaded (corrupt, unsupported architecture, no memory)
     ├── UnsupportedError      a feature the model / build cannot do (quantized KV type, draft pairing, format)
     ├── ContextOverflowError  the prompt does not fit the context even after dropping old turns
+    ├── InputTooLargeError    embedding / rerank inputs over the caller's token cap (nothing was evaluated)
+    ├── RequestCancelled      the caller cancelled the work (its client went away)
     └── PoolFullError         the shared KV pool has no room for this step (the loop frees idle cells and retries)
 """
 
@@ -29,6 +31,19 @@ class ContextOverflowError(BackendError):
         super().__init__(message)
         self.prompt_tokens = prompt_tokens
         self.n_ctx = n_ctx
+
+
+class InputTooLargeError(BackendError):
+    """Embedding or rerank inputs that take more tokens than the caller allows one request."""
+
+    def __init__(self, message: str, tokens: int = 0, limit: int = 0):
+        super().__init__(message)
+        self.tokens = tokens
+        self.limit = limit
+
+
+class RequestCancelled(BackendError):
+    """The work was cancelled by its caller (a client that went away) before it was done."""
 
 
 class PoolFullError(BackendError):

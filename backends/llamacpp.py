@@ -45,6 +45,7 @@ from backends.llamacpp_checks import (  # noqa: F401 - physical_cores, kv_type_p
     kv_type_problem,
     physical_cores,
     pooling_of,
+    usable_cores,
 )
 from backends.llamacpp_log import allocations, capture, forget_recent, install_log_router, log_callback, native_reason
 from backends.llamacpp_pool import PooledOutputs
@@ -123,7 +124,8 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
             problem = kv_type_problem(kv, *(dims if dims is not None and any(dims) else head_dims_from_file(path)))
             if problem:
                 raise UnsupportedError(f"{path.name}: {problem} Use --kv-cache f16.")
-        self.n_threads = spec.n_threads or physical_cores()
+        # never more threads than the cores this process may run on, whatever the spec says
+        self.n_threads = min(spec.n_threads or physical_cores(), usable_cores())
         slots = max(1, spec.slots)
         self._n_seq_ids = max(slots, min(256, spec.tuning.n_seq_ids or 2 * slots))
         forget_recent()
@@ -163,7 +165,7 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
                 self._pool_setup(cp)
             cp.kv_unified = True
             cp.n_threads = self.n_threads
-            cp.n_threads_batch = spec.n_threads_batch or self.n_threads
+            cp.n_threads_batch = min(spec.n_threads_batch or self.n_threads, usable_cores())
             cp.type_k = cp.type_v = KV_GGML_TYPE[kv]
             cp.flash_attn_type = {None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
                                   True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,

@@ -28,6 +28,12 @@ def physical_cores() -> int:
     return max(1, min(n or logical, logical))
 
 
+def usable_cores() -> int:
+    """The logical CPUs this process may run on (its affinity: taskset, a container's cpuset): more llama.cpp
+    threads than these only take turns on them, each step waiting for the slowest."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
 def kv_type_problem(kv_type: str, head_dim_k: int, head_dim_v: int) -> str | None:
     """Why ``kv_type`` cannot be used for a model with these head sizes (one sentence), else None.
 

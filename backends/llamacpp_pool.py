@@ -4,7 +4,7 @@ second one on the same weights with mean pooling (a chat model)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -89,28 +89,34 @@ class PooledOutputs:
         """llama-server's ``format_prompt_rerank``: the GGUF's rerank template (``tokenizer.chat_template.rerank``,
         Qwen3-Reranker's) with ``{query}`` and ``{document}`` filled in, else BOS query [EOS] [SEP] document [EOS]
         as the vocabulary adds them."""
+        return self.rerank_tokenizer(query)(document)
+
+    def rerank_tokenizer(self, query: str) -> Callable[[str], list[int]]:
+        """:meth:`rerank_tokens` of ``query`` with any document, the query tokenized once: without a template its
+        tokens are a part of their own (BOS query [EOS] [SEP]); a template's text is tokenized whole for each
+        document (as llama-server does: a BPE merge may cross from the query's text into the template's), and only
+        the query's own check is skipped."""
         import llama_cpp
 
         if self._pooling != "rank":
             raise UnsupportedError("This model has no rank head, so it cannot rerank.")
         template = self._md.get("tokenizer.chat_template.rerank")
         if template:
-            return self._tokenize(template.replace("{query}", query).replace("{document}", document), False, True)
+            head = template.replace("{query}", query)
+            return lambda document: self._tokenize(head.replace("{document}", document), False, True)
         v = self._vocab
         eos = int(llama_cpp.llama_vocab_eos(v))
         if eos < 0:
             eos = int(llama_cpp.llama_vocab_sep(v))
         add_eos = bool(llama_cpp.llama_vocab_get_add_eos(v))
-        out: list[int] = [int(llama_cpp.llama_vocab_bos(v))] if llama_cpp.llama_vocab_get_add_bos(v) else []
-        out += self._tokenize(query, False, False)
+        first: list[int] = [int(llama_cpp.llama_vocab_bos(v))] if llama_cpp.llama_vocab_get_add_bos(v) else []
+        first += self._tokenize(query, False, False)
         if add_eos:
-            out.append(eos)
+            first.append(eos)
         if llama_cpp.llama_vocab_get_add_sep(v):
-            out.append(int(llama_cpp.llama_vocab_sep(v)))
-        out += self._tokenize(document, False, False)
-        if add_eos:
-            out.append(eos)
-        return out
+            first.append(int(llama_cpp.llama_vocab_sep(v)))
+        end = [eos] if add_eos else []
+        return lambda document: first + self._tokenize(document, False, False) + end
 
     @property
     def can_pool(self) -> bool:

@@ -232,17 +232,27 @@ class LoadedModel:
     def embed(self, texts: list[str]) -> list[list[float]]:
         return self.embed_many(texts).vectors
 
-    def embed_many(self, texts: list[str], *, truncate: bool = True) -> Pooled:
-        """Embeddings of ``texts`` (and the tokens they took), evaluated in batches between decode steps
-        (:mod:`backends.pooling`); a backend that cannot pool embeds them in one job."""
+    def embed_many(self, texts: list[str], *, truncate: bool = True, cancel: threading.Event | None = None,
+                   max_tokens: int = 0) -> Pooled:
+        """Embeddings of ``texts`` (and the tokens they took), tokenized and evaluated in batches between decode
+        steps (:mod:`backends.pooling`: ``cancel`` stops it between two, ``max_tokens`` caps the tokens of all
+        inputs); a backend that cannot pool embeds them in one job."""
         if self._caps.pooling is None:
             vectors = self.call(lambda s: s.embed(texts))
             return self._count(Pooled(vectors=vectors), len(texts))
-        return self._count(pooling.embed(self.call, texts, truncate=truncate), len(texts))
+        return self._count(pooling.embed(self.call, texts, truncate=truncate, cancel=cancel, max_tokens=max_tokens,
+                                         busy=self._decoding), len(texts))
 
-    def rerank(self, query: str, documents: list[str], *, truncate: bool = True) -> Pooled:
-        """Relevance scores of ``documents`` to ``query`` from a rank head, in batches between decode steps."""
-        return self._count(pooling.rerank(self.call, query, documents, truncate=truncate), len(documents))
+    def rerank(self, query: str, documents: list[str], *, truncate: bool = True,
+               cancel: threading.Event | None = None, max_tokens: int = 0) -> Pooled:
+        """Relevance scores of ``documents`` to ``query`` from a rank head, in batches between decode steps
+        (``cancel``, ``max_tokens``: as :meth:`embed_many`'s)."""
+        return self._count(pooling.rerank(self.call, query, documents, truncate=truncate, cancel=cancel,
+                                          max_tokens=max_tokens, busy=self._decoding), len(documents))
+
+    def _decoding(self) -> bool:
+        """Whether requests decode (or wait to) on this model now: pooling batches keep short beside them."""
+        return bool(self._active or self._incoming)
 
     def _count(self, pooled: Pooled, inputs: int) -> Pooled:
         self._counters.pooled_inputs += inputs  # read as a snapshot by metrics(); a lost race costs one count

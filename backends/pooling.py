@@ -29,11 +29,13 @@ catalog's to say (the faces check it).
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from backends.errors import ContextOverflowError, UnsupportedError
+from backends.errors import ContextOverflowError, InputTooLargeError, RequestCancelled, UnsupportedError
 from backends.source import Pooling, TokenSource
 
 T = TypeVar("T")
@@ -118,19 +120,74 @@ def shorten(vectors: list[list[float]], dimensions: int | None) -> list[list[flo
     return [normalize(v[:dimensions]) if dimensions < len(v) else v for v in vectors]
 
 
-def _evaluate(call: Call, inputs: list[list[int]]) -> tuple[list[Any], int]:
-    """Each input's pooled output, evaluated in batches (one job on the loop each); (outputs, batches)."""
+TOKENIZE_CHUNK = 128  # inputs one job on the loop tokenizes: chat requests of the same model step between two
+
+
+def _check(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise RequestCancelled("The embedding or rerank request was cancelled.")
+
+
+def _tokenized(call: Call, count: int, tokens_of: Callable[[TokenSource], Callable[[int], tuple[list[int], bool]]],
+               cancel: threading.Event | None, max_tokens: int, what: str) -> list[tuple[list[int], bool]]:
+    """Each of ``count`` inputs tokenized and fitted (``tokens_of(source)(i)``), :data:`TOKENIZE_CHUNK` inputs a job
+    on the loop, ``cancel`` checked between two; more than ``max_tokens`` in all (0: no cap) raises
+    :class:`InputTooLargeError` as soon as the count passes it, before anything is evaluated."""
+    out: list[tuple[list[int], bool]] = []
+    total = 0
+    for start in range(0, max(count, 1), TOKENIZE_CHUNK):  # one job at least: it checks the model
+        _check(cancel)
+        stop = min(count, start + TOKENIZE_CHUNK)
+
+        def job(s: TokenSource, start: int = start, stop: int = stop) -> list[tuple[list[int], bool]]:
+            one = tokens_of(s)
+            return [one(i) for i in range(start, stop)]
+
+        chunk = call(job)
+        out += chunk
+        total += sum(len(t) for t, _ in chunk)
+        if max_tokens and total > max_tokens:
+            more = "" if stop == count else " so far"
+            raise InputTooLargeError(f"The {what} take {total:,} tokens{more}, more than the {max_tokens:,} one "
+                                     "request may take; send them in smaller requests.", tokens=total,
+                                     limit=max_tokens)
+    return out
+
+
+FIRST_BATCH_TOKENS = 128  # a pooling batch beside chat streams, before the batches' speed is known
+BATCH_SECONDS = 0.1  # what one pooling batch may take beside chat streams of the same model (their pause)
+Busy = Callable[[], bool]  # whether the model has requests decoding now (LoadedModel's)
+
+
+def _evaluate(call: Call, inputs: list[list[int]], cancel: threading.Event | None = None,
+              busy: Busy | None = None) -> tuple[list[Any], int]:
+    """Each input's pooled output, evaluated in batches (one job on the loop each, ``cancel`` checked between two);
+    (outputs, batches). A batch takes what one evaluation takes (:meth:`~backends.source.Pooling.pool_limits`);
+    while the model has chat requests decoding (``busy()``), about :data:`BATCH_SECONDS` at the speed the batches
+    before it went (a whole input at least), so that those streams step between two batches without a long pause."""
     max_tokens, max_inputs = call(lambda s: pooler(s).pool_limits())
     out: list[Any] = [None] * len(inputs)
-    groups = batches([len(x) for x in inputs], max_tokens, max_inputs)
+    beside = min(max_tokens, FIRST_BATCH_TOKENS)  # a batch's tokens while chats decode
+
     def job(group: list[int]) -> Callable[[TokenSource], list[Any]]:
         return lambda s: pooler(s).pool([inputs[i] for i in group])
 
-    for group in groups:
+    i = n = 0
+    while i < len(inputs):
+        _check(cancel)
+        budget = beside if busy is not None and busy() else max_tokens
+        group = batches([len(x) for x in inputs[i:i + max_inputs]], max(budget, len(inputs[i])), max_inputs)[0]
+        group = [i + k for k in group]
+        t0 = time.perf_counter()
         rows = call(job(group))
-        for i, row in zip(group, rows, strict=True):
-            out[i] = row
-    return out, len(groups)
+        took = time.perf_counter() - t0
+        tokens = sum(len(inputs[k]) for k in group)
+        beside = int(min(max_tokens, max(16, tokens * BATCH_SECONDS / max(took, 1e-4))))
+        for k, row in zip(group, rows, strict=True):
+            out[k] = row
+        i = group[-1] + 1
+        n += 1
+    return out, n
 
 
 def pooler(src: TokenSource) -> Pooling:
@@ -145,38 +202,47 @@ def _limit(src: TokenSource) -> int:
     return min(src.n_ctx, pooler(src).pool_limits()[0])
 
 
-def embed(call: Call, texts: list[str], *, truncate: bool = True) -> Pooled:
-    """L2-normalised embeddings of ``texts``, evaluated in batches (see the module's docstring)."""
+def embed(call: Call, texts: list[str], *, truncate: bool = True, cancel: threading.Event | None = None,
+          max_tokens: int = 0, busy: Busy | None = None) -> Pooled:
+    """L2-normalised embeddings of ``texts``, evaluated in batches (see the module's docstring). ``cancel`` stops
+    the work between two jobs (:class:`RequestCancelled`); ``max_tokens`` caps the tokens of all inputs together
+    (:class:`InputTooLargeError`; 0: no cap); ``busy``: whether chat requests decode on the model now (the batches
+    are then short: :func:`_evaluate`)."""
 
-    def prepare(s: TokenSource) -> list[tuple[list[int], bool]]:
+    def tokens_of(s: TokenSource) -> Callable[[int], tuple[list[int], bool]]:
         if s.info.pooling == "rank":
             raise UnsupportedError("This model is a reranker: it scores query-document pairs and makes no embeddings.")
         limit, p = _limit(s), pooler(s)
         tail = p.tail_tokens()
-        return [fit(p.embed_tokens(t) or s.prompt_tokens(""), limit, tail=tail, truncate=truncate,
-                    what=f"Input {i}") for i, t in enumerate(texts)]
+        return lambda i: fit(p.embed_tokens(texts[i]) or s.prompt_tokens(""), limit, tail=tail, truncate=truncate,
+                             what=f"Input {i}")
 
-    fitted = call(prepare)
+    fitted = _tokenized(call, len(texts), tokens_of, cancel, max_tokens, "inputs")
     inputs = [t for t, _ in fitted]
-    rows, n = _evaluate(call, inputs)
+    rows, n = _evaluate(call, inputs, cancel, busy)
     return Pooled(vectors=[normalize(r) for r in rows], tokens=sum(map(len, inputs)),
                   truncated=[i for i, (_, cut) in enumerate(fitted) if cut], batches=n)
 
 
-def rerank(call: Call, query: str, documents: list[str], *, truncate: bool = True) -> Pooled:
-    """The relevance score of each document to ``query`` (the rank head's raw output), in document order."""
+def rerank(call: Call, query: str, documents: list[str], *, truncate: bool = True,
+           cancel: threading.Event | None = None, max_tokens: int = 0, busy: Busy | None = None) -> Pooled:
+    """The relevance score of each document to ``query`` (the rank head's raw output), in document order; the query
+    is tokenized once (:meth:`~backends.source.Pooling.rerank_tokenizer`). ``cancel`` and ``max_tokens``: as
+    :func:`embed`'s (a pair's tokens count the query's), and ``busy``."""
+    pair: list[Callable[[str], list[int]]] = []
 
-    def prepare(s: TokenSource) -> list[tuple[list[int], bool]]:
+    def tokens_of(s: TokenSource) -> Callable[[int], tuple[list[int], bool]]:
         if s.info.pooling != "rank":
             raise UnsupportedError("This model has no rank head, so it cannot rerank; use a reranking model.")
         limit, p = _limit(s), pooler(s)
         tail = p.tail_tokens(rerank=True)
-        return [fit(p.rerank_tokens(query, d), limit, tail=tail, truncate=truncate, what=f"Document {i}")
-                for i, d in enumerate(documents)]
+        if not pair:
+            pair.append(p.rerank_tokenizer(query))
+        return lambda i: fit(pair[0](documents[i]), limit, tail=tail, truncate=truncate, what=f"Document {i}")
 
-    fitted = call(prepare)
+    fitted = _tokenized(call, len(documents), tokens_of, cancel, max_tokens, "query-document pairs")
     inputs = [t for t, _ in fitted]
-    rows, n = _evaluate(call, inputs)
+    rows, n = _evaluate(call, inputs, cancel, busy)
     return Pooled(scores=[float(r[0]) for r in rows], tokens=sum(map(len, inputs)),
                   truncated=[i for i, (_, cut) in enumerate(fitted) if cut], batches=n)
 

@@ -371,6 +371,10 @@ class Pooling(Protocol):
         ``[CLS] query [SEP] document`` as the vocabulary adds them); :class:`~backends.errors.UnsupportedError`
         without a rank head."""
 
+    def rerank_tokenizer(self, query: str) -> Callable[[str], list[int]]:
+        """:meth:`rerank_tokens` of ``query`` as a function of the document, the query tokenized once where that
+        gives the same ids (a rerank of many documents)."""
+
     def tail_tokens(self, *, rerank: bool = False) -> int:
         """How many tokens at the end of an input a cut to fit keeps: the [SEP] / EOS the tokenizer closes every
         input with; for a rerank pair, what follows the document (its closing token, or the rerank template's tail,

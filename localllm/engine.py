@@ -65,9 +65,11 @@ from backends.base import (  # noqa: F401
     DraftSpec,
     Event,
     GenerateRequest,
+    InputTooLargeError,
     LoadSpec,
     ModelInfo,
     ModelLoadError,
+    RequestCancelled,
     Sampling,
     Stats,
     TextChunk,
@@ -82,7 +84,7 @@ from backends.pooling import Pooled  # noqa: F401 - what embed_many / rerank ans
 from backends.pooling import shorten as shorten_vectors  # noqa: F401 - Matryoshka truncation, for the faces
 from backends.stream import MAX_TOP_LOGPROBS  # noqa: F401 - the limit, for the faces (they never import backends)
 from localllm import config
-from localllm.errors import LocalLLMError
+from localllm.errors import LocalLLMError, PlanError
 from localllm.growth import growable, grown
 from localllm.loader import Loader, LoadOptions, Prepared
 from localllm.residency import (  # noqa: F401 - all but in_the_way re-exported, for the faces
@@ -124,6 +126,10 @@ class Engine:
         self.max_loaded = config.env_int("LOCALLLM_MAX_LOADED_MODELS", 0) if max_loaded is None else max_loaded
         self.max_queue = config.env_int("LOCALLLM_MAX_QUEUE", DEFAULT_MAX_QUEUE) if max_queue is None else max_queue
         self.memory_budget = memory_budget  # bytes for all loaded models; None = free RAM (+VRAM) at first load
+        # one embedding / rerank request's work (0: no cap)
+        self.max_embed_inputs = config.env_int("LOCALLLM_MAX_EMBED_INPUTS", DEFAULT_MAX_EMBED_INPUTS)
+        self.max_rerank_documents = config.env_int("LOCALLLM_MAX_RERANK_DOCUMENTS", DEFAULT_MAX_RERANK_DOCUMENTS)
+        self.max_pooled_tokens = config.env_int("LOCALLLM_MAX_POOLED_TOKENS", DEFAULT_MAX_POOLED_TOKENS)
         self._baseline: tuple[int, int] | None = None  # (free RAM, free VRAM) with nothing loaded
         self.observers: list[Callable[[str, Stats], None]] = []  # called with (model, stats) as each generation ends
         self._models: dict[str, Resident] = {}  # in service, by the store's canonical name
@@ -182,9 +188,10 @@ class Engine:
             return self._models.get(self._aliases.get(name, name))
 
     def _reuse(self, name: str, options: LoadOptions, keep_alive: float, *,
-               alias: str | None = None) -> Resident | None:
+               alias: str | None = None, context: bool = True) -> Resident | None:
         """The model loaded under ``name`` with one more reference, if its options suit ``options`` (``alias``:
-        the name the request used, remembered for the next lookup); else None."""
+        the name the request used, remembered for the next lookup; ``context=False``: a request that uses no
+        context of its own, as embeddings, takes whatever context is loaded); else None."""
         with self._lock:
             running = self._lookup(name)
             if running is not None and running.model.closed and not running.closed:
@@ -194,7 +201,7 @@ class Engine:
                     self._leaving.discard(running)
                 self.loader.refresh_hardware()  # the dead worker's devices leave the device list
                 return None
-            if running is None or running.closed or not running.serves(self.loader.options(options)):
+            if running is None or running.closed or not running.serves(self.loader.options(options), context=context):
                 return None
             if alias is not None:
                 self._aliases[alias] = running.name
@@ -203,17 +210,22 @@ class Engine:
             return running
 
     def _checkout(self, name: str, options: LoadOptions, keep_alive: float | None,
-                  cancel: threading.Event | None, installed: InstalledModel | None = None) -> Resident:
+                  cancel: threading.Event | None, installed: InstalledModel | None = None, *,
+                  context: bool = True) -> Resident:
         """The loaded model for ``name`` with one more reference (so nothing evicts it); prepares and loads it
         if needed (:meth:`Loader.prepare`, then memory made for its estimate, one load at a time). ``installed``:
-        ``name`` as the caller read it from the store already. Pair with :meth:`_checkin`."""
+        ``name`` as the caller read it from the store already; ``context=False``: the request uses no context of
+        the model's (embeddings), so a loaded one serves it whatever its context. Pair with :meth:`_checkin`.
+
+        Load options a request chose count for that request's load only (:meth:`Loader.chosen`): a later request
+        that leaves them to the planner gets the default load again, as Ollama reloads when they differ."""
         ka = self.keep_alive if keep_alive is None else keep_alive
         while True:
-            running = self._reuse(name, options, ka)  # loaded and compatible: no need to queue behind a load
+            running = self._reuse(name, options, ka, context=context)  # loaded and compatible: no queueing
             if running is not None:
                 return running
             prepared = self.loader.prepare(name, options, model=installed)
-            running = self._reuse(prepared.name, prepared.options, ka, alias=name)  # under its canonical name
+            running = self._reuse(prepared.name, prepared.options, ka, alias=name, context=context)
             if running is not None:
                 return running
             prepared.check_fits()
@@ -222,7 +234,8 @@ class Engine:
                 if self._closed.is_set():
                     raise LocalLLMError("localllm is shutting down; no model is loaded any more.")
                 with self._lock:
-                    running = self._reuse(prepared.name, prepared.options, ka, alias=name)  # loaded meanwhile
+                    running = self._reuse(prepared.name, prepared.options, ka, alias=name,  # loaded meanwhile
+                                          context=context)
                     if running is not None:
                         return running
                     old = self._lookup(prepared.name)  # loaded with other options: it closes once its requests end
@@ -230,13 +243,15 @@ class Engine:
                 if old is not None and close_old:
                     self._close(old)
                 if self._make_room(prepared.estimate):
-                    return self._load(name, prepared, ka, cancel)
+                    return self._load(name, prepared, ka, cancel, self.loader.chosen(prepared, options))
             finally:
                 self._load_lock.release()
             self._wait_for_room(prepared.estimate, cancel)  # the models in the way are busy: wait, holding no lock
 
-    def _load(self, name: str, prepared: Prepared, keep_alive: float, cancel: threading.Event | None) -> Resident:
-        """Load ``prepared`` through the loader and put it in service with one reference. Hold ``_load_lock``."""
+    def _load(self, name: str, prepared: Prepared, keep_alive: float, cancel: threading.Event | None,
+              chosen: frozenset[str] = frozenset()) -> Resident:
+        """Load ``prepared`` through the loader and put it in service with one reference (``chosen``: the load
+        options a request chose, :meth:`Loader.chosen`). Hold ``_load_lock``."""
         loaded, load_ns, done = self.loader.load_fitting(prepared, cancel)
         model = done.model
         now = time.monotonic()
@@ -253,6 +268,8 @@ class Engine:
             refs=1,
             estimate=prepared.estimate,  # what was budgeted (a fallback's plan takes no more)
             installed=model,
+            chosen=chosen,
+            grown_from=prepared.options.grown_from,
         )
         with self._lock:
             self._models[model.name] = running
@@ -367,6 +384,8 @@ class Engine:
 
     def _finish(self, running: Resident, event: Event, was_loaded: bool, t_start: int) -> None:
         if isinstance(event, Done):
+            with self._lock:
+                running.count(event.stats.context_used)
             event.stats.load_duration = 0 if was_loaded else running.load_duration_ns
             event.stats.total_duration = time.perf_counter_ns() - t_start
             for observe in self.observers:
@@ -429,8 +448,14 @@ class Engine:
     def _grown(self, running: Resident, request: GenerateRequest, options: LoadOptions,
                e: ContextOverflowError) -> tuple[GenerateRequest, LoadOptions] | None:
         """:func:`~localllm.growth.grown`, asking the loader whether each larger context fits."""
-        return grown(running, request, options, e,
-                     lambda want: self.loader.prepare(running.name, replace(options, num_ctx=want)).plan.fits)
+        def fits(want: int) -> bool:  # memory holds it, and no layer leaves the GPU for it
+            try:
+                p = self.loader.prepare(running.name, replace(options, num_ctx=want)).plan
+            except PlanError:  # "a N-token context does not fit": not grown (the overflow's 400 says why)
+                return False
+            return p.fits and p.n_gpu_layers >= running.plan.n_gpu_layers
+
+        return grown(running, request, options, e, fits)
 
     def _release(self, running: Resident, events: Channel[Event], cancel: threading.Event,
                  keep_alive: float | None) -> None:
@@ -518,15 +543,24 @@ class Engine:
         return self.embed_many(name, texts, options, keep_alive=keep_alive).vectors
 
     def embed_many(self, name: str, texts: list[str], options: LoadOptions | None = None, *,
-                   keep_alive: float | None = None, truncate: bool = True) -> Pooled:
+                   keep_alive: float | None = None, truncate: bool = True,
+                   cancel: threading.Event | None = None) -> Pooled:
         """Embeddings of ``texts`` with the tokens they took and which were cut to fit (``truncate=False``: an
-        input over the context raises instead), evaluated in batches beside the model's chat requests."""
-        return self._pooled(name, options, keep_alive, lambda m: m.embed_many(texts, truncate=truncate))
+        input over the context raises instead), evaluated in batches beside the model's chat requests. At most
+        ``max_embed_inputs`` texts and ``max_pooled_tokens`` tokens (:class:`InputTooLargeError`, before anything is
+        evaluated); ``cancel`` stops the work between two batches (:class:`RequestCancelled`)."""
+        _cap(len(texts), self.max_embed_inputs, "An embedding request", "inputs", "LOCALLLM_MAX_EMBED_INPUTS")
+        return self._pooled(name, options, keep_alive, lambda m: m.embed_many(
+            texts, truncate=truncate, cancel=cancel, max_tokens=self.max_pooled_tokens))
 
     def rerank(self, name: str, query: str, documents: list[str], options: LoadOptions | None = None, *,
-               keep_alive: float | None = None, truncate: bool = True) -> Pooled:
-        """Relevance scores of ``documents`` to ``query`` (a model with a rank head), in document order."""
-        return self._pooled(name, options, keep_alive, lambda m: m.rerank(query, documents, truncate=truncate))
+               keep_alive: float | None = None, truncate: bool = True,
+               cancel: threading.Event | None = None) -> Pooled:
+        """Relevance scores of ``documents`` to ``query`` (a model with a rank head), in document order; at most
+        ``max_rerank_documents`` documents and ``max_pooled_tokens`` tokens, ``cancel``: as :meth:`embed_many`'s."""
+        _cap(len(documents), self.max_rerank_documents, "A rerank", "documents", "LOCALLLM_MAX_RERANK_DOCUMENTS")
+        return self._pooled(name, options, keep_alive, lambda m: m.rerank(
+            query, documents, truncate=truncate, cancel=cancel, max_tokens=self.max_pooled_tokens))
 
     def _pooled(self, name: str, options: LoadOptions | None, keep_alive: float | None,
                 fn: Callable[[LoadedModel], Pooled]) -> Pooled:
@@ -534,7 +568,7 @@ class Engine:
         self._enter_queue()
         queued = True
         try:
-            running = self._checkout(name, options, keep_alive, None)
+            running = self._checkout(name, options, keep_alive, None, context=False)
             self._leave_queue()
             queued = False
             try:
@@ -548,7 +582,7 @@ class Engine:
     def tokenize(self, name: str, text: str, images: list[bytes] | None = None) -> list[int]:
         """``text``'s token ids; with ``images`` (a vision model), those first, as placeholder ids of the positions
         each takes (what a request with them counts in its prompt)."""
-        running = self._checkout(name, LoadOptions(), None, None)
+        running = self._checkout(name, LoadOptions(), None, None, context=False)
         try:
             if images:
                 from backends.base import IMAGE_MARKER
@@ -664,6 +698,25 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+DEFAULT_MAX_EMBED_INPUTS = 2048  # inputs one embedding request takes (OpenAI's limit)
+DEFAULT_MAX_RERANK_DOCUMENTS = 1000  # documents one rerank takes (Cohere's and Voyage's)
+DEFAULT_MAX_POOLED_TOKENS = 300_000  # tokens one embedding / rerank request evaluates (OpenAI's per request)
+
+
+def _cap(count: int, limit: int, what: str, items: str, setting: str) -> None:
+    """:class:`InputTooLargeError` when ``count`` ``items`` are over ``limit`` (0: no cap).
+
+    >>> try:
+    ...     _cap(3, 2, "A rerank", "documents", "LOCALLLM_MAX_RERANK_DOCUMENTS")
+    ... except InputTooLargeError as e:
+    ...     print(e)
+    A rerank takes at most 2 documents (LOCALLLM_MAX_RERANK_DOCUMENTS), not 3; send them in smaller requests.
+    """
+    if limit > 0 and count > limit:
+        raise InputTooLargeError(f"{what} takes at most {limit:,} {items} ({setting}), not {count:,}; send them in "
+                                 "smaller requests.", tokens=0, limit=limit)
 
 
 def _acquire(lock: threading.Lock, cancel: threading.Event | None) -> None:

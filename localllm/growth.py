@@ -29,10 +29,13 @@ def growable(request: GenerateRequest, options: LoadOptions) -> tuple[GenerateRe
 
 def grown(running: Resident, request: GenerateRequest, options: LoadOptions, e: ContextOverflowError,
           fits: Callable[[int], bool]) -> tuple[GenerateRequest, LoadOptions] | None:
-    """What to retry a request with whose prompt did not fit ``running``'s context: a larger context (the
-    smallest power of two that holds the prompt and the answer's reserve, up to the trained context and
-    to what ``fits(n_ctx)``, the planner, says memory holds), else the same context with old turns dropped as
-    usual (which raises the overflow with its numbers when even that does not fit); None: nothing more to try."""
+    """What to retry a request with whose prompt did not fit ``running``'s context: a larger context, the
+    smallest power-of-two multiple of the loaded one that holds the prompt and the answer's reserve, where the
+    trained context holds that and ``fits(n_ctx)`` (the planner: memory holds it, with no layer leaving the GPU)
+    says yes; else the same context with old turns dropped as usual (which raises the overflow with its numbers
+    at once when even that does not fit: a prompt that can never fit reloads nothing); None: nothing more to try.
+    The grown load remembers the context it grew from (``grown_from``), so that the engine goes back to it when
+    the long prompts stop (:attr:`~localllm.residency.Resident.shrinks`)."""
     from backends.base import answer_reserve
 
     if options.num_ctx is not None and not request.keep_turns:
@@ -43,14 +46,24 @@ def grown(running: Resident, request: GenerateRequest, options: LoadOptions, e: 
     derived = running.installed.derived if running.installed is not None else None
     if derived is not None and derived.parameters.get("num_ctx"):
         return fallback  # a created model's PARAMETER num_ctx is a setting: honoured, as a request's is
+
+    def holds(n_ctx: int) -> bool:
+        return e.prompt_tokens <= n_ctx - answer_reserve(request.sampling.max_tokens, n_ctx)
+
     want = have
-    while want < trained and e.prompt_tokens > want - answer_reserve(request.sampling.max_tokens, want):
+    while want < trained and not holds(want):
         want *= 2
     want = min(want, trained)
-    while want > have:
-        if fits(want):
-            log.info("%s: the prompt needs %d tokens; reloading with a %d-token context (was %d)",
-                     running.name, e.prompt_tokens, want, have)
-            return request, replace(options, num_ctx=want)
-        want //= 2
-    return fallback
+    if want <= have or not holds(want):
+        if not holds(trained):  # the model's maximum, not the loaded context, is what the prompt is too long for
+            e.n_ctx = max(e.n_ctx, trained)
+        log.info("%s: the prompt needs %d tokens, more than a %d-token context holds (trained for %d): not grown",
+                 running.name, e.prompt_tokens, want, trained)
+        return fallback
+    if not fits(want):
+        log.info("%s: the prompt needs %d tokens; a %d-token context does not fit this machine as loaded (memory, "
+                 "or layers would leave the GPU): not grown", running.name, e.prompt_tokens, want)
+        return fallback
+    log.info("%s: the prompt needs %d tokens; reloading with a %d-token context (was %d)",
+             running.name, e.prompt_tokens, want, have)
+    return request, replace(options, num_ctx=want, grown_from=running.options.grown_from or have)

@@ -59,6 +59,12 @@ class LoadOptions:
     tensor_split: tuple[float, ...] | None = None  # their shares of the layers (default: by usable memory)
     cpu_moe: bool = False  # a mixture of experts: every expert tensor in RAM (llama.cpp --cpu-moe)
     num_cpu_moe: int | None = None  # the first N layers' experts in RAM (--n-cpu-moe N); None = the planner
+    grown_from: int = 0  # set by the engine, never a request: num_ctx grew from this context for a long prompt
+
+
+# the load options a request may choose (each then counts for that load only: :meth:`Loader.chosen`)
+REQUEST_LOAD_FIELDS = ("num_ctx", "num_gpu", "num_thread", "kv_cache_type", "num_parallel", "num_cpu_moe", "cpu_moe",
+                       "draft")
 
 
 @dataclass(frozen=True)
@@ -224,7 +230,14 @@ class Loader:
             raise LocalLLMError(f"num_ctx must be at least {MIN_CTX} tokens, got {options.num_ctx}.")
         model = model if model is not None else self.store.get(name)
         options = self.model_options(model, options)
+        cores = max(1, self.hardware.logical_cores)
+        asked_threads = options.num_thread
+        if asked_threads is not None and asked_threads > cores:  # more threads only take turns on the cores
+            options = replace(options, num_thread=cores)
         p = self._plan(model, options)
+        if asked_threads is not None and asked_threads > cores:
+            p.reasons.append(f"threads {cores}: {asked_threads} were asked for, but this process may run on "
+                             f"{cores} core{'s' if cores != 1 else ''}")
         if p.memory.draft and (options.draft or "auto").strip() == "auto":
             # the catalog's pairing was not asked for: it never costs the model its fit, context or GPU layers
             alone = self._plan(model, replace(options, draft="none"))
@@ -235,6 +248,37 @@ class Loader:
                                      f"{model.name} {cost} (--draft NAME: with it)")
                 return Prepared(model, replace(options, draft="none"), alone)
         return Prepared(model, options, p)
+
+    def chosen(self, prepared: Prepared, asked: LoadOptions) -> frozenset[str]:
+        """The load options ``asked`` chose (a request's, before a created model's PARAMETERs) that make ``prepared``
+        differ from the load a request asking for none of them gets (its threads, context, GPU layers, KV type,
+        slots, experts, draft): the engine gives a later request that leaves them to the planner the default load
+        again instead of this one. A context grown by the engine (``grown_from``) is not a request's choice."""
+        from localllm.residency import left_to_planner
+
+        fields = [f for f in REQUEST_LOAD_FIELDS if not left_to_planner(getattr(asked, f))
+                  and not (f == "num_ctx" and asked.grown_from)]
+        if not fields:
+            return frozenset()
+        plain = replace(asked, num_ctx=None, num_gpu=None, num_thread=None, kv_cache_type=None, num_parallel=None,
+                        num_cpu_moe=None, cpu_moe=False, draft="auto", grown_from=0)
+        try:
+            default = self.prepare(prepared.name, plain, model=prepared.model)
+        except LocalLLMError:
+            return frozenset(fields)
+        p, d = prepared.plan, default.plan
+        same = {
+            "num_ctx": p.n_ctx == d.n_ctx,
+            "num_gpu": p.n_gpu_layers == d.n_gpu_layers,
+            "num_thread": (prepared.options.num_thread or p.n_threads) == (default.options.num_thread or d.n_threads),
+            "kv_cache_type": p.kv_cache_type == d.kv_cache_type,
+            "num_parallel": p.slots == d.slots,
+            "num_cpu_moe": p.n_cpu_moe == d.n_cpu_moe,
+            "cpu_moe": p.n_cpu_moe == d.n_cpu_moe,
+            "draft": (prepared.options.draft, prepared.options.num_draft) == (default.options.draft,
+                                                                            default.options.num_draft),
+        }
+        return frozenset(f for f in fields if not same[f])
 
     def replan(self, prepared: Prepared, **changes: Any) -> Prepared:
         """``prepared`` planned again with ``changes`` to its options (``num_gpu=``, ``num_ctx=``), the store not

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds (Ollama: 5m)
 DEFAULT_MAX_QUEUE = 512
+SHRINK_AFTER = 3  # requests in a row that fit the default context before a grown context goes back to it
 BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
 
 
@@ -90,11 +91,24 @@ class Resident:
     estimate: int = 0  # the planner's memory estimate (bytes) used for residency decisions
     closed: bool = False  # unloaded: no new request gets it (its model closes when the last one ends)
     installed: InstalledModel | None = None  # details for ps
+    # the load options a request chose that made this load differ from the default one (``num_thread``, ``num_ctx``,
+    # ...): a request that leaves them to the planner gets the default load again, not this one
+    chosen: frozenset[str] = frozenset()
+    grown_from: int = 0  # the context this load grew from for a long prompt (0: not grown)
+    fitting: int = 0  # requests in a row since the last long one that fit ``grown_from``'s context
 
-    def serves(self, options: LoadOptions) -> bool:
+    def serves(self, options: LoadOptions, *, context: bool = True) -> bool:
         """Whether this load can serve a request that asks for ``options`` (the engine's backend applied: ``None``
-        and ``auto`` take what is loaded; ``embedding`` does not matter: every loaded model embeds)."""
+        and ``auto`` take what is loaded, unless a request chose that option for this load (``chosen``: it goes
+        back to the default), or the context grew for long prompts that have stopped (:attr:`shrinks`);
+        ``embedding`` does not matter: every loaded model embeds; ``context=False``: the request uses no context of
+        the model's, so the context loaded does not matter either)."""
         want, have = options, self.options
+        for f in self.chosen:  # one request's odd load is not everyone's: a plain request gets the default
+            if left_to_planner(getattr(want, f)) and (context or f != "num_ctx"):
+                return False
+        if want.num_ctx is None and context and self.shrinks:
+            return False
         if want.num_ctx is not None and want.num_ctx != self.info.n_ctx:
             return False
         for f in ("num_gpu", "kv_cache_type", "num_thread", "num_parallel", "num_cpu_moe"):
@@ -107,6 +121,17 @@ class Resident:
         if want.draft != "auto" and (want.draft, want.num_draft) != (have.draft, have.num_draft):
             return False
         return True
+
+    @property
+    def shrinks(self) -> bool:
+        """A context grown for long prompts goes back to the default once they stop: :data:`SHRINK_AFTER` requests
+        in a row fit the default context, and nothing runs on it now."""
+        return bool(self.grown_from) and self.fitting >= SHRINK_AFTER and self.refs == 0
+
+    def count(self, context_used: int) -> None:
+        """A request on this model ended having used ``context_used`` tokens (for :attr:`shrinks`)."""
+        if self.grown_from and context_used > 0:
+            self.fitting = self.fitting + 1 if context_used <= self.grown_from else 0
 
     def touch(self, keep_alive: float) -> None:
         """Used now: its keep-alive counts from now."""
@@ -158,6 +183,15 @@ class Resident:
         """Expiry as a Unix time (``None`` = never), for ``ps`` and ``/api/ps``."""
         left = self.expires_in
         return None if left == float("inf") else time.time() + max(0.0, left)
+
+
+def left_to_planner(value: Any) -> bool:
+    """Whether a load option's value leaves the choice to the planner (None, False, "auto"; not 0).
+
+    >>> [left_to_planner(v) for v in (None, False, "auto", 0, 8, "none")]
+    [True, True, True, False, False, False]
+    """
+    return value is None or value is False or value == "auto"
 
 
 def in_the_way(resident: list[Resident], need: int, budget: int, max_loaded: int) -> list[Resident] | None:

@@ -18,17 +18,24 @@ def loader(default_model):
     return Loader(Store(), backend="llamacpp")
 
 
+def test_num_thread_is_capped_to_the_cores_this_process_may_use(loader):
+    cores = loader.hardware.logical_cores
+    prepared = loader.prepare(MODEL, LoadOptions(num_thread=1024))
+    assert prepared.options.num_thread == cores
+    assert any(r.startswith(f"threads {cores}: 1024 were asked for") for r in prepared.plan.reasons)
+
+
 def test_the_loader_loads_a_model_that_answers_without_an_engine(loader):
-    options = LoadOptions(num_ctx=1024, num_thread=3, embedding=True)
+    options = LoadOptions(num_ctx=1024, num_thread=1, embedding=True)
     prepared = loader.prepare(MODEL, options)
     prepared.check_fits()
     model, plan = prepared.model, prepared.plan
-    assert prepared.estimate == plan.memory.total > 0 and prepared.options.num_thread == 3
+    assert prepared.estimate == plan.memory.total > 0 and prepared.options.num_thread == 1
     loaded, load_ns = loader.load(prepared, None)
     try:
         assert load_ns > 0
         assert loaded.spec.model_path == str(model.path)
-        assert (loaded.spec.n_ctx, loaded.spec.slots, loaded.spec.n_threads) == (1024, plan.slots, 3)
+        assert (loaded.spec.n_ctx, loaded.spec.slots, loaded.spec.n_threads) == (1024, plan.slots, 1)
         assert loaded.info.n_ctx == 1024
         assert loaded.tokenize("Hello") and len(loaded.embed(["Hello"])[0]) > 0
     finally:

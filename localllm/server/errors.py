@@ -45,18 +45,29 @@ def scrub(message: str) -> str:
 
 def status_of(e: BaseException) -> tuple[int, str]:
     """An exception from the engine / store → (HTTP status, safe one-line message)."""
-    from localllm.engine import BackendError, ContextOverflowError, ServerBusyError, UnsupportedError
+    from localllm.engine import (
+        BackendError,
+        ContextOverflowError,
+        InputTooLargeError,
+        RequestCancelled,
+        ServerBusyError,
+        UnsupportedError,
+    )
     from localllm.errors import InvalidModelFileError, ModelNotFoundError, PlanError, PullError
 
     if isinstance(e, APIError):
         return e.status, scrub(e.message)
     if isinstance(e, ServerBusyError):
         return 503, str(e)
+    if isinstance(e, InputTooLargeError):  # embedding / rerank inputs over a cap: one request too large
+        return 413, scrub(str(e))
+    if isinstance(e, RequestCancelled):  # the client went away: nobody reads this (nginx's "client closed request")
+        return 499, scrub(str(e))
     if isinstance(e, ModelNotFoundError):
         return 404, scrub(str(e))
-    if isinstance(e, InvalidNameError | UnsupportedError | ContextOverflowError):
-        return 400, scrub(str(e))
-    if isinstance(e, PlanError | InvalidModelFileError | PullError | BackendError):
+    if isinstance(e, InvalidNameError | UnsupportedError | ContextOverflowError | PlanError):
+        return 400, scrub(str(e))  # a PlanError: the load asked for cannot be made here (a context too big, ...)
+    if isinstance(e, InvalidModelFileError | PullError | BackendError):
         return 500, scrub(str(e))
     if isinstance(e, LocalLLMError):
         return 400, scrub(str(e))

@@ -48,7 +48,7 @@ from localllm.server.checks import check_name
 from localllm.server.errors import APIError, bad_request, status_of
 from localllm.server.modelinfo import capabilities, info_of
 from localllm.server.options import options_of
-from localllm.server.protocol import ServerEngine, engine_of, run_sync
+from localllm.server.protocol import ServerEngine, engine_of, run_cancellable, run_sync
 from localllm.store import InstalledModel
 from localllm.thinking import asks_to_think
 
@@ -213,6 +213,7 @@ async def first_event(agen: AsyncIterator[Event], http: Request | None = None) -
     except BaseException:
         if not task.done():
             task.cancel()
+            await asyncio.wait({task})  # the generator ends with the cancellation: aclose must not race it
         await aclose(agen)
         raise
 
@@ -331,8 +332,8 @@ async def embed_texts(http: Request, model: str, texts: list[str], options: dict
     if not texts:
         await run_sync(engine.load, name, load_options, keep_alive=keep_alive, pool="load")
     else:
-        pooled = await run_sync(engine.embed_many, name, texts, load_options, keep_alive=keep_alive,
-                                truncate=truncate, pool="work")
+        pooled = await run_cancellable(http, engine.embed_many, name, texts, load_options, keep_alive=keep_alive,
+                                       truncate=truncate, pool="work")
     after = loaded(engine, found.name)
     load_ns = after.load_duration_ns if after is not None and after is not before else 0
     return pooled, load_ns, found

@@ -58,10 +58,12 @@ class ServerEngine(Protocol):
               keep_alive: float | None = None) -> list[list[float]]: ...
 
     def embed_many(self, name: str, texts: list[str], options: LoadOptions | None = None, *,
-                   keep_alive: float | None = None, truncate: bool = True) -> Pooled: ...
+                   keep_alive: float | None = None, truncate: bool = True,
+                   cancel: threading.Event | None = None) -> Pooled: ...
 
     def rerank(self, name: str, query: str, documents: list[str], options: LoadOptions | None = None, *,
-               keep_alive: float | None = None, truncate: bool = True) -> Pooled: ...
+               keep_alive: float | None = None, truncate: bool = True,
+               cancel: threading.Event | None = None) -> Pooled: ...
 
     def tokenize(self, name: str, text: str, images: list[bytes] | None = None) -> list[int]: ...
 
@@ -101,3 +103,23 @@ async def run_sync(fn: Callable[..., T], *args: Any, pool: Pool = "store", **kwa
     """Run blocking work off the event loop, on the bounded pool of its kind."""
     call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
     return await asyncio.get_running_loop().run_in_executor(executor(pool), call)
+
+
+async def run_cancellable(http: Request, fn: Callable[..., T], *args: Any, pool: Pool = "work",
+                          **kwargs: Any) -> T:
+    """:func:`run_sync` of work that takes ``cancel=`` (a :class:`threading.Event`: embeddings, reranks), set when
+    the client disconnects before the answer, so the work stops between two of its jobs instead of running on for
+    nobody."""
+    cancel = threading.Event()
+    task = asyncio.ensure_future(run_sync(fn, *args, cancel=cancel, pool=pool, **kwargs))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                cancel.set()
+                return await task  # ends at its next check with RequestCancelled (nobody reads the answer)
+    except asyncio.CancelledError:
+        cancel.set()
+        raise

@@ -30,7 +30,7 @@ from localllm.server import ollama_routes, openai_routes
 from localllm.server.errors import bad_request
 from localllm.server.modelinfo import capabilities
 from localllm.server.options import keep_alive_of, options_of
-from localllm.server.protocol import engine_of, run_sync
+from localllm.server.protocol import engine_of, run_cancellable
 from localllm.server.schemas import Bool, KeepAlive, _Body
 from localllm.server.translator import Translator
 
@@ -85,8 +85,8 @@ async def rerank(body: RerankBody, request: Request) -> Response:
                           "bge-reranker-v2-m3", param="model")
     _, options = options_of(body.options)
     options = g.cap_ctx(options, found)
-    pooled = await run_sync(engine_of(request).rerank, name, body.query, texts, options,
-                            keep_alive=keep_alive_of(body.keep_alive), truncate=body.truncate, pool="work")
+    pooled = await run_cancellable(request, engine_of(request).rerank, name, body.query, texts, options,
+                                   keep_alive=keep_alive_of(body.keep_alive), truncate=body.truncate, pool="work")
     return JSONResponse(results_of(body, texts, pooled))
 
 
