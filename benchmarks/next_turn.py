@@ -5,6 +5,7 @@ order; ``llama-bench`` (tg128) runs beside, for the machine's speed.
 
     python benchmarks/next_turn.py                          # 3k-token prefix, B=1 and B=4, 2 rounds
     python benchmarks/next_turn.py --prefix 8000 --clients ""  --rounds 2
+    python benchmarks/next_turn.py --before /tmp/old-checkout   # an earlier commit's code served beside
 
 Per round and server: a fresh system prompt of ``--prefix`` tokens (a nonce: nothing cached from an earlier
 round), turn 1 (cold, ``--answer`` tokens), then turn 2 at once (turn 1's answer and a short new question):
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -118,6 +120,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-bench", action="store_true", help="skip llama-bench")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="another checkout of localllm served beside (\"before\"), e.g. an earlier commit's")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -138,12 +142,18 @@ def main() -> None:
     clients = [int(c) for c in args.clients.split(",") if c.strip()]
     env = {"LOCALLLM_NUM_PARALLEL": str(args.slots)}
     ours_extra = {"num_ctx": n_ctx, "options": {"num_thread": threads}}
-    with Localllm(env=env) as ours, LlamaServer(binary, gguf, threads, n_ctx, args.slots) as theirs:
+    with contextlib.ExitStack() as stack:
+        ours = stack.enter_context(Localllm(env=env))
+        theirs = stack.enter_context(LlamaServer(binary, gguf, threads, n_ctx, args.slots))
         sides = {"localllm": (ours.url, ours_extra), "llama-server": (theirs.url, {"cache_prompt": True})}
+        if args.before is not None:
+            old = stack.enter_context(Localllm(env=env, root=args.before.resolve()))
+            sides["before"] = (old.url, ours_extra)
+            out["before"] = {}
         for url, extra in sides.values():  # warm-up: the model loaded, the first requests' costs paid
             asyncio.run(throughput(url, args.model, 1, 8, bias, extra, salt=99))
         for rnd in range(args.rounds):
-            order = list(sides) if rnd % 2 == 0 else list(reversed(sides))
+            order = list(sides)[rnd % len(sides):] + list(sides)[:rnd % len(sides)]
             for name in order:
                 url, extra = sides[name]
                 system = system_prompt(args.prefix, tok, nonce=f"round {rnd} {name} {os.getpid()}")
@@ -164,17 +174,19 @@ def main() -> None:
     for k in ("llama_bench_before", "llama_bench_after"):
         if k in out:
             print(f"{k}: {out[k]}")
-    ours_t, theirs_t = out["localllm"]["turns"], out["llama-server"]["turns"]
-    for key in ("turn1_ttft_s", "turn2_ttft_s"):
-        a = [r[key] for r in ours_t]
-        b = [r[key] for r in theirs_t]
-        print(f"{key:14} localllm {' / '.join(f'{x:.3f}' for x in a)}   llama-server "
-              f"{' / '.join(f'{x:.3f}' for x in b)}   ratio (median) {med(a) / med(b):.2f}")
-    for b in clients:
-        a, t = out["localllm"][f"B{b}_tok_s"], out["llama-server"][f"B{b}_tok_s"]
-        ratios = " / ".join(f"{x / y:.2f}" for x, y in zip(a, t, strict=True))
-        print(f"B={b} tok/s      localllm {' / '.join(f'{x:.1f}' for x in a)}   llama-server "
-              f"{' / '.join(f'{x:.1f}' for x in t)}   ratios {ratios}")
+    mine = ["localllm", "before"] if args.before is not None else ["localllm"]
+    theirs_t = out["llama-server"]["turns"]
+    for side in mine:
+        for key in ("turn1_ttft_s", "turn2_ttft_s"):
+            a = [r[key] for r in out[side]["turns"]]
+            b = [r[key] for r in theirs_t]
+            print(f"{key:14} {side:9}{' / '.join(f'{x:.3f}' for x in a)}   llama-server "
+                  f"{' / '.join(f'{x:.3f}' for x in b)}   ratio (median) {med(a) / med(b):.2f}")
+        for c in clients:
+            a, t = out[side][f"B{c}_tok_s"], out["llama-server"][f"B{c}_tok_s"]
+            ratios = " / ".join(f"{x / y:.2f}" for x, y in zip(a, t, strict=True))
+            print(f"B={c} tok/s      {side:9}{' / '.join(f'{x:.1f}' for x in a)}   llama-server "
+                  f"{' / '.join(f'{x:.1f}' for x in t)}   ratios {ratios}")
 
 
 if __name__ == "__main__":
