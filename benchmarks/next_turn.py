@@ -179,9 +179,9 @@ def main() -> None:
     for side in mine:
         for key in ("turn1_ttft_s", "turn2_ttft_s"):
             a = [r[key] for r in out[side]["turns"]]
-            b = [r[key] for r in theirs_t]
+            ref = [r[key] for r in theirs_t]
             print(f"{key:14} {side:9}{' / '.join(f'{x:.3f}' for x in a)}   llama-server "
-                  f"{' / '.join(f'{x:.3f}' for x in b)}   ratio (median) {med(a) / med(b):.2f}")
+                  f"{' / '.join(f'{x:.3f}' for x in ref)}   ratio (median) {med(a) / med(ref):.2f}")
         for c in clients:
             a, t = out[side][f"B{c}_tok_s"], out["llama-server"][f"B{c}_tok_s"]
             ratios = " / ".join(f"{x / y:.2f}" for x, y in zip(a, t, strict=True))

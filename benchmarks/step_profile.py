@@ -27,14 +27,19 @@ from _serve import Tokens, load_avg, model_path, story_prompt
 
 
 def _timed(obj: Any, name: str, acc: dict[str, float]) -> Callable[[], None]:
+    """Wrap ``obj.name`` with a clock; only calls made during decode-only steps count (``acc["decoding"]``)."""
     real = getattr(obj, name)
 
     def wrapper(*a: Any, **k: Any) -> Any:
+        if name == "evaluate":  # a step of one token per sequence (no prompt chunk): a decode step
+            acc["decoding"] = float(all(len(f.tokens) == 1 for f in a[-1]))
+            acc["decode_steps"] = acc.get("decode_steps", 0.0) + acc["decoding"]
         t = time.perf_counter_ns()
         try:
             return real(*a, **k)
         finally:
-            acc[name] = acc.get(name, 0.0) + time.perf_counter_ns() - t
+            if acc.get("decoding"):
+                acc[name] = acc.get(name, 0.0) + time.perf_counter_ns() - t
 
     setattr(obj, name, wrapper)
     return lambda: setattr(obj, name, real)
@@ -104,8 +109,9 @@ def main() -> None:
             wall = run(m, b, args.tokens, bias, 100 * b)
             m.call(lambda _s, undo=undo: [u() for u in reversed(undo)])
             steps = m.metrics().steps - steps0
-            per = {k: v / steps / 1e6 for k, v in acc.items()}  # ms per step
-            step_ms = wall * 1e3 / max(1, steps - 1)
+            n_dec = max(1.0, acc.get("decode_steps", 1.0))
+            per = {k: v / n_dec / 1e6 for k, v in acc.items()}  # ms per decode step
+            step_ms = wall * 1e3 / max(1, args.tokens - 1)  # (each stream's tokens: one per step)
             row = {"steps": steps, "step_ms": step_ms, "tok_s": b * args.tokens / wall,
                    "decode_ms": per.get("evaluate", 0.0), "sample_ms": per.get("sample", 0.0),
                    "push_ms": per.get("push", 0.0)}
