@@ -18,7 +18,9 @@ cells are the source's; the pool knows what they hold) and decides, for the deco
   see :class:`CheckpointPolicy`;
 * **release** (:meth:`KVPool.release`): a request's sequence becomes an idle prefix whatever ended it
   (finished, cancelled, failed): the evaluated tokens stay for the next request, only cells the pool does
-  not know of (a failed evaluation's) are dropped; its long prefixes are saved to the prompt cache on disk.
+  not know of (a failed evaluation's) are dropped; its long prefixes are owed to the prompt cache on disk
+  (:meth:`KVPool.owe_prefixes`): copied out of the pool later, while the model idles (:meth:`KVPool.save_owed`),
+  before the sequence's cells are cut, copied over, parked or dropped, or at close.
 
 Every method runs on the loop's thread; :meth:`KVPool.usage` may be read from any thread (a snapshot).
 """
@@ -92,6 +94,7 @@ class Seq:
     parked: bytes | None = None  # its KV state, moved to host memory while other sequences decode (no cells)
     no_join: bool = False  # a copy into it failed (recurrent memory): its request never waits for a prefill
     checkpoints: list[Checkpoint] = field(default_factory=list)  # by n, ascending (memory without rewind)
+    unsaved: list[list[int]] = field(default_factory=list)  # prefixes of ``tokens`` owed to the prompt cache on disk
 
     def in_pool(self) -> bool:
         """Whether its tokens are in the pool's cells (an idle sequence may be parked in host memory)."""
@@ -233,6 +236,7 @@ class KVPool:
             elif target is not None:
                 if target.tokens:
                     self.counters.evictions += 1
+                self.save_unsaved(target)
                 target.parked = None
                 best_n, pos = self._cut(best.tokens, best_n)
                 ok = src.seq_cp(best.id, target.id, pos)  # empties the target first
@@ -253,6 +257,7 @@ class KVPool:
             keep = len(prompt) - 1  # the last prompt token is evaluated again for its logits
         if keep < len(seq.tokens):
             keep, pos = self._cut(seq.tokens, keep)
+            self.save_unsaved(seq, keep)
             if not src.seq_rm(seq.id, pos):
                 src.seq_rm(seq.id)  # memory without partial removal: nothing is kept, the saved row is stale
                 keep, saved, out.logits = 0, None, None
@@ -324,6 +329,7 @@ class KVPool:
                     seq, copied = target, (keep if ok else 0)
             if best_n < len(seq.tokens):
                 keep, pos = self._cut(seq.tokens, best_n)
+                self.save_unsaved(seq, keep)
                 if src.seq_rm(seq.id, pos):
                     del seq.tokens[keep:]
                     seq.checkpoints = [c for c in seq.checkpoints if c.n <= keep]
@@ -424,7 +430,8 @@ class KVPool:
         pc = self.prompt_cache
         assert pc is not None
         # memory without rewind: a state of the whole prompt could not give back the last token to evaluate
-        n, data = pc.lookup(prompt, max_len=len(prompt) - 1 if self.checkpointing is not None else None)
+        n, data = pc.lookup(prompt, max_len=len(prompt) - 1 if self.checkpointing is not None else None,
+                            min_len=keep + 1)  # (an entry no longer than what the pool holds is not read)
         if data is None or n <= keep:
             return keep, 0
         if not self._st.state_load(seq.id, data):
@@ -506,6 +513,7 @@ class KVPool:
         """Drop the tokens of ``seq`` after the first ``keep`` (rejected drafts)."""
         if keep < len(seq.tokens):
             keep, pos = self._cut(seq.tokens, keep)
+            self.save_unsaved(seq, keep)
             self.source.seq_rm(seq.id, pos)
             del seq.tokens[keep:]
             seq.checkpoints = [c for c in seq.checkpoints if c.n <= keep]
@@ -538,7 +546,8 @@ class KVPool:
         return True
 
     def drop(self, s: Seq) -> None:
-        """Empty ``s`` (its cells, or its parked state)."""
+        """Empty ``s`` (its cells, or its parked state); the prefixes it owes the prompt cache are saved first."""
+        self.save_unsaved(s)
         if s.parked is None:
             self.source.seq_rm(s.id)
         s.tokens, s.prompt_logits, s.parked, s.checkpoints = [], None, None, []
@@ -579,6 +588,11 @@ class KVPool:
             if self.parked_tokens() + n > budget:  # what is parked was used more recently: this one goes
                 self.drop(s)
                 continue
+            short = [t for t in s.unsaved if len(t) < n]  # owed prefixes that parked bytes cannot give
+            if short:
+                s.unsaved = [t for t in s.unsaved if len(t) >= n]
+                for t in short:
+                    self._save_prefix(s, t)
             try:
                 data = self._st.state_save(s.id)
             except Exception as e:  # noqa: BLE001 - a state that cannot be taken: the cells just go
@@ -586,7 +600,7 @@ class KVPool:
                 self.drop(s)
                 continue
             src.seq_rm(s.id)
-            s.parked = data
+            s.parked = data  # (the whole prompt it owes the disk cache is saved from these bytes, later)
 
     def _unpark(self, s: Seq) -> bool:
         """Load a parked sequence back into the pool; False (and the sequence empty) when it does not fit."""
@@ -613,6 +627,7 @@ class KVPool:
         seq.last_used = time.monotonic()
         if failed:
             keep, pos = self._cut(seq.tokens, len(seq.tokens))
+            self.save_unsaved(seq, keep)
             if self.source.seq_rm(seq.id, pos):
                 del seq.tokens[keep:]
                 seq.checkpoints = [c for c in seq.checkpoints if c.n <= keep]
@@ -620,46 +635,109 @@ class KVPool:
                 self.drop(seq)
 
     def save_prefixes(self, seq: Seq, prompt: list[int], points: Iterable[int] = ()) -> None:
-        """Save the KV state of the long prefixes of ``prompt`` that ``seq`` holds to the disk cache (where
-        the system prompt ends, ``points``; the whole prompt: the next turn of a chat starts with it; or as
-        much of it as was evaluated) unless the disk already has them. The copy is taken here, on the loop's
-        thread (about 50 ms for 2,000 tokens of an f16 cache on a small model: the other streams wait one
-        step that long); the file is written in the background."""
+        """Save the KV state of the long prefixes of ``prompt`` that ``seq`` holds to the disk cache now (see
+        :meth:`owe_prefixes`, which the loop uses: the same prefixes, saved later)."""
+        self.owe_prefixes(seq, prompt, points)
+        self.save_unsaved(seq)
+
+    def owe_prefixes(self, seq: Seq, prompt: list[int], points: Iterable[int] = ()) -> None:
+        """Note the long prefixes of ``prompt`` that ``seq`` holds (where the system prompt ends, ``points``; the
+        whole prompt: the next turn of a chat starts with it; or as much of it as was evaluated) as owed to the
+        disk cache, without copying anything: the copy out of the pool is taken later, off the path of the next
+        request (:meth:`save_owed` while the model idles; before the sequence's cells change or go: a cut, an
+        eviction, parking; at close). A new whole prompt of the same sequence replaces the one it extends (the
+        previous turn of the same conversation: the disk keeps the latest)."""
         pc = self.prompt_cache
         if pc is None:
             return
         held = common_prefix(seq.tokens, prompt)
-        for n in sorted({n for n in (*points, len(prompt), held) if pc.wants(n) and n <= held}):
-            toks = seq.tokens[:n]
-            if pc.has(toks):
-                continue
+        lengths = sorted({n for n in (*points, len(prompt), held) if pc.wants(n) and n <= held})
+        marks = {n for n in points if n <= held}
+        if not lengths:
+            return
+        # what it owed before and still holds: a mark (a system prompt) stays; a previous whole prompt that this
+        # one extends goes (the next turn of the same conversation)
+        owed = [t for t in seq.unsaved if len(t) in marks and t == seq.tokens[:len(t)]]
+        have = {len(t) for t in owed}
+        owed += [seq.tokens[:n] for n in lengths if n not in have]
+        seq.unsaved = sorted(owed, key=len)
+
+    def owes(self) -> bool:
+        """Whether some sequence owes prefixes to the disk cache."""
+        return any(s.unsaved for s in self.seqs)
+
+    def save_owed(self) -> bool:
+        """Save one owed prefix (the most recently used sequence's longest first); False when none is left. The
+        loop calls it while the model idles, one at a time, looking at its queue between them."""
+        owing = [s for s in self.seqs if s.unsaved]
+        if not owing:
+            return False
+        s = max(owing, key=lambda s: s.last_used)
+        toks = s.unsaved.pop()
+        if s.parked is not None:  # (the shorter prefixes of a parked sequence were saved when it was parked)
+            self._save_parked(s, toks)
+        else:
+            self._save_prefix(s, toks)
+        return self.owes()
+
+    def save_unsaved(self, seq: Seq, keep: int = 0) -> None:
+        """Save now what ``seq`` owes the disk cache beyond its first ``keep`` tokens (those cells are about to
+        change or go)."""
+        if not seq.unsaved or len(seq.unsaved[-1]) <= keep:
+            return
+        owed = [t for t in seq.unsaved if len(t) > keep]
+        seq.unsaved = [t for t in seq.unsaved if len(t) <= keep]
+        for toks in owed:
+            if seq.parked is not None:
+                self._save_parked(seq, toks)
+            elif not self._save_prefix(seq, toks):
+                return
+
+    def _save_parked(self, seq: Seq, toks: list[int]) -> None:
+        """The whole state of a parked sequence to the disk cache from its parked bytes (no copy out of the pool)."""
+        pc = self.prompt_cache
+        if pc is not None and seq.parked is not None and toks == seq.tokens and not pc.has(toks):
+            pc.save(toks, seq.parked)
+
+    def _save_prefix(self, seq: Seq, toks: list[int]) -> bool:
+        """Copy the state of ``seq``'s first ``len(toks)`` tokens (still ``toks``) out of the pool and queue it for
+        the disk (the write and its hash on the cache's thread); False: no state can be taken now."""
+        pc = self.prompt_cache
+        n = len(toks)
+        if pc is None or not seq.in_pool() or seq.tokens[:n] != toks or pc.has(toks):
+            return True
+        tmp = None
+        if n != len(seq.tokens):
             tmp = next((s for s in self.seqs if s.owner is None and not s.tokens and s is not seq), None)
             if tmp is None:
-                return
-            try:
-                if n == len(seq.tokens):
-                    data = self._st.state_save(seq.id)
-                elif self.checkpointing is not None:  # memory without rewind: from a checkpoint at n, or not
-                    ck = next((c for c in seq.checkpoints if c.n == n), None)
-                    if ck is None or not self._ck.checkpoint_restore(seq.id, tmp.id, n, ck.data):
-                        continue
-                    data = self._st.state_save(tmp.id)
-                    self.source.seq_rm(tmp.id)
-                elif self._cut(toks, n)[0] != n:
-                    continue  # inside an image that is kept whole
-                elif self.source.seq_cp(seq.id, tmp.id, self._positions(toks)):
-                    data = self._st.state_save(tmp.id)
-                    self.source.seq_rm(tmp.id)
-                else:
-                    continue
-            except Exception as e:  # noqa: BLE001 - a cache that cannot be saved costs nothing but the miss
-                log.warning("prompt cache: could not take the state of %d tokens: %s", n, e)
-                return
-            pc.save(toks, data)
+                return False
+        try:
+            if tmp is None:
+                data = self._st.state_save(seq.id)
+            elif self.checkpointing is not None:  # memory without rewind: from a checkpoint at n, or not
+                ck = next((c for c in seq.checkpoints if c.n == n), None)
+                if ck is None or not self._ck.checkpoint_restore(seq.id, tmp.id, n, ck.data):
+                    return True
+                data = self._st.state_save(tmp.id)
+                self.source.seq_rm(tmp.id)
+            elif self._cut(toks, n)[0] != n:
+                return True  # inside an image that is kept whole
+            elif self.source.seq_cp(seq.id, tmp.id, self._positions(toks)):
+                data = self._st.state_save(tmp.id)
+                self.source.seq_rm(tmp.id)
+            else:
+                return True
+        except Exception as e:  # noqa: BLE001 - a cache that cannot be saved costs nothing but the miss
+            log.warning("prompt cache: could not take the state of %d tokens: %s", n, e)
+            return False
+        pc.save(toks, data)
+        return True
 
     def close(self) -> None:
-        """Finish the prompt cache's writes (the source is the caller's to close)."""
+        """Save what is owed to the prompt cache and finish its writes (the source is the caller's to close)."""
         if self.prompt_cache is not None:
+            for s in self.seqs:
+                self.save_unsaved(s)
             self.prompt_cache.close()
 
 

@@ -20,10 +20,12 @@ events. Each step of the loop:
    stream (stops, UTF-8, tools, thinking, limits) and sends the events;
 5. ends finished, cancelled and failed requests at once: their slot is free the same step, and whatever
    ended them, the tokens their sequence evaluated stay as an idle prefix for the next request until the
-   pool needs them (least recently used first) and their long prefixes are saved to the prompt cache on
-   disk; while several requests run (or one beside 512+ idle tokens), idle sequences are parked in host
-   memory instead (attention spans every cell up to the highest in use) and copied back when their
-   conversation returns.
+   pool needs them (least recently used first) and their long prefixes are owed to the prompt cache on
+   disk (copied out of the pool once the model has idled ``PromptCacheSpec.idle_s``, or before their cells
+   change or go, or at close: never between a turn's end and the next turn's start; the cache's writer hashes
+   and writes only while no request runs); while several requests run (or one beside 512+ idle tokens),
+   idle sequences are parked in host memory instead (attention spans every cell up to the highest in use)
+   and copied back when their conversation returns.
 
 Each request is a :class:`~backends.slot.Slot` in an explicit state that only its transitions change
 (:mod:`backends.slot`); what a load can do beyond the core contract is read once from its capabilities.
@@ -371,18 +373,38 @@ class LoadedModel:
             self._ready.set()
             return
         self._ready.set()
+        pc = self.prompt_cache
+        idle_s = self._pcache_spec.idle_s if self._pcache_spec is not None else 0.0
+        busy = False
+        last_busy = time.monotonic()
         try:
             while True:
                 self._run_jobs()
                 with self._wake:
                     if self._closing:
                         break
-                    if not self._active and not self._incoming:
+                    idle = not self._active and not self._incoming
+                    if idle and pc is not None and self.pool.owes():
+                        wait = last_busy + idle_s - time.monotonic()
+                        if wait > 0:
+                            self._wake.wait(min(0.5, wait))
+                            continue
+                    elif idle:
                         self._wake.wait(0.5)
                         continue
+                if idle:  # (the prompt cache is owed prefixes and the model has idled idle_s)
+                    self.pool.save_owed()  # one at a time: a request that comes meanwhile waits for one copy
+                    continue
+                if pc is not None and not busy:
+                    busy = True
+                    pc.decoding(True)  # its writer yields to the steps
                 self._admit()
                 if self._active:
                     self._step()
+                if not self._active and not self._incoming:
+                    busy, last_busy = False, time.monotonic()
+                    if pc is not None:
+                        pc.decoding(False)
         except BaseException as e:  # noqa: BLE001 - a crash of the loop: every request gets it
             log.exception("decode loop of %s crashed", self.name)
             err = e if isinstance(e, BackendError) else BackendError(f"The model failed while generating: {e}")
@@ -410,10 +432,23 @@ class LoadedModel:
                 cache = PromptCache(pc.root, key=f"{pc.model_key} {state_key}", max_bytes=pc.max_bytes,
                                     min_tokens=pc.min_tokens, budget_root=pc.budget_root)
             can_park = src.shared_pool and state_key is not None and spec.tuning.park
-            self._pool = KVPool(src, prompt_cache=cache, can_park=bool(can_park))
+            self._pool = pool = KVPool(src, prompt_cache=cache, can_park=bool(can_park))
+            if cache is not None:
+                cache.before_flush = lambda: self._save_owed_now(pool)
         except BaseException:
             src.close()
             raise
+
+    def _save_owed_now(self, pool: KVPool) -> None:
+        """Copy out every prefix the pool owes the prompt cache (a flush of the cache), on the loop thread."""
+        def save(_src: TokenSource) -> None:
+            while pool.save_owed():
+                pass
+
+        try:
+            self.call(save)
+        except BackendError:  # unloaded meanwhile: the close saved them
+            pass
 
     def _shutdown(self) -> None:
         for r in self._active + list(self._incoming):
@@ -689,7 +724,7 @@ class LoadedModel:
     def _end(self, r: Slot, reason: Any, error: BaseException | None = None) -> None:
         """End ``r`` (finished, cancelled or failed). Its sequence stays as an idle prefix whatever the reason
         (the evaluated prompt is the valuable part: the next request with the same system prompt copies it),
-        and its long prefixes go to the prompt cache on disk once the consumer has its last event."""
+        and its long prefixes are owed to the prompt cache on disk (copied out later, see the module's step 5)."""
         if r in self._active:
             self._active.remove(r)
         r.finish()
@@ -708,8 +743,8 @@ class LoadedModel:
             for ev in r.stream.close(reason):
                 r.channel.put(ev)
             r.channel.close()
-        if seq is not None:  # after the last event: the client never waits for the copy of the state
-            self.pool.save_prefixes(seq, r.stream.prompt, r.stream.cache_points)
+        if seq is not None:  # no copy now: the next request (the next turn, sent at once) never waits for it
+            self.pool.owe_prefixes(seq, r.stream.prompt, r.stream.cache_points)
 
 
 __all__ = ["LoadedModel", "LoopMetrics"]

@@ -33,6 +33,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,8 @@ log = logging.getLogger("backends.prompt_cache")
 
 FORMAT = 1
 SUFFIX = ".kv"
+PIECE = 4 << 20  # bytes hashed or written between two looks at whether the model decodes
+BACKLOG = 1 << 30  # bytes waiting to be written beyond which the writer stops yielding to the model
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class PromptCacheSpec:
     max_bytes: int = 2 << 30
     min_tokens: int = 512
     budget_root: str | None = None  # the tree ``max_bytes`` bounds (all models' entries); None = ``root``
+    idle_s: float = 2.0  # the model idle this long, the loop copies the prefixes it owes out of the pool
 
 
 @dataclass
@@ -80,6 +84,11 @@ class PromptCache:
         self._jobs: queue.SimpleQueue[tuple[list[int], bytes] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._pending: set[str] = set()
+        self._pending_bytes = 0
+        self._quiet = threading.Event()  # set while the model is not decoding: the writer works only then
+        self._quiet.set()
+        self._hurry = False  # flush() and close(): write without yielding
+        self.before_flush: Callable[[], None] | None = None  # the loop's: copy out what it still owes
         self._scan()
 
     # ------------------------------------------------------------------ names
@@ -121,14 +130,16 @@ class PromptCache:
     def has(self, tokens: list[int]) -> bool:
         return self._name(tokens) in self._pending or self._path(tokens).is_file()
 
-    def lookup(self, prompt: list[int], *, max_len: int | None = None) -> tuple[int, bytes | None]:
-        """(tokens, state) of the longest entry whose tokens start ``prompt`` (at most ``max_len``), or
-        (0, None). A bad entry is removed and the next shorter one tried."""
+    def lookup(self, prompt: list[int], *, max_len: int | None = None, min_len: int = 0) -> tuple[int, bytes | None]:
+        """(tokens, state) of the longest entry whose tokens start ``prompt`` (at most ``max_len``, at least
+        ``min_len``: what the caller already holds is not read and checked again), or (0, None). A bad entry is
+        removed and the next shorter one tried."""
         if self.max_bytes <= 0:
             return 0, None
         limit = len(prompt) if max_len is None else min(max_len, len(prompt))
+        low = max(self.min_tokens, min_len)
         with self._lock:
-            lengths = sorted((n for n in self._lengths if self.min_tokens <= n <= limit), reverse=True)
+            lengths = sorted((n for n in self._lengths if low <= n <= limit), reverse=True)
         for n in lengths:
             path = self._path(prompt[:n])
             if not path.is_file():
@@ -181,7 +192,9 @@ class PromptCache:
     # ------------------------------------------------------------------ write
 
     def save(self, tokens: list[int], state: bytes) -> None:
-        """Write an entry on the background thread (never blocks the caller)."""
+        """Write an entry on the background thread (never blocks the caller). The thread hashes and writes in
+        pieces and waits between them while the model decodes (:meth:`decoding`), unless more than
+        ``BACKLOG`` bytes wait."""
         if self.max_bytes <= 0 or len(state) > self.max_bytes:
             return
         name = self._name(tokens)
@@ -189,10 +202,24 @@ class PromptCache:
             if name in self._pending:
                 return
             self._pending.add(name)
+            self._pending_bytes += len(state)
             if self._writer is None or not self._writer.is_alive():
                 self._writer = threading.Thread(target=self._write_loop, name="localllm-prompt-cache", daemon=True)
                 self._writer.start()
         self._jobs.put((list(tokens), state))
+
+    def decoding(self, busy: bool) -> None:
+        """The model's loop says whether it is running requests now: the writer yields to them."""
+        if busy:
+            self._quiet.clear()
+        else:
+            self._quiet.set()
+
+    def _yield(self) -> None:
+        """Between two pieces of a background write: wait while the model decodes (not when flushing, and not
+        with a backlog of more than ``BACKLOG`` bytes: memory is bounded)."""
+        while not self._hurry and self._pending_bytes <= BACKLOG and not self._quiet.wait(0.25):
+            pass
 
     def _write_loop(self) -> None:
         while True:
@@ -201,23 +228,34 @@ class PromptCache:
                 return
             tokens, state = job
             try:
-                self.save_now(tokens, state)
+                self.save_now(tokens, state, polite=True)
             finally:
                 with self._lock:
                     self._pending.discard(self._name(tokens))
+                    self._pending_bytes -= len(state)
 
-    def save_now(self, tokens: list[int], state: bytes) -> bool:
-        """Write an entry now (atomically); False when the disk would not take it."""
+    def save_now(self, tokens: list[int], state: bytes, *, polite: bool = False) -> bool:
+        """Write an entry now (atomically); False when the disk would not take it. ``polite``: hash and write in
+        pieces of ``PIECE`` bytes, yielding to the model's decoding between them."""
         path = self._path(tokens)
-        head = json.dumps({"format": FORMAT, "key": self.key, "tokens": tokens, "size": len(state),
-                           "sha256": hashlib.sha256(state).hexdigest(), "created": time.time()})
+        view = memoryview(state).cast("B")
+        h = hashlib.sha256()
+        for i in range(0, len(view), PIECE):
+            if polite:
+                self._yield()
+            h.update(view[i:i + PIECE])
+        head = json.dumps({"format": FORMAT, "key": self.key, "tokens": tokens, "size": len(view),
+                           "sha256": h.hexdigest(), "created": time.time()})
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            self._make_room(len(state) + len(head) + 1)
+            self._make_room(len(view) + len(head) + 1)
             with open(tmp, "wb") as f:
                 f.write(head.encode() + b"\n")
-                f.write(state)
+                for i in range(0, len(view), PIECE):
+                    if polite:
+                        self._yield()
+                    f.write(view[i:i + PIECE])
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -254,10 +292,16 @@ class PromptCache:
                 pass
 
     def flush(self, timeout: float = 30.0) -> None:
-        """Wait for the writes queued so far (tests, shutdown)."""
-        t0 = time.monotonic()
-        while self._pending and time.monotonic() - t0 < timeout:
-            time.sleep(0.01)
+        """Have the loop save what it owes (:attr:`before_flush`) and wait for every write (tests, shutdown)."""
+        if self.before_flush is not None:
+            self.before_flush()
+        self._hurry = True
+        try:
+            t0 = time.monotonic()
+            while self._pending and time.monotonic() - t0 < timeout:
+                time.sleep(0.01)
+        finally:
+            self._hurry = False
 
     def clear(self) -> int:
         """Delete every entry in the directory; returns how many."""

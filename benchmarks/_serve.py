@@ -140,17 +140,18 @@ class Server:
 
 class Localllm(Server):
     """``python -m localllm serve`` with ``env`` on top of an isolated home (``home`` reuses one: a restart
-    that must find the prompt cache of the previous process)."""
+    that must find the prompt cache of the previous process); ``root``: another checkout's code (a before/after
+    comparison in one run)."""
 
-    def __init__(self, env: dict[str, str] | None = None, home: Path | None = None):
+    def __init__(self, env: dict[str, str] | None = None, home: Path | None = None, root: Path | None = None):
         self.own_home = home is None
         self.home = Path(tempfile.mkdtemp(prefix="localllm-bench-home-")) if home is None else home
         port = free_port()
         full = {**os.environ, "LOCALLLM_HOME": str(self.home), "LOCALLLM_MODELS": str(models_dir()),
                 "LOCALLLM_HOST": f"127.0.0.1:{port}", "LOCALLLM_KEEP_ALIVE": "-1",
-                "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+                "PYTHONPATH": str(root or ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
         with open(LOG, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "localllm", "serve"], env=full,
+            self.proc = subprocess.Popen([sys.executable, "-m", "localllm", "serve"], env=full, cwd=root or ROOT,
                                          stdout=subprocess.DEVNULL, stderr=log)
         self.url = f"http://127.0.0.1:{port}"
         _wait_ready(self.url, self.proc, "/")

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from backends.prompt_cache import SUFFIX, PromptCache, PromptCacheSpec
@@ -179,3 +180,87 @@ def test_a_second_localllm_run_restores_the_system_prompt_and_rm_deletes_the_ent
     assert rm.returncode == 0, rm.stderr
     assert not list(cache.rglob(f"*{SUFFIX}"))
     shutil.rmtree(home, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ the next turn never waits for the copy
+
+
+def _turns(m, q1: str = "What does rule 7 say?", q2: str = "And rule 9?") -> tuple[int, dict]:
+    """Turn 1, then turn 2 of the same conversation submitted as soon as turn 1's last event arrives (an agent).
+    Returns (states copied out of the pool before turn 2's first token, turn 2's stats)."""
+    from backends.events import TextChunk
+
+    copies: list[float] = []
+    src = m.source
+    real = src.state_save
+
+    def counting(seq: int) -> bytes:
+        copies.append(1)
+        return real(seq)
+
+    m.call(lambda s: setattr(s, "state_save", counting))
+    first, done1, _ = collect(m.generate(ask(q1, n=8)))
+    turn2 = GenerateRequest(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q1},
+                                      {"role": "assistant", "content": first}, {"role": "user", "content": q2}],
+                            sampling=Sampling(temperature=0.0, max_tokens=8))
+    before = None
+    evs = []
+    for ev in m.generate(turn2):
+        if before is None and isinstance(ev, TextChunk):
+            before = len(copies)
+        evs.append(ev)
+    done2 = evs[-1]
+    return (before if before is not None else len(copies)), {"cached": done2.stats.prompt_cached_tokens,
+                                                            "restored": done2.stats.prompt_restored_tokens,
+                                                            "prompt": done2.stats.prompt_eval_count,
+                                                            "turn1": done1.stats.prompt_eval_count}
+
+
+def test_the_next_turn_sent_at_once_is_not_delayed_by_the_snapshot(default_model_path, tmp_path):
+    """The state of turn 1's prompt is not copied out of llama.cpp between turn 1's end and turn 2's first token
+    (it was: on the loop, before turn 2 could start); it is copied once the model idles, and then it is on disk."""
+    spec = PromptCacheSpec(str(tmp_path / "m"), "test-model", max_bytes=1 << 30, idle_s=1.0)
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=2048, slots=1),  # type: ignore[arg-type]
+              prompt_cache=spec) as m:
+        copied_before, st = _turns(m)
+        assert copied_before == 0
+        assert st["cached"] >= st["turn1"] - 1 and st["restored"] == 0  # turn 2 continued turn 1's sequence
+        pc = m.prompt_cache
+        assert pc is not None
+        deadline = time.monotonic() + 30  # idle: the owed prefixes go to disk without a flush or a close
+        while pc.stats.saves < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lengths = sorted(int(p.name.split("-")[0]) for p in (tmp_path / "m").glob(f"*{SUFFIX}"))
+    # the system prompt's end and turn 2's whole prompt (turn 1's, which it extends, is not kept)
+    assert len(lengths) == 2 and 600 < lengths[0] < st["turn1"] and lengths[1] == st["prompt"], (lengths, st)
+
+
+def test_the_next_turn_does_not_read_back_the_entry_of_the_prefix_it_holds(default_model_path, tmp_path):
+    """Turn 1's prompt on disk (flushed), turn 2 continues the same sequence: the entry is not read (70 MB at 3k
+    tokens on this model: read and hashed before turn 2 could start), and nothing is restored."""
+    with _model(default_model_path, tmp_path) as m:
+        collect(m.generate(ask("What does rule 7 say?", n=8)))
+        pc = m.prompt_cache
+        assert pc is not None
+        pc.flush()
+        assert pc.stats.saves >= 1
+        _, st = _turns(m, q1="What does rule 7 say?")
+        assert st["restored"] == 0 and pc.stats.hits == 0
+
+
+def test_the_writer_waits_while_the_model_decodes(tmp_path):
+    c = PromptCache(tmp_path, key="k", max_bytes=1 << 30, min_tokens=1)
+    c.decoding(True)
+    c.save([1, 2, 3], bytes(100))
+    time.sleep(0.6)
+    assert not list(tmp_path.glob(f"*{SUFFIX}"))  # the model decodes: not even hashed
+    c.decoding(False)
+    deadline = time.monotonic() + 10
+    while not list(tmp_path.glob(f"*{SUFFIX}")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert c.lookup([1, 2, 3, 4]) == (3, bytes(100))
+    c.decoding(True)
+    c.save([5, 6, 7], bytes(10))
+    c.flush()  # a flush does not wait for the model
+    assert c.lookup([5, 6, 7]) == (3, bytes(10))
+    c.close()
