@@ -8,8 +8,8 @@ what a test scripts on the real llama.cpp backend, and the agents themselves (np
   sampler replaced by a script: ``decide(rendered prompt) -> text`` is played back token by token, then the end
   of turn. A ``<tool_call>{...}</tool_call>`` reply is a tool call the agent runs.
 * :func:`agent_bin`: ``codex`` / ``claude`` / ``opencode`` installed once from npm into the test cache (a
-  skip where ``node`` is missing, a failure under strict mode: node is software, ``.ci/run`` installs it); :data:`CLAUDE_QUIET` and :func:`agent_env`: the environment that
-  keeps them quiet and their downloads cached.
+  skip where ``node`` is missing, a failure under strict mode: node is software, ``.ci/run`` installs it);
+  :data:`CLAUDE_QUIET` and :func:`agent_env`: the environment that keeps them quiet and their downloads cached.
 """
 
 from __future__ import annotations
