@@ -435,8 +435,8 @@ def _checkpoints(model) -> list[list[int]]:
 def test_checkpoints_stay_within_16_a_sequence_and_the_bytes_a_slot(hybrid_model):
     """The pool's bounds (README: 16 checkpoints a sequence, 256 MiB a slot): a long conversation keeps 16, its
     first (the system prompt's end) and the latest; over the byte budget the least recently used sequence's go
-    first, its first one last. The made hybrid's checkpoints (~0.2 MB) never reach 256 MiB, so the byte bound is
-    run with a budget of a few checkpoints a slot: the same code."""
+    first, its first one last. The made hybrid's checkpoints (58 KB) never reach 256 MiB, so the byte bound is run
+    with a budget of 10 checkpoints a slot: the same code."""
     from dataclasses import replace
 
     from backends.kvpool import CheckpointPolicy
@@ -446,27 +446,29 @@ def test_checkpoints_stay_within_16_a_sequence_and_the_bytes_a_slot(hybrid_model
     m = load("llamacpp", LoadSpec(str(hybrid_model), n_ctx=2048, slots=2))
     try:
         qs = [f"What is in room {i}?" for i in range(12)]
-        answers = [f"Room {i} holds item {i}." for i in range(12)]
-        ask(m, chat(qs, answers[:11], n=4))  # 24 message starts: 16 checkpoints taken (the first, the latest 15)
+        answers = [f"Room {i} holds item {i}." for i in range(11)]
+        t, _, _ = ask(m, chat(qs, answers, n=4))  # 24 message starts: 16 checkpoints (the first, the latest 15)
+        [first] = [ns for ns in _checkpoints(m) if ns]
+        assert len(first) == 16 and first[0] < 200, first  # the system prompt's end, then the latest 15
         more = [f"And room {i}?" for i in range(12, 16)]
-        text, n, _ = ask(m, chat(qs + more, answers + [f"Room {i} is closed." for i in range(12, 15)], n=4))
-        held = [ns for ns in _checkpoints(m) if ns]
-        assert len(held) == 1 and len(held[0]) == 16, held  # 7 more message starts and the end were checkpointed
-        [a] = held
-        assert a[-1] == n and a[0] < len(SYSTEM) // 3, a  # the latest (the prompt's end) and the system prompt's
-        assert m.pool.counters.checkpoints_taken > 16
-        size = m.metrics().kv_checkpoint_bytes // 16
+        text, n, _ = ask(m, chat(qs + more, answers + [t] + [f"Room {i} is closed." for i in range(12, 15)], n=4))
+        [a] = [ns for ns in _checkpoints(m) if ns and ns[-1] == n]  # the conversation's sequence, to its end
+        assert len(a) == 16 and a[0] == first[0] and a[-2] > first[-1], a  # 7 more message starts checkpointed
+        assert m.pool.counters.checkpoints_taken > 16 + 7
+        usage = m.metrics()
+        size = usage.kv_checkpoint_bytes // usage.kv_checkpoints
+        assert round(size / 1000) == 58  # a checkpoint of this 4-layer hybrid: its recurrent state (README: 58 KB)
         # the byte bound: 10 checkpoints a slot (20 for the 2 slots); another conversation takes its own 16
         m.pool.checkpointing = replace(policy, bytes_per_slot=10 * size)
         other = [{"role": "system", "content": "You are a ferry timetable. " * 10}] + [
             {"role": "user" if i % 2 == 0 else "assistant", "content": f"Line {i} leaves at {i}:00."}
             for i in range(23)]
         collect(m.generate(GenerateRequest(messages=other, sampling=Sampling(temperature=0.0, max_tokens=4))))
-        after = {len(ns): ns for ns in _checkpoints(m) if ns}
+        after = sorted((ns for ns in _checkpoints(m) if ns), key=len)
         usage = m.metrics()
         assert usage.kv_checkpoint_bytes <= 20 * size and usage.kv_checkpoints == 20, (after, usage)
-        assert sorted(after) == [4, 16], after  # the older conversation gave 12 back, the newer kept its 16
-        assert after[4][0] == a[0] and after[4][1:] == a[-3:]  # its first and its latest stay
+        assert [len(ns) for ns in after] == [4, 16], after  # the older conversations gave theirs back, LRU first
+        assert after[0] == [a[0], *a[-3:]]  # of the conversation before the newest: its first and its latest stay
     finally:
         m.close()
 
@@ -480,9 +482,8 @@ def test_a_checkpoint_before_an_image_gives_back_the_text_before_a_changed_image
     proj = make_projector(test_cache / "vision" / "mmproj-hybrid-test-f32.gguf", n_embd=128)  # the hybrid's width
     m = load("llamacpp", LoadSpec(str(hybrid_model), n_ctx=1024, slots=1, mmproj=str(proj)))
     try:
-        def about(seed: int) -> GenerateRequest:
-            return GenerateRequest(messages=[{"role": "user", "images": [png(seed=seed)],
-                                              "content": f"{SYSTEM}\n{IMAGE_MARKER}\nWhich room is this?"}],
+        def about(seed: int) -> GenerateRequest:  # a raw prompt: no message starts, the image where its marker is
+            return GenerateRequest(prompt=f"{SYSTEM}\n{IMAGE_MARKER}\nWhich room is this?", images=[png(seed=seed)],
                                    sampling=Sampling(temperature=0.0, max_tokens=6))
 
         want = cold(m, about(2))
