@@ -112,7 +112,10 @@ def test_several_streams_draft_in_one_batch_and_answer_as_alone(made, plain_answ
     assert all(r is not None and r[1].stats.draft_proposed > 0 for r in results)
 
 
-NEAR_TIE = 1e-3  # a top-2 logit gap under which F32 sums taken in another order (another batch shape) may flip
+# a top-2 logit gap under which F32 sums taken in another order (another batch shape) may flip the greedy token:
+# those differ by ~1e-6 on the made hybrid (test_hybrid's restored checkpoints); a wrong answer (drafts accepted
+# unverified, tried once) first diverged where plain's gap was 0.017
+NEAR_TIE = 1e-4
 
 
 def _wave(m: LoadedModel, n: int) -> list[list[tuple[str, float]]]:
@@ -142,7 +145,7 @@ def test_forced_mtp_drafting_on_four_streams_answers_as_plain_or_flips_only_a_ne
     each, none accepted, the same prompts every round as the benchmark asks them) for several rounds; where a stream
     leaves plain decoding's tokens, the first diverging token and plain's top-2 logit gap there are recorded
     (``mtp_divergences`` in the test report). A divergence that is not a near tie is a wrong answer: it fails."""
-    rounds, n = 24, 128  # ~12k drafted-for tokens (the benchmark run that differed: ~15k), ~20 s here
+    rounds, n = 14, 128  # 7,168 tokens drafted for (the benchmark run that differed: 15,360), ~28 s on 2 cores
     with load(made["random"], draft=False, slots=len(PROMPTS)) as m:
         plain = _wave(m, n)
     assert all(len(p) == n for p in plain)
