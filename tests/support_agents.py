@@ -8,8 +8,8 @@ what a test scripts on the real llama.cpp backend, and the agents themselves (np
   sampler replaced by a script: ``decide(rendered prompt) -> text`` is played back token by token, then the end
   of turn. A ``<tool_call>{...}</tool_call>`` reply is a tool call the agent runs.
 * :func:`agent_bin`: ``codex`` / ``claude`` / ``opencode`` installed once from npm into the test cache (a
-  "hardware:" skip where ``node`` is missing); :data:`CLAUDE_QUIET` and :func:`agent_env`: the environment that
-  keeps them quiet and their downloads cached.
+  skip where ``node`` is missing, a failure under strict mode: node is software, ``.ci/run`` installs it);
+  :data:`CLAUDE_QUIET` and :func:`agent_env`: the environment that keeps them quiet and their downloads cached.
 """
 
 from __future__ import annotations
@@ -154,9 +154,10 @@ def agent_env(agent: str) -> dict[str, str]:
 
 
 def agent_bin(agent: str) -> Path:
-    """The agent's executable, installed from npm into the test cache once (skips, "hardware:", without node)."""
+    """The agent's executable, installed from npm into the test cache once (skips without node and npm: software,
+    not hardware, so strict mode fails the skip; ``.ci/run`` installs them)."""
     if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip(f"hardware: node and npm not found; the {agent} agent test needs them")
+        pytest.skip(f"node and npm not found (Debian: apt-get install nodejs npm); the {agent} agent test needs them")
     package, exe = AGENTS[agent]
     prefix = TEST_CACHE / "npm" / package.rsplit("@", 1)[0].replace("/", "+") / package.rsplit("@", 1)[1]
     binary = prefix / "node_modules" / ".bin" / exe

@@ -16,6 +16,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+# llama.cpp logs each buffer it allocates with two decimals of MiB ("KV buffer size =     1.11 MiB"), which is all
+# ``ModelInfo.allocations`` reads: a buffer's size from the log is off by up to half a hundredth of a MiB (and the
+# byte ``int`` drops). A planner figure exact to the byte matches to this, per buffer line: ``LOG_STEP * lines``.
+LOG_STEP = (1 << 20) // 200 + 2
+
 HYBRID_DIMS = {"D": 128, "FF": 256, "H": 4, "Hkv": 2, "hd": 32, "S": 32, "G": 2, "V": 4, "K": 4, "layers": 4}
 
 

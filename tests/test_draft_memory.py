@@ -2,7 +2,10 @@
 planned beside the target as the loader loads it (its weights, one slot of KV cache, its compute buffer, its layers
 where the plan puts them), and any draft on recurrent/hybrid memory (a draft model, n-gram, MTP) costs the
 rollback states llama.cpp keeps for it (``n_rs_seq = num_draft``). Planned vs what llama.cpp says it allocated
-(``ModelInfo.allocations``, the draft model's buffers included) on the CPU; the default model drafts for itself."""
+(``ModelInfo.allocations``, the draft model's buffers included) on the CPU; the default model drafts for itself.
+llama.cpp logs each buffer with two decimals of MiB: what the planner has to the byte (KV caches, rollback states)
+is asserted to that resolution (``LOG_STEP`` a buffer line), the rest (compute buffers) within the README's
+figures."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from localllm.hardware import MiB
 from localllm.loader import Loader, LoadOptions, plan_line
 from localllm.planner import Plan, plan
 from localllm.store import Store
+from tests.support_memory import LOG_STEP
 from tests.test_moe_placement import _GEN as _MOE_GEN
 from tests.test_mtp_facts import cli
 from tests.test_planner import RTX_4090, machine
@@ -47,8 +51,8 @@ def test_a_draft_model_is_planned_as_llama_cpp_allocates_it(home, default_model_
     assert drafter == name and p.draft_n_gpu_layers == 0
     allocated = sum(drafted.values()) - sum(alone.values())  # its weights, KV cache (one slot), compute buffer
     assert p.memory.draft > 0 and p.memory.total - plain.memory.total == p.memory.draft
-    assert p.memory.draft == pytest.approx(allocated, rel=0.1), (p.memory, drafted, alone)
-    assert drafted["kv"] - alone["kv"] == pytest.approx(alone["kv"] / SLOTS, rel=0.1)  # one slot's context
+    assert p.memory.draft == pytest.approx(allocated, rel=0.01), (p.memory, drafted, alone)  # measured: -0.71 %
+    assert abs(drafted["kv"] - alone["kv"] - alone["kv"] / SLOTS) <= 3 * LOG_STEP  # one slot's context (0 B)
     line = next(r for r in p.reasons if r.startswith("draft model "))
     assert f"+{p.memory.draft / MiB:.0f} MiB on the CPU" in line and "--draft none" in line, line
     assert "draft model +" in plan_line(p) and "draft" not in plan_line(plain)
@@ -69,7 +73,8 @@ def test_a_gpu_plan_loads_the_draft_model_where_it_puts_it(home, default_model_p
 
 def test_ngram_drafting_on_a_hybrid_plans_its_rollback_states(home, hybrid_model):
     """llama.cpp keeps num_draft more states of each sequence's recurrent layers for any draft on a hybrid (here
-    prompt lookup, no second model): the plan counts them, within 10 % of what it allocates."""
+    prompt lookup, no second model): the plan counts them as it allocates them, to the log's resolution (its two RS
+    buffer lines; measured: 933,888 B planned, 933,233 read)."""
     name = str(hybrid_model)
     p, drafted, drafter = _load(name, "ngram")
     plain, alone, _ = _load(name, "none")
@@ -77,7 +82,7 @@ def test_ngram_drafting_on_a_hybrid_plans_its_rollback_states(home, hybrid_model
     info = read_gguf(hybrid_model)
     planned = p.memory.kv_cache - plain.memory.kv_cache
     assert planned == info.recurrent_bytes * 2 * SLOTS * K > 0  # two sequence ids a slot, K states each
-    assert planned == pytest.approx(drafted["kv"] - alone["kv"], rel=0.1), (drafted, alone)
+    assert abs(planned - (drafted["kv"] - alone["kv"])) <= 2 * LOG_STEP, (drafted, alone)
     assert p.memory.total - plain.memory.total == planned
     line = next(r for r in p.reasons if r.startswith("draft rollback states"))
     assert f"+{planned / MiB:.1f} MiB for n-gram drafting" in line and "--draft none" in line, line
@@ -156,7 +161,7 @@ def _with_and_without_draft(home: Path, model: Path, cap: str) -> tuple[dict, di
 def test_on_a_capped_rpc_worker_the_draft_model_stays_where_planned(tmp_path, default_model_path):
     """The target split over a capped RPC worker and the CPU keeps its planned split with a draft model, and the
     draft model (a partial offload leaves the devices no room for it) is planned and allocated on the CPU:
-    nothing more on the worker, the CPU's buffers grow by the planned draft within 10 %."""
+    nothing more on the worker, the CPU's buffers grow by the planned draft within 1 % (measured: 0.64 %)."""
     on, off = _with_and_without_draft(tmp_path, default_model_path, "RPC0=120MiB")
     assert on["drafter"] == str(default_model_path) and on["text"] == off["text"]
     n_layers = read_gguf(default_model_path).n_layers
@@ -164,13 +169,14 @@ def test_on_a_capped_rpc_worker_the_draft_model_stays_where_planned(tmp_path, de
     assert on["plan"] == off["plan"] and on["draft_ngl"] == 0 and on["draft"] > 0
     assert on["alloc"]["RPC0"] == off["alloc"]["RPC0"]  # the worker holds the target's layers only
     added = sum(on["alloc"]["CPU"].values()) - sum(off["alloc"]["CPU"].values())
-    assert added == pytest.approx(on["draft"], rel=0.1), (on["alloc"], off["alloc"])
+    assert added == pytest.approx(on["draft"], rel=0.01), (on["alloc"], off["alloc"])
 
 
 @needs_rpc
 def test_a_draft_model_goes_to_the_worker_that_holds_the_whole_target(tmp_path, default_model_path):
     """The whole target on an RPC worker with room to spare: the draft model goes there too, whole (its load on
-    that device), and the worker's buffers grow by the planned draft within 10 %; the same greedy text."""
+    that device), and the worker's buffers grow by the planned draft within 0.1 % (measured: 153,396,480 B planned,
+    153,385,696 read), the worker's total within 0.5 % (0.18 %); the same greedy text."""
     on, off = _with_and_without_draft(tmp_path, default_model_path, "RPC0=2GiB")
     n_layers = read_gguf(default_model_path).n_layers
     assert on["ngl"] == off["ngl"] == n_layers + 1 and on["draft_ngl"] == n_layers + 1, on["reasons"]
@@ -178,8 +184,8 @@ def test_a_draft_model_goes_to_the_worker_that_holds_the_whole_target(tmp_path, 
     [d] = on["plan"]
     assert d["total"] <= d["usable"]
     on_worker = sum(on["alloc"]["RPC0"].values()) - sum(off["alloc"]["RPC0"].values())
-    assert on_worker == pytest.approx(d["draft"], rel=0.1), (on["alloc"], off["alloc"], d)
-    assert d["total"] == pytest.approx(sum(on["alloc"]["RPC0"].values()), rel=0.1)
+    assert on_worker == pytest.approx(d["draft"], rel=0.001), (on["alloc"], off["alloc"], d)
+    assert d["total"] == pytest.approx(sum(on["alloc"]["RPC0"].values()), rel=0.005)
     line = next(r for r in on["reasons"] if r.startswith("draft model "))
     assert f"on RPC0, all {n_layers + 1} layers" in line, line
 

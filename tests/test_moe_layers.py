@@ -3,7 +3,7 @@ fit offloaded *with their experts in RAM* (llama.cpp's ``-ngl N --cpu-moe``), th
 of a whole-layer split with the offloaded layers' experts on the device. Planned on simulated machines (the three
 regimes: fits whole, experts in RAM, layers and experts in RAM) and checked on a real device path: a made MoE with
 wide attention on a loopback RPC worker capped so small that only some layers fit, llama.cpp's allocations there
-within 10 % of the plan and the CPU's greedy answer."""
+within 1 % of the plan and the CPU's greedy answer."""
 
 from __future__ import annotations
 
@@ -121,7 +121,8 @@ def test_a_made_moe_on_a_small_rpc_device_offloads_fewer_layers_with_their_exper
 @needs_rpc
 def test_on_a_capped_rpc_worker_the_layers_go_without_their_experts_as_planned(tmp_path, wide_moe):
     """Capped so that only two layers and the output fit even with every expert in RAM: llama.cpp allocates on the
-    worker within 10 % of the plan, the planned layers' experts stay in host memory, the answer is the CPU's; the
+    worker within 1 % of the plan, kind by kind (measured: compute +0.79 %), the planned layers' experts stay in
+    host memory, the answer is the CPU's; the
     CLI's --gpu-layers with --cpu-moe loads the same way (llama.cpp's -ngl N --cpu-moe)."""
     import httpx
 
@@ -180,7 +181,7 @@ def test_on_a_capped_rpc_worker_the_layers_go_without_their_experts_as_planned(t
     assert d["total"] <= d["usable"]
     for mine, theirs in (("weights", "weights"), ("compute", "compute"), ("total", None)):
         real = sum(got.values()) if theirs is None else got[theirs]
-        assert abs(d[mine] / real - 1) <= 0.10, (mine, d, got)
+        assert abs(d[mine] / real - 1) <= 0.01, (mine, d, got)
     # no expert on the worker: its weights are the two layers' attention, router and norms and the output layer
     tb = info.extra["tensor_bytes"]
     assert got["weights"] < tb["layers"][3] + tb["output"]

@@ -1,7 +1,8 @@
 """A mixture of experts on a device too small for it: attention and shared tensors on the device, the experts of
 as few first layers as needed in RAM (llama.cpp's ``--n-cpu-moe N``), planned from the GGUF's expert bytes and
-checked on a real device path (an RPC worker on loopback): what llama.cpp allocates there within 10 % of the
-plan, the same greedy answer as the CPU (issue 36)."""
+checked on a real device path (an RPC worker on loopback): what llama.cpp allocates there within 1 % of the
+plan, kind by kind, the CPU's compute buffer (which runs the experts in RAM) within 10 %, the same greedy answer as
+the CPU (issue 36)."""
 
 from __future__ import annotations
 
@@ -134,8 +135,9 @@ def _generate(home: Path, model: Path, rpc: str | None = None, **env: str) -> di
 
 @needs_rpc
 def test_on_an_rpc_worker_the_experts_placed_in_ram_are_where_llama_cpp_allocates_them(tmp_path, big_moe):
-    """One worker capped below the model: llama.cpp allocates on it within 10 % of the plan, kind by kind, the
-    experts of the planned layers land in host memory, and the greedy answer is the CPU's."""
+    """One worker capped below the model: llama.cpp allocates on it within 1 % of the plan, kind by kind (measured:
+    weights -0.01 %, compute +0.78 %, total +0.39 %), the experts of the planned layers land in host memory, the
+    CPU's compute buffer is the plan's within 10 % (measured: -7.7 %), and the greedy answer is the CPU's."""
     info = read_gguf(big_moe)
     cpu = _generate(tmp_path, big_moe)
     assert cpu["ngl"] == 0 and cpu["text"]
@@ -157,7 +159,7 @@ def test_on_an_rpc_worker_the_experts_placed_in_ram_are_where_llama_cpp_allocate
     assert d["total"] <= d["usable"]
     for mine, theirs in (("weights", "weights"), ("compute", "compute"), ("total", None)):
         real = sum(got.values()) if theirs is None else got[theirs]
-        assert abs(d[mine] / real - 1) <= 0.10, (mine, d, got)
+        assert abs(d[mine] / real - 1) <= 0.01, (mine, d, got)
     # the device holds every layer but the planned layers' experts, which llama.cpp put in host memory
     moved = sum(info.expert_bytes[:out["n_cpu_moe"]])
     assert out["alloc"]["CPU"]["weights"] >= moved

@@ -2,7 +2,9 @@
 MTP layers only), the target's rollback states of its recurrent layers (``1 + n_rs_seq`` copies, as for any draft),
 the drafter's hidden rows and the MTP context's compute and output buffers. Checked against what llama.cpp says it
 allocated (``ModelInfo.allocations``, the MTP context's buffers included) on the made Qwen3.5 hybrid with an MTP
-block."""
+block: its KV cache and rollback states (the planner has them to the byte) to the log's resolution (llama.cpp logs
+two decimals of MiB a buffer: ``LOG_STEP`` a line), its compute buffer within 0.5 % on the CPU and 4 % on an RPC
+worker (measured: 0.11 %, 3.0 %)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from localllm.hardware import MiB
 from localllm.planner import estimate, plan
 from localllm.planner.estimation import mtp_bytes, rollback_bytes
 from tests.backends.test_mtp_draft import made_mtp
+from tests.support_memory import LOG_STEP
 from tests.test_moe_placement import _GEN as _MOE_GEN
 from tests.test_planner import machine
 from tests.test_rpc import _env, _free_port, _start_worker, needs_rpc
@@ -60,17 +63,17 @@ def test_the_plan_counts_what_mtp_drafting_allocates(mtp_path):
     rollback = rollback_bytes(info, SLOTS, K)  # every draft's on recurrent memory (test_draft_memory: ngram's)
     # the MTP context's KV cache (its one layer, every cell) and the rollback states of the 3 recurrent layers
     kv = with_mtp["kv"] - plain["kv"]
-    assert kv == pytest.approx(m["cache"] + rollback, rel=0.1), (kv, m)
+    assert abs(kv - (m["cache"] + rollback)) <= 3 * LOG_STEP, (kv, m)  # the RS lines and MTP KV line; -1,147 B
     # its compute and output buffers: the logits of its small batch (backends.mtp.mtp_batch) and a row an id
     compute = with_mtp["compute"] - plain["compute"]
-    assert compute == pytest.approx(m["compute"], rel=0.1), (compute, m)
+    assert compute == pytest.approx(m["compute"], rel=0.005), (compute, m)
     # the plan's difference: those and the drafter's hidden rows (Python memory, not llama.cpp's)
     hw = machine(ram_gib=16)
     drafting = plan(info, hw, num_ctx=N_CTX, num_parallel=SLOTS, mtp_draft=K)
     none = plan(info, hw, num_ctx=N_CTX, num_parallel=SLOTS)
     added = drafting.memory.total - none.memory.total
     assert added == drafting.memory.mtp + drafting.memory.rollback == sum(m.values()) + rollback
-    assert added - m["rows"] == pytest.approx(kv + compute, rel=0.1)
+    assert added - m["rows"] == pytest.approx(kv + compute, rel=0.005)
     assert m["rows"] == 512 * info.n_embd * 4 * 2 * SLOTS  # a ring a sequence id (two a slot)
     line = next(r for r in drafting.reasons if r.startswith("MTP drafting"))
     assert f"+{drafting.memory.mtp / MiB:.0f} MiB" in line and "--draft none" in line, line
@@ -119,7 +122,8 @@ def _on_worker(home: Path, model: Path, rpc: str, draft: str) -> dict:
 @needs_rpc
 def test_on_an_rpc_worker_the_mtp_context_is_planned_where_llama_cpp_allocates_it(tmp_path, mtp_path):
     """Every layer on one RPC worker: what MTP drafting adds there (the MTP context's cache and compute buffer, the
-    rollback states) is within 10 % of what the plan adds to that device, kind by kind."""
+    rollback states) is what the plan adds to that device: the KV cache to the log's resolution (two lines against
+    one: measured +5,981 B of 94,372), the compute buffer within 4 % (measured: +3.0 %)."""
     worker = _start_worker(tmp_path, port := _free_port())
     try:
         rpc = f"127.0.0.1:{port}"
@@ -130,6 +134,6 @@ def test_on_an_rpc_worker_the_mtp_context_is_planned_where_llama_cpp_allocates_i
     assert on["ngl"] == off["ngl"] > 0
     [p_on], [p_off] = on["plan"], off["plan"]
     assert p_on["name"] == "RPC0" and "RPC0" in on["alloc"]
-    for kind, planned in (("kv", "kv"), ("compute", "compute")):
-        allocated = on["alloc"]["RPC0"].get(kind, 0) - off["alloc"]["RPC0"].get(kind, 0)
-        assert allocated == pytest.approx(p_on[planned] - p_off[planned], rel=0.1), (kind, on, off)
+    added = {kind: on["alloc"]["RPC0"].get(kind, 0) - off["alloc"]["RPC0"].get(kind, 0) for kind in ("kv", "compute")}
+    assert abs(added["kv"] - (p_on["kv"] - p_off["kv"])) <= 3 * LOG_STEP, (on, off)
+    assert added["compute"] == pytest.approx(p_on["compute"] - p_off["compute"], rel=0.04), (on, off)

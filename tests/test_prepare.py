@@ -19,8 +19,12 @@ from pathlib import Path
 import pytest
 
 from localllm.errors import LocalLLMError
+from localllm.hardware import MiB
 from localllm.loader import Loader, LoadOptions, plan_line
+from localllm.planner.estimation import _gb
+from localllm.store import Store
 from tests.support import DEFAULT_MODEL, TEST_HOME, install_copy
+from tests.test_planner import machine
 from tests.test_rpc import _free_port, _start_worker, needs_rpc
 
 FAST = ["--temperature", "0", "--seed", "1", "--num-predict", "1", "--verbose"]
@@ -70,7 +74,7 @@ def plan_home(tmp_path, installed_default_model) -> Path:
 
 
 def test_a_vision_model_plans_its_projector_in_probe_and_run(plan_home, tmp_path, default_model_path,
-                                                              test_projector):
+                                                              test_projector, monkeypatch):
     d = tmp_path / "vlm"
     d.mkdir()
     try:
@@ -81,6 +85,18 @@ def test_a_vision_model_plans_its_projector_in_probe_and_run(plan_home, tmp_path
     line = _same_plan(plan_home, "./model.gguf", cwd=d)
     text_only = _probe_plan(_cli(plan_home, "probe", "--model", DEFAULT_MODEL).stdout, DEFAULT_MODEL)
     assert "2 slots" in line and line != text_only  # the projector's memory is in the vision model's plan
+
+    def mib(plan: str) -> int:
+        return int(plan.split(" MiB")[0].rsplit(" ", 1)[-1].replace(",", ""))
+
+    size = test_projector.stat().st_size  # 1.9 MB: the plan lines' totals (whole MiB) differ by it, rounded
+    assert abs(mib(line) - mib(text_only) - size / MiB) <= 1, (line, text_only, size)
+    # to the byte in the plan itself: the projector file is the only difference
+    monkeypatch.setenv("LOCALLLM_HOME", str(plan_home))
+    loader = Loader(Store(), hardware=machine(ram_gib=16))
+    vision, text = (loader.prepare(str(p), LoadOptions(num_parallel=2)).plan for p in (d / "model.gguf", DEFAULT_MODEL))
+    assert vision.memory.total - text.memory.total == vision.memory.weights - text.memory.weights == size
+    assert any(r.startswith(f"vision projector {_gb(size)}") for r in vision.reasons), vision.reasons
 
 
 def test_a_created_model_plans_its_own_num_ctx_in_probe_and_run(plan_home, tmp_path):

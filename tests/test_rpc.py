@@ -161,10 +161,11 @@ def test_two_workers_take_the_whole_model_and_answer_as_the_cpu_does(rpc_home, w
     assert out["vram"] == sum(sum(v.values()) for v in remote.values())
     # greedy on the same weights: the same 32-token answer
     assert out["text"] == cpu_answer["text"]
-    # the planner's estimate of each device within 10 % of what llama.cpp allocated there
+    # the planner's estimate of each device within 3 % of what llama.cpp allocated there (README)
     for d in out["plan"]:
         got = sum(alloc[d["name"]].values())
-        assert abs(d["total"] / got - 1) <= 0.10, (d, alloc[d["name"]])
+        print(f"RPC estimate {d['name']}: {d['total']} planned, {got} allocated ({d['total'] / got - 1:+.2%})")
+        assert abs(d["total"] / got - 1) <= 0.03, (d, alloc[d["name"]])
     assert sum(d["layers"] for d in out["plan"]) == 30 and out["plan"][-1]["output"]
 
 
@@ -277,8 +278,9 @@ def test_serve_with_workers_batches_and_reports_each_device_over_http(rpc_home, 
         ps = httpx.get(f"{url}/api/ps", timeout=10).json()["models"][0]
         devs = {d["name"]: d for d in ps["devices"]}
         assert set(devs) == {"RPC0", "RPC1"}, ps
-        for d in devs.values():  # 4 slots, a 2,048-cell pool: the estimate holds there too
-            assert d["size"] > 0 and abs(d["estimate"] / d["size"] - 1) <= 0.10, d
+        for d in devs.values():  # 4 slots, a 2,048-cell pool: the estimate holds there too (within 3 %: README)
+            print(f"RPC estimate at 2,048 cells {d}: {d['estimate'] / d['size'] - 1:+.2%}")
+            assert d["size"] > 0 and abs(d["estimate"] / d["size"] - 1) <= 0.03, d
         assert ps["size_vram"] == sum(d["size"] for d in devs.values())
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         for name, d in devs.items():  # Prometheus' text format: label order and float spelling are its own

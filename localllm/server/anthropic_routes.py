@@ -11,9 +11,10 @@ path, so Claude Code and the ``anthropic`` SDKs can talk to a local model: the b
   ``text_editor_…``) → tool calls as ``tool_use`` blocks (``stop_reason: "tool_use"``); tools that run on
   Anthropic's servers (web search...) and deferred ones cannot run here and are left out
   (:mod:`~localllm.server.agent_tools`).
-* ``thinking: {"type": "enabled", "budget_tokens": N}`` (or ``adaptive``, or ``output_config.effort``) →
-  ``think``; reasoning comes back as ``thinking`` blocks. A model that cannot think ignores it (no 400), as
-  Ollama does here. ``output_config.format`` (a JSON schema) constrains the answer.
+* ``thinking: {"type": "enabled", "budget_tokens": N}`` (or ``adaptive``: the model's default, at
+  ``output_config.effort``'s level where given; or the effort alone: that level) → ``think``; reasoning comes
+  back as ``thinking`` blocks. A model that cannot think ignores it (no 400), as Ollama does here.
+  ``output_config.format`` (a JSON schema) constrains the answer.
 * Streams: ``message_start``, ``ping``, per block ``content_block_start`` / ``content_block_delta``
   (``thinking_delta``, ``text_delta``, ``input_json_delta``) / ``content_block_stop``, ``message_delta``
   (stop reason, usage), ``message_stop``; an error after the stream began is an ``error`` event.
@@ -206,15 +207,23 @@ def format_of(output_config: dict[str, Any] | None) -> str | dict[str, Any] | No
 
 
 def think_of(thinking: dict[str, Any] | None, output_config: dict[str, Any] | None) -> ThinkValue:
+    """``thinking`` and ``output_config.effort`` → ``think``: ``enabled`` on, ``disabled`` off (whatever the
+    effort); ``adaptive`` the model's own default (a thinking model thinks) at the effort's level where one is
+    given; an effort alone, that level (a template without levels: on).
+
+    >>> think_of({"type": "adaptive"}, None), think_of({"type": "adaptive"}, {"effort": "max"})
+    (None, 'high')
+    >>> think_of(None, {"effort": "low"}), think_of({"type": "disabled"}, {"effort": "high"})
+    ('low', False)
+    """
     if thinking:
         kind = thinking.get("type")
         if kind == "enabled":
             return True
         if kind == "disabled":
             return False
-        if kind == "adaptive":
-            return None
-        raise bad_request(f"thinking.type must be enabled, disabled or adaptive, got {str(kind)[:40]!r}")
+        if kind != "adaptive":
+            raise bad_request(f"thinking.type must be enabled, disabled or adaptive, got {str(kind)[:40]!r}")
     effort = (output_config or {}).get("effort")
     if effort is None:
         return None

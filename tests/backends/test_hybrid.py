@@ -18,6 +18,7 @@ from backends.prompt_cache import PromptCacheSpec
 from backends.registry import load
 from backends.specs import GenerateRequest, LoadSpec, Sampling, Tuning
 from tests.backends.conftest import collect
+from tests.support_memory import LOG_STEP
 
 SYSTEM = "You are the archivist of a small museum. " + " ".join(
     f"Room {i} holds the {w} collection; answer questions about it with the catalogue number." for i, w in
@@ -283,14 +284,15 @@ def test_sliding_window_layers_keep_their_window_unless_swa_full_is_asked_for(sw
             assert src.info.sliding_window == 32
         finally:
             src.close()
-    # 1 global layer of 2,048 cells + 3 windowed of 768 (the window x 2 sequence ids + a batch, padded to 256)
-    assert sizes[False] == pytest.approx(sizes[True] / 4 * (1 + 3 * 768 / 2048), rel=0.02)  # (MiB, 2 decimals)
+    # 1 global layer of 2,048 cells + 3 windowed of 768 (the window x 2 sequence ids + a batch, padded to 256), to
+    # the log's resolution (two lines against one, scaled by 2.125)
+    assert abs(sizes[False] - sizes[True] / 4 * (1 + 3 * 768 / 2048)) <= 5 * LOG_STEP, sizes
 
 
 @pytest.mark.parametrize("n_ctx,slots", [(4096, 1), (1024, 4)])
 def test_the_planner_counts_the_memory_llama_cpp_allocates(made, n_ctx, slots):
     """Windowed layers at the window (+ a batch) per sequence id, recurrent states per sequence id: the planner's
-    KV figure against what llama.cpp says it allocated (its KV and RS buffer lines)."""
+    KV figure is what llama.cpp says it allocated (its two KV / RS buffer lines), to the log's resolution."""
     from backends.llamacpp import LlamaCppSource
     from localllm.ggufinfo import read_gguf
     from localllm.planner import estimate
@@ -303,8 +305,12 @@ def test_the_planner_counts_the_memory_llama_cpp_allocates(made, n_ctx, slots):
     finally:
         src.close()
     planned = estimate(info, n_ctx * slots, "f16", slots=slots).kv_cache
-    assert planned == pytest.approx(allocated, rel=0.02)
-    assert info.memory_bytes(n_ctx * slots, slots=slots, swa_full=True) > planned or info.recurrent_layers
+    assert abs(planned - allocated) <= 2 * LOG_STEP, (planned, allocated)  # measured: 1,393-5,242 B of ~1.5 MB
+    if info.recurrent_layers:  # one state a sequence id (two a slot) beside the attention layer's every cell
+        attention = int(info.kv_bytes_per_layer_token() * info.attention_layers * n_ctx * slots)
+        assert planned == attention + info.recurrent_bytes * 2 * slots
+    else:  # the windowed layers hold their window: a full cache is larger
+        assert info.memory_bytes(n_ctx * slots, slots=slots, swa_full=True) > planned
 
 
 def test_the_planner_counts_gemma3_270m_as_llama_cpp_allocates(gemma_model):
@@ -321,7 +327,7 @@ def test_the_planner_counts_gemma3_270m_as_llama_cpp_allocates(gemma_model):
         allocated = src.info.kv_bytes
     finally:
         src.close()
-    assert estimate(info, 32768, "f16").kv_cache == pytest.approx(allocated, rel=0.02)
+    assert abs(estimate(info, 32768, "f16").kv_cache - allocated) <= 2 * LOG_STEP  # measured: 0 B of 118.5 MiB
     assert info.memory_bytes(32768, swa_full=True) > 4 * allocated
 
 
@@ -417,5 +423,77 @@ def test_a_window_that_has_slid_gives_its_prefix_back_from_a_checkpoint(swa_mode
         text, n, cached = ask(m, edited)
         assert cached > 5 and m.pool.counters.checkpoints_restored > 0
         assert text == cold(m, edited)
+    finally:
+        m.close()
+
+
+def _checkpoints(model) -> list[list[int]]:
+    """The prefix lengths of every sequence's checkpoints, as the pool holds them now."""
+    return model.call(lambda s: [[c.n for c in q.checkpoints] for q in model.pool.seqs])
+
+
+def test_checkpoints_stay_within_16_a_sequence_and_the_bytes_a_slot(hybrid_model):
+    """The pool's bounds (README: 16 checkpoints a sequence, 256 MiB a slot): a long conversation keeps 16, its
+    first (the system prompt's end) and the latest; over the byte budget the least recently used sequence's go
+    first, its first one last. The made hybrid's checkpoints (58 KB) never reach 256 MiB, so the byte bound is run
+    with a budget of 10 checkpoints a slot: the same code."""
+    from dataclasses import replace
+
+    from backends.kvpool import CheckpointPolicy
+
+    policy = CheckpointPolicy()
+    assert (policy.per_seq, policy.bytes_per_slot, policy.every) == (16, 256 << 20, 1024)  # the README's figures
+    m = load("llamacpp", LoadSpec(str(hybrid_model), n_ctx=2048, slots=2))
+    try:
+        qs = [f"What is in room {i}?" for i in range(12)]
+        answers = [f"Room {i} holds item {i}." for i in range(11)]
+        t, _, _ = ask(m, chat(qs, answers, n=4))  # 24 message starts: 16 checkpoints (the first, the latest 15)
+        [first] = [ns for ns in _checkpoints(m) if ns]
+        assert len(first) == 16 and first[0] < 200, first  # the system prompt's end, then the latest 15
+        more = [f"And room {i}?" for i in range(12, 16)]
+        text, n, _ = ask(m, chat(qs + more, answers + [t] + [f"Room {i} is closed." for i in range(12, 15)], n=4))
+        [a] = [ns for ns in _checkpoints(m) if ns and ns[-1] == n]  # the conversation's sequence, to its end
+        assert len(a) == 16 and a[0] == first[0] and a[-2] > first[-1], a  # 7 more message starts checkpointed
+        assert m.pool.counters.checkpoints_taken > 16 + 7
+        usage = m.metrics()
+        size = usage.kv_checkpoint_bytes // usage.kv_checkpoints
+        assert round(size / 1000) == 58  # a checkpoint of this 4-layer hybrid: its recurrent state (README: 58 KB)
+        # the byte bound: 10 checkpoints a slot (20 for the 2 slots); another conversation takes its own 16
+        m.pool.checkpointing = replace(policy, bytes_per_slot=10 * size)
+        other = [{"role": "system", "content": "You are a ferry timetable. " * 10}] + [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": f"Line {i} leaves at {i}:00."}
+            for i in range(23)]
+        collect(m.generate(GenerateRequest(messages=other, sampling=Sampling(temperature=0.0, max_tokens=4))))
+        after = sorted((ns for ns in _checkpoints(m) if ns), key=len)
+        usage = m.metrics()
+        assert usage.kv_checkpoint_bytes <= 20 * size and usage.kv_checkpoints == 20, (after, usage)
+        assert [len(ns) for ns in after] == [4, 16], after  # the older conversations gave theirs back, LRU first
+        assert after[0] == [a[0], *a[-3:]]  # of the conversation before the newest: its first and its latest stay
+    finally:
+        m.close()
+
+
+def test_a_checkpoint_before_an_image_gives_back_the_text_before_a_changed_image(hybrid_model, test_cache):
+    """A prompt that diverges at an image (the same text, another picture) restores the checkpoint taken where the
+    image starts and evaluates only the image and what follows, answering as cold."""
+    from backends.media import IMAGE_MARKER
+    from tests.support_vision import IMAGE_TOKENS, make_projector, png
+
+    proj = make_projector(test_cache / "vision" / "mmproj-hybrid-test-f32.gguf", n_embd=128)  # the hybrid's width
+    m = load("llamacpp", LoadSpec(str(hybrid_model), n_ctx=1024, slots=1, mmproj=str(proj)))
+    try:
+        def about(seed: int) -> GenerateRequest:  # a raw prompt: no message starts, the image where its marker is
+            return GenerateRequest(prompt=f"{SYSTEM}\n{IMAGE_MARKER}\nWhich room is this?", images=[png(seed=seed)],
+                                   sampling=Sampling(temperature=0.0, max_tokens=6))
+
+        want = cold(m, about(2))
+        m.call(lambda s: m.pool.clear())
+        ask(m, about(1))
+        [tokens] = m.call(lambda s: [list(q.tokens) for q in m.pool.seqs if q.tokens])
+        start = next(i for i, t in enumerate(tokens) if t < 0)  # where the image's placeholders begin
+        assert start > len(SYSTEM) // 6 and any(start in ns for ns in _checkpoints(m)), (start, _checkpoints(m))
+        text, n, cached = ask(m, about(2))
+        assert cached == start and n - cached >= IMAGE_TOKENS, (cached, start, n)
+        assert text == want
     finally:
         m.close()

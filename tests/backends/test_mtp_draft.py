@@ -78,9 +78,8 @@ def test_greedy_with_mtp_drafts_equals_plain(made, plain_answers, kind):
     assert proposed > 10  # drafting forced on: every step verified drafts
     if kind == "echo":  # accepted and rejected drafts both: the hybrid's state rolled back over the rejected ones
         assert 0 < accepted < proposed
-    else:
+    else:  # random MTP weights: drafts (almost) never match the trunk's greedy token
         assert accepted <= proposed // 4
-        assert proposed > 10
 
 
 def test_the_guard_turns_useless_mtp_drafting_off(made):
@@ -111,6 +110,61 @@ def test_several_streams_draft_in_one_batch_and_answer_as_alone(made, plain_answ
     assert [r[0] for r in results if r] == plain_answers["echo"][:n]
     assert any(w > 1 and c.tokens > 0 for w, c in wide.items()), "no step drafted for several streams at once"
     assert all(r is not None and r[1].stats.draft_proposed > 0 for r in results)
+
+
+# a top-2 logit gap under which F32 sums taken in another order (another batch shape) may flip the greedy token:
+# those differ by ~1e-6 on the made hybrid (test_hybrid's restored checkpoints); a wrong answer (drafts accepted
+# unverified, tried once) first diverged where plain's gap was 0.017
+NEAR_TIE = 1e-4
+
+
+def _wave(m: LoadedModel, n: int) -> list[list[tuple[str, float]]]:
+    """The 4 prompts answered at once (greedy, ``n`` tokens): per stream, each token and its top-2 logit gap."""
+    out: list[list[tuple[str, float]]] = [[] for _ in PROMPTS]
+    start = threading.Barrier(len(PROMPTS))
+
+    def one(i: int) -> None:
+        req = GenerateRequest(prompt=PROMPTS[i], logprobs=True, top_logprobs=2,
+                              sampling=Sampling(temperature=0.0, max_tokens=n, repeat_penalty=1.0))
+        start.wait()
+        for ev in m.generate(req):
+            if isinstance(ev, TextChunk):
+                out[i] += [(lp.token, lp.top[0][1] - lp.top[1][1]) for lp in ev.logprobs or []]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_forced_mtp_drafting_on_four_streams_answers_as_plain_or_flips_only_a_near_tie(made, record_property):
+    """One benchmark run of MTP drafting forced on for 4 streams on the random made model gave another text than
+    plain decoding (benchmarks/README.md). This runs that configuration (4 streams at once, every step drafting for
+    each, none accepted, the same prompts every round as the benchmark asks them) for several rounds; where a stream
+    leaves plain decoding's tokens, the first diverging token and plain's top-2 logit gap there are recorded
+    (``mtp_divergences`` in the test report). A divergence that is not a near tie is a wrong answer: it fails."""
+    rounds, n = 14, 128  # 7,168 tokens drafted for (the benchmark run that differed: 15,360), ~28 s on 2 cores
+    with load(made["random"], draft=False, slots=len(PROMPTS)) as m:
+        plain = _wave(m, n)
+    assert all(len(p) == n for p in plain)
+    divergences = []
+    with load(made["random"], draft=True, slots=len(PROMPTS)) as m:
+        for r in range(rounds):
+            for i, (want, got) in enumerate(zip(plain, _wave(m, n), strict=True)):
+                k = next((k for k, (a, b) in enumerate(zip(want, got, strict=False)) if a[0] != b[0]), None)
+                if k is None and len(got) != len(want):
+                    k = min(len(got), len(want))
+                if k is not None:
+                    divergences.append({"round": r, "stream": i, "token": k, "plain": want[k][0] if k < len(want)
+                                        else None, "drafted": got[k][0] if k < len(got) else None,
+                                        "gap": want[k][1] if k < len(want) else None})
+        wide = m.wide_controllers.get(len(PROMPTS))
+        assert wide is not None and wide.tokens > 0, "no step drafted for the 4 streams at once"
+    record_property("mtp_divergences", divergences)
+    print(f"forced MTP drafting, 4 streams, {rounds} rounds of {n} tokens: divergences from plain {divergences}")
+    assert all(d["gap"] is not None and d["gap"] < NEAR_TIE for d in divergences), divergences
 
 
 def test_a_model_without_mtp_layers_is_refused(hybrid_model):

@@ -1,7 +1,7 @@
 """A made Qwen3.5 with an MTP block (``tests/made_qwen35.py``), as the ``*-MTP-GGUF`` builds ship: llama.cpp reads
 its ``nextn`` layer, our GGUF reader counts it, and loaded for plain decoding (MTP tensors skipped) it answers
-exactly as the same trunk without the block — so the catalog's MTP build (qwen3.6:27b) costs nothing until
-drafting from it exists."""
+exactly as the same trunk without the block — so the catalog's MTP build (qwen3.6:27b) decodes plainly as its
+trunk does (``--draft none``). Drafting from the block: ``tests/backends/test_mtp_draft.py``."""
 
 from __future__ import annotations
 

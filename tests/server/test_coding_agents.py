@@ -327,3 +327,18 @@ def test_a_created_models_num_ctx_is_a_setting_the_context_does_not_grow_past(ag
         client.messages.create(model="agent-llama:ctx4k", max_tokens=16, system=WORD * 3000,
                                messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["error"]["message"].endswith("tokens > 4096 maximum")
+
+
+def test_a_missing_node_is_a_failure_under_strict_mode_not_a_hardware_skip(monkeypatch):
+    """node and npm are software (``.ci/run`` installs Debian's ``nodejs npm`` where missing): without them the agent
+    tests skip with a reason that strict mode fails (only "hardware: ..." skips pass it), saying how to install them."""
+    import shutil
+
+    from tests.conftest import HARDWARE_SKIP
+
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    with pytest.raises(pytest.skip.Exception) as e:
+        agent_bin("codex")
+    assert not str(e.value.msg).startswith(HARDWARE_SKIP) and "apt-get install nodejs npm" in str(e.value.msg)
+    ci = (Path(__file__).parents[2] / ".ci" / "run").read_text()
+    assert "apt-get install -y -q nodejs npm" in ci and ci.index("nodejs npm") < ci.index("python -m pytest")

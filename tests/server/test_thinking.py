@@ -177,6 +177,30 @@ def test_anthropic_thinking_blocks(think_server):
     assert [b.type for b in again.content] == ["thinking", "text"] and _clean(again.content[1].text), again
 
 
+def test_anthropic_adaptive_thinking_and_effort_think_as_enabled_does_and_disabled_wins(think_server):
+    """``thinking: adaptive`` is the model's default: a thinking model thinks, the same blocks as ``enabled``
+    (greedy); ``output_config.effort`` alone asks for thinking at its level (Qwen3's template has no levels: on;
+    the level a template with levels gets is ``think_of``'s doctest); ``disabled`` wins over an effort: the
+    no-think form, nothing split out."""
+    client = anthropic.Anthropic(base_url=think_server.url, api_key="unused", max_retries=0)
+
+    def blocks(effort: str | None = None, **kw) -> list[tuple[str, str]]:
+        extra = {"temperature": 0, **({"output_config": {"effort": effort}} if effort else {})}
+        m = client.messages.create(model=THINKER, max_tokens=200, messages=ASK, extra_body=extra, **kw)
+        return [(b.type, b.thinking if b.type == "thinking" else b.text) for b in m.content]
+
+    enabled = blocks(thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [t for t, _ in enabled] == ["thinking", "text"] and all(_clean(x) for _, x in enabled), enabled
+    assert blocks(thinking={"type": "adaptive"}) == enabled
+    assert blocks("low", thinking={"type": "adaptive"}) == enabled
+    assert blocks("max") == enabled
+    off = blocks("high", thinking={"type": "disabled"})
+    assert [t for t, _ in off] == ["text"] and off[0][1].startswith("<think>"), off  # not split, as think=false
+    with pytest.raises(anthropic.BadRequestError) as e:
+        blocks("extreme")
+    assert "output_config.effort must be low, medium, high or max" in e.value.body["error"]["message"]
+
+
 def test_a_model_that_cannot_think(url):
     """Ollama's 400 in Ollama's words on /api; OpenAI's shape on /v1; Anthropic's API drops think."""
     with pytest.raises(ollama.ResponseError) as e:
