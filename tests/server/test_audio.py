@@ -154,7 +154,8 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(("data", "fmt", "says"), BAD, ids=["not-audio", "truncated", "absurd-duration", "forged-byte-rate", "ogg"])
+@pytest.mark.parametrize(("data", "fmt", "says"), BAD,
+                         ids=["not-audio", "truncated", "absurd-duration", "forged-byte-rate", "ogg"])
 def test_bad_clips_are_400s_in_each_apis_shape(oai, url, data, fmt, says):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=ALM, max_tokens=2, messages=[
