@@ -7,7 +7,15 @@ import struct
 
 import pytest
 
-from localllm.audio import AudioError, ClipInfo, check_audio, clip_info, duration_label, extract_paths, transcription_prompt
+from localllm.audio import (
+    AudioError,
+    ClipInfo,
+    check_audio,
+    clip_info,
+    duration_label,
+    extract_paths,
+    transcription_prompt,
+)
 from tests.support_audio import encoded, forged_wav, wav
 
 
