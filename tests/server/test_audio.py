@@ -135,7 +135,8 @@ def test_transcriptions_through_the_openai_client(oai, url):
     assert v.segments and v.segments[0].end == v.duration
     # what nothing measures is left out (constants there read as "certain speech"); what is known is there
     r = httpx.post(url + "/v1/audio/transcriptions", files={"file": ("memo.wav", io.BytesIO(clip))},
-                   data={"model": ALM, "response_format": "verbose_json", "temperature": "0"}, timeout=120)
+                   data={"model": ALM, "response_format": "verbose_json", "temperature": "0",
+                         "prompt": "A short memo.", "language": "en"}, timeout=120)
     seg = r.json()["segments"][0]
     assert not {"avg_logprob", "no_speech_prob", "tokens"} & seg.keys(), seg
     assert seg["temperature"] == 0.0 and seg["compression_ratio"] > 0 and seg["text"] == t.text
