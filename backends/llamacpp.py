@@ -157,9 +157,12 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
             self._arch = self._md.get("general.architecture", "unknown")
             self._pooling = pooling_of(self._md, self._arch)  # an embedding / rerank model: pools, never generates
             cp = llama_cpp.llama_context_default_params()
-            cp.n_ctx = spec.n_ctx * slots
-            cp.n_batch = spec.n_batch
-            cp.n_ubatch = spec.n_batch
+            # at least one token per sequence id in a batch, and so in the context (a causal model's batch is cut to
+            # the context): llama.cpp reserves its graphs for one output per sequence and aborts the process with
+            # GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) below that (a request's num_ctx 1 did). A
+            # sequence still holds only spec.n_ctx tokens (self._n_ctx)
+            cp.n_ctx = max(spec.n_ctx * slots, self._n_seq_ids)
+            cp.n_batch = cp.n_ubatch = max(spec.n_batch, self._n_seq_ids)
             cp.n_seq_max = self._n_seq_ids
             if self._pooling is not None:
                 self._pool_setup(cp)

@@ -17,6 +17,24 @@ if TYPE_CHECKING:
 POOL_INPUTS = 64  # most inputs one pooling evaluation takes (sequence ids of the pooling context)
 
 
+def pool_tokens(tokens: int, seqs: int) -> int:
+    """The batch (= micro-batch = context) of a pooling context that should hold ``tokens`` over ``seqs`` sequence
+    ids: ``tokens`` rounded up to a multiple of ``seqs``.
+
+    llama.cpp (``llama_context::graph_reserve``) reserves its worst-case graph for a micro-batch rounded up to a
+    multiple of the sequences while the outputs stay ``n_ubatch``; mean pooling then multiplies the outputs
+    (``n_ubatch`` rows) by a ``[rounded, n_seqs]`` matrix and ``GGML_ASSERT(ggml_can_mul_mat(a, b))`` aborts the
+    process while the context is made (measured on 0.3.36: a 300-token context over 64 sequences aborts, 256, 320,
+    384, 448, 512 and 768 do not; any multiple of 64 works). The few extra tokens cost no KV: llama.cpp pads a
+    context to 256 cells anyway. What an input may hold stays the model's context (:func:`backends.pooling._limit`).
+
+    >>> pool_tokens(300, 64), pool_tokens(256, 64), pool_tokens(1023, 64), pool_tokens(5, 64), pool_tokens(300, 1)
+    (320, 256, 1024, 64, 300)
+    """
+    seqs = max(1, seqs)
+    return -(-max(1, tokens) // seqs) * seqs
+
+
 class PooledOutputs:
     """Mixed into :class:`~backends.llamacpp.LlamaCppSource` (its model, vocabulary and contexts)."""
 
@@ -43,9 +61,8 @@ class PooledOutputs:
         import llama_cpp
 
         n_ctx = min(self.spec.n_ctx, int(llama_cpp.llama_model_n_ctx_train(self._model)) or self.spec.n_ctx)
-        tokens = max(self.spec.n_batch, n_ctx)
-        cp.n_ctx = cp.n_batch = cp.n_ubatch = tokens
         cp.n_seq_max = self._n_seq_ids = max(1, min(POOL_INPUTS, int(llama_cpp.llama_max_parallel_sequences())))
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = pool_tokens(max(self.spec.n_batch, n_ctx), self._n_seq_ids)
         cp.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED  # the GGUF's
 
     def _embed_ctx(self) -> tuple[Any, Any, int, int]:
@@ -54,10 +71,11 @@ class PooledOutputs:
         if self._embed is None:
             import llama_cpp
 
-            n = min(self._n_ctx, 2048)
+            seqs = max(1, min(POOL_INPUTS, int(llama_cpp.llama_max_parallel_sequences())))
+            n = pool_tokens(min(self._n_ctx, 2048), seqs)
             p = llama_cpp.llama_context_default_params()
             p.n_ctx = p.n_batch = p.n_ubatch = n
-            p.n_seq_max = seqs = max(1, min(POOL_INPUTS, int(llama_cpp.llama_max_parallel_sequences())))
+            p.n_seq_max = seqs
             p.kv_unified = True
             p.n_threads = p.n_threads_batch = self.n_threads
             p.embeddings = True

@@ -149,8 +149,9 @@ class Models(Protocol):
     def remove(self, name: str) -> str:
         """Remove ``name``; returns the installed name that went (``smollm2`` → ``smollm2:135m``)."""
 
-    def copy(self, src: str, dst: str) -> str:
-        """Install ``dst`` as another name for ``src``; returns the new name."""
+    def copy(self, src: str, dst: str, *, force: bool = False) -> str:
+        """Install ``dst`` as another name for ``src``; returns the new name. An existing ``dst`` is refused
+        (:class:`~localllm.errors.LocalLLMError`, one sentence) unless ``force`` replaces it."""
 
     def create(self, name: str, modelfile: Modelfile, *, progress: ProgressFn | None = None,
                quantize: str | None = None, requantize: bool = False) -> Installed:

@@ -6,7 +6,7 @@ and resamples them itself. What is checked here, from the bytes' header and **be
 * the size: at most ``LOCALLLM_MAX_AUDIO_BYTES`` (default 20 MiB, as images) of encoded audio;
 * the format, by its magic bytes: WAV, MP3 or FLAC; a known other one (Ogg/Opus, M4A/AAC, WebM, AIFF) is named
   as unsupported; anything else is "not audio";
-* the duration the header declares (WAV: data bytes / byte rate; FLAC: STREAMINFO's samples / rate; MP3: the
+* the duration the header declares (WAV: the data's frames / sample rate; FLAC: STREAMINFO's samples / rate; MP3: the
   bytes over the first frame's bitrate, or a Xing/Info header's frame count): at most
   ``LOCALLLM_MAX_AUDIO_SECONDS`` (default 600 s: mtmd cuts a clip into 30 s chunks, each its own encode and a
   block of tokens, so 10 minutes is 20 chunks); a header that cannot be read, or a WAV whose data chunk is cut
@@ -79,23 +79,31 @@ def other_format(data: bytes) -> str | None:
 
 
 def _wav(data: bytes) -> float | None:
-    """Duration of a RIFF/WAVE clip from its ``fmt `` and ``data`` chunks; None when they are unreadable; the
-    declared duration negated when the data chunk is cut short (so an absurd length is named as such first)."""
-    i, byte_rate = 12, 0
+    """Duration of a RIFF/WAVE clip from its ``fmt `` and ``data`` chunks: the data's frames over the **sample rate**
+    (what a decoder plays and resamples; the header's byte rate is not used, a forged one would understate the
+    length); None when they are unreadable; the declared duration negated when the data chunk is cut short (so an
+    absurd length is named as such first).
+
+    A frame's bytes are ``channels × bits / 8`` (4-bit ADPCM: half a byte a mono frame), or the block alignment
+    where that is smaller: the shorter frame gives the longer duration, so no field can make a clip look shorter
+    than what dr_wav (mtmd's decoder) takes from it."""
+    i, rate, frame = 12, 0, 0.0
     while i + 8 <= len(data):
         cid, size = data[i:i + 4], struct.unpack("<I", data[i + 4:i + 8])[0]
         if cid == b"fmt ":
-            if i + 20 > len(data) or size < 16:
+            if i + 24 > len(data) or size < 16:
                 return None
-            byte_rate = struct.unpack("<I", data[i + 16:i + 20])[0]
+            channels, rate, _byte_rate, align, bits = struct.unpack("<HIIHH", data[i + 10:i + 24])
+            sizes = [n for n in (channels * bits / 8, float(align)) if n > 0]
+            frame = min(sizes) if sizes else 0.0
         elif cid == b"data":
-            if not byte_rate:
+            if not rate or not frame:
                 return None
-            secs = size / byte_rate
-            # a declared length beyond the bytes: truncated (a streamed WAV's 0xFFFFFFFF "unknown": the bytes')
-            if size == 0xFFFFFFFF:
-                return (len(data) - i - 8) / byte_rate
-            return -secs if i + 8 + size > len(data) + 1 else secs
+            # a streamed WAV's 0xFFFFFFFF "unknown" length: the bytes there are
+            n = len(data) - i - 8 if size == 0xFFFFFFFF else size
+            secs = n / frame / rate
+            # a declared length beyond the bytes: truncated
+            return -secs if size != 0xFFFFFFFF and i + 8 + size > len(data) + 1 else secs
         i += 8 + size + (size & 1)
     return None
 

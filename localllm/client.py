@@ -467,7 +467,15 @@ class Client:
         self._request("DELETE", "/api/delete", {"model": name})
         return name
 
-    def copy(self, src: str, dst: str) -> str:
+    def copy(self, src: str, dst: str, *, force: bool = False) -> str:
+        if not force:  # /api/copy replaces an existing name (Ollama's behaviour): asked first, unless forced
+            try:
+                there = self.show(dst)
+            except ModelNotFoundError:
+                pass
+            else:
+                raise LocalLLMError(f"{there.name} exists already; remove it first, or copy with --force to "
+                                    "replace it.")
         self._request("POST", "/api/copy", {"source": src, "destination": dst})
         return dst
 

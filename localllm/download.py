@@ -482,15 +482,51 @@ def hf_model_info(repo: str, revision: str | None = None, *, offline_what: str =
         raise SourceUnavailable(f"Hugging Face is unreachable ({type(e).__name__}).") from None
 
 
+def fsync(path: Path) -> None:
+    """Flush ``path`` to the disk: a file's bytes, a directory's entries (so a rename in it survives a crash), a
+    directory tree's files and entries. Where the system cannot fsync a directory (Windows), that part is skipped."""
+    if path.is_dir():
+        for p in path.iterdir():
+            if p.is_dir() and not p.is_symlink():
+                fsync(p)
+            elif p.is_file() and not p.is_symlink():
+                _fsync_one(p, os.O_RDONLY)
+        if os.name != "nt":
+            _fsync_one(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    else:
+        _fsync_one(path, os.O_RDONLY)
+
+
+def _fsync_one(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # a file system that cannot fsync a directory: nothing more to do there
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush ``path``'s entries (after a rename into it), not its files."""
+    if os.name != "nt":
+        _fsync_one(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+
 def move_into_place(src: Path, target: Path) -> bool:
     """Rename ``src`` (a file or a directory) to ``target`` atomically; across file systems, copy next to
     ``target`` first and rename that. False (and ``src`` removed) when ``target`` already exists: another
-    pull of the same content won the race, and its copy is kept."""
+    pull of the same content won the race, and its copy is kept.
+
+    Durable: the bytes are flushed to the disk (``fsync``) before the rename and the directory after it, so a crash
+    or a power cut leaves the old state or the whole new file, never a name on a file of zeros."""
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():
         shutil.rmtree(src, ignore_errors=True) if src.is_dir() else src.unlink(missing_ok=True)
         return False
     try:
+        fsync(src)
         os.replace(src, target)
     except OSError as e:
         if e.errno != errno.EXDEV:
@@ -498,12 +534,15 @@ def move_into_place(src: Path, target: Path) -> bool:
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         if src.is_dir():
             shutil.copytree(src, tmp)
+            fsync(tmp)
             os.replace(tmp, target)
             shutil.rmtree(src, ignore_errors=True)
         else:
             shutil.copyfile(src, tmp)
+            fsync(tmp)
             os.replace(tmp, target)
             src.unlink(missing_ok=True)
+    fsync_dir(target.parent)
     return True
 
 

@@ -124,8 +124,8 @@ class LocalModels:
     def remove(self, name: str) -> str:
         return self.store.remove(name)
 
-    def copy(self, src: str, dst: str) -> str:
-        return self.store.copy(src, dst).name
+    def copy(self, src: str, dst: str, *, force: bool = False) -> str:
+        return self.store.copy(src, dst, replace=force).name
 
     def create(self, name: str, modelfile: Modelfile, *, progress: ProgressFn | None = None,
                quantize: str | None = None, requantize: bool = False) -> Installed:

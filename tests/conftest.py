@@ -77,6 +77,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_CACHE"] = str(TEST_CACHE / "hf-cache")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
+from tests.failfast import (  # noqa: E402, F401  (hooks: a dead xdist worker ends the run at once)
+    pytest_handlecrashitem,
+    pytest_runtest_protocol,
+    pytest_unconfigure,
+)
 from tests.support import CODER_MODEL, DEFAULT_MODEL, NOMIC_MODEL, in_test_home, read_installed  # noqa: E402
 
 try:  # hypothesis keeps its example database in the test cache, not in ./.hypothesis of the checkout

@@ -104,3 +104,10 @@ def encoded(fmt: str, seconds: float = 1.5, seed: int = 0, rate: int = 16000) ->
     buf = io.BytesIO()
     sf.write(buf, pcm, rate, format=fmt, subtype={"FLAC": "PCM_16", "MP3": "MPEG_LAYER_III"}[fmt])
     return buf.getvalue()
+
+
+def forged_wav(rate: int, byte_rate: int, frames: int) -> bytes:
+    """A 16-bit mono WAV of ``frames`` frames at ``rate`` Hz whose header claims ``byte_rate`` bytes a second."""
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, byte_rate, 2, 16)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", frames * 2) + b"\1\0" * frames
+    return b"RIFF" + struct.pack("<I", len(body)) + body

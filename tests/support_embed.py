@@ -34,7 +34,7 @@ def vocabulary() -> list[str]:
 
 def make_bert(path: Path, *, rerank: bool = False, seed: int = 0, n_embd: int = N_EMBD, n_ff: int = N_FF,
               n_blocks: int = N_BLOCKS, n_head: int = N_HEAD, rerank_template: str | None = None,
-              f16: bool = False) -> Path:
+              f16: bool = False, n_ctx: int = N_CTX) -> Path:
     """Write (once, atomically) a random BERT GGUF to ``path``: an embedder (mean pooling) or, with ``rerank``, a
     reranker (rank pooling, ``cls`` + ``cls.output`` head: one score). The sizes default to the tests' tiny model;
     the benchmark makes an all-MiniLM-L6-sized one (384 wide, 6 blocks, 12 heads, feed-forward 1536).
@@ -64,7 +64,7 @@ def make_bert(path: Path, *, rerank: bool = False, seed: int = 0, n_embd: int = 
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), "bert")
     w.add_name("test-bert-reranker" if rerank else "test-bert-embedder")
-    w.add_context_length(N_CTX)
+    w.add_context_length(n_ctx)
     w.add_embedding_length(d)
     w.add_feed_forward_length(ff)
     w.add_block_count(n_blocks)
@@ -90,7 +90,7 @@ def make_bert(path: Path, *, rerank: bool = False, seed: int = 0, n_embd: int = 
     t: dict[str, np.ndarray] = {
         "token_embd.weight": rnd(len(tokens), d),
         "token_types.weight": rnd(2, d, np.float32),  # F32: an F16 one aborts at warm-up
-        "position_embd.weight": rnd(N_CTX, d, np.float32),
+        "position_embd.weight": rnd(n_ctx, d, np.float32),
         "token_embd_norm.weight": np.ones(d, np.float32), "token_embd_norm.bias": vec(d),
     }
     for i in range(n_blocks):

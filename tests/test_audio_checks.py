@@ -7,8 +7,16 @@ import struct
 
 import pytest
 
-from localllm.audio import AudioError, check_audio, clip_info, duration_label, extract_paths, transcription_prompt
-from tests.support_audio import encoded, wav
+from localllm.audio import (
+    AudioError,
+    ClipInfo,
+    check_audio,
+    clip_info,
+    duration_label,
+    extract_paths,
+    transcription_prompt,
+)
+from tests.support_audio import encoded, forged_wav, wav
 
 
 @pytest.mark.parametrize("fmt", ["WAV", "FLAC", "MP3"])
@@ -43,6 +51,24 @@ def test_refusals_are_one_sentence(data, fmt, says):
     with pytest.raises(AudioError) as e:
         check_audio(data, "clip", fmt)
     assert says in str(e.value) and str(e.value).startswith("clip: ")
+
+
+def test_a_wav_lasts_its_frames_over_its_sample_rate_whatever_its_byte_rate():
+    """The byte rate is a header field a decoder never uses: 6,000 frames at 8 Hz play (and resample to 16 kHz) for
+    750 s however large a byte rate the header claims, so the clip is refused, not taken for 0.00001 s."""
+    forged = forged_wav(8, 0xFFFFFFF0, 6000)
+    assert clip_info(forged) == ClipInfo("WAV", 750.0)
+    with pytest.raises(AudioError, match=r"^clip: the clip lasts 750 s, more than the 600 s allowed"):
+        check_audio(forged, "clip")
+    # an honest clip with a wrong byte rate is measured by its frames all the same
+    assert clip_info(forged_wav(16000, 1, 24000)) == ClipInfo("WAV", 1.5)
+    # no sample rate, or no frame size: the header is unreadable
+    for rate, bits in ((0, 16), (16000, 0)):
+        bad = bytearray(forged_wav(16000, 32000, 100))
+        struct.pack_into("<I", bad, 24, rate)
+        struct.pack_into("<HH", bad, 32, 0 if not bits else 2, bits)
+        with pytest.raises(AudioError, match="truncated or its header is unreadable"):
+            check_audio(bytes(bad), "clip")
 
 
 def test_limits_come_from_the_environment(monkeypatch):

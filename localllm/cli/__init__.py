@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "show": ("localllm.cli.show", "Show a model's details."),
     "rm": ("localllm.cli.rm", "Remove models."),
     "cp": ("localllm.cli.cp", "Copy a model to a new name."),
+    "verify": ("localllm.cli.verify", "Check installed models' files against their sha256 digests."),
     "create": ("localllm.cli.create", "Create a model from a Modelfile."),
     "quantize": ("localllm.cli.quantize", "Quantize an F32/F16 model (q4_K_M, q8_0, ...)."),
     "stop": ("localllm.cli.stop", "Unload a running model."),

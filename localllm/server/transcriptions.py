@@ -7,8 +7,10 @@ A multipart form, as OpenAI's SDK sends it (``client.audio.transcriptions.create
 * ``prompt``: text the transcript follows on from (a previous segment, the spelling of names);
 * ``language``: ISO-639-1 code of the speech (``en``, ``fr``, ...), said to the model;
 * ``response_format``: ``json`` (default, ``{"text", "usage"}``), ``text`` (the transcript as text/plain) or
-  ``verbose_json`` (``task``, ``language``, ``duration``, ``text``, one segment over the whole clip); ``srt`` and
-  ``vtt`` are refused (no timestamps: an LLM's transcript has none);
+  ``verbose_json`` (``task``, ``language``, ``duration``, ``text``, one segment over the whole clip with its
+  ``temperature`` and Whisper's ``compression_ratio`` of its text); ``srt`` and ``vtt`` are refused (no timestamps:
+  an LLM's transcript has none). Whisper's ``avg_logprob``, ``no_speech_prob`` and ``tokens`` are left out of the
+  segment: nothing here measures them, and a constant would read as "certain speech";
 * ``temperature``: 0 by default (greedy, as a transcript wants).
 
 The model is asked, in one user turn holding the clip, to write what is said and nothing else. Errors leave in
@@ -95,7 +97,7 @@ async def transcriptions(request: Request) -> Response:
         return PlainTextResponse(text + "\n")
     if fmt == "verbose_json":
         info = core.clip_info(clip)
-        return JSONResponse(_verbose(text, language, info.seconds if info is not None else 0.0))
+        return JSONResponse(_verbose(text, language, info.seconds if info is not None else 0.0, temperature))
     st = result.done.stats
     return JSONResponse({"text": text, "usage": {
         "type": "tokens", "input_tokens": int(st.prompt_eval_count), "output_tokens": int(st.eval_count),
@@ -104,10 +106,12 @@ async def transcriptions(request: Request) -> Response:
                                 "text_tokens": int(st.prompt_eval_count - st.audio_tokens)}}})
 
 
-def _verbose(text: str, language: str | None, seconds: float) -> dict[str, Any]:
+def _verbose(text: str, language: str | None, seconds: float, temperature: float) -> dict[str, Any]:
+    """verbose_json: one segment over the whole clip, with only what is known of it (see the module's docstring)."""
+    import zlib
+
+    raw = text.encode()
+    ratio = round(len(raw) / len(zlib.compress(raw)), 3) if raw else 0.0  # Whisper's: bytes / zlib-compressed bytes
     return {"task": "transcribe", "language": language or "", "duration": round(seconds, 3), "text": text,
-            "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": round(seconds, 3), "text": text, "tokens": [],
-                          "temperature": 0.0, "avg_logprob": 0.0, "compression_ratio": 0.0,
-                          "no_speech_prob": 0.0}]}
-
-
+            "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": round(seconds, 3), "text": text,
+                          "temperature": temperature, "compression_ratio": ratio}]}

@@ -4,7 +4,8 @@ A package by concern, every operation under the same locks: :mod:`~localllm.stor
 recorded: :class:`InstalledModel`, :class:`Projector`, :class:`PullProgress`), :mod:`~localllm.store.manifests`
 (layout, locks, manifests, lookups, ``cp``), :mod:`~localllm.store.gc` (``rm`` and what it frees),
 :mod:`~localllm.store.pull` (the Hub, its cache, PyPI mirrors, MLX weights) and :mod:`~localllm.store.create`
-(Modelfiles, quantization, adapters, uploads); :class:`Store` is all of them.
+(Modelfiles, quantization, adapters, uploads), :mod:`~localllm.store.verify` (every installed file hashed again);
+:class:`Store` is all of them.
 
 Layout under ``paths().models`` (Ollama-like)::
 
@@ -38,7 +39,6 @@ next change); ``InstalledModel.weights_of("mlx")`` and ``.formats`` (``["GGUF", 
 from __future__ import annotations
 
 from localllm.mlxmodels import apple_silicon
-from localllm.store.create import Creating
 from localllm.store.records import (
     MANIFEST_SCHEMA,
     InstalledModel,
@@ -49,12 +49,14 @@ from localllm.store.records import (
     layer,
     projector_beside,
 )
+from localllm.store.verify import FileCheck, Verifying
 
-__all__ = ["MANIFEST_SCHEMA", "InstalledModel", "ProgressFn", "Projector", "PullProgress", "Store", "apple_silicon",
-           "check_projector", "layer", "projector_beside"]
+__all__ = ["MANIFEST_SCHEMA", "FileCheck", "InstalledModel", "ProgressFn", "Projector", "PullProgress", "Store",
+           "apple_silicon", "check_projector", "layer", "projector_beside"]
 
 
-class Store(Creating):
+class Store(Verifying):
     """The models directory: :class:`~localllm.store.manifests.StoreBase` (layout, manifests, lookups),
-    :class:`~localllm.store.gc.Collecting` (``rm``), :class:`~localllm.store.pull.Pulling` (``pull``) and
-    :class:`~localllm.store.create.Creating` (``create``), each building on the one before."""
+    :class:`~localllm.store.gc.Collecting` (``rm``), :class:`~localllm.store.pull.Pulling` (``pull``),
+    :class:`~localllm.store.create.Creating` (``create``) and :class:`~localllm.store.verify.Verifying` (``verify``),
+    each building on the one before."""

@@ -102,12 +102,18 @@ class Creating(Pulling):
             hexdigest = digest_form.group(1).lower()
             if not self.blob_path(hexdigest).is_file():
                 raise ModelNotFoundError(f"There is no blob sha256:{hexdigest}; upload it to /api/blobs first.")
+            rep.phase("verifying sha256 digest")
+            self._check_blob(self.blob_path(hexdigest), hexdigest, f"The blob sha256:{hexdigest[:12]}",
+                             "upload it again")
             rep.phase("parsing GGUF")
             data = self._blob_data(hexdigest, f"blob sha256:{hexdigest[:12]}")
         elif parse_name(src, allow_path=True).kind == "path":
             data = self._import_gguf(Path(src).expanduser(), rep, cancel)
         else:
             base = self.ensure(src, progress=progress, cancel=cancel)
+            rep.phase("verifying sha256 digest")
+            self._check_blob(base.path, base.weights_digest, f"{base.name}'s file {base.path}",
+                             f"pull or create {base.name} again")
             found = self._find(parse_name(base.name, allow_path=False))
             assert found is not None
             data = json.loads(self._manifest_path(found[0]).read_text(encoding="utf-8"))
@@ -171,6 +177,8 @@ class Creating(Pulling):
         if not pairs:
             raise InvalidModelFileError(f"The adapter {label} holds no LoRA tensors (*.lora_a / *.lora_b).")
         hexdigest = m.group(1).lower() if m else sha256_file(path)
+        if m:
+            self._check_blob(path, hexdigest, f"The adapter {label}", "upload it again")
         if not m and not self.blob_path(hexdigest).is_file():
             self._copy_into_blobs(path, hexdigest, rep)
         return f"sha256:{hexdigest} {scale:g}"

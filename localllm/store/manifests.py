@@ -18,7 +18,7 @@ from localllm import formats
 from localllm.catalog import Catalog
 from localllm.config import Paths
 from localllm.config import paths as default_paths
-from localllm.errors import LocalLLMError, ModelNotFoundError
+from localllm.errors import InvalidModelFileError, LocalLLMError, ModelNotFoundError
 from localllm.formats import Weights
 from localllm.names import ModelRef, parse_name
 from localllm.store.records import (
@@ -142,11 +142,17 @@ class StoreBase:
                          vision=bool(d.get("vision", True)), audio=bool(d.get("audio", False)))
 
     def _write_manifest(self, ref: ModelRef, data: dict[str, Any]) -> Path:
+        from localllm.download import fsync_dir
+
         path = self._manifest_path(ref)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+        with open(tmp, "w", encoding="utf-8") as fh:  # on the disk before the rename: a crash leaves old or new
+            fh.write(json.dumps(data, indent=1, sort_keys=True))
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
         return path
 
     def _manifest_files(self) -> list[Path]:
@@ -308,6 +314,23 @@ class StoreBase:
             dl.move_into_place(tmp, target)  # a blob already there is the same content: it is kept
         return target
 
+    def _digest_ok(self, path: Path, digest: str, on_bytes: Any = None) -> bool:
+        """Whether ``path`` hashes to ``digest`` (``sha256:<hex>`` or ``<hex>``); False when it cannot be read."""
+        from localllm.download import sha256_file
+
+        try:
+            return sha256_file(path, on_bytes) == digest.removeprefix("sha256:").lower()
+        except OSError:
+            return False
+
+    def _check_blob(self, path: Path, digest: str, what: str, fix: str) -> None:
+        """Raise :class:`InvalidModelFileError` (one sentence: ``what`` is corrupt, ``fix``) unless ``path`` hashes to
+        ``digest``: a file renamed into place whole may still have been damaged since (a crash before its bytes
+        reached the disk, a bad sector, an edit in place)."""
+        if not self._digest_ok(path, digest):
+            digest = "sha256:" + digest.removeprefix("sha256:")
+            raise InvalidModelFileError(f"{what} is corrupt: its bytes no longer hash to {digest[:19]}...; {fix}.")
+
     def _gc_blob(self, digest: str) -> bool:
         """Delete a blob no manifest uses (as weights or projector; call under the store lock). True if deleted."""
         for p in self._manifest_files():
@@ -325,8 +348,10 @@ class StoreBase:
             return True
         return False
 
-    def copy(self, src: str, dst: str) -> InstalledModel:
-        """Install ``dst`` as another name for ``src``'s file (no bytes copied)."""
+    def copy(self, src: str, dst: str, *, replace: bool = True) -> InstalledModel:
+        """Install ``dst`` as another name for ``src``'s file (no bytes copied). An existing ``dst`` is replaced (as
+        Ollama's ``/api/copy`` does) unless ``replace`` is False: then it is refused in one sentence (the CLI's
+        default; ``localllm cp --force`` replaces)."""
         sref = parse_name(src, allow_path=False)
         dref = parse_name(dst, allow_path=False)
         m = self.get(sref.name)
@@ -334,7 +359,16 @@ class StoreBase:
         now = _now().isoformat()
         data.update(name=dref.name, created=now, modified=now, source=f"copy of {m.name}")
         with self._store_lock():
+            if not replace and (there := self._find(dref)) is not None:
+                raise LocalLLMError(f"{there[1].name} exists already; remove it first, or copy with --force to "
+                                    "replace it.")
+            old = self._read_manifest(self._manifest_path(dref))
             self._write_manifest(dref, data)
+            if old is not None:  # what the replaced name alone used is freed
+                for digest in [old.weights_digest, *(a.split()[0] for a in (old.derived.adapters if old.derived
+                                                                             else [])),
+                               *([old.projector.digest] if old.projector and not old.projector.external else [])]:
+                    self._gc_blob(digest)
         out = self._read_manifest(self._manifest_path(dref))
         assert out is not None
         return out

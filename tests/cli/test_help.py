@@ -24,6 +24,7 @@ USAGE = {
     "show": "Usage: localllm show [OPTIONS] NAME",
     "rm": "Usage: localllm rm [OPTIONS] NAMES...",
     "cp": "Usage: localllm cp [OPTIONS] SRC DST",
+    "verify": "Usage: localllm verify [OPTIONS] [NAMES]...",
     "create": "Usage: localllm create [OPTIONS] NAME",
     "quantize": "Usage: localllm quantize [OPTIONS] SRC TYPE [DST]",
     "stop": "Usage: localllm stop [OPTIONS] MODEL",

@@ -111,6 +111,18 @@ def test_cp_then_rm_via_cli(own_home):
     assert run("list").stdout.split() == ["NAME", "ID", "SIZE", "FORMATS", "MODIFIED"]
 
 
+def test_cp_onto_an_installed_name_is_refused_unless_forced(own_home):
+    run("cp", "smollm2:135m", "mine")
+    r = run("cp", "smollm2:135m", "mine", check=False)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "Error: mine exists already; remove it first, or copy with --force to replace it."]
+    r = run("cp", "smollm2:135m", "smollm2:135m", check=False)  # onto itself: the same answer, nothing changed
+    assert r.returncode == 1 and "exists already" in r.stderr
+    assert run("cp", "--force", "smollm2:135m", "mine").stdout.strip() == "copied 'smollm2:135m' to 'mine'"
+    assert sorted(line.split()[0] for line in run("list").stdout.splitlines()[1:]) == ["mine", "smollm2:135m"]
+
+
 def test_rm_never_deletes_a_local_file(home, default_model_path):
     r = run("rm", str(default_model_path), check=False)
     assert r.returncode == 1 and "file path" in r.stderr and default_model_path.is_file()

@@ -13,7 +13,7 @@ import ollama
 import openai
 import pytest
 
-from tests.support_audio import AUDIO_TOKENS, wav
+from tests.support_audio import AUDIO_TOKENS, forged_wav, wav
 
 ALM = "smollm2:135m"
 TEXT = "textonly:latest"
@@ -121,7 +121,7 @@ def test_ollama_native_audio_rides_in_images(url):
     assert g.prompt_eval_count >= AUDIO_TOKENS
 
 
-def test_transcriptions_through_the_openai_client(oai):
+def test_transcriptions_through_the_openai_client(oai, url):
     clip = wav(seed=4)
     t = oai.audio.transcriptions.create(model=ALM, file=("memo.wav", clip, "audio/wav"), temperature=0,
                                         prompt="A short memo.", language="en")
@@ -133,6 +133,13 @@ def test_transcriptions_through_the_openai_client(oai):
                                         prompt="A short memo.", language="en")
     assert v.text == t.text and abs(v.duration - 1.5) < 0.01 and v.language == "en"
     assert v.segments and v.segments[0].end == v.duration
+    # what nothing measures is left out (constants there read as "certain speech"); what is known is there
+    r = httpx.post(url + "/v1/audio/transcriptions", files={"file": ("memo.wav", io.BytesIO(clip))},
+                   data={"model": ALM, "response_format": "verbose_json", "temperature": "0",
+                         "prompt": "A short memo.", "language": "en"}, timeout=120)
+    seg = r.json()["segments"][0]
+    assert not {"avg_logprob", "no_speech_prob", "tokens"} & seg.keys(), seg
+    assert seg["temperature"] == 0.0 and seg["compression_ratio"] > 0 and seg["text"] == t.text
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -142,11 +149,14 @@ BAD = [
     (b"\x00\x01 definitely not audio \x02" * 8, "wav", "not a WAV, MP3 or FLAC"),
     (wav(seed=5)[:2000], "wav", "truncated"),
     (long_header_wav(5 * 3600), "wav", "more than the 600 s allowed"),
+    # 6,000 frames at 8 Hz (750 s once resampled) behind a byte rate that would make them 0.00001 s
+    (forged_wav(8, 0xFFFFFFF0, 6000), "wav", "lasts 750 s, more than the 600 s allowed"),
     (b"OggS\x00\x02" + b"\x00" * 64, "wav", "Ogg (Vorbis/Opus) audio is not supported"),
 ]
 
 
-@pytest.mark.parametrize(("data", "fmt", "says"), BAD, ids=["not-audio", "truncated", "absurd-duration", "ogg"])
+@pytest.mark.parametrize(("data", "fmt", "says"), BAD,
+                         ids=["not-audio", "truncated", "absurd-duration", "forged-byte-rate", "ogg"])
 def test_bad_clips_are_400s_in_each_apis_shape(oai, url, data, fmt, says):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=ALM, max_tokens=2, messages=[

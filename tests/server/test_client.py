@@ -50,6 +50,9 @@ def test_store_operations(client):
     assert seen[-1].status == "success"
     client.copy(MODEL, "client-copy:x")
     assert "client-copy:x" in [m.name for m in client.list()]
+    with pytest.raises(LocalLLMError, match=r"^client-copy:x exists already; remove it first, or copy with --force"):
+        client.copy(MODEL, "client-copy:x")  # the server's /api/copy would replace it: the client asks first
+    assert client.copy(MODEL, "client-copy:x", force=True) == "client-copy:x"
     client.remove("client-copy:x")
     with pytest.raises(ModelNotFoundError):
         client.show("client-copy:x")

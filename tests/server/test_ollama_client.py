@@ -88,6 +88,7 @@ def test_ps_shows_the_loaded_model(client):
 def test_copy_then_delete(client):
     client.copy(MODEL, "smollm2-copy:test")
     assert "smollm2-copy:test" in [m.model for m in client.list().models]
+    client.copy(MODEL, "smollm2-copy:test")  # onto an existing name: replaced, as Ollama's /api/copy does
     assert client.show("smollm2-copy:test").modelinfo["general.architecture"] == "llama"
     client.delete("smollm2-copy:test")
     assert "smollm2-copy:test" not in [m.model for m in client.list().models]
