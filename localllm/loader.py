@@ -254,7 +254,6 @@ class Loader:
         differ from the load a request asking for none of them gets (its threads, context, GPU layers, KV type,
         slots, experts, draft): the engine gives a later request that leaves them to the planner the default load
         again instead of this one. A context grown by the engine (``grown_from``) is not a request's choice."""
-        from localllm.residency import left_to_planner
 
         fields = [f for f in REQUEST_LOAD_FIELDS if not left_to_planner(getattr(asked, f))
                   and not (f == "num_ctx" and asked.grown_from)]
@@ -555,3 +554,12 @@ def _offload(p: Plan) -> str:
     if p.n_cpu_moe >= p.n_layers:
         return text + ", every expert in RAM"
     return text + (f", the experts of the first {p.n_cpu_moe} layers in RAM" if p.n_cpu_moe else "")
+
+
+def left_to_planner(value: Any) -> bool:
+    """Whether a load option's value leaves the choice to the planner (None, False, "auto"; not 0).
+
+    >>> [left_to_planner(v) for v in (None, False, "auto", 0, 8, "none")]
+    [True, True, True, False, False, False]
+    """
+    return value is None or value is False or value == "auto"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from backends.base import ModelInfo
 from backends.loop import LoadedModel, LoopMetrics
 from localllm.errors import LocalLLMError
-from localllm.loader import LoadOptions
+from localllm.loader import LoadOptions, left_to_planner
 
 if TYPE_CHECKING:
     from localllm.planner import Plan
@@ -183,15 +183,6 @@ class Resident:
         """Expiry as a Unix time (``None`` = never), for ``ps`` and ``/api/ps``."""
         left = self.expires_in
         return None if left == float("inf") else time.time() + max(0.0, left)
-
-
-def left_to_planner(value: Any) -> bool:
-    """Whether a load option's value leaves the choice to the planner (None, False, "auto"; not 0).
-
-    >>> [left_to_planner(v) for v in (None, False, "auto", 0, 8, "none")]
-    [True, True, True, False, False, False]
-    """
-    return value is None or value is False or value == "auto"
 
 
 def in_the_way(resident: list[Resident], need: int, budget: int, max_loaded: int) -> list[Resident] | None:

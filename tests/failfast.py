@@ -19,7 +19,8 @@ import pytest
 
 VAR = "PYTEST_LOCALLLM_CRASHED"  # not LOCALLLM_*: tests/conftest.py clears those; the workers inherit it
 
-if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without xdist): one mark per run
+if "PYTEST_XDIST_WORKER" not in os.environ or VAR not in os.environ:  # the controller, a run without xdist, or
+    # a test that imports tests.conftest again with the environment cleared: one mark per run
     os.environ[VAR] = str(Path(tempfile.mkdtemp(prefix="pytest-crashed-")) / "crashed")
 MARK = Path(os.environ[VAR])
 

@@ -436,6 +436,8 @@ def test_probe_command_backend_mlx_where_mlx_cannot_run(home, installed_default_
 def test_probe_command_without_the_model_installed(home):
     r = _cli()
     assert r.exit_code == 0
-    assert "smollm2:135m is not installed" in r.output and "Hardware" in r.output
+    # a catalog model not yet installed is planned from the catalog's facts, marked as an estimate (issue 48)
+    assert "Hardware" in r.output and "Not installed; an estimate from the catalog" in r.output
+    assert "`localllm pull smollm2:135m` gives the exact plan" in r.output
     d = json.loads(_cli("--json").output)
-    assert d["plan"] is None and "not installed" in d["plan_error"]
+    assert d["plan"] is None and "Not installed" in d["plan_error"] and "98 MB Q4_1" in d["plan_error"]

@@ -40,6 +40,7 @@ CONVERTING = f"converting {DEFAULT_MODEL} to MLX (once, offline)…"
 # uvicorn's own shutdown lines; "background tasks" shows when a finished stream's task is still unwinding as the
 # last connection closes (timing), which is a clean stop too; its ERROR "Cancel N running task(s)" is not allowed
 SERVE_LINES = (r"localllm serving the Ollama API on http://127\.0\.0\.1:\d+ and the OpenAI API on .*/v1",
+               r"Web UI: http://127\.0\.0\.1:\d+/ui/",
                r"INFO: +(Started server process|Waiting for (application|connections|background tasks)|Shutting down"
                r"|Finished server process)\b.*")
 

@@ -419,7 +419,8 @@ def test_a_one_shot_answer_loads_one_slot_not_four(default_model, monkeypatch):
     monkeypatch.setenv("LOCALLLM_NUM_PARALLEL", "4")
     four = run_cli(default_model.name, "Hi", "--num-predict", "2", "--temperature", "0")
     assert one.exit_code == four.exit_code == 0 and one.stdout.strip() == four.stdout.strip()
-    assert [p.slots for p in plans] == [1, 4]
+    # the 4-slot run may plan once more: the loader compares a request's load with the default one (same slots)
+    assert plans[0].slots == 1 and {p.slots for p in plans[1:]} == {4}
     assert plans[1].memory.kv_cache == 4 * plans[0].memory.kv_cache
 
 
