@@ -16,9 +16,9 @@ The new model stores only what it adds (parameters, system prompt, template, mes
 weights; ``rm`` of the base keeps them while a derived model uses them. A relative ``FROM`` or ``ADAPTER`` path
 is read from the Modelfile's directory (from the current one with ``-f -``). ``ADAPTER PATH [SCALE]`` applies a
 LoRA GGUF (checked against the base's tensor shapes here, not at the first run); ``PROJECTOR PATH`` gives the
-model its vision or audio projector (``mmproj`` GGUF; with ``--host`` it is uploaded as a blob first). Status lines go to stderr,
-as Ollama's do; ``--quantize`` shows a progress bar there on a terminal (plain percentage lines when piped), and
-the last line gives the new model's type and size.
+model its vision or audio projector (``mmproj`` GGUF; with ``--host`` it is uploaded as a blob first). Status
+lines go to stderr, as Ollama's do; ``--quantize`` shows a progress bar there on a terminal (plain percentage
+lines when piped), and the last line gives the new model's type and size.
 """
 
 from __future__ import annotations
