@@ -429,6 +429,9 @@ class Client:
                 if scale != 1.0:
                     raise LocalLLMError("An ADAPTER scale other than 1 works in-process only (Ollama's API has none).")
                 body["adapters"][Path(where).name] = self._upload_blob(Path(where).expanduser())
+        if modelfile.projector:  # ours: the digest of the uploaded projector GGUF, never a path on the server
+            proj = modelfile.projector
+            body["projector"] = proj if proj.startswith("sha256") else self._upload_blob(Path(proj).expanduser())
         if requantize:
             raise LocalLLMError("--requantize works in-process only (Ollama's API has no such field).")
         if quantize:

@@ -27,6 +27,9 @@ lines, a value in ``"`` is unquoted), as Ollama parses them (``parser/parser.go`
   (ours; default 1.0). Ollama's form has no scale.
 * ``DRAFT NAME`` (ours): the draft model for speculative decoding, as ``run --draft NAME`` takes it
   (``ngram``, ``none``, an installed name); it replaces the catalog's pairing for this model.
+* ``PROJECTOR PATH`` (ours, once): the model's vision or audio projector (``mmproj`` GGUF), a path (relative to
+  the Modelfile's folder, like ``FROM``) or an uploaded blob ``sha256:<hex>``. Ollama names it with a second
+  ``FROM``; a ``FROM ./model.gguf`` with an ``mmproj*.gguf`` beside it takes that one without the line.
 
 Every mistake is a :class:`ModelfileError`: one sentence that names the line.
 
@@ -64,7 +67,7 @@ PARAMETERS: dict[str, str] = {
     "stop": STRING,
 }
 ROLES = ("system", "user", "assistant", "tool")
-INSTRUCTIONS = ("from", "parameter", "system", "template", "message", "license", "adapter", "draft")
+INSTRUCTIONS = ("from", "parameter", "system", "template", "message", "license", "adapter", "draft", "projector")
 
 # Go-template actions Ollama's library uses: {{ .Prompt }}, {{- range .Messages }}, {{ end }}, {{ if .System }}
 _GO_ACTION = re.compile(r"\{\{-?\s*(\.|\$|range\b|end\b|if\s|else\b|with\b|template\b|define\b|block\b|json\b)")
@@ -86,6 +89,7 @@ class Modelfile:
     license: list[str] = field(default_factory=list)
     adapters: list[str] = field(default_factory=list)
     draft: str | None = None
+    projector: str | None = None  # a projector GGUF's path or blob digest (the store records it apart)
 
     def render(self) -> str:
         """The Modelfile text that recreates this (what ``show --modelfile`` prints; :func:`parse` reads it
@@ -104,6 +108,8 @@ class Modelfile:
         out += [f"LICENSE {_quote(text)}" for text in self.license]
         if self.draft:
             out.append(f"DRAFT {self.draft}")
+        if self.projector:
+            out.append(f"PROJECTOR {_param_text(self.projector)}")
         return "\n".join(out) + "\n"
 
     def as_dict(self) -> dict[str, Any]:
@@ -337,6 +343,13 @@ def parse(text: str) -> Modelfile:
             if not value:
                 raise ModelfileError(f"line {n}: DRAFT needs a model name (or ngram, or none).")
             mf.draft = value
+        elif inst == "projector":
+            value = _value(raw).strip()
+            if not value:
+                raise ModelfileError(f"line {n}: PROJECTOR needs the path of a projector (mmproj) GGUF.")
+            if mf.projector is not None:
+                raise ModelfileError(f"line {n}: a second PROJECTOR; a model has one projector.")
+            mf.projector = value
     if not seen_from:
         raise ModelfileError("The Modelfile has no FROM line: say which model it builds on (FROM smollm2:135m).")
     return mf

@@ -261,7 +261,8 @@ def test_cli_create_list_show_modelfile_and_stdin(cli_home, tmp_path):
     ("# nothing\nSYSTEM hi\n", "Error: The Modelfile has no FROM line: say which model it builds on "
                                "(FROM smollm2:135m)."),
     ("FROM smollm2:135m\n\nSTOP now\n", "Error: line 3: unknown instruction 'STOP' (a Modelfile takes FROM, "
-                                        "PARAMETER, SYSTEM, TEMPLATE, MESSAGE, LICENSE, ADAPTER, DRAFT)."),
+                                        "PARAMETER, SYSTEM, TEMPLATE, MESSAGE, LICENSE, ADAPTER, DRAFT, "
+                                        "PROJECTOR)."),
 ])
 def test_cli_bad_modelfile_is_one_sentence_with_its_line_and_exit_1(cli_home, text, message):
     r = _cli("create", "bad", "-f", "-", stdin=text)
@@ -702,3 +703,34 @@ def test_cli_pull_mmproj_attaches_a_projector_to_a_created_model(cli_home, tmp_p
     r = _cli("pull", "mine", "--mmproj", str(test_projector))
     assert r.returncode == 0, r.stderr
     assert "vision projector: " in r.stdout and "success: mine (" in r.stdout
+
+
+def test_cli_create_with_a_projector_line_makes_a_vision_model(cli_home, tmp_path, test_projector):
+    """``PROJECTOR ./mmproj.gguf`` in a Modelfile (relative to the Modelfile's folder, like FROM): the created model
+    has that projector, so ``show`` lists vision; a missing file and a GGUF that is no projector are one sentence,
+    exit 1, and register nothing."""
+    import os
+
+    d = tmp_path / "mine"
+    d.mkdir()
+    os.link(test_projector, d / "vision-proj.gguf")  # not named mmproj*: only the line names it
+    (d / "Modelfile").write_text("FROM smollm2:135m\nPROJECTOR ./vision-proj.gguf\n")
+    r = _cli("create", "seeing", "-f", str(d / "Modelfile"))
+    assert r.returncode == 0, r.stderr
+    shown = _cli("show", "seeing")
+    assert shown.returncode == 0 and "    vision" in shown.stdout.splitlines(), shown.stdout
+    (d / "Missing").write_text("FROM smollm2:135m\nPROJECTOR ./nope.gguf\n")
+    r = _cli("create", "blind", "-f", str(d / "Missing"))
+    assert (r.returncode, r.stdout) == (1, "")
+    assert r.stderr.strip() == f"Error: The projector {d / 'nope.gguf'} is not a file.", r.stderr
+    (d / "NotProj").write_text(f"FROM smollm2:135m\nPROJECTOR {_default_gguf(cli_home)}\n")
+    r = _cli("create", "blind", "-f", str(d / "NotProj"))
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("Error: "), r.stderr
+    assert "is not a vision or audio projector (mmproj) GGUF." in r.stderr
+    assert "blind" not in _cli("list").stdout
+
+
+def _default_gguf(home: Path) -> Path:
+    from localllm.config import paths
+
+    return Store(paths=paths()).get(DEFAULT_MODEL).path

@@ -64,6 +64,8 @@ def test_jinja_template_kept_and_go_template_translated_or_refused_with_its_line
     ("FROM a\nSYSTEM \"\"\"never closed\nmore\n", r"^line 2: the \"\"\" opened here is never closed\.$"),
     ("FROM a\nFROM b\n", r"^line 2: a second FROM"),
     ("FROM\n", r"^line 1: FROM needs"),
+    ("FROM a\nPROJECTOR\n", r"^line 2: PROJECTOR needs the path of a projector \(mmproj\) GGUF"),
+    ("FROM a\nPROJECTOR ./a.gguf\nPROJECTOR ./b.gguf\n", r"^line 3: a second PROJECTOR"),
 ])
 def test_bad_input_is_one_sentence_with_the_line(text: str, message: str):
     with pytest.raises(ModelfileError, match=message):
@@ -152,3 +154,11 @@ def test_whitespace_after_an_opening_triple_quote_is_kept(text):
     mf = Modelfile(from_="smollm2:135m", parameters={}, system=text, messages=[{"role": "user", "content": text}])
     back = parse(mf.render())
     assert back.messages == mf.messages and back.system == text
+
+
+def test_projector_names_the_models_mmproj_and_renders_back():
+    """``PROJECTOR PATH`` (ours; Ollama writes a second ``FROM`` for it): the vision/audio projector of the model."""
+    mf = parse('FROM ./model.gguf\nprojector "./my dir/mmproj-model-f16.gguf"\n')
+    assert mf.projector == "./my dir/mmproj-model-f16.gguf"
+    assert parse(mf.render()) == mf
+    assert parse("FROM a\n").projector is None

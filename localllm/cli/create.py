@@ -15,9 +15,10 @@
 The new model stores only what it adds (parameters, system prompt, template, messages) and shares its base's
 weights; ``rm`` of the base keeps them while a derived model uses them. A relative ``FROM`` or ``ADAPTER`` path
 is read from the Modelfile's directory (from the current one with ``-f -``). ``ADAPTER PATH [SCALE]`` applies a
-LoRA GGUF (checked against the base's tensor shapes here, not at the first run). Status lines go to stderr,
-as Ollama's do; ``--quantize`` shows a progress bar there on a terminal (plain percentage lines when piped), and
-the last line gives the new model's type and size.
+LoRA GGUF (checked against the base's tensor shapes here, not at the first run); ``PROJECTOR PATH`` gives the
+model its vision or audio projector (``mmproj`` GGUF; with ``--host`` it is uploaded as a blob first). Status
+lines go to stderr, as Ollama's do; ``--quantize`` shows a progress bar there on a terminal (plain percentage
+lines when piped), and the last line gives the new model's type and size.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def command(name: str, file: str, quantize: str | None, requantize: bool, quiet:
         apath, scale = split_adapter(a)
         if not apath.startswith("sha256") and not Path(apath).expanduser().is_absolute():
             mf.adapters[i] = f"{where / apath} {scale:g}"
+    if mf.projector and not mf.projector.startswith("sha256") and not Path(mf.projector).expanduser().is_absolute():
+        mf.projector = str(where / mf.projector)  # PROJECTOR: relative to the Modelfile's directory too
 
     last = [""]
     bar = None if quiet else make_progress(sys.stderr)  # a bar on a terminal (quantizing), else plain lines

@@ -615,6 +615,7 @@ def create_modelfile(body: CreateBody) -> Modelfile:
     # names and digests only: a request never names a file on the server (the CLI's `create -f` reads the user's
     # own files and uploads them to /api/blobs first)
     draft = check_ref(body.draft, "draft", words=DRAFT_WORDS) if body.draft else None
+    projector = check_digest(body.projector, "projector") if body.projector else None  # an uploaded blob only
     if ggufs:
         source = ggufs[0][1]
     elif body.from_:
@@ -634,7 +635,7 @@ def create_modelfile(body: CreateBody) -> Modelfile:
         raise bad_request(str(e)) from None
     lic = [body.license] if isinstance(body.license, str) else list(body.license or [])
     return Modelfile(from_=source, parameters=params, system=body.system, template=template,
-                     messages=messages, license=lic, adapters=adapters, draft=draft)
+                     messages=messages, license=lic, adapters=adapters, draft=draft, projector=projector)
 
 
 @router.post("/api/create")

@@ -129,6 +129,7 @@ class CreateBody(_Body):
     license: str | list[str] | None = None
     quantize: str | None = None
     draft: str | None = None  # ours: the DRAFT of a Modelfile
+    projector: str | None = None  # ours: "sha256:<hex>" of an uploaded projector GGUF (a Modelfile's PROJECTOR)
     stream: Bool = True
 
 

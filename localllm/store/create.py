@@ -50,8 +50,14 @@ class Creating(Pulling):
         src = mf.from_.strip()
         if not src:
             raise LocalLLMError("A model needs a FROM: an installed model, a catalog name, a .gguf path or a blob.")
+        projector = self._projector_file(mf.projector) if mf.projector else None
         try:
             data, derived = self._create_parts(mf, src, params, template, rep, progress, cancel, quantize, requantize)
+            if projector is not None:  # refused before anything is registered
+                from localllm.store.records import check_projector
+
+                rep.phase(f"checking projector {projector.name}")
+                check_projector(projector, int((data.get("info") or {}).get("n_embd") or 0))
         except BaseException:  # the blobs this create made (an import, a quantization, an adapter): nothing uses them
             with self._store_lock():
                 for hexdigest in rep.made:
@@ -77,7 +83,10 @@ class Creating(Pulling):
                 self._gc_blob(a.split()[0])
         out = self._read_manifest(self._manifest_path(dref))
         assert out is not None
-        if parse_name(src, allow_path=True).kind == "path" and out.projector is None:
+        if projector is not None:
+            rep.phase(f"adding projector {projector.name}")
+            out = self.set_projector(dref.name, projector)
+        elif parse_name(src, allow_path=True).kind == "path" and out.projector is None:
             from localllm.store.records import projector_beside
 
             proj = projector_beside(Path(src).expanduser())  # as `run ./model.gguf` takes it
@@ -89,6 +98,17 @@ class Creating(Pulling):
                     rep.phase(f"projector not added: {e}")
         rep.phase("success")
         return self._with_formats(out)
+
+    def _projector_file(self, spec: str) -> Path:
+        """A ``PROJECTOR``'s file: an uploaded blob ``sha256:<hex>`` or a path; one sentence when it is not there."""
+        import re
+
+        m = re.fullmatch(r"sha256[:-]([0-9a-fA-F]{64})", spec.strip())
+        path = self.blob_path(m.group(1).lower()) if m else Path(spec).expanduser()
+        if not path.is_file():
+            raise LocalLLMError(f"The projector {spec} is not a file" + (" (upload it to /api/blobs first)." if m
+                                                                          else "."))
+        return path
 
     def _create_parts(self, mf: Modelfile, src: str, params: dict[str, Any], template: str | None, rep: _Reporter,
                       progress: ProgressFn | None, cancel: threading.Event | None, quantize: str | None,

@@ -179,3 +179,26 @@ def test_create_with_quantize_streams_byte_progress(srv, client, monkeypatch):
     assert phase and all(total == size for _, total in phase) and phase[-1] == (size, size)
     assert any(0 < (done or 0) < size for done, _ in phase)
     assert lines[-1].status == "success"
+
+
+def test_create_host_uploads_the_projector_and_the_api_takes_only_a_digest(srv, client, tmp_path, test_projector):
+    """``localllm create --host`` with a ``PROJECTOR`` line uploads the file to /api/blobs and sends its digest: the
+    server's model says vision. ``projector`` as a server path is refused (400, one sentence), whether or not the
+    file exists; a blob that is no projector is a 400 too."""
+    import subprocess
+    import sys
+
+    mfile = tmp_path / "Modelfile"
+    mfile.write_text(f"FROM {DEFAULT_MODEL}\nPROJECTOR {test_projector}\n")
+    r = subprocess.run([sys.executable, "-m", "localllm", "create", "seeing", "-f", str(mfile), "--host", srv.url],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "vision" in (client.show("seeing").capabilities or [])
+    for path in (str(test_projector), "/etc/hostname"):
+        resp = httpx.post(f"{srv.url}/api/create", json={"model": "x", "from": DEFAULT_MODEL, "projector": path})
+        assert resp.status_code == 400 and "never a file path" in resp.json()["error"], resp.text
+    weights = srv.engine.store.get(DEFAULT_MODEL).weights_digest
+    resp = httpx.post(f"{srv.url}/api/create", json={"model": "x", "from": DEFAULT_MODEL, "projector": weights,
+                                                     "stream": False})
+    assert resp.status_code == 400 and "is not a vision or audio projector" in resp.json()["error"], resp.text
+    assert not [m.model for m in client.list().models if m.model.split(":")[0] == "x"]
