@@ -396,8 +396,9 @@ def test_narrow_and_dark(page, served):
 
 def test_the_answer_on_screen_keeps_up_with_the_stream(browser, served):
     """Issue 49's "Fast": the first answer text in the DOM soon after the API's first line reaches the page, and a
-    long answer (600 tokens here, 2,000 in ``benchmarks/webui.py --long 2000``) all on screen soon after the stream's
-    end: the page's repaints never fall behind. Timed inside the page (benchmarks/webui.py's probe: the stream tapped
+    long answer (num_predict 600: the 590-token story ends first; no ignore_eos in the API) all on screen soon
+    after the stream's end: the page's repaints never fall behind.
+    Timed inside the page (benchmarks/webui.py's probe: the stream tapped
     between fetch and the page's reader, the DOM watched). Bounds generous for a loaded 2-core machine."""
     from benchmarks.webui import PROBE, lags
 
