@@ -18,6 +18,7 @@ from localllm.store import Store
 from tests.support import SMOL_SHA, tiny_gguf, use_catalog
 from tests.support import mirror_toml as _mirror_toml
 
+
 def record_disk_writes(monkeypatch) -> list[tuple[str, ...]]:
     """Every ``os.fsync`` (the file it flushed) and ``os.replace`` (from, to) of this process, in order."""
     if not Path("/proc/self/fd").is_dir():  # inside the test: strict mode sees the skip
