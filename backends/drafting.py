@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from backends._speculative import SpecController
 from backends.base import BackendError, DraftSpec, Feed, LoadSpec, Sampling, TokenSource, UnsupportedError
-from backends.kvpool import common_prefix
+from backends.kvseq import common_prefix
 
 if TYPE_CHECKING:
     from backends.slot import Slot

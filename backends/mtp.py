@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Feed, UnsupportedError, is_image_token
-from backends.kvpool import common_prefix
+from backends.kvseq import common_prefix
 
 # llama-ext.h, C++ linkage in libllama (llama-cpp-python 0.3.36): the Itanium-mangled names of
 #   void    llama_set_embeddings_nextn(llama_context *, bool value, bool masked)

@@ -30,7 +30,7 @@ from typing import Any
 
 from backends.channel import Channel
 from backends.events import Event
-from backends.kvpool import Seq
+from backends.kvseq import Seq
 from backends.source import Sampler
 from backends.stream import RequestStream
 

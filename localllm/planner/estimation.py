@@ -276,9 +276,9 @@ def moe_cpu_compute(info: GGUFInfo, n_ctx: int) -> int:
 
 def checkpoint_bytes(info: GGUFInfo, n_ctx: int, kv_cache_type: str, slots: int) -> int:
     """Host memory the checkpoints of a windowed or recurrent model may take at most (``backends.kvpool``'s
-    :class:`~backends.kvpool.CheckpointPolicy`: per slot, 16 checkpoints of one sequence's recurrent state and
+    :class:`~backends.kvseq.CheckpointPolicy`: per slot, 16 checkpoints of one sequence's recurrent state and
     window, within 256 MiB); 0 for a plain transformer. ``n_ctx``: all slots' cells."""
-    from backends.kvpool import CheckpointPolicy
+    from backends.kvseq import CheckpointPolicy
 
     pol = CheckpointPolicy()
     swa = info.swa_layers if info.sliding_window else 0

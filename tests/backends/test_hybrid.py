@@ -439,7 +439,7 @@ def test_checkpoints_stay_within_16_a_sequence_and_the_bytes_a_slot(hybrid_model
     with a budget of 10 checkpoints a slot: the same code."""
     from dataclasses import replace
 
-    from backends.kvpool import CheckpointPolicy
+    from backends.kvseq import CheckpointPolicy
 
     policy = CheckpointPolicy()
     assert (policy.per_seq, policy.bytes_per_slot, policy.every) == (16, 256 << 20, 1024)  # the README's figures

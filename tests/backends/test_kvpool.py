@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from backends.kvpool import JOIN_MIN, PARK_ALONE, KVPool, Seq
+from backends.kvpool import JOIN_MIN, PARK_ALONE, KVPool
+from backends.kvseq import Seq
 from backends.prompt_cache import PromptCache
 from backends.source import Feed, ModelInfo, TokenSource
 from backends.specs import LoadSpec, Sampling

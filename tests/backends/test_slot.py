@@ -10,7 +10,7 @@ import pytest
 
 from backends.channel import Channel
 from backends.events import Done, Event
-from backends.kvpool import Seq
+from backends.kvseq import Seq
 from backends.registry import load
 from backends.slot import IllegalTransition, Slot, SlotState
 from backends.specs import GenerateRequest, LoadSpec, Tuning
