@@ -28,26 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from _common import default_threads
-from _serve import LOG, ROOT, Localllm, Server, _wait_ready, free_port, med, model_path
+from _serve import ROOT, LlamaServer, Localllm, med, model_path
 
 MODEL = "agent-llama:tiny"
 APPEND = ("The command finished. Output:\n{out}\nNow run the next step of the plan: open the file that failed, "
           "read the function named in the traceback, and fix the off-by-one in its loop. Turn {turn}, session "
           "{session}.")
-
-
-class LlamaServer(Server):
-    """llama.cpp's own ``llama-server`` (C++), ``slots`` slots of ``n_ctx`` tokens each."""
-
-    def __init__(self, binary: Path, path: Path, threads: int, n_ctx: int, slots: int):
-        port = free_port()
-        with open(LOG, "ab") as log:
-            self.proc = subprocess.Popen(
-                [str(binary), "-m", str(path), "-c", str(n_ctx * slots), "-np", str(slots), "-t", str(threads),
-                 "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port), "--jinja", "--no-webui"],
-                stdout=subprocess.DEVNULL, stderr=log)
-        self.url = f"http://127.0.0.1:{port}"
-        _wait_ready(self.url, self.proc, "/v1/models")
 
 
 def prefix_text(n_tokens: int, tok: Any) -> str:

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,13 +28,10 @@ from typing import Any
 
 from _common import default_threads
 from _serve import (
-    LOG,
+    LlamaServer,
     Localllm,
-    Server,
     Tokens,
-    _wait_ready,
     async_client,
-    free_port,
     load_avg,
     med,
     model_path,
@@ -43,19 +39,6 @@ from _serve import (
     stream,
     system_prompt,
 )
-
-
-class LlamaServer(Server):
-    def __init__(self, binary: Path, path: Path, threads: int, n_ctx: int, slots: int):
-        port = free_port()
-        with open(LOG, "ab") as log:
-            self.proc = subprocess.Popen(
-                [str(binary), "-m", str(path), "-c", str(n_ctx * slots), "-np", str(slots), "-t", str(threads),
-                 "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port), "--jinja", "--no-webui"],
-                stdout=subprocess.DEVNULL, stderr=log)
-        self.url = f"http://127.0.0.1:{port}"
-        _wait_ready(self.url, self.proc, "/v1/models")
-
 
 QUESTION = "Which rule covers refunds? One sentence."
 FOLLOW_UP = "And which one covers shipping? One sentence."

@@ -159,15 +159,21 @@ DEFAULT_MAX_UPLOAD = 512 << 30
 DEFAULT_UPLOAD_TIMEOUT = 60.0
 
 
-def max_upload() -> int:
-    """``LOCALLLM_MAX_UPLOAD``: the largest model file ``POST /api/blobs`` takes, in bytes (default 512 GiB)."""
-    value = env_str("LOCALLLM_MAX_UPLOAD", "")
+def env_size(name: str, default: int, examples: str) -> int:
+    """``name`` as a size in bytes (``64GiB``, ``500MB``, plain bytes), ``default`` when unset; a value that is not
+    a size ends the program with one sentence naming ``examples``."""
+    value = env_str(name, "")
     if not value:
-        return DEFAULT_MAX_UPLOAD
+        return default
     try:
         return parse_size(value)
     except ValueError:
-        raise SystemExit(f"LOCALLLM_MAX_UPLOAD must be a size like 64GiB or 500MB, got {value!r}.") from None
+        raise SystemExit(f"{name} must be a size like {examples}, got {value!r}.") from None
+
+
+def max_upload() -> int:
+    """``LOCALLLM_MAX_UPLOAD``: the largest model file ``POST /api/blobs`` takes, in bytes (default 512 GiB)."""
+    return env_size("LOCALLLM_MAX_UPLOAD", DEFAULT_MAX_UPLOAD, "64GiB or 500MB")
 
 
 def upload_timeout() -> float:
@@ -184,13 +190,7 @@ def upload_timeout() -> float:
 
 def prompt_cache_size() -> int:
     """``LOCALLLM_PROMPT_CACHE_SIZE`` in bytes (default 2 GiB; 0 turns the prompt cache off)."""
-    value = env_str("LOCALLLM_PROMPT_CACHE_SIZE", "")
-    if not value:
-        return DEFAULT_PROMPT_CACHE
-    try:
-        return parse_size(value)
-    except ValueError:
-        raise SystemExit(f"LOCALLLM_PROMPT_CACHE_SIZE must be a size like 2GiB, 500MB or 0, got {value!r}.") from None
+    return env_size("LOCALLLM_PROMPT_CACHE_SIZE", DEFAULT_PROMPT_CACHE, "2GiB, 500MB or 0")
 
 
 def device_memory() -> dict[str, int]:
