@@ -11,7 +11,7 @@ module imports no backend library (each check imports what it needs when called)
     >>> get("mlx").weights, get("mlx").converts_from, get("llamacpp").label
     ('mlx', 'gguf', 'llama.cpp')
 
-A third backend is its :class:`~backends.source.TokenSource` file plus one :func:`register` call (the two
+A third backend is its :class:`~backends.contract.source.TokenSource` file plus one :func:`register` call (the two
 built-in ones are registered at the bottom of this module; a test registers its own the same way).
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 KVCacheType = Literal["f16", "q8_0", "q4_0"]
-KV_CACHE_TYPES: tuple[str, ...] = get_args(KVCacheType)  # the one list (backends.base re-exports it for a transition)
+KV_CACHE_TYPES: tuple[str, ...] = get_args(KVCacheType)  # the one list
 GGUF = "gguf"  # weights: one GGUF file (what the store pulls)
 MLX = "mlx"  # weights: an MLX directory (safetensors, config.json, tokenizer), downloaded or converted from the GGUF
 
@@ -71,7 +71,7 @@ class Backend:
         return self.apple_priority if apple_silicon and self.apple_priority is not None else self.priority
 
     def source_class(self) -> Any:
-        """Its :class:`~backends.source.TokenSource` class (imports the backend's module)."""
+        """Its :class:`~backends.contract.source.TokenSource` class (imports the backend's module)."""
         module, cls = self.source.split(":")
         return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
 
@@ -82,7 +82,7 @@ class Backend:
                 return replace(self.probe(), name=self.name, label=self.label)
             cls = self.source_class()  # importable; and the class's own check, where it has one
             owner = next(k for k in cls.__mro__ if "available" in vars(k))
-            ok, why = (True, "") if owner.__module__ == "backends.source" else cls.available()
+            ok, why = (True, "") if owner.__module__ == "backends.contract.source" else cls.available()
         except Exception as e:  # noqa: BLE001 - a module that fails to import, a probe with a bug
             return BackendStatus(self.name, False, _short_error(e), False, label=self.label)
         return BackendStatus(self.name, ok, why or f"{self.source.split(':')[0]} importable", False, label=self.label)
@@ -241,11 +241,11 @@ def mlx_kv_problem(kv: str, head_dim: int, sliding_window: int | None) -> str | 
 # ----------------------------------------------------------------------------------------- the built-ins
 
 LLAMACPP = register(Backend(
-    name="llamacpp", label="llama.cpp", source="backends.llamacpp:LlamaCppSource", weights=GGUF, memory="layers",
+    name="llamacpp", label="llama.cpp", source="backends.llamacpp.source:LlamaCppSource", weights=GGUF, memory="layers",
     install=f"pip install llama-cpp-python=={LLAMA_CPP_VERSION}", priority=20,
-    schema_rules="backends.llamacpp_schema:schema_problem", probe=llamacpp_status, vision=True))
+    schema_rules="backends.llamacpp._schema:schema_problem", probe=llamacpp_status, vision=True))
 MLX_BACKEND = register(Backend(
-    name="mlx", label="MLX", source="backends.mlx:MLXSource", weights=MLX, memory="unified",
+    name="mlx", label="MLX", source="backends.mlx.source:MLXSource", weights=MLX, memory="unified",
     install="pip install 'localllm[mlx]'", install_note="MLX is usually the fastest backend on Apple Silicon",
     priority=30, apple_priority=10, converts_from=GGUF, kv_problem=mlx_kv_problem,
-    schema_rules="backends.mlx_json:schema_problem", probe=mlx_status))
+    schema_rules="backends.mlx._json:schema_problem", probe=mlx_status))

@@ -1,7 +1,7 @@
 """Backend names to token-source classes, imported lazily (they pull heavy libraries), and loading one.
 
 The names and everything else about a backend are its descriptor's (:mod:`backends.descriptor`); adding a
-backend is its ``backends/<name>.py`` with a :class:`~backends.source.TokenSource` subclass and one
+backend is its ``backends/<name>.py`` with a :class:`~backends.contract.source.TokenSource` subclass and one
 :func:`~backends.descriptor.register` call.
 
     >>> sorted(BACKENDS)
@@ -14,9 +14,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 from backends import descriptor
-from backends.loop import LoadedModel
-from backends.source import TokenSource
-from backends.specs import LoadSpec
+from backends.contract.source import TokenSource
+from backends.contract.specs import LoadSpec
+from backends.core.loop import LoadedModel
 
 
 class _Sources(Mapping[str, str]):
@@ -52,6 +52,6 @@ def available(name: str) -> tuple[bool, str]:
 
 def load(backend: str | type[TokenSource], spec: LoadSpec, *, name: str = "model", **kwargs: Any) -> LoadedModel:
     """Load ``spec`` on its own decode loop. ``backend`` is a registered name or a class; the keyword
-    arguments are :class:`~backends.loop.LoadedModel`'s (``prompt_cache``, ``before_load``...)."""
+    arguments are :class:`~backends.core.loop.LoadedModel`'s (``prompt_cache``, ``before_load``...)."""
     cls = source_class(backend) if isinstance(backend, str) else backend
     return LoadedModel(cls, spec, name=name, **kwargs)

@@ -107,7 +107,7 @@ def run_together(work: Callable[[int], None], n: int) -> float:
 
 def default_threads() -> int:
     """The backend's default thread count (physical cores), so both sides of a comparison get the same."""
-    from backends.llamacpp import physical_cores
+    from backends.llamacpp.checks import physical_cores
 
     return physical_cores()
 

@@ -66,7 +66,7 @@ def free_port() -> int:
 def rpc_workers(n: int) -> tuple[list[subprocess.Popen[bytes]], str]:
     """``n`` ``localllm worker`` processes (one thread each) on free loopback ports, each answering before this
     returns (or after 30 s): (the processes, their ``--rpc`` list). Kill them when done."""
-    from backends.ggml_devices import hello
+    from backends.llamacpp.devices import hello
 
     ports = [free_port() for _ in range(n)]
     procs = [subprocess.Popen([sys.executable, "-m", "localllm", "worker", "--port", str(p), "--threads", "1"],

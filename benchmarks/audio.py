@@ -46,9 +46,9 @@ def main() -> None:
                     help="also run llama.cpp's llama-mtmd-cli binary on the same files (its own timings)")
     a = ap.parse_args()
 
-    from backends.events import TextChunk
+    from backends.contract.events import TextChunk
+    from backends.contract.specs import GenerateRequest, LoadSpec, Sampling
     from backends.registry import load
-    from backends.specs import GenerateRequest, LoadSpec, Sampling
     from benchmarks.vision import helper_prefill
     from tests.support_audio import make_audio_projector, wav
 

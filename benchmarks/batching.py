@@ -76,7 +76,7 @@ class InProc:
     """The engine and its decode loop without the server: B threads each consume ``Engine.generate``."""
 
     def __init__(self, model: str, threads: int, num_ctx: int, slots: int):
-        from localllm.engine import LoadOptions
+        from localllm.loader import LoadOptions
 
         self.engine, self.name, _ = engine_and_model(model)
         self.options = LoadOptions(num_ctx=num_ctx, num_thread=threads, num_parallel=slots)
@@ -84,7 +84,7 @@ class InProc:
         self.run(["Hello there", "Once upon a time"], 8)  # warm-up, as the server gets
 
     def run(self, prompts: list[str], gen: int, logit_bias: dict[int, float] | None = None) -> dict[str, Any]:
-        from localllm.engine import Done, GenerateRequest, Sampling
+        from localllm.api import Done, GenerateRequest, Sampling
 
         counts: list[tuple[int, int]] = [(0, 0)] * len(prompts)
 

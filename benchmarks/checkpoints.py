@@ -76,9 +76,9 @@ def raw(msgs: list[dict[str, str]]) -> str:
 
 
 def ours(path: Path, ctx: int, threads: int, tokens: int, plain: bool = False) -> list[dict[str, Any]]:
-    from backends.loop import LoadedModel
+    from backends.contract.specs import GenerateRequest, LoadSpec, Sampling
+    from backends.core.loop import LoadedModel
     from backends.registry import source_class
-    from backends.specs import GenerateRequest, LoadSpec, Sampling
 
     m = LoadedModel(source_class("llamacpp"), LoadSpec(str(path), n_ctx=ctx, slots=1, n_threads=threads))
     rows = []

@@ -39,7 +39,7 @@ class Ours:
     """The engine and `localllm run`'s streaming path, in its own process."""
 
     def __init__(self, model: str, num_ctx: int, threads: int, num_parallel: int | None = None):
-        from localllm.engine import LoadOptions
+        from localllm.loader import LoadOptions
 
         self.engine, self.name, _ = engine_and_model(model)
         self.options = LoadOptions(num_ctx=num_ctx, draft="none", num_thread=threads, kv_cache_type="f16",
@@ -59,8 +59,8 @@ class Ours:
         return int(self.running.metrics.slots)
 
     def run(self, tokens: int) -> dict[str, Any]:
+        from localllm.api import GenerateRequest, Sampling
         from localllm.cli.answer import stream_answer
-        from localllm.engine import GenerateRequest, Sampling
 
         req = GenerateRequest(prompt=PROMPT, sampling=Sampling(max_tokens=tokens, seed=0, **SAMPLING))
         clock = ClockWriter()

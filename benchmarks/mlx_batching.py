@@ -37,10 +37,9 @@ class Ours:
     """localllm's MLX backend on its decode loop, ``batched`` or taking turns."""
 
     def __init__(self, model: str, slots: int, batched: bool):
-        from backends.base import LoadSpec
-        from backends.mlx import MLXSource
+        from backends.contract.specs import LoadSpec, Tuning
+        from backends.mlx.source import MLXSource
         from backends.registry import load
-        from backends.specs import Tuning
 
         self.m = load("mlx", LoadSpec(model_path=_mlx_dir(model), n_ctx=1024, slots=slots,
                                       tuning=Tuning(batch=batched)))
@@ -50,7 +49,8 @@ class Ours:
         self.eog = [t for t in range(self.m.info.n_vocab) if src.is_eog(t)]
 
     def run(self, prompts: list[str], gen: int) -> dict[str, Any]:
-        from backends.base import Done, GenerateRequest, Sampling
+        from backends.contract.events import Done
+        from backends.contract.specs import GenerateRequest, Sampling
 
         counts = [(0, 0)] * len(prompts)
 

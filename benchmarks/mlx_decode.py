@@ -49,8 +49,8 @@ class _Ours:
     """localllm's run path on an MLX directory (the engine loads it with --backend mlx)."""
 
     def __init__(self, model: str, mlx_dir: str, tokens: int, num_ctx: int):
-        from localllm.engine import LoadOptions
         from localllm.formats import Weights
+        from localllm.loader import LoadOptions
 
         self.engine, self.name, _ = engine_and_model(model)
         self.engine.store.set_weights(self.name, "mlx", Weights("mlx", Path(mlx_dir)))
@@ -60,7 +60,7 @@ class _Ours:
         self.tokens = tokens
 
     def run(self) -> float:
-        from backends.base import GenerateRequest, Sampling
+        from backends.contract.specs import GenerateRequest, Sampling
         from localllm.cli.answer import stream_answer
 
         req = GenerateRequest(prompt=PROMPT, sampling=Sampling(max_tokens=self.tokens, seed=0, temperature=0.0,
@@ -122,7 +122,7 @@ def decode(model: str, rounds: int, tokens: int, num_ctx: int) -> dict[str, Any]
 _CONVERT = r"""
 import json, os, sys, threading, time
 sys.path.insert(0, {root!r})
-import backends.mlx_convert as mc
+import backends.mlx.convert as mc
 import mlx.core as mx
 
 phase = ["start"]
@@ -234,7 +234,7 @@ def agreement() -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     import llama_cpp
 
-    from backends.mlx_convert import convert_gguf
+    from backends.mlx.convert import convert_gguf
     from localllm.store import Store
     from tests.backends.conftest import derive_gguf
     from tests.backends.test_mlx_convert import agreement as agree
@@ -264,8 +264,9 @@ def agreement() -> dict[str, Any]:
 
 
 def runtime(model: str, tokens: int, num_ctx: int) -> dict[str, Any]:
-    from backends.base import DraftSpec, GenerateRequest, LoadSpec, Sampling, TextChunk
-    from backends.loop import LoadedModel
+    from backends.contract.events import TextChunk
+    from backends.contract.specs import DraftSpec, GenerateRequest, LoadSpec, Sampling
+    from backends.core.loop import LoadedModel
     from backends.registry import load
     from localllm.mlxmodels import convert_installed
     from localllm.store import Store

@@ -62,8 +62,8 @@ _OURS = textwrap.dedent("""
 _RAW = textwrap.dedent("""
     import ctypes, json, os, sys, time
     import llama_cpp, numpy as np
-    from backends import ggml_devices
-    from backends.tensor_overrides import experts_on_cpu
+    from backends.llamacpp import devices as ggml_devices
+    from backends.llamacpp.tensor_overrides import experts_on_cpu
     llama_cpp.llama_backend_init()
     ggml_devices.add_worker(os.environ["RPC"])
     mp = llama_cpp.llama_model_default_params()

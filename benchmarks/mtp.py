@@ -54,9 +54,9 @@ class Variant:
     def __init__(self, path: str, mode: str, threads: int, tokens: int, slots: int, cpus: list[int] | None = None):
         if cpus:  # before any thread starts: the decode thread and llama.cpp's inherit it
             os.sched_setaffinity(0, cpus)
-        from backends.base import DraftSpec, LoadSpec, Tuning
-        from backends.llamacpp import LlamaCppSource
-        from backends.loop import LoadedModel
+        from backends.contract.specs import DraftSpec, LoadSpec, Tuning
+        from backends.core.loop import LoadedModel
+        from backends.llamacpp.source import LlamaCppSource
 
         draft = None if mode == "plain" else DraftSpec("mtp", auto=False)
         self.model = LoadedModel(LlamaCppSource, LoadSpec(path, n_ctx=1024, slots=slots, n_threads=threads,
@@ -65,7 +65,8 @@ class Variant:
         self.run(1, warm=True)
 
     def run(self, streams: int, warm: bool = False) -> dict[str, Any]:
-        from backends.base import Done, GenerateRequest, Sampling, TextChunk
+        from backends.contract.events import Done, TextChunk
+        from backends.contract.specs import GenerateRequest, Sampling
 
         texts: list[str] = [""] * streams
         dones: list[Any] = [None] * streams

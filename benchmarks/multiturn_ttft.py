@@ -48,8 +48,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    from localllm.api import GenerateRequest, Sampling
     from localllm.cli.answer import stream_answer
-    from localllm.engine import GenerateRequest, LoadOptions, Sampling
+    from localllm.loader import LoadOptions
 
     engine, name, _path = engine_and_model(args.model)
     options = LoadOptions(num_ctx=args.num_ctx, draft="none", num_thread=args.threads)

@@ -46,7 +46,7 @@ def sha256(path: Path) -> str:
 
 def greedy(engine: Any, path: Path, n: int = 32) -> list[str]:
     """The greedy tokens of :data:`PROMPT` on the GGUF at ``path`` (a chat turn, temperature 0)."""
-    from localllm.engine import GenerateRequest, Sampling, TextChunk
+    from localllm.api import GenerateRequest, Sampling, TextChunk
 
     req = GenerateRequest(messages=[{"role": "user", "content": PROMPT}],
                           sampling=Sampling(temperature=0.0, max_tokens=n), logprobs=True)
@@ -86,7 +86,7 @@ def main() -> int:
     ap.add_argument("--no-llama-quantize", action="store_true", help="time ours only")
     args = ap.parse_args()
 
-    from backends.quantize import quantize
+    from backends.llamacpp.quantize import quantize
 
     theirs_bin: str | None = None
     if not args.no_llama_quantize:

@@ -107,7 +107,8 @@ def via_http(url: str, model: str, tokens: int, threads: int) -> tuple[float, fl
 
 
 def in_process(engine, model: str, tokens: int, threads: int) -> tuple[float, float, int]:
-    from localllm.engine import GenerateRequest, LoadOptions, Sampling, TextChunk
+    from localllm.api import GenerateRequest, Sampling, TextChunk
+    from localllm.loader import LoadOptions
 
     req = GenerateRequest(messages=[{"role": "user", "content": PROMPT}],
                           sampling=Sampling(temperature=0, seed=1, max_tokens=tokens))

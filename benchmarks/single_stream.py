@@ -34,14 +34,14 @@ class Engine:
     """The engine in this process: the decode loop's own rate for one stream."""
 
     def __init__(self, model: str, threads: int):
-        from localllm.engine import LoadOptions
+        from localllm.loader import LoadOptions
 
         self.engine, self.name, _ = engine_and_model(model)
         self.options = LoadOptions(num_ctx=2048, num_thread=threads)
         self.engine.load(self.name, self.options)
 
     def run(self, prompt: str, tokens: int, seed: int, bias: dict[int, float]) -> float:
-        from localllm.engine import GenerateRequest, Sampling, TextChunk
+        from localllm.api import GenerateRequest, Sampling, TextChunk
 
         req = GenerateRequest(prompt=prompt, sampling=Sampling(max_tokens=tokens, temperature=0.8, seed=seed,
                                                                logit_bias=bias))

@@ -65,8 +65,9 @@ class Variant:
 
     def __init__(self, model: str, target: str, draft: str, num_draft: int, threads: int, prompt: str,
                  tokens: int):
+        from localllm.api import GenerateRequest, Sampling
         from localllm.cli.answer import stream_answer
-        from localllm.engine import GenerateRequest, LoadOptions, Sampling
+        from localllm.loader import LoadOptions
 
         self.engine, _, _ = engine_and_model(model)
         self.target = target

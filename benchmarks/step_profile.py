@@ -47,8 +47,8 @@ def _timed(obj: Any, name: str, acc: dict[str, float]) -> Callable[[], None]:
 
 def run(m: Any, b: int, tokens: int, bias: dict[int, float], salt: int) -> float:
     """B streams of ``tokens`` tokens at once; the steps' wall time (first to last token of the run)."""
-    from backends.events import TextChunk
-    from backends.specs import GenerateRequest, Sampling
+    from backends.contract.events import TextChunk
+    from backends.contract.specs import GenerateRequest, Sampling
 
     reqs = [GenerateRequest(prompt=story_prompt(salt + i), sampling=Sampling(temperature=0.0, max_tokens=tokens,
                                                                               logit_bias=bias)) for i in range(b)]
@@ -80,8 +80,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    from backends.contract.specs import LoadSpec
     from backends.registry import load
-    from backends.specs import LoadSpec
 
     threads = args.threads or default_threads()
     gguf = model_path(args.model)
@@ -99,8 +99,8 @@ def main() -> None:
             steps0 = m.metrics().steps
 
             def patch(_s: Any, acc: dict[str, float] = acc, undo: list[Callable[[], None]] = undo) -> None:
-                from backends import stream as stream_mod
-                from backends.llamacpp_sampling import ChainSampler
+                from backends.core import stream as stream_mod
+                from backends.llamacpp.sampling import ChainSampler
 
                 undo.append(_timed(ChainSampler, "sample", acc))
                 undo.append(_timed(stream_mod.RequestStream, "push", acc))

@@ -153,9 +153,10 @@ def score(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_local(path: str, grammar: bool, prompts: list[tuple[str, str, list[str]]], threads: int | None,
               max_tokens: int) -> list[dict[str, Any]]:
-    from backends.base import Done, GenerateRequest, LoadSpec, Sampling, TextChunk, ToolCalls, Tuning
-    from backends.llamacpp import LlamaCppSource
-    from backends.loop import LoadedModel
+    from backends.contract.events import Done, TextChunk, ToolCalls
+    from backends.contract.specs import GenerateRequest, LoadSpec, Sampling, Tuning
+    from backends.core.loop import LoadedModel
+    from backends.llamacpp.source import LlamaCppSource
 
     model = LoadedModel(LlamaCppSource, LoadSpec(path, n_ctx=4096, n_threads=threads,
                                                  tuning=Tuning(tool_grammar=grammar)))

@@ -48,9 +48,9 @@ def main() -> None:
                          "llama-mtmd-cli) on the same files: its own image and prompt timings, load excluded")
     a = ap.parse_args()
 
-    from backends.events import TextChunk
+    from backends.contract.events import TextChunk
+    from backends.contract.specs import GenerateRequest, LoadSpec, Sampling
     from backends.registry import load
-    from backends.specs import GenerateRequest, LoadSpec, Sampling
     from tests.support_vision import make_projector, png
 
     model = a.model

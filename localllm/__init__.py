@@ -10,7 +10,7 @@ Exception tree (catch at the level you need)::
     ├── InvalidModelFileError     a GGUF whose header / tensors do not fit the file
     └── PlanError                 the model cannot be loaded on this machine (numbers in the message)
 
-Backend errors (``backends.errors.BackendError`` and subclasses) are re-raised by the engine as is;
+Backend errors (``backends.contract.errors.BackendError`` and subclasses) are re-raised by the engine as is;
 their messages are written for users too.
 """
 

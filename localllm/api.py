@@ -13,7 +13,7 @@ the TUI (``localllm/tui``) use nothing else to list, pull, remove, run and unloa
 
 Errors are the project's: :class:`~localllm.errors.ModelNotFoundError` for an unknown model,
 :class:`~localllm.errors.LocalLLMError` (one sentence) for anything else a user can cause; a backend's
-:class:`~backends.errors.BackendError` passes through the in-process runner as it is.
+:class:`~backends.contract.errors.BackendError` passes through the in-process runner as it is.
 """
 
 from __future__ import annotations
@@ -24,12 +24,28 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol
 
+# The backend contract's types the faces use, from here and nowhere else (a face never imports ``backends``;
+# tests/test_layers.py checks it): what a request is, what a generation yields, what it raises.
+from backends.contract.errors import (
+    BackendError,
+    ContextOverflowError,
+    InputTooLargeError,
+    ModelLoadError,
+    RequestCancelled,
+    UnsupportedError,
+)
+from backends.contract.events import Done, Event, Stats, TextChunk, TokenLogprob, ToolCalls
+from backends.contract.specs import GenerateRequest, Sampling, ThinkValue
+from backends.core.pooling import Pooled
+from backends.core.pooling import shorten as shorten_vectors
+from backends.core.stream import MAX_TOP_LOGPROBS
+from backends.descriptor import KV_CACHE_TYPES
 from localllm.modelfile import Modelfile
 from localllm.store import PullProgress
 
 if TYPE_CHECKING:
-    from localllm.engine import Event, GenerateRequest, LoadOptions
     from localllm.hardware import HardwareInfo
+    from localllm.loader import LoadOptions
 
     EventStream = Generator[Event, None, None]  # a stream of events the consumer may close early
     AsyncEventStream = AsyncGenerator[Event, None]
@@ -37,6 +53,10 @@ if TYPE_CHECKING:
 __all__ = [
     "Advisor", "AsyncEventStream", "CatalogItem", "EventStream", "Fit", "Installed", "Models", "ProgressFn",
     "PullProgress", "Runner", "Loaded", "processor", "until",
+    # the backend contract, for the faces
+    "BackendError", "ContextOverflowError", "InputTooLargeError", "ModelLoadError", "RequestCancelled",
+    "UnsupportedError", "Done", "Event", "Stats", "TextChunk", "TokenLogprob", "ToolCalls", "GenerateRequest",
+    "Sampling", "ThinkValue", "Pooled", "shorten_vectors", "MAX_TOP_LOGPROBS", "KV_CACHE_TYPES",
 ]
 
 ProgressFn = Callable[[PullProgress], None]
@@ -304,8 +324,8 @@ class Ranked:
 class Runner(Protocol):
     """Loaded models: generate (a sync or an async stream of events), load, unload, ps.
 
-    Events are the engine's: :class:`~localllm.engine.TextChunk` (``thinking=True`` for reasoning),
-    :class:`~localllm.engine.ToolCalls`, and one closing :class:`~localllm.engine.Done`. Leaving a stream
+    Events are the engine's: :class:`~localllm.api.TextChunk` (``thinking=True`` for reasoning),
+    :class:`~localllm.api.ToolCalls`, and one closing :class:`~localllm.api.Done`. Leaving a stream
     early (``break``, closing it, a cancelled task) or setting ``cancel`` stops the generation at its next
     step; a stream stopped by ``cancel`` still ends with ``Done(finish_reason="cancelled")``."""
 

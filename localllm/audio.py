@@ -25,7 +25,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.media import audio_format
+from backends.contract.media import audio_format
 from localllm.errors import LocalLLMError
 
 DEFAULT_MAX_BYTES = 20 << 20  # base64 of it (27 MiB) stays under the server's 32 MiB body limit

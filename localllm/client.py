@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
     import httpx
 
-    from localllm.api import AsyncEventStream, EventStream
-    from localllm.engine import Done, Event, GenerateRequest, LoadOptions
+    from localllm.api import AsyncEventStream, Done, Event, EventStream, GenerateRequest
+    from localllm.loader import LoadOptions
     from localllm.modelfile import Modelfile
 
 DEFAULT_TIMEOUT = 600.0
@@ -157,10 +157,10 @@ def running_from_ps(d: JSON) -> Loaded:
 
 def options_json(request: GenerateRequest | None = None, options: LoadOptions | None = None) -> JSON:
     """Sampling (+ LoadOptions) → Ollama ``options``: only the sampling fields the caller chose
-    (:meth:`~localllm.engine.Sampling.chosen`), so the server's model keeps its PARAMETERs for the others (sending
+    (:meth:`~localllm.api.Sampling.chosen`), so the server's model keeps its PARAMETERs for the others (sending
     every default would override a created model's ``temperature 0`` with 0.8).
 
-    >>> from localllm.engine import GenerateRequest, Sampling
+    >>> from localllm.api import GenerateRequest, Sampling
     >>> chose = Sampling(temperature=0.8, top_k=40, given=frozenset({"temperature"}))
     >>> options_json(GenerateRequest(prompt="x", sampling=chose))
     {'temperature': 0.8}
@@ -228,7 +228,7 @@ class _Events:
         self.thinking = 0  # thinking lines seen: Ollama streams one token per line
 
     def feed(self, obj: JSON) -> list[Event]:
-        from localllm.engine import Done, Stats, TextChunk, ToolCalls
+        from localllm.api import Done, Stats, TextChunk, ToolCalls
 
         out: list[Event] = []
         msg: JSON = obj.get("message") or {}
@@ -256,7 +256,7 @@ class _Events:
         return out
 
     def cancelled(self) -> Done:
-        from localllm.engine import Done, Stats
+        from localllm.api import Done, Stats
 
         return Done(Stats(total_duration=time.perf_counter_ns() - self.t0), finish_reason="cancelled")
 
@@ -301,7 +301,7 @@ class Client:
         if status == 404:
             return ModelNotFoundError(message)
         if status == 503:
-            from localllm.engine import ServerBusyError
+            from localllm.residency import ServerBusyError
 
             return ServerBusyError(message)
         if status == 401:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from backends import ggml_devices
+from backends.llamacpp import devices as ggml_devices
 from localllm.errors import LocalLLMError
 
 log = logging.getLogger("localllm.devices")

@@ -9,14 +9,15 @@ Faces (CLI, server, TUI) talk to the engine and never to a backend. Residency an
 references on it (``generate``, ``agenerate``, ``embed``) share one lock, here. With the default model
 installed::
 
-    from localllm.engine import Engine, GenerateRequest, Sampling, TextChunk
+    from localllm.api import GenerateRequest, Sampling, TextChunk
+    from localllm.engine import Engine
     with Engine() as engine:
         req = GenerateRequest(messages=[{"role": "user", "content": "Hi"}], sampling=Sampling(seed=1))
         for event in engine.generate("smollm2:135m", req):
             if isinstance(event, TextChunk):
                 print(event.text, end="")
 
-Concurrency: each loaded model runs on its own decode loop (:class:`backends.loop.LoadedModel`): one
+Concurrency: each loaded model runs on its own decode loop (:class:`backends.core.loop.LoadedModel`): one
 thread owns the model, and up to ``num_parallel`` requests decode together in one batch per step
 (continuous batching; ``LOCALLLM_NUM_PARALLEL``, default: 4 slots where the planner's memory estimate
 for one KV pool of 4 contexts fits). Only one model loads at a time, but no lock is held while anything
@@ -59,44 +60,21 @@ from collections.abc import AsyncGenerator, Callable, Generator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-# The request/event types faces use: re-exported so no face imports ``backends``.
-from backends.base import (  # noqa: F401
-    KV_CACHE_TYPES,
-    BackendError,
+from backends.contract.errors import (
     ContextOverflowError,
-    Done,
-    DraftSpec,
-    Event,
-    GenerateRequest,
     InputTooLargeError,
-    LoadSpec,
-    ModelInfo,
-    ModelLoadError,
-    RequestCancelled,
-    Sampling,
-    Stats,
-    TextChunk,
-    TokenLogprob,
-    TokenSource,
-    ToolCalls,
-    UnsupportedError,
 )
-from backends.channel import Channel
-from backends.loop import LoadedModel
-from backends.pooling import Pooled  # noqa: F401 - what embed_many / rerank answer, for the faces
-from backends.pooling import shorten as shorten_vectors  # noqa: F401 - Matryoshka truncation, for the faces
-from backends.stream import MAX_TOP_LOGPROBS  # noqa: F401 - the limit, for the faces (they never import backends)
+from backends.contract.events import Done, Event, Stats
+from backends.contract.source import TokenSource
+from backends.contract.specs import GenerateRequest
+from backends.core.channel import Channel
+from backends.core.loop import LoadedModel
+from backends.core.pooling import Pooled
 from localllm import config
 from localllm.errors import PlanError
 from localllm.growth import growable, grown
 from localllm.loader import Loader, LoadOptions, Prepared
-from localllm.residency import (  # noqa: F401 - re-exported, for the faces
-    DEFAULT_KEEP_ALIVE,
-    DEFAULT_MAX_QUEUE,
-    Resident,
-    ServerBusyError,
-    parse_keep_alive,
-)
+from localllm.residency import DEFAULT_MAX_QUEUE, Resident, parse_keep_alive
 from localllm.scheduler import ModelScheduler
 
 if TYPE_CHECKING:
@@ -414,7 +392,7 @@ class Engine(ModelScheduler):
         running = self._checkout(name, LoadOptions(), None, None, context=False)
         try:
             if images:
-                from backends.base import IMAGE_MARKER
+                from backends.contract.media import IMAGE_MARKER
 
                 marked = IMAGE_MARKER * len(images) + ("\n" + text if text else "")
                 return running.model.tokenize(marked, images=list(images))

@@ -171,7 +171,7 @@ def read_gguf(path: str | os.PathLike[str], *, digest: str | None = None) -> GGU
 
 
 def _pooling(value: Any) -> str | None:
-    from backends.pooling import POOLING_TYPES
+    from backends.core.pooling import POOLING_TYPES
 
     return POOLING_TYPES.get(int(value)) if isinstance(value, int | float) else None
 

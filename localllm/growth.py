@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from backends.base import ContextOverflowError, GenerateRequest
+from backends.contract.errors import ContextOverflowError
+from backends.contract.specs import GenerateRequest
 from localllm.loader import LoadOptions
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ def grown(running: Resident, request: GenerateRequest, options: LoadOptions, e: 
     at once when even that does not fit: a prompt that can never fit reloads nothing); None: nothing more to try.
     The grown load remembers the context it grew from (``grown_from``), so that the engine goes back to it when
     the long prompts stop (:attr:`~localllm.residency.Resident.shrinks`)."""
-    from backends.base import answer_reserve
+    from backends.core.stream import answer_reserve
 
     if options.num_ctx is not None and not request.keep_turns:
         return None  # the context was asked for

@@ -25,7 +25,7 @@ Sources, in order of preference:
   whether or not the llama.cpp build can use them: a GPU the build cannot use is what the planner's advice
   is about. ``LOCALLLM_SYSFS_ROOT`` (or :func:`probe_drm`'s ``root``) points the scan at another tree.
 * llama.cpp's own device list (``HardwareInfo.devices``): every device of the installed build through ggml's
-  registry (:mod:`backends.ggml_devices`) — CPU, CUDA, ROCm, Vulkan, Metal, SYCL, RPC workers — with free/total
+  registry (:mod:`backends.llamacpp.devices`) — CPU, CUDA, ROCm, Vulkan, Metal, SYCL, RPC workers — with free/total
   memory; this is what the build can actually use. ``HardwareInfo.rpc``: the build has the RPC backend.
 * Apple Silicon Metal working-set budget: ``mx.device_info()["max_recommended_working_set_size"]``
   (Metal's ``recommendedMaxWorkingSetSize``) when MLX is importable; an ``iogpu.wired_limit_mb``
@@ -48,25 +48,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from backends import descriptor
-from backends.descriptor import BackendStatus, parse_gpu_backend
+from backends.descriptor import BackendStatus
 from localllm.gpus import (
     GPU,
     nvidia_gpus,
     other_gpus,
-    parse_nvidia_smi,
-    parse_rocm_smi,
-    parse_vulkaninfo,
-    probe_drm,
-    probe_nvidia_smi,
-    probe_nvml,
     read_text,
     run_tool,
     short_error,
 )
 
-__all__ = ["BACKEND_CHOICES", "GPU", "BackendStatus", "HardwareInfo", "LlamaDevice", "backend_names",
-           "metal_budget_rule", "parse_gpu_backend", "parse_nvidia_smi", "parse_rocm_smi", "parse_vulkaninfo",
-           "probe", "probe_drm", "probe_nvidia_smi", "probe_nvml", "schema_problem", "simd_from_flags"]
+__all__ = ["BACKEND_CHOICES", "HardwareInfo", "backend_names", "probe"]
 
 GiB = 1024**3
 MiB = 1024**2
@@ -101,7 +93,7 @@ _MAC_ARM_FEATURES = {
 class LlamaDevice:
     """One device of the installed llama.cpp build's own list (ggml's registry), as the faces see it.
 
-    The same fields as :class:`backends.ggml_devices.Device`, with ``offloads``/``remote``/``endpoint`` as data so
+    The same fields as :class:`backends.llamacpp.devices.Device`, with ``offloads``/``remote``/``endpoint`` as data so
     that ``probe --json`` carries them.
     """
 
@@ -244,8 +236,7 @@ def _ram(notes: list[str]) -> tuple[int, int]:
 def _llama_devices(notes: list[str]) -> tuple[list[LlamaDevice], bool]:
     """llama.cpp's own device list and whether the build has RPC; ([], False) and a note when unreadable."""
     try:
-        from backends import ggml_devices
-
+        from backends.llamacpp import devices as ggml_devices
         found = ggml_devices.list_devices()
         rpc = ggml_devices.rpc_supported()
     except Exception as e:  # no llama_cpp, a library without the registry symbols, ...

@@ -4,7 +4,7 @@ PARAMETERs and DRAFT, the defaults) and makes the planner's :class:`~localllm.pl
 estimate: a :class:`Prepared`, what ``probe`` prints, the advice judges and the engine loads. :meth:`Loader.load`
 turns it into the :class:`LoadSpec` with its draft (:class:`DraftSpec`) and prompt cache
 (:class:`PromptCacheSpec`), prepares the weights the backend takes (an MLX conversion on first use) and starts
-the model's decode loop (:class:`backends.loop.LoadedModel`). Which models stay loaded, for how long and who
+the model's decode loop (:class:`backends.core.loop.LoadedModel`). Which models stay loaded, for how long and who
 uses them is the engine's (:mod:`localllm.engine`); the loader keeps nothing of a model it has loaded.
 
 ``--backend mlx`` on a model with no MLX weights converts its GGUF on first use (once, offline; see
@@ -23,9 +23,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from backends import descriptor
-from backends.base import DraftSpec, LoadSpec, LoraAdapter, TokenSource
-from backends.loop import LoadedModel
-from backends.prompt_cache import PromptCacheSpec
+from backends.contract.source import TokenSource
+from backends.contract.specs import DraftSpec, LoadSpec, LoraAdapter
+from backends.core.loop import LoadedModel
+from backends.core.prompt_cache import PromptCacheSpec
 from backends.registry import source_class
 from localllm import config
 from localllm.errors import LocalLLMError, ModelNotFoundError, PlanError
@@ -405,7 +406,7 @@ class Loader:
         process took memory), fall back with one line each: a mixture of experts first keeps every expert in RAM
         (``cpu_moe``: its attention stays offloaded), then half the GPU layers, then the CPU (each planned again
         with :meth:`replan`). Returns what loaded. A load asked for with ``num_gpu`` is not second-guessed."""
-        from backends.base import ModelLoadError
+        from backends.contract.errors import ModelLoadError
 
         experts_out = False  # a mixture of experts' experts left the device (cpu_moe): the later fallbacks keep that
         tried_half = False

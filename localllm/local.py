@@ -15,12 +15,14 @@ from backends.descriptor import MLX
 from localllm.api import CatalogItem, DeviceUse, Fit, Installed, Loaded, ProgressFn, Ranked, drafting_text
 
 if TYPE_CHECKING:
-    from localllm.api import AsyncEventStream, EventStream
+    from localllm.api import AsyncEventStream, EventStream, GenerateRequest
     from localllm.catalog import CatalogEntry
-    from localllm.engine import Engine, GenerateRequest, LoadOptions, Resident
+    from localllm.engine import Engine
     from localllm.hardware import HardwareInfo
+    from localllm.loader import LoadOptions
     from localllm.modelfile import Modelfile
     from localllm.planner import Plan
+    from localllm.residency import Resident
     from localllm.store import InstalledModel, Store
 
 GiB = 1024**3

@@ -8,7 +8,7 @@ One directory per GGUF, keyed by the GGUF's digest, under :func:`mlx_root` (``<m
 The same place takes an MLX directory downloaded for that model (e.g. an ``mlx-community`` repo the
 catalog names): whatever sits there complete is used. :func:`mlx_dir_for` only looks (no side effects,
 so the store can call it while listing); :func:`convert_installed` builds the directory offline
-from the GGUF with :mod:`backends.mlx_convert` (Q4_0/Q4_1/Q8_0 stay quantized)::
+from the GGUF with :mod:`backends.mlx.convert` (Q4_0/Q4_1/Q8_0 stay quantized)::
 
     model = Store().get("smollm2:135m")
     mlx_dir_for(model) is None     # True: not converted yet
@@ -143,8 +143,8 @@ def mlx_dir_for(model: GGUFModel) -> Path | None:
 
 def convertible(model: GGUFModel) -> tuple[bool, str]:
     """(the GGUF can become an MLX model, the reason when not). Reads the header only."""
-    from backends.base import BackendError
-    from backends.mlx_convert import check_convertible
+    from backends.contract.errors import BackendError
+    from backends.mlx.convert import check_convertible
 
     try:
         check_convertible(model.path)
@@ -185,7 +185,7 @@ def _convertible(path: Path, dtype: str) -> MLXWeights:
     version and dtype under ``<cache>/mlx-convertible``."""
     try:
         st = path.stat()
-        import backends.mlx_convert as mc
+        import backends.mlx.convert as mc
 
         version = mc.code_digest()[:12]
     except OSError as e:
@@ -198,7 +198,7 @@ def _convertible(path: Path, dtype: str) -> MLXWeights:
                           source=d["source"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    from backends.base import BackendError
+    from backends.contract.errors import BackendError
 
     try:
         info = mc.inspect_gguf(path, dtype=dtype)
@@ -243,7 +243,7 @@ def convert_installed(model: GGUFModel, *, force: bool = False, dtype: str = "fl
     """
     from filelock import FileLock
 
-    from backends.base import BackendError
+    from backends.contract.errors import BackendError
 
     try:
         target = mlx_dir_path(model)
@@ -262,7 +262,7 @@ def convert_installed(model: GGUFModel, *, force: bool = False, dtype: str = "fl
             raise ConversionError(
                 "Converting to MLX needs mlx: pip install 'localllm[mlx]' (or 'localllm[mlx-cpu]' on Linux)."
             ) from e
-        from backends.mlx_convert import convert_gguf
+        from backends.mlx.convert import convert_gguf
 
         src = Path(os.fspath(model.path))
         if not src.is_file():

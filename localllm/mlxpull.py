@@ -93,7 +93,7 @@ def _cached_snapshot(repo: str, revision: str | None) -> Path | None:
                                    cache_dir=dl.hf_cache_dir(), local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached (or a broken cache entry): download instead
         return None
-    from backends.mlx_convert import is_mlx_dir
+    from backends.mlx.convert import is_mlx_dir
 
     return p if is_mlx_dir(p) else None
 
@@ -160,7 +160,7 @@ def fetch_mlx(repo: str, *, revision: str | None, staging_root: Path, target_for
     without MLX weights, download broke off: the staging folder stays for a resume), ``CorruptDownload``
     (a file fails its hash: removed), ``DiskFull`` or ``PullCancelled`` (the partial stays).
     """
-    from backends.mlx_convert import is_mlx_dir
+    from backends.mlx.convert import is_mlx_dir
 
     try:
         sha, files = hub_listing(repo, revision)

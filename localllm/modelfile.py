@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
-    from backends.specs import GenerateRequest
+    from backends.contract.specs import GenerateRequest
 
 # Ollama's option names (api.Options + api.Runner) → the type PARAMETER takes
 INTEGER, NUMBER, BOOLEAN, STRING = "integer", "number", "boolean", "string"
@@ -405,12 +405,13 @@ _SAMPLING_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "to
 
 def apply_to_request(mf: Modelfile, request: GenerateRequest) -> GenerateRequest:
     """``request`` with what a derived model adds: its PARAMETERs where the request did not choose the sampling
-    field (:meth:`~backends.specs.Sampling.chosen`), and for a chat its SYSTEM (unless the request starts with its
+    field (:meth:`~backends.contract.specs.Sampling.chosen`), and for a chat its SYSTEM (unless the request starts
+    with its
     own system message) and its MESSAGE history, between the system message and the request's turns. A raw
     prompt takes the parameters only."""
     from dataclasses import fields, replace
 
-    from backends.specs import Sampling
+    from backends.contract.specs import Sampling
 
     chosen = request.sampling.chosen()
     changes: dict[str, Any] = {}

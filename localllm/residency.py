@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from backends.base import ModelInfo
-from backends.loop import LoadedModel, LoopMetrics
+from backends.contract.metrics import LoopMetrics
+from backends.contract.source import ModelInfo
+from backends.core.loop import LoadedModel
 from localllm.errors import LocalLLMError
 from localllm.loader import LoadOptions, left_to_planner
 

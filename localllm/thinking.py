@@ -1,6 +1,6 @@
 """Reasoning ("thinking") as the faces need it: whether an installed model thinks, and a request's ``think``
 checked in Ollama's words. The work itself (rendering ``think``, splitting the stream) is the backends'
-(:mod:`backends._thinking`); faces import this module, never ``backends``.
+(:mod:`backends.core.thinking`); faces import this module, never ``backends``.
 
     >>> parse_think("max"), parse_think(True)
     ('high', True)
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from backends._thinking import LEVELS, ThinkStyle, thinking_style
-from backends._thinking import parse_think as _parse
-from backends.specs import ThinkValue
+from backends.contract.specs import ThinkValue
+from backends.core.thinking import ThinkStyle, thinking_style
+from backends.core.thinking import parse_think as _parse
 
-__all__ = ["LEVELS", "ThinkStyle", "ThinkValue", "parse_think", "style_of", "thinks", "asks_to_think"]
+__all__ = ["parse_think", "style_of", "thinks", "asks_to_think"]
 
 
 def parse_think(value: Any) -> ThinkValue:
@@ -41,5 +41,5 @@ def thinks(info: dict[str, Any]) -> bool:
 
 def asks_to_think(value: ThinkValue) -> bool:
     """Whether a request's ``think`` asks for thinking (True or a level); unset and False do not *ask*. (Whether
-    a model will think is :func:`backends._thinking.think_on`: unset on a thinking model means yes.)"""
+    a model will think is :func:`backends.core.thinking.think_on`: unset on a thinking model means yes.)"""
     return value is not None and value is not False

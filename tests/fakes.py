@@ -16,7 +16,7 @@ constructor's keywords (a subclass passes them on); the model file is not read:
   model's rendered prompt held); with ``tool_calls_if``, only a prompt whose last user message contains that
   string makes the calls;
 
->>> from backends.base import LoadSpec, GenerateRequest
+>>> from backends.contract.specs import GenerateRequest, LoadSpec
 >>> from backends.registry import load
 >>> m = load(fake(reply="hi there"), LoadSpec("fake.gguf"))
 >>> [type(e).__name__ for e in m.generate(GenerateRequest(prompt="x"))]
@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from backends.errors import ModelLoadError
-from backends.source import Feed, ModelInfo, TokenSource
-from backends.specs import LoadSpec, Sampling
+from backends.contract.errors import ModelLoadError
+from backends.contract.source import Feed, ModelInfo, TokenSource
+from backends.contract.specs import LoadSpec, Sampling
 
 EOS = 0
 _MARK = "\x02assistant\x02"  # where the rendered prompt hands over to the answer

@@ -106,7 +106,7 @@ class Script:
 
 def scripted_backend(script: Script) -> Callable[[str], Any]:
     """An :class:`~localllm.engine.Engine` ``backend_class``: llama.cpp with the answers ``script`` decides."""
-    from backends.llamacpp import LlamaCppSource
+    from backends.llamacpp.source import LlamaCppSource
 
     class Scripted(LlamaCppSource):
         def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,

@@ -15,7 +15,7 @@ import pytest
 
 from backends import descriptor
 from backends.descriptor import GGUF, Backend
-from backends.llamacpp import LlamaCppSource
+from backends.llamacpp.source import LlamaCppSource
 
 NAME = "testllama"
 
@@ -34,7 +34,7 @@ class TestLlamaSource(LlamaCppSource):
 
 TEST_BACKEND = Backend(name=NAME, label="Test llama", source=f"{__name__}:TestLlamaSource", weights=GGUF,
                        memory="layers", install="(registered by the tests)", priority=90,
-                       schema_rules="backends.llamacpp_schema:schema_problem")
+                       schema_rules="backends.llamacpp._schema:schema_problem")
 
 
 @pytest.fixture

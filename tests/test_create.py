@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from localllm.engine import Done, Engine, GenerateRequest, Sampling, TextChunk
+from localllm.api import Done, GenerateRequest, Sampling, TextChunk
+from localllm.engine import Engine
 from localllm.errors import InvalidModelFileError, LocalLLMError, ModelNotFoundError
 from localllm.modelfile import Modelfile, ModelfileError, apply_to_request, parse
 from localllm.store import Store
@@ -414,9 +415,9 @@ def test_quantize_reports_its_progress_in_bytes_of_the_planned_size(f32_store, m
     """llama.cpp's quantizer has no progress callback: the output file's size is polled against the size
     llama.cpp's own plan (its dry run) gives, which is the finished file's size exactly; the phase's events climb
     to it, and the last says how big the result is."""
-    import backends.quantize
+    import backends.llamacpp.quantize
 
-    monkeypatch.setattr(backends.quantize, "POLL_SECONDS", 0.01)  # several polls however fast this machine is
+    monkeypatch.setattr(backends.llamacpp.quantize, "POLL_SECONDS", 0.01)  # several polls however fast this machine is
     events: list[tuple[str, int, int]] = []
     q4 = f32_store.create("smol-q4km", parse("FROM smol-f32\n"), quantize="q4_K_M",
                           progress=lambda p: events.append((p.status, p.completed, p.total)))
@@ -424,7 +425,7 @@ def test_quantize_reports_its_progress_in_bytes_of_the_planned_size(f32_store, m
     assert phase[-1] == (q4.size, q4.size) and all(total == q4.size for _, total in phase)
     assert [done for done, _ in phase] == sorted(done for done, _ in phase)
     assert any(0 < done < q4.size for done, _ in phase)  # in between, not only the start and the end
-    assert backends.quantize.planned_size(f32_store.get("smol-f32").path, "q8_0") == f32_store.create(
+    assert backends.llamacpp.quantize.planned_size(f32_store.get("smol-f32").path, "q8_0") == f32_store.create(
         "smol-q8", parse("FROM smol-f32\n"), quantize="q8_0").size
     assert any(status.startswith(f"quantized to Q4_K_M: {q4.size:,} bytes") for status, _, _ in events)
 
@@ -627,8 +628,7 @@ def test_a_failed_create_frees_the_blobs_it_made(store, tmp_path):
 def test_load_parameters_and_draft_reach_the_load(store):
     """PARAMETER num_ctx / num_thread and DRAFT (with draft_num_predict) set the load where the request leaves
     them to the planner; what a request asks for wins."""
-    from localllm.engine import LoadOptions
-    from localllm.loader import Loader
+    from localllm.loader import Loader, LoadOptions
 
     m = store.create("loadish", parse("FROM smollm2:135m\nPARAMETER num_ctx 512\nPARAMETER num_thread 1\n"
                                       "PARAMETER draft_num_predict 3\nDRAFT ngram\n"))
@@ -642,7 +642,8 @@ def test_load_parameters_and_draft_reach_the_load(store):
 
 def test_a_template_applies_on_mlx_too_and_a_lora_is_refused_there(store, tmp_path):
     pytest.importorskip("mlx.core")
-    from localllm.engine import BackendError, LoadOptions
+    from localllm.api import BackendError
+    from localllm.loader import LoadOptions
 
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
     store.create("tpl-mlx", parse(f'FROM smollm2:135m\nTEMPLATE """{template}"""\nPARAMETER temperature 0\n'))

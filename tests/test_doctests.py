@@ -49,7 +49,7 @@ def test_module_examples_run(name: str):
 
 def test_the_examples_are_many():
     """The collection above finds the examples (a change to how modules are found cannot empty it unseen)."""
-    names = {"localllm.tui.answer", "backends._thinking", "localllm.names", "localllm.mlxmodels"}
+    names = {"localllm.tui.answer", "backends.core.thinking", "localllm.names", "localllm.mlxmodels"}
     assert names <= set(MODULES)
     lines = sum(ex.source.count("\n") for name in names for t in _doctests(name) for ex in t.examples)
     assert lines >= 30, lines

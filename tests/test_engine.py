@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling
+from localllm.api import GenerateRequest, Sampling
+from localllm.engine import Engine
+from localllm.loader import LoadOptions
 
 MODEL = "smollm2:135m"
 

@@ -106,7 +106,8 @@ def test_a_backend_with_its_own_weights_format_is_pulled_listed_planned_loaded_a
     from click.testing import CliRunner
 
     from localllm.cli import cli
-    from localllm.engine import Engine, LoadOptions
+    from localllm.engine import Engine
+    from localllm.loader import LoadOptions
     from localllm.store import Store
     from tests.toyformat import ToySource
 

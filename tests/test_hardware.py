@@ -342,7 +342,7 @@ def test_a_process_limited_to_one_core_plans_one_thread():
     """``taskset -c 0 localllm ...`` or a container's cpuset: the probe counts the cores the process may run on,
     so llama.cpp gets one thread, not one per core of the machine waiting for a core it cannot have."""
     code = ("import os, json; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-            "from localllm.hardware import probe; from backends.llamacpp import physical_cores; "
+            "from localllm.hardware import probe; from backends.llamacpp.checks import physical_cores; "
             "hw = probe(); print(json.dumps([hw.physical_cores, hw.logical_cores, physical_cores()]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

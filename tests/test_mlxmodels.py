@@ -154,7 +154,9 @@ def test_engine_converts_on_first_use_then_runs_on_mlx(own_home: Path):
     """End to end: store → planner (--backend mlx, no MLX weights yet) → conversion on the model's thread,
     reported to ``on_convert`` → MLX backend on the new directory, recorded in the store."""
     pytest.importorskip("mlx_lm")
-    from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling
+    from localllm.api import GenerateRequest, Sampling
+    from localllm.engine import Engine
+    from localllm.loader import LoadOptions
 
     events: list = []
     threads: set[str] = set()
@@ -195,8 +197,10 @@ def test_a_cancelled_first_use_conversion_leaves_nothing(own_home: Path):
     pytest.importorskip("mlx_lm")
     import threading
 
-    from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling
+    from localllm.api import GenerateRequest, Sampling
+    from localllm.engine import Engine
     from localllm.errors import LocalLLMError
+    from localllm.loader import LoadOptions
 
     cancel = threading.Event()
     stages: list[str] = []

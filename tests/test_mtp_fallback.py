@@ -1,8 +1,9 @@
 """A default (``auto``) MTP draft that cannot start decodes plainly and says why; ``--draft mtp`` asked for is
-refused in one sentence with nothing left loaded (issue 36, ``backends.drafting.open_with_draft``).
+refused in one sentence with nothing left loaded (issue 36, ``backends.core.drafting.open_with_draft``).
 
 The made Qwen3.5 hybrid with an MTP block drafts for real on this llama.cpp, so the failure is injected where a
-build or a machine would show it: the staging API missing (``backends.mtp.nextn_api``), llama.cpp refusing the MTP
+build or a machine would show it: the staging API missing (``backends.llamacpp.mtp.nextn_api``), llama.cpp refusing
+the MTP
 context (``llama_init_from_model`` returning NULL), the MTP context failing in its first evaluation. Through the
 engine (``ps``'s drafting), ``run --verbose`` (in-process, so the injection holds) and the loaded model."""
 
@@ -13,9 +14,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from backends.base import Done, DraftSpec, GenerateRequest, LoadSpec, Sampling, TextChunk, UnsupportedError
-from backends.llamacpp import LlamaCppSource
-from backends.loop import LoadedModel
+from backends.contract.errors import UnsupportedError
+from backends.contract.events import Done, TextChunk
+from backends.contract.specs import DraftSpec, GenerateRequest, LoadSpec, Sampling
+from backends.core.loop import LoadedModel
+from backends.llamacpp.source import LlamaCppSource
 from tests.backends.test_mtp_draft import made_mtp
 
 PROMPT = "The capital of France is"
@@ -35,7 +38,7 @@ def inject(monkeypatch, how: str) -> None:
     """Make the MTP drafter fail to start, as ``how`` says."""
     import llama_cpp
 
-    import backends.mtp as mtp
+    import backends.llamacpp.mtp as mtp
 
     if how == "no staging api":
         monkeypatch.setattr(mtp, "nextn_api", _no_staging_api)

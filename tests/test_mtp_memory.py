@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import DraftSpec, LoadSpec
-from backends.llamacpp import LlamaCppSource
-from backends.loop import LoadedModel
+from backends.contract.specs import DraftSpec, LoadSpec
+from backends.core.loop import LoadedModel
+from backends.llamacpp.source import LlamaCppSource
 from localllm.ggufinfo import read_gguf
 from localllm.hardware import MiB
 from localllm.planner import estimate, plan
@@ -64,7 +64,7 @@ def test_the_plan_counts_what_mtp_drafting_allocates(mtp_path):
     # the MTP context's KV cache (its one layer, every cell) and the rollback states of the 3 recurrent layers
     kv = with_mtp["kv"] - plain["kv"]
     assert abs(kv - (m["cache"] + rollback)) <= 3 * LOG_STEP, (kv, m)  # the RS lines and MTP KV line; -1,147 B
-    # its compute and output buffers: the logits of its small batch (backends.mtp.mtp_batch) and a row an id
+    # its compute and output buffers: the logits of its small batch (backends.llamacpp.mtp.mtp_batch) and a row an id
     compute = with_mtp["compute"] - plain["compute"]
     assert compute == pytest.approx(m["compute"], rel=0.005), (compute, m)
     # the plan's difference: those and the drafter's hidden rows (Python memory, not llama.cpp's)

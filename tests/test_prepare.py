@@ -152,7 +152,8 @@ def test_prepare_merges_the_options_once_and_its_estimate_is_the_plans(default_m
 def test_a_model_the_caller_read_is_not_read_from_the_store_again(default_model, monkeypatch):
     """The server reads the installed model to answer 404 first and hands it to the engine: a request that loads
     the model reads the store once, not twice (measured: 2 -> 1 ``Store.get`` per loading ``/api/chat``)."""
-    from localllm.engine import Engine, GenerateRequest, Sampling
+    from localllm.api import GenerateRequest, Sampling
+    from localllm.engine import Engine
     from localllm.store import Store
 
     store = Store()

@@ -101,8 +101,7 @@ def test_real_device_list_has_the_cpu_with_this_machines_ram():
     assert abs(cpu.total_bytes - ram) <= ram * 0.10, (cpu.total_bytes, ram)
     assert 0 < cpu.free_bytes <= cpu.total_bytes
     assert [d.index for d in hw.devices] == list(range(len(hw.devices)))
-    from backends import ggml_devices
-
+    from backends.llamacpp import devices as ggml_devices
     assert hw.rpc == ggml_devices.rpc_supported()
     assert not any("device list" in n for n in hw.notes)
 
@@ -120,8 +119,7 @@ def test_probe_json_as_a_subprocess_lists_the_devices():
 
 
 def test_an_unreadable_device_list_is_a_note_not_a_crash(monkeypatch):
-    from backends import ggml_devices
-
+    from backends.llamacpp import devices as ggml_devices
     def broken():
         raise OSError("libggml.so: cannot open shared object file")
 

@@ -68,7 +68,7 @@ def _start_worker(home: Path, port: int) -> subprocess.Popen[str]:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # ready when it answers the protocol's hello
         try:
-            from backends.ggml_devices import hello
+            from backends.llamacpp.devices import hello
 
             hello(f"127.0.0.1:{port}", timeout=2)
             return p
@@ -119,7 +119,7 @@ _GEN = textwrap.dedent("""
     lm, plan = rm.model, rm.plan
     req = GenerateRequest(messages=[{"role": "user", "content": %r}],
                           sampling=Sampling(temperature=0, max_tokens=32, seed=1))
-    from localllm.engine import TextChunk
+    from localllm.api import TextChunk
     text = "".join(ev.text for ev in lm.generate(req) if isinstance(ev, TextChunk))
     print(json.dumps({"text": text, "ngl": lm.info.n_gpu_layers, "alloc": lm.info.allocations,
                       "vram": lm.info.vram_bytes, "added": [w.endpoint for w in added],

@@ -303,7 +303,7 @@ class Hub:
 def mlx_files(default_model_path, tmp_path_factory) -> dict[str, bytes]:
     """The files of an MLX repo: the default model converted offline (real weights, tokenizer, config)."""
     pytest.importorskip("mlx.core", reason="converting the default model needs mlx")
-    from backends.mlx_convert import convert_gguf
+    from backends.mlx.convert import convert_gguf
 
     out = convert_gguf(default_model_path, tmp_path_factory.mktemp("mlxrepo") / "repo")
     return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}

@@ -103,3 +103,96 @@ def test_the_layers_of_design_md_hold():
     bad += [f"{p.relative_to(root)}:{n}: {m}" for p in sorted((root / "backends").rglob("*.py"))
             for n, m in imports(p) if m == "localllm" or m.startswith("localllm.")]
     assert not bad, bad
+
+
+def _modules() -> dict[str, Path]:
+    modules: dict[str, Path] = {}
+    for pkg in ("localllm", "backends"):
+        for p in (ROOT / pkg).rglob("*.py"):
+            parts = list(p.relative_to(ROOT).with_suffix("").parts)
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return modules
+
+
+def _defined(path: Path) -> set[str]:
+    """The names a module defines at its top level (in ``if``/``try`` blocks too), not the ones it imports."""
+    import ast
+
+    out: set[str] = set()
+
+    def walk(body: list) -> None:
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(n.name)
+            elif isinstance(n, ast.Assign):
+                out.update(x.id for t in n.targets for x in ast.walk(t) if isinstance(x, ast.Name))
+            elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                out.add(n.target.id)
+            elif isinstance(n, (ast.If, ast.Try)):
+                walk(n.body)
+                walk(n.orelse)
+                for h in getattr(n, "handlers", []):
+                    walk(h.body)
+
+    walk(ast.parse(path.read_text(encoding="utf-8")).body)
+    return out
+
+
+def test_every_name_is_imported_from_where_it_is_defined():
+    """One home per type: ``from M import X`` in the project names the module that defines ``X``. Two exceptions,
+    both deliberate: :mod:`localllm.api`, the one seam the faces take the backend contract from, and a package's
+    ``__init__`` naming what its own modules define (``localllm.store``, ``localllm.planner``)."""
+    import ast
+
+    modules = _modules()
+    defined = {m: _defined(p) for m, p in modules.items()}
+
+    def home(module: str, name: str, depth: int = 0) -> str:  # where ``name`` seen in ``module`` comes from
+        if name in defined[module] or depth > 8:
+            return module
+        for n in ast.walk(ast.parse(modules[module].read_text(encoding="utf-8"))):
+            if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module in modules:
+                if any((a.asname or a.name) == name for a in n.names):
+                    return home(n.module, next(a.name for a in n.names if (a.asname or a.name) == name), depth + 1)
+        return module
+
+    bad = []
+    for p in modules.values():
+        for n in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if not (isinstance(n, ast.ImportFrom) and n.level == 0 and n.module in modules):
+                continue
+            for a in n.names:
+                if a.name in defined[n.module] or f"{n.module}.{a.name}" in modules or n.module == "localllm.api":
+                    continue
+                origin = home(n.module, a.name)
+                if modules[n.module].name == "__init__.py" and origin.startswith(n.module + "."):
+                    continue
+                bad.append(f"{p.relative_to(ROOT)}:{n.lineno}: {a.name} from {n.module} (defined in {origin})")
+    assert not bad, "\n".join(bad)
+
+
+def test_faces_take_the_backend_contract_from_the_seam():
+    """The CLI, the server, the TUI and the remote client import the request and event types from
+    :mod:`localllm.api`, not from the engine (which they may still construct); no module but the seam keeps a
+    list of another's names (``noqa: F401`` re-exports)."""
+    import ast
+
+    faces = [p for face in ("cli", "server", "tui") for p in (ROOT / "localllm" / face).rglob("*.py")]
+    faces += [ROOT / "localllm" / "client.py", ROOT / "localllm" / "session.py"]
+    bad = [f"{p.relative_to(ROOT)}:{n.lineno}: {a.name}" for p in faces
+           for n in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+           if isinstance(n, ast.ImportFrom) and n.module == "localllm.engine" for a in n.names if a.name != "Engine"]
+    assert not bad, bad
+    reexports = [f"{p.relative_to(ROOT)}:{i}" for p in _modules().values() if p != ROOT / "localllm" / "api.py"
+                 for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+                 if "noqa: F401" in line and ("re-export" in line or "for the faces" in line)]
+    assert not reexports, reexports
+    assert "backends.base" not in _modules()
+
+
+def test_backends_is_one_contract_one_core_and_its_engines():
+    """``backends/`` at a glance: the contract, the serving core, one package per engine, and beside them only the
+    descriptors, the registry and the GGUF header reader (a new module goes into the package of its concern)."""
+    top = {p.name for p in (ROOT / "backends").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert top == {"__init__.py", "descriptor.py", "registry.py", "gguf_header.py", "contract", "core", "llamacpp",
+                   "mlx"}, sorted(top)

@@ -75,7 +75,7 @@ class LazyGroup(click.Group):
 
 
 def _backend_errors() -> tuple[type[BaseException], ...]:
-    mod = sys.modules.get("backends.errors")  # only loaded if a backend was used
+    mod = sys.modules.get("backends.contract.errors")  # only loaded if a backend was used
     return (mod.BackendError,) if mod else ()
 
 

@@ -3,7 +3,7 @@ the run settings (flags → engine options, checked in one sentence each), strea
 terminal (reasoning shown as Ollama shows it), Ollama's ``--verbose`` stats block, and getting a model
 that is not installed yet.
 
-    >>> from localllm.engine import Stats
+    >>> from localllm.api import Stats
     >>> settings = build_settings(temperature=0, think="high")
     >>> settings.sampling.temperature, settings.think
     (0, 'high')
@@ -34,9 +34,8 @@ from localllm.errors import LocalLLMError
 from localllm.hardware import BACKEND_CHOICES as BACKENDS  # "auto" and every registered backend, read live
 
 if TYPE_CHECKING:
-    from localllm.api import Installed, Models, Runner
-    from localllm.engine import Done, GenerateRequest, LoadOptions, Sampling, Stats
-    from localllm.thinking import ThinkValue
+    from localllm.api import Done, GenerateRequest, Installed, Models, Runner, Sampling, Stats, ThinkValue
+    from localllm.loader import LoadOptions
 
 
 
@@ -227,7 +226,7 @@ def stream_answer(
 
     >>> # answer = stream_answer(session.runner, "smollm2:135m", GenerateRequest(prompt="Hi"), out=sys.stdout)
     """
-    from localllm.engine import Done, TextChunk, ToolCalls
+    from localllm.api import Done, TextChunk, ToolCalls
 
     cancel = cancel or threading.Event()
     answer = Answer()
@@ -323,7 +322,7 @@ class RunSettings:
 
     def request(self, messages: list[dict[str, Any]]) -> GenerateRequest:
         """A chat request for ``messages`` with these settings (system prompt first, when set)."""
-        from localllm.engine import GenerateRequest
+        from localllm.api import GenerateRequest
 
         head = [{"role": "system", "content": self.system}] if self.system else []
         return GenerateRequest(messages=head + messages, sampling=replace(self.sampling), format=self.format,
@@ -375,7 +374,9 @@ def build_settings(
     >>> s.sampling.temperature, s.sampling.seed, s.load.kv_cache_type
     (0, 1, 'q8_0')
     """
-    from localllm.engine import KV_CACHE_TYPES, LoadOptions, Sampling, parse_keep_alive
+    from localllm.api import KV_CACHE_TYPES, Sampling
+    from localllm.loader import LoadOptions
+    from localllm.residency import parse_keep_alive
 
     if kv_cache is not None and kv_cache.lower() not in KV_CACHE_TYPES:
         raise LocalLLMError(f"Unknown KV cache type {kv_cache!r}: choose one of {', '.join(KV_CACHE_TYPES)}.")

@@ -36,7 +36,8 @@ import click
 from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
-    from localllm.engine import Done, GenerateRequest, LoadOptions
+    from localllm.api import Done, GenerateRequest
+    from localllm.loader import LoadOptions
     from localllm.local import LocalRunner
 
 _WORDS = (
@@ -121,7 +122,7 @@ class Variant:
 def _timed(runner: LocalRunner, name: str, request: GenerateRequest, options: LoadOptions
            ) -> tuple[Done, float | None]:
     """(Done, seconds to the first event) for one request."""
-    from localllm.engine import Done
+    from localllm.api import Done
 
     t0 = time.perf_counter()
     first = None
@@ -140,7 +141,8 @@ def run_variant(runner: LocalRunner, name: str, variant: Variant, *, pp: int, tg
                 num_ctx: int | None, num_thread: int | None, num_draft: int, backend: str,
                 tg_prompt: str = TG_PROMPT, progress: Callable[[Variant, int], None] | None = None) -> Variant:
     """Measure one variant in place (errors a user can cause end up in ``variant.error``)."""
-    from localllm.engine import BackendError, GenerateRequest, LoadOptions, Sampling
+    from localllm.api import BackendError, GenerateRequest, Sampling
+    from localllm.loader import LoadOptions
 
     options = LoadOptions(num_ctx=num_ctx, kv_cache_type=variant.kv_cache_type, backend=backend,
                           draft=variant.draft, num_draft=num_draft, num_thread=num_thread)
@@ -227,8 +229,9 @@ def command(model: str, pp: int, tg: int, repetitions: int, kv_cache: str | None
     """Benchmark MODEL: prompt processing and generation tokens/s, time to first token, per
     KV cache type and draft variant."""
     from localllm import config
-    from localllm.cli.answer import BACKENDS, ensure_model
-    from localllm.engine import KV_CACHE_TYPES
+    from localllm.api import KV_CACHE_TYPES
+    from localllm.cli.answer import ensure_model
+    from localllm.hardware import BACKEND_CHOICES as BACKENDS
 
     kvs = [k.lower() for k in _split_list(kv_cache)] or [config.kv_cache_type()]
     for k in kvs:

@@ -34,8 +34,8 @@ from localllm.errors import LocalLLMError
 )
 def command(model: str, force: bool, dtype: str) -> None:
     """Convert an installed GGUF model to MLX (offline, no download; Q4_0/Q4_1/Q8_0 stay as they are)."""
-    from localllm.formats import MLX, Weights  # MLX: the format's name (backends.descriptor's, re-exported)
-    from localllm.mlxmodels import ConversionProgress, convert_installed, mlx_dir_for
+    from localllm.formats import Weights
+    from localllm.mlxmodels import MLX_FORMAT, ConversionProgress, convert_installed, mlx_dir_for
     from localllm.store import Store
 
     store = Store()
@@ -54,7 +54,8 @@ def command(model: str, force: bool, dtype: str) -> None:
         finally:
             display.close()
     try:
-        store.set_weights(installed.name, MLX, Weights(MLX, path))  # the planner now sees an MLX build of it
+        mlx = MLX_FORMAT.name
+        store.set_weights(installed.name, mlx, Weights(mlx, path))  # the planner now sees an MLX build of it
     except LocalLLMError:
         pass  # a local .gguf path has no manifest: the MLX dir is found by its digest (mlx_dir_for)
     click.echo(str(path))

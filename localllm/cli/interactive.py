@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import IO, TYPE_CHECKING, Any
 
+from localllm.api import BackendError, Done
 from localllm.cli.answer import (
     RunSettings,
     ctrl_c_sets,
@@ -41,7 +42,6 @@ from localllm.cli.answer import (
     user_message,
 )
 from localllm.cli.display import isatty
-from localllm.engine import BackendError, Done
 from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:

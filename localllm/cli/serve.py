@@ -51,7 +51,8 @@ def command(address: str | None, keep_alive: str | None, backend: str | None, rp
     """Serve the Ollama and OpenAI APIs (streaming, several models, keep-alive)."""
     from localllm import config
     from localllm.cli.display import ConversionDisplay
-    from localllm.engine import Engine, parse_keep_alive
+    from localllm.engine import Engine
+    from localllm.residency import parse_keep_alive
     from localllm.server.run import serve
 
     config.check_settings()  # a bad LOCALLLM_* value: one sentence now, not an error on every request

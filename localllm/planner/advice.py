@@ -3,8 +3,9 @@ command of a GPU build of llama.cpp for the GPU this machine has)."""
 
 from __future__ import annotations
 
-from backends.descriptor import GGUF, LLAMA_CPP_VERSION, Backend
-from localllm.hardware import GPU, BackendStatus, HardwareInfo
+from backends.descriptor import GGUF, LLAMA_CPP_VERSION, Backend, BackendStatus
+from localllm.gpus import GPU
+from localllm.hardware import HardwareInfo
 from localllm.mlxmodels import MLXWeights
 from localllm.planner.estimation import _gb
 

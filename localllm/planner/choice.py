@@ -7,10 +7,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from backends import descriptor
-from backends.descriptor import GGUF, Backend
+from backends.descriptor import GGUF, Backend, BackendStatus
 from localllm.errors import PlanError
 from localllm.ggufinfo import GGUFInfo
-from localllm.hardware import BackendStatus, HardwareInfo
+from localllm.hardware import HardwareInfo, MiB
 from localllm.mlxmodels import MLXWeights
 from localllm.planner.advice import _device, _registry_device
 from localllm.planner.estimation import (
@@ -22,7 +22,6 @@ from localllm.planner.estimation import (
     MAX_PARALLEL,
     MIN_AUTO_CTX,
     MemoryEstimate,
-    MiB,
     _gb,
     memory_layout_reason,
     mtp_reason,

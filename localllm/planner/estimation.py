@@ -192,7 +192,8 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
 
 def rollback_bytes(info: GGUFInfo, slots: int, num_draft: int) -> int:
     """The rollback states a draft of ``num_draft`` tokens a step needs on ``info``'s recurrent/hybrid memory (any
-    draft: a draft model, n-gram, MTP; :mod:`backends.llamacpp` sets ``n_rs_seq = num_draft``, the most a step rolls
+    draft: a draft model, n-gram, MTP; :mod:`backends.llamacpp.source` sets ``n_rs_seq = num_draft``, the most a step
+    rolls
     back): llama.cpp keeps ``1 + n_rs_seq`` states of each sequence id (src/llama-memory-recurrent.cpp), ``n_rs_seq``
     more than a plain load, two sequence ids a slot; 0 without recurrent layers or without a draft.
 
@@ -223,14 +224,14 @@ def rollback_reason(info: GGUFInfo, slots: int, num_draft: int, kind: str = "") 
 def mtp_bytes(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, num_draft: int,
               flash_attn: bool = True) -> dict[str, int]:
     """What drafting ``num_draft`` tokens a step from ``info``'s own MTP layers adds to a llama.cpp load of
-    ``n_cells`` context cells (all slots), as :class:`backends.mtp.MtpDrafter` and llama.cpp allocate it:
+    ``n_cells`` context cells (all slots), as :class:`backends.llamacpp.mtp.MtpDrafter` and llama.cpp allocate it:
 
     * ``cache``: the MTP context's KV cache, as long as the target's (``kv_unified``), of the MTP layers only
       (llama.cpp filters the trunk's layers out of an MTP context, src/llama-model.cpp ``create_memory``);
     * ``rows``: the drafter's rings of the target's hidden rows, ``keep_rows`` × n_embd floats a sequence id it has
       drafted for (at most two a slot: a request may take any of the pool's);
     * ``compute``: the MTP context's compute buffer (its block and the output head over its batch, which is
-      small: :func:`backends.mtp.mtp_batch`) and its output buffer (a row of logits per sequence id).
+      small: :func:`backends.llamacpp.mtp.mtp_batch`) and its output buffer (a row of logits per sequence id).
 
     >>> from localllm.ggufinfo import GGUFInfo
     >>> q = GGUFInfo(path="", file_size=0, architecture="qwen35", name=None, n_layers=65, n_embd=5120, n_head=24,
@@ -242,7 +243,7 @@ def mtp_bytes(info: GGUFInfo, n_cells: int, kv_cache_type: str, slots: int, num_
 
     The target's rollback states on recurrent/hybrid memory are every draft's, not MTP's: :func:`rollback_bytes`.
     """
-    from backends.mtp import MtpDrafter, mtp_batch
+    from backends.llamacpp.mtp import MtpDrafter, mtp_batch
 
     ids = 2 * max(slots, 1)  # localllm gives llama.cpp two sequence ids a slot
     cache = int(info.mtp_layers * info.kv_bytes_per_layer_token(kv_cache_type) * n_cells)
@@ -275,10 +276,10 @@ def moe_cpu_compute(info: GGUFInfo, n_ctx: int) -> int:
 
 
 def checkpoint_bytes(info: GGUFInfo, n_ctx: int, kv_cache_type: str, slots: int) -> int:
-    """Host memory the checkpoints of a windowed or recurrent model may take at most (``backends.kvpool``'s
-    :class:`~backends.kvseq.CheckpointPolicy`: per slot, 16 checkpoints of one sequence's recurrent state and
+    """Host memory the checkpoints of a windowed or recurrent model may take at most (``backends.core.kvpool``'s
+    :class:`~backends.core.kvseq.CheckpointPolicy`: per slot, 16 checkpoints of one sequence's recurrent state and
     window, within 256 MiB); 0 for a plain transformer. ``n_ctx``: all slots' cells."""
-    from backends.kvseq import CheckpointPolicy
+    from backends.core.kvseq import CheckpointPolicy
 
     pol = CheckpointPolicy()
     swa = info.swa_layers if info.sliding_window else 0

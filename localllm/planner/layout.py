@@ -207,7 +207,7 @@ class _Planner:
                             num_draft=self.num_draft)
 
         def draft_est(ngl: int) -> MemoryEstimate:
-            assert self.draft is not None  # one slot of context, two sequence ids (backends.drafting.setup_draft)
+            assert self.draft is not None  # one slot of context, two sequence ids (backends.core.drafting.setup_draft)
             m = estimate(self.draft, n_ctx // max(slots, 1), self.kv, ngl, flash_attn=fa, device=device,
                          n_gpus=n_gpus, slots=1, swa_full=self.swa_full)
             m.overhead -= HOST_OVERHEAD  # one process

@@ -33,7 +33,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from localllm.engine import ContextOverflowError, Done, GenerateRequest, Stats, TextChunk, ToolCalls
+from localllm.api import ContextOverflowError, Done, GenerateRequest, Stats, TextChunk, ThinkValue, ToolCalls
 from localllm.server import generation as g
 from localllm.server.agent_tools import anthropic_tools
 from localllm.server.checks import check_format, check_tools, forced_tools
@@ -44,7 +44,6 @@ from localllm.server.options import api_options, keep_alive_of
 from localllm.server.protocol import engine_of, run_sync
 from localllm.server.schemas import AnthropicBody, AnthropicCountBody
 from localllm.server.translator import Translator
-from localllm.thinking import ThinkValue
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger("localllm.server")

@@ -120,7 +120,7 @@ def create_app(engine: ServerEngine | None = None, *, bound_host: str | None = N
         status, message = status_of(exc)
         return error_response(request, status, message)
 
-    from localllm.engine import BackendError
+    from localllm.api import BackendError
     from localllm.errors import LocalLLMError
 
     app.add_exception_handler(LocalLLMError, _known)

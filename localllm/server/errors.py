@@ -45,15 +45,9 @@ def scrub(message: str) -> str:
 
 def status_of(e: BaseException) -> tuple[int, str]:
     """An exception from the engine / store → (HTTP status, safe one-line message)."""
-    from localllm.engine import (
-        BackendError,
-        ContextOverflowError,
-        InputTooLargeError,
-        RequestCancelled,
-        ServerBusyError,
-        UnsupportedError,
-    )
+    from localllm.api import BackendError, ContextOverflowError, InputTooLargeError, RequestCancelled, UnsupportedError
     from localllm.errors import InvalidModelFileError, ModelNotFoundError, PlanError, PullError
+    from localllm.residency import ServerBusyError
 
     if isinstance(e, APIError):
         return e.status, scrub(e.message)

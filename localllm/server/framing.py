@@ -8,7 +8,7 @@ import secrets
 from datetime import UTC, datetime
 from typing import Any
 
-from localllm.engine import TokenLogprob
+from localllm.api import TokenLogprob
 
 NDJSON = "application/x-ndjson"
 SSE = "text/event-stream"

@@ -33,17 +33,9 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from localllm.engine import (
-    Done,
-    Event,
-    GenerateRequest,
-    LoadOptions,
-    Pooled,
-    Resident,
-    TextChunk,
-    TokenLogprob,
-    ToolCalls,
-)
+from localllm.api import Done, Event, GenerateRequest, Pooled, TextChunk, TokenLogprob, ToolCalls
+from localllm.loader import LoadOptions
+from localllm.residency import Resident
 from localllm.server.checks import check_name
 from localllm.server.errors import APIError, bad_request, status_of
 from localllm.server.modelinfo import capabilities, info_of
@@ -302,7 +294,7 @@ def shorten(model: str, found: InstalledModel, vectors: list[list[float]], dimen
     """Matryoshka truncation to ``dimensions``, renormalised, for a model whose catalog entry lists the sizes it was
     trained for (``matryoshka``); a smaller ``dimensions`` for any other model is a 400 (its shortened vectors would
     be noise). A ``dimensions`` at or above the width gives the vectors unchanged."""
-    from localllm.engine import shorten_vectors
+    from localllm.api import shorten_vectors
 
     if not dimensions or not vectors or dimensions >= len(vectors[0]):
         return vectors

@@ -37,7 +37,7 @@ from prometheus_client.registry import Collector
 from localllm.local import device_use
 
 if TYPE_CHECKING:
-    from localllm.engine import Stats
+    from localllm.api import Stats
     from localllm.server.protocol import ServerEngine
 
 disable_created_metrics()  # no *_created series: they double the output and no dashboard reads them

@@ -14,11 +14,11 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from localllm.api import drafting_text
-from localllm.engine import Done, GenerateRequest, Resident, Stats, TextChunk, ToolCalls
+from localllm.api import Done, GenerateRequest, Stats, TextChunk, ToolCalls, drafting_text
 from localllm.errors import InvalidModelFileError, LocalLLMError
 from localllm.local import device_use, modelfile_of
 from localllm.modelfile import ROLES, Modelfile, ModelfileError, check_parameters, check_template
+from localllm.residency import Resident
 from localllm.server import generation as g
 from localllm.server.checks import check_digest, check_format, check_name, check_ref, check_tools
 from localllm.server.errors import bad_request, status_of

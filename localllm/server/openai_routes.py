@@ -23,17 +23,17 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from localllm.engine import (
+from localllm.api import (
     ContextOverflowError,
     Done,
     GenerateRequest,
-    LoadOptions,
     Sampling,
     Stats,
     TextChunk,
     TokenLogprob,
     ToolCalls,
 )
+from localllm.loader import LoadOptions
 from localllm.server import generation as g
 from localllm.server.audio import from_input_audio
 from localllm.server.checks import check_format, check_tools, forced_tools

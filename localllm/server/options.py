@@ -1,5 +1,5 @@
 """Request fields → engine options: Ollama's ``options`` and the OpenAI/Anthropic sampling fields (→
-:class:`~localllm.engine.Sampling` and :class:`~localllm.engine.LoadOptions`), ``keep_alive``, ``think`` and
+:class:`~localllm.api.Sampling` and :class:`~localllm.loader.LoadOptions`), ``keep_alive``, ``think`` and
 ``reasoning_effort`` (→ a :data:`~localllm.thinking.ThinkValue`), ``logit_bias`` and ``top_logprobs``. A wrong
 type or an impossible value is a 400 with one sentence (:func:`~localllm.server.errors.bad_request`)."""
 
@@ -9,10 +9,12 @@ import json
 import logging
 from typing import Any
 
-from localllm.engine import MAX_TOP_LOGPROBS, LoadOptions, Sampling, parse_keep_alive
+from localllm.api import MAX_TOP_LOGPROBS, Sampling, ThinkValue
 from localllm.errors import LocalLLMError
+from localllm.loader import LoadOptions
+from localllm.residency import parse_keep_alive
 from localllm.server.errors import bad_request
-from localllm.thinking import ThinkValue, parse_think
+from localllm.thinking import parse_think
 
 log = logging.getLogger("localllm.server")
 

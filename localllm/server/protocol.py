@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 from fastapi import Request
 
 if TYPE_CHECKING:
-    from localllm.engine import Event, GenerateRequest, LoadOptions, Pooled, Resident, Stats
+    from localllm.api import Event, GenerateRequest, Pooled, Stats
+    from localllm.loader import LoadOptions
+    from localllm.residency import Resident
     from localllm.store import InstalledModel, Store
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ context is cut and its result says ``"truncated": true``; false makes it a 400),
 Results are sorted by ``relevance_score`` (the rank head's raw output, as llama-server gives it), best first,
 each with the ``index`` of its document. Errors leave in OpenAI's shape under ``/v1`` and at llama-server's own
 paths (``/rerank``, ``/reranking``), in Ollama's under ``/api``. The documents are scored in batches on the
-model's decode loop (:mod:`backends.pooling`).
+model's decode loop (:mod:`backends.core.pooling`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
-from localllm.engine import Pooled
+from localllm.api import Pooled
 from localllm.server import generation as g
 from localllm.server import ollama_routes, openai_routes
 from localllm.server.errors import bad_request

@@ -38,7 +38,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from localllm.engine import Done, GenerateRequest, Stats, TextChunk, TokenLogprob, ToolCalls
+from localllm.api import Done, GenerateRequest, Stats, TextChunk, TokenLogprob, ToolCalls
 from localllm.server import generation as g
 from localllm.server.agent_tools import CUSTOM_ARG, ToolNames, responses_tools
 from localllm.server.audio import from_input_audio

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from localllm import audio as core
-from localllm.engine import GenerateRequest
+from localllm.api import GenerateRequest
 from localllm.server import generation as g
 from localllm.server.audio import sent_audio
 from localllm.server.errors import bad_request

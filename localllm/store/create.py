@@ -206,8 +206,8 @@ class Creating(Pulling):
     def _quantize(self, data: dict[str, Any], type_name: str, requantize: bool, rep: _Reporter,
                   what: str) -> dict[str, Any]:
         """The manifest fields of ``data``'s weights quantized to ``type_name`` (a new blob)."""
-        from backends.base import BackendError
-        from backends.quantize import canonical_type, planned_size, quantize
+        from backends.contract.errors import BackendError
+        from backends.llamacpp.quantize import canonical_type, planned_size, quantize
         from localllm.download import check_free_space, sha256_file
 
         try:

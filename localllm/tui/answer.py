@@ -28,11 +28,11 @@ if TYPE_CHECKING:
     from textual.notifications import SeverityLevel
     from textual.widgets.markdown import MarkdownStream
 
-    from localllm.engine import Done, GenerateRequest, LoadOptions, Stats
+    from localllm.api import Done, GenerateRequest, Stats, ThinkValue
+    from localllm.loader import LoadOptions
     from localllm.mcp.host import ServerStatus
     from localllm.mcp.loop import ToolCall, ToolChat, ToolTurn
     from localllm.session import Session
-    from localllm.thinking import ThinkValue
 
     from .host import AppHost
 
@@ -93,7 +93,8 @@ THINK: dict[str, ThinkValue] = {"on": True, "off": False, "low": "low", "medium"
 
 def request_from(messages: list[dict[str, Any]], params: dict[str, Any]) -> tuple[GenerateRequest, LoadOptions]:
     """A conversation's messages and parameters (the settings modal's) → the runner's request and load options."""
-    from localllm.engine import GenerateRequest, LoadOptions, Sampling
+    from localllm.api import GenerateRequest, Sampling
+    from localllm.loader import LoadOptions
 
     sampling = Sampling(given=frozenset())  # what the settings modal sets wins over a created model's PARAMETERs
     for key in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
@@ -183,7 +184,7 @@ class AnswerStreamer:
 
     async def _round(self, session: Session, request: GenerateRequest, options: LoadOptions) -> list[dict[str, Any]]:
         """One generation streamed into the view; the tool calls it asked for."""
-        from localllm.engine import Done, TextChunk, ToolCalls
+        from localllm.api import Done, TextChunk, ToolCalls
 
         answer, info, view = self.answer, self.info, self.view
         parts: list[str] = []
@@ -346,7 +347,7 @@ def info_from_saved(stats: dict[str, Any] | None) -> AnswerInfo | None:
     """
     if not stats or not stats.get("eval_count"):
         return None
-    from localllm.engine import Stats
+    from localllm.api import Stats
 
     tps = float(stats.get("tokens_per_s") or 0)
     count = int(stats["eval_count"])

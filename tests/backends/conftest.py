@@ -1,7 +1,7 @@
 """Backend fixtures: a factory keyed by backend name, and derived variants of the default model.
 
 ``backend_factory(name, **spec)`` loads the default model in that backend's format (``MODEL_FIXTURE``)
-with ``LoadSpec(**spec)`` (n_ctx defaults to 2048) on its own decode loop (:class:`backends.loop.LoadedModel`)
+with ``LoadSpec(**spec)`` (n_ctx defaults to 2048) on its own decode loop (:class:`backends.core.loop.LoadedModel`)
 and caches it for the session, so tests that use the same spec share one load. ``backend`` is parametrized
 over ``BACKENDS``: adding a backend to the
 behavioural tests is one line in each of the two tables below.
@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from backends.loop import LoadedModel
+from backends.contract.specs import LoadSpec
+from backends.core.loop import LoadedModel
 from backends.registry import available, load
-from backends.specs import LoadSpec
 
 BACKENDS = ["llamacpp", "mlx"]  # the backends the behavioural tests run on
 # fixture giving the default model in each backend's format
@@ -110,7 +110,7 @@ def derive_gguf(src: Path, dst: Path, ftype: str) -> Path:
     """Requantize ``src`` into ``dst`` with llama.cpp's quantizer (``ftype``: f32 | f16 | q8_0 | q4_0). Atomic."""
     import llama_cpp
 
-    from backends.llamacpp_log import install_log_router
+    from backends.llamacpp._log import install_log_router
 
     install_log_router()  # the quantizer logs every tensor; keep it in logging, not on stdout
     ftypes = {"f32": llama_cpp.LLAMA_FTYPE_ALL_F32, "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
@@ -147,7 +147,7 @@ def derived_model(default_model_path: Path) -> Callable[[str], Path]:
 
 def collect(events: Any) -> tuple[str, Any, list[Any]]:
     """(joined text, the Done event, all events) of one generation."""
-    from backends.events import Done, TextChunk
+    from backends.contract.events import Done, TextChunk
 
     evs = list(events)
     text = "".join(e.text for e in evs if isinstance(e, TextChunk))

@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from backends.errors import UnsupportedError
+from backends.contract.errors import UnsupportedError
+from backends.contract.specs import GenerateRequest, LoadSpec, Sampling
 from backends.registry import load
-from backends.specs import GenerateRequest, LoadSpec, Sampling
 from tests.backends.conftest import collect
 from tests.support_audio import AUDIO_TOKENS, wav
 from tests.support_vision import png
@@ -131,8 +131,8 @@ def test_an_audio_stream_batched_with_text_streams_leaves_theirs_as_solo(derived
 CHILD = """
 import json, sys
 sys.path.insert(0, {root!r})
-from backends.specs import GenerateRequest, LoadSpec, Sampling
-from backends.prompt_cache import PromptCacheSpec
+from backends.contract.specs import GenerateRequest, LoadSpec, Sampling
+from backends.core.prompt_cache import PromptCacheSpec
 from backends.registry import load
 from tests.backends.conftest import collect
 from tests.support_audio import wav
@@ -212,7 +212,7 @@ def test_a_prompt_with_clips_is_tokenized_piecewise_as_mtmd_does_it_whole(alm):
 
 
 def test_audio_tokens_count_toward_the_context_fit(default_model_path, audio_projector):
-    from backends.errors import ContextOverflowError
+    from backends.contract.errors import ContextOverflowError
 
     with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=64, slots=1, mmproj=str(audio_projector))) as m:
         with pytest.raises(ContextOverflowError, match="context holds 64"):

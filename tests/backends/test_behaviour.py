@@ -11,9 +11,9 @@ import threading
 
 import pytest
 
-from backends.errors import BackendError, ContextOverflowError, ModelLoadError, UnsupportedError
-from backends.events import Done, TextChunk
-from backends.specs import GenerateRequest, LoadSpec, Sampling
+from backends.contract.errors import BackendError, ContextOverflowError, ModelLoadError, UnsupportedError
+from backends.contract.events import Done, TextChunk
+from backends.contract.specs import GenerateRequest, LoadSpec, Sampling
 from tests.backends.conftest import collect
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from backends.kvpool import KVPool
-from backends.source import Capabilities, Checkpoints, SequenceStates
-from backends.specs import LoadSpec
+from backends.contract.source import Capabilities, Checkpoints, SequenceStates
+from backends.contract.specs import LoadSpec
+from backends.core.kvpool import KVPool
 from tests.fakes import FakeSource
 
 
@@ -63,7 +63,7 @@ def test_a_llamacpp_load_names_what_it_has(backend_factory: Any):
 def test_tokenizing_images_on_a_load_without_media_is_one_sentence():
     import pytest
 
-    from backends.errors import UnsupportedError
+    from backends.contract.errors import UnsupportedError
     from backends.registry import load
 
     with load(FakeSource, LoadSpec("x.gguf")) as m:

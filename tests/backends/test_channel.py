@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from backends.channel import Channel
+from backends.core.channel import Channel
 
 
 def _produce(ch: Channel[int], n: int, pause: float = 0.0, delay: float = 0.0) -> threading.Thread:

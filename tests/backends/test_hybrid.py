@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from backends.prompt_cache import PromptCacheSpec
+from backends.contract.specs import GenerateRequest, LoadSpec, Sampling, Tuning
+from backends.core.prompt_cache import PromptCacheSpec
 from backends.registry import load
-from backends.specs import GenerateRequest, LoadSpec, Sampling, Tuning
 from tests.backends.conftest import collect
 from tests.support_memory import LOG_STEP
 
@@ -147,8 +147,8 @@ def test_a_restarted_process_restores_the_prompt_from_the_disk_cache(hybrid, mad
 CHILD = """
 import json, sys
 sys.path.insert(0, {root!r})
-from backends.specs import LoadSpec
-from backends.prompt_cache import PromptCacheSpec
+from backends.contract.specs import LoadSpec
+from backends.core.prompt_cache import PromptCacheSpec
 from backends.registry import load
 from tests.backends.conftest import collect
 from tests.backends.test_hybrid import TURNS, chat
@@ -239,8 +239,8 @@ def test_a_cache_entry_of_another_model_is_refused_and_the_prompt_evaluated_cold
 def test_a_restored_checkpoint_gives_the_cold_logits(made):
     import numpy as np
 
-    from backends.llamacpp import LlamaCppSource
-    from backends.source import Feed
+    from backends.contract.source import Feed
+    from backends.llamacpp.source import LlamaCppSource
 
     src = LlamaCppSource(LoadSpec(str(made), n_ctx=1024, slots=2))
     try:
@@ -273,7 +273,7 @@ def test_a_restored_checkpoint_gives_the_cold_logits(made):
 
 
 def test_sliding_window_layers_keep_their_window_unless_swa_full_is_asked_for(swa_model):
-    from backends.llamacpp import LlamaCppSource
+    from backends.llamacpp.source import LlamaCppSource
 
     sizes = {}
     for full in (False, True):
@@ -293,7 +293,7 @@ def test_sliding_window_layers_keep_their_window_unless_swa_full_is_asked_for(sw
 def test_the_planner_counts_the_memory_llama_cpp_allocates(made, n_ctx, slots):
     """Windowed layers at the window (+ a batch) per sequence id, recurrent states per sequence id: the planner's
     KV figure is what llama.cpp says it allocated (its two KV / RS buffer lines), to the log's resolution."""
-    from backends.llamacpp import LlamaCppSource
+    from backends.llamacpp.source import LlamaCppSource
     from localllm.ggufinfo import read_gguf
     from localllm.planner import estimate
 
@@ -316,7 +316,7 @@ def test_the_planner_counts_the_memory_llama_cpp_allocates(made, n_ctx, slots):
 def test_the_planner_counts_gemma3_270m_as_llama_cpp_allocates(gemma_model):
     """15 of its 18 layers have a 512-token window: at a 32k context llama.cpp allocates ~6x less than a full
     cache, and the planner says the same (probe's "memory layout" line)."""
-    from backends.llamacpp import LlamaCppSource
+    from backends.llamacpp.source import LlamaCppSource
     from localllm.ggufinfo import info_of
     from localllm.planner import estimate
 
@@ -356,7 +356,7 @@ def test_concurrent_conversations_with_one_system_prompt_equal_their_solo_answer
 
 
 def _plain_and_drafted(path: Path, draft, messages: list[dict[str, str]], n: int = 48):
-    from backends.specs import GenerateRequest, Sampling
+    from backends.contract.specs import GenerateRequest, Sampling
 
     req = GenerateRequest(messages=messages, sampling=Sampling(temperature=0.0, max_tokens=n))
     plain = load("llamacpp", LoadSpec(str(path), n_ctx=1024, slots=1))
@@ -376,7 +376,7 @@ def _plain_and_drafted(path: Path, draft, messages: list[dict[str, str]], n: int
 def test_prompt_lookup_drafts_on_a_hybrid_target_give_the_plain_output(tied_hybrid_model):
     """Drafts accepted whole, in part and not at all are rolled back by llama.cpp's recurrent rollback states
     (a cut inside the last decode): temperature 0 on F32 gives the plain tokens."""
-    from backends.specs import DraftSpec
+    from backends.contract.specs import DraftSpec
 
     a, b, s = _plain_and_drafted(tied_hybrid_model, DraftSpec("ngram", num_draft=8),
                                  [{"role": "user", "content": "x\n\n\n\n\n\n\n mid"}])
@@ -385,7 +385,7 @@ def test_prompt_lookup_drafts_on_a_hybrid_target_give_the_plain_output(tied_hybr
 
 
 def test_a_draft_model_on_a_hybrid_target_gives_the_plain_output(hybrid_model, swa_model):
-    from backends.specs import DraftSpec
+    from backends.contract.specs import DraftSpec
 
     a, b, s = _plain_and_drafted(hybrid_model, DraftSpec("model", path=str(swa_model), num_draft=4),
                                  [{"role": "user", "content": TURNS[0]}], n=24)
@@ -396,7 +396,7 @@ def test_a_draft_model_on_a_hybrid_target_gives_the_plain_output(hybrid_model, s
 def test_a_draft_model_on_the_moe_target_gives_the_plain_output(moe_model, drafter, request):
     """The made ``gpt-oss`` (experts, a window on every other layer) drafted by another random model (every draft
     rejected: the windowed cells rolled back) and by itself (drafts accepted)."""
-    from backends.specs import DraftSpec
+    from backends.contract.specs import DraftSpec
 
     draft = request.getfixturevalue(drafter)
     a, b, s = _plain_and_drafted(moe_model, DraftSpec("model", path=str(draft), num_draft=4),
@@ -439,7 +439,7 @@ def test_checkpoints_stay_within_16_a_sequence_and_the_bytes_a_slot(hybrid_model
     with a budget of 10 checkpoints a slot: the same code."""
     from dataclasses import replace
 
-    from backends.kvseq import CheckpointPolicy
+    from backends.core.kvseq import CheckpointPolicy
 
     policy = CheckpointPolicy()
     assert (policy.per_seq, policy.bytes_per_slot, policy.every) == (16, 256 << 20, 1024)  # the README's figures
@@ -476,7 +476,7 @@ def test_checkpoints_stay_within_16_a_sequence_and_the_bytes_a_slot(hybrid_model
 def test_a_checkpoint_before_an_image_gives_back_the_text_before_a_changed_image(hybrid_model, test_cache):
     """A prompt that diverges at an image (the same text, another picture) restores the checkpoint taken where the
     image starts and evaluates only the image and what follows, answering as cold."""
-    from backends.media import IMAGE_MARKER
+    from backends.contract.media import IMAGE_MARKER
     from tests.support_vision import IMAGE_TOKENS, make_projector, png
 
     proj = make_projector(test_cache / "vision" / "mmproj-hybrid-test-f32.gguf", n_embd=128)  # the hybrid's width

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from backends.kvpool import JOIN_MIN, PARK_ALONE, KVPool
-from backends.kvseq import Seq
-from backends.prompt_cache import PromptCache
-from backends.source import Feed, ModelInfo, TokenSource
-from backends.specs import LoadSpec, Sampling
+from backends.contract.source import Feed, ModelInfo, TokenSource
+from backends.contract.specs import LoadSpec, Sampling
+from backends.core.kvpool import JOIN_MIN, PARK_ALONE, KVPool
+from backends.core.kvseq import Seq
+from backends.core.prompt_cache import PromptCache
 
 TEXT = ("The lighthouse keeper climbed the stairs every evening, counted the ships on the horizon and wrote "
         "their names in a book that nobody read. ")
@@ -28,7 +28,7 @@ TEXT = ("The lighthouse keeper climbed the stairs every evening, counted the shi
 
 @pytest.fixture(scope="module")
 def source(derived_model):
-    from backends.llamacpp import LlamaCppSource
+    from backends.llamacpp.source import LlamaCppSource
 
     src = LlamaCppSource(LoadSpec(str(derived_model("f32")), n_ctx=1024, slots=2))
     yield src

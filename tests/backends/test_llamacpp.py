@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from backends._speculative import SpecController
-from backends._stops import StopMatcher, Utf8Stream, parse_tool_calls
-from backends.drafting import NgramDrafter, vocab_problem
-from backends.errors import ModelLoadError, UnsupportedError
-from backends.llamacpp import LlamaCppSource, kv_type_problem, physical_cores
+from backends.contract.errors import ModelLoadError, UnsupportedError
+from backends.contract.specs import DraftSpec, GenerateRequest, LoadSpec, Sampling
+from backends.core._speculative import SpecController
+from backends.core._stops import StopMatcher, Utf8Stream, parse_tool_calls
+from backends.core.drafting import NgramDrafter, vocab_problem
+from backends.core.stream import RequestStream
+from backends.llamacpp.checks import kv_type_problem, physical_cores
+from backends.llamacpp.source import LlamaCppSource
 from backends.registry import load
-from backends.specs import DraftSpec, GenerateRequest, LoadSpec, Sampling
-from backends.stream import RequestStream
 from tests.backends.conftest import collect
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}]
@@ -115,7 +116,7 @@ def test_repeated_request_reuses_the_whole_prompt_and_reproduces_its_text(backen
     third, d3, _ = collect(b.generate(req))  # ...went to another sequence of the pool: this one kept its KV
     assert d3.stats.prompt_cached_tokens == d3.stats.prompt_eval_count
     # the new tokens' cells may now lie in another order in the shared pool, so the attention sums can differ
-    # in the last bits (see backends/loop.py, "Determinism"): the start agrees, identity is not promised
+    # in the last bits (see backends/core/loop.py, "Determinism"): the start agrees, identity is not promised
     assert third[:30] == first[:30]
 
 
@@ -148,7 +149,7 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "description
 
 
 def test_tool_calls_are_parsed_into_an_event(backend_factory):
-    from backends.events import TextChunk, ToolCalls
+    from backends.contract.events import TextChunk, ToolCalls
 
     b = backend_factory("llamacpp", chat_template=TOOLS_TEMPLATE)
     assert b.call(lambda s: s.supports_tools())
@@ -318,7 +319,7 @@ def test_penalties_match_llama_cpp_penalties_sampler(repeat, freq, presence, las
     import numpy as np
     from llama_cpp import _internals as internals
 
-    from backends.llamacpp_sampling import Penalties
+    from backends.llamacpp.sampling import Penalties
 
     n_vocab = 49152
     rng = np.random.default_rng(7)
@@ -365,7 +366,7 @@ def test_sampler_draws_what_llama_cpp_draws_from_the_whole_row(default_model_pat
     import numpy as np
     from llama_cpp import _internals as internals
 
-    from backends.source import Feed
+    from backends.contract.source import Feed
 
     s = SAMPLINGS[name]
     src = LlamaCppSource(LoadSpec(model_path=str(default_model_path), n_ctx=256))

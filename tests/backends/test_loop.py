@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from backends.errors import BackendError
-from backends.events import TextChunk
-from backends.prompt_cache import PromptCacheSpec
+from backends.contract.errors import BackendError
+from backends.contract.events import TextChunk
+from backends.contract.specs import GenerateRequest, LoadSpec, Sampling, Tuning
+from backends.core.prompt_cache import PromptCacheSpec
 from backends.registry import load
-from backends.specs import GenerateRequest, LoadSpec, Sampling, Tuning
 from tests.backends.conftest import collect
 from tests.fakes import fake
 

@@ -15,19 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import (
-    DraftSpec,
-    Feed,
-    GenerateRequest,
-    LoadSpec,
-    ModelLoadError,
-    Sampling,
-    UnsupportedError,
-)
-from backends.mlx import MLXSource
-from backends.prompt_cache import PromptCacheSpec
+from backends.contract.errors import ModelLoadError, UnsupportedError
+from backends.contract.source import Feed
+from backends.contract.specs import DraftSpec, GenerateRequest, LoadSpec, Sampling, Tuning
+from backends.core.prompt_cache import PromptCacheSpec
+from backends.mlx.source import MLXSource
 from backends.registry import load
-from backends.specs import Tuning
 from tests.backends.conftest import collect
 
 
@@ -86,7 +79,7 @@ def test_converted_dir_is_a_mixed_4_8_bit_mlx_model(mlx_dir: Path):
 def test_unpermute_inverts_llama_cpp_rope_permutation():
     import mlx.core as mx
 
-    from backends.mlx_convert import _unpermute
+    from backends.mlx.convert import _unpermute
 
     def permute(w, n):  # convert_hf_to_gguf.py's permute
         return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -116,7 +109,7 @@ def test_every_tokens_bytes_match_the_byte_level_decoder(plain):
     nothing."""
     from mlx_lm.tokenizer_utils import _byte_decoder
 
-    from backends.mlx_json import JSONConstraint
+    from backends.mlx._json import JSONConstraint
 
     hf = plain.source._tok._tokenizer
     dec = _byte_decoder()
@@ -178,7 +171,7 @@ def test_schema_keywords_outside_the_subset_are_refused_not_ignored(plain):
 
 
 def test_schema_automaton_accepts_valid_documents_and_refuses_the_rest():
-    from backends.mlx_json import compile_schema
+    from backends.mlx._json import compile_schema
 
     s = compile_schema({"type": "object", "properties": {
         "city": {"type": "string", "minLength": 1, "maxLength": 5}, "pop": {"type": "integer"},
@@ -199,7 +192,7 @@ def test_schema_automaton_accepts_valid_documents_and_refuses_the_rest():
 
 
 def test_json_automaton_accepts_json_and_refuses_the_rest():
-    from backends.mlx_json import JSONState
+    from backends.mlx._json import JSONState
 
     good = [b'{}', b'{"a":1}', b'{"a": [1, 2.5, -0.1e-3, true, false, null, {"b": "\\u00e9\\""}]}', b'{ }']
     for g in good:
@@ -409,11 +402,11 @@ def test_draft_with_another_vocabulary_is_refused(mlx_dir: Path, tmp_path: Path)
 def test_controller_doctests():
     import doctest
 
-    import backends.mlx
-    import backends.mlx_json
+    import backends.mlx._json
+    import backends.mlx.source
 
-    assert doctest.testmod(backends.mlx).failed == 0
-    assert doctest.testmod(backends.mlx_json).failed == 0
+    assert doctest.testmod(backends.mlx.source).failed == 0
+    assert doctest.testmod(backends.mlx._json).failed == 0
 
 
 def test_available_reports_importable():
@@ -486,8 +479,8 @@ ASK = " ".join(f"Rule {i}: cite rule {i}." for i in range(2)) + " Rule 1 says:"
 CHILD = """
 import json, sys
 sys.path.insert(0, {root!r})
-from backends.base import GenerateRequest, LoadSpec
-from backends.prompt_cache import PromptCacheSpec
+from backends.contract.specs import GenerateRequest, LoadSpec
+from backends.core.prompt_cache import PromptCacheSpec
 from backends.registry import load
 from tests.backends.conftest import collect
 from tests.backends.test_mlx import ASK, greedy
@@ -546,7 +539,7 @@ def _reshaped(state: bytes, change) -> bytes:
 
 
 def test_a_state_that_does_not_fit_the_model_is_refused_and_removed(mlx_dir: Path, tmp_path: Path, caplog):
-    from backends.prompt_cache import PromptCache
+    from backends.core.prompt_cache import PromptCache
 
     with _mlx_cached(mlx_dir, tmp_path) as m:
         ref, _, _ = collect(m.generate(GenerateRequest(prompt=ASK, sampling=greedy(4))))

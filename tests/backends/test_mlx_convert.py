@@ -1,4 +1,4 @@
-"""GGUF → MLX conversion (``backends.mlx_convert``), checked against llama.cpp on real weights, with mlx[cpu].
+"""GGUF → MLX conversion (``backends.mlx.convert``), checked against llama.cpp on real weights, with mlx[cpu].
 
 * exactness: the default model's Q4_1/Q8_0 blocks are repacked bit for bit (equal to mlx's own GGUF
   reader); its F32 variant gives llama.cpp's F32 greedy tokens for 40 tokens; gemma3:270m (Q4_K_M,
@@ -32,12 +32,13 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from backends import mlx_convert
-from backends.base import GenerateRequest, LoadSpec, ModelLoadError, Sampling, UnsupportedError
-from backends.llamacpp import physical_cores
-from backends.mlx_convert import convert_gguf, inspect_gguf
-from backends.mlx_gguf import GGUFFile
-from backends.mlx_tokenizer import write_tokenizer
+from backends.contract.errors import ModelLoadError, UnsupportedError
+from backends.contract.specs import GenerateRequest, LoadSpec, Sampling
+from backends.llamacpp.checks import physical_cores
+from backends.mlx import convert as mlx_convert
+from backends.mlx._gguf import GGUFFile
+from backends.mlx._tokenizer import write_tokenizer
+from backends.mlx.convert import convert_gguf, inspect_gguf
 from tests.backends import gguf_rewrite
 from tests.backends.conftest import TEST_CACHE, _file_key, collect, derive_gguf
 
@@ -452,7 +453,7 @@ def test_sigkill_mid_conversion_leaves_nothing_registered_and_the_next_run_conve
         import sys, time
         from types import SimpleNamespace
         from pathlib import Path
-        import backends.mlx_convert as mc
+        import backends.mlx.convert as mc
         real = mc.convert_gguf
         def slow(src, out, **kw):
             def progress(done, total):

@@ -1,4 +1,5 @@
-"""Drafting from a model's own multi-token-prediction (MTP) layers (``backends/mtp.py``), on made Qwen3.5 hybrids
+"""Drafting from a model's own multi-token-prediction (MTP) layers (``backends/llamacpp/mtp.py``), on made Qwen3.5
+hybrids
 with an MTP block (``tests/made_qwen35.py``, F32):
 
 * ``echo``: the MTP block proposes the token it reads and the trunk (output tied to the embedding) tends to repeat
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import Done, DraftSpec, GenerateRequest, LoadSpec, Sampling, TextChunk, Tuning, UnsupportedError
-from backends.llamacpp import LlamaCppSource
-from backends.loop import LoadedModel
+from backends.contract.errors import UnsupportedError
+from backends.contract.events import Done, TextChunk
+from backends.contract.specs import DraftSpec, GenerateRequest, LoadSpec, Sampling, Tuning
+from backends.core.loop import LoadedModel
+from backends.llamacpp.source import LlamaCppSource
 from tests.made_qwen35 import write_qwen35
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3, 4,"]
@@ -194,7 +197,7 @@ def test_a_paused_mtp_drafter_rests_and_drafts_across_the_gap(made):
     """While drafting is paused, the MTP drafter observes nothing (the target stops producing its hidden rows)
     until ``lead`` tokens before the next probe; that probe drafts across the gap (its drafts accepted: the MTP
     cache is consistent), and the answer is the plain one."""
-    from backends._speculative import SpecController
+    from backends.core._speculative import SpecController
 
     n = 400
     with load(made["echo"], draft=False) as m:

@@ -39,7 +39,8 @@ def test_llama_cpp_and_our_reader_see_the_mtp_block(made):
 
 
 def test_the_mtp_build_decodes_like_the_plain_one(made, backend_factory):
-    from backends.base import GenerateRequest, Sampling, TextChunk
+    from backends.contract.events import TextChunk
+    from backends.contract.specs import GenerateRequest, Sampling
 
     def greedy(path: Path) -> str:
         b = backend_factory("llamacpp", model_path=str(path))

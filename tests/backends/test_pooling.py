@@ -1,4 +1,5 @@
-"""Embedding and rerank models through the llama.cpp token source and the decode loop (:mod:`backends.pooling`): the
+"""Embedding and rerank models through the llama.cpp token source and the decode loop (:mod:`backends.core.pooling`):
+the
 made BERT embedder and reranker (:mod:`tests.support_embed`), and the default chat model's mean-pooled embeddings
 evaluated between the steps of a chat stream."""
 
@@ -9,11 +10,11 @@ import threading
 import numpy as np
 import pytest
 
-from backends.errors import ContextOverflowError, UnsupportedError
-from backends.llamacpp import LlamaCppSource  # noqa: E402
-from backends.llamacpp_pool import POOL_INPUTS  # noqa: E402
-from backends.loop import LoadedModel
-from backends.specs import GenerateRequest, LoadSpec, Sampling
+from backends.contract.errors import ContextOverflowError, UnsupportedError
+from backends.contract.specs import GenerateRequest, LoadSpec, Sampling
+from backends.core.loop import LoadedModel
+from backends.llamacpp._pool import POOL_INPUTS  # noqa: E402
+from backends.llamacpp.source import LlamaCppSource  # noqa: E402
 from tests.backends.conftest import collect
 
 TEXTS = ["the cat sat on the mat", "hello world", "a dog", "the capital of france is paris",
@@ -154,7 +155,7 @@ def decoder_embedder(default_model_path, test_cache):
 
 
 def test_a_decoder_with_a_pooling_head_is_an_embedding_model_on_llama_cpp_only(decoder_embedder):
-    from backends.mlx_convert import inspect_gguf
+    from backends.mlx.convert import inspect_gguf
     from localllm.ggufinfo import capabilities_of, read_gguf
 
     assert capabilities_of(read_gguf(decoder_embedder).as_dict()) == ["embedding"]

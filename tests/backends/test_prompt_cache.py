@@ -11,9 +11,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from backends.prompt_cache import SUFFIX, PromptCache, PromptCacheSpec
+from backends.contract.specs import GenerateRequest, LoadSpec, Sampling
+from backends.core.prompt_cache import SUFFIX, PromptCache, PromptCacheSpec
 from backends.registry import load
-from backends.specs import GenerateRequest, LoadSpec, Sampling
 from tests.backends.conftest import collect
 
 SYSTEM = "You are a careful assistant. " + " ".join(
@@ -188,7 +188,7 @@ def test_a_second_localllm_run_restores_the_system_prompt_and_rm_deletes_the_ent
 def _turns(m, q1: str = "What does rule 7 say?", q2: str = "And rule 9?") -> tuple[int, dict]:
     """Turn 1, then turn 2 of the same conversation submitted as soon as turn 1's last event arrives (an agent).
     Returns (states copied out of the pool before turn 2's first token, turn 2's stats)."""
-    from backends.events import TextChunk
+    from backends.contract.events import TextChunk
 
     copies: list[float] = []
     src = m.source

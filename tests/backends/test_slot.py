@@ -1,5 +1,5 @@
 """A request's slot in the decode loop: its explicit states and the only transitions between them
-(:mod:`backends.slot`), alone and under the real loop (the fake source: a prefill that takes many steps)."""
+(:mod:`backends.core.slot`), alone and under the real loop (the fake source: a prefill that takes many steps)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-from backends.channel import Channel
-from backends.events import Done, Event
-from backends.kvseq import Seq
+from backends.contract.events import Done, Event
+from backends.contract.specs import GenerateRequest, LoadSpec, Tuning
+from backends.core.channel import Channel
+from backends.core.kvseq import Seq
+from backends.core.slot import IllegalTransition, Slot, SlotState
+from backends.core.stream import RequestStream
 from backends.registry import load
-from backends.slot import IllegalTransition, Slot, SlotState
-from backends.specs import GenerateRequest, LoadSpec, Tuning
-from backends.stream import RequestStream
 from tests.fakes import fake
 
 S = SlotState

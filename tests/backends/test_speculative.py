@@ -1,4 +1,4 @@
-"""The speculative-decoding controller (``backends._speculative.SpecController``) against synthetic timings,
+"""The speculative-decoding controller (``backends.core._speculative.SpecController``) against synthetic timings,
 and the draft model's bounded catch-up on the real default model.
 
 The controller is pure logic over reported measurements, so it is driven here by a small simulated machine
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from backends._speculative import SpecController
+from backends.core._speculative import SpecController
 
 
 @dataclass
@@ -184,9 +184,9 @@ def test_catchup_is_bounded_only_while_probing():
 
 @pytest.fixture(scope="module")
 def draft(default_model_path):
-    from backends.drafting import ModelDrafter
-    from backends.llamacpp import LlamaCppSource
-    from backends.specs import LoadSpec
+    from backends.contract.specs import LoadSpec
+    from backends.core.drafting import ModelDrafter
+    from backends.llamacpp.source import LlamaCppSource
 
     d = ModelDrafter(LlamaCppSource(LoadSpec(str(default_model_path), n_ctx=512)))
     yield d

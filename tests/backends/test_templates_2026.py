@@ -2,7 +2,7 @@
 Gemma 4 (``<|channel>thought`` thinking, ``<|tool_call>call:NAME{…}`` tool calls) and gpt-oss (harmony channels,
 reasoning levels), each with the template itself in a small made model (the default GGUF with the template in its
 metadata), rendered by the llama.cpp backend, and outputs written from each family's documentation fed through
-the request pipeline (``backends/stream.py``: thinking split, tool calls held and parsed) token by token in the
+the request pipeline (``backends/core/stream.py``: thinking split, tool calls held and parsed) token by token in the
 model's own tokens (streamed) and whole (``split_text`` + ``parse_tool_calls``, as a stored answer is read).
 
 The templates (``tests/templates/``) are copied verbatim from public sources:
@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from backends._stops import parse_tool_calls
-from backends._thinking import render_kwargs, split_text, thinking_style
+from backends.core._stops import parse_tool_calls
+from backends.core.thinking import render_kwargs, split_text, thinking_style
 from tests.fixtures_thinking import write_thinking_model
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
@@ -163,9 +163,9 @@ def test_gpt_oss_renders_each_reasoning_level_and_its_tools(family_model, level)
 
 def _through_the_stream(b, think, text: str) -> tuple[str, str, list[dict[str, Any]], int]:
     """The prompt rendered by the real source, then ``text`` in the model's own tokens, one push each."""
-    from backends.events import TextChunk, ToolCalls
-    from backends.specs import GenerateRequest, Sampling
-    from backends.stream import RequestStream
+    from backends.contract.events import TextChunk, ToolCalls
+    from backends.contract.specs import GenerateRequest, Sampling
+    from backends.core.stream import RequestStream
 
     def run(s) -> tuple[str, str, list[dict[str, Any]], int]:
         rs = RequestStream(GenerateRequest(messages=ASK, tools=TOOLS, think=think,
@@ -282,9 +282,9 @@ def test_format_markers_that_are_control_tokens_reach_the_parser(default_model_p
     assert b.call(lambda s: [s.piece(i).decode() for i in sorted(GEMMA_MARKERS)]) == list(GEMMA_MARKERS.values())
     assert b.call(lambda s: s.piece(2)) == b""  # other control tokens stay hidden (<|im_end|>)
 
-    from backends.events import TextChunk, ToolCalls
-    from backends.specs import GenerateRequest, Sampling
-    from backends.stream import RequestStream
+    from backends.contract.events import TextChunk, ToolCalls
+    from backends.contract.specs import GenerateRequest, Sampling
+    from backends.core.stream import RequestStream
 
     def run(s):
         rs = RequestStream(GenerateRequest(messages=ASK, tools=TOOLS, think=think, sampling=Sampling()))
@@ -302,8 +302,8 @@ def test_gemma4_takes_tool_results_inside_the_model_turn(family_model):
     """OpenAI-shaped history (assistant tool_calls, then role "tool") is reshaped for Gemma 4's template, which
     takes the results as the calling message's ``tool_responses``: the call and its response stay in one model
     turn, and the generation prompt continues that turn (no new "<|turn>model")."""
-    from backends.specs import GenerateRequest, Sampling
-    from backends.stream import RequestStream
+    from backends.contract.specs import GenerateRequest, Sampling
+    from backends.core.stream import RequestStream
 
     b, _ = family_model("gemma4")
 

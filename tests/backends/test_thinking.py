@@ -1,4 +1,4 @@
-"""backends/_thinking.py: which templates think, how think is rendered, and splitting a stream into thinking,
+"""backends/core/thinking.py: which templates think, how think is rendered, and splitting a stream into thinking,
 content and (harmony) tool calls, wherever the text is cut. The last tests run the real default model with
 Qwen3's template (tests/fixtures_thinking.py) through llama.cpp."""
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import backends._thinking as th
-from backends._thinking import (
+import backends.core.thinking as th
+from backends.core.thinking import (
     HARMONY,
     ThinkSplitter,
     ThinkStyle,
@@ -376,8 +376,8 @@ def test_llamacpp_renders_the_thinking_model_and_it_thinks(thinking_model_path, 
     """The llama.cpp backend sees a Qwen3-style template; rendered with enable_thinking on/off it gives
     Qwen3's two prompts; under THINK_GBNF the real model writes a thought, and the stream, cut into the
     model's own tokens, splits into thinking and content — as TextChunk(thinking=True) events."""
-    from backends.events import TextChunk
-    from backends.specs import GenerateRequest, Sampling, Tuning
+    from backends.contract.events import TextChunk
+    from backends.contract.specs import GenerateRequest, Sampling, Tuning
 
 
     b = backend_factory("llamacpp", fresh=True, model_path=str(thinking_model_path), tuning=Tuning(grammar=THINK_GBNF))

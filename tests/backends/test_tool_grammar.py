@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from backends import tool_grammar
-from backends._stops import parse_tool_calls
-from backends.llamacpp_sampling import grammar_for
+from backends.core import tool_grammar
+from backends.core._stops import parse_tool_calls
+from backends.llamacpp.sampling import grammar_for
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},

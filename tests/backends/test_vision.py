@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from backends.errors import UnsupportedError
+from backends.contract.errors import UnsupportedError
+from backends.contract.specs import DraftSpec, GenerateRequest, LoadSpec, Sampling
 from backends.registry import load
-from backends.specs import DraftSpec, GenerateRequest, LoadSpec, Sampling
 from tests.backends.conftest import collect
 from tests.support_vision import IMAGE_TOKENS, png
 
@@ -127,7 +127,7 @@ def test_drafting_is_off_for_image_requests(default_model_path, test_projector):
 
 
 def test_a_projector_for_another_model_width_is_refused(default_model_path, tmp_path):
-    from backends.errors import ModelLoadError
+    from backends.contract.errors import ModelLoadError
     from tests.support_vision import make_projector
 
     bad = make_projector(tmp_path / "mmproj-wide.gguf", n_embd=640)
@@ -138,8 +138,8 @@ def test_a_projector_for_another_model_width_is_refused(default_model_path, tmp_
 CHILD = """
 import json, sys
 sys.path.insert(0, {root!r})
-from backends.specs import GenerateRequest, LoadSpec, Sampling
-from backends.prompt_cache import PromptCacheSpec
+from backends.contract.specs import GenerateRequest, LoadSpec, Sampling
+from backends.core.prompt_cache import PromptCacheSpec
 from backends.registry import load
 from tests.backends.conftest import collect
 from tests.support_vision import png
@@ -179,7 +179,7 @@ def test_a_conversation_with_an_image_restores_from_disk_in_a_second_process(def
 
 
 def test_more_image_tokens_than_the_context_holds(vlm):
-    from backends.errors import ContextOverflowError
+    from backends.contract.errors import ContextOverflowError
 
     many = [png(seed=200 + i) for i in range(1024 // IMAGE_TOKENS + 1)]
     with pytest.raises(ContextOverflowError, match="context holds 1024"):

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backends.media import IMAGE_MARKER
+from backends.contract.media import IMAGE_MARKER
+from backends.contract.specs import GenerateRequest, LoadSpec, Sampling
 from backends.registry import load
-from backends.specs import GenerateRequest, LoadSpec, Sampling
 from tests.backends.conftest import collect
 from tests.support_vision import MROPE_IMAGE, MROPE_IMAGE_POSITIONS, MROPE_IMAGE_TOKENS, png, reference_in_subprocess
 
@@ -136,8 +136,8 @@ def test_two_images_and_batched_text(qvl):
 CHILD = """
 import json, sys
 sys.path.insert(0, {root!r})
-from backends.specs import GenerateRequest, LoadSpec, Sampling
-from backends.prompt_cache import PromptCacheSpec
+from backends.contract.specs import GenerateRequest, LoadSpec, Sampling
+from backends.core.prompt_cache import PromptCacheSpec
 from backends.registry import load
 from tests.backends.conftest import collect
 from tests.support_vision import MROPE_IMAGE, png

@@ -412,8 +412,10 @@ def test_chat_quits_cleanly_after_an_answer(backend, tmp_path, installed_default
 def test_engine_close_joins_every_thread_it_started(backend, home_for, monkeypatch):
     """In-process: after ``close()`` no model thread and no keep-alive thread is left, the engine loads
     nothing more, and a second close is harmless."""
-    from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling
+    from localllm.api import GenerateRequest, Sampling
+    from localllm.engine import Engine
     from localllm.errors import LocalLLMError
+    from localllm.loader import LoadOptions
 
     monkeypatch.setenv("LOCALLLM_HOME", str(home_for(backend)))
     before = set(threading.enumerate())
@@ -434,8 +436,9 @@ def test_engine_close_joins_every_thread_it_started(backend, home_for, monkeypat
 
 def test_engine_backend_setting_applies_where_a_request_says_auto(monkeypatch, cli_home):
     pytest.importorskip("mlx.core")
-    from localllm.engine import Engine, LoadOptions
+    from localllm.engine import Engine
     from localllm.errors import LocalLLMError
+    from localllm.loader import LoadOptions
 
     monkeypatch.setenv("LOCALLLM_HOME", str(cli_home))
     monkeypatch.setenv("LOCALLLM_BACKEND", "mlx")
@@ -452,7 +455,9 @@ def test_engine_backend_setting_applies_where_a_request_says_auto(monkeypatch, c
 def test_engine_close_does_not_wait_for_a_consumer_that_never_resumes(home_for, monkeypatch):
     """A generation whose consumer never resumes: ``close(timeout=)`` cancels it and closes the model on its
     thread (the exit hook must not hang the process) instead of waiting for the consumer."""
-    from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling
+    from localllm.api import GenerateRequest, Sampling
+    from localllm.engine import Engine
+    from localllm.loader import LoadOptions
 
     monkeypatch.setenv("LOCALLLM_HOME", str(home_for("llamacpp")))
     engine = Engine()

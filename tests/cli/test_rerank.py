@@ -26,9 +26,9 @@ def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str
 @pytest.fixture(scope="module")
 def scores(bert_reranker) -> list[float]:
     """The reranker's scores of DOCS, from the backend itself."""
-    from backends.llamacpp import LlamaCppSource
-    from backends.loop import LoadedModel
-    from backends.specs import LoadSpec
+    from backends.contract.specs import LoadSpec
+    from backends.core.loop import LoadedModel
+    from backends.llamacpp.source import LlamaCppSource
 
     with LoadedModel(LlamaCppSource, LoadSpec(str(bert_reranker), n_ctx=512)) as m:
         return m.rerank(Q, DOCS).scores
@@ -109,9 +109,9 @@ def test_pulling_a_catalog_embedding_or_rerank_model_fails_fast_without_the_hub(
 
 def test_run_on_an_embedding_model_prints_its_vector_and_a_reranker_points_to_rerank(bert_embedder, bert_reranker):
     """As Ollama's ``run`` does for an embedding model: the text's embedding as a JSON array (the backend's)."""
-    from backends.llamacpp import LlamaCppSource
-    from backends.loop import LoadedModel
-    from backends.specs import LoadSpec
+    from backends.contract.specs import LoadSpec
+    from backends.core.loop import LoadedModel
+    from backends.llamacpp.source import LlamaCppSource
 
     r = subprocess.run([sys.executable, "-m", "localllm", "run", str(bert_embedder), "hello world"],
                        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)

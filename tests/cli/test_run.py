@@ -53,7 +53,7 @@ def test_go_duration_matches_go_formatting():
 
 
 def test_stats_block_lines_and_draft_line():
-    from localllm.engine import Stats
+    from localllm.api import Stats
 
     s = Stats(prompt_eval_count=26, prompt_eval_duration=130_000_000, eval_count=259, eval_duration=4_200_000_000,
               load_duration=5_000_000, total_duration=1_200_000_000, prompt_cached_tokens=6,

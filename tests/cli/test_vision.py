@@ -145,9 +145,9 @@ def test_piped_prompt_with_a_path(vision_dir):
 def test_an_m_rope_model_answers_as_llama_cpps_own_helper(tmp_path, mrope_model):
     """A Qwen2-VL style model (M-RoPE: an image of 6 x 4 tokens takes 6 positions) through the real CLI: the greedy
     answer is the one ``mtmd_helper_eval_chunks`` leads to on a fresh context, and the same twice."""
-    from backends.media import IMAGE_MARKER
+    from backends.contract.media import IMAGE_MARKER
+    from backends.contract.specs import LoadSpec
     from backends.registry import load
-    from backends.specs import LoadSpec
     from tests.support_vision import MROPE_IMAGE, reference_in_subprocess
 
     model, proj = mrope_model

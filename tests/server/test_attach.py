@@ -111,8 +111,8 @@ def test_run_with_host_prints_the_servers_reasoning(think_url, empty_home):
 
 @pytest.mark.asyncio
 async def test_async_stream_from_a_server_carries_thinking_apart(think_url):
+    from localllm.api import Done, GenerateRequest, Sampling, TextChunk
     from localllm.client import Client
-    from localllm.engine import Done, GenerateRequest, Sampling, TextChunk
 
     req = GenerateRequest(messages=[{"role": "user", "content": "What is two plus two?"}], think=True,
                           sampling=Sampling(temperature=0, seed=1))

@@ -12,10 +12,11 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from localllm.api import Done, GenerateRequest, Sampling, TextChunk
 from localllm.cli import cli
 from localllm.client import Client, connect
-from localllm.engine import Done, GenerateRequest, LoadOptions, Sampling, TextChunk
 from localllm.errors import LocalLLMError, ModelNotFoundError
+from localllm.loader import LoadOptions
 from tests.server.conftest import MODEL
 
 FAST = Sampling(temperature=0, max_tokens=6, seed=1)

@@ -169,9 +169,9 @@ def test_a_models_temperature_holds_over_openai_unless_the_request_sends_one(srv
 def test_create_with_quantize_streams_byte_progress(srv, client, monkeypatch):
     """``/api/create`` with ``quantize``: the quantizing phase streams ``total`` (llama.cpp's planned size of the
     file, which is the result's size) and a climbing ``completed``, as ``/api/pull`` streams a download."""
-    import backends.quantize
+    import backends.llamacpp.quantize
 
-    monkeypatch.setattr(backends.quantize, "POLL_SECONDS", 0.01)
+    monkeypatch.setattr(backends.llamacpp.quantize, "POLL_SECONDS", 0.01)
     srv.engine.store.create("smol-f32", Modelfile(from_=DEFAULT_MODEL), quantize="f32", requantize=True)
     lines = list(client.create(model="smol-q8", from_="smol-f32", quantize="q8_0", stream=True))
     phase = [(p.completed, p.total) for p in lines if p.status == "quantizing F32 model to Q8_0"]

@@ -93,9 +93,9 @@ def test_batched_numbers_are_llama_servers_to_float_precision_without_flash_atte
     """With flash attention off on both sides, a batch of inputs evaluated at once gives llama-server's numbers to
     float precision (in-process here: the server has no switch for it); the templated reranker is Qwen3-Reranker's
     way (the GGUF's rerank template)."""
-    from backends.llamacpp import LlamaCppSource
-    from backends.loop import LoadedModel
-    from backends.specs import LoadSpec
+    from backends.contract.specs import LoadSpec
+    from backends.core.loop import LoadedModel
+    from backends.llamacpp.source import LlamaCppSource
 
     path = {"embedder": bert_embedder, "reranker": bert_reranker, "templated": bert_reranker_templated}[which]
     flags = ["--embedding", "--pooling", "mean"] if which == "embedder" else ["--reranking"]

@@ -37,9 +37,9 @@ def metric(url: str, name: str) -> float:
 
 
 def test_an_m_rope_model_answers_an_image_question_as_llama_cpp_does(qsrv, mrope_model):
-    from backends.media import IMAGE_MARKER
+    from backends.contract.media import IMAGE_MARKER
+    from backends.contract.specs import LoadSpec
     from backends.registry import load
-    from backends.specs import LoadSpec
     from tests.support_vision import reference_in_subprocess
 
     c = ollama.Client(host=qsrv.url)

@@ -17,9 +17,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from backends.base import LoadSpec
+from backends.contract.specs import LoadSpec
 from backends.descriptor import Backend
-from backends.llamacpp import LlamaCppSource
+from backends.llamacpp.source import LlamaCppSource
 from localllm.catalog import CatalogEntry
 from localllm.errors import LocalLLMError, SourceUnavailable
 from localllm.formats import Fetched, PlanWeights

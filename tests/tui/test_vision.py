@@ -103,8 +103,8 @@ def test_the_model_manager_lists_the_projector(home, installed_default_model, te
 def test_the_remote_client_sends_images_as_base64():
     import base64
 
+    from localllm.api import GenerateRequest
     from localllm.client import request_body
-    from localllm.engine import GenerateRequest
 
     pic = png(seed=1)
     path, body = request_body("m", GenerateRequest(messages=[{"role": "user", "content": "hi", "images": [pic]}]),

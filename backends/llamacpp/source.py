@@ -1,0 +1,697 @@
+"""GGUF models through llama.cpp (llama-cpp-python's low-level API): a token source for the decode loop.
+
+One ``llama_context`` holds every sequence of a loaded model: ``n_seq_max`` sequence ids over one
+**unified** KV pool of ``n_ctx × slots`` cells (a sequence may use up to ``n_ctx`` of them), so a shared
+prefix is copied between sequences by tagging its cells (``llama_memory_seq_cp``), not by evaluating
+it again. :meth:`LlamaCppSource.evaluate` puts the tokens of several sequences into one ``llama_batch``
+and runs one ``llama_decode``; each request samples with its own sampler chain (seed, temperature,
+top-k/top-p/min-p, penalties, a grammar for JSON / JSON Schema). Flash attention is left to llama.cpp
+(``LLAMA_FLASH_ATTN_TYPE_AUTO``: on where the build and the model support it).
+
+Everything per request (stops, UTF-8, tools, limits, stats) is :mod:`backends.core.stream`'s; the step
+scheduling is :mod:`backends.core.loop`'s. Every method here runs on the loop's one thread.
+
+Traps of llama-cpp-python 0.3.36 handled here (see shared/reference/batching-and-cache.md): more than
+``n_batch`` tokens in one decode aborts the process (the loop never sends more), ``seed=0`` means
+"random" in llama-cpp-python's constructor (we build the sampler chain ourselves with the exact seed),
+a quantized V cache needs flash attention, an unflagged row has no logits, and llama.cpp's own logging
+levels are mapped wrongly by llama-cpp-python (we install our own callback).
+
+What a load reads beyond the core of :class:`~backends.contract.specs.LoadSpec`: ``chat_template``, ``lora``,
+``devices`` and
+``tensor_split``, ``head_dims``, ``use_mmap``, ``n_threads_batch``, ``swa_full``, and of its ``tuning``
+``n_seq_ids`` and ``grammar``. By concern, beside this module: :mod:`backends.llamacpp.checks` (files, host, KV
+types), :mod:`backends.llamacpp.sampling`, :mod:`backends.llamacpp._log`, and the capabilities mixed into the
+source: media (:mod:`backends.llamacpp._vision`), sequence states and checkpoints (:mod:`backends.llamacpp._state`),
+pooled outputs (:mod:`backends.llamacpp._pool`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from backends.contract.errors import BackendError, ModelLoadError, PoolFullError, UnsupportedError
+from backends.contract.media import is_image_token
+from backends.contract.source import FALLBACK_CHAT_TEMPLATE, Capabilities, Feed, ModelInfo, TokenSource
+from backends.contract.specs import LoadSpec, LoraAdapter, Sampling, ToolCallFormat
+from backends.core.stream import check_logit_bias
+from backends.llamacpp._log import allocations, capture, forget_recent, install_log_router, log_callback, native_reason
+from backends.llamacpp._pool import PooledOutputs
+from backends.llamacpp._state import SequenceMemory
+from backends.llamacpp._vision import MediaInputs
+from backends.llamacpp.checks import (
+    KV_BYTES_PER_ELEM,
+    KV_GGML_TYPE,
+    check_gguf_file,
+    head_dims_from_file,
+    kv_type_problem,
+    physical_cores,
+    pooling_of,
+    usable_cores,
+)
+from backends.llamacpp.sampling import ChainSampler, make_sampler
+
+if TYPE_CHECKING:
+    from backends.llamacpp._vision import Projector  # noqa: F401 - imported for real where a projector loads
+
+log = logging.getLogger("backends.llamacpp")
+
+MiB = 1 << 20
+
+# Special (control) tokens a chat format needs in the generated text to be parsed: written out by piece() where
+# the vocabulary has them as one token, hidden like every other control token otherwise (llama.cpp's server keeps
+# the same lists as "preserved tokens": common/parsers/gpt-oss.cpp, gemma4.cpp, qwen3-coder.cpp, lfm2.cpp,
+# ministral3.cpp).
+PRESERVED_MARKERS = (
+    "<|channel|>", "<|constrain|>", "<|message|>", "<|start|>", "<|end|>",  # gpt-oss harmony
+    "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>',  # Gemma 4
+    "<think>", "</think>", "<tool_call>", "</tool_call>",  # Qwen3 / Qwen3.5, DeepSeek-R1
+    "<|tool_call_start|>", "<|tool_call_end|>",  # LFM2
+    "[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]",  # Ministral 3
+)
+
+
+_backend_initialised = False
+
+
+class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
+    """One GGUF model in one llama.cpp context: ``spec.slots`` slots over a unified KV pool."""
+
+    name = "llamacpp"
+
+    # ------------------------------------------------------------------ load
+
+    def __init__(self, spec: LoadSpec):
+        super().__init__(spec)
+        ok, why = self.available()
+        if not ok:
+            raise ModelLoadError(why)
+        import llama_cpp
+
+        global _backend_initialised
+        if not _backend_initialised:
+            llama_cpp.llama_backend_init()
+            _backend_initialised = True
+        install_log_router(spec.verbose)
+        self._closed = False
+        self._model: Any = None
+        self._ctx: Any = None
+        self._loras: list[tuple[Any, float]] = []  # LoRA adapters on the weights, with their scales
+        self._batch: Any = None
+        self._embed: tuple[Any, Any, int, int] | None = None  # (context, batch, tokens, sequences) for pooling
+        self._pooling: str | None = None
+        self._proj: Projector | None = None  # when spec.mmproj names one
+        self._ebatch: Any = None  # a llama_batch with embd, for image positions
+        self._saved_rows: list[Any] = []
+        self._alloc: dict[str, dict[str, int]] = {}  # per device, what llama.cpp allocated at load
+        path = Path(spec.model_path)
+        self._path = path
+        check_gguf_file(path)
+        kv = spec.kv_cache_type
+        if kv not in KV_GGML_TYPE:
+            raise UnsupportedError(kv_type_problem(kv, 0, 0) or f"KV cache type {kv!r} is not supported.")
+        quantized_kv = kv != "f16"
+        if quantized_kv:
+            if spec.flash_attn is False:
+                raise UnsupportedError(f"A {kv} KV cache needs flash attention; do not switch it off, or use f16.")
+            dims = spec.head_dims  # what the caller read already, else the file's
+            problem = kv_type_problem(kv, *(dims if dims is not None and any(dims) else head_dims_from_file(path)))
+            if problem:
+                raise UnsupportedError(f"{path.name}: {problem} Use --kv-cache f16.")
+        # never more threads than the cores this process may run on, whatever the spec says
+        self.n_threads = min(spec.n_threads or physical_cores(), usable_cores())
+        slots = max(1, spec.slots)
+        self._n_seq_ids = max(slots, min(256, spec.tuning.n_seq_ids or 2 * slots))
+        forget_recent()
+        mp = llama_cpp.llama_model_default_params()
+        mp.n_gpu_layers = spec.n_gpu_layers
+        mp.load_mtp = spec.draft is not None and spec.draft.kind == "mtp"  # the MTP block (llamacpp.mtp drafts)
+        from backends.llamacpp.tensor_overrides import experts_on_cpu, place_on_devices
+
+        # kept alive: llama.cpp reads the device list and the split during the load
+        self._placement = (place_on_devices(mp, list(spec.devices), list(spec.tensor_split))
+                           if spec.devices and spec.n_gpu_layers != 0 else [])
+        # a mixture of experts: the first layers' experts in RAM (the array is read at load; kept with the model)
+        self._overrides = experts_on_cpu(mp, spec.n_cpu_moe) if spec.n_gpu_layers != 0 else None
+        capture.lines = []
+        mp.load_mode = (llama_cpp.LLAMA_LOAD_MODE_MMAP if spec.use_mmap
+                        else llama_cpp.LLAMA_LOAD_MODE_NONE)
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+        if not self._model:
+            self._model = None
+            raise self._load_error("Failed to load model")
+        try:
+            self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+            self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+            # the samplers' candidates (llama_token_data; one thread samples) and every token id, made once
+            self._candidates = np.zeros(self._n_vocab, dtype=np.dtype(llama_cpp.llama_token_data))
+            self._all_ids = np.arange(self._n_vocab, dtype=np.intc)
+            self._row_type = ctypes.c_float * self._n_vocab
+            self._md = self._metadata()
+            self._arch = self._md.get("general.architecture", "unknown")
+            self._pooling = pooling_of(self._md, self._arch)  # an embedding / rerank model: pools, never generates
+            cp = llama_cpp.llama_context_default_params()
+            # at least one token per sequence id in a batch, and so in the context (a causal model's batch is cut to
+            # the context): llama.cpp reserves its graphs for one output per sequence and aborts the process with
+            # GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) below that (a request's num_ctx 1 did). A
+            # sequence still holds only spec.n_ctx tokens (self._n_ctx)
+            cp.n_ctx = max(spec.n_ctx * slots, self._n_seq_ids)
+            cp.n_batch = cp.n_ubatch = max(spec.n_batch, self._n_seq_ids)
+            cp.n_seq_max = self._n_seq_ids
+            if self._pooling is not None:
+                self._pool_setup(cp)
+            cp.kv_unified = True
+            cp.n_threads = self.n_threads
+            cp.n_threads_batch = min(spec.n_threads_batch or self.n_threads, usable_cores())
+            cp.type_k = cp.type_v = KV_GGML_TYPE[kv]
+            cp.flash_attn_type = {None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+                                  True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                                  False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}[spec.flash_attn]
+            cp.embeddings = self._pooling is not None
+            cp.no_perf = True
+            # sliding-window layers keep their window (+ a batch) per sequence id, as llama-server does; reuse
+            # stays right through checkpoints. swa_full: every layer as long as the context (exact reuse anywhere)
+            self._swa_full = spec.swa_full
+            cp.swa_full = self._swa_full
+            # drafts on recurrent memory: llama.cpp keeps the last states of each sequence (n_rs_seq, where the
+            # architecture supports it), so a cut inside the last decode (rejected draft tokens) is right
+            recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(
+                self._model))
+            if recurrent and spec.draft is not None:
+                cp.n_rs_seq = max(1, spec.draft.num_draft)  # a step rolls back at most its drafts (llama.cpp: n_max)
+            self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
+            if not self._ctx:
+                self._ctx = None
+                raise self._load_error("Failed to create llama_context")
+            self._loras = self._load_loras(spec.lora)
+            self._apply_loras(self._ctx)
+            self._mem = llama_cpp.llama_get_memory(self._ctx)
+            self._n_rs_seq = int(llama_cpp.llama_n_rs_seq(self._ctx))  # 0: unsupported by the architecture, or off
+            self._batch = llama_cpp.llama_batch_init(int(cp.n_batch), 0, 1)
+            self._n_batch = int(llama_cpp.llama_n_batch(self._ctx))
+            self._pool = int(llama_cpp.llama_n_ctx(self._ctx))
+            self._n_ctx = min(spec.n_ctx, int(llama_cpp.llama_n_ctx_seq(self._ctx)))
+            if self._pooling is not None:  # the context is the pooling one (made with this model's own pooling)
+                self._n_ctx = min(self._n_ctx, int(llama_cpp.llama_model_n_ctx_train(self._model)) or self._n_ctx)
+                self._embed = (self._ctx, self._batch, self._n_batch, cp.n_seq_max)
+            self._md = self._metadata()
+            self._arch = self._md.get("general.architecture", "unknown")
+            self._n_swa = int(llama_cpp.llama_model_n_swa(self._model))
+            self._pure_recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model))
+            self._recurrent = self._pure_recurrent or bool(llama_cpp.llama_model_is_hybrid(self._model))
+            self._template = spec.chat_template or self._md.get("tokenizer.chat_template")
+            eos, bos = llama_cpp.llama_vocab_eos(self._vocab), llama_cpp.llama_vocab_bos(self._vocab)
+            self._bos = int(bos)
+            self._bos_text = self._token_text(bos) if bos >= 0 else ""
+            self._eos_text = self._token_text(eos) if eos >= 0 else ""
+            self._add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+            self._piece_cache: dict[int, bytes] = {}
+            self._eog_cache: dict[int, bool] = {}
+            self._preserved: set[int] | None = None  # PRESERVED_MARKERS' token ids (on first use)
+            self._formatters: dict[bool, Any] = {}
+            self.flash_attn = self._flash_attn_enabled(cp)
+            # the width of an input embedding (an image's rows): n_embd, or more where the projector also feeds the
+            # first layers (Qwen3-VL's deepstack: n_embd x (1 + deepstack layers)), as mtmd-helper reads it
+            self._n_embd = int(llama_cpp.llama_model_n_embd_inp(self._model))
+            if spec.mmproj:
+                from backends.llamacpp._vision import Projector
+
+                forget_recent()
+                self._proj = Projector(spec.mmproj, self._model, self._n_embd, n_threads=self.n_threads,
+                                       use_gpu=spec.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload()),
+                                       log_callback=log_callback(), native_reason=native_reason,
+                                       # M-RoPE images are evaluated whole: one fits in a step beside every slot
+                                       max_image_tokens=max(8, self._n_batch - max(1, spec.slots)))
+            from backends.llamacpp import devices as ggml_devices
+            self._alloc = allocations(getattr(capture, "lines", None) or [], ggml_devices.added_workers())
+            capture.lines = None
+            remote = ggml_devices.endpoints_of(list(spec.devices)) if spec.n_gpu_layers else []
+            if remote:  # a worker dying mid-step must not take the process with it (ggml_devices.watch)
+                ggml_devices.watch(self, remote, self._worker_died)
+            self._info = self._build_info()
+            if spec.embedding and self._pooling is None:
+                self._embed_ctx()
+        except BaseException:
+            self.close()
+            raise
+
+    def _flash_attn_enabled(self, cp: Any) -> bool:
+        """Whether flash attention ended up on (AUTO is resolved when the context is made)."""
+        import llama_cpp
+
+        if cp.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO:
+            return bool(cp.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+        getter = getattr(llama_cpp, "llama_get_flash_attn_type", None)  # not in every build of the binding
+        if getter is not None:
+            try:
+                return bool(getter(self._ctx) == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+            except Exception:  # noqa: BLE001
+                pass
+        # llama.cpp resolves AUTO when the context is made and says so ("resolve_fused_ops: Flash Attention
+        # enabled" / "... not supported, set to disabled")
+        for line in reversed(getattr(capture, "lines", None) or []):
+            if "Flash Attention" in line:
+                return "enabled" in line and "disabled" not in line
+        if self.spec.kv_cache_type != "f16":
+            return True  # a quantized V cache loads only with flash attention
+        from backends.descriptor import parse_gpu_backend
+
+        return parse_gpu_backend(llama_cpp.llama_print_system_info().decode(errors="replace")) is None
+
+    def _load_loras(self, loras: list[LoraAdapter]) -> list[tuple[Any, float]]:
+        """LoRA adapters (``spec.lora``: adapter GGUFs and their scales) loaded on the model's weights; llama.cpp
+        frees them with the model."""
+        import llama_cpp
+
+        out: list[tuple[Any, float]] = []
+        for lora in loras:
+            adapter = llama_cpp.llama_adapter_lora_init(self._model, str(lora.path).encode())
+            if not adapter:
+                name = Path(lora.path).name
+                raise self._load_error(f"llama.cpp could not load the LoRA adapter {name} on this model")
+            out.append((adapter, float(lora.scale)))
+        return out
+
+    def _apply_loras(self, ctx: Any) -> None:
+        """Put the loaded LoRA adapters, with their scales, on context ``ctx`` (the generation or embedding one)."""
+        if not self._loras:
+            return
+        import llama_cpp
+
+        n = len(self._loras)
+        adapters = (llama_cpp.llama_adapter_lora_p_ctypes * n)(*[a for a, _ in self._loras])
+        scales = (ctypes.c_float * n)(*[s for _, s in self._loras])
+        if llama_cpp.llama_set_adapters_lora(ctx, adapters, n, scales) != 0:
+            raise self._load_error("llama.cpp could not apply the LoRA adapters to the context")
+
+    def _load_error(self, msg: str) -> Exception:
+        path, kv = self._path, self.spec.kv_cache_type
+        if "Failed to create llama_context" in msg:
+            reason = native_reason("cache", "flash", "memory", "alloc", "n_ctx", "head")
+            if kv != "f16" and reason and ("cache" in reason or "flash" in reason or "head" in reason):
+                return UnsupportedError(f"{path.name} cannot use a {kv} KV cache: llama.cpp says \"{reason}\"; "
+                                        "use --kv-cache f16.")
+            if reason and ("memory" in reason or "alloc" in reason):
+                return ModelLoadError(f"Not enough memory for a {self.spec.n_ctx}-token context with {path.name} "
+                                      f"(llama.cpp: {reason}); lower num_ctx or the GPU layers.")
+            return ModelLoadError(f"llama.cpp could not create a context for {path.name}"
+                                  f"{f' ({reason})' if reason else ''}; lower num_ctx or try --kv-cache f16.")
+        alloc = native_reason("unable to allocate", "failed to allocate")
+        if alloc:  # a device (or the host) has no room for the weights: not a broken file
+            return ModelLoadError(f"Not enough memory to load {path.name} with {self.spec.n_gpu_layers} GPU layers "
+                                  f"(llama.cpp: {alloc}); lower the GPU layers.")
+        reason = native_reason("error loading model", "invalid", "unknown", "not within") or native_reason()
+        reason = reason.replace("error loading model: ", "").split(",")[0] if reason else None
+        return ModelLoadError(f"{path.name} could not be loaded: it is corrupt, truncated or of an unsupported "
+                              f"architecture{f' (llama.cpp: {reason})' if reason else ''}.")
+
+    def _metadata(self) -> dict[str, str]:
+        import llama_cpp
+
+        out: dict[str, str] = {}
+        size = 1024
+        buf = ctypes.create_string_buffer(size)
+        for i in range(llama_cpp.llama_model_meta_count(self._model)):
+            vals = []
+            for fn in (llama_cpp.llama_model_meta_key_by_index, llama_cpp.llama_model_meta_val_str_by_index):
+                n = fn(self._model, i, buf, size)
+                if n >= size:
+                    size = n + 1
+                    buf = ctypes.create_string_buffer(size)
+                    n = fn(self._model, i, buf, size)
+                vals.append(buf.value.decode("utf-8", errors="replace"))
+            out[vals[0]] = vals[1]
+        return out
+
+    def _token_text(self, tok: int) -> str:
+        import llama_cpp
+
+        t = llama_cpp.llama_vocab_get_text(self._vocab, tok)
+        return t.decode("utf-8", errors="replace") if t else ""
+
+    def _build_info(self) -> ModelInfo:
+        import llama_cpp
+
+        md, arch = self._md, self._arch
+
+        def num(key: str, default: int = 0) -> int:
+            try:
+                return int(float(md.get(f"{arch}.{key}", default)))
+            except ValueError:
+                return default
+
+        n_layers = num("block_count")
+        n_embd, n_head = num("embedding_length"), num("attention.head_count")
+        n_head_kv = num("attention.head_count_kv", n_head)
+        hd = n_embd // n_head if n_embd and n_head else 0
+        hk, hv = num("attention.key_length", hd), num("attention.value_length", hd)
+        kv_bytes = int(self._pool * n_layers * n_head_kv * (hk + hv) * KV_BYTES_PER_ELEM[self.spec.kv_cache_type])
+        allocated = sum(v.get("kv", 0) for v in self._alloc.values())
+        if allocated:  # what llama.cpp allocated: windowed layers at window size, recurrent states per sequence
+            kv_bytes = allocated
+        weights = int(llama_cpp.llama_model_size(self._model))
+        gpu = bool(llama_cpp.llama_supports_gpu_offload())
+        req = self.spec.n_gpu_layers
+        offloaded = 0 if not gpu else (n_layers + 1 if req < 0 else min(req, n_layers + 1))
+        frac = offloaded / (n_layers + 1) if n_layers else 0.0
+        desc = ctypes.create_string_buffer(256)
+        llama_cpp.llama_model_desc(self._model, desc, 256)
+        proj_bytes = Path(self._proj.path).stat().st_size if self._proj is not None else 0
+        return ModelInfo(
+            architecture=arch,
+            n_ctx=self._n_ctx,
+            n_ctx_train=int(llama_cpp.llama_model_n_ctx_train(self._model)),
+            n_layers=n_layers,
+            n_vocab=self._n_vocab,
+            chat_template=self._template,
+            n_gpu_layers=offloaded,
+            size_bytes=weights + kv_bytes + proj_bytes,
+            vram_bytes=(sum(sum(v.values()) for d, v in self._alloc.items() if d != "CPU") if self._alloc
+                        else int(weights * frac + (kv_bytes if offloaded else 0))),
+            kv_cache_type=self.spec.kv_cache_type,
+            draft=None,
+            slots=max(1, self.spec.slots),
+            kv_cells=self._pool,
+            recurrent=self._recurrent,
+            vision=self._proj is not None and self._proj.vision,
+            audio=self._proj is not None and self._proj.audio,
+            pooling=self._pooling,
+            n_embd_out=int(llama_cpp.llama_model_n_cls_out(self._model)) if self._pooling == "rank"
+            else int(llama_cpp.llama_model_n_embd_out(self._model)),
+            kv_bytes=kv_bytes,
+            weights_bytes=weights,
+            projector=self._proj.path if self._proj is not None else None,
+            projector_bytes=proj_bytes,
+            n_params=int(llama_cpp.llama_model_n_params(self._model)),
+            description=desc.value.decode("utf-8", errors="replace"),
+            flash_attn=self.flash_attn,
+            n_threads=self.n_threads,
+            n_seq_ids=self._n_seq_ids,
+            sliding_window=self._n_swa,
+            swa_full=self._swa_full,
+            allocations=self._alloc,
+        )
+
+    # ------------------------------------------------------------------ what it is
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def n_seq_ids(self) -> int:
+        return self._n_seq_ids
+
+    @property
+    def n_batch(self) -> int:
+        return self._n_batch
+
+    @property
+    def can_batch(self) -> bool:
+        return True
+
+    @property
+    def shared_pool(self) -> bool:
+        return not self._pure_recurrent and self._pooling is None  # a hybrid's attention cells are one unified pool too
+
+    @property
+    def model_handle(self) -> Any:
+        """The ``llama_model *`` (for :mod:`backends.llamacpp.mtp`, which runs the model's MTP block beside this
+        context)."""
+        return self._model
+
+    @property
+    def context_handle(self) -> Any:
+        """The ``llama_context *`` that evaluates this source's sequences."""
+        return self._ctx
+
+    @property
+    def mtp_layers(self) -> int:
+        """Multi-token-prediction layers loaded with the weights (0 unless the load asked for them)."""
+        import llama_cpp
+
+        return int(llama_cpp.llama_model_n_layer_nextn(self._model))
+
+    def can_rewind(self) -> bool:
+        """Plain and windowed caches drop a tail; recurrent memory only the tokens of its last decode, and only
+        with llama.cpp's rollback states (``n_rs_seq``): what rejected drafts need, nothing more."""
+        return not self._recurrent or self._n_rs_seq > 0
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Media with a projector; checkpoints where the memory cannot drop its tail (recurrent, a window);
+        sequence states and pooled outputs but on an embedding / rerank model (which keeps no states)."""
+        return Capabilities(media=self if self._proj is not None else None,
+                            checkpoints=self if self._recurrent or self._windowed else None,
+                            states=self if self._pooling is None else None, pooling=self)
+
+    @property
+    def _windowed(self) -> bool:
+        """Sliding-window layers whose cache holds less than a sequence's context (``swa_full`` off)."""
+        return 0 < self._n_swa < self._n_ctx and not self._swa_full
+
+    # ------------------------------------------------------------------ text
+
+    def _tokenize(self, text: str, add_bos: bool, special: bool) -> list[int]:
+        import llama_cpp
+
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        for _ in range(2):
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_bos, special)
+            if n >= 0:
+                return list(buf[:n])
+            cap = -n
+        raise BackendError("llama.cpp could not tokenize the text.")
+
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        return self._tokenize(text, False, special)
+
+    def prompt_tokens(self, text: str) -> list[int]:
+        add_bos = self._add_bos and not (self._bos_text and text.startswith(self._bos_text))
+        toks = self._tokenize(text, add_bos, True)
+        if not toks and self._bos >= 0:
+            toks = [self._bos]
+        return toks
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """Text of ``tokens``; special tokens are written out (``<|im_start|>``), so prompts read back whole."""
+        import llama_cpp
+
+        arr = (llama_cpp.llama_token * len(tokens))(*tokens)
+        size = max(64, 8 * len(tokens))
+        for _ in range(2):  # llama_detokenize returns -needed when the buffer is too small
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_detokenize(self._vocab, arr, len(tokens), buf, size, False, True)
+            if n >= 0:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            size = -n
+        return ""
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token (cached). llama-cpp-python's own helper pads them to 32 bytes with NULs."""
+        p = self._piece_cache.get(token)
+        if p is None:
+            import llama_cpp
+
+            if self._preserved is None:
+                self._preserved = self._marker_tokens()
+            special = token in self._preserved  # a chat format's control token: its text, not nothing
+            size = 32
+            while True:
+                buf = ctypes.create_string_buffer(size)
+                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, size, 0, special)
+                if n >= 0:
+                    p = buf.raw[:n]
+                    break
+                size = -n
+            self._piece_cache[token] = p
+        return p
+
+    def _marker_tokens(self) -> set[int]:
+        """The ids of :data:`PRESERVED_MARKERS` that are single tokens of this vocabulary."""
+        out: set[int] = set()
+        for marker in PRESERVED_MARKERS:
+            toks = self._tokenize(marker, False, True)
+            if len(toks) == 1:
+                out.add(toks[0])
+        return out
+
+    def is_eog(self, token: int) -> bool:
+        v = self._eog_cache.get(token)
+        if v is None:
+            import llama_cpp
+
+            v = self._eog_cache[token] = bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+        return v
+
+    def _formatter(self, add_generation_prompt: bool) -> Any:
+        f = self._formatters.get(add_generation_prompt)
+        if f is None:
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+            f = Jinja2ChatFormatter(template=self._template or FALLBACK_CHAT_TEMPLATE, eos_token=self._eos_text,
+                                    bos_token=self._bos_text, add_generation_prompt=add_generation_prompt)
+            self._formatters[add_generation_prompt] = f
+        return f
+
+    def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+               add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> str:
+        try:
+            return str(self._formatter(add_generation_prompt)(messages=messages, tools=tools,
+                                                               **(template_kwargs or {})).prompt)
+        except UnsupportedError:
+            raise
+        except Exception as e:  # jinja errors, raise_exception() from the template
+            raise UnsupportedError(f"The chat template of this model rejected the messages: {e}.") from None
+
+    # ------------------------------------------------------------------ evaluation
+
+    # ------------------------------------------------------------------ images
+    def evaluate(self, feeds: Sequence[Feed]) -> list[list[int]]:
+        self._saved_rows = []
+        kinds = [bool(f.tokens) and is_image_token(f.tokens[0]) for f in feeds]
+        if not any(kinds):
+            return self._evaluate_tokens(feeds)
+        for f, img in zip(feeds, kinds, strict=True):
+            if any(is_image_token(t) != img for t in f.tokens):
+                raise BackendError("A feed mixes image positions and text tokens; the loop must cut it.")
+        img_feeds = [f for f, k in zip(feeds, kinds, strict=True) if k]
+        txt_feeds = [f for f, k in zip(feeds, kinds, strict=True) if not k]
+        img_rows = self._evaluate_images(img_feeds)  # first: the token decode's logits must be the last ones
+        try:
+            txt_rows = self._evaluate_tokens(txt_feeds)
+        except BaseException:
+            for f in img_feeds:  # memory unchanged, as the contract says: drop what the image decode wrote
+                self.seq_rm(f.seq, f.pos, f.pos + len(f.tokens))
+            raise
+        it_img, it_txt = iter(img_rows), iter(txt_rows)
+        return [next(it_img) if k else next(it_txt) for k in kinds]
+
+    def _evaluate_tokens(self, feeds: Sequence[Feed]) -> list[list[int]]:
+        import llama_cpp
+
+        b = self._batch
+        n = 0
+        rows: list[list[int]] = []
+        for f in feeds:
+            k = len(f.tokens)
+            if n + k > self._n_batch:
+                raise BackendError(f"A step of {n + k} tokens exceeds the batch size {self._n_batch}.")
+            first_out = k - f.outputs
+            mine = []
+            for j, t in enumerate(f.tokens):
+                i = n + j
+                b.token[i] = t
+                b.pos[i] = f.pos + j
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = f.seq
+                out = j >= first_out
+                b.logits[i] = out
+                if out:
+                    mine.append(i)
+            n += k
+            rows.append(mine)
+        b.n_tokens = n
+        if n == 0:
+            return rows
+        rc = llama_cpp.llama_decode(self._ctx, b)
+        if rc == 1:
+            raise PoolFullError("No room in the KV cache for this step.")
+        if rc != 0:
+            raise BackendError(f"llama.cpp failed to evaluate the batch (llama_decode returned {rc}).")
+        return rows
+
+    def logits(self, row: int) -> Any:
+        import llama_cpp
+
+        if row < 0:
+            return self._saved_rows[-row - 1].copy()
+        ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
+        if not ptr:
+            raise BackendError(f"No logits for batch row {row}.")
+        return self._row_view(ptr).copy()
+
+    def _row_view(self, ptr: Any) -> Any:
+        """The context's logits row at ``ptr`` as a float32 array, without a copy (valid until the next
+        evaluation)."""
+        return np.frombuffer(memoryview(self._row_type.from_address(ctypes.addressof(ptr.contents))), dtype=np.single)
+
+    def sampler(self, sampling: Sampling, fmt: str | dict[str, Any] | ToolCallFormat | None) -> ChainSampler:
+        check_logit_bias(sampling.logit_bias, self._n_vocab)
+        if isinstance(fmt, ToolCallFormat) and not self.spec.tuning.tool_grammar:
+            fmt = None
+        return make_sampler(self, self._vocab, self._n_vocab, self._n_ctx, sampling, fmt, self.spec.tuning.grammar)
+
+    # ------------------------------------------------------------------ KV cells
+
+    def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> bool:
+        import llama_cpp
+
+        return bool(llama_cpp.llama_memory_seq_rm(self._mem, seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, n: int) -> bool:
+        import llama_cpp
+
+        llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        if self._recurrent:
+            return False
+        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+        return True
+
+    # ------------------------------------------------------------------ pooled outputs (embeddings, rerank)
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        """L2-normalised embeddings, one per text (texts longer than the context are cut), in batches."""
+        from backends.core import pooling
+        return pooling.embed(lambda fn: fn(self), texts).vectors
+
+    # ------------------------------------------------------------------ close
+
+    def _worker_died(self, sentence: str) -> None:
+        """An RPC worker this model uses stopped answering (called on ggml's thread, before it would abort)."""
+        self._dead = sentence
+        if self.on_fatal is not None:
+            self.on_fatal(BackendError(sentence + "."))
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        from backends.llamacpp import devices as ggml_devices
+        ggml_devices.unwatch(self)
+        if getattr(self, "_dead", None):
+            return  # freeing would talk to the dead worker: the memory is left to the process
+        import llama_cpp
+
+        if self._proj is not None:  # mtmd before its model and context
+            self._proj.close()
+            self._proj = None
+        if self._ebatch is not None:
+            llama_cpp.llama_batch_free(self._ebatch)
+            self._ebatch = None
+        if self._embed is not None:
+            ctx, b, _, _ = self._embed
+            self._embed = None
+            if ctx is not self._ctx:  # a chat model's second context (an embedding model's is its only one)
+                llama_cpp.llama_batch_free(b)
+                llama_cpp.llama_free(ctx)
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
