@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from backends.descriptor import parse_gpu_backend
 from localllm import gpus, hardware
-from localllm.hardware import GiB, MiB, parse_gpu_backend, parse_nvidia_smi, probe, simd_from_flags
+from localllm.gpus import parse_nvidia_smi
+from localllm.hardware import GiB, MiB, probe, simd_from_flags
 from tests.support import tiny_gguf
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from localllm.errors import LocalLLMError, ModelNotFoundError
-from localllm.loader import MIN_CTX, Loader, LoadOptions
+from localllm.loader import Loader, LoadOptions
+from localllm.planner.estimation import MIN_CTX
 
 MODEL = "smollm2:135m"
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from localllm.ggufinfo import GGUFInfo, read_gguf
-from localllm.hardware import GPU, GiB, MiB
+from localllm.gpus import GPU
+from localllm.hardware import GiB, MiB
 from localllm.planner import GPU_MARGIN, estimate, plan
 from tests.test_moe_placement import _generate, _rpc_machine
 from tests.test_planner import machine

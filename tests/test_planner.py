@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from backends.descriptor import BackendStatus
 from localllm.errors import PlanError
 from localllm.ggufinfo import GGUFInfo, read_gguf
-from localllm.hardware import GPU, BackendStatus, GiB, HardwareInfo, MiB, probe
+from localllm.gpus import GPU
+from localllm.hardware import GiB, HardwareInfo, MiB, probe
 from localllm.mlxmodels import MLXWeights, mlx_weights
 from localllm.planner import CUDA_OVERHEAD, GPU_MARGIN, HOST_OVERHEAD, estimate, plan
 

@@ -21,7 +21,8 @@ import pytest
 
 from localllm import gpus, hardware
 from localllm.ggufinfo import read_gguf
-from localllm.hardware import GPU, GiB, HardwareInfo, LlamaDevice, MiB, parse_rocm_smi, parse_vulkaninfo, probe
+from localllm.gpus import GPU, parse_rocm_smi, parse_vulkaninfo
+from localllm.hardware import GiB, HardwareInfo, LlamaDevice, MiB, probe
 from localllm.planner import CUDA_ADVICE, ROCM_ADVICE, SYCL_ADVICE, VULKAN_ADVICE, plan
 from tests.test_planner import LLAMA31_8B, machine
 

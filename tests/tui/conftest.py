@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 
+from backends.descriptor import BackendStatus
 from localllm.api import CatalogItem, Fit, Installed, Loaded
-from localllm.hardware import BackendStatus, HardwareInfo
+from localllm.hardware import HardwareInfo
 from localllm.session import Session
 
 
