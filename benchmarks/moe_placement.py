@@ -37,7 +37,9 @@ _OURS = textwrap.dedent("""
     from localllm import devices
     if os.environ.get("RPC"):
         devices.use_workers(os.environ["RPC"])
-    from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling, Done
+    from localllm.api import Done, GenerateRequest, Sampling
+    from localllm.engine import Engine
+    from localllm.loader import LoadOptions
     e = Engine()
     mode = os.environ["MODE"]
     opts = LoadOptions(num_ctx=512, num_parallel=1, num_thread=int(os.environ["THREADS"]),

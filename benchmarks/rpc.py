@@ -40,7 +40,8 @@ _ALLOC = textwrap.dedent("""
     import json, os, sys
     from localllm import devices
     devices.use_workers(sys.argv[2])
-    from localllm.engine import Engine, LoadOptions
+    from localllm.engine import Engine
+    from localllm.loader import LoadOptions
     e = Engine()
     rm = e.load(sys.argv[1], LoadOptions(num_ctx=int(sys.argv[3]), num_parallel=int(sys.argv[4])))
     alloc = rm.model.info.allocations

@@ -106,7 +106,9 @@ _GEN = textwrap.dedent("""
     rpc = os.environ.get("RPC_UNDER_TEST")
     if rpc:
         devices.use_workers(rpc, say=lambda line: print(line, file=sys.stderr))
-    from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling, TextChunk
+    from localllm.api import GenerateRequest, Sampling, TextChunk
+    from localllm.engine import Engine
+    from localllm.loader import LoadOptions
     e = Engine()
     rm = e.load(os.environ["MODEL_UNDER_TEST"], LoadOptions(num_ctx=256, num_parallel=1))
     lm, plan = rm.model, rm.plan

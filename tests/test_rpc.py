@@ -111,7 +111,9 @@ _GEN = textwrap.dedent("""
     from localllm import devices
     rpc = os.environ.get("RPC_UNDER_TEST")
     added = devices.use_workers(rpc, say=lambda line: print(line, file=sys.stderr)) if rpc else []
-    from localllm.engine import Engine, GenerateRequest, LoadOptions, Sampling
+    from localllm.api import GenerateRequest, Sampling
+    from localllm.engine import Engine
+    from localllm.loader import LoadOptions
     e = Engine()
     ngl = os.environ.get("NGL")
     opts = LoadOptions(num_ctx=512, num_parallel=1, num_gpu=int(ngl) if ngl else None)
