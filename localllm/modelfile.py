@@ -405,10 +405,9 @@ _SAMPLING_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "to
 
 def apply_to_request(mf: Modelfile, request: GenerateRequest) -> GenerateRequest:
     """``request`` with what a derived model adds: its PARAMETERs where the request did not choose the sampling
-    field (:meth:`~backends.contract.specs.Sampling.chosen`), and for a chat its SYSTEM (unless the request starts
-    with its
-    own system message) and its MESSAGE history, between the system message and the request's turns. A raw
-    prompt takes the parameters only."""
+    field (:meth:`~backends.contract.specs.Sampling.chosen`), and for a chat its SYSTEM (unless the request starts with
+    its own system message) and its MESSAGE history, between the system message and the request's turns. A raw prompt
+    takes the parameters only."""
     from dataclasses import fields, replace
 
     from backends.contract.specs import Sampling

@@ -2,9 +2,8 @@
 refused in one sentence with nothing left loaded (issue 36, ``backends.core.drafting.open_with_draft``).
 
 The made Qwen3.5 hybrid with an MTP block drafts for real on this llama.cpp, so the failure is injected where a
-build or a machine would show it: the staging API missing (``backends.llamacpp.mtp.nextn_api``), llama.cpp refusing
-the MTP
-context (``llama_init_from_model`` returning NULL), the MTP context failing in its first evaluation. Through the
+build or a machine would show it: the staging API missing (``backends.llamacpp.mtp.nextn_api``), llama.cpp refusing the
+MTP context (``llama_init_from_model`` returning NULL), the MTP context failing in its first evaluation. Through the
 engine (``ps``'s drafting), ``run --verbose`` (in-process, so the injection holds) and the loaded model."""
 
 from __future__ import annotations

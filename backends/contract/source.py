@@ -294,10 +294,9 @@ class MediaInput(Protocol):
 
     def prompt_media(self, text: str, images: list[bytes]) -> list[int]:
         """The ids of a rendered prompt holding one :data:`~backends.contract.media.IMAGE_MARKER` per image: text
-        tokens, and
-        for each image as many negative placeholder ids as it takes KV cells
-        (:func:`~backends.contract.media.is_image_token`).
-        Raises :class:`~backends.contract.errors.UnsupportedError` for bytes that are not a decodable image."""
+        tokens, and for each image as many negative placeholder ids as it takes KV cells
+        (:func:`~backends.contract.media.is_image_token`). Raises :class:`~backends.contract.errors.UnsupportedError`
+        for bytes that are not a decodable image."""
 
     def encode_images(self, tokens: Sequence[int]) -> MediaWork:
         """Make the embeddings of the images whose placeholders are in ``tokens`` ready for

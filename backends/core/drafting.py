@@ -2,14 +2,12 @@
 
 A :class:`Drafter` proposes up to ``k`` tokens that may follow a sequence's history; the decode loop
 (:mod:`backends.core.loop`) verifies them in the target's batch, and the
-:class:`~backends.core._speculative.SpecController`
-decides how many to ask for (0: decode plainly). Three drafters: :class:`NgramDrafter` (prompt lookup),
-:class:`ModelDrafter` (a second, smaller model with the same vocabulary) and :class:`~backends.llamacpp.mtp.MtpDrafter`
-(the target's own multi-token-prediction layers, which read the target's hidden states: :meth:`Drafter.observe`).
-:func:`setup_draft` makes the drafter and the controller a :class:`~backends.contract.specs.DraftSpec` asks for,
-refusing
-what cannot work in one sentence; a :class:`Speculation` holds them for a load and decides, each step, which
-controller judges it and which slots draft.
+:class:`~backends.core._speculative.SpecController` decides how many to ask for (0: decode plainly). Three drafters:
+:class:`NgramDrafter` (prompt lookup), :class:`ModelDrafter` (a second, smaller model with the same vocabulary) and
+:class:`~backends.llamacpp.mtp.MtpDrafter` (the target's own multi-token-prediction layers, which read the target's
+hidden states: :meth:`Drafter.observe`). :func:`setup_draft` makes the drafter and the controller a
+:class:`~backends.contract.specs.DraftSpec` asks for, refusing what cannot work in one sentence; a :class:`Speculation`
+holds them for a load and decides, each step, which controller judges it and which slots draft.
 """
 
 from __future__ import annotations

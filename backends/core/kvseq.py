@@ -1,6 +1,5 @@
 """What the KV pool (:mod:`backends.core.kvpool`) keeps for each sequence and reports: a :class:`Seq` (one sequence id
-and
-the tokens its cells hold, its checkpoints, what it owes the prompt cache on disk), the :class:`CheckpointPolicy`
+and the tokens its cells hold, its checkpoints, what it owes the prompt cache on disk), the :class:`CheckpointPolicy`
 for memory that cannot drop its tail, and the records of a placement, a join, the counters and the usage."""
 
 from __future__ import annotations

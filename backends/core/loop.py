@@ -225,8 +225,7 @@ class LoadedModel(Scheduler):
 
     def tokenize(self, text: str, *, special: bool = False, images: list[bytes] | None = None) -> list[int]:
         """``text``'s token ids; with ``images``, ``text`` holds an :data:`~backends.contract.media.IMAGE_MARKER` per
-        image
-        and each image is as many placeholder ids as the positions it takes (a load with a projector)."""
+        image and each image is as many placeholder ids as the positions it takes (a load with a projector)."""
         if not images:
             return self.call(lambda s: s.tokenize(text, special=special))
 

@@ -1,6 +1,5 @@
-"""llama.cpp's own log lines, routed into Python logging (``backends.llamacpp.native``, quiet by default), and
-what
-the llama.cpp source reads from them: the buffers it allocated per device, the reason behind a failed load."""
+"""llama.cpp's own log lines, routed into Python logging (``backends.llamacpp.native``, quiet by default), and what the
+llama.cpp source reads from them: the buffers it allocated per device, the reason behind a failed load."""
 
 from __future__ import annotations
 

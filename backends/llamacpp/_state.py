@@ -1,7 +1,6 @@
 """The llama.cpp source's sequence memory beyond the core: whole sequence states as bytes (the prompt cache on
-disk, parking) and partial checkpoints for memory that cannot drop its tail (a recurrent state, a sliding
-window): the :class:`~backends.contract.source.SequenceStates` and :class:`~backends.contract.source.Checkpoints`
-capabilities."""
+disk, parking) and partial checkpoints for memory that cannot drop its tail (a recurrent state, a sliding window): the
+:class:`~backends.contract.source.SequenceStates` and :class:`~backends.contract.source.Checkpoints` capabilities."""
 
 from __future__ import annotations
 

@@ -540,9 +540,8 @@ class Projector:
 
 
 class MediaInputs:
-    """The :class:`~backends.contract.source.MediaInput` capability of
-    :class:`~backends.llamacpp.source.LlamaCppSource` (mixed
-    into it; a load has it when a projector is loaded), and the embeddings-only decode of image positions."""
+    """The :class:`~backends.contract.source.MediaInput` capability of :class:`~backends.llamacpp.source.LlamaCppSource`
+    (mixed into it; a load has it when a projector is loaded), and the embeddings-only decode of image positions."""
 
     if TYPE_CHECKING:
         _proj: Projector | None

@@ -143,8 +143,7 @@ def mtp_batch(target_batch: int, n_seq_ids: int) -> int:
 class MtpDrafter:
     """Drafts from the target's own MTP block (see the module's docstring). Made by
     :func:`backends.core.drafting.setup_draft` for ``DraftSpec(kind="mtp")`` on a
-    :class:`~backends.llamacpp.source.LlamaCppSource`
-    loaded with its MTP layers; runs on the decode loop's thread."""
+    :class:`~backends.llamacpp.source.LlamaCppSource` loaded with its MTP layers; runs on the decode loop's thread."""
 
     name = "mtp"
     multi_seq = True

@@ -18,12 +18,11 @@ a quantized V cache needs flash attention, an unflagged row has no logits, and l
 levels are mapped wrongly by llama-cpp-python (we install our own callback).
 
 What a load reads beyond the core of :class:`~backends.contract.specs.LoadSpec`: ``chat_template``, ``lora``,
-``devices`` and
-``tensor_split``, ``head_dims``, ``use_mmap``, ``n_threads_batch``, ``swa_full``, and of its ``tuning``
-``n_seq_ids`` and ``grammar``. By concern, beside this module: :mod:`backends.llamacpp.checks` (files, host, KV
-types), :mod:`backends.llamacpp.sampling`, :mod:`backends.llamacpp._log`, and the capabilities mixed into the
-source: media (:mod:`backends.llamacpp._vision`), sequence states and checkpoints (:mod:`backends.llamacpp._state`),
-pooled outputs (:mod:`backends.llamacpp._pool`).
+``devices`` and ``tensor_split``, ``head_dims``, ``use_mmap``, ``n_threads_batch``, ``swa_full``, and of its ``tuning``
+``n_seq_ids`` and ``grammar``. By concern, beside this module: :mod:`backends.llamacpp.checks` (files, host, KV types),
+:mod:`backends.llamacpp.sampling`, :mod:`backends.llamacpp._log`, and the capabilities mixed into the source: media
+(:mod:`backends.llamacpp._vision`), sequence states and checkpoints (:mod:`backends.llamacpp._state`), pooled outputs
+(:mod:`backends.llamacpp._pool`).
 """
 
 from __future__ import annotations

@@ -193,9 +193,8 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
 def rollback_bytes(info: GGUFInfo, slots: int, num_draft: int) -> int:
     """The rollback states a draft of ``num_draft`` tokens a step needs on ``info``'s recurrent/hybrid memory (any
     draft: a draft model, n-gram, MTP; :mod:`backends.llamacpp.source` sets ``n_rs_seq = num_draft``, the most a step
-    rolls
-    back): llama.cpp keeps ``1 + n_rs_seq`` states of each sequence id (src/llama-memory-recurrent.cpp), ``n_rs_seq``
-    more than a plain load, two sequence ids a slot; 0 without recurrent layers or without a draft.
+    rolls back): llama.cpp keeps ``1 + n_rs_seq`` states of each sequence id (src/llama-memory-recurrent.cpp),
+    ``n_rs_seq`` more than a plain load, two sequence ids a slot; 0 without recurrent layers or without a draft.
 
     >>> from localllm.ggufinfo import GGUFInfo
     >>> q = GGUFInfo(path="", file_size=0, architecture="qwen35", name=None, n_layers=65, n_embd=5120, n_head=24,

@@ -1,6 +1,5 @@
 """Drafting from a model's own multi-token-prediction (MTP) layers (``backends/llamacpp/mtp.py``), on made Qwen3.5
-hybrids
-with an MTP block (``tests/made_qwen35.py``, F32):
+hybrids with an MTP block (``tests/made_qwen35.py``, F32):
 
 * ``echo``: the MTP block proposes the token it reads and the trunk (output tied to the embedding) tends to repeat
   it, so drafts are accepted in part — the verification keeps some and rolls the hybrid's recurrent state back
