@@ -17,7 +17,8 @@ How a request is served (:func:`embed`, :func:`rerank`), with ``call`` the model
 3. the inputs are packed into batches of at most :meth:`~backends.contract.source.Pooling.pool_limits` tokens and
    sequences, and each batch is **one job** on the loop: one evaluation, each input a sequence of its own, the
    sequences cleared after it (no state is kept from one request, or one batch, to the next). Chat requests of
-   the same loaded model decode between two batches, so a long rerank never stalls their streams;
+   the same loaded model decode between two batches, and a batch is sized by time when it runs (about 0.1 s
+   while chats decode, 0.5 s otherwise), so a long rerank or embedding never stalls their streams;
 4. embeddings are L2-normalised (llama-server's default); rerank scores are the raw outputs of the rank head
    (no sigmoid, as llama-server gives them).
 
@@ -154,38 +155,45 @@ def _tokenized(call: Call, count: int, tokens_of: Callable[[TokenSource], Callab
     return out
 
 
-FIRST_BATCH_TOKENS = 128  # a pooling batch beside chat streams, before the batches' speed is known
+FIRST_BATCH_TOKENS = 128  # a model's first pooling batch, before the batches' speed is known
 BATCH_SECONDS = 0.1  # what one pooling batch may take beside chat streams of the same model (their pause)
-Busy = Callable[[], bool]  # whether the model has requests decoding now (LoadedModel's)
+IDLE_BATCH_SECONDS = 0.5  # and with nothing else running: what a request that comes meanwhile waits at most
+Busy = Callable[[], bool]  # whether the model has requests decoding or waiting now (LoadedModel's)
 
 
 def _evaluate(call: Call, inputs: list[list[int]], cancel: threading.Event | None = None,
               busy: Busy | None = None) -> tuple[list[Any], int]:
     """Each input's pooled output, evaluated in batches (one job on the loop each, ``cancel`` checked between two);
-    (outputs, batches). A batch takes what one evaluation takes (:meth:`~backends.contract.source.Pooling.pool_limits`);
-    while the model has chat requests decoding (``busy()``), about :data:`BATCH_SECONDS` at the speed the batches
-    before it went (a whole input at least), so that those streams step between two batches without a long pause."""
+    (outputs, batches). A batch takes at most what one evaluation takes
+    (:meth:`~backends.contract.source.Pooling.pool_limits`) and about :data:`IDLE_BATCH_SECONDS` at the speed the
+    batches before it went, :data:`BATCH_SECONDS` while the model has chat requests (``busy()``), a whole input at
+    least. Whether it is busy is asked **on the loop's thread** when the batch runs, not when it is queued: a chat
+    that comes while the batch waits (or while it was sized) is admitted first and then sees only short batches."""
     max_tokens, max_inputs = call(lambda s: pooler(s).pool_limits())
     out: list[Any] = [None] * len(inputs)
-    beside = min(max_tokens, FIRST_BATCH_TOKENS)  # a batch's tokens while chats decode
+    rate = 0.0  # tokens a second of the batches so far, timed on the loop (0: not known yet)
 
-    def job(group: list[int]) -> Callable[[TokenSource], list[Any]]:
-        return lambda s: pooler(s).pool([inputs[i] for i in group])
+    def job(group: list[int]) -> Callable[[TokenSource], tuple[list[int], list[Any], float]]:
+        def run(s: TokenSource) -> tuple[list[int], list[Any], float]:
+            seconds = BATCH_SECONDS if busy is not None and busy() else IDLE_BATCH_SECONDS
+            budget = int(rate * seconds) if rate else FIRST_BATCH_TOKENS
+            lengths = [len(inputs[k]) for k in group]
+            taken = [group[k] for k in batches(lengths, max(min(budget, max_tokens), lengths[0]), max_inputs)[0]]
+            t0 = time.perf_counter()
+            rows = pooler(s).pool([inputs[k] for k in taken])
+            return taken, rows, time.perf_counter() - t0
+
+        return run
 
     i = n = 0
     while i < len(inputs):
         _check(cancel)
-        budget = beside if busy is not None and busy() else max_tokens
-        group = batches([len(x) for x in inputs[i:i + max_inputs]], max(budget, len(inputs[i])), max_inputs)[0]
-        group = [i + k for k in group]
-        t0 = time.perf_counter()
-        rows = call(job(group))
-        took = time.perf_counter() - t0
-        tokens = sum(len(inputs[k]) for k in group)
-        beside = int(min(max_tokens, max(16, tokens * BATCH_SECONDS / max(took, 1e-4))))
-        for k, row in zip(group, rows, strict=True):
+        group = batches([len(x) for x in inputs[i:i + max_inputs]], max(max_tokens, len(inputs[i])), max_inputs)[0]
+        taken, rows, took = call(job([i + k for k in group]))
+        rate = sum(len(inputs[k]) for k in taken) / max(took, 1e-4)
+        for k, row in zip(taken, rows, strict=True):
             out[k] = row
-        i = group[-1] + 1
+        i = taken[-1] + 1
         n += 1
     return out, n
 

@@ -1,17 +1,19 @@
-"""Embedding and rerank models through the llama.cpp token source and the decode loop (:mod:`backends.core.pooling`):
-the
-made BERT embedder and reranker (:mod:`tests.support_embed`), and the default chat model's mean-pooled embeddings
-evaluated between the steps of a chat stream."""
+"""Embedding and rerank models through the llama.cpp token source and the decode loop
+(:mod:`backends.core.pooling`): the made BERT embedder and reranker (:mod:`tests.support_embed`), and the default
+chat model's mean-pooled embeddings evaluated between the steps of a chat stream."""
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from backends.contract.errors import ContextOverflowError, UnsupportedError
 from backends.contract.specs import GenerateRequest, LoadSpec, Sampling
+from backends.core import pooling
 from backends.core.loop import LoadedModel
 from backends.llamacpp._pool import POOL_INPUTS  # noqa: E402
 from backends.llamacpp.source import LlamaCppSource  # noqa: E402
@@ -118,6 +120,45 @@ def test_a_chat_model_embeds_between_the_steps_of_a_chat_stream(default_model_pa
         for vecs in during:
             assert np.allclose(vecs, alone_vecs, atol=1e-4)
         assert m.metrics().requests == 2  # the embeddings are not requests of the loop: no slot, no sequence
+
+
+def test_a_chat_that_comes_during_a_long_embedding_is_not_held_up_by_its_batches(default_model_path):
+    """A chat arriving while the model embeds many inputs waits for at most the batch under way, and then streams
+    with short pauses: a batch is sized by time when it runs on the loop (about ``BATCH_SECONDS`` beside a chat,
+    ``IDLE_BATCH_SECONDS`` alone, at the speed the batches before it went). Red before: batches of 64 inputs,
+    sized when queued, held the chat for seconds (3.2 s here, 2.8 s mid-stream in benchmarks/hostile_load.py).
+    The bound is the product's own time budget (the batches are timed on this machine), with room for a loaded
+    machine's misjudged batch."""
+    rng = random.Random(7)
+    words = "cat dog bird tree house river stone cloud light music paper window".split()
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(6, 12))) for _ in range(100)]
+    spec = LoadSpec(str(default_model_path), n_ctx=1024, slots=2, embedding=True)
+    req = GenerateRequest(prompt="Once upon a time", sampling=Sampling(temperature=0, max_tokens=24))
+
+    def chat() -> tuple[float, list[float]]:
+        start = time.perf_counter()
+        stamps = [time.perf_counter() for e in m.generate(req) if type(e).__name__ == "TextChunk"]
+        return start, stamps
+
+    with LoadedModel(LlamaCppSource, spec, name="chat+embed") as m:
+        m.embed_many(texts[:4])  # the pooling context made
+        start, stamps = chat()
+        ttft_alone = stamps[0] - start
+        box: dict[str, float] = {}
+
+        def embed() -> None:
+            m.embed_many(texts)
+            box["end"] = time.perf_counter()
+
+        t = threading.Thread(target=embed)
+        t.start()
+        time.sleep(0.3)  # the embedding's first batches under way: the chat comes now
+        start, stamps = chat()
+        t.join()
+    waits = [stamps[0] - start - ttft_alone] + [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    assert max(waits) < 3 * pooling.IDLE_BATCH_SECONDS, [round(w, 3) for w in waits]
+    assert box["end"] > stamps[-1], "the embedding ended before the chat: nothing was measured beside it"
+    assert max(waits[1:]) < 3 * pooling.BATCH_SECONDS + 2 * ttft_alone, [round(w, 3) for w in waits]
 
 
 def test_a_rerank_template_in_the_gguf_shapes_the_pair_and_a_cut_keeps_its_end(bert_reranker_templated):
