@@ -126,6 +126,7 @@ class LoadedModel(Scheduler):
         self._closing = False
         self._abandoned = False  # its source died (on_fatal): the thread may be stuck in C for good
         self._counters = LoopMetrics()
+        self._pace = pooling.Pace()  # how fast its pooling batches go, across requests
         self._load_error: BaseException | None = None
         self._pcache_spec = prompt_cache
         self._before_load = before_load
@@ -205,18 +206,24 @@ class LoadedModel(Scheduler):
             vectors = self.call(lambda s: s.embed(texts))
             return self._count(Pooled(vectors=vectors), len(texts))
         return self._count(pooling.embed(self.call, texts, truncate=truncate, cancel=cancel, max_tokens=max_tokens,
-                                         busy=self._decoding), len(texts))
+                                         busy=self._busy_for_pooling(), pace=self._pace), len(texts))
 
     def rerank(self, query: str, documents: list[str], *, truncate: bool = True,
                cancel: threading.Event | None = None, max_tokens: int = 0) -> Pooled:
         """Relevance scores of ``documents`` to ``query`` from a rank head, in batches between decode steps
         (``cancel``, ``max_tokens``: as :meth:`embed_many`'s)."""
         return self._count(pooling.rerank(self.call, query, documents, truncate=truncate, cancel=cancel,
-                                          max_tokens=max_tokens, busy=self._decoding), len(documents))
+                                          max_tokens=max_tokens, busy=self._busy_for_pooling(), pace=self._pace),
+                           len(documents))
 
     def _decoding(self) -> bool:
         """Whether requests decode (or wait to) on this model now: pooling batches keep short beside them."""
         return bool(self._active or self._incoming)
+
+    def _busy_for_pooling(self) -> Callable[[], bool] | None:
+        """What pooling batches ask before they run: a model that can generate may have chats to keep waiting
+        briefly; an embedding or rerank model has none (its batches are whole evaluations)."""
+        return None if self.source.info.embedding_only else self._decoding
 
     def _count(self, pooled: Pooled, inputs: int) -> Pooled:
         self._counters.pooled_inputs += inputs  # read as a snapshot by metrics(); a lost race costs one count

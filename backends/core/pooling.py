@@ -155,28 +155,41 @@ def _tokenized(call: Call, count: int, tokens_of: Callable[[TokenSource], Callab
     return out
 
 
-FIRST_BATCH_TOKENS = 128  # a model's first pooling batch, before the batches' speed is known
+FIRST_BATCH_TOKENS = 32  # a model's first pooling batch, before the batches' speed is known
 BATCH_SECONDS = 0.1  # what one pooling batch may take beside chat streams of the same model (their pause)
-IDLE_BATCH_SECONDS = 0.5  # and with nothing else running: what a request that comes meanwhile waits at most
+IDLE_BATCH_SECONDS = 0.5  # and with nothing else running: what a chat that comes meanwhile waits at most
 Busy = Callable[[], bool]  # whether the model has requests decoding or waiting now (LoadedModel's)
 
 
+@dataclass
+class Pace:
+    """How fast a model's pooling batches go (tokens a second, 0 while not known): kept by its loaded model across
+    requests, so that the first batch of the next request is sized by time too."""
+
+    rate: float = 0.0
+
+
 def _evaluate(call: Call, inputs: list[list[int]], cancel: threading.Event | None = None,
-              busy: Busy | None = None) -> tuple[list[Any], int]:
+              busy: Busy | None = None, pace: Pace | None = None) -> tuple[list[Any], int]:
     """Each input's pooled output, evaluated in batches (one job on the loop each, ``cancel`` checked between two);
     (outputs, batches). A batch takes at most what one evaluation takes
     (:meth:`~backends.contract.source.Pooling.pool_limits`) and about :data:`IDLE_BATCH_SECONDS` at the speed the
-    batches before it went, :data:`BATCH_SECONDS` while the model has chat requests (``busy()``), a whole input at
-    least. Whether it is busy is asked **on the loop's thread** when the batch runs, not when it is queued: a chat
-    that comes while the batch waits (or while it was sized) is admitted first and then sees only short batches."""
+    batches before it went (``pace``), :data:`BATCH_SECONDS` while the model has chat requests (``busy()``), a whole
+    input at least. Whether it is busy is asked **on the loop's thread** when the batch runs, not when it is queued:
+    a chat that comes while the batch waits (or while it was sized) is admitted first and then sees only short
+    batches. Without ``busy`` (a model that cannot generate: nobody waits for a step) every batch is a whole
+    evaluation."""
     max_tokens, max_inputs = call(lambda s: pooler(s).pool_limits())
     out: list[Any] = [None] * len(inputs)
-    rate = 0.0  # tokens a second of the batches so far, timed on the loop (0: not known yet)
+    pace = pace if pace is not None else Pace()  # tokens a second of the batches so far, timed on the loop
 
     def job(group: list[int]) -> Callable[[TokenSource], tuple[list[int], list[Any], float]]:
         def run(s: TokenSource) -> tuple[list[int], list[Any], float]:
-            seconds = BATCH_SECONDS if busy is not None and busy() else IDLE_BATCH_SECONDS
-            budget = int(rate * seconds) if rate else FIRST_BATCH_TOKENS
+            if busy is None:
+                budget = max_tokens
+            else:
+                seconds = BATCH_SECONDS if busy() else IDLE_BATCH_SECONDS
+                budget = int(pace.rate * seconds) if pace.rate else FIRST_BATCH_TOKENS
             lengths = [len(inputs[k]) for k in group]
             taken = [group[k] for k in batches(lengths, max(min(budget, max_tokens), lengths[0]), max_inputs)[0]]
             t0 = time.perf_counter()
@@ -190,7 +203,7 @@ def _evaluate(call: Call, inputs: list[list[int]], cancel: threading.Event | Non
         _check(cancel)
         group = batches([len(x) for x in inputs[i:i + max_inputs]], max(max_tokens, len(inputs[i])), max_inputs)[0]
         taken, rows, took = call(job([i + k for k in group]))
-        rate = sum(len(inputs[k]) for k in taken) / max(took, 1e-4)
+        pace.rate = sum(len(inputs[k]) for k in taken) / max(took, 1e-4)
         for k, row in zip(taken, rows, strict=True):
             out[k] = row
         i = taken[-1] + 1
@@ -211,11 +224,11 @@ def _limit(src: TokenSource) -> int:
 
 
 def embed(call: Call, texts: list[str], *, truncate: bool = True, cancel: threading.Event | None = None,
-          max_tokens: int = 0, busy: Busy | None = None) -> Pooled:
+          max_tokens: int = 0, busy: Busy | None = None, pace: Pace | None = None) -> Pooled:
     """L2-normalised embeddings of ``texts``, evaluated in batches (see the module's docstring). ``cancel`` stops
     the work between two jobs (:class:`RequestCancelled`); ``max_tokens`` caps the tokens of all inputs together
     (:class:`InputTooLargeError`; 0: no cap); ``busy``: whether chat requests decode on the model now (the batches
-    are then short: :func:`_evaluate`)."""
+    are then short: :func:`_evaluate`), ``pace`` the model's batch speed so far."""
 
     def tokens_of(s: TokenSource) -> Callable[[int], tuple[list[int], bool]]:
         if s.info.pooling == "rank":
@@ -227,16 +240,17 @@ def embed(call: Call, texts: list[str], *, truncate: bool = True, cancel: thread
 
     fitted = _tokenized(call, len(texts), tokens_of, cancel, max_tokens, "inputs")
     inputs = [t for t, _ in fitted]
-    rows, n = _evaluate(call, inputs, cancel, busy)
+    rows, n = _evaluate(call, inputs, cancel, busy, pace)
     return Pooled(vectors=[normalize(r) for r in rows], tokens=sum(map(len, inputs)),
                   truncated=[i for i, (_, cut) in enumerate(fitted) if cut], batches=n)
 
 
 def rerank(call: Call, query: str, documents: list[str], *, truncate: bool = True,
-           cancel: threading.Event | None = None, max_tokens: int = 0, busy: Busy | None = None) -> Pooled:
+           cancel: threading.Event | None = None, max_tokens: int = 0, busy: Busy | None = None,
+           pace: Pace | None = None) -> Pooled:
     """The relevance score of each document to ``query`` (the rank head's raw output), in document order; the query
     is tokenized once (:meth:`~backends.contract.source.Pooling.rerank_tokenizer`). ``cancel`` and ``max_tokens``: as
-    :func:`embed`'s (a pair's tokens count the query's), and ``busy``."""
+    :func:`embed`'s (a pair's tokens count the query's), ``busy`` and ``pace``."""
     pair: list[Callable[[str], list[int]]] = []
 
     def tokens_of(s: TokenSource) -> Callable[[int], tuple[list[int], bool]]:
@@ -250,9 +264,9 @@ def rerank(call: Call, query: str, documents: list[str], *, truncate: bool = Tru
 
     fitted = _tokenized(call, len(documents), tokens_of, cancel, max_tokens, "query-document pairs")
     inputs = [t for t, _ in fitted]
-    rows, n = _evaluate(call, inputs, cancel, busy)
+    rows, n = _evaluate(call, inputs, cancel, busy, pace)
     return Pooled(scores=[float(r[0]) for r in rows], tokens=sum(map(len, inputs)),
                   truncated=[i for i, (_, cut) in enumerate(fitted) if cut], batches=n)
 
 
-__all__ = ["POOLING_TYPES", "Pooled", "batches", "embed", "fit", "normalize", "rerank", "shorten"]
+__all__ = ["POOLING_TYPES", "Pace", "Pooled", "batches", "embed", "fit", "normalize", "rerank", "shorten"]
