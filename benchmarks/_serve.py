@@ -192,12 +192,12 @@ class LlamaCppServer(Server):
 class LlamaServer(Server):
     """llama.cpp's own ``llama-server`` (C++), ``slots`` slots of ``n_ctx`` tokens each (``--jinja``, no web UI)."""
 
-    def __init__(self, binary: Path, path: Path, threads: int, n_ctx: int, slots: int):
+    def __init__(self, binary: Path, path: Path, threads: int, n_ctx: int, slots: int, extra: tuple[str, ...] = ()):
         port = free_port()
         with open(LOG, "ab") as log:
             self.proc = subprocess.Popen(
                 [str(binary), "-m", str(path), "-c", str(n_ctx * slots), "-np", str(slots), "-t", str(threads),
-                 "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port), "--jinja", "--no-webui"],
+                 "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port), "--jinja", "--no-webui", *extra],
                 stdout=subprocess.DEVNULL, stderr=log)
         self.url = f"http://127.0.0.1:{port}"
         _wait_ready(self.url, self.proc, "/v1/models")

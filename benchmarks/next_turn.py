@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--no-bench", action="store_true", help="skip llama-bench")
     ap.add_argument("--before", type=Path, default=None,
                     help="another checkout of localllm served beside (\"before\"), e.g. an earlier commit's")
+    ap.add_argument("--llama-fa-off", action="store_true",
+                    help="a second llama-server beside, with -fa off (what localllm loads on the CPU)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -129,6 +131,10 @@ def main() -> None:
         ours = stack.enter_context(Localllm(env=env))
         theirs = stack.enter_context(LlamaServer(binary, gguf, threads, n_ctx, args.slots))
         sides = {"localllm": (ours.url, ours_extra), "llama-server": (theirs.url, {"cache_prompt": True})}
+        if args.llama_fa_off:
+            off = stack.enter_context(LlamaServer(binary, gguf, threads, n_ctx, args.slots, ("-fa", "off")))
+            sides["llama-fa-off"] = (off.url, {"cache_prompt": True})
+            out["llama-fa-off"] = {}
         if args.before is not None:
             old = stack.enter_context(Localllm(env=env, root=args.before.resolve()))
             sides["before"] = (old.url, ours_extra)
@@ -157,18 +163,18 @@ def main() -> None:
     for k in ("llama_bench_before", "llama_bench_after"):
         if k in out:
             print(f"{k}: {out[k]}")
-    mine = ["localllm", "before"] if args.before is not None else ["localllm"]
+    mine = ["localllm"] + [k for k in ("before", "llama-fa-off") if k in out]
     theirs_t = out["llama-server"]["turns"]
     for side in mine:
         for key in ("turn1_ttft_s", "turn2_ttft_s"):
             a = [r[key] for r in out[side]["turns"]]
             ref = [r[key] for r in theirs_t]
-            print(f"{key:14} {side:9}{' / '.join(f'{x:.3f}' for x in a)}   llama-server "
+            print(f"{key:14} {side:12}{' / '.join(f'{x:.3f}' for x in a)}   llama-server "
                   f"{' / '.join(f'{x:.3f}' for x in ref)}   ratio (median) {med(a) / med(ref):.2f}")
         for c in clients:
             a, t = out[side][f"B{c}_tok_s"], out["llama-server"][f"B{c}_tok_s"]
             ratios = " / ".join(f"{x / y:.2f}" for x, y in zip(a, t, strict=True))
-            print(f"B={c} tok/s      {side:9}{' / '.join(f'{x:.1f}' for x in a)}   llama-server "
+            print(f"B={c} tok/s      {side:12}{' / '.join(f'{x:.1f}' for x in a)}   llama-server "
                   f"{' / '.join(f'{x:.1f}' for x in t)}   ratios {ratios}")
 
 

@@ -449,7 +449,8 @@ class Loader:
             n_cpu_moe=p.n_cpu_moe,
             n_threads=options.num_thread or p.n_threads,
             kv_cache_type=p.kv_cache_type,  # type: ignore[arg-type]
-            flash_attn=None if p.kv_cache_type == "f16" else True,  # llama.cpp decides (auto)
+            # f16: llama.cpp decides (auto), except where the plan turns it off (the CPU: see planner.layout)
+            flash_attn=True if p.kv_cache_type != "f16" else (None if p.flash_attn else False),
             draft=self.draft_spec(model, options, p.backend, p.draft_n_gpu_layers, p.draft_device),
             embedding=options.embedding,
             # the vision projector, for a backend that runs one (MLX does not: images are refused there)

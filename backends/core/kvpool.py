@@ -131,8 +131,11 @@ class KVPool:
                 break  # (a parked sequence that no longer fits the pool is emptied: look again)
         seq: Seq | None = None
         copied = 0
-        if best is not None and best.owner is None and (best_n == len(best.tokens) or best_n == len(prompt)):
-            seq = best  # the same conversation continuing (or the same prompt again)
+        if best is not None and best.owner is None and (best_n == len(best.tokens) or best_n == len(prompt) or (
+                best.prompt_logits is not None and best_n >= best.prompt_logits[0])):
+            # the same conversation continuing (or the same prompt again; or its next turn, whose copy of the last
+            # answer tokenizes otherwise than the answer was sampled: only that answer's tail is cut, no copy)
+            seq = best
         elif best is not None and best_n > 0:
             # a shared prefix (a system prompt): copy it into the sequence this request may take, which is
             # an empty one, else the idle one used least recently (that may be ``best`` itself: then trim it)

@@ -13,7 +13,9 @@ It runs on the decode loop's thread (string work only, no model calls but the so
 from __future__ import annotations
 
 import math
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +29,30 @@ from backends.core import thinking as _thinking
 from backends.core._stops import StopMatcher, Utf8Stream, could_be_tool_call, parse_tool_calls, tool_marker_at
 
 MAX_TOP_LOGPROBS = 20
+HEADS_KEPT = 4  # rendered system prompts whose tokens are remembered per loaded model
+
+_heads: weakref.WeakKeyDictionary[Any, dict[str, list[int]]] = weakref.WeakKeyDictionary()
+_heads_lock = threading.Lock()
+
+
+def head_tokens(source: TokenSource, text: str) -> list[int]:
+    """The tokens of a rendered system prompt (where it ends is a prompt-cache point), remembered per source for
+    its ``HEADS_KEPT`` latest texts: every turn of every conversation sends the same one again, and tokenizing it
+    anew cost each turn ~50 ms at 20k tokens (an agent's system prompt and tool schemas)."""
+    with _heads_lock:
+        try:
+            memo = _heads.setdefault(source, {})
+        except TypeError:  # a source that cannot be weakly referenced: no memory
+            memo = None
+        toks = memo.pop(text, None) if memo is not None else None
+    if toks is None:
+        toks = source.prompt_tokens(text)
+    if memo is not None:
+        with _heads_lock:
+            memo[text] = toks
+            while len(memo) > HEADS_KEPT:
+                del memo[next(iter(memo))]
+    return toks
 
 
 class RequestStream:
@@ -119,8 +145,8 @@ class RequestStream:
             n_sys = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), len(msgs))
             # where a shared system prompt ends (one without images)
             if 0 < n_sys < len(msgs) and len(toks) >= 512 and not message_images(msgs[:n_sys]):
-                head = source.prompt_tokens(source.render(msgs[:n_sys], tools=tools, add_generation_prompt=False,
-                                                          template_kwargs=kwargs))
+                head = head_tokens(source, source.render(msgs[:n_sys], tools=tools, add_generation_prompt=False,
+                                                         template_kwargs=kwargs))
                 n = 0  # templates may end the turn differently when more follows: the common part
                 while n < min(len(head), len(toks)) and head[n] == toks[n]:
                     n += 1

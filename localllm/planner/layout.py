@@ -190,8 +190,9 @@ class _Planner:
         if device in ("cuda", "metal") and i.head_dim_k == i.head_dim_v and i.head_dim_k in FA_HEAD_DIMS:
             return True, (f"flash attention on: the GPU kernels cover head size {i.head_dim_k}, and it saves "
                           f"the n_ctx × batch attention buffer")
-        if device == "cpu":
-            return True, "flash attention: llama.cpp's auto setting, on for the CPU kernels"
+        if device == "cpu":  # llama.cpp's auto setting turns it on; its CPU kernel walks the keys one at a time
+            return False, ("flash attention off: llama.cpp's CPU kernel slows as the context grows (llama-bench, "
+                           "135M: decode at 4k tokens 3.6x slower, 21 new tokens at 3k 17x)")
         if device == "gpu":
             return True, "flash attention: llama.cpp's auto setting (on where the devices run it, as RPC workers do)"
         return False, "flash attention off: the GPU kernels do not cover this head size"

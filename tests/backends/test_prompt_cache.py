@@ -264,3 +264,69 @@ def test_the_writer_waits_while_the_model_decodes(tmp_path):
     c.flush()  # a flush does not wait for the model
     assert c.lookup([5, 6, 7]) == (3, bytes(10))
     c.close()
+
+
+def test_the_next_turn_tokenizes_the_system_prompt_once_per_model_not_every_turn(default_model_path, tmp_path):
+    """Where the system prompt ends is a cache point, found by tokenizing the system prompt alone: that is done once,
+    not again every turn (~50 ms a turn at an agent's 20k-token system prompt). Turn 2 tokenizes its own prompt
+    and nothing more (it was that plus the system prompt again)."""
+    with _model(default_model_path, tmp_path) as m:
+        seen: list[int] = []
+        src = m.source
+        real = src.prompt_tokens
+
+        def counting(text: str) -> list[int]:
+            toks = real(text)
+            seen.append(len(toks))
+            return toks
+
+        m.call(lambda s: setattr(s, "prompt_tokens", counting))
+        first, done1, _ = collect(m.generate(ask("What does rule 7 say?", n=8)))
+        assert sum(seen) > done1.stats.prompt_eval_count  # turn 1: the prompt, and the system prompt alone
+        seen.clear()
+        turn2 = GenerateRequest(messages=[{"role": "system", "content": SYSTEM},
+                                          {"role": "user", "content": "What does rule 7 say?"},
+                                          {"role": "assistant", "content": first},
+                                          {"role": "user", "content": "And rule 9?"}],
+                                sampling=Sampling(temperature=0.0, max_tokens=8))
+        _, done2, _ = collect(m.generate(turn2))
+        assert done2.stats.prompt_cached_tokens > 600  # (the system prompt's end still found: a cache point)
+        assert sum(seen) == done2.stats.prompt_eval_count, (seen, done2.stats.prompt_eval_count)
+
+
+def test_the_next_turn_continues_its_own_sequence_when_the_answer_comes_back_otherwise(default_model_path, tmp_path):
+    """Turn 2 sends turn 1's answer back otherwise than it was sampled (a client that trims it, a template that
+    re-tokenizes it): the conversation's sequence is cut after the prompt it shares and continues, nothing copied.
+    It was copied into another sequence (seq_cp) and the old one, idle beside it, parked (its state copied out of
+    llama.cpp) before turn 2's first token: what an agent paid every turn."""
+    from backends.contract.events import TextChunk
+
+    with _model(default_model_path, tmp_path) as m:
+        calls: list[str] = []
+        src = m.source
+
+        def counted(name: str) -> None:
+            real = getattr(src, name)
+
+            def wrapper(*a, **k):
+                calls.append(name)
+                return real(*a, **k)
+
+            setattr(src, name, wrapper)
+
+        m.call(lambda s: [counted(n) for n in ("seq_cp", "state_save")])
+        first, done1, _ = collect(m.generate(ask("What does rule 7 say?", n=16)))
+        calls.clear()
+        turn2 = GenerateRequest(messages=[{"role": "system", "content": SYSTEM},
+                                          {"role": "user", "content": "What does rule 7 say?"},
+                                          {"role": "assistant", "content": first[:len(first) // 2]},
+                                          {"role": "user", "content": "And rule 9?"}],
+                                sampling=Sampling(temperature=0.0, max_tokens=8))
+        before = None
+        evs = []
+        for ev in m.generate(turn2):
+            if before is None and isinstance(ev, TextChunk):
+                before = list(calls)
+            evs.append(ev)
+        assert evs[-1].stats.prompt_cached_tokens >= done1.stats.prompt_eval_count
+        assert before == [], before
