@@ -80,7 +80,6 @@ from localllm.scheduler import ModelScheduler
 if TYPE_CHECKING:
     from localllm.hardware import HardwareInfo
     from localllm.mlxmodels import ConversionProgress
-    from localllm.planner import Plan
     from localllm.store import InstalledModel, Store
 
 log = logging.getLogger("localllm.engine")
@@ -150,11 +149,6 @@ class Engine(ModelScheduler):
         """What loading ``name`` would be (installed model, merged options, plan), nothing loaded: the loader's
         :meth:`~localllm.loader.Loader.prepare`, the one the engine loads from."""
         return self.loader.prepare(name, options)
-
-    def plan_for(self, name: str, options: LoadOptions | None = None) -> tuple[InstalledModel, Plan]:
-        """(installed model, plan) of :meth:`prepare`."""
-        prepared = self.prepare(name, options)
-        return prepared.model, prepared.plan
 
     # ------------------------------------------------------------------ checkout / checkin
 

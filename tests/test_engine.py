@@ -34,8 +34,8 @@ def test_eviction_follows_the_plans_memory_totals(two_models):
     store, (small, big) = two_models
     small_opts, big_opts = LoadOptions(num_ctx=512), LoadOptions(num_ctx=8192)
     probe_engine = Engine(store, keep_alive=300)
-    p_small = probe_engine.plan_for(small, small_opts)[1]
-    p_big = probe_engine.plan_for(big, big_opts)[1]
+    p_small = probe_engine.prepare(small, small_opts).plan
+    p_big = probe_engine.prepare(big, big_opts).plan
     probe_engine.close()
     assert p_big.memory.total > p_small.memory.total  # a larger context costs KV cache
 
@@ -127,7 +127,7 @@ def test_a_load_waiting_for_a_busy_models_memory_does_not_hold_up_one_that_fits(
     store, (a, x) = two_models
     small, big = LoadOptions(num_ctx=512), LoadOptions(num_ctx=8192)
     with Engine(store, keep_alive=300) as probe_engine:
-        p_small, p_big = probe_engine.plan_for(a, small)[1], probe_engine.plan_for(x, big)[1]
+        p_small, p_big = probe_engine.prepare(a, small).plan, probe_engine.prepare(x, big).plan
     assert p_big.memory.total > p_small.memory.total
     with Engine(store, keep_alive=300, memory_budget=2 * p_small.memory.total) as engine:  # A + B, not A + X
         req = GenerateRequest(prompt="Count to a thousand:", sampling=Sampling(temperature=0, max_tokens=200))

@@ -170,7 +170,7 @@ def test_engine_converts_on_first_use_then_runs_on_mlx(own_home: Path):
     engine = Engine(on_convert=on_convert)
     try:
         options = LoadOptions(num_ctx=1024, backend="mlx")
-        _, plan = engine.plan_for("smollm2:135m", options)
+        plan = engine.prepare("smollm2:135m", options).plan
         assert plan.backend == "mlx" and plan.mlx_convert
         assert not (own_home / "data" / "models" / "mlx").exists()  # planning converts nothing
         for draft in ("none", "ngram"):
@@ -190,7 +190,7 @@ def test_engine_converts_on_first_use_then_runs_on_mlx(own_home: Path):
     hexdigest = installed.weights_digest.split(":")[-1]
     assert installed.weights_path("mlx") == own_home / "data" / "models" / "mlx" / hexdigest
     with Engine() as engine:
-        assert not engine.plan_for("smollm2:135m", LoadOptions(backend="mlx"))[1].mlx_convert
+        assert not engine.prepare("smollm2:135m", LoadOptions(backend="mlx")).plan.mlx_convert
 
 
 def test_a_cancelled_first_use_conversion_leaves_nothing(own_home: Path):

@@ -582,7 +582,7 @@ def test_probe_and_the_engine_pick_mlx_for_a_convertible_gguf_on_a_mac(private_d
 
     engine = Engine(hardware=mac)
     try:
-        _, ep = engine.plan_for("smollm2:135m")
+        ep = engine.prepare("smollm2:135m").plan
     finally:
         engine.close()
     assert ep.backend == "mlx" and ep.mlx_convert and ep.reasons == p.reasons

@@ -137,10 +137,6 @@ class PooledOutputs:
         end = [eos] if add_eos else []
         return lambda document: first + self._tokenize(document, False, False) + end
 
-    @property
-    def can_pool(self) -> bool:
-        return True
-
     def pool_limits(self) -> tuple[int, int]:
         _, _, tokens, seqs = self._embed_ctx()
         return tokens, seqs
