@@ -36,8 +36,9 @@ def pool_tokens(tokens: int, seqs: int) -> int:
     return -(-max(1, tokens) // seqs) * seqs
 
 
-class PooledOutputs:
-    """Mixed into :class:`~backends.llamacpp.source.LlamaCppSource` (its model, vocabulary and contexts)."""
+class LlamaPooling:
+    """llama.cpp's implementation of :class:`~backends.contract.source.Pooling`, mixed into
+    :class:`~backends.llamacpp.source.LlamaCppSource` (its model, vocabulary and contexts)."""
 
     if TYPE_CHECKING:
         spec: LoadSpec

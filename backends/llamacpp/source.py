@@ -42,9 +42,9 @@ from backends.contract.source import FALLBACK_CHAT_TEMPLATE, Capabilities, Feed,
 from backends.contract.specs import LoadSpec, LoraAdapter, Sampling, ToolCallFormat
 from backends.core.stream import check_logit_bias
 from backends.llamacpp._log import allocations, capture, forget_recent, install_log_router, log_callback, native_reason
-from backends.llamacpp._pool import PooledOutputs
-from backends.llamacpp._state import SequenceMemory
-from backends.llamacpp._vision import MediaInputs
+from backends.llamacpp._pool import LlamaPooling
+from backends.llamacpp._state import LlamaSequenceStates
+from backends.llamacpp._vision import LlamaMediaInput
 from backends.llamacpp.checks import (
     KV_BYTES_PER_ELEM,
     KV_GGML_TYPE,
@@ -58,7 +58,7 @@ from backends.llamacpp.checks import (
 from backends.llamacpp.sampling import ChainSampler, make_sampler
 
 if TYPE_CHECKING:
-    from backends.llamacpp._vision import Projector  # noqa: F401 - imported for real where a projector loads
+    from backends.llamacpp._vision import LoadedProjector  # noqa: F401 - imported for real where a projector loads
 
 log = logging.getLogger("backends.llamacpp")
 
@@ -80,7 +80,7 @@ PRESERVED_MARKERS = (
 _backend_initialised = False
 
 
-class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
+class LlamaCppSource(LlamaMediaInput, LlamaSequenceStates, LlamaPooling, TokenSource):
     """One GGUF model in one llama.cpp context: ``spec.slots`` slots over a unified KV pool."""
 
     name = "llamacpp"
@@ -106,7 +106,7 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
         self._batch: Any = None
         self._embed: tuple[Any, Any, int, int] | None = None  # (context, batch, tokens, sequences) for pooling
         self._pooling: str | None = None
-        self._proj: Projector | None = None  # when spec.mmproj names one
+        self._proj: LoadedProjector | None = None  # when spec.mmproj names one
         self._ebatch: Any = None  # a llama_batch with embd, for image positions
         self._saved_rows: list[Any] = []
         self._alloc: dict[str, dict[str, int]] = {}  # per device, what llama.cpp allocated at load
@@ -220,10 +220,10 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
             # first layers (Qwen3-VL's deepstack: n_embd x (1 + deepstack layers)), as mtmd-helper reads it
             self._n_embd = int(llama_cpp.llama_model_n_embd_inp(self._model))
             if spec.mmproj:
-                from backends.llamacpp._vision import Projector
+                from backends.llamacpp._vision import LoadedProjector
 
                 forget_recent()
-                self._proj = Projector(spec.mmproj, self._model, self._n_embd, n_threads=self.n_threads,
+                self._proj = LoadedProjector(spec.mmproj, self._model, self._n_embd, n_threads=self.n_threads,
                                        use_gpu=spec.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload()),
                                        log_callback=log_callback(), native_reason=native_reason,
                                        # M-RoPE images are evaluated whole: one fits in a step beside every slot
