@@ -11,8 +11,9 @@ module imports no backend library (each check imports what it needs when called)
     >>> get("mlx").weights, get("llamacpp").weights, get("llamacpp").label
     ('mlx', 'gguf', 'llama.cpp')
 
-A third backend is its :class:`~backends.contract.source.TokenSource` file plus one :func:`register` call (the two
-built-in ones are registered at the bottom of this module; a test registers its own the same way).
+A third backend is its package (``backends/<name>/``, its :class:`~backends.contract.source.TokenSource` in
+``source.py``) plus one :func:`register` line (the two built-in ones are registered at the bottom of this module; a
+test registers its own the same way).
 """
 
 from __future__ import annotations
