@@ -8,11 +8,12 @@ module imports no backend library (each check imports what it needs when called)
 
     >>> [b.name for b in ranked(apple_silicon=False)], [b.name for b in ranked(apple_silicon=True)]
     (['llamacpp', 'mlx'], ['mlx', 'llamacpp'])
-    >>> get("mlx").weights, get("mlx").converts_from, get("llamacpp").label
+    >>> get("mlx").weights, get("llamacpp").weights, get("llamacpp").label
     ('mlx', 'gguf', 'llama.cpp')
 
-A third backend is its :class:`~backends.contract.source.TokenSource` file plus one :func:`register` call (the two
-built-in ones are registered at the bottom of this module; a test registers its own the same way).
+A third backend is its package (``backends/<name>/``, its :class:`~backends.contract.source.TokenSource` in
+``source.py``) plus one :func:`register` line (the two built-in ones are registered at the bottom of this module; a
+test registers its own the same way).
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ class Backend:
     install: str  # how to install it (one command)
     priority: int  # the planner's order for backend "auto": lower is tried first
     apple_priority: int | None = None  # the order on Apple Silicon (None: ``priority``)
-    converts_from: str | None = None  # weights it prepares from another format, once, offline (MLX: the GGUF)
     install_note: str = ""  # why to install it, where the planner advises it
     kv_cache_types: tuple[str, ...] = KV_CACHE_TYPES
     # why a quantized KV type cannot be used for a model: (kv type, head size, sliding window) -> sentence | None
@@ -247,5 +247,5 @@ LLAMACPP = register(Backend(
 MLX_BACKEND = register(Backend(
     name="mlx", label="MLX", source="backends.mlx.source:MLXSource", weights=MLX, memory="unified",
     install="pip install 'localllm[mlx]'", install_note="MLX is usually the fastest backend on Apple Silicon",
-    priority=30, apple_priority=10, converts_from=GGUF, kv_problem=mlx_kv_problem,
+    priority=30, apple_priority=10, kv_problem=mlx_kv_problem,
     schema_rules="backends.mlx._json:schema_problem", probe=mlx_status))

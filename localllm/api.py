@@ -10,6 +10,9 @@ Two implementations, one interface::
 A face gets both from :func:`localllm.session.open_session` (``--host URL`` picks the remote one) and never
 asks which one it got: the CLI (``localllm/cli/``: its commands, ``answer.py``, ``interactive.py``) and
 the TUI (``localllm/tui``) use nothing else to list, pull, remove, run and unload models.
+:class:`Runner` is the one engine interface they see: adding an engine call is the engine's method, this protocol's
+member and its two implementations (``tests/test_runner.py`` checks both against it, member by member). The server
+is the engine's own face and takes :class:`localllm.engine.Engine` itself (``localllm.server.protocol``).
 
 Errors are the project's: :class:`~localllm.errors.ModelNotFoundError` for an unknown model,
 :class:`~localllm.errors.LocalLLMError` (one sentence) for anything else a user can cause; a backend's
@@ -322,7 +325,9 @@ class Ranked:
 
 
 class Runner(Protocol):
-    """Loaded models: generate (a sync or an async stream of events), load, unload, ps.
+    """Loaded models: generate (a sync or an async stream of events), load, unload, ps, embed, rerank: the one
+    engine interface the faces see, in-process (:class:`localllm.local.LocalRunner`) and remote
+    (:class:`localllm.client.Client`) alike.
 
     Events are the engine's: :class:`~localllm.api.TextChunk` (``thinking=True`` for reasoning),
     :class:`~localllm.api.ToolCalls`, and one closing :class:`~localllm.api.Done`. Leaving a stream

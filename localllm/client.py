@@ -592,3 +592,11 @@ def connect(host: str | None = None) -> Client | None:
             return client
         client.close()
     return None
+
+
+if TYPE_CHECKING:
+    from localllm.api import Models, Runner
+
+    def _implements(client: Client) -> tuple[Models, Runner]:
+        """mypy checks here that the client is both protocols (the types); tests/test_runner.py, the names."""
+        return client, client

@@ -58,7 +58,7 @@ import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Generator
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backends.contract.errors import (
     ContextOverflowError,
@@ -80,7 +80,6 @@ from localllm.scheduler import ModelScheduler
 if TYPE_CHECKING:
     from localllm.hardware import HardwareInfo
     from localllm.mlxmodels import ConversionProgress
-    from localllm.planner import Plan
     from localllm.store import InstalledModel, Store
 
 log = logging.getLogger("localllm.engine")
@@ -151,11 +150,6 @@ class Engine(ModelScheduler):
         :meth:`~localllm.loader.Loader.prepare`, the one the engine loads from."""
         return self.loader.prepare(name, options)
 
-    def plan_for(self, name: str, options: LoadOptions | None = None) -> tuple[InstalledModel, Plan]:
-        """(installed model, plan) of :meth:`prepare`."""
-        prepared = self.prepare(name, options)
-        return prepared.model, prepared.plan
-
     # ------------------------------------------------------------------ checkout / checkin
 
     def load(self, name: str, options: LoadOptions | None = None, *, keep_alive: float | None = None) -> Resident:
@@ -215,10 +209,104 @@ class Engine(ModelScheduler):
         its ``stats.load_duration`` includes the load if this call loaded the model. A prompt that does not fit
         the loaded context reloads the model with one that fits when the request leaves the context to the
         planner (:func:`~localllm.growth.grown`). ``installed``: ``name`` as the caller read it from the store
-        already (the server does, to answer 404 first): a load does not read it again.
+        already (the server does, to answer 404 first): a load does not read it again. A ``cancel`` already set
+        ends the stream at once with ``Done(finish_reason="cancelled")``, nothing loaded.
 
         Raises :class:`ServerBusyError` on the first ``next()`` when the queue is full. Closing the
-        generator early cancels the request at the next step."""
+        generator early cancels the request at the next step. :meth:`_generation` is the request's course,
+        this its sync driver (blocking calls made here, events read from the decode loop's channel)."""
+        core = self._generation(name, request, options, cancel, keep_alive, installed)
+        try:
+            step = next(core)
+            while True:
+                if isinstance(step, _Call):
+                    try:
+                        result = step.fn(*step.args)
+                    except BaseException as e:  # noqa: BLE001 - into the course, which releases and re-raises
+                        step = core.throw(e)
+                        continue
+                elif isinstance(step, _Read):
+                    try:
+                        result = next(step.items(iter), _END)
+                    except BaseException as e:  # noqa: BLE001 - the producer's error (an overflow), into the course
+                        step = core.throw(e)
+                        continue
+                else:
+                    yield step
+                    result = None
+                step = core.send(result)
+        except StopIteration:
+            return
+        finally:
+            core.close()
+
+    async def agenerate(
+        self,
+        name: str,
+        request: GenerateRequest,
+        options: LoadOptions | None = None,
+        *,
+        cancel: threading.Event | None = None,
+        keep_alive: float | None = None,
+        installed: InstalledModel | None = None,
+    ) -> AsyncGenerator[Event, None]:
+        """:meth:`generate` for asyncio callers, the same course (:meth:`_generation`) with its blocking calls (the
+        load, the planner's answer for a larger context) in a worker thread and the events from the model's decode
+        loop through the event loop. Leaving the ``async for`` early (or the task being cancelled, as when an HTTP
+        client disconnects) cancels the request at the next step and frees its slot; so does setting ``cancel``
+        (the stream then ends with ``Done(finish_reason="cancelled")``)::
+
+            async def first_words(engine, req):
+                async for ev in engine.agenerate("smollm2:135m", req):
+                    if isinstance(ev, TextChunk):
+                        return ev.text
+        """
+        core = self._generation(name, request, options, cancel, keep_alive, installed)
+        try:
+            step = next(core)
+            while True:
+                if isinstance(step, _Call):
+                    call = asyncio.ensure_future(asyncio.to_thread(step.fn, *step.args))
+                    try:
+                        result = await asyncio.shield(call)
+                    except asyncio.CancelledError as e:  # the caller left: the thread goes on, and what it
+                        late = step.late  # returns is handed back once it is done
+
+                        def hand_back(f: asyncio.Future[Any], late: Callable[[Any], None] | None = late) -> None:
+                            if late is not None and not f.cancelled() and f.exception() is None:
+                                late(f.result())
+
+                        call.add_done_callback(hand_back)
+                        step = core.throw(e)
+                        continue
+                    except BaseException as e:  # noqa: BLE001 - into the course, which releases and re-raises
+                        step = core.throw(e)
+                        continue
+                elif isinstance(step, _Read):
+                    try:
+                        result = await anext(step.items(aiter), _END)
+                    except BaseException as e:  # noqa: BLE001 - the producer's error, or the caller leaving
+                        step = core.throw(e)
+                        continue
+                else:
+                    yield step
+                    result = None
+                step = core.send(result)
+        except StopIteration:
+            return
+        finally:
+            core.close()
+
+    def _generation(self, name: str, request: GenerateRequest, options: LoadOptions | None,
+                    cancel: threading.Event | None, keep_alive: float | None, installed: InstalledModel | None,
+                    ) -> Generator[Event | _Call | _Read, Any, None]:
+        """One request's course, written once for both faces: an already set ``cancel`` ends it at once; else the
+        model is checked out and the request queued on it (:meth:`_start`), its events pass on, a prompt that
+        outgrows the context is retried with what :meth:`_grown` answers, and the model is given back (a request
+        left before its end cancelled). It yields the events for the consumer, a :class:`_Call` for each blocking
+        call and a :class:`_Read` for each next event of the decode loop's channel, and is sent their results
+        (:data:`_END` at the end of the channel) or thrown their errors: :meth:`generate` and :meth:`agenerate`
+        drive it, each the way its caller waits."""
         t_start = time.perf_counter_ns()
         cancel = cancel if cancel is not None else threading.Event()
         if cancel.is_set():
@@ -228,17 +316,23 @@ class Engine(ModelScheduler):
         request, options = growable(request, options or LoadOptions())
         try:
             while True:
-                running, was_loaded, events = self._start(name, request, options, cancel, keep_alive, t_start,
-                                                          installed)
+                try:
+                    running, was_loaded, events = yield _Call(
+                        self._start, (name, request, options, cancel, keep_alive, t_start, installed),
+                        late=lambda started: self._checkin(started[0], keep_alive))
+                except asyncio.CancelledError:  # the caller left during the load: the request it queues is
+                    cancel.set()  # cancelled (and the model's reference handed back by ``late``)
+                    raise
+                reader = _Read(events)
                 retry = None
                 sent = False
                 try:
-                    for event in events:
+                    while (event := (yield reader)) is not _END:
                         self._finish(running, event, was_loaded, t_start)
                         sent = True
                         yield event
                 except ContextOverflowError as e:
-                    retry = None if sent else self._grown(running, request, options, e)
+                    retry = None if sent else (yield _Call(self._grown, (running, request, options, e)))
                     if retry is None:
                         raise
                 finally:
@@ -280,68 +374,6 @@ class Engine(ModelScheduler):
     def _untrack(self, cancel: threading.Event) -> None:
         with self._lock:
             self._stops.discard(cancel)
-
-    async def agenerate(
-        self,
-        name: str,
-        request: GenerateRequest,
-        options: LoadOptions | None = None,
-        *,
-        cancel: threading.Event | None = None,
-        keep_alive: float | None = None,
-        installed: InstalledModel | None = None,
-    ) -> AsyncGenerator[Event, None]:
-        """:meth:`generate` for asyncio callers: the load runs in a worker thread, the events arrive
-        from the model's decode loop through the event loop. Leaving the ``async for`` early (or the
-        task being cancelled, as when an HTTP client disconnects) cancels the request at the next step
-        and frees its slot; so does setting ``cancel`` (the stream then ends with
-        ``Done(finish_reason="cancelled")``)::
-
-            async def first_words(engine, req):
-                async for ev in engine.agenerate("smollm2:135m", req):
-                    if isinstance(ev, TextChunk):
-                        return ev.text
-        """
-        t_start = time.perf_counter_ns()
-        cancel = cancel if cancel is not None else threading.Event()
-        self._track(cancel)
-        request, options = growable(request, options or LoadOptions())
-        try:
-            while True:
-                started = asyncio.ensure_future(asyncio.to_thread(
-                    self._start, name, request, options, cancel, keep_alive, t_start, installed))
-                try:
-                    running, was_loaded, events = await asyncio.shield(started)
-                except asyncio.CancelledError:  # the caller left during the load: the thread goes on, its
-                    cancel.set()  # request is cancelled, and the model's reference is returned once it is done
-
-                    def release(f: asyncio.Future[tuple[Resident, bool, Channel[Event]]]) -> None:
-                        if not f.cancelled() and f.exception() is None:
-                            self._checkin(f.result()[0], keep_alive)
-
-                    started.add_done_callback(release)
-                    raise
-                retry = None
-                sent = False
-                try:
-                    async for event in events:
-                        self._finish(running, event, was_loaded, t_start)
-                        sent = True
-                        yield event
-                except ContextOverflowError as e:
-                    retry = None if sent else await asyncio.to_thread(self._grown, running, request, options, e)
-                    if retry is None:
-                        raise
-                finally:
-                    if retry is None:
-                        self._release(running, events, cancel, keep_alive)
-                    else:  # the request ended with the error (nothing to cancel): only the reference goes back
-                        self._checkin(running, keep_alive)
-                if retry is None:
-                    return
-                request, options = retry
-        finally:
-            self._untrack(cancel)
 
     def embed(self, name: str, texts: list[str], options: LoadOptions | None = None,
               *, keep_alive: float | None = None) -> list[list[float]]:
@@ -465,6 +497,37 @@ class Engine(ModelScheduler):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Call:
+    """A blocking call :meth:`Engine._generation` asks its driver to make (in the caller's thread, or a worker
+    thread for asyncio callers) and to send back the result of; ``late``: what to do with that result if the caller
+    left while it ran (a thread cannot be stopped: what the load checked out is handed back then)."""
+
+    __slots__ = ("args", "fn", "late")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                 late: Callable[[Any], None] | None = None) -> None:
+        self.fn, self.args, self.late = fn, args, late
+
+
+class _Read:
+    """:meth:`Engine._generation` asks its driver for the next event of ``events`` (iterated with ``start``,
+    ``iter`` or ``aiter``, once), to be sent :data:`_END` when the stream ends."""
+
+    __slots__ = ("_items", "events")
+
+    def __init__(self, events: Channel[Event]) -> None:
+        self.events = events
+        self._items: Any = None
+
+    def items(self, start: Callable[[Channel[Event]], Any]) -> Any:
+        if self._items is None:
+            self._items = start(self.events)
+        return self._items
+
+
+_END = object()  # sent for a _Read when the decode loop's stream has ended
 
 
 DEFAULT_MAX_EMBED_INPUTS = 2048  # inputs one embedding request takes (OpenAI's limit)

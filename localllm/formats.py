@@ -67,7 +67,8 @@ class Weights:
 
 @dataclass(frozen=True)
 class PlanWeights:
-    """What a format has for a model, as the planner takes it (``plan(mlx=...)``; ``MLXWeights`` is its MLX name):
+    """What a format has for a model, as the planner takes it (``plan(weights={format: ...})``; ``MLXWeights`` is
+    its MLX name):
     installed weights, or a source that converts on first use, or why not."""
 
     installed: bool = False  # complete weights exist (fetched or converted)
@@ -123,7 +124,7 @@ class WeightsFormat(Protocol):
 
     def for_plan(self, model: Any, hw: HardwareInfo, backend: str) -> PlanWeights:
         """What this format has for ``model`` (installed weights, a source that converts, or why not) for the
-        planner's ``mlx=`` (a backend asked for, or ``"auto"``)."""
+        planner's ``weights=`` (a backend asked for, or ``"auto"``)."""
         ...
 
     def convert(self, model: Any, device: str, progress: Callable[[int, int], None] | None) -> Path:
@@ -206,17 +207,19 @@ def of_backend(backend: str) -> WeightsFormat:
     return get(descriptor.get(backend).weights)
 
 
-def for_plan(model: Any, hw: HardwareInfo, backend: str) -> PlanWeights | None:
-    """What the planner gets as ``mlx=`` for ``model``: for a backend asked for that loads a format other than the
-    GGUF, that format's answer (installed, converts, or why not); for ``"auto"``, the answer of the first such
-    format in the planner's order; None for a backend that loads the GGUF."""
+def for_plan(model: Any, hw: HardwareInfo, backend: str) -> dict[str, PlanWeights]:
+    """What the planner gets as ``weights=`` for ``model``, by format name: for a backend asked for that loads a
+    format other than the GGUF, that format's answer (installed, converts, or why not); for ``"auto"``, the answer of
+    each such format the planner's order has a backend for; nothing for a backend that loads the GGUF. The planner
+    judges each backend by its own format's answer."""
     if backend in descriptor.names():
         fmt = of_backend(backend)
-        return None if fmt.name == GGUF else fmt.for_plan(model, hw, backend)
+        return {} if fmt.name == GGUF else {fmt.name: fmt.for_plan(model, hw, backend)}
+    out: dict[str, PlanWeights] = {}
     for b in descriptor.ranked(hw.apple_silicon):
-        if b.weights != GGUF:
-            return get(b.weights).for_plan(model, hw, backend)
-    return None
+        if b.weights != GGUF and b.weights not in out:
+            out[b.weights] = get(b.weights).for_plan(model, hw, backend)
+    return out
 
 
 register_format(GGUFFormat())

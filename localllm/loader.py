@@ -315,9 +315,9 @@ class Loader:
             kv_cache_type=kv,
             backend=options.backend,
             num_gpu=options.num_gpu,
-            mlx_model=bool(model.weights),
-            # the backend's weights (another format than the GGUF) installed / converting on first use / why not
-            mlx=formats.for_plan(model, self.hardware, options.backend),
+            # each format other than the GGUF: its weights installed / converting on first use / why not
+            weights={**{f: formats.PlanWeights(installed=True) for f in model.weights},
+                     **formats.for_plan(model, self.hardware, options.backend)},
             num_parallel=options.num_parallel or _env_parallel(),
             projector_bytes=model.projector.size if model.projector is not None else 0,
             projector_kind="+".join(model.projector.kinds) if model.projector is not None else "vision",

@@ -302,3 +302,11 @@ class LocalAdvisor:
 
     def hardware(self) -> HardwareInfo:
         return self.engine.hardware
+
+
+if TYPE_CHECKING:
+    from localllm.api import Advisor, Models, Runner
+
+    def _implements(models: LocalModels, runner: LocalRunner, advisor: LocalAdvisor) -> tuple[Models, Runner, Advisor]:
+        """mypy checks here that each is its protocol (every member, its types); tests/test_runner.py, the names."""
+        return models, runner, advisor

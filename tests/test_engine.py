@@ -3,12 +3,13 @@ waits behind another model's stream; generation and embeddings share one loaded 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import pytest
 
-from localllm.api import GenerateRequest, Sampling
+from localllm.api import Done, GenerateRequest, Sampling
 from localllm.engine import Engine
 from localllm.loader import LoadOptions
 
@@ -33,8 +34,8 @@ def test_eviction_follows_the_plans_memory_totals(two_models):
     store, (small, big) = two_models
     small_opts, big_opts = LoadOptions(num_ctx=512), LoadOptions(num_ctx=8192)
     probe_engine = Engine(store, keep_alive=300)
-    p_small = probe_engine.plan_for(small, small_opts)[1]
-    p_big = probe_engine.plan_for(big, big_opts)[1]
+    p_small = probe_engine.prepare(small, small_opts).plan
+    p_big = probe_engine.prepare(big, big_opts).plan
     probe_engine.close()
     assert p_big.memory.total > p_small.memory.total  # a larger context costs KV cache
 
@@ -126,7 +127,7 @@ def test_a_load_waiting_for_a_busy_models_memory_does_not_hold_up_one_that_fits(
     store, (a, x) = two_models
     small, big = LoadOptions(num_ctx=512), LoadOptions(num_ctx=8192)
     with Engine(store, keep_alive=300) as probe_engine:
-        p_small, p_big = probe_engine.plan_for(a, small)[1], probe_engine.plan_for(x, big)[1]
+        p_small, p_big = probe_engine.prepare(a, small).plan, probe_engine.prepare(x, big).plan
     assert p_big.memory.total > p_small.memory.total
     with Engine(store, keep_alive=300, memory_budget=2 * p_small.memory.total) as engine:  # A + B, not A + X
         req = GenerateRequest(prompt="Count to a thousand:", sampling=Sampling(temperature=0, max_tokens=200))
@@ -147,3 +148,46 @@ def test_a_load_waiting_for_a_busy_models_memory_does_not_hold_up_one_that_fits(
         load_x.join(30)
         assert not load_x.is_alive()
         assert [m.name for m in engine.ps()] == [x]  # A and B (idle) made room for X
+
+
+# ------------------------------------------------------------------------------------------ the two faces of generate
+
+
+def _stream(engine: Engine, face: str, request: GenerateRequest, **kw) -> list:
+    """Every event of ``engine.generate`` (``face="sync"``) or ``engine.agenerate`` (``"async"``) for ``request``."""
+    if face == "sync":
+        return list(engine.generate(MODEL, request, **kw))
+
+    async def read() -> list:
+        return [event async for event in engine.agenerate(MODEL, request, **kw)]
+
+    return asyncio.run(read())
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_a_cancel_already_set_ends_either_face_at_once_with_nothing_loaded(default_model, face):
+    """``generate`` ended a request whose cancel was already set with ``Done(cancelled)`` before loading anything;
+    ``agenerate`` loaded the model first. Both are one course now."""
+    cancel = threading.Event()
+    cancel.set()
+    with Engine(keep_alive=300) as engine:
+        request = GenerateRequest(messages=[{"role": "user", "content": "Hi"}], sampling=Sampling(seed=1))
+        events = _stream(engine, face, request, cancel=cancel)
+        assert [(type(e), e.finish_reason) for e in events] == [(Done, "cancelled")]
+        assert engine.ps() == []
+
+
+def test_a_prompt_longer_than_the_context_grows_it_through_either_face(default_model):
+    """A chat longer than the default context (4,096 tokens) reloads the model with a larger one and is answered
+    whole, through the sync and the async face alike."""
+    with Engine(keep_alive=300) as engine:
+        request = GenerateRequest(messages=[{"role": "user", "content": "hello " * 4200}],
+                                  sampling=Sampling(seed=1, temperature=0, max_tokens=2))
+        for face in ("sync", "async"):
+            events = _stream(engine, face, request)
+            done = events[-1]
+            assert isinstance(done, Done) and done.finish_reason in ("stop", "length"), (face, done)
+            assert done.stats.prompt_eval_count > 4096 and done.stats.dropped_messages == 0, face
+            (loaded,) = engine.ps()
+            assert loaded.info.n_ctx > 4096, face
+            engine.unload(MODEL)  # the next face starts from the default context again

@@ -170,7 +170,7 @@ def test_engine_converts_on_first_use_then_runs_on_mlx(own_home: Path):
     engine = Engine(on_convert=on_convert)
     try:
         options = LoadOptions(num_ctx=1024, backend="mlx")
-        _, plan = engine.plan_for("smollm2:135m", options)
+        plan = engine.prepare("smollm2:135m", options).plan
         assert plan.backend == "mlx" and plan.mlx_convert
         assert not (own_home / "data" / "models" / "mlx").exists()  # planning converts nothing
         for draft in ("none", "ngram"):
@@ -190,7 +190,7 @@ def test_engine_converts_on_first_use_then_runs_on_mlx(own_home: Path):
     hexdigest = installed.weights_digest.split(":")[-1]
     assert installed.weights_path("mlx") == own_home / "data" / "models" / "mlx" / hexdigest
     with Engine() as engine:
-        assert not engine.plan_for("smollm2:135m", LoadOptions(backend="mlx"))[1].mlx_convert
+        assert not engine.prepare("smollm2:135m", LoadOptions(backend="mlx")).plan.mlx_convert
 
 
 def test_a_cancelled_first_use_conversion_leaves_nothing(own_home: Path):
@@ -222,10 +222,12 @@ def test_a_cancelled_first_use_conversion_leaves_nothing(own_home: Path):
 
 
 def test_mlx_weights_live_in_one_module_and_the_planner_reads_no_file():
-    """The planner imports the MLX weights module and nothing that owns files; the MLX weights module does not
-    import the planner back, not even for a type (no import circle of any kind)."""
+    """The planner takes each weights format's answer (``localllm.formats.PlanWeights``, by format name: issue 45),
+    not MLX's module, and imports nothing that owns files; the MLX weights module and the formats do not import the
+    planner back, not even for a type (no import circle of any kind)."""
     import ast
 
+    import localllm.formats
     import localllm.mlxmodels
     import localllm.planner
 
@@ -235,7 +237,11 @@ def test_mlx_weights_live_in_one_module_and_the_planner_reads_no_file():
             a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
 
     planner, weights = imported(localllm.planner), imported(localllm.mlxmodels)
-    assert "localllm.mlxmodels" in planner and "localllm.planner" not in weights
+    steps = set().union(*(imported(SimpleNamespace(__file__=str(f)))
+                          for f in Path(localllm.planner.__file__).parent.glob("*.py")))
+    assert "localllm.mlxmodels" not in steps and "localllm.formats" in steps
+    assert "localllm.planner" not in weights and not any(m.startswith("localllm.planner")
+                                                         for m in imported(localllm.formats))
     assert not planner & {"localllm.config", "localllm.store", "json", "hashlib", "pathlib"}
     src = Path(localllm.planner.__file__).read_text()
     assert "mlx-convertible" not in src and "mlx-convertible" in Path(localllm.mlxmodels.__file__).read_text()

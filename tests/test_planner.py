@@ -24,6 +24,8 @@ from localllm.hardware import GiB, HardwareInfo, MiB, probe
 from localllm.mlxmodels import MLXWeights, mlx_weights
 from localllm.planner import CUDA_OVERHEAD, GPU_MARGIN, HOST_OVERHEAD, estimate, plan
 
+HAS_MLX = {"mlx": MLXWeights(installed=True)}  # the planner's answer for a model whose MLX weights are installed
+
 
 def meta(name: str, *, size: int, layers: int, embd: int, heads: int, kv_heads: int, head_dim: int, ctx: int,
          vocab: int, params: int, sliding_window: int | None = None, arch: str = "llama") -> GGUFInfo:
@@ -271,28 +273,28 @@ def test_unknown_kv_type_is_refused(laptop):
 
 def test_mac_with_mlx_and_an_mlx_build_picks_mlx():
     hw = mac16(mlx=True, mlx_metal=True)
-    p = plan(LLAMA31_8B, hw, mlx_model=True)
+    p = plan(LLAMA31_8B, hw, weights=HAS_MLX)
     assert (p.backend, p.device, p.verdict) == ("mlx", "metal", "gpu")
     assert "Metal working-set budget" in line(p, "unified memory")
     assert "10.7 GiB" in line(p, "unified memory")  # 2/3 of 16 GiB
 
 
 def test_mac_without_mlx_falls_back_to_llamacpp_metal_and_says_why():
-    p = plan(LLAMA31_8B, mac16(), mlx_model=True)
+    p = plan(LLAMA31_8B, mac16(), weights=HAS_MLX)
     assert (p.backend, p.device, p.verdict) == ("llamacpp", "metal", "gpu")
     assert "mlx is not importable" in line(p, "MLX not used")
     assert "localllm[mlx]" in (p.advice or "")
 
 
 def test_mac_without_an_mlx_build_uses_llamacpp_metal():
-    p = plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), mlx_model=False)
+    p = plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True))
     assert (p.backend, p.device) == ("llamacpp", "metal")
     assert "no MLX build" in line(p, "MLX not used")
 
 
 def test_mac_model_over_the_metal_budget_falls_back_to_llamacpp():
     hw = mac16(mlx=True, mlx_metal=True)
-    p = plan(QWEN25_14B, hw, mlx_model=True, num_ctx=16384)
+    p = plan(QWEN25_14B, hw, weights=HAS_MLX, num_ctx=16384)
     assert p.backend == "llamacpp" and p.device == "metal"
     assert "more than the 10.7 GiB Metal working-set budget" in line(p, "MLX not used")
     assert p.verdict == "partial"
@@ -300,7 +302,7 @@ def test_mac_model_over_the_metal_budget_falls_back_to_llamacpp():
 
 def test_metal_budget_from_the_probe_is_used():
     hw = mac16(mlx=True, mlx_metal=True, metal_budget=4 * GiB)
-    p = plan(LLAMA31_8B, hw, mlx_model=True)
+    p = plan(LLAMA31_8B, hw, weights=HAS_MLX)
     assert p.backend == "llamacpp" and p.verdict == "partial"
 
 
@@ -316,7 +318,7 @@ REFUSED = MLXWeights(why_not="The MLX converter does not handle the 'mamba' arch
 
 
 def test_mac_with_mlx_weights_installed_picks_mlx_and_says_which():
-    p = plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), mlx=INSTALLED)
+    p = plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), weights={"mlx": INSTALLED})
     assert (p.backend, p.device, p.verdict, p.mlx_convert) == ("mlx", "metal", "gpu", False)
     assert "MLX weights of Llama 3.1 8B installed (mlx-community/X-4bit@1a2b3c4d5e6f)" in line(p, "backend MLX")
     assert p.memory.weights == INSTALLED.weights_bytes  # the MLX directory's size, not the GGUF's
@@ -324,7 +326,7 @@ def test_mac_with_mlx_weights_installed_picks_mlx_and_says_which():
 
 
 def test_mac_with_a_convertible_gguf_picks_mlx_and_converts_on_first_use():
-    p = plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), mlx=CONVERTS)
+    p = plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), weights={"mlx": CONVERTS})
     assert (p.backend, p.device, p.verdict, p.mlx_convert) == ("mlx", "metal", "gpu", True)
     why = line(p, "backend MLX")
     assert "its GGUF converts to MLX (once, offline, before the first load: Q4_K requantized 4-bit" in why
@@ -334,19 +336,19 @@ def test_mac_with_a_convertible_gguf_picks_mlx_and_converts_on_first_use():
 
 
 def test_mac_with_a_gguf_that_does_not_convert_uses_llamacpp_metal_and_says_why():
-    p = plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), mlx=REFUSED)
+    p = plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), weights={"mlx": REFUSED})
     assert (p.backend, p.device, p.mlx_convert) == ("llamacpp", "metal", False)
     assert "does not handle the 'mamba' architecture" in line(p, "MLX not used")
     assert line(p, "backend llama.cpp on Metal")
     with pytest.raises(PlanError, match="--backend mlx cannot run Llama 3.1 8B: no MLX weights are installed for "
                                         "it and the MLX converter does not handle the 'mamba' architecture"):
-        plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), backend="mlx", mlx=REFUSED)
+        plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), backend="mlx", weights={"mlx": REFUSED})
 
 
 def test_mac_model_too_big_for_the_metal_budget_uses_llamacpp_whichever_mlx_it_has():
     for mw in (MLXWeights(installed=True, weights_bytes=8_300_000_000, source="mlx-community/Qwen2.5-14B-4bit"),
                MLXWeights(convertible=True, weights_bytes=9_400_000_000)):
-        p = plan(QWEN25_14B, mac16(mlx=True, mlx_metal=True), mlx=mw, num_ctx=16384)
+        p = plan(QWEN25_14B, mac16(mlx=True, mlx_metal=True), weights={"mlx": mw}, num_ctx=16384)
         assert (p.backend, p.device, p.mlx_convert) == ("llamacpp", "metal", False)
         assert "Metal working-set budget" in line(p, "MLX not used") and p.verdict == "partial"
 
@@ -354,8 +356,8 @@ def test_mac_model_too_big_for_the_metal_budget_uses_llamacpp_whichever_mlx_it_h
 def test_the_requantized_size_decides_the_fit():
     """A conversion bigger than the GGUF (float32 scales on the CPU, 8-bit Q6_K tensors) is counted as it is."""
     hw = mac16(mlx=True, mlx_metal=True, metal_budget=int(6.2 * GiB))
-    small = plan(LLAMA31_8B, hw, mlx=MLXWeights(convertible=True, weights_bytes=4_400_000_000))
-    big = plan(LLAMA31_8B, hw, mlx=MLXWeights(convertible=True, weights_bytes=6_300_000_000))
+    small = plan(LLAMA31_8B, hw, weights={"mlx": MLXWeights(convertible=True, weights_bytes=4_400_000_000)})
+    big = plan(LLAMA31_8B, hw, weights={"mlx": MLXWeights(convertible=True, weights_bytes=6_300_000_000)})
     assert small.backend == "mlx" and big.backend == "llamacpp"
     # each conversion's own size is what was weighed: 4.4 GB is 4.1 GiB; 6.3 GB of weights make 6.6 GiB in all
     assert "MLX weights 4.1 GiB: the conversion's size" in line(small, "MLX weights")
@@ -363,7 +365,7 @@ def test_the_requantized_size_decides_the_fit():
 
 
 def test_backend_mlx_converts_a_convertible_gguf_anywhere():
-    p = plan(LLAMA32_1B, machine(ram_gib=16, mlx=True), backend="mlx", mlx=CONVERTS)
+    p = plan(LLAMA32_1B, machine(ram_gib=16, mlx=True), backend="mlx", weights={"mlx": CONVERTS})
     assert (p.backend, p.device, p.mlx_convert) == ("mlx", "cpu", True)
     assert "asked for with --backend mlx; its GGUF converts" in line(p, "backend MLX")
 
@@ -384,7 +386,7 @@ def test_mlx_weights_of_real_models(default_model, gemma_model, tmp_path):
     assert on_cpu.weights_bytes > mw.weights_bytes  # float32 scales on the CPU
     gem = mlx_weights(replace(gemma_model, weights={}), mac)
     assert gem.convertible and "Q4_K requantized 4-bit" in gem.source and "Q6_K requantized 8-bit" in gem.source
-    p = plan(GGUFInfo(**gemma_model.info), mac, mlx=gem)
+    p = plan(GGUFInfo(**gemma_model.info), mac, weights={"mlx": gem})
     assert p.backend == "mlx" and p.mlx_convert and p.memory.weights == gem.weights_bytes
     assert mlx_weights(smol, machine(ram_gib=16)) == MLXWeights()  # Linux, no --backend mlx: not asked
     d = tmp_path / "mlx"
@@ -402,7 +404,7 @@ def test_mlx_weights_of_real_models(default_model, gemma_model, tmp_path):
 
 def test_backend_mlx_without_mlx_is_refused(laptop):
     with pytest.raises(PlanError, match="--backend mlx cannot be used here: mlx is not importable"):
-        plan(LLAMA31_8B, laptop, backend="mlx", mlx_model=True)
+        plan(LLAMA31_8B, laptop, backend="mlx", weights=HAS_MLX)
 
 
 def test_backend_mlx_without_mlx_weights_is_refused():
@@ -411,23 +413,23 @@ def test_backend_mlx_without_mlx_weights_is_refused():
 
 
 def test_backend_llamacpp_overrides_mlx():
-    p = plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), backend="llamacpp", mlx_model=True)
+    p = plan(LLAMA31_8B, mac16(mlx=True, mlx_metal=True), backend="llamacpp", weights=HAS_MLX)
     assert p.backend == "llamacpp" and "--backend llamacpp" in line(p, "backend")
 
 
 def test_backend_mlx_on_linux_cpu():
     hw = machine(ram_gib=16, mlx=True)
-    p = plan(LLAMA32_1B, hw, backend="mlx", mlx_model=True)
+    p = plan(LLAMA32_1B, hw, backend="mlx", weights=HAS_MLX)
     assert (p.backend, p.device, p.verdict) == ("mlx", "cpu", "cpu")
 
 
 def test_mlx_kv_quantization_constraints():
     hw = mac16(mlx=True, mlx_metal=True)
-    assert plan(LLAMA31_8B, hw, mlx_model=True, kv_cache_type="q8_0").kv_cache_type == "q8_0"
-    p = plan(GEMMA3_4B, hw, mlx_model=True, kv_cache_type="q8_0")  # rotating cache: f16 instead, said so
+    assert plan(LLAMA31_8B, hw, weights=HAS_MLX, kv_cache_type="q8_0").kv_cache_type == "q8_0"
+    p = plan(GEMMA3_4B, hw, weights=HAS_MLX, kv_cache_type="q8_0")  # rotating cache: f16 instead, said so
     assert p.backend == "mlx" and p.kv_cache_type == "f16" and "rotating" in line(p, "MLX cannot use q8_0")
     with pytest.raises(PlanError, match="rotating"):
-        plan(GEMMA3_4B, hw, backend="mlx", mlx_model=True, kv_cache_type="q8_0")
+        plan(GEMMA3_4B, hw, backend="mlx", weights=HAS_MLX, kv_cache_type="q8_0")
 
 
 def test_unknown_backend_is_refused(laptop):
@@ -495,7 +497,7 @@ def test_default_model_on_every_simulated_machine(smollm2, desktop_4090, desktop
     assert (p.verdict, p.n_ctx) == ("cpu", 4096) and p.memory.total < 512 * MiB
     p = plan(smollm2, laptop)  # 4 slots: one KV pool of 4 × 4,096 tokens
     assert (p.slots, p.n_ctx) == (4, 4096) and p.memory.kv_cache == 4 * 4096 * smollm2.kv_bytes_per_token("f16")
-    p = plan(smollm2, mac16(mlx=True, mlx_metal=True), mlx_model=True)
+    p = plan(smollm2, mac16(mlx=True, mlx_metal=True), weights=HAS_MLX)
     assert p.backend == "mlx" and p.verdict == "gpu"
 
 
@@ -585,7 +587,7 @@ def test_probe_and_the_engine_pick_mlx_for_a_convertible_gguf_on_a_mac(private_d
 
     engine = Engine(hardware=mac)
     try:
-        _, ep = engine.plan_for("smollm2:135m")
+        ep = engine.prepare("smollm2:135m").plan
     finally:
         engine.close()
     assert ep.backend == "mlx" and ep.mlx_convert and ep.reasons == p.reasons
@@ -598,10 +600,10 @@ def test_probe_and_the_engine_pick_mlx_for_a_convertible_gguf_on_a_mac(private_d
 def test_an_audio_projector_is_counted_and_named():
     """An audio projector (or one doing both) is planned as a vision one is: on llama.cpp, its memory counted."""
     hw = mac16(mlx=True, mlx_metal=True)
-    p = plan(LLAMA31_8B, hw, mlx_model=True, projector_bytes=300 * MiB, projector_kind="audio")
+    p = plan(LLAMA31_8B, hw, weights=HAS_MLX, projector_bytes=300 * MiB, projector_kind="audio")
     assert p.backend == "llamacpp" and "has an audio projector" in line(p, "MLX not used")
     assert "on the GPU with the model" in line(p, "audio projector 300 MiB")
-    forced = plan(LLAMA31_8B, hw, mlx_model=True, projector_bytes=300 * MiB, projector_kind="audio", backend="mlx")
+    forced = plan(LLAMA31_8B, hw, weights=HAS_MLX, projector_bytes=300 * MiB, projector_kind="audio", backend="mlx")
     assert "audio is refused" in line(forced, "audio projector")
     base = plan(LLAMA31_8B, machine(ram_gib=32))
     both = plan(LLAMA31_8B, machine(ram_gib=32), projector_bytes=300 * MiB, projector_kind="vision+audio")
@@ -612,13 +614,36 @@ def test_a_vision_model_on_a_mac_runs_on_llamacpp_metal_and_says_why():
     """mlx-lm has no vision: a model with a projector takes llama.cpp (Metal) unless MLX is forced; the projector's
     memory is counted with the weights, on the GPU with the layers."""
     hw = mac16(mlx=True, mlx_metal=True)
-    plain = plan(LLAMA31_8B, hw, mlx_model=True)
-    p = plan(LLAMA31_8B, hw, mlx_model=True, projector_bytes=600 * MiB)
+    plain = plan(LLAMA31_8B, hw, weights=HAS_MLX)
+    p = plan(LLAMA31_8B, hw, weights=HAS_MLX, projector_bytes=600 * MiB)
     assert plain.backend == "mlx" and (p.backend, p.device) == ("llamacpp", "metal")
     assert "has a vision projector" in line(p, "MLX not used")
     assert "on the GPU with the model" in line(p, "vision projector")
-    forced = plan(LLAMA31_8B, hw, mlx_model=True, projector_bytes=600 * MiB, backend="mlx")
+    forced = plan(LLAMA31_8B, hw, weights=HAS_MLX, projector_bytes=600 * MiB, backend="mlx")
     assert forced.backend == "mlx" and "images are refused" in line(forced, "vision projector")
     cpu = plan(LLAMA31_8B, machine(ram_gib=32), projector_bytes=600 * MiB)
     base = plan(LLAMA31_8B, machine(ram_gib=32))
     assert cpu.memory.total == base.memory.total + 600 * MiB and cpu.memory.cpu == base.memory.cpu + 600 * MiB
+
+
+def test_each_backend_is_judged_by_its_own_weights_formats_answer():
+    """Issue 45: the planner took one answer (``mlx=``, MLX's) and judged every backend whose weights are not the GGUF
+    by it, so with MLX weights installed a backend of a third format whose weights are not there was taken too.
+    Now it takes an answer per format and judges each backend by its own."""
+    from backends import descriptor
+    from backends.descriptor import Backend
+    from localllm.formats import PlanWeights
+
+    toy = Backend(name="toyfmt", label="Toy", source="tests.toyformat:ToySource", weights="toyfmt", memory="layers",
+                  install="(the tests)", priority=5)  # before llama.cpp on Linux
+    descriptor.register(toy)
+    try:
+        hw = machine(ram_gib=16)
+        hw.backends["toyfmt"] = BackendStatus("toyfmt", True, "toy", False, "")
+        p = plan(LLAMA32_1B, hw, weights=HAS_MLX)  # MLX's weights are there, the toy format's are not
+        assert p.backend == "llamacpp"
+        assert any(r.startswith("Toy not used: no Toy build") for r in p.reasons), p.reasons
+        p = plan(LLAMA32_1B, hw, weights={**HAS_MLX, "toyfmt": PlanWeights(installed=True)})
+        assert p.backend == "toyfmt"
+    finally:
+        descriptor.unregister("toyfmt")

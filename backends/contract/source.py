@@ -1,10 +1,11 @@
 """The token-source contract: a backend is a *token source*; everything per request lives above it, once.
 
-A backend loads quantized weights from a plain :class:`~backends.contract.specs.LoadSpec` and answers a handful of
-questions — tokenize, render a chat, **evaluate these tokens for these sequences**, sample a row, keep / drop /
-copy a sequence's KV cells — and nothing else (:class:`TokenSource`, the core every source implements). What
-only some loads can do is a capability of its own, a Protocol a source implements or not, and a load says which
-it has in one typed record (:attr:`TokenSource.capabilities`, a :class:`Capabilities`):
+A backend loads quantized weights from a plain :class:`~backends.contract.specs.LoadSpec` and answers the decode
+loop's questions — what it is, tokenize, render a chat, **evaluate these tokens for these sequences**, sample a row,
+keep / drop / copy a sequence's KV cells — and nothing else (:class:`TokenSource`, the core every source implements:
+fourteen abstract members, the rest defaults it may override). What only some loads can do is a capability of its
+own, a Protocol a source implements or not, and a load says which it has in one typed record
+(:attr:`TokenSource.capabilities`, a :class:`Capabilities`):
 
 * :class:`MediaInput` — images and audio in prompts (a projector is loaded);
 * :class:`Checkpoints` — memory that cannot drop its tail (a recurrent state, a sliding window): a prefix comes
@@ -19,8 +20,8 @@ Above the source, in this package: :mod:`backends.core.stream` (per request: pro
 calls, thinking, limits, stats and the closing ``Done``), :mod:`backends.core.loop` (one decode loop per loaded
 model: continuous batching, chunked prefill, speculative decoding as a step policy, each request's slot in an
 explicit state), :mod:`backends.core.kvpool` (the KV pool), :mod:`backends.core.drafting`, :mod:`backends.core.channel`,
-:mod:`backends.descriptor` and :mod:`backends.registry`. Adding a backend is one file: a :class:`TokenSource`
-subclass, plus one descriptor registered.
+:mod:`backends.descriptor` and :mod:`backends.registry`. Adding a backend is one package (``backends/<name>/``, its
+:class:`TokenSource` subclass and what only it needs) plus one descriptor line in :mod:`backends.descriptor`.
 """
 
 from __future__ import annotations
@@ -116,6 +117,15 @@ class Sampler(Protocol):
 class TokenSource(abc.ABC):
     """One loaded model as the decode loop drives it: the core every source implements (what a load can do
     beyond it: :attr:`capabilities`). Every method runs on the loop's one thread.
+
+    A source implements the fourteen abstract members: what it is (:attr:`info`); text (:meth:`tokenize`,
+    :meth:`prompt_tokens`, :meth:`detokenize`, :meth:`piece`, :meth:`is_eog`, :meth:`render`); evaluation
+    (:meth:`evaluate`, :meth:`sampler`, :meth:`logits`); a sequence's KV cells (:meth:`seq_rm`, :meth:`seq_cp`); and
+    :meth:`embed`, :meth:`close`. It inherits defaults for the rest and overrides those its load answers otherwise:
+    the backend (:attr:`name`, :meth:`available`, :meth:`on_thread`, :attr:`on_fatal`, :attr:`spec`), sizes and
+    batching (:attr:`n_ctx`, :attr:`n_seq_ids`, :attr:`n_batch`, :attr:`can_batch`, :attr:`shared_pool`), the chat
+    (:attr:`chat_template`, :meth:`supports_tools`), :meth:`can_rewind`, why media are refused
+    (:meth:`vision_problem`, :meth:`audio_problem`) and :attr:`capabilities`.
 
     Sequence ids ``0 .. n_seq_ids - 1`` name KV sequences in one pool of ``info.kv_cells`` cells; a
     sequence holds at most ``n_ctx`` positions. The loop decides which tokens each sequence holds.
@@ -234,8 +244,8 @@ class TokenSource(abc.ABC):
         return not self.info.recurrent
 
     def vision_problem(self) -> str:
-        """Why this load cannot take images (one sentence), asked when a request brings one and the load's
-        capabilities have no media input (a load with one answers :meth:`MediaInput.vision_problem`)."""
+        """Why this load cannot take images (one sentence), asked when a request brings one and the load takes none
+        (no :class:`MediaInput`, or one without a working vision encoder: a source with a projector answers it)."""
         return "This model has no vision projector, so it cannot take images."
 
     def audio_problem(self) -> str:
@@ -270,17 +280,13 @@ class MediaInput(Protocol):
 
     @property
     def vision(self) -> bool:
-        """Whether prompts may hold images (a projector with a vision encoder that works)."""
-
-    def vision_problem(self) -> str:
-        """Why this load cannot take images (one sentence), asked when a request brings one."""
+        """Whether prompts may hold images (a projector with a vision encoder that works; why not:
+        :meth:`TokenSource.vision_problem`)."""
 
     @property
     def audio(self) -> bool:
-        """Whether prompts may hold audio clips (a projector with an audio encoder that works)."""
-
-    def audio_problem(self) -> str:
-        """Why this load cannot take audio (one sentence), asked when a request brings a clip."""
+        """Whether prompts may hold audio clips (a projector with an audio encoder that works; why not:
+        :meth:`TokenSource.audio_problem`)."""
 
     def audio_token_count(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` are audio positions (the rest of the negative ids are image positions)."""

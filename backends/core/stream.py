@@ -95,9 +95,9 @@ class RequestStream:
         if media:
             sent = list(req.images or []) + message_images(list(req.messages or []))
             if any(is_audio(m) for m in sent) and not (mi is not None and mi.audio):
-                raise UnsupportedError((mi or source).audio_problem())
+                raise UnsupportedError(source.audio_problem())
             if not all(is_audio(m) for m in sent) and not (mi is not None and mi.vision):
-                raise UnsupportedError((mi or source).vision_problem())
+                raise UnsupportedError(source.vision_problem())
         if req.prompt is not None:
             if media:
                 imgs = list(req.images or [])

@@ -92,10 +92,6 @@ class ThinkStyle:
         return self.name == "harmony"
 
     @property
-    def takes_level(self) -> bool:
-        return bool(self.levels)
-
-    @property
     def off_block(self) -> str:
         """The empty thought that stands for think=False (``<think>\\n\\n</think>\\n\\n``); "" for harmony."""
         if self.harmony:

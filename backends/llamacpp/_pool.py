@@ -36,8 +36,9 @@ def pool_tokens(tokens: int, seqs: int) -> int:
     return -(-max(1, tokens) // seqs) * seqs
 
 
-class PooledOutputs:
-    """Mixed into :class:`~backends.llamacpp.source.LlamaCppSource` (its model, vocabulary and contexts)."""
+class LlamaPooling:
+    """llama.cpp's implementation of :class:`~backends.contract.source.Pooling`, mixed into
+    :class:`~backends.llamacpp.source.LlamaCppSource` (its model, vocabulary and contexts)."""
 
     if TYPE_CHECKING:
         spec: LoadSpec
@@ -136,10 +137,6 @@ class PooledOutputs:
             first.append(int(llama_cpp.llama_vocab_sep(v)))
         end = [eos] if add_eos else []
         return lambda document: first + self._tokenize(document, False, False) + end
-
-    @property
-    def can_pool(self) -> bool:
-        return True
 
     def pool_limits(self) -> tuple[int, int]:
         _, _, tokens, seqs = self._embed_ctx()

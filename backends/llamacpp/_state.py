@@ -14,8 +14,10 @@ if TYPE_CHECKING:
     from backends.contract.specs import LoadSpec
 
 
-class SequenceMemory:
-    """Mixed into :class:`~backends.llamacpp.source.LlamaCppSource` (its context, memory and load facts)."""
+class LlamaSequenceStates:
+    """llama.cpp's implementation of :class:`~backends.contract.source.SequenceStates` (and of
+    :class:`~backends.contract.source.Checkpoints`), mixed into :class:`~backends.llamacpp.source.LlamaCppSource`
+    (its context, memory and load facts)."""
 
     if TYPE_CHECKING:
         spec: LoadSpec

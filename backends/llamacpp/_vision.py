@@ -1,17 +1,18 @@
 """Images for the llama.cpp token source: a vision projector (mmproj GGUF) loaded with llama.cpp's ``mtmd``.
 
-:class:`Projector` is what :class:`~backends.llamacpp.source.LlamaCppSource` holds when its :class:`LoadSpec` names
-an ``mmproj``. It turns a rendered prompt with one :data:`~backends.contract.media.IMAGE_MARKER` per image into token
-ids (``mtmd_tokenize``: text chunks and image chunks), where each image chunk becomes as many **negative
-placeholder ids** as it takes positions. Each placeholder is derived from the sha256 of the image's bytes
-and its index, so the decode loop and the KV pool treat an image like any other prompt tokens: a second
-question about the same picture shares the prefix (no evaluation, no encoding), parking and the prompt
-cache on disk key it by content, and the context fit counts it.
+:class:`LoadedProjector` (the loaded encoder; the store's record of the file is ``localllm.store.Projector``) is
+what :class:`~backends.llamacpp.source.LlamaCppSource` holds when its :class:`LoadSpec` names an ``mmproj``. It
+turns a rendered prompt with one :data:`~backends.contract.media.IMAGE_MARKER` per image into token ids
+(``mtmd_tokenize``: text chunks and image chunks), where each image chunk becomes as many **negative placeholder
+ids** as it takes positions. Each placeholder is derived from the sha256 of the image's bytes and its index, so the
+decode loop and the KV pool treat an image like any other prompt tokens: a second question about the same picture
+shares the prefix (no evaluation, no encoding), parking and the prompt cache on disk key it by content, and the
+context fit counts it.
 
-Encoding is lazy (:meth:`Projector.encode`): the loop asks for the placeholders of the chunk it is about to
+Encoding is lazy (:meth:`LoadedProjector.encode`): the loop asks for the placeholders of the chunk it is about to
 evaluate, and only images not yet encoded go through the vision tower; their embeddings are kept (LRU, by
 content hash, ``MAX_CACHED_EMBD_BYTES``), so even an image whose KV cells were evicted is not encoded again.
-:meth:`Projector.fill` writes a run of placeholders' embeddings into a ``llama_batch`` with ``embd`` set:
+:meth:`LoadedProjector.fill` writes a run of placeholders' embeddings into a ``llama_batch`` with ``embd`` set:
 an embeddings-only decode, since tokens and embeddings cannot share one ``llama_decode`` (see
 shared/reference/vision-mtmd.md).
 
@@ -19,13 +20,13 @@ A projector that needs **non-causal** attention over an image (Gemma 3) has each
 embeddings-only decode with causal attention switched off for it (``llama_set_causal_attn``), and then on again
 for the step's token decode: the loop gives such an image a step of its own (:attr:`media_whole`, :meth:`span`).
 
-**M-RoPE** (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: :attr:`Projector.mrope`): an image of ``nx x ny`` tokens takes
+**M-RoPE** (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: :attr:`LoadedProjector.mrope`): an image of ``nx x ny`` tokens takes
 ``max(nx, ny)`` positions, not one per token. Each of its tokens is evaluated with four positions (time, row,
 column, extra: ``(p, p + y, p + x, 0)`` for token ``y * nx + x`` of an image starting at position ``p``, the layout
 of mtmd-helper's ``mtmd_helper_decode_image_chunk``), so every cell of an image holds the same sequence position
 ``p`` and the text after it continues at ``p + max(nx, ny)``. The KV pool still counts cells (one per token); the
-position after a list of tokens is :meth:`Projector.positions`, and a prefix may only be kept whole-image
-(:meth:`Projector.kv_cut`): cells are dropped by position, and an image's cells share one. So an M-RoPE image is
+position after a list of tokens is :meth:`LoadedProjector.positions`, and a prefix may only be kept whole-image
+(:meth:`LoadedProjector.kv_cut`): cells are dropped by position, and an image's cells share one. So an M-RoPE image is
 evaluated whole, in one feed (:attr:`media_whole`), and mtmd is told to make images of at most ``max_image_tokens``
 tokens (the step's size less one token per slot, so an image always fits beside the streams in flight).
 
@@ -38,7 +39,7 @@ mtmd-helper's ``set_position_mrope_1d``).
 
 A clip's preprocessing is the costly part (mtmd computes the mel spectrogram of every 30 s chunk when it tokenizes:
 ~1 s a chunk on a busy 2-core machine, whatever the model), so it is done **off the decode loop**:
-:meth:`Projector.prepare` runs on a helper thread before the request is queued (the loop keeps stepping the other
+:meth:`LoadedProjector.prepare` runs on a helper thread before the request is queued (the loop keeps stepping the other
 streams), and keeps each clip's marker replacement (the text mtmd puts around it and its placeholders) by content
 hash; a prompt holding clips is then tokenized piece by piece as mtmd itself does (text parts without specials,
 BOS/EOS as ``add_special`` says), each clip from that cache. A lock serialises every mtmd call on the context.
@@ -94,7 +95,7 @@ def _placeholder_ids(key: str, n: int, salt: int = 0) -> list[int]:
     return out
 
 
-class Projector:
+class LoadedProjector:
     """A loaded mtmd context for one text model (its threads, GPU use and logging as the model's)."""
 
     def __init__(self, path: str, model: Any, n_embd: int, *, n_threads: int, use_gpu: bool,
@@ -539,12 +540,14 @@ class Projector:
             self._ctx = None
 
 
-class MediaInputs:
-    """The :class:`~backends.contract.source.MediaInput` capability of :class:`~backends.llamacpp.source.LlamaCppSource`
-    (mixed into it; a load has it when a projector is loaded), and the embeddings-only decode of image positions."""
+class LlamaMediaInput:
+    """llama.cpp's implementation of the :class:`~backends.contract.source.MediaInput` capability, mixed into
+    :class:`~backends.llamacpp.source.LlamaCppSource` (a load has it when a projector is loaded), with the source's
+    answers to why media are refused (:meth:`~backends.contract.source.TokenSource.vision_problem`, ``audio_problem``:
+    the projector's own reason where one is loaded) and the embeddings-only decode of image positions."""
 
     if TYPE_CHECKING:
-        _proj: Projector | None
+        _proj: LoadedProjector | None
         _add_bos: bool
         _bos_text: str
         _ctx: Any

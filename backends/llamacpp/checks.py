@@ -1,13 +1,19 @@
 """Facts the llama.cpp source checks before and while it loads: the host's physical cores, whether a KV cache
-type fits the model's head sizes, the GGUF's header, its head sizes and its own pooling."""
+type fits the model's head sizes (:func:`check_kv_type`), the GGUF's header, its head sizes and its own pooling, and
+what a failed load says (:func:`load_error`)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from backends.contract.errors import ModelLoadError
+from backends.contract.errors import ModelLoadError, UnsupportedError
 from backends.descriptor import KV_CACHE_TYPES
+from backends.llamacpp._log import capture, native_reason
+
+if TYPE_CHECKING:
+    from backends.contract.specs import LoadSpec
 
 # ggml type ids (llama_cpp.GGML_TYPE_*), block sizes and bytes per element of the KV cache types we offer
 KV_GGML_TYPE = {"f16": 1, "q8_0": 8, "q4_0": 2}
@@ -97,3 +103,88 @@ def pooling_of(md: dict[str, str], arch: str) -> str | None:
         return POOLING_TYPES.get(int(md.get(f"{arch}.pooling_type", "0")))
     except ValueError:
         return None
+
+
+def check_kv_type(spec: LoadSpec, path: Path) -> None:
+    """:class:`UnsupportedError` (one sentence) when the spec's KV cache type is not one llama.cpp takes, is quantized
+    without flash attention, or does not fit the model's head sizes (``spec.head_dims``, else the file's)."""
+    kv = spec.kv_cache_type
+    if kv not in KV_GGML_TYPE:
+        raise UnsupportedError(kv_type_problem(kv, 0, 0) or f"KV cache type {kv!r} is not supported.")
+    if kv != "f16":
+        if spec.flash_attn is False:
+            raise UnsupportedError(f"A {kv} KV cache needs flash attention; do not switch it off, or use f16.")
+        dims = spec.head_dims  # what the caller read already, else the file's
+        problem = kv_type_problem(kv, *(dims if dims is not None and any(dims) else head_dims_from_file(path)))
+        if problem:
+            raise UnsupportedError(f"{path.name}: {problem} Use --kv-cache f16.")
+
+
+def load_error(msg: str, path: Path, spec: LoadSpec) -> Exception:
+    """The error a failed load of ``path`` raises, one sentence from what llama.cpp logged (``msg``: what failed)."""
+    kv = spec.kv_cache_type
+    if "Failed to create llama_context" in msg:
+        reason = native_reason("cache", "flash", "memory", "alloc", "n_ctx", "head")
+        if kv != "f16" and reason and ("cache" in reason or "flash" in reason or "head" in reason):
+            return UnsupportedError(f"{path.name} cannot use a {kv} KV cache: llama.cpp says \"{reason}\"; "
+                                    "use --kv-cache f16.")
+        if reason and ("memory" in reason or "alloc" in reason):
+            return ModelLoadError(f"Not enough memory for a {spec.n_ctx}-token context with {path.name} "
+                                  f"(llama.cpp: {reason}); lower num_ctx or the GPU layers.")
+        return ModelLoadError(f"llama.cpp could not create a context for {path.name}"
+                              f"{f' ({reason})' if reason else ''}; lower num_ctx or try --kv-cache f16.")
+    alloc = native_reason("unable to allocate", "failed to allocate")
+    if alloc:  # a device (or the host) has no room for the weights: not a broken file
+        return ModelLoadError(f"Not enough memory to load {path.name} with {spec.n_gpu_layers} GPU layers "
+                              f"(llama.cpp: {alloc}); lower the GPU layers.")
+    reason = native_reason("error loading model", "invalid", "unknown", "not within") or native_reason()
+    reason = reason.replace("error loading model: ", "").split(",")[0] if reason else None
+    return ModelLoadError(f"{path.name} could not be loaded: it is corrupt, truncated or of an unsupported "
+                          f"architecture{f' (llama.cpp: {reason})' if reason else ''}.")
+
+
+def flash_attn_enabled(ctx: Any, cp: Any, kv_cache_type: str) -> bool:
+    """Whether flash attention ended up on in context ``ctx`` made with ``cp`` (AUTO is resolved when the context is
+    made)."""
+    import llama_cpp
+
+    if cp.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO:
+        return bool(cp.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+    getter = getattr(llama_cpp, "llama_get_flash_attn_type", None)  # not in every build of the binding
+    if getter is not None:
+        try:
+            return bool(getter(ctx) == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+        except Exception:  # noqa: BLE001
+            pass
+    # llama.cpp resolves AUTO when the context is made and says so ("resolve_fused_ops: Flash Attention
+    # enabled" / "... not supported, set to disabled")
+    for line in reversed(getattr(capture, "lines", None) or []):
+        if "Flash Attention" in line:
+            return "enabled" in line and "disabled" not in line
+    if kv_cache_type != "f16":
+        return True  # a quantized V cache loads only with flash attention
+    from backends.descriptor import parse_gpu_backend
+
+    return parse_gpu_backend(llama_cpp.llama_print_system_info().decode(errors="replace")) is None
+
+
+def metadata_of(model: Any) -> dict[str, str]:
+    """A loaded model's GGUF metadata, every key as llama.cpp reads it (values as strings)."""
+    import ctypes
+
+    import llama_cpp
+
+    out: dict[str, str] = {}
+    size = 1024
+    buf = ctypes.create_string_buffer(size)
+    for i in range(llama_cpp.llama_model_meta_count(model)):
+        vals = []
+        for fn in (llama_cpp.llama_model_meta_key_by_index, llama_cpp.llama_model_meta_val_str_by_index):
+            n = fn(model, i, buf, size)
+            if n >= size:
+                size = n + 1
+                buf = ctypes.create_string_buffer(size)
+                n = fn(model, i, buf, size)
+            vals.append(buf.value.decode("utf-8", errors="replace"))
+        out[vals[0]] = vals[1]
+    return out

@@ -41,15 +41,17 @@ from backends.contract.source import FALLBACK_CHAT_TEMPLATE, Capabilities, Feed,
 from backends.contract.specs import LoadSpec, LoraAdapter, Sampling, ToolCallFormat
 from backends.core.stream import check_logit_bias
 from backends.llamacpp._log import allocations, capture, forget_recent, install_log_router, log_callback, native_reason
-from backends.llamacpp._pool import PooledOutputs
-from backends.llamacpp._state import SequenceMemory
-from backends.llamacpp._vision import MediaInputs
+from backends.llamacpp._pool import LlamaPooling
+from backends.llamacpp._state import LlamaSequenceStates
+from backends.llamacpp._vision import LlamaMediaInput
 from backends.llamacpp.checks import (
     KV_BYTES_PER_ELEM,
     KV_GGML_TYPE,
     check_gguf_file,
-    head_dims_from_file,
-    kv_type_problem,
+    check_kv_type,
+    flash_attn_enabled,
+    load_error,
+    metadata_of,
     physical_cores,
     pooling_of,
     usable_cores,
@@ -57,7 +59,7 @@ from backends.llamacpp.checks import (
 from backends.llamacpp.sampling import ChainSampler, make_sampler
 
 if TYPE_CHECKING:
-    from backends.llamacpp._vision import Projector  # noqa: F401 - imported for real where a projector loads
+    from backends.llamacpp._vision import LoadedProjector  # noqa: F401 - imported for real where a projector loads
 
 log = logging.getLogger("backends.llamacpp")
 
@@ -79,7 +81,22 @@ PRESERVED_MARKERS = (
 _backend_initialised = False
 
 
-class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
+def _init_library(source: TokenSource, spec: LoadSpec) -> None:
+    """llama.cpp usable here (else :class:`ModelLoadError` with how to install it), its backends initialised once
+    per process, and its log routed to ours."""
+    ok, why = source.available()
+    if not ok:
+        raise ModelLoadError(why)
+    import llama_cpp
+
+    global _backend_initialised
+    if not _backend_initialised:
+        llama_cpp.llama_backend_init()
+        _backend_initialised = True
+    install_log_router(spec.verbose)
+
+
+class LlamaCppSource(LlamaMediaInput, LlamaSequenceStates, LlamaPooling, TokenSource):
     """One GGUF model in one llama.cpp context: ``spec.slots`` slots over a unified KV pool."""
 
     name = "llamacpp"
@@ -87,17 +104,13 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
     # ------------------------------------------------------------------ load
 
     def __init__(self, spec: LoadSpec):
+        """The load in named steps, in this order: the library, the checks of the spec and the file, the weights
+        (:meth:`_load_model`), what the vocabulary and the metadata say (:meth:`_read_model`), the context
+        (:meth:`_context_params`, :meth:`_make_context`: LoRA on it), the tokens and flags read once
+        (:meth:`_read_tokens`), the projector (:meth:`_load_projector`), the devices' allocations and the RPC
+        watch (:meth:`_watch_devices`). What fails after the weights loaded closes what was made."""
         super().__init__(spec)
-        ok, why = self.available()
-        if not ok:
-            raise ModelLoadError(why)
-        import llama_cpp
-
-        global _backend_initialised
-        if not _backend_initialised:
-            llama_cpp.llama_backend_init()
-            _backend_initialised = True
-        install_log_router(spec.verbose)
+        _init_library(self, spec)
         self._closed = False
         self._model: Any = None
         self._ctx: Any = None
@@ -105,28 +118,36 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
         self._batch: Any = None
         self._embed: tuple[Any, Any, int, int] | None = None  # (context, batch, tokens, sequences) for pooling
         self._pooling: str | None = None
-        self._proj: Projector | None = None  # when spec.mmproj names one
+        self._proj: LoadedProjector | None = None  # when spec.mmproj names one
         self._ebatch: Any = None  # a llama_batch with embd, for image positions
         self._saved_rows: list[Any] = []
         self._alloc: dict[str, dict[str, int]] = {}  # per device, what llama.cpp allocated at load
-        path = Path(spec.model_path)
-        self._path = path
+        self._path = path = Path(spec.model_path)
         check_gguf_file(path)
-        kv = spec.kv_cache_type
-        if kv not in KV_GGML_TYPE:
-            raise UnsupportedError(kv_type_problem(kv, 0, 0) or f"KV cache type {kv!r} is not supported.")
-        quantized_kv = kv != "f16"
-        if quantized_kv:
-            if spec.flash_attn is False:
-                raise UnsupportedError(f"A {kv} KV cache needs flash attention; do not switch it off, or use f16.")
-            dims = spec.head_dims  # what the caller read already, else the file's
-            problem = kv_type_problem(kv, *(dims if dims is not None and any(dims) else head_dims_from_file(path)))
-            if problem:
-                raise UnsupportedError(f"{path.name}: {problem} Use --kv-cache f16.")
+        check_kv_type(spec, path)
         # never more threads than the cores this process may run on, whatever the spec says
         self.n_threads = min(spec.n_threads or physical_cores(), usable_cores())
-        slots = max(1, spec.slots)
-        self._n_seq_ids = max(slots, min(256, spec.tuning.n_seq_ids or 2 * slots))
+        self._n_seq_ids = max(max(1, spec.slots), min(256, spec.tuning.n_seq_ids or 2 * max(1, spec.slots)))
+        self._load_model(spec, path)
+        try:
+            self._read_model()
+            cp = self._context_params(spec)
+            self._make_context(spec, cp)
+            self._read_tokens(spec, cp)
+            self._load_projector(spec)
+            self._watch_devices(spec)
+            self._info = self._build_info()
+            if spec.embedding and self._pooling is None:
+                self._embed_ctx()
+        except BaseException:
+            self.close()
+            raise
+
+    def _load_model(self, spec: LoadSpec, path: Path) -> None:
+        """The weights, with their layers offloaded, placed on the spec's devices and the first layers' experts in
+        RAM as the plan says (llama.cpp's model parameters)."""
+        import llama_cpp
+
         forget_recent()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = spec.n_gpu_layers
@@ -144,124 +165,125 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
             self._model = None
-            raise self._load_error("Failed to load model")
-        try:
-            self._vocab = llama_cpp.llama_model_get_vocab(self._model)
-            self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-            # the samplers' candidates (llama_token_data; one thread samples) and every token id, made once
-            self._candidates = np.zeros(self._n_vocab, dtype=np.dtype(llama_cpp.llama_token_data))
-            self._all_ids = np.arange(self._n_vocab, dtype=np.intc)
-            self._row_type = ctypes.c_float * self._n_vocab
-            self._md = self._metadata()
-            self._arch = self._md.get("general.architecture", "unknown")
-            self._pooling = pooling_of(self._md, self._arch)  # an embedding / rerank model: pools, never generates
-            cp = llama_cpp.llama_context_default_params()
-            # at least one token per sequence id in a batch, and so in the context (a causal model's batch is cut to
-            # the context): llama.cpp reserves its graphs for one output per sequence and aborts the process with
-            # GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) below that (a request's num_ctx 1 did). A
-            # sequence still holds only spec.n_ctx tokens (self._n_ctx)
-            cp.n_ctx = max(spec.n_ctx * slots, self._n_seq_ids)
-            cp.n_batch = cp.n_ubatch = max(spec.n_batch, self._n_seq_ids)
-            cp.n_seq_max = self._n_seq_ids
-            if self._pooling is not None:
-                self._pool_setup(cp)
-            cp.kv_unified = True
-            cp.n_threads = self.n_threads
-            cp.n_threads_batch = min(spec.n_threads_batch or self.n_threads, usable_cores())
-            cp.type_k = cp.type_v = KV_GGML_TYPE[kv]
-            cp.flash_attn_type = {None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
-                                  True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-                                  False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}[spec.flash_attn]
-            cp.embeddings = self._pooling is not None
-            cp.no_perf = True
-            # sliding-window layers keep their window (+ a batch) per sequence id, as llama-server does; reuse
-            # stays right through checkpoints. swa_full: every layer as long as the context (exact reuse anywhere)
-            self._swa_full = spec.swa_full
-            cp.swa_full = self._swa_full
-            # drafts on recurrent memory: llama.cpp keeps the last states of each sequence (n_rs_seq, where the
-            # architecture supports it), so a cut inside the last decode (rejected draft tokens) is right
-            recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(
-                self._model))
-            if recurrent and spec.draft is not None:
-                cp.n_rs_seq = max(1, spec.draft.num_draft)  # a step rolls back at most its drafts (llama.cpp: n_max)
-            self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
-            if not self._ctx:
-                self._ctx = None
-                raise self._load_error("Failed to create llama_context")
-            self._loras = self._load_loras(spec.lora)
-            self._apply_loras(self._ctx)
-            self._mem = llama_cpp.llama_get_memory(self._ctx)
-            self._n_rs_seq = int(llama_cpp.llama_n_rs_seq(self._ctx))  # 0: unsupported by the architecture, or off
-            self._batch = llama_cpp.llama_batch_init(int(cp.n_batch), 0, 1)
-            self._n_batch = int(llama_cpp.llama_n_batch(self._ctx))
-            self._pool = int(llama_cpp.llama_n_ctx(self._ctx))
-            self._n_ctx = min(spec.n_ctx, int(llama_cpp.llama_n_ctx_seq(self._ctx)))
-            if self._pooling is not None:  # the context is the pooling one (made with this model's own pooling)
-                self._n_ctx = min(self._n_ctx, int(llama_cpp.llama_model_n_ctx_train(self._model)) or self._n_ctx)
-                self._embed = (self._ctx, self._batch, self._n_batch, cp.n_seq_max)
-            self._md = self._metadata()
-            self._arch = self._md.get("general.architecture", "unknown")
-            self._n_swa = int(llama_cpp.llama_model_n_swa(self._model))
-            self._pure_recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model))
-            self._recurrent = self._pure_recurrent or bool(llama_cpp.llama_model_is_hybrid(self._model))
-            self._template = spec.chat_template or self._md.get("tokenizer.chat_template")
-            eos, bos = llama_cpp.llama_vocab_eos(self._vocab), llama_cpp.llama_vocab_bos(self._vocab)
-            self._bos = int(bos)
-            self._bos_text = self._token_text(bos) if bos >= 0 else ""
-            self._eos_text = self._token_text(eos) if eos >= 0 else ""
-            self._add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
-            self._piece_cache: dict[int, bytes] = {}
-            self._eog_cache: dict[int, bool] = {}
-            self._preserved: set[int] | None = None  # PRESERVED_MARKERS' token ids (on first use)
-            self._formatters: dict[bool, Any] = {}
-            self.flash_attn = self._flash_attn_enabled(cp)
-            # the width of an input embedding (an image's rows): n_embd, or more where the projector also feeds the
-            # first layers (Qwen3-VL's deepstack: n_embd x (1 + deepstack layers)), as mtmd-helper reads it
-            self._n_embd = int(llama_cpp.llama_model_n_embd_inp(self._model))
-            if spec.mmproj:
-                from backends.llamacpp._vision import Projector
+            raise load_error("Failed to load model", path, spec)
 
-                forget_recent()
-                self._proj = Projector(spec.mmproj, self._model, self._n_embd, n_threads=self.n_threads,
-                                       use_gpu=spec.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload()),
-                                       log_callback=log_callback(), native_reason=native_reason,
-                                       # M-RoPE images are evaluated whole: one fits in a step beside every slot
-                                       max_image_tokens=max(8, self._n_batch - max(1, spec.slots)))
-            from backends.llamacpp import devices as ggml_devices
-            self._alloc = allocations(getattr(capture, "lines", None) or [], ggml_devices.added_workers())
-            capture.lines = None
-            remote = ggml_devices.endpoints_of(list(spec.devices)) if spec.n_gpu_layers else []
-            if remote:  # a worker dying mid-step must not take the process with it (ggml_devices.watch)
-                ggml_devices.watch(self, remote, self._worker_died)
-            self._info = self._build_info()
-            if spec.embedding and self._pooling is None:
-                self._embed_ctx()
-        except BaseException:
-            self.close()
-            raise
-
-    def _flash_attn_enabled(self, cp: Any) -> bool:
-        """Whether flash attention ended up on (AUTO is resolved when the context is made)."""
+    def _read_model(self) -> None:
+        """The vocabulary, the sampling buffers sized to it, the metadata, the architecture and its pooling."""
         import llama_cpp
 
-        if cp.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO:
-            return bool(cp.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
-        getter = getattr(llama_cpp, "llama_get_flash_attn_type", None)  # not in every build of the binding
-        if getter is not None:
-            try:
-                return bool(getter(self._ctx) == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
-            except Exception:  # noqa: BLE001
-                pass
-        # llama.cpp resolves AUTO when the context is made and says so ("resolve_fused_ops: Flash Attention
-        # enabled" / "... not supported, set to disabled")
-        for line in reversed(getattr(capture, "lines", None) or []):
-            if "Flash Attention" in line:
-                return "enabled" in line and "disabled" not in line
-        if self.spec.kv_cache_type != "f16":
-            return True  # a quantized V cache loads only with flash attention
-        from backends.descriptor import parse_gpu_backend
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        # the samplers' candidates (llama_token_data; one thread samples) and every token id, made once
+        self._candidates = np.zeros(self._n_vocab, dtype=np.dtype(llama_cpp.llama_token_data))
+        self._all_ids = np.arange(self._n_vocab, dtype=np.intc)
+        self._row_type = ctypes.c_float * self._n_vocab
+        self._md = metadata_of(self._model)
+        self._arch = self._md.get("general.architecture", "unknown")
+        self._pooling = pooling_of(self._md, self._arch)  # an embedding / rerank model: pools, never generates
 
-        return parse_gpu_backend(llama_cpp.llama_print_system_info().decode(errors="replace")) is None
+    def _context_params(self, spec: LoadSpec) -> Any:
+        """llama.cpp's context parameters for this load: sizes, threads, the KV type, flash attention, the window."""
+        import llama_cpp
+
+        cp = llama_cpp.llama_context_default_params()
+        # at least one token per sequence id in a batch, and so in the context (a causal model's batch is cut to
+        # the context): llama.cpp reserves its graphs for one output per sequence and aborts the process with
+        # GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) below that (a request's num_ctx 1 did). A
+        # sequence still holds only spec.n_ctx tokens (self._n_ctx)
+        cp.n_ctx = max(spec.n_ctx * max(1, spec.slots), self._n_seq_ids)
+        cp.n_batch = cp.n_ubatch = max(spec.n_batch, self._n_seq_ids)
+        cp.n_seq_max = self._n_seq_ids
+        if self._pooling is not None:
+            self._pool_setup(cp)
+        cp.kv_unified = True
+        cp.n_threads = self.n_threads
+        cp.n_threads_batch = min(spec.n_threads_batch or self.n_threads, usable_cores())
+        cp.type_k = cp.type_v = KV_GGML_TYPE[spec.kv_cache_type]
+        cp.flash_attn_type = {None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+                              True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                              False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}[spec.flash_attn]
+        cp.embeddings = self._pooling is not None
+        cp.no_perf = True
+        # sliding-window layers keep their window (+ a batch) per sequence id, as llama-server does; reuse
+        # stays right through checkpoints. swa_full: every layer as long as the context (exact reuse anywhere)
+        self._swa_full = spec.swa_full
+        cp.swa_full = self._swa_full
+        # drafts on recurrent memory: llama.cpp keeps the last states of each sequence (n_rs_seq, where the
+        # architecture supports it), so a cut inside the last decode (rejected draft tokens) is right
+        recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(
+            self._model))
+        if recurrent and spec.draft is not None:
+            cp.n_rs_seq = max(1, spec.draft.num_draft)  # a step rolls back at most its drafts (llama.cpp: n_max)
+        return cp
+
+    def _make_context(self, spec: LoadSpec, cp: Any) -> None:
+        """The context with the LoRA adapters on it, its memory and batch, and the sizes it ended up with."""
+        import llama_cpp
+
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            self._ctx = None
+            raise load_error("Failed to create llama_context", self._path, spec)
+        self._loras = self._load_loras(spec.lora)
+        self._apply_loras(self._ctx)
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self._n_rs_seq = int(llama_cpp.llama_n_rs_seq(self._ctx))  # 0: unsupported by the architecture, or off
+        self._batch = llama_cpp.llama_batch_init(int(cp.n_batch), 0, 1)
+        self._n_batch = int(llama_cpp.llama_n_batch(self._ctx))
+        self._pool = int(llama_cpp.llama_n_ctx(self._ctx))
+        self._n_ctx = min(spec.n_ctx, int(llama_cpp.llama_n_ctx_seq(self._ctx)))
+        if self._pooling is not None:  # the context is the pooling one (made with this model's own pooling)
+            self._n_ctx = min(self._n_ctx, int(llama_cpp.llama_model_n_ctx_train(self._model)) or self._n_ctx)
+            self._embed = (self._ctx, self._batch, self._n_batch, cp.n_seq_max)
+
+    def _read_tokens(self, spec: LoadSpec, cp: Any) -> None:
+        """What the model's memory is, its chat template, BOS/EOS, the caches of token facts, flash attention as it
+        ended up, and the width of an input embedding."""
+        import llama_cpp
+
+        self._n_swa = int(llama_cpp.llama_model_n_swa(self._model))
+        self._pure_recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model))
+        self._recurrent = self._pure_recurrent or bool(llama_cpp.llama_model_is_hybrid(self._model))
+        self._template = spec.chat_template or self._md.get("tokenizer.chat_template")
+        eos, bos = llama_cpp.llama_vocab_eos(self._vocab), llama_cpp.llama_vocab_bos(self._vocab)
+        self._bos = int(bos)
+        self._bos_text = self._token_text(bos) if bos >= 0 else ""
+        self._eos_text = self._token_text(eos) if eos >= 0 else ""
+        self._add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        self._piece_cache: dict[int, bytes] = {}
+        self._eog_cache: dict[int, bool] = {}
+        self._preserved: set[int] | None = None  # PRESERVED_MARKERS' token ids (on first use)
+        self._formatters: dict[bool, Any] = {}
+        self.flash_attn = flash_attn_enabled(self._ctx, cp, spec.kv_cache_type)
+        # the width of an input embedding (an image's rows): n_embd, or more where the projector also feeds the
+        # first layers (Qwen3-VL's deepstack: n_embd x (1 + deepstack layers)), as mtmd-helper reads it
+        self._n_embd = int(llama_cpp.llama_model_n_embd_inp(self._model))
+
+    def _load_projector(self, spec: LoadSpec) -> None:
+        """The vision / audio encoder when the spec names an ``mmproj``."""
+        if not spec.mmproj:
+            return
+        import llama_cpp
+
+        from backends.llamacpp._vision import LoadedProjector
+
+        forget_recent()
+        self._proj = LoadedProjector(spec.mmproj, self._model, self._n_embd, n_threads=self.n_threads,
+                                     use_gpu=spec.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload()),
+                                     log_callback=log_callback(), native_reason=native_reason,
+                                     # M-RoPE images are evaluated whole: one fits in a step beside every slot
+                                     max_image_tokens=max(8, self._n_batch - max(1, spec.slots)))
+
+    def _watch_devices(self, spec: LoadSpec) -> None:
+        """What llama.cpp allocated on each device (from its load log), and the watch on the RPC workers the load
+        uses: a worker dying mid-step must not take the process with it (:func:`backends.llamacpp.devices.watch`)."""
+        from backends.llamacpp import devices as ggml_devices
+
+        self._alloc = allocations(getattr(capture, "lines", None) or [], ggml_devices.added_workers())
+        capture.lines = None
+        remote = ggml_devices.endpoints_of(list(spec.devices)) if spec.n_gpu_layers else []
+        if remote:
+            ggml_devices.watch(self, remote, self._worker_died)
 
     def _load_loras(self, loras: list[LoraAdapter]) -> list[tuple[Any, float]]:
         """LoRA adapters (``spec.lora``: adapter GGUFs and their scales) loaded on the model's weights; llama.cpp
@@ -273,7 +295,8 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
             adapter = llama_cpp.llama_adapter_lora_init(self._model, str(lora.path).encode())
             if not adapter:
                 name = Path(lora.path).name
-                raise self._load_error(f"llama.cpp could not load the LoRA adapter {name} on this model")
+                raise load_error(f"llama.cpp could not load the LoRA adapter {name} on this model", self._path,
+                                 self.spec)
             out.append((adapter, float(lora.scale)))
         return out
 
@@ -287,46 +310,7 @@ class LlamaCppSource(MediaInputs, SequenceMemory, PooledOutputs, TokenSource):
         adapters = (llama_cpp.llama_adapter_lora_p_ctypes * n)(*[a for a, _ in self._loras])
         scales = (ctypes.c_float * n)(*[s for _, s in self._loras])
         if llama_cpp.llama_set_adapters_lora(ctx, adapters, n, scales) != 0:
-            raise self._load_error("llama.cpp could not apply the LoRA adapters to the context")
-
-    def _load_error(self, msg: str) -> Exception:
-        path, kv = self._path, self.spec.kv_cache_type
-        if "Failed to create llama_context" in msg:
-            reason = native_reason("cache", "flash", "memory", "alloc", "n_ctx", "head")
-            if kv != "f16" and reason and ("cache" in reason or "flash" in reason or "head" in reason):
-                return UnsupportedError(f"{path.name} cannot use a {kv} KV cache: llama.cpp says \"{reason}\"; "
-                                        "use --kv-cache f16.")
-            if reason and ("memory" in reason or "alloc" in reason):
-                return ModelLoadError(f"Not enough memory for a {self.spec.n_ctx}-token context with {path.name} "
-                                      f"(llama.cpp: {reason}); lower num_ctx or the GPU layers.")
-            return ModelLoadError(f"llama.cpp could not create a context for {path.name}"
-                                  f"{f' ({reason})' if reason else ''}; lower num_ctx or try --kv-cache f16.")
-        alloc = native_reason("unable to allocate", "failed to allocate")
-        if alloc:  # a device (or the host) has no room for the weights: not a broken file
-            return ModelLoadError(f"Not enough memory to load {path.name} with {self.spec.n_gpu_layers} GPU layers "
-                                  f"(llama.cpp: {alloc}); lower the GPU layers.")
-        reason = native_reason("error loading model", "invalid", "unknown", "not within") or native_reason()
-        reason = reason.replace("error loading model: ", "").split(",")[0] if reason else None
-        return ModelLoadError(f"{path.name} could not be loaded: it is corrupt, truncated or of an unsupported "
-                              f"architecture{f' (llama.cpp: {reason})' if reason else ''}.")
-
-    def _metadata(self) -> dict[str, str]:
-        import llama_cpp
-
-        out: dict[str, str] = {}
-        size = 1024
-        buf = ctypes.create_string_buffer(size)
-        for i in range(llama_cpp.llama_model_meta_count(self._model)):
-            vals = []
-            for fn in (llama_cpp.llama_model_meta_key_by_index, llama_cpp.llama_model_meta_val_str_by_index):
-                n = fn(self._model, i, buf, size)
-                if n >= size:
-                    size = n + 1
-                    buf = ctypes.create_string_buffer(size)
-                    n = fn(self._model, i, buf, size)
-                vals.append(buf.value.decode("utf-8", errors="replace"))
-            out[vals[0]] = vals[1]
-        return out
+            raise load_error("llama.cpp could not apply the LoRA adapters to the context", self._path, self.spec)
 
     def _token_text(self, tok: int) -> str:
         import llama_cpp

@@ -60,9 +60,6 @@ class GGUFFile:
         """An architecture-prefixed key: ``a("block_count")`` is ``<arch>.block_count``."""
         return self.get(f"{self.arch}.{key}", default)
 
-    def type_of(self, name: str) -> str:
-        return self.tensors[name].type.name
-
     def data(self, t: TensorInfo) -> Any:
         """The tensor's data, memory-mapped (nothing read until used), shaped as ``gguf.GGUFReader`` shapes it:
         numbers for the float and integer types, rows of bytes for the block types."""

@@ -26,12 +26,12 @@ can run the model: MLX weights are installed (pulled from the catalog's ``mlx_re
 the GGUF converts (then ``Plan.mlx_convert`` is set: the caller converts it once, offline, before loading).
 Otherwise — a GGUF the converter refuses (the reason is one of the plan's lines), or a model over the Metal
 budget — llama.cpp on Metal. What MLX has for an installed model is the caller's to ask
-(:func:`localllm.mlxmodels.mlx_for_plan`, which owns the files and their cache) and comes in as ``mlx=``;
+(:func:`localllm.formats.for_plan`: each format's own answer, MLX's from :func:`localllm.mlxmodels.mlx_for_plan`,
+which owns the files and their cache) and comes in as ``weights={format: answer}``;
 the MLX memory figure counts the MLX weights' own size (the requantized one for a conversion), not the
 GGUF's. The planner reads no file.
 """
 
-from localllm.mlxmodels import MLXWeights
 from localllm.planner.advice import CUDA_ADVICE, METAL_ADVICE, ROCM_ADVICE, SYCL_ADVICE, VULKAN_ADVICE
 from localllm.planner.choice import Plan, PlanRequest, plan
 from localllm.planner.estimation import (
@@ -56,7 +56,7 @@ from localllm.planner.layout import DevicePlan, split_layers
 
 __all__ = [
     "BACKENDS", "CUDA_ADVICE", "CUDA_OVERHEAD", "DEFAULT_CTX", "DEFAULT_PARALLEL", "FA_HEAD_DIMS", "GPU_MARGIN",
-    "HOST_OVERHEAD", "KV_TYPES", "MAX_PARALLEL", "METAL_ADVICE", "MIN_AUTO_CTX", "MIN_CTX", "MLXWeights",
+    "HOST_OVERHEAD", "KV_TYPES", "MAX_PARALLEL", "METAL_ADVICE", "MIN_AUTO_CTX", "MIN_CTX",
     "N_UBATCH", "ROCM_ADVICE", "SYCL_ADVICE", "VULKAN_ADVICE", "DevicePlan", "MemoryEstimate", "Plan",
     "PlanRequest", "checkpoint_bytes", "estimate", "memory_layout_reason", "plan", "split_layers",
 ]

@@ -4,9 +4,9 @@ command of a GPU build of llama.cpp for the GPU this machine has)."""
 from __future__ import annotations
 
 from backends.descriptor import GGUF, LLAMA_CPP_VERSION, Backend, BackendStatus
+from localllm.formats import PlanWeights
 from localllm.gpus import GPU
 from localllm.hardware import HardwareInfo
-from localllm.mlxmodels import MLXWeights
 from localllm.planner.estimation import _gb
 
 CUDA_ADVICE = (f'CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir '
@@ -22,10 +22,20 @@ SYCL_ADVICE = (f'CMAKE_ARGS="-DGGML_SYCL=on -DCMAKE_C_COMPILER=icx -DCMAKE_CXX_C
 # the llama.cpp GPU backends (BackendStatus.gpu_backend) that can drive each vendor's GPUs besides NVIDIA's
 _GPU_BACKENDS_FOR = {"amd": ("HIP", "Vulkan"), "intel": ("Vulkan", "SYCL")}
 
-def _device(b: Backend, hw: HardwareInfo, reasons: list[str], advice: list[str], name: str, mw: MLXWeights,
-            passed: list[Backend], status: dict[str, BackendStatus], *, asked: bool) -> str:
+def answer(weights: dict[str, PlanWeights], b: Backend) -> PlanWeights:
+    """What ``b``'s own weights format has for the model, from the planner's per-format answers
+    (:attr:`~localllm.planner.PlanRequest.weights`); a format not in them has nothing installed and nothing that
+    converts."""
+    return weights.get(b.weights) or PlanWeights()
+
+
+def _device(b: Backend, hw: HardwareInfo, reasons: list[str], advice: list[str], name: str,
+            weights: dict[str, PlanWeights], passed: list[Backend], status: dict[str, BackendStatus], *,
+            asked: bool) -> str:
     """The device ``b`` runs on here; appends the reason lines: why it (and not the backends ``passed``, tried
-    before it) and, where a better setup exists, the advice."""
+    before it, each judged by its own format's answer in ``weights``) and, where a better setup exists, the
+    advice."""
+    mw = answer(weights, b)
     converts = (f"its GGUF converts to {b.label} (once, offline, before the first load: {mw.source})" if mw.source
                 else f"its GGUF converts to {b.label} (once, offline, before the first load)")
     prepared = "" if b.weights == GGUF or mw.installed else f"; {converts}"
@@ -46,13 +56,14 @@ def _device(b: Backend, hw: HardwareInfo, reasons: list[str], advice: list[str],
         return device
     for p in passed:  # the ones the priority list tried first
         st = status[p.name]
-        ready = p.weights == GGUF or mw.usable
+        pw = answer(weights, p)
+        ready = p.weights == GGUF or pw.usable
         if ready and not st.available:
             reasons.append(f"{p.label} not used: {st.reason}")
             advice.append(f"{p.install}  ({p.install_note})" if p.install_note else p.install)
         elif st.available and not ready:
             reasons.append(f"{p.label} not used: no {p.label} weights of {name} are installed and "
-                           f"{mw.why_not[0].lower() + mw.why_not[1:]}" if mw.why_not else
+                           f"{pw.why_not[0].lower() + pw.why_not[1:]}" if pw.why_not else
                            f"{p.label} not used: no {p.label} build of {name} is installed")
     before = len(reasons)
     device = _layers_device(b, hw, reasons, advice)

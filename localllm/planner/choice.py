@@ -9,10 +9,10 @@ from typing import Any, Literal
 from backends import descriptor
 from backends.descriptor import GGUF, Backend, BackendStatus
 from localllm.errors import PlanError
+from localllm.formats import PlanWeights
 from localllm.ggufinfo import GGUFInfo
 from localllm.hardware import HardwareInfo, MiB
-from localllm.mlxmodels import MLXWeights
-from localllm.planner.advice import _device, _registry_device
+from localllm.planner.advice import _device, _registry_device, answer
 from localllm.planner.estimation import (
     BACKENDS,
     DEFAULT_CTX,
@@ -93,8 +93,9 @@ class PlanRequest:
 
     ``num_ctx``: a context size to honour (refused with numbers if the model or memory cannot take
     it); None = min(training context, 4096), shrunk to fit. ``num_gpu``: layers to offload (Ollama's
-    meaning; 0 = CPU, negative or None = decide). ``mlx``: what MLX has for this model
-    (:func:`localllm.mlxmodels.mlx_weights`); ``mlx_model=True`` is the short form of "MLX weights are installed".
+    meaning; 0 = CPU, negative or None = decide). ``weights``: what each weights format other than the GGUF has for
+    this model, by format name (:func:`localllm.formats.for_plan`: installed, converts on first use, or why not); each
+    backend is judged by its own format's answer, and a format not named has nothing.
     ``draft``: a draft model for speculative decoding, planned beside it. ``num_parallel``: sequences
     decoding at once (slots; one KV pool holds ``n_ctx`` tokens for each); None = 4 where that fits,
     fewer where it does not (the context is kept first). ``projector_bytes``: the size of the model's vision
@@ -118,9 +119,8 @@ class PlanRequest:
     kv_cache_type: str = "f16"
     backend: str = "auto"
     num_gpu: int | None = None
-    mlx_model: bool = False
     draft: GGUFInfo | None = None
-    mlx: MLXWeights | None = None
+    weights: dict[str, PlanWeights] | None = None
     num_parallel: int | None = None
     projector_bytes: int = 0
     projector_kind: str = "vision"
@@ -136,8 +136,8 @@ class PlanRequest:
 
 
 def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *, num_ctx: int | None = None,
-         kv_cache_type: str = "f16", backend: str = "auto", num_gpu: int | None = None, mlx_model: bool = False,
-         draft: GGUFInfo | None = None, mlx: MLXWeights | None = None, num_parallel: int | None = None,
+         kv_cache_type: str = "f16", backend: str = "auto", num_gpu: int | None = None,
+         draft: GGUFInfo | None = None, weights: dict[str, PlanWeights] | None = None, num_parallel: int | None = None,
          projector_bytes: int = 0, projector_kind: str = "vision", device_memory: dict[str, int] | None = None,
          devices: list[str] | None = None, tensor_split: list[float] | None = None, swa_full: bool = False,
          cpu_moe: bool = False, num_cpu_moe: int | None = None, mtp_draft: int = 0, num_draft: int = 0,
@@ -152,7 +152,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
     (:func:`_verdict`, :func:`_explain`).
     """
     asked = PlanRequest(num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend, num_gpu=num_gpu,
-                        mlx_model=mlx_model, draft=draft, mlx=mlx, num_parallel=num_parallel,
+                        draft=draft, weights=weights, num_parallel=num_parallel,
                         projector_bytes=projector_bytes, projector_kind=projector_kind, device_memory=device_memory,
                         devices=devices, tensor_split=tensor_split, swa_full=swa_full, cpu_moe=cpu_moe,
                         num_cpu_moe=num_cpu_moe, mtp_draft=mtp_draft, num_draft=num_draft, draft_kind=draft_kind)
@@ -179,7 +179,7 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
                 advice="\n".join(fit.advice) or None, draft_n_gpu_layers=lay.draft_ngl, draft_device=lay.draft_device,
                 max_ctx=max_ctx,
                 slots=fit.slots, devices=lay.devices, shares=ts if ts and len(ts) == len(lay.devices) else None,
-                mlx_convert=fit.chosen.converts_from is not None and not choice.mw.installed,
+                mlx_convert=fit.chosen.weights != GGUF and not choice.answer(fit.chosen).installed,
                 n_cpu_moe=lay.n_cpu_moe if fit.chosen.memory == "layers" else 0)
 
 
@@ -225,7 +225,7 @@ class _Choice:
     backend: str  # as asked ("auto" or a name)
     kv: str
     kv_reason: str | None
-    mw: MLXWeights
+    weights: dict[str, PlanWeights]  # what each format other than the GGUF has for the model (PlanRequest.weights)
     order: list[Backend]
     status: dict[str, BackendStatus]
     passed: list[Backend]
@@ -233,7 +233,11 @@ class _Choice:
 
     def ready(self, b: Backend) -> bool:
         """Its weights are installed or can be prepared (a GGUF always is)."""
-        return b.weights == GGUF or self.mw.usable
+        return b.weights == GGUF or self.answer(b).usable
+
+    def answer(self, b: Backend) -> PlanWeights:
+        """What ``b``'s own format has for the model (nothing said: none installed, none converts)."""
+        return answer(self.weights, b)
 
 
 def _choose(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, kv: str, backend: str) -> _Choice:
@@ -241,12 +245,12 @@ def _choose(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, kv: str, backend
     can take for this model."""
     name = _name(info)
     reasons: list[str] = []
-    mw = req.mlx if req.mlx is not None else MLXWeights(installed=req.mlx_model)
+    weights = dict(req.weights or {})
     order = descriptor.ranked(hw.apple_silicon)  # the priority list for "auto"
     status = {b.name: hw.backend(b.name) for b in order}
 
     def ready(b: Backend) -> bool:
-        return b.weights == GGUF or mw.usable
+        return b.weights == GGUF or answer(weights, b).usable
 
     chosen: Backend
     if backend != "auto":
@@ -255,9 +259,10 @@ def _choose(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, kv: str, backend
         if not st.available:
             raise PlanError(f"--backend {chosen.name} cannot be used here: {st.reason}.")
         if not ready(chosen):
-            if mw.why_not:
+            why_not = answer(weights, chosen).why_not
+            if why_not:
                 raise PlanError(f"--backend {chosen.name} cannot run {name}: no {chosen.label} weights are installed "
-                                f"for it and {mw.why_not[0].lower() + mw.why_not[1:]}.")
+                                f"for it and {why_not[0].lower() + why_not[1:]}.")
             raise PlanError(f"--backend {chosen.name} needs {chosen.label} weights of {name}, and none are installed "
                             f"for it.")
         passed: list[Backend] = []
@@ -285,7 +290,7 @@ def _choose(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, kv: str, backend
             kv = "f16"
         else:
             kv_reason = f"KV cache {kv}: {chosen.label} kv_bits={8 if kv == 'q8_0' else 4}"
-    return _Choice(chosen, backend, kv, kv_reason, mw, order, status, passed, reasons)
+    return _Choice(chosen, backend, kv, kv_reason, weights, order, status, passed, reasons)
 
 
 # ------------------------------------------------------------------------------- 3. context and slots
@@ -319,10 +324,11 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
     if req.devices:  # --device: only these of llama.cpp's devices take layers
         hw = replace(hw, devices=[d for d in hw.devices if not d.offloads or d.name in req.devices])
     mtp = _mtp_draft(info, req)
-    pl = _Planner(info, hw, c.kv, num_gpu, req.draft, c.mw.weights_bytes, req.device_memory, swa_full=req.swa_full,
-                  cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe, mtp_draft=mtp, num_draft=_num_draft(info, req))
+    pl = _Planner(info, hw, c.kv, num_gpu, req.draft, c.answer(chosen).weights_bytes, req.device_memory,
+                  swa_full=req.swa_full, cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe, mtp_draft=mtp,
+                  num_draft=_num_draft(info, req))
     pl.shares = req.tensor_split
-    device = _device(chosen, hw, reasons, advice, name, c.mw, c.passed, c.status, asked=backend != "auto")
+    device = _device(chosen, hw, reasons, advice, name, c.weights, c.passed, c.status, asked=backend != "auto")
     device = _registry_device(chosen, hw, device, reasons)
     if num_gpu == 0 and chosen.memory == "layers" and device != "cpu":
         device = "cpu"
@@ -370,7 +376,7 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
         pl = _Planner(info, hw, (req.kv_cache_type or "f16").lower(), num_gpu, req.draft, caps=req.device_memory,
                       swa_full=req.swa_full, cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe, mtp_draft=mtp,
                       num_draft=_num_draft(info, req))
-        device = _device(chosen, hw, reasons, advice, name, c.mw, [], c.status, asked=False)
+        device = _device(chosen, hw, reasons, advice, name, c.weights, [], c.status, asked=False)
         device = _registry_device(chosen, hw, device, reasons)
         fa, fa_reason = (False, None) if chosen.memory == "unified" else pl.flash_attn(device)
         n_ctx, slots, lay = pick(pl, chosen, device, fa)
@@ -516,7 +522,7 @@ def _explain(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, fit: _Fit, verd
     elif verdict != "too_big":
         reasons.append(f"{slots} parallel slot{'s' if slots > 1 else ''}: fewer than {DEFAULT_PARALLEL} so the "
                        f"{n_ctx:,}-token context fits")
-    mw = req.mlx if req.mlx is not None else MLXWeights(installed=req.mlx_model)
+    mw = answer(req.weights or {}, chosen)
     if chosen.weights != GGUF and mw.weights_bytes:
         reasons.append(f"{chosen.label} weights {_gb(mw.weights_bytes)}: " + (
             f"the installed {chosen.label} directory" if mw.installed

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from localllm.server.protocol import ServerEngine
+    from localllm.engine import Engine
 
 
-def create_app(engine: ServerEngine | None = None, **kwargs: Any) -> FastAPI:
+def create_app(engine: Engine | None = None, **kwargs: Any) -> FastAPI:
     from localllm.server.app import create_app as _create
 
     return _create(engine, **kwargs)

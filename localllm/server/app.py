@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,8 +26,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localllm.server import apis
 from localllm.server.errors import APIError, scrub, status_of
-from localllm.server.protocol import ServerEngine
 from localllm.server.security import DEFAULT_MAX_BODY, SecurityMiddleware, origin_regex
+
+if TYPE_CHECKING:
+    from localllm.engine import Engine
 
 log = logging.getLogger("localllm.server")
 
@@ -57,7 +60,7 @@ def validation_message(exc: RequestValidationError) -> str:
     return scrub(f"invalid value for {field}: {msg}")
 
 
-def create_app(engine: ServerEngine | None = None, *, bound_host: str | None = None, api_key: str | None = None,
+def create_app(engine: Engine | None = None, *, bound_host: str | None = None, api_key: str | None = None,
                origins: str | None = None, max_body: int | None = None, check_host: bool = True,
                context_length: int | None = None, max_upload: int | None = None,
                upload_timeout: float | None = None) -> FastAPI:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -40,9 +40,12 @@ from localllm.server.checks import check_name
 from localllm.server.errors import APIError, bad_request, status_of
 from localllm.server.modelinfo import capabilities, info_of
 from localllm.server.options import options_of
-from localllm.server.protocol import ServerEngine, engine_of, run_cancellable, run_sync
+from localllm.server.protocol import engine_of, run_cancellable, run_sync
 from localllm.store import InstalledModel
 from localllm.thinking import asks_to_think
+
+if TYPE_CHECKING:
+    from localllm.engine import Engine
 
 
 class ClientGone(Exception):
@@ -331,6 +334,6 @@ async def embed_texts(http: Request, model: str, texts: list[str], options: dict
     return pooled, load_ns, found
 
 
-def loaded(engine: ServerEngine, name: str) -> Resident | None:
+def loaded(engine: Engine, name: str) -> Resident | None:
     """The loaded model under its installed ``name`` (None when it is not loaded)."""
     return next((m for m in engine.ps() if m.name == name), None)

@@ -38,7 +38,7 @@ from localllm.local import device_use
 
 if TYPE_CHECKING:
     from localllm.api import Stats
-    from localllm.server.protocol import ServerEngine
+    from localllm.engine import Engine
 
 disable_created_metrics()  # no *_created series: they double the output and no dashboard reads them
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -49,7 +49,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class _EngineCollector(Collector):
     """Gauges and counters read from the engine's loaded models at scrape time."""
 
-    def __init__(self, engine: ServerEngine):
+    def __init__(self, engine: Engine):
         self.engine = engine
 
     def describe(self) -> list[Any]:
@@ -144,7 +144,7 @@ class Metrics:
     """The registry of one app: request counters (middleware), latency histograms (observed as each
     generation ends) and the engine's gauges (read at scrape time)."""
 
-    def __init__(self, engine: ServerEngine):
+    def __init__(self, engine: Engine):
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("localllm_requests", "HTTP requests answered, by route and status.",
                                 ["route", "method", "status"], registry=self.registry)

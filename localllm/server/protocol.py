@@ -1,9 +1,10 @@
-"""The engine as the server uses it: :class:`ServerEngine`, the one interface :func:`~localllm.server.app.create_app`,
-the translators and ``/metrics`` are typed against (:class:`localllm.engine.Engine` is the one in use; a test may
-hand in another), the store behind it, and :func:`run_sync` for the blocking calls.
+"""The engine as the server uses it: :func:`engine_of` a request's app, the in-process
+:class:`localllm.engine.Engine` itself (no interface of its own to keep in step with it), and :func:`run_sync` for
+the blocking calls.
 
-It is not :class:`localllm.api.Runner`: the faces' runner answers with ``api.Loaded`` summaries, while the server
-reads what a loaded model is doing now (its decode loop's slots, its load time) for ``/api/ps`` and ``/metrics``.
+The other faces (CLI, TUI) see the engine through :class:`localllm.api.Runner` (in-process or remote, answering with
+``api.Loaded`` summaries); the server is the engine's own face: it reads what a loaded model is doing now (its decode
+loop's slots, its load time) for ``/api/ps`` and ``/metrics``.
 
 Blocking work runs on bounded thread pools of its own kind (:data:`POOLS`), never on the event loop's one small
 default pool: so slow loads, long reranks or many uploads wait for their own kind and ``/api/tags`` still answers."""
@@ -14,71 +15,19 @@ import asyncio
 import contextvars
 import functools
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from fastapi import Request
 
 if TYPE_CHECKING:
-    from localllm.api import Event, GenerateRequest, Pooled, Stats
-    from localllm.loader import LoadOptions
-    from localllm.residency import Resident
-    from localllm.store import InstalledModel, Store
+    from localllm.engine import Engine
 
 T = TypeVar("T")
 
 
-class ServerEngine(Protocol):
-    """Loaded models (load on demand, keep-alive, a bounded queue) and the store of installed ones."""
-
-    @property
-    def store(self) -> Store: ...
-
-    @property
-    def observers(self) -> list[Callable[[str, Stats], None]]:
-        """Called with (model, stats) as each generation ends (``/metrics``' histograms)."""
-        ...
-
-    @property
-    def pending(self) -> int:
-        """Requests waiting for a load or a slot."""
-        ...
-
-    def agenerate(self, name: str, request: GenerateRequest, options: LoadOptions | None = None, *,
-                  cancel: threading.Event | None = None, keep_alive: float | None = None,
-                  installed: InstalledModel | None = None) -> AsyncGenerator[Event, None]:
-        """``installed``: ``name`` as the server read it from the store (a load does not read it again)."""
-        ...
-
-    def load(self, name: str, options: LoadOptions | None = None, *,
-             keep_alive: float | None = None) -> Resident: ...
-
-    def unload(self, name: str) -> bool: ...
-
-    def embed(self, name: str, texts: list[str], options: LoadOptions | None = None, *,
-              keep_alive: float | None = None) -> list[list[float]]: ...
-
-    def embed_many(self, name: str, texts: list[str], options: LoadOptions | None = None, *,
-                   keep_alive: float | None = None, truncate: bool = True,
-                   cancel: threading.Event | None = None) -> Pooled: ...
-
-    def rerank(self, name: str, query: str, documents: list[str], options: LoadOptions | None = None, *,
-               keep_alive: float | None = None, truncate: bool = True,
-               cancel: threading.Event | None = None) -> Pooled: ...
-
-    def tokenize(self, name: str, text: str, images: list[bytes] | None = None) -> list[int]: ...
-
-    def ps(self) -> list[Resident]: ...
-
-    def is_loaded(self, name: str) -> bool: ...
-
-    def cancel_all(self) -> None: ...
-
-    def close(self, timeout: float | None = None) -> None: ...
-
-
-def engine_of(http: Request) -> ServerEngine:
+def engine_of(http: Request) -> Engine:
     """The app's engine."""
     return http.app.state.engine  # type: ignore[no-any-return]
 

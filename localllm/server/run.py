@@ -24,7 +24,7 @@ from localllm.config import is_loopback
 from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
-    from localllm.server.protocol import ServerEngine
+    from localllm.engine import Engine
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -196,7 +196,7 @@ def page_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}/ui/" if ":" in host else f"http://{host}:{port}/ui/"
 
 
-def serve(address: str | None = None, *, engine: ServerEngine | Callable[[], ServerEngine] | None = None,
+def serve(address: str | None = None, *, engine: Engine | Callable[[], Engine] | None = None,
           log_level: str = "info", open_page: bool = False) -> None:
     """Run the server in the foreground until Ctrl+C or SIGTERM; then finish the requests in flight (3 s
     at most), close the engine (its models and threads) and return. ``open_page``: open the web page in the
@@ -253,7 +253,7 @@ class ServerThread:
                                        name="localllm-server", daemon=True)
 
     @property
-    def engine(self) -> ServerEngine:
+    def engine(self) -> Engine:
         return self.app.state.engine  # type: ignore[no-any-return]
 
     def start(self) -> ServerThread:

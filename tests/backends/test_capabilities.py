@@ -70,3 +70,18 @@ def test_tokenizing_images_on_a_load_without_media_is_one_sentence():
         assert m.tokenize("ab") == m.tokenize("ab", images=[])
         with pytest.raises(UnsupportedError, match="^This model has no vision projector, so it cannot take images.$"):
             m.tokenize("<__media__>", images=[b"\x89PNG"])
+
+
+def test_the_token_source_docstring_names_every_member_and_media_refusals_live_on_the_source_only():
+    """``TokenSource``'s docstring said "a handful of questions" over 28 members: it names each now (so a new one
+    makes this fail until it is described), and why media are refused is asked of the source alone (it sat on
+    both ``TokenSource`` and ``MediaInput``)."""
+    import re
+
+    from backends.contract.source import MediaInput, TokenSource
+
+    members = {n for n in dir(TokenSource) if not n.startswith("_")} | {"spec"}
+    named = set(re.findall(r":(?:attr|meth):`(\w+)`", TokenSource.__doc__ or ""))
+    assert members - named == set()
+    assert len(TokenSource.__abstractmethods__) == 14  # "fourteen abstract members", as the docstring says
+    assert {"vision_problem", "audio_problem"} & set(vars(MediaInput)) == set()

@@ -443,10 +443,10 @@ def test_engine_backend_setting_applies_where_a_request_says_auto(monkeypatch, c
     monkeypatch.setenv("LOCALLLM_HOME", str(cli_home))
     monkeypatch.setenv("LOCALLLM_BACKEND", "mlx")
     with Engine() as engine:
-        assert engine.plan_for(DEFAULT_MODEL)[1].backend == "mlx"
-        assert engine.plan_for(DEFAULT_MODEL, LoadOptions(backend="llamacpp"))[1].backend == "llamacpp"
+        assert engine.prepare(DEFAULT_MODEL).plan.backend == "mlx"
+        assert engine.prepare(DEFAULT_MODEL, LoadOptions(backend="llamacpp")).plan.backend == "llamacpp"
     with Engine(backend="llamacpp") as engine:
-        assert engine.plan_for(DEFAULT_MODEL)[1].backend == "llamacpp"
+        assert engine.prepare(DEFAULT_MODEL).plan.backend == "llamacpp"
     monkeypatch.setenv("LOCALLLM_BACKEND", "cuda")
     with pytest.raises(LocalLLMError, match="LOCALLLM_BACKEND must be auto, llamacpp or mlx"):
         Engine()
