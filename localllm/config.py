@@ -124,6 +124,17 @@ def kv_cache_type() -> str:
     return value
 
 
+def flash_attention() -> str:
+    """``LOCALLLM_FLASH_ATTENTION``: ``auto`` (default: llama.cpp's choice, on for the CPU kernels and where the GPU
+    kernels cover the head size), ``on`` or ``off``. Off on the CPU makes the new tokens of a turn deep in a long
+    context several times faster (llama.cpp's CPU kernel reads the cached keys one at a time), at the price of
+    answers that depend on what else is in the batch and slower long prompts; a quantized V cache keeps it on."""
+    value = env_str("LOCALLLM_FLASH_ATTENTION", "auto").lower()
+    if value not in ("auto", "on", "off"):
+        raise SystemExit(f"LOCALLLM_FLASH_ATTENTION must be auto, on or off, got {value!r}.")
+    return value
+
+
 def swa_full() -> bool:
     """``LOCALLLM_SWA_FULL=1``: sliding-window layers get a cache as long as the context (exact reuse from any
     position, at a global layer's memory); default off: the window per sequence, reuse through checkpoints."""

@@ -325,6 +325,7 @@ class Loader:
             devices=[d for d in options.devices if d != "CPU"] if options.devices else None,
             tensor_split=list(options.tensor_split) if options.tensor_split else None,
             swa_full=config.swa_full(),
+            flash_attn=config.flash_attention(),
             cpu_moe=options.cpu_moe or config.cpu_moe(),
             num_cpu_moe=options.num_cpu_moe,
             # drafting from the GGUF's own MTP layers (as draft_spec asks for where llama.cpp runs it) costs memory
@@ -450,7 +451,8 @@ class Loader:
             n_threads=options.num_thread or p.n_threads,
             kv_cache_type=p.kv_cache_type,  # type: ignore[arg-type]
             # f16: llama.cpp decides (auto), except where the plan turns it off (the CPU: see planner.layout)
-            flash_attn=True if p.kv_cache_type != "f16" else (None if p.flash_attn else False),
+            flash_attn=(True if p.kv_cache_type != "f16" or config.flash_attention() == "on"
+                        else None if p.flash_attn else False),
             draft=self.draft_spec(model, options, p.backend, p.draft_n_gpu_layers, p.draft_device),
             embedding=options.embedding,
             # the vision projector, for a backend that runs one (MLX does not: images are refused there)

@@ -196,8 +196,12 @@ def test_70b_on_a_laptop_does_not_fit_and_says_by_how_much(laptop):
 def test_8b_on_a_laptop_runs_on_the_cpu(laptop):
     p = plan(LLAMA31_8B, laptop)
     assert (p.backend, p.device, p.verdict, p.verdict_text) == ("llamacpp", "cpu", "cpu", "CPU")
-    assert p.n_threads == 8 and p.flash_attn is False  # llama.cpp's CPU kernel slows with depth (auto turns it on)
-    assert "flash attention off: llama.cpp's CPU kernel slows as the context grows" in line(p, "flash attention")
+    assert p.n_threads == 8 and p.flash_attn is True  # llama.cpp's auto setting: on for the CPU kernels
+    assert "llama.cpp's auto setting, on for the CPU kernels" in line(p, "flash attention")
+    off = plan(LLAMA31_8B, laptop, flash_attn="off")  # LOCALLLM_FLASH_ATTENTION=off: the next turn at depth
+    assert off.flash_attn is False and "LOCALLLM_FLASH_ATTENTION=off" in line(off, "flash attention")
+    q8 = plan(LLAMA31_8B, laptop, flash_attn="off", kv_cache_type="q8_0")  # a quantized V cache needs it
+    assert q8.flash_attn is True
     assert "no usable GPU (NVML not available: simulated; nvidia-smi not found)" in line(p, "backend")
 
 

@@ -106,13 +106,14 @@ class PlanRequest:
     layers are split over them as llama.cpp splits them (:func:`~localllm.planner.layout.split_layers`,
     ``Plan.devices`` and ``Plan.tensor_split``); ``tensor_split``: the devices' shares instead of their usable
     memory (``--tensor-split 3,1``; one number per device, in that order). ``swa_full``: cache windowed layers
-    whole. ``cpu_moe``: keep every expert tensor of a mixture of experts in RAM; ``num_cpu_moe``: those of the
-    first N layers (llama.cpp's ``--cpu-moe`` / ``--n-cpu-moe N``); neither: the planner keeps as few in RAM as
-    the device needs. ``mtp_draft``: the load drafts that many tokens a step from the model's own MTP layers where
-    llama.cpp runs it (its MTP context and hidden rows are counted; 0: it does not draft so). ``num_draft``: the
-    tokens a step any draft proposes (a draft model, n-gram, MTP; 0: no drafting, or ``mtp_draft`` where the model
-    drafts from its MTP layers), ``draft_kind`` which ("model", "ngram", "mtp"): on recurrent/hybrid memory llama.cpp
-    keeps that many rollback states of each sequence (:func:`~localllm.planner.estimation.rollback_bytes`).
+    whole; ``flash_attn``: "auto" (llama.cpp's choice), "on" or "off". ``cpu_moe``: keep every expert tensor of a
+    mixture of experts in RAM; ``num_cpu_moe``: those of the first N layers (llama.cpp's ``--cpu-moe`` /
+    ``--n-cpu-moe N``); neither: the planner keeps as few in RAM as the device needs. ``mtp_draft``: the load drafts
+    that many tokens a step from the model's own MTP layers where llama.cpp runs it (its MTP context and hidden rows
+    are counted; 0: it does not draft so). ``num_draft``: the tokens a step any draft proposes (a draft model,
+    n-gram, MTP; 0: no drafting, or ``mtp_draft`` where the model drafts from its MTP layers), ``draft_kind`` which
+    ("model", "ngram", "mtp"): on recurrent/hybrid memory llama.cpp keeps that many rollback states of each sequence
+    (:func:`~localllm.planner.estimation.rollback_bytes`).
     """
 
     num_ctx: int | None = None
@@ -128,6 +129,7 @@ class PlanRequest:
     devices: list[str] | None = None
     tensor_split: list[float] | None = None
     swa_full: bool = False
+    flash_attn: str = "auto"  # LOCALLLM_FLASH_ATTENTION: auto, on, off
     cpu_moe: bool = False
     num_cpu_moe: int | None = None
     mtp_draft: int = 0
@@ -140,8 +142,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
          draft: GGUFInfo | None = None, weights: dict[str, PlanWeights] | None = None, num_parallel: int | None = None,
          projector_bytes: int = 0, projector_kind: str = "vision", device_memory: dict[str, int] | None = None,
          devices: list[str] | None = None, tensor_split: list[float] | None = None, swa_full: bool = False,
-         cpu_moe: bool = False, num_cpu_moe: int | None = None, mtp_draft: int = 0, num_draft: int = 0,
-         draft_kind: str = "") -> Plan:
+         flash_attn: str = "auto", cpu_moe: bool = False, num_cpu_moe: int | None = None, mtp_draft: int = 0,
+         num_draft: int = 0, draft_kind: str = "") -> Plan:
     """Decide how to load ``info`` on ``hw``: ``plan(info, hw, PlanRequest(num_ctx=8192))``, or the same fields
     as keywords (``plan(info, hw, num_ctx=8192)``; :class:`PlanRequest` says what each means). Raises
     :class:`PlanError` for what cannot be done as asked; a model that is simply too big gets
@@ -154,8 +156,9 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
     asked = PlanRequest(num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend, num_gpu=num_gpu,
                         draft=draft, weights=weights, num_parallel=num_parallel,
                         projector_bytes=projector_bytes, projector_kind=projector_kind, device_memory=device_memory,
-                        devices=devices, tensor_split=tensor_split, swa_full=swa_full, cpu_moe=cpu_moe,
-                        num_cpu_moe=num_cpu_moe, mtp_draft=mtp_draft, num_draft=num_draft, draft_kind=draft_kind)
+                        devices=devices, tensor_split=tensor_split, swa_full=swa_full, flash_attn=flash_attn,
+                        cpu_moe=cpu_moe, num_cpu_moe=num_cpu_moe, mtp_draft=mtp_draft, num_draft=num_draft,
+                        draft_kind=draft_kind)
     if request is not None and asked != PlanRequest():
         raise TypeError("plan() takes a PlanRequest or keywords, not both")
     req = request if request is not None else asked
@@ -325,8 +328,8 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
         hw = replace(hw, devices=[d for d in hw.devices if not d.offloads or d.name in req.devices])
     mtp = _mtp_draft(info, req)
     pl = _Planner(info, hw, c.kv, num_gpu, req.draft, c.answer(chosen).weights_bytes, req.device_memory,
-                  swa_full=req.swa_full, cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe, mtp_draft=mtp,
-                  num_draft=_num_draft(info, req))
+                  swa_full=req.swa_full, fa=req.flash_attn, cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe,
+                  mtp_draft=mtp, num_draft=_num_draft(info, req))
     pl.shares = req.tensor_split
     device = _device(chosen, hw, reasons, advice, name, c.weights, c.passed, c.status, asked=backend != "auto")
     device = _registry_device(chosen, hw, device, reasons)
@@ -374,8 +377,8 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
                        + (", which can keep part of the model on the CPU" if fallback.memory == "layers" else ""))
         chosen, kv_reason = fallback, None
         pl = _Planner(info, hw, (req.kv_cache_type or "f16").lower(), num_gpu, req.draft, caps=req.device_memory,
-                      swa_full=req.swa_full, cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe, mtp_draft=mtp,
-                      num_draft=_num_draft(info, req))
+                      swa_full=req.swa_full, fa=req.flash_attn, cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe,
+                      mtp_draft=mtp, num_draft=_num_draft(info, req))
         device = _device(chosen, hw, reasons, advice, name, c.weights, [], c.status, asked=False)
         device = _registry_device(chosen, hw, device, reasons)
         fa, fa_reason = (False, None) if chosen.memory == "unified" else pl.flash_attn(device)

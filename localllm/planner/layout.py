@@ -152,9 +152,11 @@ def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash
 class _Planner:
     def __init__(self, info: GGUFInfo, hw: HardwareInfo, kv: str, num_gpu: int | None, draft: GGUFInfo | None,
                  mlx_bytes: int | None = None, caps: dict[str, int] | None = None, swa_full: bool = False,
-                 cpu_moe: bool = False, num_cpu_moe: int | None = None, mtp_draft: int = 0, num_draft: int = 0):
+                 fa: str = "auto", cpu_moe: bool = False, num_cpu_moe: int | None = None, mtp_draft: int = 0,
+                 num_draft: int = 0):
         self.info, self.hw, self.kv, self.num_gpu, self.draft = info, hw, kv, num_gpu, draft
         self.swa_full = swa_full
+        self.fa = fa  # LOCALLLM_FLASH_ATTENTION: auto (llama.cpp's choice), on, off
         self.mtp_draft = mtp_draft  # tokens a step drafted from the model's MTP layers on llama.cpp (0: none)
         self.num_draft = num_draft  # tokens a step any draft proposes (0: none): rollback states on recurrent memory
         # the experts kept in RAM as asked: all layers' (cpu_moe), the first N layers' (num_cpu_moe), else decided
@@ -190,9 +192,14 @@ class _Planner:
         if device in ("cuda", "metal") and i.head_dim_k == i.head_dim_v and i.head_dim_k in FA_HEAD_DIMS:
             return True, (f"flash attention on: the GPU kernels cover head size {i.head_dim_k}, and it saves "
                           f"the n_ctx × batch attention buffer")
-        if device == "cpu":  # llama.cpp's auto setting turns it on; its CPU kernel walks the keys one at a time
-            return False, ("flash attention off: llama.cpp's CPU kernel slows as the context grows (llama-bench, "
-                           "135M: decode at 4k tokens 3.6x slower, 21 new tokens at 3k 17x)")
+        if self.fa == "on":
+            return True, "flash attention on (LOCALLLM_FLASH_ATTENTION=on)"
+        if self.fa == "off":  # the CPU kernel walks the cached keys one at a time: off is faster deep in a context
+            return False, ("flash attention off (LOCALLLM_FLASH_ATTENTION=off): new tokens deep in a long context go "
+                           "several times faster on the CPU; answers then depend on what else is in the batch")
+        if device == "cpu":
+            return True, ("flash attention: llama.cpp's auto setting, on for the CPU kernels (LOCALLLM_FLASH_ATTENTION"
+                          "=off: a next turn deep in a long context several times faster)")
         if device == "gpu":
             return True, "flash attention: llama.cpp's auto setting (on where the devices run it, as RPC workers do)"
         return False, "flash attention off: the GPU kernels do not cover this head size"
