@@ -47,16 +47,7 @@ def _imports(path, module: str, package: bool, known: set[str], *, type_only: bo
 def test_no_import_cycles_in_localllm_and_backends():
     """No cycle among the project's modules, counting imports inside functions (the run ⇄ interactive kind) and
     type-only ones (``if TYPE_CHECKING:``)."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    modules: dict[str, Path] = {}
-    for pkg in ("localllm", "backends"):
-        for p in (root / pkg).rglob("*.py"):
-            parts = list(p.relative_to(root).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            modules[".".join(parts)] = p
+    modules = _modules()
     known = set(modules)
     graph = {m: {i for i in _imports(p, m, p.name == "__init__.py", known) if i in modules and i != m}
              for m, p in modules.items()}
