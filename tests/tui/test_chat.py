@@ -25,6 +25,15 @@ async def wait_until(pilot, condition, timeout: float = 120.0, step: float = 0.0
         await pilot.pause(step)
 
 
+async def wait_for_screen(pilot, app, cls: type, ready: str, timeout: float = 60.0):
+    """Wait until ``app.screen`` is a ``cls`` whose widget ``ready`` is mounted, and return it.
+
+    A pushed screen becomes ``app.screen`` before its widgets are composed: querying it at once races.
+    """
+    await wait_until(pilot, lambda: isinstance(app.screen, cls) and bool(app.screen.query(ready)), timeout=timeout)
+    return app.screen
+
+
 def short_chat(chats: ChatStore, max_tokens: int, title: str = "Test") -> int:
     conv = chats.create(title=title, model=MODEL, params={"seed": 1, "temperature": 0, "max_tokens": max_tokens})
     return conv.id

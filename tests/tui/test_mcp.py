@@ -18,7 +18,7 @@ from localllm.tui.widgets import ToolCallView
 from tests.cli.test_mcp_repl import TOOL_MODEL, tool_store  # noqa: F401 - the fixture
 from tests.test_mcp_host import recorder
 
-from .test_chat import wait_until
+from .test_chat import wait_for_screen, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -69,11 +69,11 @@ async def test_a_call_is_confirmed_runs_is_saved_and_reopens(tui_home, chats, to
         async with app.run_test(size=(120, 40)) as pilot:
             screen = app.screen
             await send(pilot, "Record hello")
-            await wait_until(pilot, lambda: isinstance(app.screen, ToolConfirmModal), timeout=60)
+            await wait_for_screen(pilot, app, ToolConfirmModal, "#tool-arguments")
             modal = app.screen
             assert modal.call.tool == "record" and '"text": "hello"' in str(modal.query_one("#tool-arguments").content)
             await pilot.press("a")  # allow for this chat
-            await wait_until(pilot, lambda: isinstance(app.screen, ToolConfirmModal), timeout=60)
+            await wait_for_screen(pilot, app, ToolConfirmModal, "#tool-arguments")
             assert app.screen.call.tool == "pid"
             await pilot.press("o")  # allow once
             await wait_until(pilot, lambda: screen.answer_done.is_set(), timeout=60)
@@ -95,7 +95,7 @@ async def test_a_call_is_confirmed_runs_is_saved_and_reopens(tui_home, chats, to
 
             # the next turn: "record" is allowed for this chat, "pid" was allowed once and is asked again
             await send(pilot, "Record hello again")
-            await wait_until(pilot, lambda: isinstance(app.screen, ToolConfirmModal), timeout=60)
+            await wait_for_screen(pilot, app, ToolConfirmModal, "#tool-arguments")
             assert app.screen.call.tool == "pid"
             await pilot.press("d")
             await wait_until(pilot, lambda: screen.answer_done.is_set(), timeout=60)
@@ -129,7 +129,7 @@ async def test_esc_stops_a_running_tool_and_the_app_answers_the_next_message(tui
         async with app.run_test(size=(120, 40)) as pilot:
             screen = app.screen
             await send(pilot, "Nap please")
-            await wait_until(pilot, lambda: isinstance(app.screen, ToolConfirmModal), timeout=60)
+            await wait_for_screen(pilot, app, ToolConfirmModal, "#tool-arguments")
             await pilot.press("o")
             await wait_until(pilot, lambda: screen.query(ToolCallView) and "running" in str(
                 screen.query_one(ToolCallView).title), timeout=30)
@@ -157,7 +157,7 @@ async def test_a_server_killed_mid_call_and_one_that_does_not_start(tui_home, ch
         async with app.run_test(size=(120, 40)) as pilot:
             screen = app.screen
             await send(pilot, "Die please")
-            await wait_until(pilot, lambda: isinstance(app.screen, ToolConfirmModal), timeout=60)
+            await wait_for_screen(pilot, app, ToolConfirmModal, "#tool-arguments")
             await pilot.press("o")
             await wait_until(pilot, lambda: screen.answer_done.is_set(), timeout=60)
             conv = screen.conversation
@@ -173,8 +173,7 @@ async def test_a_server_killed_mid_call_and_one_that_does_not_start(tui_home, ch
 
             # the settings list each server with its state, and enable or disable it for this chat
             await pilot.press("ctrl+t")
-            await wait_until(pilot, lambda: isinstance(app.screen, SettingsModal), timeout=10)
-            modal = app.screen
+            modal = await wait_for_screen(pilot, app, SettingsModal, "#mcp-tools", timeout=10)
             states = [str(s.content) for s in modal.query(".mcp-state")]
             assert states[0].startswith("failed: it exited during a call to die")
             assert states[1] == ('failed: its command "no-such-mcp-server-xyz" was not found '
@@ -196,8 +195,7 @@ async def test_servers_start_when_a_chat_needs_them_and_the_settings_show_their_
         async with app.run_test(size=(120, 40)) as pilot:
             assert [s.state for s in host.statuses()] == ["off", "off"]  # no chat uses them yet
             await pilot.press("ctrl+t")
-            await wait_until(pilot, lambda: isinstance(app.screen, SettingsModal), timeout=10)
-            modal = app.screen
+            modal = await wait_for_screen(pilot, app, SettingsModal, "#mcp-tools", timeout=10)
             modal.query_one("#mcp-0").value = True  # enable "rec" for this chat: it starts in the background
             await wait_until(pilot, lambda: "ready, 7 tools" in str(modal.query_one("#mcp-state-0").content), 60)
             assert host.status("other").state == "off"

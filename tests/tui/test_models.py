@@ -13,7 +13,7 @@ from localllm.session import Session, open_session
 from localllm.tui.app import LocalLLMApp
 from localllm.tui.models import HardwareScreen, ModelsScreen
 
-from .test_chat import wait_until
+from .test_chat import wait_for_screen, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -173,8 +173,7 @@ async def test_make_a_variant_of_an_installed_model_and_see_its_base(tui_home, c
         installed = screen.query_one("#installed", DataTable)
         installed.focus()
         await pilot.press("v")
-        await wait_until(pilot, lambda: isinstance(app.screen, VariantModal), timeout=10)
-        modal = app.screen
+        modal = await wait_for_screen(pilot, app, VariantModal, "#ok", timeout=10)
         modal.query_one("#variant-name").value = "pirate"
         modal.query_one("#variant-system").text = "You are a pirate."
         modal.query_one("#variant-temperature").value = "hot"
