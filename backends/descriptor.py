@@ -66,6 +66,8 @@ class Backend:
     schema_rules: str = ""  # "module:function": a JSON schema -> the first thing it cannot follow, or None
     probe: Callable[[], BackendStatus] | None = field(default=None, compare=False)  # None: the source's check
     vision: bool = False  # runs a vision projector (LoadSpec.mmproj): models with one prefer it
+    mtp: bool = False  # drafts from a GGUF's own multi-token-prediction layers (DraftSpec kind "mtp")
+    devices: str = ""  # "module:function" -> (its device list, RPC built in): devices a plan may split layers over
 
     def rank(self, apple_silicon: bool) -> int:
         return self.apple_priority if apple_silicon and self.apple_priority is not None else self.priority
@@ -91,6 +93,14 @@ class Backend:
         """(usable here, why not and how to install it); never raises."""
         s = self.status()
         return (True, "") if s.available else (False, f"{s.reason}; install it with: {self.install}")
+
+    def device_list(self) -> tuple[list[Any], bool]:
+        """(the devices its build can put layers on, whether it has RPC); ([], False) for a backend with none.
+        Imports the backend's module; raises what the library raises (the probe guards it)."""
+        if not self.devices:
+            return [], False
+        module, fn = self.devices.split(":")
+        return getattr(importlib.import_module(module), fn)()  # type: ignore[no-any-return]
 
     def schema_problem(self, schema: Any) -> str | None:
         """The first thing in a JSON schema this backend's structured output cannot follow (one sentence),
@@ -135,6 +145,11 @@ def get(name: str) -> Backend:
 def ranked(apple_silicon: bool) -> list[Backend]:
     """The backends in the planner's order for ``backend="auto"`` on this kind of machine."""
     return sorted(_REGISTRY.values(), key=lambda b: b.rank(apple_silicon))
+
+
+def drafting_mtp() -> list[Backend]:
+    """The backends that draft from a GGUF's multi-token-prediction layers."""
+    return [b for b in _REGISTRY.values() if b.mtp]
 
 
 def taking(weights: str) -> list[Backend]:
@@ -243,7 +258,8 @@ def mlx_kv_problem(kv: str, head_dim: int, sliding_window: int | None) -> str | 
 LLAMACPP = register(Backend(
     name="llamacpp", label="llama.cpp", source="backends.llamacpp.source:LlamaCppSource", weights=GGUF, memory="layers",
     install=f"pip install llama-cpp-python=={LLAMA_CPP_VERSION}", priority=20,
-    schema_rules="backends.llamacpp._schema:schema_problem", probe=llamacpp_status, vision=True))
+    schema_rules="backends.llamacpp._schema:schema_problem", probe=llamacpp_status, vision=True, mtp=True,
+    devices="backends.llamacpp.devices:listing"))
 MLX_BACKEND = register(Backend(
     name="mlx", label="MLX", source="backends.mlx.source:MLXSource", weights=MLX, memory="unified",
     install="pip install 'localllm[mlx]'", install_note="MLX is usually the fastest backend on Apple Silicon",

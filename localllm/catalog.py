@@ -21,6 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from backends.descriptor import MLX
 from localllm.errors import ModelNotFoundError
 from localllm.names import ModelRef, parse_name
 
@@ -132,12 +133,12 @@ class CatalogEntry:
     @property
     def mlx_repo(self) -> str | None:
         """Hugging Face repo of MLX weights (safetensors + config + tokenizer)."""
-        return self.weights["mlx"][0] if "mlx" in self.weights else None
+        return self.weights[MLX][0] if MLX in self.weights else None
 
     @property
     def mlx_revision(self) -> str | None:
         """A commit (or branch) of ``mlx_repo`` to pin; None: its default branch."""
-        return self.weights["mlx"][1] if "mlx" in self.weights else None
+        return self.weights[MLX][1] if MLX in self.weights else None
 
     @property
     def quants(self) -> list[str]:
@@ -204,7 +205,7 @@ def _weights_sources(raw: dict[str, Any]) -> dict[str, tuple[str, str | None]]:
     """
     out: dict[str, tuple[str, str | None]] = {}
     if raw.get("mlx_repo"):
-        out["mlx"] = (str(raw["mlx_repo"]), raw.get("mlx_revision") or None)
+        out[MLX] = (str(raw["mlx_repo"]), raw.get("mlx_revision") or None)
     for fmt, where in (raw.get("weights") or {}).items():
         repo, _, rev = str(where).partition("@")
         out[str(fmt)] = (repo, rev or None)

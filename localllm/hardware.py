@@ -233,14 +233,13 @@ def _ram(notes: list[str]) -> tuple[int, int]:
 # ------------------------------------------------------------------------------ llama.cpp's devices
 
 
-def _llama_devices(notes: list[str]) -> tuple[list[LlamaDevice], bool]:
-    """llama.cpp's own device list and whether the build has RPC; ([], False) and a note when unreadable."""
+def _llama_devices(backend: descriptor.Backend, notes: list[str]) -> tuple[list[LlamaDevice], bool]:
+    """The backend's own device list (llama.cpp's: ggml's registry) and whether its build has RPC; ([], False)
+    and a note when unreadable."""
     try:
-        from backends.llamacpp import devices as ggml_devices
-        found = ggml_devices.list_devices()
-        rpc = ggml_devices.rpc_supported()
+        found, rpc = backend.device_list()
     except Exception as e:  # no llama_cpp, a library without the registry symbols, ...
-        notes.append(f"llama.cpp's device list not read: {short_error(e)}")
+        notes.append(f"{backend.label}'s device list not read: {short_error(e)}")
         return [], False
     return [LlamaDevice(index=d.index, name=d.name, description=d.description, type=d.type,
                         free_bytes=d.free_bytes, total_bytes=d.total_bytes, backend=d.backend, offloads=d.offloads,
@@ -382,8 +381,10 @@ def _probe() -> HardwareInfo:
     backends = {b.name: _backend_status(b, notes) for b in descriptor.registered()}
     devices: list[LlamaDevice] = []
     rpc = False
-    if backends.get("llamacpp") is not None and backends["llamacpp"].available:  # else its line says why
-        devices, rpc = _guarded(lambda: _llama_devices(notes), ([], False), notes, "llama.cpp device")
+    # the device list of the backend that has one (llama.cpp), where it runs (else its line says why)
+    listing = next((b for b in descriptor.registered() if b.devices and backends[b.name].available), None)
+    if listing is not None:
+        devices, rpc = _guarded(lambda: _llama_devices(listing, notes), ([], False), notes, f"{listing.label} device")
     for b in backends.values():
         if simd:
             break  # e.g. Windows: take the CPU features a backend's build reports (llama.cpp's system info)

@@ -130,14 +130,21 @@ def _env_parallel() -> int | None:
     return n if n > 0 else None
 
 
-def mtp_refusal(name: str, info: dict[str, Any], backend: str = "llamacpp") -> str | None:
+def _drafts_mtp(backend: str) -> bool:
+    """``backend`` drafts from MTP layers (its descriptor says so); "auto" picks one that does for such a GGUF."""
+    return backend == "auto" or backend in {b.name for b in descriptor.drafting_mtp()}
+
+
+def mtp_refusal(name: str, info: dict[str, Any], backend: str) -> str | None:
     """Why ``--draft mtp`` cannot run ``name`` on ``backend`` (one sentence), or None when it can: drafting from
-    multi-token-prediction (MTP) layers needs them in the GGUF and the llama.cpp backend."""
-    if int(info.get("mtp_layers") or 0) and backend == "llamacpp":
+    multi-token-prediction (MTP) layers needs them in the GGUF and a backend that drafts from them (llama.cpp)."""
+    if int(info.get("mtp_layers") or 0) and _drafts_mtp(backend):
         return None
     if int(info.get("mtp_layers") or 0):
-        return (f"{name} has multi-token-prediction (MTP) layers, but only the llama.cpp backend drafts from them; "
-                "use --backend llamacpp or --draft none.")
+        drafters = descriptor.drafting_mtp()
+        return (f"{name} has multi-token-prediction (MTP) layers, but only the "
+                f"{' or '.join(b.label for b in drafters)} backend drafts from them; "
+                f"use {' or '.join(f'--backend {b.name}' for b in drafters)} or --draft none.")
     arch = info.get("architecture") or "its architecture"
     return (f"{name} has no multi-token-prediction (MTP) layers (no {arch}.nextn_predict_layers in its GGUF), so "
             "--draft mtp has nothing to draft from; MTP builds ship as separate *-MTP-GGUF files.")
@@ -150,8 +157,9 @@ def mtp_note(info: dict[str, Any], backend: str, draft: str = "auto") -> str | N
         return None
     layers = f"{n} multi-token-prediction (MTP) layer{'s' if n > 1 else ''}"
     choice = (draft or "auto").strip()
-    if backend != "llamacpp":
-        return f"the GGUF has {layers}: only the llama.cpp backend drafts from them (plain decoding here)"
+    if not _drafts_mtp(backend):
+        labels = " or ".join(b.label for b in descriptor.drafting_mtp())
+        return f"the GGUF has {layers}: only the {labels} backend drafts from them (plain decoding here)"
     if choice == "none":
         return f"the GGUF has {layers}: not drafted from (--draft none)"
     if choice not in ("auto", "mtp"):
@@ -344,7 +352,7 @@ class Loader:
         if choice in ("none", "ngram", "mtp"):
             return ("" if choice == "none" else choice), None
         if choice == "auto":
-            if int(model.info.get("mtp_layers") or 0) and options.backend in ("auto", "llamacpp"):
+            if int(model.info.get("mtp_layers") or 0) and _drafts_mtp(options.backend):
                 return "mtp", None  # (on another backend, draft_spec takes the pairing instead)
             draft_name = model.catalog.draft if model.catalog is not None else None
             if not draft_name:
@@ -417,7 +425,8 @@ class Loader:
                 loaded, ns = self.load(prepared, cancel)
                 return loaded, ns, prepared
             except ModelLoadError as e:
-                if p.n_gpu_layers <= 0 or prepared.options.num_gpu is not None or p.backend != "llamacpp" \
+                if p.n_gpu_layers <= 0 or prepared.options.num_gpu is not None \
+                        or descriptor.get(p.backend).memory != "layers" \
                         or "memory" not in str(e).lower():
                     raise
                 was = f"{prepared.name}: out of device memory at load with {_offload(p)}; "

@@ -90,11 +90,12 @@ def test_draft_mtp_is_recognised_and_explained(home, mtp_model, default_model_pa
 
 
 def test_the_refusal_sentences():
-    assert mtp_refusal("m", {"mtp_layers": 2, "architecture": "qwen35"}) is None  # llama.cpp drafts from them
+    assert mtp_refusal("m", {"mtp_layers": 2, "architecture": "qwen35"}, "llamacpp") is None  # it drafts from them
+    assert mtp_refusal("m", {"mtp_layers": 2, "architecture": "qwen35"}, "auto") is None  # auto picks llama.cpp
     assert mtp_refusal("m", {"mtp_layers": 2, "architecture": "qwen35"}, "mlx") == (
         "m has multi-token-prediction (MTP) layers, but only the llama.cpp backend drafts from them; "
         "use --backend llamacpp or --draft none.")
-    assert "no qwen35.nextn_predict_layers" in (mtp_refusal("m", {"architecture": "qwen35"}) or "")
+    assert "no qwen35.nextn_predict_layers" in (mtp_refusal("m", {"architecture": "qwen35"}, "llamacpp") or "")
 
 
 def test_drafting_travels_in_api_ps():

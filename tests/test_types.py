@@ -187,3 +187,34 @@ def test_backends_is_one_contract_one_core_and_its_engines():
     top = {p.name for p in (ROOT / "backends").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
     assert top == {"__init__.py", "descriptor.py", "registry.py", "gguf_header.py", "contract", "core", "llamacpp",
                    "mlx"}, sorted(top)
+
+
+# The modules of localllm/ that offer what only one backend has, and import it from that backend's package: MLX
+# weights (conversion, pulls), llama.cpp's device list and RPC workers, an MTP drafter's memory, GGUF quantization.
+BACKEND_FEATURES = {"localllm/mlxmodels.py": "mlx", "localllm/mlxpull.py": "mlx", "localllm/devices.py": "llamacpp",
+                    "localllm/planner/estimation.py": "llamacpp", "localllm/store/create.py": "llamacpp"}
+
+
+def test_nothing_outside_backends_decides_by_a_backends_name():
+    """A decision about a backend reads its descriptor (``memory``, ``mtp``, ``devices``...), never its name: no
+    string in ``localllm/`` (docstrings and help texts aside) is a backend's name, and only the modules of
+    :data:`BACKEND_FEATURES` import a backend's package, each the one package of its feature."""
+    import ast
+
+    from backends import descriptor
+
+    names = set(descriptor.names())
+    spelled, imports = [], {}
+    for p in (ROOT / "localllm").rglob("*.py"):
+        rel = p.relative_to(ROOT).as_posix()
+        for n in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(n, ast.Constant) and n.value in names:
+                spelled.append(f"{rel}:{n.lineno}: {n.value!r}")
+            modules = ([n.module or ""] + [f"{n.module}.{a.name}" for a in n.names] if isinstance(n, ast.ImportFrom)
+                       else [a.name for a in n.names] if isinstance(n, ast.Import) else [])
+            for m in modules:
+                parts = m.split(".")
+                if parts[0] == "backends" and len(parts) > 1 and parts[1] in names:
+                    imports.setdefault(rel, set()).add(parts[1])
+    assert not spelled, spelled
+    assert imports == {k: {v} for k, v in BACKEND_FEATURES.items()}

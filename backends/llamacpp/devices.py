@@ -169,6 +169,11 @@ def list_devices() -> list[Device]:
     return out
 
 
+def listing() -> tuple[list[Device], bool]:
+    """(:func:`list_devices`, :func:`rpc_supported`): what the descriptor's ``devices`` names for the probe."""
+    return list_devices(), rpc_supported()
+
+
 def device_handle(name: str) -> int | None:
     """ggml's handle of the device called ``name`` (for ``llama_model_params.devices``), or None."""
     h = _L().ggml.ggml_backend_dev_by_name(name.encode())
