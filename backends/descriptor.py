@@ -183,6 +183,26 @@ def parse_gpu_backend(system_info: str) -> str | None:
     return None
 
 
+# ggml's AMX kernels in the pinned llama.cpp (built in by a native build on a CPU that lists AMX) run tile
+# instructions on a tile configuration the compiler dropped and on threads without the kernel's XTILEDATA permission:
+# the process dies with SIGILL at the first matrix product (ggml-org/llama.cpp#26954). A load then leaves llama.cpp's
+# extra buffer types (AMX, and with them the CPU weight repacking) off.
+AMX_NOTE = ("its AMX kernels crash in this llama.cpp (ggml-org/llama.cpp#26954), so models load without them and "
+            "without weight repacking; for repacked weights reinstall it without AMX: CMAKE_ARGS='-DCMAKE_C_FLAGS="
+            "-mno-amx-tile\\ -mno-amx-int8\\ -mno-amx-bf16 "
+            "-DCMAKE_CXX_FLAGS=-mno-amx-tile\\ -mno-amx-int8\\ -mno-amx-bf16' "
+            f"pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python=={LLAMA_CPP_VERSION}")
+
+
+def has_amx_kernels(system_info: str) -> bool:
+    """The build named in ``llama_print_system_info()`` has ggml's AMX kernels (see :data:`AMX_NOTE`).
+
+    >>> has_amx_kernels("CPU : AVX512 = 1 | AMX_INT8 = 1 | LLAMAFILE = 1 |"), has_amx_kernels("CPU : AVX2 = 1 |")
+    (True, False)
+    """
+    return re.search(r"\bAMX_INT8\s*=\s*1\b", system_info) is not None
+
+
 def llamacpp_status() -> BackendStatus:
     """llama-cpp-python importable, ``llama_supports_gpu_offload()`` and the GPU backend compiled in."""
     try:
@@ -212,6 +232,8 @@ def llamacpp_status() -> BackendStatus:
         reason = f"llama-cpp-python {version}, GPU offload via {gpu or 'a GPU backend'}{with_rpc}"
     else:
         reason = f"llama-cpp-python {version}, CPU-only build{with_rpc}"
+    if has_amx_kernels(info):
+        reason += f"; {AMX_NOTE}"
     return BackendStatus("llamacpp", True, reason, offload, info.strip(), gpu_backend=gpu if offload else None,
                          version=version)
 

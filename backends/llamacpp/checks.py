@@ -188,3 +188,24 @@ def metadata_of(model: Any) -> dict[str, str]:
             vals.append(buf.value.decode("utf-8", errors="replace"))
         out[vals[0]] = vals[1]
     return out
+
+
+_amx: bool | None = None
+
+
+def amx_build() -> bool:
+    """The installed llama.cpp has ggml's AMX kernels, which crash in this version
+    (:data:`backends.descriptor.AMX_NOTE`): loads then turn llama.cpp's extra buffer types off. Read once; said once
+    in the log, as a warning."""
+    global _amx
+    if _amx is None:
+        import logging
+
+        import llama_cpp
+
+        from backends.descriptor import AMX_NOTE, has_amx_kernels
+
+        _amx = has_amx_kernels(llama_cpp.llama_print_system_info().decode(errors="replace"))
+        if _amx:
+            logging.getLogger("backends.llamacpp").warning("llama-cpp-python: %s", AMX_NOTE)
+    return _amx

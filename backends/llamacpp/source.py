@@ -47,6 +47,7 @@ from backends.llamacpp._vision import LlamaMediaInput
 from backends.llamacpp.checks import (
     KV_BYTES_PER_ELEM,
     KV_GGML_TYPE,
+    amx_build,
     check_gguf_file,
     check_kv_type,
     flash_attn_enabled,
@@ -162,6 +163,8 @@ class LlamaCppSource(LlamaMediaInput, LlamaSequenceStates, LlamaPooling, TokenSo
         capture.lines = []
         mp.load_mode = (llama_cpp.LLAMA_LOAD_MODE_MMAP if spec.use_mmap
                         else llama_cpp.LLAMA_LOAD_MODE_NONE)
+        if amx_build():  # its AMX kernels would kill the process at the first matrix product
+            mp.use_extra_bufts = False
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
             self._model = None
