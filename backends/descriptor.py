@@ -74,8 +74,7 @@ class Backend:
 
     def source_class(self) -> Any:
         """Its :class:`~backends.contract.source.TokenSource` class (imports the backend's module)."""
-        module, cls = self.source.split(":")
-        return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+        return _named(self.source)
 
     def status(self) -> BackendStatus:
         """Whether it can run here, and how (version, GPU): the one check. Never raises."""
@@ -99,16 +98,14 @@ class Backend:
         Imports the backend's module; raises what the library raises (the probe guards it)."""
         if not self.devices:
             return [], False
-        module, fn = self.devices.split(":")
-        return getattr(importlib.import_module(module), fn)()  # type: ignore[no-any-return]
+        return _named(self.devices)()  # type: ignore[no-any-return]
 
     def schema_problem(self, schema: Any) -> str | None:
         """The first thing in a JSON schema this backend's structured output cannot follow (one sentence),
         or None; a backend that states no rules follows any schema."""
         if not self.schema_rules:
             return None
-        module, fn = self.schema_rules.split(":")
-        return getattr(importlib.import_module(module), fn)(schema)  # type: ignore[no-any-return]
+        return _named(self.schema_rules)(schema)  # type: ignore[no-any-return]
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -155,6 +152,12 @@ def drafting_mtp() -> list[Backend]:
 def taking(weights: str) -> list[Backend]:
     """The backends that load ``weights`` (GGUF or MLX)."""
     return [b for b in _REGISTRY.values() if b.weights == weights]
+
+
+def _named(ref: str) -> Any:
+    """What a ``"module:name"`` reference of a descriptor names (its module imported now)."""
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _short_error(e: BaseException) -> str:

@@ -219,17 +219,11 @@ class Engine(ModelScheduler):
         try:
             step = next(core)
             while True:
-                if isinstance(step, _Call):
+                if isinstance(step, _Call | _Read):
                     try:
-                        result = step.fn(*step.args)
-                    except BaseException as e:  # noqa: BLE001 - into the course, which releases and re-raises
-                        step = core.throw(e)
-                        continue
-                elif isinstance(step, _Read):
-                    try:
-                        result = next(step.items(iter), _END)
-                    except BaseException as e:  # noqa: BLE001 - the producer's error (an overflow), into the course
-                        step = core.throw(e)
+                        result = step.fn(*step.args) if isinstance(step, _Call) else next(step.items(iter), _END)
+                    except BaseException as e:  # noqa: BLE001 - the call's or the producer's error (an overflow),
+                        step = core.throw(e)  # into the course, which releases and re-raises
                         continue
                 else:
                     yield step
