@@ -116,6 +116,16 @@ def test_8b_on_a_24gb_card_goes_entirely_on_the_gpu(desktop_4090):
     assert p.n_ctx == 4096 and p.n_threads == 16 and p.advice is None
     assert p.memory.gpu <= RTX_4090.free_bytes - GPU_MARGIN
     assert "all 32 layers" in line(p, "on the GPU")
+    assert p.flash_attn is True and "the GPU kernels cover head size 128" in line(p, "flash attention")
+
+
+def test_the_flash_attention_setting_is_honoured_on_a_gpu_too(desktop_4090):
+    """``LOCALLLM_FLASH_ATTENTION=off`` turns it off where the GPU kernels would run it (it was ignored there: the
+    head-size rule came first), and the plan counts the attention buffer that then takes GPU memory."""
+    on, off = plan(LLAMA31_8B, desktop_4090), plan(LLAMA31_8B, desktop_4090, flash_attn="off")
+    assert off.flash_attn is False and "LOCALLLM_FLASH_ATTENTION=off" in line(off, "flash attention")
+    assert off.memory.gpu > on.memory.gpu
+    assert plan(LLAMA31_8B, desktop_4090, flash_attn="off", kv_cache_type="q8_0").flash_attn is True
 
 
 def test_8b_on_an_8gb_card_with_32k_context_is_partial(desktop_8gb):

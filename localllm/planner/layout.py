@@ -188,15 +188,15 @@ class _Planner:
     def flash_attn(self, device: str) -> tuple[bool, str]:
         if self.kv != "f16":
             return True, f"flash attention on: llama.cpp needs it for a quantized ({self.kv}) V cache"
-        i = self.info
-        if device in ("cuda", "metal") and i.head_dim_k == i.head_dim_v and i.head_dim_k in FA_HEAD_DIMS:
-            return True, (f"flash attention on: the GPU kernels cover head size {i.head_dim_k}, and it saves "
-                          f"the n_ctx × batch attention buffer")
         if self.fa == "on":
             return True, "flash attention on (LOCALLLM_FLASH_ATTENTION=on)"
         if self.fa == "off":  # the CPU kernel walks the cached keys one at a time: off is faster deep in a context
             return False, ("flash attention off (LOCALLLM_FLASH_ATTENTION=off): new tokens deep in a long context go "
                            "several times faster on the CPU; answers then depend on what else is in the batch")
+        i = self.info
+        if device in ("cuda", "metal") and i.head_dim_k == i.head_dim_v and i.head_dim_k in FA_HEAD_DIMS:
+            return True, (f"flash attention on: the GPU kernels cover head size {i.head_dim_k}, and it saves "
+                          f"the n_ctx × batch attention buffer")
         if device == "cpu":
             return True, ("flash attention: llama.cpp's auto setting, on for the CPU kernels (LOCALLLM_FLASH_ATTENTION"
                           "=off: a next turn deep in a long context several times faster)")
