@@ -6,11 +6,14 @@ order; ``llama-bench`` (tg128) runs beside, for the machine's speed.
     python benchmarks/next_turn.py                          # 3k-token prefix, B=1 and B=4, 2 rounds
     python benchmarks/next_turn.py --prefix 8000 --clients ""  --rounds 2
     python benchmarks/next_turn.py --before /tmp/old-checkout   # an earlier commit's code served beside
+    python benchmarks/next_turn.py --answer 64 --ours-fa-on --llama-fa-off   # both flash-attention settings
 
 Per round and server: a fresh system prompt of ``--prefix`` tokens (a nonce: nothing cached from an earlier
 round), turn 1 (cold, ``--answer`` tokens), then turn 2 at once (turn 1's answer and a short new question):
-the time to first token of each, client-measured. Throughput: ``B`` clients each stream one ``--tokens``-token
-answer (EOG tokens kept out by ``logit_bias``, distinct prompts), completion tokens over wall time.
+the time to first token of each and the decode rate after it (tokens after the first over their time: decoding
+deep in the context; EOG kept out so that each answer is ``--answer`` tokens), client-measured. Throughput:
+``B`` clients each stream one ``--tokens``-token answer (EOG tokens kept out by ``logit_bias``, distinct
+prompts), completion tokens over wall time.
 ``llama-server`` is built by ``python benchmarks/llama_tools.py``.
 """
 
@@ -45,8 +48,9 @@ FOLLOW_UP = "And which one covers shipping? One sentence."
 
 
 async def _turn(client: Any, model: str, messages: list[dict[str, str]], answer: int,
-                extra: dict[str, Any]) -> tuple[float, str]:
-    """(TTFT, answer text) of one streamed chat turn."""
+                extra: dict[str, Any]) -> tuple[float, float, str]:
+    """(TTFT, decode tok/s after the first token, answer text) of one streamed chat turn (EOG kept out by the
+    caller's ``logit_bias``, so that the answer is ``answer`` tokens deep in the context)."""
     t0 = time.perf_counter()
     ttft = float("nan")
     parts: list[str] = []
@@ -58,18 +62,19 @@ async def _turn(client: Any, model: str, messages: list[dict[str, str]], answer:
                 if ttft != ttft:
                     ttft = time.perf_counter() - t0
                 parts.append(c.delta.content)
-    return ttft, "".join(parts)
+    rest = time.perf_counter() - t0 - ttft
+    return ttft, (len(parts) - 1) / rest if len(parts) > 1 and rest > 0 else float("nan"), "".join(parts)
 
 
-async def turns(url: str, model: str, system: str, answer: int, extra: dict[str, Any]) -> tuple[float, float]:
-    """(turn-1 TTFT, turn-2 TTFT), turn 2 sent as soon as turn 1's stream ends."""
+async def turns(url: str, model: str, system: str, answer: int, extra: dict[str, Any]) -> dict[str, float]:
+    """Turn 1's and turn 2's TTFT and decode rate, turn 2 sent as soon as turn 1's stream ends."""
     client = async_client(url)
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
-    t1, text = await _turn(client, model, msgs, answer, extra)
+    t1, d1, text = await _turn(client, model, msgs, answer, extra)
     msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": FOLLOW_UP}]
-    t2, _ = await _turn(client, model, msgs, answer, extra)
+    t2, d2, _ = await _turn(client, model, msgs, answer, extra)
     await client.close()
-    return t1, t2
+    return {"turn1_ttft_s": t1, "turn2_ttft_s": t2, "turn1_decode_tok_s": d1, "turn2_decode_tok_s": d2}
 
 
 async def throughput(url: str, model: str, clients: int, tokens: int, bias: dict[str, int], extra: dict[str, Any],
@@ -107,6 +112,8 @@ def main() -> None:
                     help="another checkout of localllm served beside (\"before\"), e.g. an earlier commit's")
     ap.add_argument("--llama-fa-off", action="store_true",
                     help="a second llama-server beside, with -fa off (what localllm loads on the CPU)")
+    ap.add_argument("--ours-fa-on", action="store_true",
+                    help="a second localllm beside, with LOCALLLM_FLASH_ATTENTION=on (llama.cpp's CPU default)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -135,6 +142,10 @@ def main() -> None:
             off = stack.enter_context(LlamaServer(binary, gguf, threads, n_ctx, args.slots, ("-fa", "off")))
             sides["llama-fa-off"] = (off.url, {"cache_prompt": True})
             out["llama-fa-off"] = {}
+        if args.ours_fa_on:
+            on = stack.enter_context(Localllm(env={**env, "LOCALLLM_FLASH_ATTENTION": "on"}))
+            sides["localllm-fa-on"] = (on.url, ours_extra)
+            out["localllm-fa-on"] = {}
         if args.before is not None:
             old = stack.enter_context(Localllm(env=env, root=args.before.resolve()))
             sides["before"] = (old.url, ours_extra)
@@ -146,9 +157,8 @@ def main() -> None:
             for name in order:
                 url, extra = sides[name]
                 system = system_prompt(args.prefix, tok, nonce=f"round {rnd} {name} {os.getpid()}")
-                t1, t2 = asyncio.run(turns(url, args.model, system, args.answer, extra))
                 row = out[name].setdefault("turns", [])
-                row.append({"turn1_ttft_s": t1, "turn2_ttft_s": t2})
+                row.append(asyncio.run(turns(url, args.model, system, args.answer, {"logit_bias": bias, **extra})))
                 for b in clients:
                     rate = asyncio.run(throughput(url, args.model, b, args.tokens, bias, extra, salt=rnd * 8 + b))
                     out[name].setdefault(f"B{b}_tok_s", []).append(rate)
@@ -163,18 +173,18 @@ def main() -> None:
     for k in ("llama_bench_before", "llama_bench_after"):
         if k in out:
             print(f"{k}: {out[k]}")
-    mine = ["localllm"] + [k for k in ("before", "llama-fa-off") if k in out]
+    mine = ["localllm"] + [k for k in ("before", "llama-fa-off", "localllm-fa-on") if k in out]
     theirs_t = out["llama-server"]["turns"]
     for side in mine:
-        for key in ("turn1_ttft_s", "turn2_ttft_s"):
+        for key in ("turn1_ttft_s", "turn2_ttft_s", "turn1_decode_tok_s", "turn2_decode_tok_s"):
             a = [r[key] for r in out[side]["turns"]]
             ref = [r[key] for r in theirs_t]
-            print(f"{key:14} {side:12}{' / '.join(f'{x:.3f}' for x in a)}   llama-server "
+            print(f"{key:18} {side:12}{' / '.join(f'{x:.3f}' for x in a)}   llama-server "
                   f"{' / '.join(f'{x:.3f}' for x in ref)}   ratio (median) {med(a) / med(ref):.2f}")
         for c in clients:
             a, t = out[side][f"B{c}_tok_s"], out["llama-server"][f"B{c}_tok_s"]
             ratios = " / ".join(f"{x / y:.2f}" for x, y in zip(a, t, strict=True))
-            print(f"B={c} tok/s      {side:12}{' / '.join(f'{x:.1f}' for x in a)}   llama-server "
+            print(f"B={c} tok/s          {side:12}{' / '.join(f'{x:.1f}' for x in a)}   llama-server "
                   f"{' / '.join(f'{x:.1f}' for x in t)}   ratios {ratios}")
 
 
