@@ -5,8 +5,8 @@ cells are the source's; the pool knows what they hold) and decides, for the deco
 (:mod:`backends.core.loop`), everything about those cells that is not evaluation:
 
 * **placement** (:meth:`KVPool.place`): a prompt goes to the sequence whose tokens share the longest prefix
-  with it; a prefix held by another sequence (a shared system prompt) is copied (``seq_cp``) into an empty
-  sequence, else into the idle one used least recently; a longer prefix saved on disk (the
+  with it; a prefix held by another sequence (a shared system prompt, ``COPY_MIN`` tokens or more) is copied
+  (``seq_cp``) into an empty sequence, else into the idle one used least recently; a longer prefix saved on disk (the
   :class:`~backends.core.prompt_cache.PromptCache`) is restored instead; an exact repeat samples from the logits
   saved after the prompt;
 * **joining** another request's prefill (:meth:`KVPool.join`): a prompt that shares a long prefix with one
@@ -49,7 +49,19 @@ from backends.core.prompt_cache import PromptCache
 log = logging.getLogger("backends.core.kvpool")
 
 JOIN_MIN = 64  # shared prompt tokens worth waiting for another request's prefill (half of it: worth a copy)
+# Shared prompt tokens worth a copy from another sequence (or loading a parked one back for): fewer (a chat
+# template's first tokens) are evaluated again. A copy shares the source's cells, wherever in the pool they are,
+# and every step's attention spans the pool up to its highest cell in use: 20 template tokens shared from cells
+# 3,000 deep made a 128-token answer decode at 40 instead of 90 tok/s (benchmarks/README.md, issue 47).
+COPY_MIN = JOIN_MIN // 2
 PARK_ALONE = 512  # idle tokens in the pool that a request running alone parks (two of llama.cpp's 256-cell steps)
+
+
+def _continues(s: Seq, n: int, prompt: list[int]) -> bool:
+    """Whether ``prompt``, sharing ``n`` tokens with ``s``, is ``s``'s conversation continuing (or the same prompt
+    again; or its next turn, whose copy of the last answer tokenizes otherwise than the answer was sampled)."""
+    return n > 0 and (n == len(s.tokens) or n == len(prompt) or (
+        s.prompt_logits is not None and n >= s.prompt_logits[0]))
 
 
 class KVPool:
@@ -127,12 +139,13 @@ class KVPool:
                 if n > best_n or (n == best_n and best is not None and n > 0 and best.owner is not None
                                   and s.owner is None):
                     best, best_n = s, n
+            if best is not None and best_n < COPY_MIN and not _continues(best, best_n, prompt):
+                best, best_n = None, 0  # a few shared tokens: evaluated again, not copied from wherever they are
             if best is None or best.parked is None or self._unpark(best):
                 break  # (a parked sequence that no longer fits the pool is emptied: look again)
         seq: Seq | None = None
         copied = 0
-        if best is not None and best.owner is None and (best_n == len(best.tokens) or best_n == len(prompt) or (
-                best.prompt_logits is not None and best_n >= best.prompt_logits[0])):
+        if best is not None and best.owner is None and _continues(best, best_n, prompt):
             # the same conversation continuing (or the same prompt again; or its next turn, whose copy of the last
             # answer tokenizes otherwise than the answer was sampled: only that answer's tail is cut, no copy)
             seq = best
@@ -650,4 +663,4 @@ class KVPool:
             self.prompt_cache.close()
 
 
-__all__ = ["JOIN_MIN", "PARK_ALONE", "KVPool"]
+__all__ = ["COPY_MIN", "JOIN_MIN", "PARK_ALONE", "KVPool"]

@@ -18,7 +18,7 @@ import pytest
 
 from backends.contract.source import Feed, ModelInfo, TokenSource
 from backends.contract.specs import LoadSpec, Sampling
-from backends.core.kvpool import JOIN_MIN, PARK_ALONE, KVPool
+from backends.core.kvpool import COPY_MIN, JOIN_MIN, PARK_ALONE, KVPool
 from backends.core.kvseq import Seq
 from backends.core.prompt_cache import PromptCache
 
@@ -181,6 +181,28 @@ def test_idle_sequences_park_in_host_memory_and_come_back(src):
     back = pool.place("b", p + q)
     assert back.seq is a.seq and back.cached == len(p) and a.seq.parked is None
     assert same(run(src, back.seq, q), fresh(src, p + q))
+
+
+def test_a_few_shared_tokens_are_evaluated_again_not_copied_nor_loaded_back(src):
+    """A prompt sharing fewer than COPY_MIN tokens with another sequence (a chat template's first tokens) takes an
+    empty sequence and evaluates them: a copy would share the other's cells wherever they are in the pool (every
+    step attends up to the highest cell in use), and loading a parked conversation back for them costs its copy."""
+    pool = KVPool(src, can_park=True)
+    p = toks(src, TEXT * 4)
+    a = pool.place("a", p)
+    run(src, a.seq, p)
+    pool.release(a.seq)
+    pool.park_idle(running=2)
+    assert a.seq.parked is not None
+    few = p[:COPY_MIN - 1] + more(src, " Tell me about ships instead.")
+    b = pool.place("b", few)
+    assert (b.cached, b.copied) == (0, 0) and b.seq is not a.seq and a.seq.parked is not None  # still parked
+    assert same(run(src, b.seq, few), fresh(src, few))
+    pool.release(b.seq)
+    enough = p[:COPY_MIN + 8] + more(src, " And the harbour?")
+    c = pool.place("c", enough)  # a prefix worth a copy: the parked conversation comes back for it
+    assert c.copied == c.cached >= COPY_MIN and a.seq.parked is None
+    assert same(run(src, c.seq, enough[c.cached:]), fresh(src, enough))
 
 
 def test_the_prompt_cache_on_disk_saves_the_evaluated_prefixes_and_restores_them(src, tmp_path: Path):
