@@ -125,12 +125,11 @@ def kv_cache_type() -> str:
 
 
 def flash_attention() -> str:
-    """``LOCALLLM_FLASH_ATTENTION``: ``auto`` (default), ``on`` or ``off``. ``auto`` is off on the CPU (llama.cpp's
-    CPU kernel reads the cached keys one at a time: decoding a few thousand tokens into a context goes 2-4x slower
-    with it, long cold prompts 15-35 % faster) unless the attention buffer it saves would take over a tenth of RAM
-    or shrink the context, and on where the GPU kernels cover the head size. Off, answers can depend on what else
-    is in the batch; a quantized V cache keeps it on. The setting holds on a GPU too (see the planner's
-    ``_Planner.flash_attn``)."""
+    """``LOCALLLM_FLASH_ATTENTION``: ``auto`` (default: llama.cpp's choice, on for the CPU kernels and where the GPU
+    kernels cover the head size), ``on`` or ``off``. Off on the CPU makes the new tokens of a turn deep in a long
+    context several times faster (llama.cpp's CPU kernel reads the cached keys one at a time), at the price of
+    answers that depend on what else is in the batch and slower long prompts; a quantized V cache keeps it on. The
+    setting holds on a GPU too."""
     value = env_str("LOCALLLM_FLASH_ATTENTION", "auto").lower()
     if value not in ("auto", "on", "off"):
         raise SystemExit(f"LOCALLLM_FLASH_ATTENTION must be auto, on or off, got {value!r}.")

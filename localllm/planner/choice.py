@@ -27,7 +27,7 @@ from localllm.planner.estimation import (
     mtp_reason,
     rollback_reason,
 )
-from localllm.planner.layout import CPU_FA_BUFFER_SHARE, CPU_FA_OFF, DevicePlan, _Layout, _Planner
+from localllm.planner.layout import DevicePlan, _Layout, _Planner
 
 
 @dataclass
@@ -106,14 +106,14 @@ class PlanRequest:
     layers are split over them as llama.cpp splits them (:func:`~localllm.planner.layout.split_layers`,
     ``Plan.devices`` and ``Plan.tensor_split``); ``tensor_split``: the devices' shares instead of their usable
     memory (``--tensor-split 3,1``; one number per device, in that order). ``swa_full``: cache windowed layers
-    whole; ``flash_attn``: "auto" (off on the CPU, see ``_Planner.flash_attn``), "on" or "off". ``cpu_moe``:
-    keep every expert tensor of a mixture of experts in RAM; ``num_cpu_moe``: those of the first N layers
-    (llama.cpp's ``--cpu-moe`` / ``--n-cpu-moe N``); neither: the planner keeps as few in RAM as the device
-    needs. ``mtp_draft``: the load drafts that many tokens a step from the model's own MTP layers where llama.cpp
-    runs it (its MTP context and hidden rows are counted; 0: it does not draft so). ``num_draft``: the tokens a
-    step any draft proposes (a draft model, n-gram, MTP; 0: no drafting, or ``mtp_draft`` where the model drafts
-    from its MTP layers), ``draft_kind`` which ("model", "ngram", "mtp"): on recurrent/hybrid memory llama.cpp
-    keeps that many rollback states of each sequence (:func:`~localllm.planner.estimation.rollback_bytes`).
+    whole; ``flash_attn``: "auto" (llama.cpp's choice), "on" or "off". ``cpu_moe``: keep every expert tensor of a
+    mixture of experts in RAM; ``num_cpu_moe``: those of the first N layers (llama.cpp's ``--cpu-moe`` /
+    ``--n-cpu-moe N``); neither: the planner keeps as few in RAM as the device needs. ``mtp_draft``: the load drafts
+    that many tokens a step from the model's own MTP layers where llama.cpp runs it (its MTP context and hidden rows
+    are counted; 0: it does not draft so). ``num_draft``: the tokens a step any draft proposes (a draft model,
+    n-gram, MTP; 0: no drafting, or ``mtp_draft`` where the model drafts from its MTP layers), ``draft_kind`` which
+    ("model", "ngram", "mtp"): on recurrent/hybrid memory llama.cpp keeps that many rollback states of each sequence
+    (:func:`~localllm.planner.estimation.rollback_bytes`).
     """
 
     num_ctx: int | None = None
@@ -391,14 +391,6 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
             raise PlanError(f"A {req.num_ctx:,}-token context does not fit: with its "
                             f"{_gb(lay.mem.kv_cache)} KV cache ({pl.kv}) the model {lay.why}; "
                             f"at most about {best or MIN_AUTO_CTX:,} tokens fit.")
-    if not fa and fa_reason == CPU_FA_OFF:  # the CPU's own choice: kept where its attention buffer stays small
-        n_on, slots_on, lay_on = pick(pl, chosen, device, True)
-        extra = lay.mem.compute - lay_on.mem.compute
-        less = n_on * slots_on > n_ctx * slots or not lay.fits
-        if lay_on.fits and (less or extra * 100 > hw.ram_total * CPU_FA_BUFFER_SHARE):
-            fa, n_ctx, slots, lay = True, n_on, slots_on, lay_on
-            fa_reason = (f"flash attention on: off would take a {_gb(extra)} attention buffer at this context"
-                         + (" and fit less of it" if less else "") + " (LOCALLLM_FLASH_ATTENTION=off to insist)")
     ts = req.tensor_split
     if ts and lay.devices and len(ts) != len(lay.devices):
         raise PlanError(f"--tensor-split has {len(ts)} value{'s' if len(ts) != 1 else ''} for "

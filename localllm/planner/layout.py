@@ -149,15 +149,6 @@ def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash
     return out
 
 
-# Why the CPU plan turns flash attention off by itself (llama-bench on the default model, 2 threads, fa 0 vs 1:
-# tg16 @ d3000 52 vs 21 tok/s, tg16 @ d7500 21.7 vs 5.6, pp24 @ d3000 ~185 vs 32 — its kernel takes a batch under
-# 64 tokens one cached key at a time —, pp512 @ d3000 147 vs 169, @ d7500 58 vs 78; benchmarks/README.md)
-CPU_FA_OFF = ("flash attention off: llama.cpp's CPU kernel decodes 2-4x slower a few thousand tokens into a "
-              "context and takes a short next turn up to 6x longer; long cold prompts are 15-35 % faster with it "
-              "(LOCALLLM_FLASH_ATTENTION=on)")
-CPU_FA_BUFFER_SHARE = 10  # % of RAM the attention buffer that flash attention saves may take before it stays on
-
-
 class _Planner:
     def __init__(self, info: GGUFInfo, hw: HardwareInfo, kv: str, num_gpu: int | None, draft: GGUFInfo | None,
                  mlx_bytes: int | None = None, caps: dict[str, int] | None = None, swa_full: bool = False,
@@ -165,7 +156,7 @@ class _Planner:
                  num_draft: int = 0):
         self.info, self.hw, self.kv, self.num_gpu, self.draft = info, hw, kv, num_gpu, draft
         self.swa_full = swa_full
-        self.fa = fa  # LOCALLLM_FLASH_ATTENTION: auto (see flash_attn), on, off
+        self.fa = fa  # LOCALLLM_FLASH_ATTENTION: auto (llama.cpp's choice), on, off
         self.mtp_draft = mtp_draft  # tokens a step drafted from the model's MTP layers on llama.cpp (0: none)
         self.num_draft = num_draft  # tokens a step any draft proposes (0: none): rollback states on recurrent memory
         # the experts kept in RAM as asked: all layers' (cpu_moe), the first N layers' (num_cpu_moe), else decided
@@ -206,11 +197,10 @@ class _Planner:
         if device in ("cuda", "metal") and i.head_dim_k == i.head_dim_v and i.head_dim_k in FA_HEAD_DIMS:
             return True, (f"flash attention on: the GPU kernels cover head size {i.head_dim_k}, and it saves "
                           f"the n_ctx × batch attention buffer")
-        if device == "cpu" and i.pooling:  # only whole inputs evaluated, where its kernel is the faster
-            return True, ("flash attention: llama.cpp's auto setting, on (an embedding or rerank model evaluates "
-                          "whole inputs, which it speeds up)")
-        if device == "cpu":  # llama.cpp's auto turns it on; its CPU kernel reads the cached keys one at a time
-            return False, CPU_FA_OFF
+        if device == "cpu":  # kept for answers that do not depend on the batch (see the README's settings row)
+            return True, ("flash attention: llama.cpp's auto setting, on for the CPU kernels: an answer does not "
+                          "depend on what else is in the batch (LOCALLLM_FLASH_ATTENTION=off decodes 2-4x faster a few "
+                          "thousand tokens into a context, and a short next turn up to 6x)")
         if device == "gpu":
             return True, "flash attention: llama.cpp's auto setting (on where the devices run it, as RPC workers do)"
         return False, "flash attention off: the GPU kernels do not cover this head size"
