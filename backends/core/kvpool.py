@@ -48,7 +48,7 @@ from backends.core.prompt_cache import PromptCache
 
 log = logging.getLogger("backends.core.kvpool")
 
-JOIN_MIN = 64  # shared prompt tokens worth waiting for another request's prefill (half of it: worth a copy)
+JOIN_MIN = 64  # shared prompt tokens worth waiting for another request's prefill
 # Shared prompt tokens worth a copy from another sequence (or loading a parked one back for): fewer (a chat
 # template's first tokens) are evaluated again. A copy shares the source's cells, wherever in the pool they are,
 # and every step's attention spans the pool up to its highest cell in use: 20 template tokens shared from cells
@@ -396,7 +396,7 @@ class KVPool:
                     best, best_n = s, n
         if best is not None:
             best_n = self._cut(best.tokens, best_n)[0]
-        if best is None or best_n - have < JOIN_MIN // 2:
+        if best is None or best_n - have < COPY_MIN:
             return Join(False, 0)
         if not self.source.seq_cp(best.id, seq.id, self._positions(best.tokens[:best_n])):
             seq.tokens, seq.prompt_logits, seq.no_join = [], None, True  # the copy emptied it
@@ -418,7 +418,7 @@ class KVPool:
             ck = next((c for c in reversed(s.checkpoints) if c.n <= n), None)
             if ck is not None and ck.n > (best_ck.n if best_ck is not None else have):
                 best, best_ck = s, ck
-        if best is None or best_ck is None or best_ck.n - have < JOIN_MIN // 2:
+        if best is None or best_ck is None or best_ck.n - have < COPY_MIN:
             return Join(False, 0)
         if not self._ck.checkpoint_restore(best.id, seq.id, best_ck.n, best_ck.data):
             seq.tokens, seq.prompt_logits, seq.checkpoints, seq.no_join = [], None, [], True
