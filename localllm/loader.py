@@ -475,6 +475,7 @@ class Loader:
             # the head sizes read with the model's metadata: a quantized KV cache is checked without the header
             head_dims=(model.info.get("head_dim_k", 0), model.info.get("head_dim_v", 0)),
             swa_full=config.swa_full(),
+            kv_unified=config.kv_unified(),
         )
 
     def prompt_cache_spec(self, model: InstalledModel, backend: str) -> PromptCacheSpec | None:

@@ -280,9 +280,10 @@ def test_serve_with_workers_batches_and_reports_each_device_over_http(rpc_home, 
         ps = httpx.get(f"{url}/api/ps", timeout=10).json()["models"][0]
         devs = {d["name"]: d for d in ps["devices"]}
         assert set(devs) == {"RPC0", "RPC1"}, ps
-        for d in devs.values():  # 4 slots, a 2,048-cell pool: the estimate holds there too (within 3 %: README)
-            print(f"RPC estimate at 2,048 cells {d}: {d['estimate'] / d['size'] - 1:+.2%}")
-            assert d["size"] > 0 and abs(d["estimate"] / d["size"] - 1) <= 0.03, d
+        for d in devs.values():  # 4 slots, a KV stream of 512 cells each: the estimate covers the allocation, by
+            # at most 10 % (README; its compute buffer is fitted to one unified pool, a stream-split batch's is smaller)
+            print(f"RPC estimate at 4 × 512 cells {d}: {d['estimate'] / d['size'] - 1:+.2%}")
+            assert d["size"] > 0 and 0 <= d["estimate"] / d["size"] - 1 <= 0.10, d
         assert ps["size_vram"] == sum(d["size"] for d in devs.values())
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         for name, d in devs.items():  # Prometheus' text format: label order and float spelling are its own

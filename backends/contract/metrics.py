@@ -26,6 +26,7 @@ class LoopMetrics:
     draft_proposed: int = 0
     draft_accepted: int = 0
     steps: int = 0
+    consumer_wait_ns: int = 0  # steps spent letting consumers finish with the previous step's tokens (CPU-bound loads)
     batched_tokens: int = 0  # tokens evaluated over all steps
     evictions: int = 0  # idle sequences dropped to make room
     requests: int = 0

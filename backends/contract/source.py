@@ -77,6 +77,7 @@ class ModelInfo:
     flash_attn: bool | None = None
     n_threads: int = 0
     n_seq_ids: int = 0  # sequence ids of the pool (slots plus idle prefixes kept)
+    kv_streams: bool = False  # a KV stream per sequence id (llama.cpp's kv_unified off), not one unified pool
     sliding_window: int = 0  # the window of sliding-window layers (0: none)
     swa_full: bool = False  # those layers keep the whole context
     batched: bool = True  # several sequences decode in one batched pass
@@ -123,12 +124,14 @@ class TokenSource(abc.ABC):
     (:meth:`evaluate`, :meth:`sampler`, :meth:`logits`); a sequence's KV cells (:meth:`seq_rm`, :meth:`seq_cp`); and
     :meth:`embed`, :meth:`close`. It inherits defaults for the rest and overrides those its load answers otherwise:
     the backend (:attr:`name`, :meth:`available`, :meth:`on_thread`, :attr:`on_fatal`, :attr:`spec`), sizes and
-    batching (:attr:`n_ctx`, :attr:`n_seq_ids`, :attr:`n_batch`, :attr:`can_batch`, :attr:`shared_pool`), the chat
+    batching (:attr:`n_ctx`, :attr:`n_seq_ids`, :attr:`n_batch`, :attr:`can_batch`, :attr:`shared_pool`,
+    :attr:`fills_cpu`), the chat
     (:attr:`chat_template`, :meth:`supports_tools`), :meth:`can_rewind`, why media are refused
     (:meth:`vision_problem`, :meth:`audio_problem`) and :attr:`capabilities`.
 
-    Sequence ids ``0 .. n_seq_ids - 1`` name KV sequences in one pool of ``info.kv_cells`` cells; a
-    sequence holds at most ``n_ctx`` positions. The loop decides which tokens each sequence holds.
+    Sequence ids ``0 .. n_seq_ids - 1`` name KV sequences in a pool of ``info.kv_cells`` cells (one shared pool,
+    or a stream of its own each: ``info.kv_streams``); a sequence holds at most ``n_ctx`` positions. The loop
+    decides which tokens each sequence holds.
     """
 
     name: ClassVar[str]
@@ -172,6 +175,12 @@ class TokenSource(abc.ABC):
     @property
     def can_batch(self) -> bool:
         """Several sequences in one :meth:`evaluate` run as one batched pass (not one after another)."""
+        return False
+
+    @property
+    def fills_cpu(self) -> bool:
+        """Its evaluation keeps every core the process may use busy (llama.cpp on the CPU, a thread per core), so work
+        on another thread during it stalls it: the loop lets consumers finish with a step's tokens before the next."""
         return False
 
     @property

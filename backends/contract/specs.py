@@ -78,6 +78,8 @@ class LoadSpec:
     # llama.cpp: sliding-window layers as long as the context (exact reuse from any position, at a global layer's
     # memory); off, as llama-server: the window per sequence, reuse through checkpoints
     swa_full: bool = False
+    # llama.cpp: one KV pool for every sequence id (2 × slots ids, idle ones parked) instead of a stream per slot
+    kv_unified: bool = False
     tuning: Tuning = field(default_factory=Tuning)
 
 

@@ -34,6 +34,7 @@ class Channel(Generic[T]):
         self._closed = False
         self._error: BaseException | None = None
         self._wakers: dict[Callable[[], None], bool] = {}  # an async consumer's wake-up -> parked (waiting for it)
+        self._waiting = False  # the consumer has handled every item taken and waits for the next
 
     # ---------------------------------------------------------------- producer side
 
@@ -70,6 +71,14 @@ class Channel(Generic[T]):
         for w in wakers:
             w()
 
+    def settle(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds until the consumer has handled every item put so far and waits for the
+        next one (True; also when the stream ended or the consumer left); False: it is still busy, or has not
+        started reading."""
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: (self._waiting and not self._items) or self._closed or self.cancel.is_set(), timeout)
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -79,6 +88,7 @@ class Channel(Generic[T]):
     def _take(self) -> tuple[bool, T | None]:
         """(True, item) | (False, None) at the end; raises the producer's error. Call under the lock."""
         if self._items:
+            self._waiting = False
             return True, self._items.popleft()
         if self._closed:
             if self._error is not None:
@@ -94,6 +104,8 @@ class Channel(Generic[T]):
                 try:
                     return self._take()
                 except LookupError:
+                    self._waiting = True
+                    self._cv.notify_all()
                     if not self._cv.wait(timeout):
                         raise TimeoutError from None
 
@@ -135,6 +147,8 @@ class Channel(Generic[T]):
                     except LookupError:
                         ready.clear()
                         self._wakers[wake] = True  # parked: the next put or close wakes it
+                        self._waiting = True
+                        self._cv.notify_all()  # (a producer in settle())
                         ok, item = None, None  # type: ignore[assignment]
                     except BaseException:  # the producer's error: it ended the stream, nothing to cancel
                         finished = self._closed

@@ -11,16 +11,19 @@ cells are the source's; the pool knows what they hold) and decides, for the deco
   saved after the prompt;
 * **joining** another request's prefill (:meth:`KVPool.join`): a prompt that shares a long prefix with one
   still being evaluated waits for it and then copies it;
-* **parking** (:meth:`KVPool.park_idle`): in a shared pool, idle sequences move to host memory while
-  others decode, and come back by a copy when their conversation returns;
+* **parking** (:meth:`KVPool.park_idle`): in a shared pool (llama.cpp's unified KV; not with a KV stream per
+  slot, where a step attends only to its own sequences' cells), idle sequences move to host memory while others
+  decode, and come back by a copy when their conversation returns;
 * **victims**: when the pool is full, idle sequences go, least recently used first (:meth:`KVPool.make_room`);
 * **checkpoints** (memory that cannot drop its tail: the recurrent state of a hybrid model, a sliding window):
   see :class:`CheckpointPolicy`;
 * **release** (:meth:`KVPool.release`): a request's sequence becomes an idle prefix whatever ended it
   (finished, cancelled, failed): the evaluated tokens stay for the next request, only cells the pool does
   not know of (a failed evaluation's) are dropped; its long prefixes are owed to the prompt cache on disk
-  (:meth:`KVPool.owe_prefixes`): copied out of the pool later, while the model idles (:meth:`KVPool.save_owed`),
-  before the sequence's cells are cut, copied over, parked or dropped, or at close.
+  (:meth:`KVPool.owe_prefixes`): copied out of the pool later, while the model idles (:meth:`KVPool.save_owed`:
+  a prefix shorter than its sequence goes through an empty sequence id, so with as many ids as slots it mostly
+  waits), before the sequence's cells are cut, copied over, parked or dropped (the longest first, cutting the
+  cells down to each), or at close.
 
 Every method runs on the loop's thread; :meth:`KVPool.usage` may be read from any thread (a snapshot).
 """
@@ -584,18 +587,30 @@ class KVPool:
         owed += [seq.tokens[:n] for n in lengths if n not in have]
         seq.unsaved = sorted(owed, key=len)
 
+    def _saveable(self, s: Seq) -> list[list[int]]:
+        """The prefixes ``s`` owes that can be copied out now without touching its cells: a parked state, its whole
+        sequence, or a prefix through an empty sequence id (with a KV stream per slot there is seldom one: those wait
+        until the cells go, :meth:`save_unsaved`)."""
+        if s.parked is not None or self._spare(s) is not None:
+            return s.unsaved
+        return [t for t in s.unsaved if len(t) == len(s.tokens)]
+
+    def _spare(self, s: Seq) -> Seq | None:
+        return next((t for t in self.seqs if t.owner is None and not t.tokens and t is not s), None)
+
     def owes(self) -> bool:
-        """Whether some sequence owes prefixes to the disk cache."""
-        return any(s.unsaved for s in self.seqs)
+        """Whether some sequence owes prefixes to the disk cache that can be saved now."""
+        return any(self._saveable(s) for s in self.seqs)
 
     def save_owed(self) -> bool:
         """Save one owed prefix (the most recently used sequence's longest first); False when none is left. The
         loop calls it while the model idles, one at a time, looking at its queue between them."""
-        owing = [s for s in self.seqs if s.unsaved]
+        owing = [s for s in self.seqs if self._saveable(s)]
         if not owing:
             return False
         s = max(owing, key=lambda s: s.last_used)
-        toks = s.unsaved.pop()
+        toks = self._saveable(s)[-1]
+        s.unsaved.remove(toks)
         if s.parked is not None:  # (the shorter prefixes of a parked sequence were saved when it was parked)
             self._save_parked(s, toks)
         else:
@@ -609,10 +624,10 @@ class KVPool:
             return
         owed = [t for t in seq.unsaved if len(t) > keep]
         seq.unsaved = [t for t in seq.unsaved if len(t) <= keep]
-        for toks in owed:
+        for toks in reversed(owed):  # the longest first: the cells past each one are going anyway
             if seq.parked is not None:
                 self._save_parked(seq, toks)
-            elif not self._save_prefix(seq, toks):
+            elif not self._save_prefix(seq, toks, cut=True):
                 return
 
     def _save_parked(self, seq: Seq, toks: list[int]) -> None:
@@ -621,16 +636,21 @@ class KVPool:
         if pc is not None and seq.parked is not None and toks == seq.tokens and not pc.has(toks):
             pc.save(toks, seq.parked)
 
-    def _save_prefix(self, seq: Seq, toks: list[int]) -> bool:
+    def _save_prefix(self, seq: Seq, toks: list[int], *, cut: bool = False) -> bool:
         """Copy the state of ``seq``'s first ``len(toks)`` tokens (still ``toks``) out of the pool and queue it for
-        the disk (the write and its hash on the cache's thread); False: no state can be taken now."""
+        the disk (the write and its hash on the cache's thread); ``cut``: the cells past them are going, so they
+        may go first (no other sequence id needed); False: no state can be taken now."""
         pc = self.prompt_cache
         n = len(toks)
         if pc is None or not seq.in_pool() or seq.tokens[:n] != toks or pc.has(toks):
             return True
+        if cut and n < len(seq.tokens) and self.checkpointing is None and self._cut(seq.tokens, n)[0] == n:
+            if self.source.seq_rm(seq.id, self._cut(seq.tokens, n)[1]):
+                del seq.tokens[n:]
+                seq.prompt_logits = seq.prompt_logits if seq.prompt_logits and seq.prompt_logits[0] <= n else None
         tmp = None
         if n != len(seq.tokens):
-            tmp = next((s for s in self.seqs if s.owner is None and not s.tokens and s is not seq), None)
+            tmp = self._spare(seq)
             if tmp is None:
                 return False
         try:

@@ -15,8 +15,10 @@ events. Each step of the loop:
    then chunks of pending prompts under the step's token budget
    (chunked prefill: a long prompt never stalls the streams in flight); a chunk ends where the pool wants a
    checkpoint of the sequence (a message's start, an image's, every N tokens, the prompt's end), taken after it;
-3. runs one ``evaluate`` for all of them; when the pool is full it frees the least recently used idle
-   sequences and retries, and a prompt that still does not fit waits;
+3. runs one ``evaluate`` for all of them (where the evaluation fills the CPU and two or more streams decode, after
+   letting their consumers finish with the last step's tokens: their work beside llama.cpp's threads stalls
+   them, :meth:`~backends.core.scheduler.Scheduler._settle`); when the pool is full it frees the least recently
+   used idle sequences and retries, and a prompt that still does not fit waits;
 4. samples each sequence with its own sampler, verifies drafts, feeds the tokens to each request's
    stream (stops, UTF-8, tools, thinking, limits) and sends the events;
 5. ends finished, cancelled and failed requests at once: their slot is free the same step, and whatever
@@ -24,9 +26,9 @@ events. Each step of the loop:
    pool needs them (least recently used first) and their long prefixes are owed to the prompt cache on
    disk (copied out of the pool once the model has idled ``PromptCacheSpec.idle_s``, or before their cells
    change or go, or at close: never between a turn's end and the next turn's start; the cache's writer hashes
-   and writes only while no request runs); while several requests run (or one beside 512+ idle tokens),
-   idle sequences are parked in host memory instead (attention spans every cell up to the highest in use)
-   and copied back when their conversation returns.
+   and writes only while no request runs); in a unified pool, while several requests run (or one beside 512+
+   idle tokens), idle sequences are parked in host memory instead (attention spans every cell up to the highest
+   in use) and copied back when their conversation returns.
 
 Each request is a :class:`~backends.core.slot.Slot` in an explicit state that only its transitions change
 (:mod:`backends.core.slot`); what a load can do beyond the core contract is read once from its capabilities.
@@ -119,6 +121,7 @@ class LoadedModel(Scheduler):
         self._positions: Callable[[Sequence[int]], int] = len
         self._spec: Speculation | None = None  # the drafter and its controllers, with a draft
         self._pool: KVPool | None = None
+        self._fills_cpu = False
         self._incoming: deque[Slot] = deque()
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Condition()

@@ -83,7 +83,7 @@ class PromptCache:
         self._lengths: dict[int, int] = {}  # token count -> entries with that count (for lookups)
         self._jobs: queue.SimpleQueue[tuple[list[int], bytes] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
-        self._pending: set[str] = set()
+        self._pending: dict[str, tuple[list[int], bytes]] = {}  # queued for the writer: name -> (tokens, state)
         self._pending_bytes = 0
         self._quiet = threading.Event()  # set while the model is not decoding: the writer works only then
         self._quiet.set()
@@ -140,7 +140,11 @@ class PromptCache:
         low = max(self.min_tokens, min_len)
         with self._lock:
             lengths = sorted((n for n in self._lengths if low <= n <= limit), reverse=True)
+            queued = max(((t, d) for t, d in self._pending.values() if low <= len(t) <= limit and prompt[:len(t)] == t),
+                         key=lambda e: len(e[0]), default=None)  # not written yet (an evicted sequence's, just now)
         for n in lengths:
+            if queued is not None and n <= len(queued[0]):
+                break
             path = self._path(prompt[:n])
             if not path.is_file():
                 continue
@@ -152,6 +156,9 @@ class PromptCache:
                 except OSError:
                     pass
                 return n, data
+        if queued is not None:
+            self.stats.hits += 1
+            return len(queued[0]), queued[1]
         self.stats.misses += 1
         return 0, None
 
@@ -201,7 +208,7 @@ class PromptCache:
         with self._lock:
             if name in self._pending:
                 return
-            self._pending.add(name)
+            self._pending[name] = (list(tokens), state)
             self._pending_bytes += len(state)
             if self._writer is None or not self._writer.is_alive():
                 self._writer = threading.Thread(target=self._write_loop, name="localllm-prompt-cache", daemon=True)
@@ -231,7 +238,7 @@ class PromptCache:
                 self.save_now(tokens, state, polite=True)
             finally:
                 with self._lock:
-                    self._pending.discard(self._name(tokens))
+                    self._pending.pop(self._name(tokens), None)
                     self._pending_bytes -= len(state)
 
     def save_now(self, tokens: list[int], state: bytes, *, polite: bool = False) -> bool:

@@ -26,6 +26,8 @@ from backends.core.slot import Slot, SlotState
 log = logging.getLogger("backends.core.loop")
 T = TypeVar("T")
 
+SETTLE_MIN = 2  # decoding streams from which a step lets their consumers finish first (Scheduler._settle)
+SETTLE_MAX_NS = 4_000_000  # how long a step waits for them at most
 _PREFILL, _READY, _DECODE = SlotState.PREFILL, SlotState.READY, SlotState.DECODE  # globals: enum lookups cost more
 
 
@@ -43,6 +45,7 @@ class Scheduler:
     _positions: Callable[[Sequence[int]], int]
     _spec: Speculation | None  # the drafter and its controllers, with a draft
     _pool: KVPool | None
+    _fills_cpu: bool  # the source's evaluation keeps every core busy: consumers settle between steps
     _incoming: deque[Slot]
     _jobs: queue.SimpleQueue[Callable[[], None]]
     _wake: threading.Condition
@@ -163,6 +166,7 @@ class Scheduler:
         try:
             self._caps = caps = src.capabilities
             self._positions = positions_of(caps.media)
+            self._fills_cpu = src.fills_cpu
             pc, state_key = self._pcache_spec, caps.states.state_key() if caps.states is not None else None
             cache = None
             if pc is not None and pc.max_bytes > 0 and state_key is not None:
@@ -356,6 +360,8 @@ class Scheduler:
             room -= len(chunk)
         if not feeds:
             return
+        if self._fills_cpu and len(decoding) >= SETTLE_MIN:
+            self._settle()
         rows = self._evaluate(feeds, owners)
         if rows is None:
             return
@@ -387,6 +393,22 @@ class Scheduler:
             self._spec.record(ctl, proposed=sum(j[0] for j in judged), accepted=sum(j[1] for j in judged),
                               emitted=sum(j[2] for j in judged), ns=step_ns, overhead_ns=catchup,
                               streams=len(judged), rejected=sum(1 for j in judged if j[1] < j[0]))
+
+    def _settle(self) -> None:
+        """Let the consumers finish with the last step's tokens before the next evaluation, on a source whose
+        evaluation fills the CPU and with ``SETTLE_MIN`` streams or more (``SETTLE_MAX_NS`` at most in all).
+        Work on another thread during an evaluation (the server turning a token into JSON and writing it, ~0.1 ms)
+        preempts one of llama.cpp's threads while the others wait for it at their next barrier: on 2 cores, 1 ms of
+        it stretched a step of 8 streams by 5-8 ms; between the steps it costs what it takes. A consumer that does
+        not keep up (a slow client) is not waited for again until it has (benchmarks/README.md, issue 47)."""
+        t0 = time.perf_counter_ns()
+        deadline = t0 + SETTLE_MAX_NS
+        for r in self._active:
+            if r.lagging:
+                r.lagging = not r.channel.settle(0)
+            elif not r.channel.settle(max(0, deadline - time.perf_counter_ns()) / 1e9):
+                r.lagging = True
+        self._counters.consumer_wait_ns += time.perf_counter_ns() - t0
 
     def _evaluate(self, feeds: list[Feed], owners: list[tuple[Slot, SlotState, list[int]]]) -> list[list[int]] | None:
         """Evaluate, freeing idle sequences (LRU) or deferring prompt chunks while the pool is full."""

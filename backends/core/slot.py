@@ -77,6 +77,7 @@ class Slot:
     _last: int | None = None  # sampled, sent, not yet evaluated (DECODE)
     _saved: Any = None  # logits to sample the first token from (READY)
     history: list[SlotState] = field(default_factory=list)  # the states it went through, in order
+    lagging: bool = False  # its consumer was still busy when a step began: not waited for until it has caught up
 
     def __post_init__(self) -> None:
         self.history.append(self._state)

@@ -57,6 +57,16 @@ class LlamaSequenceStates:
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         return int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) > 0
 
+    def copy_state(self, src: int, dst: int) -> bool:
+        """Load the cells of ``src`` into ``dst`` through host memory (between KV streams: llama.cpp copies only
+        whole streams there, and only at the next decode)."""
+        import llama_cpp
+
+        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, src))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, src))
+        return n > 0 and int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, n, dst)) > 0
+
     # ------------------------------------------------------------------ checkpoints (partial states)
 
     def checkpoint_save(self, seq: int) -> bytes:

@@ -122,6 +122,7 @@ class LlamaCppSource(LlamaMediaInput, LlamaSequenceStates, LlamaPooling, TokenSo
         self._proj: LoadedProjector | None = None  # when spec.mmproj names one
         self._ebatch: Any = None  # a llama_batch with embd, for image positions
         self._saved_rows: list[Any] = []
+        self._streams = False
         self._alloc: dict[str, dict[str, int]] = {}  # per device, what llama.cpp allocated at load
         self._path = path = Path(spec.model_path)
         check_gguf_file(path)
@@ -189,16 +190,28 @@ class LlamaCppSource(LlamaMediaInput, LlamaSequenceStates, LlamaPooling, TokenSo
         import llama_cpp
 
         cp = llama_cpp.llama_context_default_params()
+        # a KV stream per sequence id (llama.cpp's kv_unified off, llama-server's layout) for plain attention and
+        # several slots: a step attends to each sequence's own cells, not to the pool up to its highest cell in use
+        # (8 streams decode ~10% faster; benchmarks/README.md, issue 47). Memory that needs partial copies between
+        # sequences (checkpoints of hybrid, recurrent and sliding-window models) and pooling contexts keep the
+        # unified pool: llama.cpp copies only whole streams
+        self._streams = (not spec.kv_unified and spec.slots > 1 and self._pooling is None
+                         and not llama_cpp.llama_model_is_recurrent(self._model)
+                         and not llama_cpp.llama_model_is_hybrid(self._model)
+                         and int(llama_cpp.llama_model_n_swa(self._model)) == 0)
+        if self._streams:  # one stream of n_ctx cells per slot: the pool is n_ctx × slots either way
+            self._n_seq_ids = max(spec.slots, min(256, spec.tuning.n_seq_ids or spec.slots))
         # at least one token per sequence id in a batch, and so in the context (a causal model's batch is cut to
         # the context): llama.cpp reserves its graphs for one output per sequence and aborts the process with
         # GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) below that (a request's num_ctx 1 did). A
         # sequence still holds only spec.n_ctx tokens (self._n_ctx)
-        cp.n_ctx = max(spec.n_ctx * max(1, spec.slots), self._n_seq_ids)
+        cp.n_ctx = spec.n_ctx * self._n_seq_ids if self._streams else max(spec.n_ctx * max(1, spec.slots),
+                                                                           self._n_seq_ids)
         cp.n_batch = cp.n_ubatch = max(spec.n_batch, self._n_seq_ids)
         cp.n_seq_max = self._n_seq_ids
         if self._pooling is not None:
             self._pool_setup(cp)
-        cp.kv_unified = True
+        cp.kv_unified = not self._streams
         cp.n_threads = self.n_threads
         cp.n_threads_batch = min(spec.n_threads_batch or self.n_threads, usable_cores())
         cp.type_k = cp.type_v = KV_GGML_TYPE[spec.kv_cache_type]
@@ -379,6 +392,7 @@ class LlamaCppSource(LlamaMediaInput, LlamaSequenceStates, LlamaPooling, TokenSo
             flash_attn=self.flash_attn,
             n_threads=self.n_threads,
             n_seq_ids=self._n_seq_ids,
+            kv_streams=self._streams,
             sliding_window=self._n_swa,
             swa_full=self._swa_full,
             allocations=self._alloc,
@@ -407,8 +421,13 @@ class LlamaCppSource(LlamaMediaInput, LlamaSequenceStates, LlamaPooling, TokenSo
         return True
 
     @property
+    def fills_cpu(self) -> bool:
+        return self.spec.n_gpu_layers == 0 and self.n_threads >= usable_cores()
+
+    @property
     def shared_pool(self) -> bool:
-        return not self._pure_recurrent and self._pooling is None  # a hybrid's attention cells are one unified pool too
+        # a hybrid's attention cells are one unified pool too; streams: a step attends to its own sequences' cells
+        return not self._streams and not self._pure_recurrent and self._pooling is None
 
     @property
     def model_handle(self) -> Any:
@@ -570,8 +589,12 @@ class LlamaCppSource(LlamaMediaInput, LlamaSequenceStates, LlamaPooling, TokenSo
 
         b = self._batch
         n = 0
-        rows: list[list[int]] = []
-        for f in feeds:
+        rows: list[list[int]] = [[] for _ in feeds]
+        # streams: in the order of their sequence ids (llama.cpp gathers a batch's tokens by stream otherwise: a
+        # step of 8 sequences out of order took ~25% longer)
+        order = sorted(range(len(feeds)), key=lambda i: feeds[i].seq) if self._streams else range(len(feeds))
+        for fi in order:
+            f = feeds[fi]
             k = len(f.tokens)
             if n + k > self._n_batch:
                 raise BackendError(f"A step of {n + k} tokens exceeds the batch size {self._n_batch}.")
@@ -588,7 +611,7 @@ class LlamaCppSource(LlamaMediaInput, LlamaSequenceStates, LlamaPooling, TokenSo
                 if out:
                     mine.append(i)
             n += k
-            rows.append(mine)
+            rows[fi] = mine
         b.n_tokens = n
         if n == 0:
             return rows
@@ -633,6 +656,14 @@ class LlamaCppSource(LlamaMediaInput, LlamaSequenceStates, LlamaPooling, TokenSo
         llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
         if self._recurrent:
             return False
+        if self._streams:
+            # another stream: llama.cpp copies only whole streams, and only at the next decode (a state read before
+            # it would see the old cells), so the cells go through host memory; then the tail past n is dropped
+            if n <= 0 or not self.copy_state(src, dst):
+                llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
+                return n <= 0
+            llama_cpp.llama_memory_seq_rm(self._mem, dst, n, -1)
+            return True
         llama_cpp.llama_memory_seq_cp(self._mem, src, dst, 0, n)
         return True
 

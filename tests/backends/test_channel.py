@@ -113,3 +113,58 @@ def test_a_failed_stream_does_not_cancel_its_request_for_either_consumer() -> No
 
                 asyncio.run(drain(ch))
         assert not ch.cancel.is_set(), consume
+
+
+def test_settle_waits_until_a_sync_consumer_has_handled_every_item() -> None:
+    """The decode loop asks, before its next step, whether the consumer is done with the last step's tokens: not
+    while it still handles one, yes once it waits for the next (and at once when it has left)."""
+    ch: Channel[int] = Channel()
+    handled: list[float] = []
+
+    def consume() -> None:
+        for _ in ch:
+            time.sleep(0.05)  # the work a token costs its consumer
+            handled.append(time.monotonic())
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert ch.settle(1.0)  # waiting for its first item
+    ch.put(1)
+    assert not ch.settle(0.01)  # still handling it
+    assert ch.settle(1.0) and len(handled) == 1
+    ch.put(2)
+    ch.put(3)
+    assert ch.settle(1.0) and len(handled) == 3  # both, not only the one it was handling
+    ch.close()
+    t.join()
+
+
+def test_settle_waits_until_an_async_consumer_is_parked_again() -> None:
+    ch: Channel[int] = Channel()
+    got: list[int] = []
+    started = threading.Event()
+
+    async def consume() -> None:
+        started.set()
+        async for x in ch:
+            await asyncio.sleep(0.05)
+            got.append(x)
+
+    t = threading.Thread(target=lambda: asyncio.run(consume()))
+    t.start()
+    started.wait(5)
+    assert ch.settle(2.0)
+    ch.put(7)
+    assert not ch.settle(0.01)
+    assert ch.settle(2.0) and got == [7]
+    ch.close()
+    t.join()
+
+
+def test_settle_does_not_wait_for_a_consumer_that_left() -> None:
+    ch: Channel[int] = Channel()
+    ch.put(1)
+    assert not ch.settle(0.01)  # nobody has read it yet
+    ch.cancel.set()
+    t0 = time.monotonic()
+    assert ch.settle(5.0) and time.monotonic() - t0 < 1.0

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from backends.contract.source import Feed, ModelInfo, TokenSource
-from backends.contract.specs import LoadSpec, Sampling
+from backends.contract.specs import LoadSpec, Sampling, Tuning
 from backends.core.kvpool import COPY_MIN, JOIN_MIN, PARK_ALONE, KVPool
 from backends.core.kvseq import Seq
 from backends.core.prompt_cache import PromptCache
@@ -26,11 +26,15 @@ TEXT = ("The lighthouse keeper climbed the stairs every evening, counted the shi
         "their names in a book that nobody read. ")
 
 
-@pytest.fixture(scope="module")
-def source(derived_model):
+@pytest.fixture(scope="module", params=["streams", "unified"])
+def source(derived_model, request):
+    """Both of llama.cpp's KV layouts, with 4 sequence ids: a stream each (the default's layout: there a stream per
+    slot) and one unified pool (LOCALLLM_KV_UNIFIED; and the memory of sliding-window and hybrid models)."""
     from backends.llamacpp.source import LlamaCppSource
 
-    src = LlamaCppSource(LoadSpec(str(derived_model("f32")), n_ctx=1024, slots=2))
+    src = LlamaCppSource(LoadSpec(str(derived_model("f32")), n_ctx=1024, slots=2, tuning=Tuning(n_seq_ids=4),
+                                  kv_unified=request.param == "unified"))
+    assert src.info.kv_streams == (request.param == "streams")
     yield src
     src.close()
 
@@ -352,3 +356,22 @@ def test_a_request_takes_an_empty_sequence_before_an_idle_one():
     d = pool.place("d", list(b"third prompt"))
     assert d.seq is a and d.cached == 0 and c.tokens  # no empty id: the idle one used least recently
     assert pool.counters.evictions == 1
+
+
+def test_each_slot_gets_a_kv_stream_of_its_own_unless_the_pool_is_unified(derived_model):
+    """Several slots of a plain-attention model: a llama.cpp KV stream per slot (llama-server's layout; a step
+    attends to its own sequences' cells), one sequence id each; LOCALLLM_KV_UNIFIED's one pool has twice the ids
+    over the same cells; one slot is one pool either way."""
+    from backends.llamacpp.source import LlamaCppSource
+
+    path = str(derived_model("f32"))
+    layouts = {}
+    for slots, unified in ((3, False), (3, True), (1, False)):
+        s = LlamaCppSource(LoadSpec(path, n_ctx=512, slots=slots, kv_unified=unified))
+        try:
+            layouts[(slots, unified)] = (s.info.kv_streams, s.n_seq_ids, s.info.kv_cells, s.shared_pool)
+        finally:
+            s.close()
+    assert layouts[(3, False)] == (True, 3, 3 * 512, False)  # nothing to park: idle cells cost no step anything
+    assert layouts[(3, True)] == (False, 6, 3 * 512, True)
+    assert layouts[(1, False)] == (False, 2, 512, True)

@@ -260,13 +260,15 @@ def test_pool_metrics_move(default_model_path):
 
 
 def test_idle_kv_is_parked_while_others_decode_and_comes_back(derived_model):
-    """Two requests decode together: an idle conversation's cells leave the pool (its state waits in host
-    memory, so attention does not span it) and come back when it continues, with the same answer."""
+    """One unified pool (LOCALLLM_KV_UNIFIED; the memory of sliding-window and hybrid models): two requests decode
+    together, an idle conversation's cells leave the pool (its state waits in host memory, so attention does not
+    span it) and come back when it continues, with the same answer."""
     conv = chat("Tell me about the sea.", n=16)
     others = [chat("Tell me about the moon.", n=16), chat("Name three trees.", n=16)]
     texts = []
     for no_park in (False, True):
-        spec = LoadSpec(str(derived_model("f32")), n_ctx=1024, slots=2, tuning=Tuning(park=not no_park))
+        spec = LoadSpec(str(derived_model("f32")), n_ctx=1024, slots=2, tuning=Tuning(park=not no_park),
+                        kv_unified=True)
         with load("llamacpp", spec) as m:
             first, done1, _ = collect(m.generate(conv))
             held = done1.stats.context_used
@@ -289,7 +291,7 @@ def test_idle_kv_is_parked_while_others_decode_and_comes_back(derived_model):
 def test_parking_goes_on_after_the_pool_was_emptied(default_model_path):
     """The parked total is the parked sequences' own: a pool emptied while a conversation was parked (and then
     a bigger one to park beside others) parks within its budget instead of failing the requests."""
-    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=256, slots=2)) as m:
+    with load("llamacpp", LoadSpec(str(default_model_path), n_ctx=256, slots=2, kv_unified=True)) as m:
         assert m.pool.park_budget == 256
         collect(m.generate(chat("Tell me about the sea.", n=40)))
         run_together(m, [chat("Name a tree.", n=8), chat("Name a bird.", n=8)])
@@ -301,3 +303,60 @@ def test_parking_goes_on_after_the_pool_was_emptied(default_model_path):
         out = run_together(m, [chat("Name a fish.", n=8), chat("Name a city.", n=8)])
         assert all(done.finish_reason in ("stop", "length") for _, done in out)  # type: ignore[attr-defined]
         assert m.metrics().kv_tokens_parked >= held
+
+
+def test_a_conversation_evicted_from_its_kv_stream_comes_back_from_the_disk(derived_model, tmp_path):
+    """A stream per slot (the default) keeps as many conversations as there are slots: a third one takes the
+    stream of the one idle longest, whose turn so far is saved to the prompt cache on disk and restored from there
+    when it continues, with the same answer as where it stayed."""
+    conv = chat("Tell me about the sea.", n=16)
+    others = [chat("Tell me about the moon.", n=16), chat("Name three trees.", n=16)]
+    follow_up = [{"role": "user", "content": "And the ocean?"}]
+    texts = []
+    for crowded in (False, True):
+        cache = PromptCacheSpec(str(tmp_path / f"pc{crowded}"), "f32 test", max_bytes=1 << 30, min_tokens=16)
+        spec = LoadSpec(str(derived_model("f32")), n_ctx=1024, slots=2)
+        with load("llamacpp", spec, prompt_cache=cache) as m:
+            assert m.info.kv_streams
+            first, done1, _ = collect(m.generate(conv))
+            held = done1.stats.context_used
+            if crowded:
+                run_together(m, others)
+                assert m.metrics().evictions >= 1 and m.metrics().kv_tokens_parked == 0
+            follow = GenerateRequest(messages=[*conv.messages, {"role": "assistant", "content": first}, *follow_up],
+                                     sampling=Sampling(temperature=0.0, max_tokens=16))
+            text, done, _ = collect(m.generate(follow))
+            if crowded:  # the first prompt came back from the disk (its answer is evaluated again)
+                assert done.stats.prompt_restored_tokens >= done1.stats.prompt_eval_count - 1
+            else:
+                assert done.stats.prompt_cached_tokens >= held - 2  # the turn so far, kept in its stream
+            texts.append(text)
+    assert texts[0] == texts[1]
+
+
+def test_consumers_that_stop_reading_do_not_hold_the_steps_back(f32_model):
+    """Where the evaluation fills the CPU, a step first lets its consumers finish with the last step's tokens
+    (their work during a decode would stall llama.cpp's threads). Two consumers that read nothing until their
+    answers end are waited for once, not at every step, and lose nothing. (How many cores this machine has is not
+    what the test is about: the load is marked CPU-bound by hand.)"""
+    from backends.core.scheduler import SETTLE_MAX_NS
+
+    reqs = [chat(q, n=48) for q in QUESTIONS[:2]]
+    solo = [collect(f32_model.generate(r))[0] for r in reqs]
+    was = f32_model.call(lambda _s: f32_model._fills_cpu)
+    f32_model.call(lambda _s: setattr(f32_model, "_fills_cpu", True))
+    try:
+        before = f32_model.metrics()
+        chans = [f32_model.submit(r) for r in reqs]
+        deadline = time.monotonic() + 300
+        while not all(c.closed for c in chans) and time.monotonic() < deadline:
+            time.sleep(0.02)  # reading nothing
+        after = f32_model.metrics()
+        texts = [collect(iter(c))[0] for c in chans]
+    finally:
+        f32_model.call(lambda _s: setattr(f32_model, "_fills_cpu", was))
+    steps = after.steps - before.steps
+    waited = after.consumer_wait_ns - before.consumer_wait_ns
+    assert steps >= 20
+    assert waited <= 3 * SETTLE_MAX_NS, f"{waited / 1e6:.1f} ms waited over {steps} steps"  # every step: ~4 ms each
+    assert texts == solo

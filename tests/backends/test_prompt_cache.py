@@ -248,6 +248,25 @@ def test_the_next_turn_does_not_read_back_the_entry_of_the_prefix_it_holds(defau
         assert st["restored"] == 0 and pc.stats.hits == 0
 
 
+def test_an_entry_still_waiting_for_the_writer_is_found(tmp_path):
+    """A conversation whose KV stream another one took (its turn saved just then) comes back while the model is
+    still decoding, before the writer has written it: the lookup finds the bytes in memory."""
+    c = PromptCache(tmp_path, key="k", max_bytes=1 << 30, min_tokens=1)
+    c.decoding(True)
+    c.save([1, 2, 3], b"state of three")
+    c.save([1, 2], b"state of two")
+    time.sleep(0.3)
+    assert not list(tmp_path.glob(f"*{SUFFIX}"))  # not written yet
+    assert c.lookup([1, 2, 3, 4]) == (3, b"state of three")  # the longest
+    assert c.lookup([1, 2, 9]) == (2, b"state of two")
+    assert c.lookup([1, 2, 3, 4], max_len=2) == (2, b"state of two")
+    assert c.lookup([7, 8]) == (0, None)
+    c.decoding(False)
+    c.flush()
+    assert c.lookup([1, 2, 3, 4]) == (3, b"state of three")  # and from the disk once written
+    c.close()
+
+
 def test_the_writer_waits_while_the_model_decodes(tmp_path):
     c = PromptCache(tmp_path, key="k", max_bytes=1 << 30, min_tokens=1)
     c.decoding(True)
