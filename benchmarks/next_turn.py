@@ -7,6 +7,7 @@ order; ``llama-bench`` (tg128) runs beside, for the machine's speed.
     python benchmarks/next_turn.py --prefix 8000 --clients ""  --rounds 2
     python benchmarks/next_turn.py --before /tmp/old-checkout   # an earlier commit's code served beside
     python benchmarks/next_turn.py --answer 64 --ours-fa-off --llama-fa-off   # both flash-attention settings
+    python benchmarks/next_turn.py --ours-unified --slots 8 --clients 1,4,8   # both KV layouts
 
 Per round and server: a fresh system prompt of ``--prefix`` tokens (a nonce: nothing cached from an earlier
 round), turn 1 (cold, ``--answer`` tokens), then turn 2 at once (turn 1's answer and a short new question):
@@ -70,9 +71,15 @@ async def turns(url: str, model: str, system: str, answer: int, extra: dict[str,
     """Turn 1's and turn 2's TTFT and decode rate, turn 2 sent as soon as turn 1's stream ends."""
     client = async_client(url)
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
-    t1, d1, text = await _turn(client, model, msgs, answer, extra)
-    msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": FOLLOW_UP}]
-    t2, d2, _ = await _turn(client, model, msgs, answer, extra)
+    nan = float("nan")
+    t1, d1, t2, d2 = nan, nan, nan, nan
+    try:
+        t1, d1, text = await _turn(client, model, msgs, answer, extra)
+        msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": FOLLOW_UP}]
+        t2, d2, _ = await _turn(client, model, msgs, answer, extra)
+    except Exception as e:  # noqa: BLE001 - said, and the round goes on (nan in the figures)
+        print(f"{url}: turn {'1' if t1 != t1 else '2'} failed: {type(e).__name__}: {e} ({e.__cause__!r})",
+              file=sys.stderr)
     await client.close()
     return {"turn1_ttft_s": t1, "turn2_ttft_s": t2, "turn1_decode_tok_s": d1, "turn2_decode_tok_s": d2}
 
@@ -114,6 +121,8 @@ def main() -> None:
                     help="a second llama-server beside, with -fa off (what localllm loads on the CPU)")
     ap.add_argument("--ours-fa-off", action="store_true",
                     help="a second localllm beside, with LOCALLLM_FLASH_ATTENTION=off")
+    ap.add_argument("--ours-unified", action="store_true",
+                    help="a second localllm beside, with LOCALLLM_KV_UNIFIED=1 (one KV pool, not a stream per slot)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -146,6 +155,10 @@ def main() -> None:
             off_ = stack.enter_context(Localllm(env={**env, "LOCALLLM_FLASH_ATTENTION": "off"}))
             sides["localllm-fa-off"] = (off_.url, ours_extra)
             out["localllm-fa-off"] = {}
+        if args.ours_unified:
+            uni = stack.enter_context(Localllm(env={**env, "LOCALLLM_KV_UNIFIED": "1"}))
+            sides["localllm-unified"] = (uni.url, ours_extra)
+            out["localllm-unified"] = {}
         if args.before is not None:
             old = stack.enter_context(Localllm(env=env, root=args.before.resolve()))
             sides["before"] = (old.url, ours_extra)
@@ -173,7 +186,8 @@ def main() -> None:
     for k in ("llama_bench_before", "llama_bench_after"):
         if k in out:
             print(f"{k}: {out[k]}")
-    mine = ["localllm"] + [k for k in ("before", "llama-fa-off", "localllm-fa-off") if k in out]
+    mine = ["localllm"] + [k for k in ("before", "llama-fa-off", "localllm-fa-off", "localllm-unified")
+                         if k in out]
     theirs_t = out["llama-server"]["turns"]
     for side in mine:
         for key in ("turn1_ttft_s", "turn2_ttft_s", "turn1_decode_tok_s", "turn2_decode_tok_s"):
