@@ -85,6 +85,8 @@ class _EngineCollector(Collector):
             "draft_tokens_proposed": "Tokens proposed by the draft (speculative decoding).",
             "draft_tokens_accepted": "Draft tokens accepted by the model.",
             "decode_steps": "Batched evaluations run by the model's decode loop.",
+            "consumer_wait_seconds": "Time decode steps waited for their streams' consumers to finish with the "
+                                     "previous step's tokens (where llama.cpp's threads take every core).",
             "kv_evictions": "Idle sequences dropped from the KV pool to make room.",
             "prompt_cache_hits": "Requests that restored a prefix from disk.",
             "prompt_cache_misses": "Requests that found no prefix on disk.",
@@ -117,6 +119,7 @@ class _EngineCollector(Collector):
                          ("prompt_tokens_restored", lm.prompt_tokens_restored),
                          ("generated_tokens", lm.generated_tokens), ("draft_tokens_proposed", lm.draft_proposed),
                          ("draft_tokens_accepted", lm.draft_accepted), ("decode_steps", lm.steps),
+                         ("consumer_wait_seconds", lm.consumer_wait_ns / 1e9),
                          ("kv_evictions", lm.evictions), ("prompt_cache_hits", lm.prompt_cache_hits),
                          ("prompt_cache_misses", lm.prompt_cache_misses), ("images_encoded", lm.images_encoded),
                          ("image_tokens", lm.image_tokens_encoded), ("image_encode_seconds", lm.image_encode_ns / 1e9),

@@ -47,6 +47,9 @@ def test_metrics_parse_and_move_as_requests_are_served(url):
     assert moved("localllm_time_to_first_token_seconds_count", model=MODEL) == 1
     assert moved("localllm_time_per_output_token_seconds_count", model=MODEL) == 1
     assert moved("localllm_decode_steps_total", model=MODEL) >= done["eval_count"] - 1
+    # a lone stream's steps never wait for its consumer (only two or more, where llama.cpp takes every core)
+    assert ("localllm_consumer_wait_seconds_total", (("model", MODEL),)) in after
+    assert moved("localllm_consumer_wait_seconds_total", model=MODEL) == 0
     assert value(after, "localllm_models_loaded") >= 1 and value(after, "localllm_slots", model=MODEL) >= 1
     assert value(after, "localllm_kv_cells", model=MODEL) > 0
     assert value(after, "localllm_model_memory_bytes", model=MODEL) > 0
