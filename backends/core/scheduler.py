@@ -399,7 +399,7 @@ class Scheduler:
         evaluation fills the CPU and with ``SETTLE_MIN`` streams or more (``SETTLE_MAX_NS`` at most in all).
         Work on another thread during an evaluation (the server turning a token into JSON and writing it, ~0.1 ms)
         preempts one of llama.cpp's threads while the others wait for it at their next barrier: on 2 cores, 1 ms of
-        it stretched a step of 8 streams by 5-8 ms; between the steps it costs what it takes. A consumer that does
+        it stretched a step of 8 streams by 3-8 ms; between the steps it costs what it takes. A consumer that does
         not keep up (a slow client) is not waited for again until it has (benchmarks/README.md, issue 47)."""
         t0 = time.perf_counter_ns()
         deadline = t0 + SETTLE_MAX_NS
