@@ -22,7 +22,7 @@ What a load reads beyond the core of :class:`~backends.contract.specs.LoadSpec`:
 ``n_seq_ids`` and ``grammar``. By concern, beside this module: :mod:`backends.llamacpp.checks` (files, host, KV types),
 :mod:`backends.llamacpp.sampling`, :mod:`backends.llamacpp._log`, and the capabilities mixed into the source: media
 (:mod:`backends.llamacpp._vision`), sequence states and checkpoints (:mod:`backends.llamacpp._state`), pooled outputs
-(:mod:`backends.llamacpp._pool`).
+(:mod:`backends.llamacpp._pool`), text: tokens and the chat template (:mod:`backends.llamacpp._text`).
 """
 
 from __future__ import annotations
@@ -35,14 +35,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from backends.contract.errors import BackendError, ModelLoadError, PoolFullError, UnsupportedError
+from backends.contract.errors import BackendError, ModelLoadError, PoolFullError
 from backends.contract.media import is_image_token
-from backends.contract.source import FALLBACK_CHAT_TEMPLATE, Capabilities, Feed, ModelInfo, TokenSource
+from backends.contract.source import Capabilities, Feed, ModelInfo, TokenSource
 from backends.contract.specs import LoadSpec, LoraAdapter, Sampling, ToolCallFormat
 from backends.core.stream import check_logit_bias
 from backends.llamacpp._log import allocations, capture, forget_recent, install_log_router, log_callback, native_reason
 from backends.llamacpp._pool import LlamaPooling
 from backends.llamacpp._state import LlamaSequenceStates
+from backends.llamacpp._text import LlamaText
 from backends.llamacpp._vision import LlamaMediaInput
 from backends.llamacpp.checks import (
     KV_BYTES_PER_ELEM,
@@ -66,19 +67,6 @@ log = logging.getLogger("backends.llamacpp")
 
 MiB = 1 << 20
 
-# Special (control) tokens a chat format needs in the generated text to be parsed: written out by piece() where
-# the vocabulary has them as one token, hidden like every other control token otherwise (llama.cpp's server keeps
-# the same lists as "preserved tokens": common/parsers/gpt-oss.cpp, gemma4.cpp, qwen3-coder.cpp, lfm2.cpp,
-# ministral3.cpp).
-PRESERVED_MARKERS = (
-    "<|channel|>", "<|constrain|>", "<|message|>", "<|start|>", "<|end|>",  # gpt-oss harmony
-    "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>',  # Gemma 4
-    "<think>", "</think>", "<tool_call>", "</tool_call>",  # Qwen3 / Qwen3.5, DeepSeek-R1
-    "<|tool_call_start|>", "<|tool_call_end|>",  # LFM2
-    "[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]",  # Ministral 3
-)
-
-
 _backend_initialised = False
 
 
@@ -97,7 +85,7 @@ def _init_library(source: TokenSource, spec: LoadSpec) -> None:
     install_log_router(spec.verbose)
 
 
-class LlamaCppSource(LlamaMediaInput, LlamaSequenceStates, LlamaPooling, TokenSource):
+class LlamaCppSource(LlamaText, LlamaMediaInput, LlamaSequenceStates, LlamaPooling, TokenSource):
     """One GGUF model in one llama.cpp context: ``spec.slots`` slots over a unified KV pool."""
 
     name = "llamacpp"
@@ -328,12 +316,6 @@ class LlamaCppSource(LlamaMediaInput, LlamaSequenceStates, LlamaPooling, TokenSo
         if llama_cpp.llama_set_adapters_lora(ctx, adapters, n, scales) != 0:
             raise load_error("llama.cpp could not apply the LoRA adapters to the context", self._path, self.spec)
 
-    def _token_text(self, tok: int) -> str:
-        import llama_cpp
-
-        t = llama_cpp.llama_vocab_get_text(self._vocab, tok)
-        return t.decode("utf-8", errors="replace") if t else ""
-
     def _build_info(self) -> ModelInfo:
         import llama_cpp
 
@@ -464,102 +446,6 @@ class LlamaCppSource(LlamaMediaInput, LlamaSequenceStates, LlamaPooling, TokenSo
     def _windowed(self) -> bool:
         """Sliding-window layers whose cache holds less than a sequence's context (``swa_full`` off)."""
         return 0 < self._n_swa < self._n_ctx and not self._swa_full
-
-    # ------------------------------------------------------------------ text
-
-    def _tokenize(self, text: str, add_bos: bool, special: bool) -> list[int]:
-        import llama_cpp
-
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        for _ in range(2):
-            buf = (llama_cpp.llama_token * cap)()
-            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_bos, special)
-            if n >= 0:
-                return list(buf[:n])
-            cap = -n
-        raise BackendError("llama.cpp could not tokenize the text.")
-
-    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
-        return self._tokenize(text, False, special)
-
-    def prompt_tokens(self, text: str) -> list[int]:
-        add_bos = self._add_bos and not (self._bos_text and text.startswith(self._bos_text))
-        toks = self._tokenize(text, add_bos, True)
-        if not toks and self._bos >= 0:
-            toks = [self._bos]
-        return toks
-
-    def detokenize(self, tokens: list[int]) -> str:
-        """Text of ``tokens``; special tokens are written out (``<|im_start|>``), so prompts read back whole."""
-        import llama_cpp
-
-        arr = (llama_cpp.llama_token * len(tokens))(*tokens)
-        size = max(64, 8 * len(tokens))
-        for _ in range(2):  # llama_detokenize returns -needed when the buffer is too small
-            buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_detokenize(self._vocab, arr, len(tokens), buf, size, False, True)
-            if n >= 0:
-                return buf.raw[:n].decode("utf-8", errors="replace")
-            size = -n
-        return ""
-
-    def piece(self, token: int) -> bytes:
-        """The bytes of one token (cached). llama-cpp-python's own helper pads them to 32 bytes with NULs."""
-        p = self._piece_cache.get(token)
-        if p is None:
-            import llama_cpp
-
-            if self._preserved is None:
-                self._preserved = self._marker_tokens()
-            special = token in self._preserved  # a chat format's control token: its text, not nothing
-            size = 32
-            while True:
-                buf = ctypes.create_string_buffer(size)
-                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, size, 0, special)
-                if n >= 0:
-                    p = buf.raw[:n]
-                    break
-                size = -n
-            self._piece_cache[token] = p
-        return p
-
-    def _marker_tokens(self) -> set[int]:
-        """The ids of :data:`PRESERVED_MARKERS` that are single tokens of this vocabulary."""
-        out: set[int] = set()
-        for marker in PRESERVED_MARKERS:
-            toks = self._tokenize(marker, False, True)
-            if len(toks) == 1:
-                out.add(toks[0])
-        return out
-
-    def is_eog(self, token: int) -> bool:
-        v = self._eog_cache.get(token)
-        if v is None:
-            import llama_cpp
-
-            v = self._eog_cache[token] = bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
-        return v
-
-    def _formatter(self, add_generation_prompt: bool) -> Any:
-        f = self._formatters.get(add_generation_prompt)
-        if f is None:
-            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-            f = Jinja2ChatFormatter(template=self._template or FALLBACK_CHAT_TEMPLATE, eos_token=self._eos_text,
-                                    bos_token=self._bos_text, add_generation_prompt=add_generation_prompt)
-            self._formatters[add_generation_prompt] = f
-        return f
-
-    def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-               add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> str:
-        try:
-            return str(self._formatter(add_generation_prompt)(messages=messages, tools=tools,
-                                                               **(template_kwargs or {})).prompt)
-        except UnsupportedError:
-            raise
-        except Exception as e:  # jinja errors, raise_exception() from the template
-            raise UnsupportedError(f"The chat template of this model rejected the messages: {e}.") from None
 
     # ------------------------------------------------------------------ evaluation
 
