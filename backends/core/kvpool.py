@@ -644,8 +644,9 @@ class KVPool:
         n = len(toks)
         if pc is None or not seq.in_pool() or seq.tokens[:n] != toks or pc.has(toks):
             return True
-        if cut and n < len(seq.tokens) and self.checkpointing is None and self._cut(seq.tokens, n)[0] == n:
-            if self.source.seq_rm(seq.id, self._cut(seq.tokens, n)[1]):
+        if cut and n < len(seq.tokens) and self.checkpointing is None:
+            at, pos = self._cut(seq.tokens, n)
+            if at == n and self.source.seq_rm(seq.id, pos):
                 del seq.tokens[n:]
                 seq.prompt_logits = seq.prompt_logits if seq.prompt_logits and seq.prompt_logits[0] <= n else None
         tmp = None

@@ -117,7 +117,6 @@ class LlamaCppSource(LlamaText, LlamaMediaInput, LlamaSequenceStates, LlamaPooli
         check_kv_type(spec, path)
         # never more threads than the cores this process may run on, whatever the spec says
         self.n_threads = min(spec.n_threads or physical_cores(), usable_cores())
-        self._n_seq_ids = max(max(1, spec.slots), min(256, spec.tuning.n_seq_ids or 2 * max(1, spec.slots)))
         self._load_model(spec, path)
         try:
             self._read_model()
@@ -187,14 +186,15 @@ class LlamaCppSource(LlamaText, LlamaMediaInput, LlamaSequenceStates, LlamaPooli
                          and not llama_cpp.llama_model_is_recurrent(self._model)
                          and not llama_cpp.llama_model_is_hybrid(self._model)
                          and int(llama_cpp.llama_model_n_swa(self._model)) == 0)
-        if self._streams:  # one stream of n_ctx cells per slot: the pool is n_ctx × slots either way
-            self._n_seq_ids = max(spec.slots, min(256, spec.tuning.n_seq_ids or spec.slots))
+        # sequence ids: one per slot by stream (a stream of n_ctx cells each: the pool is n_ctx × slots either way),
+        # twice the slots in a unified pool (idle conversations keep their prefix)
+        slots = max(1, spec.slots)
+        self._n_seq_ids = max(slots, min(256, spec.tuning.n_seq_ids or (slots if self._streams else 2 * slots)))
         # at least one token per sequence id in a batch, and so in the context (a causal model's batch is cut to
         # the context): llama.cpp reserves its graphs for one output per sequence and aborts the process with
         # GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) below that (a request's num_ctx 1 did). A
         # sequence still holds only spec.n_ctx tokens (self._n_ctx)
-        cp.n_ctx = spec.n_ctx * self._n_seq_ids if self._streams else max(spec.n_ctx * max(1, spec.slots),
-                                                                           self._n_seq_ids)
+        cp.n_ctx = spec.n_ctx * self._n_seq_ids if self._streams else max(spec.n_ctx * slots, self._n_seq_ids)
         cp.n_batch = cp.n_ubatch = max(spec.n_batch, self._n_seq_ids)
         cp.n_seq_max = self._n_seq_ids
         if self._pooling is not None:
