@@ -333,6 +333,7 @@ class Loader:
             devices=[d for d in options.devices if d != "CPU"] if options.devices else None,
             tensor_split=list(options.tensor_split) if options.tensor_split else None,
             swa_full=config.swa_full(),
+            kv_unified=config.kv_unified(),
             flash_attn=config.flash_attention(),
             cpu_moe=options.cpu_moe or config.cpu_moe(),
             num_cpu_moe=options.num_cpu_moe,

@@ -198,13 +198,14 @@ def png(width: int = 64, height: int = 64, seed: int = 0) -> bytes:
 
 def reference_logits(model_path: str, projector: str, prompt: str, images: list[bytes], n_threads: int,
                      n_gen: int = 0, repeat_penalty: float = 1.1, repeat_last_n: int = 64,
-                     image_max_tokens: int = 0) -> Any:
+                     image_max_tokens: int = 0, flash_attn: bool | None = None) -> Any:
     """The logits after ``prompt`` (one ``<__media__>`` per image) as llama.cpp's own helper evaluates it:
     ``mtmd_helper_eval_chunks`` on a fresh one-sequence context (what ``llama-mtmd-cli`` does): the yardstick for
     the batched loop's image path (non-causal and M-RoPE images included). ``n_gen > 0``: (those logits, the
     ``n_gen`` greedy tokens that follow, each evaluated at the position after the helper's ``n_past``, with the
     repeat penalty of Ollama's defaults over the tokens sampled, as llama.cpp's penalties sampler computes it).
-    ``image_max_tokens``: mtmd's limit on an image's tokens (0: the projector's own)."""
+    ``image_max_tokens``: mtmd's limit on an image's tokens (0: the projector's own). ``flash_attn``: as the load
+    under test has it (None: llama.cpp's auto; a server plans it off on the CPU), so both compute the same sums."""
     import ctypes
 
     import llama_cpp as L
@@ -216,6 +217,8 @@ def reference_logits(model_path: str, projector: str, prompt: str, images: list[
     model = L.llama_model_load_from_file(model_path.encode(), mp)
     cp = L.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 1024, 512, 512, n_threads, n_threads
+    cp.flash_attn_type = {None: L.LLAMA_FLASH_ATTN_TYPE_AUTO, True: L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                          False: L.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash_attn]
     ctx = L.llama_init_from_model(model, cp)
     par = M.mtmd_context_params_default()
     par.use_gpu, par.n_threads, par.print_timings = False, n_threads, False
@@ -266,7 +269,8 @@ def reference_logits(model_path: str, projector: str, prompt: str, images: list[
 
 
 def reference_in_subprocess(model_path: str, projector: str, prompt: str, images: list[bytes], n_gen: int,
-                            n_threads: int = 2, image_max_tokens: int = 0) -> tuple[list[float], list[int]]:
+                            n_threads: int = 2, image_max_tokens: int = 0,
+                            flash_attn: bool | None = None) -> tuple[list[float], list[int]]:
     """:func:`reference_logits` with ``n_gen`` in a fresh process (nothing of the caller's llama.cpp state, logging
     or contexts shared): (the 5 best log-probabilities after the prompt, best first; the greedy tokens)."""
     import base64
@@ -279,11 +283,12 @@ def reference_in_subprocess(model_path: str, projector: str, prompt: str, images
             "from tests.support_vision import reference_logits\n"
             "a = json.loads(sys.stdin.read())\n"
             "imgs = [base64.b64decode(i) for i in a['i']]\n"
-            "lg, toks = reference_logits(a['m'], a['p'], a['t'], imgs, a['n'], a['g'], image_max_tokens=a['x'])\n"
+            "lg, toks = reference_logits(a['m'], a['p'], a['t'], imgs, a['n'], a['g'], image_max_tokens=a['x'],\n"
+            "                            flash_attn=a['f'])\n"
             "lg = np.asarray(lg, dtype=np.float64); lse = lg.max() + np.log(np.exp(lg - lg.max()).sum())\n"
             "print('REF' + json.dumps([sorted((lg - lse).tolist(), reverse=True)[:5], toks]))\n")
     arg = json.dumps({"m": model_path, "p": projector, "t": prompt, "n": n_threads, "g": n_gen,
-                      "x": image_max_tokens,
+                      "x": image_max_tokens, "f": flash_attn,
                       "i": [base64.b64encode(i).decode() for i in images]})
     root = str(Path(__file__).resolve().parent.parent)
     r = subprocess.run([sys.executable, "-c", code], input=arg, capture_output=True, text=True, timeout=600, cwd=root,

@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -206,8 +207,13 @@ def test_70b_on_a_laptop_does_not_fit_and_says_by_how_much(laptop):
 def test_8b_on_a_laptop_runs_on_the_cpu(laptop):
     p = plan(LLAMA31_8B, laptop)
     assert (p.backend, p.device, p.verdict, p.verdict_text) == ("llamacpp", "cpu", "cpu", "CPU")
-    assert p.n_threads == 8 and p.flash_attn is True  # llama.cpp's auto setting: on for the CPU kernels
-    assert "llama.cpp's auto setting, on for the CPU kernels" in line(p, "flash attention")
+    # off on the CPU: its kernel takes a short batch's cached keys one at a time (a next turn at depth: ~6x)
+    assert p.n_threads == 8 and p.flash_attn is False
+    assert "flash attention off on the CPU" in line(p, "flash attention")
+    on = plan(LLAMA31_8B, laptop, flash_attn="on")  # LOCALLLM_FLASH_ATTENTION=on
+    assert on.flash_attn is True and "LOCALLLM_FLASH_ATTENTION=on" in line(on, "flash attention")
+    embed = plan(replace(LLAMA31_8B, pooling="mean"), laptop)  # a pooling model's whole-input batches: the tiled kernel
+    assert embed.flash_attn is True and "pooling model" in line(embed, "flash attention")
     off = plan(LLAMA31_8B, laptop, flash_attn="off")  # LOCALLLM_FLASH_ATTENTION=off: the next turn at depth
     assert off.flash_attn is False and "LOCALLLM_FLASH_ATTENTION=off" in line(off, "flash attention")
     q8 = plan(LLAMA31_8B, laptop, flash_attn="off", kv_cache_type="q8_0")  # a quantized V cache needs it
@@ -556,6 +562,33 @@ def test_estimate_matches_llamacpps_own_buffers(smollm2, kv, fa, ctx):
     assert m.weights / MiB == pytest.approx(mib(r"CPU_Mapped model buffer size"), abs=0.01)
     assert m.kv_cache / MiB == pytest.approx(mib(r"CPU KV buffer size"), abs=0.01)
     assert m.compute / MiB == pytest.approx(mib(r"CPU compute buffer size"), rel=0.05)
+
+
+_LOAD_SLOTS = """
+import llama_cpp
+llama_cpp.llama_backend_init()
+m = llama_cpp.llama_model_load_from_file({path!r}.encode(), llama_cpp.llama_model_default_params())
+cp = llama_cpp.llama_context_default_params()
+cp.n_ctx, cp.n_seq_max, cp.kv_unified, cp.n_batch, cp.n_ubatch = {ctx}, {slots}, {unified}, 512, 512
+cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+llama_cpp.llama_free(llama_cpp.llama_init_from_model(m, cp))
+"""
+
+
+@pytest.mark.parametrize("slots,ctx,unified", [(4, 8192, False), (8, 32768, False), (4, 8192, True)])
+def test_the_attention_buffer_without_flash_attention_spans_a_slots_stream(smollm2, slots, ctx, unified):
+    """Flash attention off (the CPU default): the score matrix covers one sequence's KV stream, not the pool (8
+    slots of 4,096: ~100 MiB, not the ~640 MiB of a pool-wide matrix), unless the pool is unified."""
+    pytest.importorskip("llama_cpp")
+    if probe().backends["llamacpp"].gpu_offload:
+        pytest.skip("hardware: a GPU build places buffers differently; this calibrates the CPU path")
+    out = subprocess.run([sys.executable, "-c", _LOAD_SLOTS.format(path=smollm2.path, ctx=ctx, slots=slots,
+                                                                  unified=unified)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    logged = float(re.search(r"CPU compute buffer size\s*=\s*([\d.]+) MiB", out.stderr).group(1))
+    m = estimate(smollm2, ctx, "f16", 0, flash_attn=False, slots=slots, kv_unified=unified)
+    assert m.compute / MiB == pytest.approx(logged, rel=0.05)
 
 
 # ------------------------------------------------------------- probe and the engine on a simulated Mac

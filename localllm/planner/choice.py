@@ -129,6 +129,7 @@ class PlanRequest:
     devices: list[str] | None = None
     tensor_split: list[float] | None = None
     swa_full: bool = False
+    kv_unified: bool = False  # LOCALLLM_KV_UNIFIED: one KV pool for all slots (else a stream per slot)
     flash_attn: str = "auto"  # LOCALLLM_FLASH_ATTENTION: auto, on, off
     cpu_moe: bool = False
     num_cpu_moe: int | None = None
@@ -142,8 +143,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
          draft: GGUFInfo | None = None, weights: dict[str, PlanWeights] | None = None, num_parallel: int | None = None,
          projector_bytes: int = 0, projector_kind: str = "vision", device_memory: dict[str, int] | None = None,
          devices: list[str] | None = None, tensor_split: list[float] | None = None, swa_full: bool = False,
-         flash_attn: str = "auto", cpu_moe: bool = False, num_cpu_moe: int | None = None, mtp_draft: int = 0,
-         num_draft: int = 0, draft_kind: str = "") -> Plan:
+         kv_unified: bool = False, flash_attn: str = "auto", cpu_moe: bool = False, num_cpu_moe: int | None = None,
+         mtp_draft: int = 0, num_draft: int = 0, draft_kind: str = "") -> Plan:
     """Decide how to load ``info`` on ``hw``: ``plan(info, hw, PlanRequest(num_ctx=8192))``, or the same fields
     as keywords (``plan(info, hw, num_ctx=8192)``; :class:`PlanRequest` says what each means). Raises
     :class:`PlanError` for what cannot be done as asked; a model that is simply too big gets
@@ -156,7 +157,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
     asked = PlanRequest(num_ctx=num_ctx, kv_cache_type=kv_cache_type, backend=backend, num_gpu=num_gpu,
                         draft=draft, weights=weights, num_parallel=num_parallel,
                         projector_bytes=projector_bytes, projector_kind=projector_kind, device_memory=device_memory,
-                        devices=devices, tensor_split=tensor_split, swa_full=swa_full, flash_attn=flash_attn,
+                        devices=devices, tensor_split=tensor_split, swa_full=swa_full, kv_unified=kv_unified,
+                        flash_attn=flash_attn,
                         cpu_moe=cpu_moe, num_cpu_moe=num_cpu_moe, mtp_draft=mtp_draft, num_draft=num_draft,
                         draft_kind=draft_kind)
     if request is not None and asked != PlanRequest():
@@ -328,8 +330,8 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
         hw = replace(hw, devices=[d for d in hw.devices if not d.offloads or d.name in req.devices])
     mtp = _mtp_draft(info, req)
     pl = _Planner(info, hw, c.kv, num_gpu, req.draft, c.answer(chosen).weights_bytes, req.device_memory,
-                  swa_full=req.swa_full, fa=req.flash_attn, cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe,
-                  mtp_draft=mtp, num_draft=_num_draft(info, req))
+                  swa_full=req.swa_full, kv_unified=req.kv_unified, fa=req.flash_attn, cpu_moe=req.cpu_moe,
+                  num_cpu_moe=req.num_cpu_moe, mtp_draft=mtp, num_draft=_num_draft(info, req))
     pl.shares = req.tensor_split
     device = _device(chosen, hw, reasons, advice, name, c.weights, c.passed, c.status, asked=backend != "auto")
     device = _registry_device(chosen, hw, device, reasons)
@@ -377,8 +379,8 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
                        + (", which can keep part of the model on the CPU" if fallback.memory == "layers" else ""))
         chosen, kv_reason = fallback, None
         pl = _Planner(info, hw, (req.kv_cache_type or "f16").lower(), num_gpu, req.draft, caps=req.device_memory,
-                      swa_full=req.swa_full, fa=req.flash_attn, cpu_moe=req.cpu_moe, num_cpu_moe=req.num_cpu_moe,
-                      mtp_draft=mtp, num_draft=_num_draft(info, req))
+                      swa_full=req.swa_full, kv_unified=req.kv_unified, fa=req.flash_attn, cpu_moe=req.cpu_moe,
+                      num_cpu_moe=req.num_cpu_moe, mtp_draft=mtp, num_draft=_num_draft(info, req))
         device = _device(chosen, hw, reasons, advice, name, c.weights, [], c.status, asked=False)
         device = _registry_device(chosen, hw, device, reasons)
         fa, fa_reason = (False, None) if chosen.memory == "unified" else pl.flash_attn(device)

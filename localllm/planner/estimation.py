@@ -116,13 +116,22 @@ def _weights(info: GGUFInfo) -> _Weights:
 # ------------------------------------------------------------------------------------------ compute
 
 
-def _graph(info: GGUFInfo, n_ctx: int, flash_attn: bool, batch: int = N_UBATCH) -> int:
+def _graph(info: GGUFInfo, n_ctx: int, flash_attn: bool, batch: int = N_UBATCH, span: int | None = None) -> int:
     """Compute buffer, after Ollama's ``GraphSize`` (fs/ggml/ggml.go, the llama branch, full offload: llama.cpp
-    always offloads the output layer first), for a physical batch of ``batch`` tokens."""
+    always offloads the output layer first), for a physical batch of ``batch`` tokens; ``span``: the cells one
+    token's attention covers (the whole pool, ``n_ctx``, unless each sequence has a KV stream of its own)."""
     b = min(n_ctx, batch)
     e, v, h = info.n_embd, info.vocab_size, max(info.n_head, 1)
-    attn = 4 * b * (1 + 4 * e + (0 if flash_attn else n_ctx * (1 + h)))
+    attn = 4 * b * (1 + 4 * e + (0 if flash_attn else (span or n_ctx) * (1 + h)))
     return int(max(attn, 4 * b * (e + v)))
+
+
+def by_stream(info: GGUFInfo, slots: int, kv_unified: bool = False) -> bool:
+    """llama.cpp gives each slot a KV stream of its own (``kv_unified`` off, as localllm loads plain attention with
+    several slots; :mod:`backends.llamacpp.source`): not for sliding-window, recurrent or hybrid memory, pooling
+    models, one slot, or a unified pool asked for (``LOCALLLM_KV_UNIFIED``)."""
+    return (slots > 1 and not kv_unified and not info.pooling and not info.swa_layers and not info.sliding_window
+            and not info.recurrent_layers and not info.is_recurrent and not info.is_hybrid)
 
 
 def _default_flash_attn(kv_cache_type: str) -> bool:
@@ -131,12 +140,15 @@ def _default_flash_attn(kv_cache_type: str) -> bool:
 
 def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layers: int = 0, *,
              flash_attn: bool | None = None, device: str = "cuda", n_gpus: int = 1, slots: int = 1,
-             swa_full: bool = False, n_cpu_moe: int = 0, mtp_draft: int = 0, num_draft: int = 0) -> MemoryEstimate:
+             swa_full: bool = False, n_cpu_moe: int = 0, mtp_draft: int = 0, num_draft: int = 0,
+             kv_unified: bool = False) -> MemoryEstimate:
     """Memory to load ``info`` with ``n_ctx`` tokens of context (all ``slots`` slots) and ``n_gpu_layers``
     offloaded (llama.cpp's meaning; negative = all), the expert tensors of the first ``n_cpu_moe`` layers kept in
     RAM (llama.cpp's ``--n-cpu-moe``). ``flash_attn=None``: on when the V cache is quantized. The
     KV cache is what llama.cpp allocates (:meth:`GGUFInfo.memory_bytes`): sliding-window layers at their window
-    (unless ``swa_full``), recurrent layers one state per sequence. ``mtp_draft``: tokens drafted a step from the
+    (unless ``swa_full``), recurrent layers one state per sequence. Without flash attention the score matrix spans a
+    sequence's KV stream (``n_ctx / slots``; :func:`by_stream`), the whole pool where it is unified (``kv_unified``).
+    ``mtp_draft``: tokens drafted a step from the
     model's own MTP layers (0: none), whose context and rows count too (:func:`mtp_bytes`). ``num_draft``: tokens
     any draft (a draft model, n-gram, MTP) proposes a step (0: no drafting; ``mtp_draft`` where it is 0): on
     recurrent/hybrid memory llama.cpp keeps that many rollback states of each sequence (:func:`rollback_bytes`).
@@ -163,7 +175,7 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
     cpu_w = sum(w.layers[:split]) + w.embd + (0 if (output_gpu or w.tied) else w.output) + moved
     kv = info.memory_bytes(n_ctx, kv_cache_type, slots=slots, swa_full=swa_full)
     kv_gpu = kv * layers_gpu // n_layers
-    graph = _graph(info, n_ctx, flash_attn)
+    graph = _graph(info, n_ctx, flash_attn, span=n_ctx // slots if by_stream(info, slots, kv_unified) else n_ctx)
     if ngl == 0:
         gpu_c, cpu_c = 0, graph
     elif layers_gpu >= n_layers or device == "metal":  # Ollama: on Metal partial offload costs what full does

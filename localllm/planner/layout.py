@@ -152,10 +152,12 @@ def split_layers(info: GGUFInfo, ngl: int, n_ctx: int, kv_cache_type: str, flash
 class _Planner:
     def __init__(self, info: GGUFInfo, hw: HardwareInfo, kv: str, num_gpu: int | None, draft: GGUFInfo | None,
                  mlx_bytes: int | None = None, caps: dict[str, int] | None = None, swa_full: bool = False,
-                 fa: str = "auto", cpu_moe: bool = False, num_cpu_moe: int | None = None, mtp_draft: int = 0,
+                 kv_unified: bool = False, fa: str = "auto", cpu_moe: bool = False, num_cpu_moe: int | None = None,
+                 mtp_draft: int = 0,
                  num_draft: int = 0):
         self.info, self.hw, self.kv, self.num_gpu, self.draft = info, hw, kv, num_gpu, draft
         self.swa_full = swa_full
+        self.kv_unified = kv_unified  # one KV pool for all slots (LOCALLLM_KV_UNIFIED), else a stream per slot
         self.fa = fa  # LOCALLLM_FLASH_ATTENTION: auto (llama.cpp's choice), on, off
         self.mtp_draft = mtp_draft  # tokens a step drafted from the model's MTP layers on llama.cpp (0: none)
         self.num_draft = num_draft  # tokens a step any draft proposes (0: none): rollback states on recurrent memory
@@ -197,10 +199,12 @@ class _Planner:
         if device in ("cuda", "metal") and i.head_dim_k == i.head_dim_v and i.head_dim_k in FA_HEAD_DIMS:
             return True, (f"flash attention on: the GPU kernels cover head size {i.head_dim_k}, and it saves "
                           f"the n_ctx × batch attention buffer")
-        if device == "cpu":  # kept for answers that do not depend on the batch (see the README's settings row)
-            return True, ("flash attention: llama.cpp's auto setting, on for the CPU kernels: an answer does not "
-                          "depend on what else is in the batch (LOCALLLM_FLASH_ATTENTION=off decodes 2-4x faster a few "
-                          "thousand tokens into a context, and a short next turn up to 6x)")
+        if device == "cpu" and i.pooling:  # the whole input in one batch: the kernel's tiled path
+            return True, "flash attention: llama.cpp's auto setting (on) for a pooling model's whole-input batches"
+        if device == "cpu":  # the kernel takes a short batch's cached keys one at a time (benchmarks/README.md)
+            return False, ("flash attention off on the CPU: decoding a few thousand tokens into a context runs ~2x "
+                           "as fast and a short next turn ~6x (long prompts a few % slower deep in a context; "
+                           "LOCALLLM_FLASH_ATTENTION=on turns it on)")
         if device == "gpu":
             return True, "flash attention: llama.cpp's auto setting (on where the devices run it, as RPC workers do)"
         return False, "flash attention off: the GPU kernels do not cover this head size"
@@ -213,7 +217,7 @@ class _Planner:
         def est(ngl: int, n_moe: int = 0) -> MemoryEstimate:
             return estimate(info, n_ctx, self.kv, ngl, flash_attn=fa, device=device, n_gpus=n_gpus, slots=slots,
                             swa_full=self.swa_full, n_cpu_moe=n_moe, mtp_draft=self.mtp_draft,
-                            num_draft=self.num_draft)
+                            num_draft=self.num_draft, kv_unified=self.kv_unified)
 
         def draft_est(ngl: int) -> MemoryEstimate:
             assert self.draft is not None  # one slot of context, two sequence ids (backends.core.drafting.setup_draft)

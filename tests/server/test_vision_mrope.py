@@ -57,9 +57,10 @@ def test_an_m_rope_model_answers_an_image_question_as_llama_cpp_does(qsrv, mrope
     gen = c.generate(model=QVL, prompt=ASK, images=[pic], options=opts)
     assert gen.response == first.message.content  # /api/generate renders the same chat turn
     model, proj = mrope_model
+    fa = next(r.plan.flash_attn for r in qsrv.engine.ps() if r.name == QVL)  # the helper sums as the server does
     with load("llamacpp", LoadSpec(str(model), n_ctx=1024, n_threads=1)) as m:
         prompt = m.call(lambda s: s.render([{"role": "user", "content": IMAGE_MARKER + "\n" + ASK}]))
-        ref_top, toks = reference_in_subprocess(str(model), str(proj), prompt, [pic], n_gen=8)
+        ref_top, toks = reference_in_subprocess(str(model), str(proj), prompt, [pic], n_gen=8, flash_attn=fa)
         want = m.detokenize(toks)
     assert want.startswith(first.message.content), (first.message.content, want)
     top = [t.logprob for t in first.logprobs[0].top_logprobs]  # numbers, not only text: a random model's words
