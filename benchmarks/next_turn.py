@@ -6,7 +6,7 @@ order; ``llama-bench`` (tg128) runs beside, for the machine's speed.
     python benchmarks/next_turn.py                          # 3k-token prefix, B=1 and B=4, 2 rounds
     python benchmarks/next_turn.py --prefix 8000 --clients ""  --rounds 2
     python benchmarks/next_turn.py --before /tmp/old-checkout   # an earlier commit's code served beside
-    python benchmarks/next_turn.py --answer 64 --ours-fa-off --llama-fa-off   # both flash-attention settings
+    python benchmarks/next_turn.py --answer 64 --ours-fa-on --llama-fa-off    # both flash-attention settings
     python benchmarks/next_turn.py --ours-unified --slots 8 --clients 1,4,8   # both KV layouts
 
 Per round and server: a fresh system prompt of ``--prefix`` tokens (a nonce: nothing cached from an earlier
@@ -119,8 +119,8 @@ def main() -> None:
                     help="another checkout of localllm served beside (\"before\"), e.g. an earlier commit's")
     ap.add_argument("--llama-fa-off", action="store_true",
                     help="a second llama-server beside, with -fa off (what localllm loads on the CPU)")
-    ap.add_argument("--ours-fa-off", action="store_true",
-                    help="a second localllm beside, with LOCALLLM_FLASH_ATTENTION=off")
+    ap.add_argument("--ours-fa-on", action="store_true",
+                    help="a second localllm beside, with LOCALLLM_FLASH_ATTENTION=on (the default is off on the CPU)")
     ap.add_argument("--ours-unified", action="store_true",
                     help="a second localllm beside, with LOCALLLM_KV_UNIFIED=1 (one KV pool, not a stream per slot)")
     ap.add_argument("--json", action="store_true")
@@ -151,10 +151,10 @@ def main() -> None:
             off = stack.enter_context(LlamaServer(binary, gguf, threads, n_ctx, args.slots, ("-fa", "off")))
             sides["llama-fa-off"] = (off.url, {"cache_prompt": True})
             out["llama-fa-off"] = {}
-        if args.ours_fa_off:
-            off_ = stack.enter_context(Localllm(env={**env, "LOCALLLM_FLASH_ATTENTION": "off"}))
-            sides["localllm-fa-off"] = (off_.url, ours_extra)
-            out["localllm-fa-off"] = {}
+        if args.ours_fa_on:
+            off_ = stack.enter_context(Localllm(env={**env, "LOCALLLM_FLASH_ATTENTION": "on"}))
+            sides["localllm-fa-on"] = (off_.url, ours_extra)
+            out["localllm-fa-on"] = {}
         if args.ours_unified:
             uni = stack.enter_context(Localllm(env={**env, "LOCALLLM_KV_UNIFIED": "1"}))
             sides["localllm-unified"] = (uni.url, ours_extra)
@@ -186,7 +186,7 @@ def main() -> None:
     for k in ("llama_bench_before", "llama_bench_after"):
         if k in out:
             print(f"{k}: {out[k]}")
-    mine = ["localllm"] + [k for k in ("before", "llama-fa-off", "localllm-fa-off", "localllm-unified")
+    mine = ["localllm"] + [k for k in ("before", "llama-fa-off", "localllm-fa-on", "localllm-unified")
                          if k in out]
     theirs_t = out["llama-server"]["turns"]
     for side in mine:

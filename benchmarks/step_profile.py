@@ -1,7 +1,9 @@
-"""Where one decode step's time goes, in-process (no HTTP), at B streams: the loop's step split into
-``llama_decode`` (C), sampling, the streams' token handling (stops, UTF-8, tools, thinking, events) and the
-rest of the loop, by wrapping those calls with a clock; then cProfile on the loop thread for the same
-workload (its own run: cProfile's hooks slow Python ~2x, so its numbers are shares, not times); and
+"""Where one decode step's time goes, in-process (no HTTP), at B streams: the steady steps (all B streams decoding
+one token each, none evaluating a prompt) split into ``evaluate`` (the batch filled + ``llama_decode``), sampling,
+the streams' token handling (stops, UTF-8, tools, thinking, events) and the rest of the loop (the step's
+bookkeeping, handing tokens to the consumers and waiting for them to settle), by wrapping those calls with a clock;
+the step is the median time from one steady step's start to the next's. Then cProfile on the loop thread for the
+same workload (its own run: cProfile's hooks slow Python ~2x, so its numbers are shares, not times); and
 ``llama-batched-bench`` at the same B beside (the C ceiling).
 
     python benchmarks/step_profile.py                       # B = 1, 4, 8; 128 tokens each
@@ -26,23 +28,31 @@ from _common import default_threads
 from _serve import Tokens, load_avg, model_path, story_prompt
 
 
-def _timed(obj: Any, name: str, acc: dict[str, float]) -> Callable[[], None]:
-    """Wrap ``obj.name`` with a clock; only calls made during decode-only steps count (``acc["decoding"]``)."""
+def _timed(obj: Any, name: str, acc: dict[str, Any]) -> Callable[[], None]:
+    """Wrap ``obj.name`` with a clock; only calls made during steady steps count (``acc["steady"]``: every one of
+    ``acc["b"]`` streams decoding one token, no prompt). ``evaluate`` also notes each call's start and whether it
+    was steady (``acc["calls"]``), for the time from one steady step to the next."""
     real = getattr(obj, name)
 
     def wrapper(*a: Any, **k: Any) -> Any:
-        if name == "evaluate":  # a step of one token per sequence (no prompt chunk): a decode step
-            acc["decoding"] = float(all(len(f.tokens) == 1 for f in a[-1]))
-            acc["decode_steps"] = acc.get("decode_steps", 0.0) + acc["decoding"]
         t = time.perf_counter_ns()
+        if name == "evaluate":
+            feeds = a[-1]
+            acc["steady"] = len(feeds) == acc["b"] and all(len(f.tokens) == 1 for f in feeds)
+            acc["calls"].append((t, acc["steady"]))
         try:
             return real(*a, **k)
         finally:
-            if acc.get("decoding"):
+            if acc.get("steady"):
                 acc[name] = acc.get(name, 0.0) + time.perf_counter_ns() - t
 
     setattr(obj, name, wrapper)
     return lambda: setattr(obj, name, real)
+
+
+def steady_steps(calls: list[tuple[int, bool]]) -> list[float]:
+    """Seconds from each steady step's start to the next's, where both are steady."""
+    return [(b[0] - a[0]) / 1e9 for a, b in zip(calls, calls[1:], strict=False) if a[1] and b[1]]
 
 
 def run(m: Any, b: int, tokens: int, bias: dict[int, float], salt: int) -> float:
@@ -76,6 +86,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--flash-attn", choices=("auto", "on", "off"), default="off",
+                    help="both sides' flash attention (off: what localllm plans on the CPU)")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -87,18 +99,19 @@ def main() -> None:
     gguf = model_path(args.model)
     bias = {t: -100.0 for t in Tokens(gguf).eog()}
     streams = [int(x) for x in args.streams.split(",")]
-    out: dict[str, Any] = {"threads": threads, "load_before": load_avg(), "rows": {}}
+    out: dict[str, Any] = {"threads": threads, "flash_attn": args.flash_attn, "load_before": load_avg(), "rows": {}}
+    fa = {"auto": None, "on": True, "off": False}[args.flash_attn]
     m = load("llamacpp", LoadSpec(str(gguf), n_ctx=2048, slots=max(streams), n_threads=threads,
-                                  n_threads_batch=threads))
+                                  n_threads_batch=threads, flash_attn=fa))
     try:
         run(m, 1, 8, bias, 900)  # warm-up
         for b in streams:
-            acc: dict[str, float] = {}
+            acc: dict[str, Any] = {"b": b, "calls": []}
             src = m.source
             undo = [_timed(src, "evaluate", acc)]
             steps0 = m.metrics().steps
 
-            def patch(_s: Any, acc: dict[str, float] = acc, undo: list[Callable[[], None]] = undo) -> None:
+            def patch(_s: Any, acc: dict[str, Any] = acc, undo: list[Callable[[], None]] = undo) -> None:
                 from backends.core import stream as stream_mod
                 from backends.llamacpp.sampling import ChainSampler
 
@@ -109,12 +122,13 @@ def main() -> None:
             wall = run(m, b, args.tokens, bias, 100 * b)
             m.call(lambda _s, undo=undo: [u() for u in reversed(undo)])
             steps = m.metrics().steps - steps0
-            n_dec = max(1.0, acc.get("decode_steps", 1.0))
-            per = {k: v / n_dec / 1e6 for k, v in acc.items()}  # ms per decode step
-            step_ms = wall * 1e3 / max(1, args.tokens - 1)  # (each stream's tokens: one per step)
-            row = {"steps": steps, "step_ms": step_ms, "tok_s": b * args.tokens / wall,
-                   "decode_ms": per.get("evaluate", 0.0), "sample_ms": per.get("sample", 0.0),
-                   "push_ms": per.get("push", 0.0)}
+            gaps = sorted(steady_steps(acc["calls"]))
+            n_steady = max(1, sum(1 for _, st in acc["calls"] if st))
+            per = {k: acc.get(k, 0.0) / n_steady / 1e6 for k in ("evaluate", "sample", "push")}  # ms a steady step
+            step_ms = 1e3 * gaps[len(gaps) // 2] if gaps else float("nan")
+            row = {"steps": steps, "steady_steps": n_steady, "step_ms": step_ms, "tok_s": 1e3 * b / step_ms,
+                   "wall_tok_s": b * args.tokens / wall, "decode_ms": per["evaluate"], "sample_ms": per["sample"],
+                   "push_ms": per["push"]}
             row["rest_ms"] = step_ms - row["decode_ms"] - row["sample_ms"] - row["push_ms"]
             prof = cProfile.Profile()
             m.call(lambda _s, p=prof: p.enable())
@@ -130,7 +144,8 @@ def main() -> None:
         import llama_tools
 
         recs = llama_tools.llama_batched_bench(gguf, threads=threads, n_prompt=32, n_gen=args.tokens,
-                                               parallel=tuple(streams), n_ctx=2048 * max(streams))
+                                               parallel=tuple(streams), n_ctx=2048 * max(streams),
+                                               flash_attn=args.flash_attn)
         for r in recs:
             if r["pl"] in out["rows"]:
                 out["rows"][r["pl"]]["batched_bench_tok_s"] = r["speed_tg"]
@@ -139,7 +154,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=1))
         return
-    print(f"{threads} threads; load {out['load_before']} -> {out['load_after']}")
+    print(f"{threads} threads, flash attention {args.flash_attn}; load {out['load_before']} -> {out['load_after']}; "
+          "ms a steady step (all B streams decoding):")
     print(f"{'B':>3}{'step ms':>9}{'decode':>8}{'sample':>8}{'stream':>8}{'rest':>7}{'tok/s':>8}"
           f"{'bb step':>9}{'bb tok/s':>9}{'ratio':>7}")
     for b, r in out["rows"].items():

@@ -106,7 +106,9 @@ class PlanRequest:
     layers are split over them as llama.cpp splits them (:func:`~localllm.planner.layout.split_layers`,
     ``Plan.devices`` and ``Plan.tensor_split``); ``tensor_split``: the devices' shares instead of their usable
     memory (``--tensor-split 3,1``; one number per device, in that order). ``swa_full``: cache windowed layers
-    whole; ``flash_attn``: "auto" (llama.cpp's choice), "on" or "off". ``cpu_moe``: keep every expert tensor of a
+    whole; ``kv_unified``: one KV pool for all slots instead of a stream each (the compute estimate without flash
+    attention then spans the pool); ``flash_attn``: "auto" (off on the CPU but for pooling models, on where the GPU
+    kernels cover the head size), "on" or "off". ``cpu_moe``: keep every expert tensor of a
     mixture of experts in RAM; ``num_cpu_moe``: those of the first N layers (llama.cpp's ``--cpu-moe`` /
     ``--n-cpu-moe N``); neither: the planner keeps as few in RAM as the device needs. ``mtp_draft``: the load drafts
     that many tokens a step from the model's own MTP layers where llama.cpp runs it (its MTP context and hidden rows

@@ -166,8 +166,13 @@ def test_an_m_rope_model_answers_as_llama_cpps_own_helper(tmp_path, mrope_model)
     assert first.returncode == 0, first.stderr
     assert "image tokens:         24 token(s) of 1 image(s)" in first.stderr
     assert first.stdout.strip() and first.stdout == second.stdout
+    from localllm.ggufinfo import read_gguf
+    from localllm.hardware import probe
+    from localllm.planner import plan
+
+    fa = plan(read_gguf(str(model)), probe()).flash_attn  # the helper sums as the CLI's load does (off on the CPU)
     with load("llamacpp", LoadSpec(str(model), n_ctx=1024, n_threads=1)) as m:
         prompt = m.call(lambda s: s.render([{"role": "user", "content": IMAGE_MARKER + "\nDescribe the picture."}]))
-        _, toks = reference_in_subprocess(str(model), str(proj), prompt, [pic], n_gen=24)
+        _, toks = reference_in_subprocess(str(model), str(proj), prompt, [pic], n_gen=24, flash_attn=fa)
         want = m.detokenize(toks)
     assert want.startswith(first.stdout.strip()), (first.stdout, want)

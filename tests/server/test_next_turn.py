@@ -1,6 +1,6 @@
-"""The next turn of a long conversation (what an agent sends all day): with ``LOCALLLM_FLASH_ATTENTION=off`` its few
-new tokens are evaluated, and its answer decoded, about as fast deep in a long context as at its start. Real server
-over HTTP (its own, with that setting), real default model (``/api/chat``, whose final object also says how many
+"""The next turn of a long conversation (what an agent sends all day): with the default settings (flash attention off
+on the CPU) its few new tokens are evaluated, and its answer decoded, about as fast deep in a long context as at its
+start. Real server over HTTP (its own, default settings), real default model (``/api/chat``, whose final object also says how many
 prompt tokens came from the cache: ``prompt_cached_count``; the openai client, whose ``logit_bias`` keeps an answer
 going for its full length)."""
 
@@ -20,8 +20,8 @@ from tests.support_serve import ServeProcess
 
 @pytest.fixture(scope="module")
 def url(installed_default_model, tmp_path_factory):
-    """A server of its own with flash attention off (``LOCALLLM_FLASH_ATTENTION=off``)."""
-    with ServeProcess(tmp_path_factory.mktemp("next-turn-home"), env={"LOCALLLM_FLASH_ATTENTION": "off"}) as srv:
+    """A server of its own, default settings (``LOCALLLM_FLASH_ATTENTION=auto``: off on the CPU)."""
+    with ServeProcess(tmp_path_factory.mktemp("next-turn-home")) as srv:
         yield srv.url
 
 OPTS = {"temperature": 0, "num_predict": 8, "seed": 1}
@@ -36,10 +36,10 @@ def _system(n_rules: int, nonce: str) -> str:
 
 def test_the_new_tokens_of_turn_two_at_2k_depth_are_evaluated_about_as_fast_as_a_fresh_prompt(url):
     """Turn 2 of a chat with a ~2,000-token system prompt, sent as soon as turn 1 ends: its ~30 new tokens cost
-    per token at most a few times what a fresh short prompt's do, with the setting off. With llama.cpp's flash
-    attention on the CPU (its auto setting, the default) each new token reads the 2k cached keys one at a time:
-    ~6-10x a fresh prompt's per-token time (llama-bench: 24 tokens at 3k depth 32 t/s with it, ~185 without),
-    which is what the setting is for."""
+    per token at most a few times what a fresh short prompt's do. With llama.cpp's flash attention on the CPU
+    (``LOCALLLM_FLASH_ATTENTION=on``, llama.cpp's own auto setting) each new token reads the 2k cached keys one at a
+    time: ~6-10x a fresh prompt's per-token time (llama-bench: 24 tokens at 3k depth 32 t/s with it, ~185 without),
+    which is why the default turns it off there."""
     nonce = f"{os.getpid()} {time.time_ns()}"
 
     def chat(messages: list[dict[str, str]]) -> dict:
@@ -94,9 +94,9 @@ def _decode_rate(client: openai.OpenAI, messages: list[dict[str, str]], bias: di
 
 
 def test_an_answer_2k_tokens_deep_decodes_at_least_half_as_fast_as_one_at_the_start(url, default_model_path):
-    """Decoding ~2,000 tokens into a context: each step attends over the cached keys. With the setting off that
-    costs ~1.5x a step at the start; llama.cpp's CPU flash-attention kernel (the default), which reads them one at
-    a time, ~3x (llama-bench tg16: 52 vs 21 t/s at 3k depth, 99 vs 69 at 256; this test: 16.8 vs 50.6 with it)."""
+    """Decoding ~2,000 tokens into a context: each step attends over the cached keys. Without flash attention (the
+    CPU default) that costs ~1.5x a step at the start; llama.cpp's CPU flash-attention kernel
+    (``LOCALLLM_FLASH_ATTENTION=on``), which reads them one at a time, ~3x (llama-bench tg16: 52 vs 21 t/s at 3k depth, 99 vs 69 at 256; this test: 16.8 vs 50.6 with it)."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=600)
     bias = {str(t): -100 for t in _eog(default_model_path)}
     nonce = f"{os.getpid()} {time.time_ns()}"
