@@ -1,8 +1,8 @@
-"""The next turn of a long conversation (what an agent sends all day): with the default settings (flash attention off
-on the CPU) its few new tokens are evaluated, and its answer decoded, about as fast deep in a long context as at its
-start. Real server over HTTP (its own, default settings), real default model (``/api/chat``, whose final object also says how many
-prompt tokens came from the cache: ``prompt_cached_count``; the openai client, whose ``logit_bias`` keeps an answer
-going for its full length)."""
+"""The next turn of a long conversation (what an agent sends all day): with the default settings (flash attention
+off on the CPU) its few new tokens are evaluated, and its answer decoded, about as fast deep in a long context as at
+its start. Real server over HTTP (its own, default settings), real default model (``/api/chat``, whose final object
+also says how many prompt tokens came from the cache: ``prompt_cached_count``; the openai client, whose
+``logit_bias`` keeps an answer going for its full length)."""
 
 from __future__ import annotations
 
@@ -96,7 +96,8 @@ def _decode_rate(client: openai.OpenAI, messages: list[dict[str, str]], bias: di
 def test_an_answer_2k_tokens_deep_decodes_at_least_half_as_fast_as_one_at_the_start(url, default_model_path):
     """Decoding ~2,000 tokens into a context: each step attends over the cached keys. Without flash attention (the
     CPU default) that costs ~1.5x a step at the start; llama.cpp's CPU flash-attention kernel
-    (``LOCALLLM_FLASH_ATTENTION=on``), which reads them one at a time, ~3x (llama-bench tg16: 52 vs 21 t/s at 3k depth, 99 vs 69 at 256; this test: 16.8 vs 50.6 with it)."""
+    (``LOCALLLM_FLASH_ATTENTION=on``), which reads them one at a time, ~3x (llama-bench tg16: 52 vs 21 t/s at 3k
+    depth, 99 vs 69 at 256; this test: 16.8 vs 50.6 with it)."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=600)
     bias = {str(t): -100 for t in _eog(default_model_path)}
     nonce = f"{os.getpid()} {time.time_ns()}"
