@@ -108,11 +108,11 @@ class PlanRequest:
     memory (``--tensor-split 3,1``; one number per device, in that order). ``swa_full``: cache windowed layers
     whole; ``kv_unified``: one KV pool for all slots instead of a stream each (the compute estimate without flash
     attention then spans the pool); ``flash_attn``: "auto" (off on the CPU but for pooling models, on where the GPU
-    kernels cover the head size), "on" or "off". ``cpu_moe``: keep every expert tensor of a
-    mixture of experts in RAM; ``num_cpu_moe``: those of the first N layers (llama.cpp's ``--cpu-moe`` /
-    ``--n-cpu-moe N``); neither: the planner keeps as few in RAM as the device needs. ``mtp_draft``: the load drafts
-    that many tokens a step from the model's own MTP layers where llama.cpp runs it (its MTP context and hidden rows
-    are counted; 0: it does not draft so). ``num_draft``: the tokens a step any draft proposes (a draft model,
+    kernels cover the head size), "on" or "off". ``cpu_moe``: keep every expert tensor of a mixture of experts in RAM;
+    ``num_cpu_moe``: those of the first N layers (llama.cpp's ``--cpu-moe`` / ``--n-cpu-moe N``); neither: the
+    planner keeps as few in RAM as the device needs. ``mtp_draft``: the load drafts that many tokens a step from the
+    model's own MTP layers where llama.cpp runs it (its MTP context and hidden rows are counted; 0: it does not draft
+    so). ``num_draft``: the tokens a step any draft proposes (a draft model,
     n-gram, MTP; 0: no drafting, or ``mtp_draft`` where the model drafts from its MTP layers), ``draft_kind`` which
     ("model", "ngram", "mtp"): on recurrent/hybrid memory llama.cpp keeps that many rollback states of each sequence
     (:func:`~localllm.planner.estimation.rollback_bytes`).
@@ -160,9 +160,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
                         draft=draft, weights=weights, num_parallel=num_parallel,
                         projector_bytes=projector_bytes, projector_kind=projector_kind, device_memory=device_memory,
                         devices=devices, tensor_split=tensor_split, swa_full=swa_full, kv_unified=kv_unified,
-                        flash_attn=flash_attn,
-                        cpu_moe=cpu_moe, num_cpu_moe=num_cpu_moe, mtp_draft=mtp_draft, num_draft=num_draft,
-                        draft_kind=draft_kind)
+                        flash_attn=flash_attn, cpu_moe=cpu_moe, num_cpu_moe=num_cpu_moe, mtp_draft=mtp_draft,
+                        num_draft=num_draft, draft_kind=draft_kind)
     if request is not None and asked != PlanRequest():
         raise TypeError("plan() takes a PlanRequest or keywords, not both")
     req = request if request is not None else asked

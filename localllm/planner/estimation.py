@@ -148,10 +148,10 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
     KV cache is what llama.cpp allocates (:meth:`GGUFInfo.memory_bytes`): sliding-window layers at their window
     (unless ``swa_full``), recurrent layers one state per sequence. Without flash attention the score matrix spans a
     sequence's KV stream (``n_ctx / slots``; :func:`by_stream`), the whole pool where it is unified (``kv_unified``).
-    ``mtp_draft``: tokens drafted a step from the
-    model's own MTP layers (0: none), whose context and rows count too (:func:`mtp_bytes`). ``num_draft``: tokens
-    any draft (a draft model, n-gram, MTP) proposes a step (0: no drafting; ``mtp_draft`` where it is 0): on
-    recurrent/hybrid memory llama.cpp keeps that many rollback states of each sequence (:func:`rollback_bytes`).
+    ``mtp_draft``: tokens drafted a step from the model's own MTP layers (0: none), whose context and rows count too
+    (:func:`mtp_bytes`). ``num_draft``: tokens any draft (a draft model, n-gram, MTP) proposes a step (0: no
+    drafting; ``mtp_draft`` where it is 0): on recurrent/hybrid memory llama.cpp keeps that many rollback states of
+    each sequence (:func:`rollback_bytes`).
 
     >>> from localllm.ggufinfo import GGUFInfo
     >>> llama8b = GGUFInfo(path="", file_size=4_920_739_232, architecture="llama", name="8B",
