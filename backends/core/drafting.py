@@ -261,9 +261,12 @@ def setup_draft(src: TokenSource, d: DraftSpec, source_class: type[TokenSource],
     elif d.kind == "model":
         if not d.path:
             raise UnsupportedError("A draft model needs a path to its file.")
+        # a draft on the CPU beside a target on the CPU: the target's flash-attention setting (off where planned so:
+        # the draft decodes as deep in the conversation, one token at a time)
+        fa = spec.flash_attn if d.n_gpu_layers == 0 and spec.n_gpu_layers == 0 else None
         dspec = LoadSpec(model_path=d.path, n_ctx=src.n_ctx, slots=1, n_gpu_layers=d.n_gpu_layers,
                          n_threads=spec.n_threads, n_batch=spec.n_batch, verbose=spec.verbose,
-                         use_mmap=spec.use_mmap, devices=list(d.devices))
+                         use_mmap=spec.use_mmap, devices=list(d.devices), flash_attn=fa)
         try:
             dsrc = source_class(dspec)
         except BackendError as e:
