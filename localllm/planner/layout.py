@@ -153,12 +153,11 @@ class _Planner:
     def __init__(self, info: GGUFInfo, hw: HardwareInfo, kv: str, num_gpu: int | None, draft: GGUFInfo | None,
                  mlx_bytes: int | None = None, caps: dict[str, int] | None = None, swa_full: bool = False,
                  kv_unified: bool = False, fa: str = "auto", cpu_moe: bool = False, num_cpu_moe: int | None = None,
-                 mtp_draft: int = 0,
-                 num_draft: int = 0):
+                 mtp_draft: int = 0, num_draft: int = 0):
         self.info, self.hw, self.kv, self.num_gpu, self.draft = info, hw, kv, num_gpu, draft
         self.swa_full = swa_full
         self.kv_unified = kv_unified  # one KV pool for all slots (LOCALLLM_KV_UNIFIED), else a stream per slot
-        self.fa = fa  # LOCALLLM_FLASH_ATTENTION: auto (llama.cpp's choice), on, off
+        self.fa = fa  # LOCALLLM_FLASH_ATTENTION: auto (off on the CPU, see flash_attn), on, off
         self.mtp_draft = mtp_draft  # tokens a step drafted from the model's MTP layers on llama.cpp (0: none)
         self.num_draft = num_draft  # tokens a step any draft proposes (0: none): rollback states on recurrent memory
         # the experts kept in RAM as asked: all layers' (cpu_moe), the first N layers' (num_cpu_moe), else decided
@@ -203,7 +202,7 @@ class _Planner:
             return True, "flash attention: llama.cpp's auto setting (on) for a pooling model's whole-input batches"
         if device == "cpu":  # the kernel takes a short batch's cached keys one at a time (benchmarks/README.md)
             return False, ("flash attention off on the CPU: decoding a few thousand tokens into a context runs ~2x "
-                           "as fast and a short next turn ~6x (long prompts a few % slower deep in a context; "
+                           "as fast and a short next turn ~6x; a long cold prompt is slower (3k tokens: ~15%; "
                            "LOCALLLM_FLASH_ATTENTION=on turns it on)")
         if device == "gpu":
             return True, "flash attention: llama.cpp's auto setting (on where the devices run it, as RPC workers do)"
