@@ -172,18 +172,19 @@ def test_tool_calls_are_parsed_into_an_event(backend_factory):
 # ---------------------------------------------------------------------------------------- speculative
 
 
-def _plain_and_spec(backend_factory, target: Path, draft: DraftSpec, messages, n: int):
-    plain = backend_factory("llamacpp", model_path=str(target))
-    spec = backend_factory("llamacpp", model_path=str(target), draft=draft, fresh=True)
+def _plain_and_spec(backend_factory, target: Path, draft: DraftSpec, messages, n: int, **load):
+    plain = backend_factory("llamacpp", model_path=str(target), **load)
+    spec = backend_factory("llamacpp", model_path=str(target), draft=draft, fresh=True, **load)
     spec.controller.margin = 0.0  # keep drafting whatever the timings say: this is about the output
     a, _, _ = collect(plain.generate(GenerateRequest(messages=messages, sampling=greedy(n))))
     b, done, _ = collect(spec.generate(GenerateRequest(messages=messages, sampling=greedy(n))))
     return a, b, done.stats
 
 
-def test_draft_model_output_identical_at_temperature_0_on_f32(backend_factory, derived_model):
+@pytest.mark.parametrize("fa", [None, False])  # llama.cpp's auto, and off (what the plan loads on the CPU)
+def test_draft_model_output_identical_at_temperature_0_on_f32(backend_factory, derived_model, fa):
     draft = DraftSpec("model", path=str(derived_model("q4_1")), num_draft=4)
-    a, b, s = _plain_and_spec(backend_factory, derived_model("f32"), draft, STORY, 64)
+    a, b, s = _plain_and_spec(backend_factory, derived_model("f32"), draft, STORY, 64, flash_attn=fa)
     assert a == b and len(a) > 100
     assert s.draft_proposed > 0 and 0 < s.draft_accepted <= s.draft_proposed
     print(f"\ndraft model on F32: accepted {s.draft_accepted}/{s.draft_proposed}")
@@ -204,8 +205,10 @@ def test_a_draft_model_on_the_cpu_computes_attention_as_its_target_does(default_
             assert m.source.info.flash_attn is fa and spec.drafter.source.info.flash_attn is fa
 
 
-def test_ngram_output_identical_at_temperature_0_on_f32(backend_factory, derived_model):
-    a, b, s = _plain_and_spec(backend_factory, derived_model("f32"), DraftSpec("ngram", num_draft=8), REPEAT, 48)
+@pytest.mark.parametrize("fa", [None, False])
+def test_ngram_output_identical_at_temperature_0_on_f32(backend_factory, derived_model, fa):
+    a, b, s = _plain_and_spec(backend_factory, derived_model("f32"), DraftSpec("ngram", num_draft=8), REPEAT, 48,
+                              flash_attn=fa)
     assert a == b
     assert s.draft_proposed > 0 and s.draft_accepted > 0
 
