@@ -152,8 +152,8 @@ def main() -> None:
             sides["llama-fa-off"] = (off.url, {"cache_prompt": True})
             out["llama-fa-off"] = {}
         if args.ours_fa_on:
-            off_ = stack.enter_context(Localllm(env={**env, "LOCALLLM_FLASH_ATTENTION": "on"}))
-            sides["localllm-fa-on"] = (off_.url, ours_extra)
+            on_ = stack.enter_context(Localllm(env={**env, "LOCALLLM_FLASH_ATTENTION": "on"}))
+            sides["localllm-fa-on"] = (on_.url, ours_extra)
             out["localllm-fa-on"] = {}
         if args.ours_unified:
             uni = stack.enter_context(Localllm(env={**env, "LOCALLLM_KV_UNIFIED": "1"}))
