@@ -477,6 +477,7 @@ class Loader:
             head_dims=(model.info.get("head_dim_k", 0), model.info.get("head_dim_v", 0)),
             swa_full=config.swa_full(),
             kv_unified=config.kv_unified(),
+            prefill_flash_attn=p.prefill_flash_attn,
         )
 
     def prompt_cache_spec(self, model: InstalledModel, backend: str) -> PromptCacheSpec | None:

@@ -515,8 +515,9 @@ def test_default_model_on_every_simulated_machine(smollm2, desktop_4090, desktop
         assert (p.verdict, p.n_gpu_layers, p.n_ctx) == ("gpu", 31, 4096)  # 30 layers + output; min(8192, 4096)
     p = plan(smollm2, laptop, num_parallel=1)
     assert (p.verdict, p.n_ctx) == ("cpu", 4096) and p.memory.total < 512 * MiB
-    p = plan(smollm2, laptop)  # 4 slots: one KV pool of 4 × 4,096 tokens
-    assert (p.slots, p.n_ctx) == (4, 4096) and p.memory.kv_cache == 4 * 4096 * smollm2.kv_bytes_per_token("f16")
+    p = plan(smollm2, laptop)  # 4 slots: 4 × 4,096 tokens, and the flash-attention prefill context's 4,096
+    assert (p.slots, p.n_ctx) == (4, 4096) and p.memory.kv_cache == 5 * 4096 * smollm2.kv_bytes_per_token("f16")
+    assert p.prefill_flash_attn and "360 MiB for 16,384 tokens" in line(p, "KV cache")
     p = plan(smollm2, mac16(mlx=True, mlx_metal=True), weights=HAS_MLX)
     assert p.backend == "mlx" and p.verdict == "gpu"
 
@@ -589,6 +590,40 @@ def test_the_attention_buffer_without_flash_attention_spans_a_slots_stream(smoll
     logged = float(re.search(r"CPU compute buffer size\s*=\s*([\d.]+) MiB", out.stderr).group(1))
     m = estimate(smollm2, ctx, "f16", 0, flash_attn=False, slots=slots, kv_unified=unified)
     assert m.compute / MiB == pytest.approx(logged, rel=0.05)
+
+
+def test_long_prompts_get_a_flash_attention_context_where_the_plan_turns_it_off(smollm2, laptop, desktop_4090):
+    """On the CPU the plan decodes without flash attention and evaluates long prompt chunks in a second one-slot
+    context with it on (backends.llamacpp._prefill): planned, counted in memory, said; nowhere else."""
+    p = plan(smollm2, laptop)
+    one = 4096 * smollm2.kv_bytes_per_token("f16")
+    assert p.prefill_flash_attn and p.memory.prefill > one  # its cells and its compute buffer
+    assert "(+" in line(p, "long prompts") and "flash attention on" in line(p, "long prompts")
+    assert p.memory.total == plan(smollm2, laptop, flash_attn="off").memory.total + p.memory.prefill
+    for other in (plan(smollm2, laptop, flash_attn="on"),  # on everywhere: nothing to add
+                  plan(smollm2, laptop, flash_attn="off"),  # asked off: off everywhere
+                  plan(smollm2, laptop, num_parallel=1),  # one slot: a unified pool, no stream to move cells into
+                  plan(smollm2, laptop, kv_unified=True),
+                  plan(smollm2, laptop, kv_cache_type="q8_0"),  # a quantized V cache: flash attention on
+                  plan(replace(smollm2, pooling="mean"), laptop),
+                  plan(smollm2, desktop_4090)):  # the GPU: on
+        assert not other.prefill_flash_attn and other.memory.prefill == 0
+        assert not [r for r in other.reasons if r.startswith("long prompts")]
+
+
+def test_the_prefill_context_is_counted_as_llama_cpp_allocates_it(smollm2):
+    """The estimate of the prefill context (one slot's KV cache and a flash-attention compute buffer) against what
+    llama.cpp logs for that context: 4 slots of 4,096 tokens, within 5%."""
+    pytest.importorskip("llama_cpp")
+    if probe().backends["llamacpp"].gpu_offload:
+        pytest.skip("hardware: a GPU build places buffers differently; this calibrates the CPU path")
+    code = _LOAD_SLOTS.format(path=smollm2.path, ctx=4096, slots=1, unified=True).replace(
+        "LLAMA_FLASH_ATTN_TYPE_DISABLED", "LLAMA_FLASH_ATTN_TYPE_ENABLED")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    logged = sum(float(x) for x in re.findall(r"CPU (?:KV|compute) buffer size\s*=\s*([\d.]+) MiB", out.stderr))
+    m = estimate(smollm2, 4 * 4096, "f16", 0, flash_attn=False, slots=4, prefill_flash=True)
+    assert m.prefill / MiB == pytest.approx(logged, rel=0.05)
 
 
 # ------------------------------------------------------------- probe and the engine on a simulated Mac

@@ -32,6 +32,8 @@ class LlamaSequenceStates:
         @property
         def _windowed(self) -> bool: ...
 
+        def _flush_prefill(self, seq: int | None = None, *, drop: bool = False) -> None: ...
+
     # ------------------------------------------------------------------ sequence states (prompt cache)
 
     def state_key(self) -> str | None:
@@ -46,6 +48,7 @@ class LlamaSequenceStates:
     def state_save(self, seq: int) -> bytes:
         import llama_cpp
 
+        self._flush_prefill(seq)
         size = int(llama_cpp.llama_state_seq_get_size(self._ctx, seq))
         buf = (ctypes.c_uint8 * size)()
         n = int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq))
@@ -54,6 +57,7 @@ class LlamaSequenceStates:
     def state_load(self, seq: int, data: bytes) -> bool:
         import llama_cpp
 
+        self._flush_prefill(seq, drop=True)
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         return int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) > 0
 
@@ -62,6 +66,8 @@ class LlamaSequenceStates:
         whole streams there, and only at the next decode)."""
         import llama_cpp
 
+        self._flush_prefill(src)
+        self._flush_prefill(dst, drop=True)
         size = int(llama_cpp.llama_state_seq_get_size(self._ctx, src))
         buf = (ctypes.c_uint8 * size)()
         n = int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, src))
@@ -72,6 +78,7 @@ class LlamaSequenceStates:
     def checkpoint_save(self, seq: int) -> bytes:
         import llama_cpp
 
+        self._flush_prefill(seq)
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         size = int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, seq, flags))
         buf = (ctypes.c_uint8 * size)()

@@ -42,6 +42,7 @@ from backends.contract.specs import LoadSpec, LoraAdapter, Sampling, ToolCallFor
 from backends.core.stream import check_logit_bias
 from backends.llamacpp._log import allocations, capture, forget_recent, install_log_router, log_callback, native_reason
 from backends.llamacpp._pool import LlamaPooling
+from backends.llamacpp._prefill import FlashPrefill
 from backends.llamacpp._state import LlamaSequenceStates
 from backends.llamacpp._text import LlamaText
 from backends.llamacpp._vision import LlamaMediaInput
@@ -111,6 +112,7 @@ class LlamaCppSource(LlamaText, LlamaMediaInput, LlamaSequenceStates, LlamaPooli
         self._ebatch: Any = None  # a llama_batch with embd, for image positions
         self._saved_rows: list[Any] = []
         self._streams = False
+        self._prefill: FlashPrefill | None = None  # long prompt chunks, flash attention on (spec.prefill_flash_attn)
         self._alloc: dict[str, dict[str, int]] = {}  # per device, what llama.cpp allocated at load
         self._path = path = Path(spec.model_path)
         check_gguf_file(path)
@@ -124,6 +126,7 @@ class LlamaCppSource(LlamaText, LlamaMediaInput, LlamaSequenceStates, LlamaPooli
             self._make_context(spec, cp)
             self._read_tokens(spec, cp)
             self._load_projector(spec)
+            self._make_prefill(spec, cp)
             self._watch_devices(spec)
             self._info = self._build_info()
             if spec.embedding and self._pooling is None:
@@ -239,6 +242,27 @@ class LlamaCppSource(LlamaText, LlamaMediaInput, LlamaSequenceStates, LlamaPooli
         if self._pooling is not None:  # the context is the pooling one (made with this model's own pooling)
             self._n_ctx = min(self._n_ctx, int(llama_cpp.llama_model_n_ctx_train(self._model)) or self._n_ctx)
             self._embed = (self._ctx, self._batch, self._n_batch, cp.n_seq_max)
+
+    def _make_prefill(self, spec: LoadSpec, cp: Any) -> None:
+        """The flash-attention context for long prompt chunks (:mod:`backends.llamacpp._prefill`), where the spec
+        asks for it and the load decodes with flash attention off over a KV stream per slot, with no projector (media
+        positions) and no MTP draft (which reads the hidden states of every token the main context evaluates)."""
+        if not (spec.prefill_flash_attn and spec.flash_attn is False and self._streams and self._proj is None
+                and not (spec.draft is not None and spec.draft.kind == "mtp")):
+            return
+        pf = FlashPrefill(self._model, self._ctx, n_ctx=int(self._pool // self._n_seq_ids), n_batch=self._n_batch,
+                          n_stream=self._n_seq_ids, n_threads=int(cp.n_threads),
+                          n_threads_batch=int(cp.n_threads_batch), type_k=int(cp.type_k), type_v=int(cp.type_v))
+        try:
+            self._apply_loras(pf.context)
+            pf.check(self._bos if self._bos >= 0 else 0)
+        except BaseException as e:
+            pf.close()
+            if not isinstance(e, (BackendError, ValueError)):
+                raise
+            log.warning("long prompts evaluated without flash attention: %s", e)
+            return
+        self._prefill = pf
 
     def _read_tokens(self, spec: LoadSpec, cp: Any) -> None:
         """What the model's memory is, its chat template, BOS/EOS, the caches of token facts, flash attention as it
@@ -471,6 +495,56 @@ class LlamaCppSource(LlamaText, LlamaMediaInput, LlamaSequenceStates, LlamaPooli
         return [next(it_img) if k else next(it_txt) for k in kinds]
 
     def _evaluate_tokens(self, feeds: Sequence[Feed]) -> list[list[int]]:
+        """The feeds in the main context, but for prompt chunks the prefill context takes (after the main decode:
+        a full pool raises before either ran); their logits rows are saved (negative row numbers)."""
+        pf = self._prefill
+        if pf is None:
+            return self._decode(feeds)
+        there = [pf.takes(len(f.tokens)) for f in feeds]
+        if not any(there):
+            for f in feeds:
+                self._flush_prefill(f.seq)
+            return self._decode(feeds)
+        for f, t in zip(feeds, there, strict=True):
+            if not t and f.seq == pf.seq:  # a short chunk after long ones: the main context continues
+                self._flush_prefill()
+        main = [f for f, t in zip(feeds, there, strict=True) if not t]
+        main_rows = iter(self._decode(main))
+        rows: list[list[int]] = []
+        try:
+            for f, t in zip(feeds, there, strict=True):
+                if not t:
+                    rows.append(next(main_rows))
+                    continue
+                out = pf.evaluate(f.seq, f.tokens, f.pos, f.outputs)
+                rows.append([-(len(self._saved_rows) + i + 1) for i in range(len(out))])
+                self._saved_rows.extend(out)
+        except BaseException:
+            import llama_cpp
+
+            for f in main:  # memory unchanged, as the contract says
+                llama_cpp.llama_memory_seq_rm(self._mem, f.seq, f.pos, f.pos + len(f.tokens))
+            raise
+        return rows
+
+    def _flush_prefill(self, seq: int | None = None, *, drop: bool = False) -> None:
+        """Before the main context's memory of ``seq`` (None: whichever) is used: the cells the prefill context
+        holds of it move in (``drop``: they are forgotten, the sequence is being replaced or cleared). A move that
+        fails loses the sequence's prefix, which the pool believes is there: the model is unloaded (fatal)."""
+        pf = self._prefill
+        if pf is None or pf.seq is None or (seq is not None and pf.seq != seq):
+            return
+        if drop:
+            pf.clear()
+            return
+        try:
+            pf.flush()
+        except BackendError as e:
+            if self.on_fatal is not None:
+                self.on_fatal(e)
+            raise
+
+    def _decode(self, feeds: Sequence[Feed]) -> list[list[int]]:
         import llama_cpp
 
         b = self._batch
@@ -534,11 +608,14 @@ class LlamaCppSource(LlamaText, LlamaMediaInput, LlamaSequenceStates, LlamaPooli
     def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> bool:
         import llama_cpp
 
+        self._flush_prefill(seq, drop=p0 <= 0 and p1 < 0)
         return bool(llama_cpp.llama_memory_seq_rm(self._mem, seq, p0, p1))
 
     def seq_cp(self, src: int, dst: int, n: int) -> bool:
         import llama_cpp
 
+        self._flush_prefill(src)
+        self._flush_prefill(dst, drop=True)
         llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
         if self._recurrent:
             return False
@@ -589,6 +666,9 @@ class LlamaCppSource(LlamaText, LlamaMediaInput, LlamaSequenceStates, LlamaPooli
             if ctx is not self._ctx:  # a chat model's second context (an embedding model's is its only one)
                 llama_cpp.llama_batch_free(b)
                 llama_cpp.llama_free(ctx)
+        if self._prefill is not None:
+            self._prefill.close()
+            self._prefill = None
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None

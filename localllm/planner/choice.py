@@ -56,6 +56,9 @@ class Plan:
     # a mixture of experts: the first N layers' expert tensors stay in RAM though their layers are offloaded
     # (llama.cpp's --n-cpu-moe N; n_layers: all of them, --cpu-moe); 0 = none
     n_cpu_moe: int = 0
+    # llama.cpp on the CPU with flash attention off: long prompt chunks in a second context with it on (its memory in
+    # ``memory.prefill``; planner.layout ``prefill_flash``)
+    prefill_flash_attn: bool = False
 
     @property
     def tensor_split(self) -> list[float]:
@@ -186,7 +189,8 @@ def plan(info: GGUFInfo, hw: HardwareInfo, request: PlanRequest | None = None, *
                 max_ctx=max_ctx,
                 slots=fit.slots, devices=lay.devices, shares=ts if ts and len(ts) == len(lay.devices) else None,
                 mlx_convert=fit.chosen.weights != GGUF and not choice.answer(fit.chosen).installed,
-                n_cpu_moe=lay.n_cpu_moe if fit.chosen.memory == "layers" else 0)
+                n_cpu_moe=lay.n_cpu_moe if fit.chosen.memory == "layers" else 0,
+                prefill_flash_attn=fit.chosen.memory == "layers" and bool(lay.mem.prefill))
 
 
 # ------------------------------------------------------------------------------- 1. the request checked
@@ -578,11 +582,15 @@ def _explain(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, fit: _Fit, verd
                        if chosen.memory == "layers" else
                        f"sliding-window attention (window {info.sliding_window:,}): the KV figure is an upper bound")
     per_tok = info.kv_bytes_per_token(pl.kv)
+    # the pool's; the prefill context's cells (one slot's) are in its own line
+    pool_kv = mem.kv_cache - (info.memory_bytes(n_ctx, pl.kv, slots=1, swa_full=req.swa_full) if mem.prefill else 0)
     reasons.append(fit.kv_reason or f"KV cache {pl.kv}: {per_tok / 1024:,.1f} KiB per token"
-                   + (f", {_gb(mem.kv_cache)} for {n_ctx * slots:,} tokens"
+                   + (f", {_gb(pool_kv)} for {n_ctx * slots:,} tokens"
                       + (f" ({slots} slots × {n_ctx:,})" if slots > 1 else "") if mem.kv_cache else ""))
     if fit.fa_reason:
         reasons.append(fit.fa_reason)
+    if mem.prefill:
+        reasons.append(pl.prefill_reason(mem))
     reasons.append(f"threads {fit.threads}: the physical cores this process may run on (hyper-threads do not speed "
                    "up generation)")
     draft = req.draft

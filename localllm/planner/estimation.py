@@ -53,6 +53,7 @@ class MemoryEstimate:
     draft: int = 0  # of the above, what the draft model takes (its weights, KV cache and compute buffer)
     mtp: int = 0  # of the above, what drafting from the model's own MTP layers adds (:func:`mtp_bytes`)
     rollback: int = 0  # of the above, the rollback states any draft needs on recurrent memory (:func:`rollback_bytes`)
+    prefill: int = 0  # of the above, the flash-attention context for long prompt chunks (one slot's KV, its buffer)
 
     def __add__(self, other: MemoryEstimate) -> MemoryEstimate:
         return MemoryEstimate(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values(), strict=True)))
@@ -66,6 +67,7 @@ class MemoryEstimate:
                 f"({n_ctx:,} tokens, {kv_type}) + compute {_gb(self.compute)} + overhead {_gb(self.overhead)}")
         text += f" (draft model {_gb(self.draft)} included)" if self.draft else ""
         text += f" (MTP drafting {_gb(self.mtp)} included)" if self.mtp else ""
+        text += f" (the prefill context {_gb(self.prefill)} included)" if self.prefill else ""
         return text + (f" (draft rollback states {_gb(self.rollback)} included)" if self.rollback else "")
 
 
@@ -141,7 +143,7 @@ def _default_flash_attn(kv_cache_type: str) -> bool:
 def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layers: int = 0, *,
              flash_attn: bool | None = None, device: str = "cuda", n_gpus: int = 1, slots: int = 1,
              swa_full: bool = False, n_cpu_moe: int = 0, mtp_draft: int = 0, num_draft: int = 0,
-             kv_unified: bool = False) -> MemoryEstimate:
+             kv_unified: bool = False, prefill_flash: bool = False) -> MemoryEstimate:
     """Memory to load ``info`` with ``n_ctx`` tokens of context (all ``slots`` slots) and ``n_gpu_layers``
     offloaded (llama.cpp's meaning; negative = all), the expert tensors of the first ``n_cpu_moe`` layers kept in
     RAM (llama.cpp's ``--n-cpu-moe``). ``flash_attn=None``: on when the V cache is quantized. The
@@ -151,7 +153,8 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
     ``mtp_draft``: tokens drafted a step from the model's own MTP layers (0: none), whose context and rows count too
     (:func:`mtp_bytes`). ``num_draft``: tokens any draft (a draft model, n-gram, MTP) proposes a step (0: no
     drafting; ``mtp_draft`` where it is 0): on recurrent/hybrid memory llama.cpp keeps that many rollback states of
-    each sequence (:func:`rollback_bytes`).
+    each sequence (:func:`rollback_bytes`). ``prefill_flash``: on the CPU, a second context with flash attention on
+    for long prompt chunks (``LoadSpec.prefill_flash_attn``): one slot's KV cache and its compute buffer more.
 
     >>> from localllm.ggufinfo import GGUFInfo
     >>> llama8b = GGUFInfo(path="", file_size=4_920_739_232, architecture="llama", name="8B",
@@ -196,10 +199,15 @@ def estimate(info: GGUFInfo, n_ctx: int, kv_cache_type: str = "f16", n_gpu_layer
         kv_gpu += m["cache"] if on_gpu else 0
         gpu_c, cpu_c = (gpu_c + m["compute"], cpu_c) if on_gpu else (gpu_c, cpu_c + m["compute"])
         host += m["rows"]
+    prefill = 0
+    if prefill_flash and ngl == 0:  # one slot's cells, flash attention on (its score rows: no n_ctx-wide buffer)
+        one = n_ctx // max(slots, 1)
+        p_kv, p_c = info.memory_bytes(one, kv_cache_type, slots=1, swa_full=swa_full), _graph(info, one, True)
+        kv, cpu_c, prefill = kv + p_kv, cpu_c + p_c, p_kv + p_c
     gpu = gpu_w + kv_gpu + gpu_c + gpu_o
     cpu = cpu_w + (kv - kv_gpu) + cpu_c + host
     return MemoryEstimate(weights=gpu_w + cpu_w, kv_cache=kv, compute=gpu_c + cpu_c, overhead=gpu_o + host,
-                          total=gpu + cpu, gpu=gpu, cpu=cpu, mtp=sum(m.values()), rollback=rollback)
+                          total=gpu + cpu, gpu=gpu, cpu=cpu, mtp=sum(m.values()), rollback=rollback, prefill=prefill)
 
 
 def rollback_bytes(info: GGUFInfo, slots: int, num_draft: int) -> int:
