@@ -611,6 +611,13 @@ def test_long_prompts_get_a_flash_attention_context_where_the_plan_turns_it_off(
         assert not [r for r in other.reasons if r.startswith("long prompts")]
 
 
+def test_the_prefill_context_never_costs_the_model_its_slots_or_fit(smollm2):
+    roomy, tight = plan(smollm2, machine(ram_gib=2.5)), plan(smollm2, machine(ram_gib=1.75))
+    assert roomy.prefill_flash_attn and (roomy.n_ctx, roomy.slots) == (4096, 4)
+    assert not tight.prefill_flash_attn and (tight.n_ctx, tight.slots) == (4096, 4) and tight.memory.prefill == 0
+    assert "its prefill context (+187 MiB) would cost slots (2 instead of 4)" in line(tight, "long prompts")
+
+
 def test_the_prefill_context_is_counted_as_llama_cpp_allocates_it(smollm2):
     """The estimate of the prefill context (one slot's KV cache and a flash-attention compute buffer) against what
     llama.cpp logs for that context: 4 slots of 4,096 tokens, within 5%."""

@@ -32,6 +32,10 @@ log = logging.getLogger("backends.llamacpp.prefill")
 # tokens a batch at 3,000 deep (pp128 134 against 118 tok/s; pp64 113 against 116, pp32 22 against 124), and a
 # prompt evaluated while others decode comes in chunks of 128 (the loop's prefill_chunk)
 PREFILL_MIN = 128
+# Cells held in the main context worth copying in for each token of a chunk that continues them: the copies (in, and
+# out with the chunk) cost ~10 µs a cell of the default model, the chunk ~5 ms a token, and flash attention saves a
+# share of that which grows with the depth
+COPY_PER_TOKEN = 32
 
 _U32, _I32 = np.dtype("<u4"), np.dtype("<i4")
 _MAGIC = 0xAF143CD8  # llama.cpp's io_magic at the start of a sequence state (src/llama-context.cpp)
@@ -214,8 +218,10 @@ class FlashPrefill:
             self.clear()
             llama_cpp.llama_memory_seq_rm(main_mem, 0, -1, -1)
 
-    def takes(self, tokens: int) -> bool:
-        return tokens >= PREFILL_MIN
+    def takes(self, seq: int, tokens: int, pos: int) -> bool:
+        """Whether a chunk of ``tokens`` of ``seq`` from ``pos`` is evaluated here: ``PREFILL_MIN`` tokens or more,
+        continuing what is held here or a prefix of at most ``COPY_PER_TOKEN`` cells a token."""
+        return tokens >= PREFILL_MIN and ((seq == self.seq and pos == self.n) or pos <= COPY_PER_TOKEN * tokens)
 
     def evaluate(self, seq: int, tokens: list[int], pos: int, outputs: int) -> list[Any]:
         """Evaluate ``tokens`` of main sequence ``seq`` from ``pos`` here (its earlier cells copied in first where

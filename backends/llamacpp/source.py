@@ -500,7 +500,7 @@ class LlamaCppSource(LlamaText, LlamaMediaInput, LlamaSequenceStates, LlamaPooli
         pf = self._prefill
         if pf is None:
             return self._decode(feeds)
-        there = [pf.takes(len(f.tokens)) for f in feeds]
+        there = [pf.takes(f.seq, len(f.tokens), f.pos) for f in feeds]
         if not any(there):
             for f in feeds:
                 self._flush_prefill(f.seq)

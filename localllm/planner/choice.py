@@ -390,6 +390,17 @@ def _fit(info: GGUFInfo, hw: HardwareInfo, req: PlanRequest, c: _Choice) -> _Fit
         device = _registry_device(chosen, hw, device, reasons)
         fa, fa_reason = (False, None) if chosen.memory == "unified" else pl.flash_attn(device)
         n_ctx, slots, lay = pick(pl, chosen, device, fa)
+    if lay.mem.prefill:  # the prefill context speeds long prompts up: never at the price of the fit, context or a slot
+        pl.prefill_off = True
+        ctx2, slots2, lay2 = pick(pl, chosen, device, fa)
+        if lay2.fits and (not lay.fits or (ctx2, slots2) > (n_ctx, slots)):
+            cost = ("the fit" if not lay.fits else f"context ({n_ctx:,} tokens instead of {ctx2:,})" if ctx2 > n_ctx
+                    else f"slots ({slots} instead of {slots2})")
+            reasons.append(f"long prompts evaluated without flash attention: its prefill context "
+                           f"(+{_gb(lay.mem.prefill)}) would cost {cost}")
+            n_ctx, slots, lay = ctx2, slots2, lay2
+        else:
+            pl.prefill_off = False
 
     if not lay.fits and req.num_ctx is not None:
         smallest = pl.layout(chosen, device, min(MIN_AUTO_CTX, req.num_ctx), fa)

@@ -166,6 +166,7 @@ class _Planner:
                                       if num_cpu_moe is not None else None)
         self.mlx_bytes = mlx_bytes
         self.caps = caps or {}
+        self.prefill_off = False  # no flash-attention prefill context even where it would apply (it does not fit)
         self.shares: list[float] | None = None  # --tensor-split
         self.L = info.n_layers
 
@@ -203,8 +204,9 @@ class _Planner:
             return True, "flash attention: llama.cpp's auto setting (on) for a pooling model's whole-input batches"
         if device == "cpu":  # the kernel takes a short batch's cached keys one at a time (benchmarks/README.md)
             return False, ("flash attention off on the CPU: decoding a few thousand tokens into a context runs ~2x "
-                           "as fast and a short next turn ~6x; a long cold prompt is slower (3k tokens: ~15%; "
-                           "LOCALLLM_FLASH_ATTENTION=on turns it on)")
+                           "as fast and a short next turn ~6x; a long cold prompt is slower without it (3k tokens: "
+                           "~25%), which the prefill context wins back where each slot has a KV stream; "
+                           "LOCALLLM_FLASH_ATTENTION=on turns it on")
         if device == "gpu":
             return True, "flash attention: llama.cpp's auto setting (on where the devices run it, as RPC workers do)"
         return False, "flash attention off: the GPU kernels do not cover this head size"
@@ -215,7 +217,7 @@ class _Planner:
         plan's own choice on the CPU (not asked off), the V cache is f16, each slot has a KV stream
         (:func:`by_stream`) and no MTP draft reads the hidden states."""
         return (device == "cpu" and not fa and self.fa == "auto" and self.kv == "f16" and not self.mtp_draft
-                and by_stream(self.info, slots, self.kv_unified))
+                and not self.prefill_off and by_stream(self.info, slots, self.kv_unified))
 
     def prefill_reason(self, mem: MemoryEstimate) -> str:
         return (f"long prompts: chunks of 128 tokens or more evaluated with flash attention on, in a second one-slot "

@@ -421,7 +421,9 @@ def test_a_one_shot_answer_loads_one_slot_not_four(default_model, monkeypatch):
     assert one.exit_code == four.exit_code == 0 and one.stdout.strip() == four.stdout.strip()
     # the 4-slot run may plan once more: the loader compares a request's load with the default one (same slots)
     assert plans[0].slots == 1 and {p.slots for p in plans[1:]} == {4}
-    assert plans[1].memory.kv_cache == 4 * plans[0].memory.kv_cache
+    # (4 slots' cells, and one slot's more in the flash-attention prefill context, which one slot has no use for)
+    assert not plans[0].prefill_flash_attn and plans[1].prefill_flash_attn
+    assert plans[1].memory.kv_cache == 5 * plans[0].memory.kv_cache
 
 
 def test_one_shot_sigint_exits_130(default_model_path):
