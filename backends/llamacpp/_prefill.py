@@ -12,8 +12,8 @@ context copies the prefix in first.
 
 The move is a sequence state (``llama_state_seq_get_data`` / ``set_data``) re-laid by :func:`relayout`: llama.cpp
 stores V transposed without flash attention and refuses a state whose layout differs ("incompatible V
-transposition"), and the main context has a stream per slot where this one has one. Both copies are ~25 µs a token
-of the default model, against ~5 ms a token to evaluate it.
+transposition"), and the main context has a stream per slot where this one has one. Moving a prompt's cells out costs
+~30 µs a token of the default model (1,500 tokens: 43 ms), against ~4 ms a token to evaluate it.
 """
 
 from __future__ import annotations

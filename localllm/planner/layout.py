@@ -204,8 +204,8 @@ class _Planner:
             return True, "flash attention: llama.cpp's auto setting (on) for a pooling model's whole-input batches"
         if device == "cpu":  # the kernel takes a short batch's cached keys one at a time (benchmarks/README.md)
             return False, ("flash attention off on the CPU: decoding a few thousand tokens into a context runs ~2x "
-                           "as fast and a short next turn ~6x; a long cold prompt is slower without it (3k tokens: "
-                           "~25%), which the prefill context wins back where each slot has a KV stream; "
+                           "as fast and a short next turn ~6x; a long cold prompt takes longer without it (3k "
+                           "tokens: ~35%), which the prefill context wins back where each slot has a KV stream; "
                            "LOCALLLM_FLASH_ATTENTION=on turns it on")
         if device == "gpu":
             return True, "flash attention: llama.cpp's auto setting (on where the devices run it, as RPC workers do)"
