@@ -22,6 +22,8 @@ class LoopMetrics:
     prompt_tokens_evaluated: int = 0
     prompt_tokens_cached: int = 0  # reused from the pool instead of evaluated (copied prefixes included)
     prompt_tokens_copied: int = 0  # of those, copied from another sequence (seq_cp)
+    prompt_tokens_flash: int = 0  # of those evaluated, in the flash-attention prefill context (llama.cpp on the CPU)
+    prefill_move_ns: int = 0  # moving their cells between that context and the main one
     generated_tokens: int = 0
     draft_proposed: int = 0
     draft_accepted: int = 0

@@ -183,6 +183,12 @@ class TokenSource(abc.ABC):
         on another thread during it stalls it: the loop lets consumers finish with a step's tokens before the next."""
         return False
 
+    def prefill_counters(self) -> tuple[int, int]:
+        """(prompt tokens evaluated in a separate prefill context, nanoseconds spent moving their cells into the
+        main one) since load: llama.cpp's flash-attention prefill on the CPU (:mod:`backends.llamacpp._prefill`);
+        (0, 0) where there is none."""
+        return 0, 0
+
     @property
     def shared_pool(self) -> bool:
         """All sequences' cells live in one pool whose attention spans them all (llama.cpp's unified KV), so

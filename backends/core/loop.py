@@ -288,6 +288,8 @@ class LoadedModel(Scheduler):
             m.kv_checkpoints, m.kv_checkpoint_bytes = u.checkpoints, u.checkpoint_bytes
             m.prompt_tokens_cached, m.prompt_tokens_copied = pc.prompt_tokens_cached, pc.prompt_tokens_copied
             m.prompt_tokens_restored, m.evictions = pc.prompt_tokens_restored, pc.evictions
+        if self._source is not None:
+            m.prompt_tokens_flash, m.prefill_move_ns = self.source.prefill_counters()
         if self._caps.media is not None:
             mw = self._caps.media.media_counters()
             m.images_encoded, m.image_tokens_encoded, m.image_encode_ns = mw.images, mw.tokens, mw.ns

@@ -544,6 +544,10 @@ class LlamaCppSource(LlamaText, LlamaMediaInput, LlamaSequenceStates, LlamaPooli
                 self.on_fatal(e)
             raise
 
+    def prefill_counters(self) -> tuple[int, int]:
+        pf = self._prefill
+        return (pf.tokens, pf.moved_ns) if pf is not None else (0, 0)
+
     def _decode(self, feeds: Sequence[Feed]) -> list[list[int]]:
         import llama_cpp
 

@@ -98,6 +98,9 @@ class _EngineCollector(Collector):
             "audio_encode_seconds": "Time the audio projector spent encoding audio.",
             "pooled_inputs": "Embedding inputs and rerank documents evaluated (in batches between decode steps).",
             "pooled_tokens": "Tokens of those inputs.",
+            "prompt_tokens_flash": "Prompt tokens evaluated in the flash-attention prefill context (llama.cpp on the "
+                                   "CPU, where decoding runs without it).",
+            "prefill_move_seconds": "Time spent moving those tokens' KV cells into the slots' streams.",
         }
         g = {k: GaugeMetricFamily(f"localllm_{k}", h, labels=["model"]) for k, h in gauges.items()}
         c = {k: CounterMetricFamily(f"localllm_{k}", h, labels=["model"]) for k, h in counters.items()}
@@ -125,7 +128,9 @@ class _EngineCollector(Collector):
                          ("image_tokens", lm.image_tokens_encoded), ("image_encode_seconds", lm.image_encode_ns / 1e9),
                          ("audio_chunks_encoded", lm.audio_chunks_encoded), ("audio_tokens", lm.audio_tokens_encoded),
                          ("audio_encode_seconds", lm.audio_encode_ns / 1e9),
-                         ("pooled_inputs", lm.pooled_inputs), ("pooled_tokens", lm.pooled_tokens))
+                         ("pooled_inputs", lm.pooled_inputs), ("pooled_tokens", lm.pooled_tokens),
+                         ("prompt_tokens_flash", lm.prompt_tokens_flash),
+                         ("prefill_move_seconds", lm.prefill_move_ns / 1e9))
             for k, x in counts:
                 c[k].add_metric(name, x)
         yield from g.values()

@@ -39,7 +39,8 @@ def test_the_new_tokens_of_turn_two_at_2k_depth_are_evaluated_about_as_fast_as_a
     per token at most a few times what a fresh short prompt's do. With llama.cpp's flash attention on the CPU
     (``LOCALLLM_FLASH_ATTENTION=on``, llama.cpp's own auto setting) each new token reads the 2k cached keys one at a
     time: ~6-10x a fresh prompt's per-token time (llama-bench: 24 tokens at 3k depth 32 t/s with it, ~185 without),
-    which is why the default turns it off there."""
+    which is why the default turns it off there. The cold turn 1 goes through the flash-attention prefill context
+    instead (``/metrics``), turn 2 does not."""
     nonce = f"{os.getpid()} {time.time_ns()}"
 
     def chat(messages: list[dict[str, str]]) -> dict:
@@ -58,18 +59,32 @@ def test_the_new_tokens_of_turn_two_at_2k_depth_are_evaluated_about_as_fast_as_a
                                               "shipping? Be brief."}])
     msgs = [{"role": "system", "content": _system(48, nonce)},
             {"role": "user", "content": "Which rule covers refunds? One sentence."}]
+    before = _flash_tokens(url)
     t1 = chat(msgs)
     assert t1["prompt_eval_count"] > 1800, t1["prompt_eval_count"]  # deep enough for the cost to show
+    # the cold prompt went through the flash-attention prefill context, all of it but a tail under 128 tokens
+    cold = t1["prompt_eval_count"] - t1["prompt_cached_count"]
+    assert cold - 128 < _flash_tokens(url) - before <= cold
     msgs += [{"role": "assistant", "content": t1["message"]["content"]},
              {"role": "user", "content": "And which one covers shipping? One sentence."}]
+    before = _flash_tokens(url)
     t2 = chat(msgs)
     new = t2["prompt_eval_count"] - t2["prompt_cached_count"]
     assert 0 < new < 80, (new, t2)  # only the new turn is evaluated (the rest is cached)
+    assert _flash_tokens(url) == before  # a short turn: the main context, without flash attention
     per_fresh = fresh["prompt_eval_duration"] / (fresh["prompt_eval_count"] - fresh["prompt_cached_count"])
     per_deep = t2["prompt_eval_duration"] / new
     assert per_deep < 4 * per_fresh, (
         f"turn 2's {new} new tokens took {per_deep / 1e6:.1f} ms each at {t1['prompt_eval_count']:,} tokens deep, "
         f"a fresh prompt's {per_fresh / 1e6:.1f} ms")
+
+
+def _flash_tokens(url: str) -> int:
+    """``/metrics``' count of prompt tokens the prefill context evaluated (the default model's)."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("localllm_prompt_tokens_flash_total{"):
+            return int(float(line.split()[-1]))
+    return 0
 
 
 def _eog(path) -> list[int]:
