@@ -127,7 +127,7 @@ class TokenSource(abc.ABC):
     batching (:attr:`n_ctx`, :attr:`n_seq_ids`, :attr:`n_batch`, :attr:`can_batch`, :attr:`shared_pool`,
     :attr:`fills_cpu`), the chat
     (:attr:`chat_template`, :meth:`supports_tools`), :meth:`can_rewind`, why media are refused
-    (:meth:`vision_problem`, :meth:`audio_problem`) and :attr:`capabilities`.
+    (:meth:`vision_problem`, :meth:`audio_problem`), :meth:`prefill_counters` and :attr:`capabilities`.
 
     Sequence ids ``0 .. n_seq_ids - 1`` name KV sequences in a pool of ``info.kv_cells`` cells (one shared pool,
     or a stream of its own each: ``info.kv_streams``); a sequence holds at most ``n_ctx`` positions. The loop

@@ -225,18 +225,16 @@ class FlashPrefill:
 
     def evaluate(self, seq: int, tokens: list[int], pos: int, outputs: int) -> list[Any]:
         """Evaluate ``tokens`` of main sequence ``seq`` from ``pos`` here (its earlier cells copied in first where
-        another sequence is here or none); the logits of the last ``outputs`` tokens, copied. A chunk with outputs
-        ends its prompt: the cells move to the main context at once."""
+        none is held here: the caller moves another sequence's out first, :meth:`flush`); the logits of the last
+        ``outputs`` tokens, copied."""
         if self.seq != seq or self.n != pos:
-            self.flush()
+            if self.seq is not None:
+                raise BackendError(f"the prefill context holds sequence {self.seq}, not {seq} at {pos}")
             self._take(seq, pos)
         self._decode(tokens, pos, outputs)
         self.n = pos + len(tokens)
         self.tokens += len(tokens)
-        rows = self._rows(len(tokens), outputs)
-        if outputs:
-            self.flush()
-        return rows
+        return self._rows(len(tokens), outputs)
 
     def flush(self) -> None:
         """Move the cells held here into the main context's sequence (replacing what it held there)."""

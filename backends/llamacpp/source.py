@@ -501,13 +501,11 @@ class LlamaCppSource(LlamaText, LlamaMediaInput, LlamaSequenceStates, LlamaPooli
         if pf is None:
             return self._decode(feeds)
         there = [pf.takes(f.seq, len(f.tokens), f.pos) for f in feeds]
-        if not any(there):
-            for f in feeds:
-                self._flush_prefill(f.seq)
-            return self._decode(feeds)
         for f, t in zip(feeds, there, strict=True):
-            if not t and f.seq == pf.seq:  # a short chunk after long ones: the main context continues
-                self._flush_prefill()
+            if not t:  # a short chunk or a token after long chunks: the main context continues
+                self._flush_prefill(f.seq)
+        if not any(there):
+            return self._decode(feeds)
         main = [f for f, t in zip(feeds, there, strict=True) if not t]
         main_rows = iter(self._decode(main))
         rows: list[list[int]] = []
@@ -516,9 +514,13 @@ class LlamaCppSource(LlamaText, LlamaMediaInput, LlamaSequenceStates, LlamaPooli
                 if not t:
                     rows.append(next(main_rows))
                     continue
+                if pf.seq is not None and (pf.seq != f.seq or pf.n != f.pos):
+                    self._flush_prefill()  # another sequence is there
                 out = pf.evaluate(f.seq, f.tokens, f.pos, f.outputs)
                 rows.append([-(len(self._saved_rows) + i + 1) for i in range(len(out))])
                 self._saved_rows.extend(out)
+                if f.outputs:  # the prompt ends: the next step decodes in the main context
+                    self._flush_prefill(f.seq)
         except BaseException:
             import llama_cpp
 

@@ -10,6 +10,7 @@ import logging
 import numpy as np
 import pytest
 
+from backends.contract.errors import BackendError
 from backends.contract.source import Feed
 from backends.contract.specs import LoadSpec
 from backends.llamacpp import _prefill
@@ -142,3 +143,15 @@ def test_a_load_whose_check_fails_evaluates_without_the_context(default_model_pa
         assert rows[0] >= 0 and _pos_max(src, 0) == len(toks) - 1  # the main context evaluated it
     finally:
         src.close()
+
+
+def test_a_move_that_fails_is_named_and_fatal_not_a_silent_loss(src, prompt, monkeypatch):
+    """llama.cpp refusing the moved cells (never seen: the load checks the layouts) would leave the pool believing
+    the sequence holds its prompt: the request fails in one sentence and the model is given up (``on_fatal``: the
+    loop fails what runs and the next request loads it again), rather than answering from missing cells."""
+    fatal: list[BaseException] = []
+    monkeypatch.setattr(src, "on_fatal", fatal.append)
+    monkeypatch.setattr(_prefill, "_load", lambda *a: False)
+    with pytest.raises(BackendError, match="refused the cells of sequence 1 .* the sequence is lost"):
+        src.evaluate([Feed(1, prompt[:PREFILL_MIN], 0, 1)])
+    assert len(fatal) == 1 and "sequence 1" in str(fatal[0]) and src._prefill.seq is None
