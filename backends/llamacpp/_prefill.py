@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -168,10 +169,11 @@ def _load(ctx: Any, seq: int, data: np.ndarray) -> bool:
 class FlashPrefill:
     """A context with flash attention on beside ``main`` (one with it off and ``n_stream`` KV streams, a sequence
     id each), on the same model: one sequence of ``n_ctx`` cells, ``n_batch`` tokens a decode. ``seq``: the main
-    context's sequence id whose cells it holds ahead of the main context (None: none), ``n`` its tokens."""
+    context's sequence id whose cells it holds ahead of the main context (None: none), ``n`` its tokens.
+    ``row_view``: a logits pointer of either context as a float32 array (the main source's own)."""
 
     def __init__(self, model: Any, main: Any, *, n_ctx: int, n_batch: int, n_stream: int, n_threads: int,
-                 n_threads_batch: int, type_k: int, type_v: int):
+                 n_threads_batch: int, type_k: int, type_v: int, row_view: Callable[[Any], np.ndarray]):
         import llama_cpp
 
         cp = llama_cpp.llama_context_default_params()
@@ -189,7 +191,7 @@ class FlashPrefill:
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._n_batch = n_batch
         self._n_stream = n_stream
-        self._row = ctypes.c_float * int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model)))
+        self._row_view = row_view
         self.seq: int | None = None
         self.n = 0
         self.moved_ns = 0  # time spent moving cells between the contexts (both ways)
@@ -325,6 +327,5 @@ class FlashPrefill:
             ptr = llama_cpp.llama_get_logits_ith(self._ctx, j)
             if not ptr:
                 raise BackendError(f"No logits for prompt row {j}.")
-            rows.append(np.frombuffer(memoryview(self._row.from_address(ctypes.addressof(ptr.contents))),
-                                      dtype=np.single).copy())
+            rows.append(self._row_view(ptr).copy())
         return rows

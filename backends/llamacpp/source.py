@@ -252,7 +252,8 @@ class LlamaCppSource(LlamaText, LlamaMediaInput, LlamaSequenceStates, LlamaPooli
             return
         pf = FlashPrefill(self._model, self._ctx, n_ctx=int(self._pool // self._n_seq_ids), n_batch=self._n_batch,
                           n_stream=self._n_seq_ids, n_threads=int(cp.n_threads),
-                          n_threads_batch=int(cp.n_threads_batch), type_k=int(cp.type_k), type_v=int(cp.type_v))
+                          n_threads_batch=int(cp.n_threads_batch), type_k=int(cp.type_k), type_v=int(cp.type_v),
+                          row_view=self._row_view)
         try:
             self._apply_loras(pf.context)
             pf.check(self._bos if self._bos >= 0 else 0)
